@@ -1,0 +1,212 @@
+"""The training step a trial measures: model, LoRA, checkpointing, precision, optimizer, ZeRO.
+
+Two engines, one interface: plain PyTorch (autocast, GradScaler for fp16, DDP across ranks)
+when ZeRO is off, and DeepSpeed's engine when a ZeRO stage is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autotune.deepspeed_config import LEARNING_RATE, deepspeed_config
+from autotune.errors import ConfigError
+from autotune.knobs import TrialConfig
+from autotune.models import build_model
+from autotune.workload import Workload
+
+__all__ = ["TrainingEngine", "build_engine"]
+
+_AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class _Batch:
+    inputs: dict[str, torch.Tensor]
+
+
+class TrainingEngine:
+    """Runs one optimizer step (all accumulation micro-steps) and reports model facts."""
+
+    def __init__(self, *, model: torch.nn.Module, config: TrialConfig, workload: Workload, task: str,
+                 device: torch.device) -> None:
+        self.model = model
+        self.config = config
+        self.accum = config.grad_accum_steps(workload)
+        self.device = device
+        self.batch = _synthetic_batch(model, task=task, micro_batch=config.micro_batch,
+                                      seq_len=workload.seq_len, device=device)
+        self.total_params = sum(p.numel() for p in model.parameters())
+        self.trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    def step(self) -> float:
+        raise NotImplementedError
+
+    def optimizer_state_bytes(self) -> int:
+        raise NotImplementedError
+
+
+class TorchEngine(TrainingEngine):
+    def __init__(self, *, world_size: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.0)
+        self.autocast_dtype = _AUTOCAST_DTYPES.get(self.config.precision)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.config.precision == "fp16" else None
+        self.forward_model = self.model
+        if world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.forward_model = DistributedDataParallel(self.model, device_ids=ids)
+
+    def step(self) -> float:
+        total = torch.zeros((), device=self.device)
+        for micro in range(self.accum):
+            last = micro == self.accum - 1
+            sync = contextlib.nullcontext() if last or self.forward_model is self.model else self.forward_model.no_sync()
+            with sync:
+                with torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                                    enabled=self.autocast_dtype is not None):
+                    loss = _loss_of(self.forward_model(**self.batch.inputs)) / self.accum
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += loss.detach().float()
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total.item()
+
+    def optimizer_state_bytes(self) -> int:
+        return _state_bytes(self.optimizer)
+
+
+class DeepSpeedEngine(TrainingEngine):
+    def __init__(self, *, workload: Workload, **kwargs: Any) -> None:
+        super().__init__(workload=workload, **kwargs)
+        import deepspeed
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        ds_config = deepspeed_config(self.config, workload, device_type=self.device.type)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=self.model, model_parameters=params, config=ds_config)
+
+    def step(self) -> float:
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.accum):
+            loss = _loss_of(self.engine(**self.batch.inputs))
+            self.engine.backward(loss)
+            self.engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+            total += loss.detach().float() / self.accum
+        return total.item()
+
+    def optimizer_state_bytes(self) -> int:
+        return _state_bytes(self.optimizer)
+
+
+def build_engine(*, workload: Workload, config: TrialConfig, task: str, device: torch.device,
+                 world_size: int) -> TrainingEngine:
+    if config.precision == "tf32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    model = build_model(workload, task=task, device=device)
+    if config.checkpointing:
+        _enable_checkpointing(model, workload.model)
+    if config.uses_lora:
+        model = _apply_lora(model, config, task=task)
+    model.train()
+    common = dict(model=model, config=config, task=task, device=device)
+    if config.uses_deepspeed:
+        return DeepSpeedEngine(workload=workload, **common)
+    return TorchEngine(workload=workload, world_size=world_size, **common)
+
+
+def _enable_checkpointing(model: torch.nn.Module, source: str) -> None:
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise ConfigError(f"--checkpointing on: the model from --model {source} has no "
+                          "gradient_checkpointing_enable(); add one or use --checkpointing off")
+    # Non-reentrant checkpointing works with frozen inputs (LoRA) and with DeepSpeed.
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(getattr(model, "config", None), "use_cache"):
+        model.config.use_cache = False
+
+
+def _apply_lora(model: torch.nn.Module, config: TrialConfig, *, task: str) -> torch.nn.Module:
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    targets: Any = config.lora_targets
+    if targets == ("all-linear",):
+        targets = "all-linear"
+    task_type = TaskType.CAUSAL_LM if task == "causal-lm" else TaskType.SEQ_CLS
+    if not hasattr(model, "config"):  # a custom factory's plain module: PEFT's generic wrapper
+        task_type = None
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.effective_lora_alpha, lora_dropout=0.0,
+                      target_modules=list(targets) if isinstance(targets, tuple) else targets,
+                      task_type=task_type)
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as exc:
+        raise ConfigError(f"--lora-targets: {str(exc).splitlines()[0]}; name the modules to adapt, "
+                          "e.g. --lora-targets q_proj,v_proj, or --lora-targets all-linear") from exc
+
+
+def _synthetic_batch(model: torch.nn.Module, *, task: str, micro_batch: int, seq_len: int,
+                     device: torch.device) -> _Batch:
+    """Random tokens and labels; their values change neither speed nor memory."""
+    vocab = _model_attr(model, "vocab_size")
+    if vocab is None:
+        raise ConfigError("the model has no vocab_size (in model.config or on the module); "
+                          "a factory's model must say how many token ids it embeds")
+    input_ids = torch.randint(0, vocab, (micro_batch, seq_len), device=device)
+    if task == "causal-lm":
+        labels = input_ids
+    else:
+        labels = torch.randint(0, _model_attr(model, "num_labels") or 2, (micro_batch,), device=device)
+    return _Batch({"input_ids": input_ids, "labels": labels})
+
+
+def _model_attr(model: torch.nn.Module, name: str) -> Any:
+    for owner in (getattr(model, "config", None), model):
+        value = getattr(owner, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and "loss" in output:
+        return output["loss"]
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    raise ConfigError("the model's forward returned no loss: return a scalar tensor, a dict with "
+                      "'loss', or an object with .loss")
+
+
+def _state_bytes(optimizer: Any) -> int:
+    """Bytes of optimizer state tensors (Adam moments), unwrapping DeepSpeed's optimizer wrappers."""
+    seen: set[int] = set()
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer") \
+            and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        optimizer = optimizer.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return 0
+    storages: dict[int, int] = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.numel() > 1:  # skip scalar step counters
+                storage = value.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+

@@ -1,0 +1,73 @@
+"""Memory inside a trial: the budget, enforced for real, and the peak, measured.
+
+On CUDA the caching allocator is capped with ``set_per_process_memory_fraction`` and peaks come
+from its statistics. On a CPU there is no allocator to ask, so :class:`LiveBytesTracker` counts
+the bytes of every tensor storage alive and raises ``torch.OutOfMemoryError`` when they pass the
+budget: the same exception, so the same out-of-memory path, as a real device OOM.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["LiveBytesTracker", "limit_cuda_memory", "cuda_peaks"]
+
+
+class LiveBytesTracker(TorchDispatchMode):
+    """Counts live tensor-storage bytes on the CPU, keeps the peak, enforces an optional budget.
+
+    Each new storage an operator returns is counted once (views share their base's storage) and
+    uncounted when Python finalises it. Unlike PyTorch's ``MemTracker`` it keeps no module
+    state, so activation checkpointing's re-entered forward does not trip it.
+    """
+
+    def __init__(self, budget_bytes: int | None = None) -> None:
+        super().__init__()
+        self.budget_bytes = budget_bytes
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._counted: weakref.WeakKeyDictionary[torch.UntypedStorage, list[int]] = weakref.WeakKeyDictionary()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
+                self._count(leaf.untyped_storage())
+        return out
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        size = storage.nbytes()
+        counted = self._counted.get(storage)
+        if counted is None:
+            counted = [0]
+            self._counted[storage] = counted
+            weakref.finalize(storage, self._release, counted)
+        if size != counted[0]:  # new, or resized in place
+            self.live_bytes += size - counted[0]
+            counted[0] = size
+            if self.live_bytes > self.peak_bytes:
+                self.peak_bytes = self.live_bytes
+                if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
+                    raise torch.OutOfMemoryError(
+                        f"CPU memory budget exceeded: {self.live_bytes} bytes of live tensors "
+                        f"> --memory-budget {self.budget_bytes} bytes")
+
+    def _release(self, counted: list[int]) -> None:
+        self.live_bytes -= counted[0]
+        counted[0] = 0
+
+
+def limit_cuda_memory(budget_bytes: int, device: torch.device) -> None:
+    """Cap this process's CUDA caching allocator at ``budget_bytes`` (raises OOM beyond it)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
+
+
+def cuda_peaks(device: torch.device) -> tuple[int, int]:
+    """(peak allocated, peak reserved) bytes of this process on ``device``."""
+    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
