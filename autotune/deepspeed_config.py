@@ -12,14 +12,26 @@ __all__ = ["deepspeed_config", "LEARNING_RATE"]
 LEARNING_RATE = 1e-4  # speed and memory do not depend on it; a plain value keeps losses finite
 
 
-def deepspeed_config(config: TrialConfig, workload: Workload, *, device_type: str = "cuda") -> dict[str, Any]:
+def deepspeed_config(config: TrialConfig, workload: Workload, *, device_type: str = "cuda",
+                     hidden_size: int | None = None) -> dict[str, Any]:
     """A DeepSpeed config for ``config`` (ZeRO stage 0 when the trial config has ZeRO off).
 
     On a CPU, DeepSpeed's own Adam kernels need a JIT compile; ``torch_adam`` makes it use
     ``torch.optim.AdamW`` instead, the same maths with the same state size.
+
+    Bucket sizes follow the Hugging Face integration's ``"auto"`` values (from the model's
+    hidden size): DeepSpeed's defaults (5e8 elements) allocate gigabytes of communication
+    buffers whatever the model's size, which no tuned job would keep.
     """
     stage = config.zero_stage or 0
     zero: dict[str, Any] = {"stage": stage}
+    if hidden_size:
+        zero["reduce_bucket_size"] = hidden_size * hidden_size
+        if stage == 3:
+            zero["stage3_prefetch_bucket_size"] = int(0.9 * hidden_size * hidden_size)
+            zero["stage3_param_persistence_threshold"] = 10 * hidden_size
+        else:
+            zero["allgather_bucket_size"] = hidden_size * hidden_size
     pin = device_type == "cuda"  # pinned host memory needs a GPU driver
     if config.offload in ("optimizer", "optimizer+params"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}

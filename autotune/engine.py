@@ -93,7 +93,8 @@ class DeepSpeedEngine(TrainingEngine):
         import deepspeed
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        ds_config = deepspeed_config(self.config, workload, device_type=self.device.type)
+        ds_config = deepspeed_config(self.config, workload, device_type=self.device.type,
+                                     hidden_size=_model_attr(self.model, "hidden_size"))
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=self.model, model_parameters=params, config=ds_config)

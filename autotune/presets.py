@@ -23,7 +23,7 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "gpt2-tiny": Preset("gpt2", "causal-lm", "GPT-2 shape, 2 layers, 128 wide (~0.7M params)", dict(
+    "gpt2-tiny": Preset("gpt2", "causal-lm", "GPT-2 shape, 2 layers, 128 wide (~0.8M params)", dict(
         n_layer=2, n_embd=128, n_head=4, n_positions=1024, vocab_size=_TINY_VOCAB,
         bos_token_id=0, eos_token_id=0)),
     "llama-tiny": Preset("llama", "causal-lm", "Llama shape (RoPE, GQA, SwiGLU), 2 layers, 128 wide", dict(

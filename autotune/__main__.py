@@ -1,0 +1,3 @@
+from autotune.cli import run
+
+run()
