@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from autotune.memory import LiveBytesTracker
+
+
+def test_counts_live_storages_and_releases_them():
+    with LiveBytesTracker() as tracker:
+        a = torch.empty(1024, dtype=torch.float32)
+        view = a[:10]  # a view shares its base's storage: not counted again
+        assert tracker.live_bytes == 4096
+        b = torch.empty(2048, dtype=torch.float16)
+        assert tracker.live_bytes == 4096 + 4096
+        del a, view
+        assert tracker.live_bytes == 4096
+        del b
+    assert tracker.live_bytes == 0
+    assert tracker.peak_bytes == 8192
+
+
+def test_budget_raises_the_same_oom_as_a_device():
+    with pytest.raises(torch.OutOfMemoryError, match="--memory-budget"):
+        with LiveBytesTracker(budget_bytes=10_000):
+            keep = [torch.empty(1000) for _ in range(10)]  # noqa: F841 - 40 kB live
+    
+
+def test_checkpointed_backward_runs_under_the_tracker_and_lowers_the_peak():
+    from torch.utils.checkpoint import checkpoint
+
+    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(),
+                                                       torch.nn.Linear(1024, 256)) for _ in range(4)])
+
+    def peak(checkpointed: bool) -> int:
+        x = torch.randn(64, 256, requires_grad=True)
+        with LiveBytesTracker() as tracker:
+            h = x
+            for layer in layers:
+                h = checkpoint(layer, h, use_reentrant=False) if checkpointed else layer(h)
+            h.sum().backward()
+        return tracker.peak_bytes
+
+    assert peak(True) < peak(False)

@@ -1,0 +1,58 @@
+import json
+
+import pytest
+
+from autotune.errors import WorkloadError
+from autotune.models import ModelSource, infer_task, load_hf_config, parse_model_source, resolve_task
+from autotune.presets import PRESETS
+from autotune.workload import Workload
+
+
+@pytest.mark.parametrize("spec, kind", [
+    ("builtin:gpt2-tiny", "builtin"), ("factories:tiny", "factory"), ("pkg.mod:make_model", "factory"),
+    ("meta-llama/Llama-2-7b-hf", "hub"),
+])
+def test_parse_model_source(spec, kind):
+    assert parse_model_source(spec).kind == kind
+
+
+def test_a_path_is_a_config_source(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2}))
+    assert parse_model_source(str(tmp_path)) == ModelSource("config", str(tmp_path))
+    config = load_hf_config(parse_model_source(str(tmp_path / "config.json")))
+    assert config.model_type == "gpt2" and config.n_layer == 1
+
+
+def test_every_preset_loads_with_its_task():
+    for name, preset in PRESETS.items():
+        config = load_hf_config(ModelSource("builtin", name))
+        assert config.model_type == preset.model_type
+        assert resolve_task(Workload(model=f"builtin:{name}")) == preset.task
+
+
+def test_task_is_inferred_from_architectures(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]}))
+    assert resolve_task(Workload(model=str(tmp_path))) == "seq-cls"
+    config = load_hf_config(ModelSource("builtin", "bert-tiny"))
+    assert infer_task(config) == "seq-cls"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("builtin:nope", "no such built-in model"),
+    ("./missing/config.json", "is neither builtin:NAME"),
+    ("not a model", "is neither builtin:NAME"),
+])
+def test_bad_sources_are_refused(spec, message):
+    with pytest.raises(WorkloadError, match=message):
+        parse_model_source(spec)
+
+
+def test_uncached_hub_id_offline_says_what_to_do():
+    with pytest.raises(WorkloadError, match=r"not in the local Hugging Face cache.*hf download"):
+        resolve_task(Workload(model="no-such-org/no-such-model"))
+
+
+def test_directory_without_config_is_refused(tmp_path):
+    with pytest.raises(WorkloadError, match="no config.json"):
+        resolve_task(Workload(model=str(tmp_path)))
