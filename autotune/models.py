@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from autotune.workload import Workload
 
-__all__ = ["ModelSource", "parse_model_source", "load_hf_config", "resolve_task", "build_model"]
+__all__ = ["ModelSource", "parse_model_source", "load_hf_config", "infer_task", "resolve_task", "build_model"]
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -120,15 +120,18 @@ def infer_task(config: PretrainedConfig) -> str:
 
 
 def resolve_task(workload: Workload) -> str:
-    """The workload's task: given, or from the preset / config; factories default to causal-lm."""
+    """Check the workload against its model (before any trial starts) and return its task:
+    given, or from the preset / config; factories default to causal-lm."""
     source = parse_model_source(workload.model)
+    if source.kind == "factory":  # its module is imported only inside the trial process
+        return workload.task or "causal-lm"
+    config = load_hf_config(source, trust_remote_code=workload.trust_remote_code)
+    _check_seq_len(config, workload.seq_len)
     if workload.task is not None:
         return workload.task
     if source.kind == "builtin":
         return PRESETS[source.ref].task
-    if source.kind == "factory":
-        return "causal-lm"
-    return infer_task(load_hf_config(source, trust_remote_code=workload.trust_remote_code))
+    return infer_task(config)
 
 
 def build_model(workload: Workload, *, task: str, device: torch.device) -> torch.nn.Module:
