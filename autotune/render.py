@@ -36,8 +36,8 @@ def print_trial(workload: Workload, result: TrialResult, *, console: Console | N
         ("optimizer state", format_size(result.optimizer_state_bytes)),
         ("trainable / total params", f"{_num(result.trainable_params, '{:,}')} / {_num(result.total_params, '{:,}')}"),
         ("device x ranks", f"{result.device or '-'} x {result.world_size}"),
-        ("phases (s)", f"start-up {_num(phases.startup_s, '{:.2f}')}, build {_num(phases.build_s, '{:.2f}')}, "
-                       f"warm-up {_num(phases.warmup_s, '{:.2f}')}, measure {_num(phases.measure_s, '{:.2f}')}"),
+        ("start-up / build", f"{_num(phases.startup_s, '{:.2f}')} s / {_num(phases.build_s, '{:.2f}')} s"),
+        ("warm-up / measure", f"{_num(phases.warmup_s, '{:.2f}')} s / {_num(phases.measure_s, '{:.2f}')} s"),
     ]
     if result.peak_memory_per_rank:
         rows.append(("peak per rank", ", ".join(format_size(p) for p in result.peak_memory_per_rank)))
