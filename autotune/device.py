@@ -19,13 +19,6 @@ class DeviceInfo:
     bf16: bool
     fp16_deepspeed: bool        # DeepSpeed's accelerator trains fp16 here
 
-    def supports(self, precision: str) -> bool:
-        if precision == "tf32":
-            return self.type == "cuda"
-        if precision == "bf16":
-            return self.bf16
-        return True
-
 
 def detect_device(requested: str = "auto") -> DeviceInfo:
     """Resolve ``--device auto|cuda|cpu`` to what this machine has; refuse cuda without a GPU."""

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.errors import ConfigError
 from autotune.workload import Workload
+
+if TYPE_CHECKING:
+    from autotune.device import DeviceInfo
 
 __all__ = ["TrialConfig", "PRECISIONS", "OFFLOADS", "ZERO_STAGES"]
 
@@ -114,16 +117,14 @@ class TrialConfig:
         if self.offload == "optimizer+params" and self.zero_stage != 3:
             raise ConfigError("--offload optimizer+params needs --zero-stage 3 (only ZeRO-3 partitions parameters)")
 
-    def validate_for(self, workload: Workload, *, device: str, fp16_deepspeed_ok: bool = True) -> None:
-        """Refuse combinations that cannot run for this workload on this device type."""
-        self.grad_accum_steps(workload)
-        if self.micro_batch > workload.global_batch // workload.nproc:
-            raise ConfigError(
-                f"--micro-batch {self.micro_batch} is larger than the per-rank batch "
-                f"{workload.global_batch // workload.nproc}")
-        if self.precision == "tf32" and device != "cuda":
+    def validate_for(self, workload: Workload, device: DeviceInfo) -> None:
+        """Refuse combinations that cannot run for this workload on this device."""
+        self.grad_accum_steps(workload)  # also refuses a micro batch larger than the per-rank batch
+        if self.precision == "tf32" and device.type != "cuda":
             raise ConfigError("--precision tf32 only exists on CUDA tensor cores; use fp32 or bf16 on a CPU")
-        if self.precision == "fp16" and self.uses_deepspeed and not fp16_deepspeed_ok:
+        if self.precision == "bf16" and not device.bf16:
+            raise ConfigError(f"--precision bf16: {device.name} has no bfloat16; use fp16 or fp32")
+        if self.precision == "fp16" and self.uses_deepspeed and not device.fp16_deepspeed:
             raise ConfigError(
                 "--precision fp16 with --zero-stage: DeepSpeed's accelerator on this device has no fp16 "
                 "training; use bf16, or fp16 without --zero-stage")

@@ -18,6 +18,7 @@ from typing import Any
 
 from autotune.child import LAUNCH_TIME_ENV
 from autotune.device import DeviceInfo, detect_device
+from autotune.errors import WorkloadError
 from autotune.failures import classify_exit, describe_exit
 from autotune.knobs import TrialConfig
 from autotune.models import resolve_task
@@ -41,7 +42,10 @@ def run_trial(workload: Workload, config: TrialConfig, *, memory_budget_bytes: i
     every failure after the start is a TrialResult with its status instead.
     """
     device = device or detect_device(workload.device)
-    config.validate_for(workload, device=device.type, fp16_deepspeed_ok=device.fp16_deepspeed)
+    if workload.nproc > device.count:
+        raise WorkloadError(f"--nproc {workload.nproc} needs {workload.nproc} GPUs; {device.count} visible here "
+                            f"(use --nproc {device.count} or less, or --device cpu)")
+    config.validate_for(workload, device)
     task = resolve_task(workload)
     spec = {
         "workload": workload.to_dict(),

@@ -65,3 +65,24 @@ def test_models_lists_the_presets():
     presets = json.loads(proc.stdout)
     assert {"gpt2-tiny", "llama-tiny", "bert-tiny"} <= presets.keys()
     assert presets["bert-tiny"]["task"] == "seq-cls"
+
+
+def test_a_hub_id_is_read_from_the_local_cache(tmp_path):
+    """The Hub cache layout as `hf download` leaves it: refs/main names a snapshot holding config.json."""
+    import os
+
+    repo = tmp_path / "models--tiny-org--tiny-gpt2"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    (snapshot / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 1, "n_embd": 32, "n_head": 2,
+        "vocab_size": 128, "n_positions": 64}))
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "autotune", "trial", "--model", "tiny-org/tiny-gpt2", "--seq-len",
+                           "16", "--global-batch", "2", "--micro-batch", "2", "--steps", "1", "--json"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["status"] == "ok" and result["total_params"] < 100_000

@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from autotune.device import DeviceInfo
 from autotune.errors import ConfigError, WorkloadError
 from autotune.knobs import TrialConfig
 from autotune.workload import Workload
@@ -40,13 +41,23 @@ def test_nonsense_is_refused_with_the_flag(kwargs, flag):
         TrialConfig(**kwargs)
 
 
+CPU = DeviceInfo("cpu", "test cpu", 1, None, bf16=True, fp16_deepspeed=False)
+GPU = DeviceInfo("cuda", "test gpu", 1, 80 * 2**30, bf16=True, fp16_deepspeed=True)
+OLD_GPU = DeviceInfo("cuda", "old gpu", 1, 16 * 2**30, bf16=False, fp16_deepspeed=True)
+
+
 def test_device_dependent_refusals():
     workload = Workload(global_batch=8)
     with pytest.raises(ConfigError, match="tf32 only exists on CUDA"):
-        TrialConfig(precision="tf32").validate_for(workload, device="cpu")
-    TrialConfig(precision="tf32").validate_for(workload, device="cuda")
+        TrialConfig(precision="tf32").validate_for(workload, CPU)
+    TrialConfig(precision="tf32").validate_for(workload, GPU)
     with pytest.raises(ConfigError, match="fp16 with --zero-stage"):
-        TrialConfig(precision="fp16", zero_stage=2).validate_for(workload, device="cpu", fp16_deepspeed_ok=False)
+        TrialConfig(precision="fp16", zero_stage=2).validate_for(workload, CPU)
+    TrialConfig(precision="fp16", zero_stage=2).validate_for(workload, GPU)
+    with pytest.raises(ConfigError, match="old gpu has no bfloat16"):
+        TrialConfig(precision="bf16").validate_for(workload, OLD_GPU)
+    with pytest.raises(ConfigError, match="does not divide"):
+        TrialConfig(micro_batch=8).validate_for(Workload(global_batch=8, nproc=2), CPU)
 
 
 def test_unknown_knob_in_a_dict_is_named():
