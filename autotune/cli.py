@@ -98,8 +98,7 @@ def trial(
 ) -> int:
     """Measure one training configuration in a fresh process.
 
-    Exit status 0 when the trial trained (status ok), 1 when it ended otherwise (oom, timeout,
-    crashed, nan, error), 2 when the input was refused before running.
+    Exit status: 0 when the trial trained (ok), 1 when it ended otherwise (oom, timeout, crashed, nan, error), 2 when the input was refused before running.
     """
     from autotune.runner import run_trial
     from autotune.sizes import parse_size
