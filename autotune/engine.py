@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,11 +21,6 @@ from autotune.workload import Workload
 __all__ = ["TrainingEngine", "build_engine"]
 
 _AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@dataclass
-class _Batch:
-    inputs: dict[str, torch.Tensor]
 
 
 class TrainingEngine:
@@ -72,7 +66,7 @@ class TorchEngine(TrainingEngine):
             with sync:
                 with torch.autocast(self.device.type, dtype=self.autocast_dtype,
                                     enabled=self.autocast_dtype is not None):
-                    loss = _loss_of(self.forward_model(**self.batch.inputs)) / self.accum
+                    loss = _loss_of(self.forward_model(**self.batch)) / self.accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach().float()
         if self.scaler:
@@ -102,7 +96,7 @@ class DeepSpeedEngine(TrainingEngine):
     def step(self) -> float:
         total = torch.zeros((), device=self.device)
         for _ in range(self.accum):
-            loss = _loss_of(self.engine(**self.batch.inputs))
+            loss = _loss_of(self.engine(**self.batch))
             self.engine.backward(loss)
             self.engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             total += loss.detach().float() / self.accum
@@ -160,7 +154,7 @@ def _apply_lora(model: torch.nn.Module, config: TrialConfig, *, task: str) -> to
 
 
 def _synthetic_batch(model: torch.nn.Module, *, task: str, micro_batch: int, seq_len: int,
-                     device: torch.device) -> _Batch:
+                     device: torch.device) -> dict[str, torch.Tensor]:
     """Random tokens and labels; their values change neither speed nor memory."""
     vocab = _model_attr(model, "vocab_size")
     if vocab is None:
@@ -171,7 +165,7 @@ def _synthetic_batch(model: torch.nn.Module, *, task: str, micro_batch: int, seq
         labels = input_ids
     else:
         labels = torch.randint(0, _model_attr(model, "num_labels") or 2, (micro_batch,), device=device)
-    return _Batch({"input_ids": input_ids, "labels": labels})
+    return {"input_ids": input_ids, "labels": labels}
 
 
 def _model_attr(model: torch.nn.Module, name: str) -> Any:
