@@ -149,12 +149,10 @@ def _combine(config: TrialConfig, records: list[dict[str, Any] | None], *, retur
         # A rank died without a word: classify from the signal it (or torchrun) exited with.
         status = classify_exit(returncode, timed_out=False)
         error = f"trial process {describe_exit(returncode)}\n{stderr_tail}".rstrip()
-    else:
-        status = min(statuses, key=_STATUS_PRECEDENCE.index) if statuses else TrialStatus.CRASHED
-        failed = next((r for r in written if r["status"] == status.value), {})
+    else:  # every rank wrote, or one that wrote failed first and torchrun stopped the others
+        status = min(statuses, key=_STATUS_PRECEDENCE.index)
+        failed = next(r for r in written if r["status"] == status.value)
         error = failed.get("error") if status is not TrialStatus.OK else None
-        if not statuses:
-            error = f"trial process {describe_exit(returncode)}\n{stderr_tail}".rstrip()
     base = records[0] or (written[0] if written else {})
     peaks = [r.get("peak_memory_bytes") for r in written if r.get("peak_memory_bytes") is not None]
     fields: dict[str, Any] = {k: base.get(k) for k in (
