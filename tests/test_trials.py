@@ -119,8 +119,7 @@ def test_a_hanging_factory_times_out_within_the_limit(nproc):
     assert r.status is TrialStatus.TIMEOUT
     assert elapsed < 15 + 10
     assert "--trial-timeout 15" in r.error
-    leftover = [p for p in psutil.process_iter(["cmdline"]) if "autotune.child" in " ".join(p.info["cmdline"] or [])]
-    assert not leftover and {p.pid for p in psutil.Process().children(recursive=True)} <= before
+    assert not _trial_processes() and {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
 
 def test_a_segfault_is_a_crash():
@@ -142,3 +141,26 @@ def test_an_exception_in_the_factory_is_an_error_with_its_last_lines():
                   timeout_s=120)
     assert r.status is TrialStatus.ERROR
     assert "ValueError: factory exploded on purpose" in r.error
+
+
+def test_ctrl_c_during_a_trial_kills_it_and_leaves_no_process(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    script = ("from autotune import TrialConfig, Workload, run_trial\n"
+              "run_trial(Workload(model='factories:hang', seq_len=16, global_batch=4), TrialConfig(micro_batch=2),"
+              " timeout_s=300)\n")
+    driver = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not _trial_processes() and time.monotonic() < deadline:  # wait until the trial is running
+        time.sleep(0.5)
+    assert _trial_processes(), "the trial never started"
+    driver.send_signal(signal.SIGINT)
+    _, stderr = driver.communicate(timeout=30)
+    assert "KeyboardInterrupt" in stderr
+    assert not _trial_processes()
+
+
+def _trial_processes() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline"]) if "autotune.child" in " ".join(p.info["cmdline"] or [])]
