@@ -14,7 +14,7 @@ __all__ = ["DeviceInfo", "detect_device"]
 class DeviceInfo:
     type: str                   # "cuda" or "cpu"
     name: str
-    count: int                  # GPUs visible (1 for the CPU)
+    count: int                  # GPUs visible (1 for the CPU, whose ranks share its cores)
     total_memory_bytes: int | None
     bf16: bool
     fp16_deepspeed: bool        # DeepSpeed's accelerator trains fp16 here

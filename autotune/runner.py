@@ -42,7 +42,7 @@ def run_trial(workload: Workload, config: TrialConfig, *, memory_budget_bytes: i
     every failure after the start is a TrialResult with its status instead.
     """
     device = device or detect_device(workload.device)
-    if workload.nproc > device.count:
+    if device.type == "cuda" and workload.nproc > device.count:  # CPU ranks share the host's cores
         raise WorkloadError(f"--nproc {workload.nproc} needs {workload.nproc} GPUs; {device.count} visible here "
                             f"(use --nproc {device.count} or less, or --device cpu)")
     config.validate_for(workload, device)

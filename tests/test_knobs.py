@@ -72,3 +72,11 @@ def test_unknown_knob_in_a_dict_is_named():
 def test_bad_workloads_name_the_flag(kwargs, flag):
     with pytest.raises(WorkloadError, match=flag):
         Workload(**kwargs)
+
+
+def test_more_ranks_than_gpus_are_refused_before_anything_starts():
+    from autotune import runner
+    from autotune.errors import WorkloadError as Refused
+
+    with pytest.raises(Refused, match="--nproc 2 needs 2 GPUs; 1 visible"):
+        runner.run_trial(Workload(nproc=2, global_batch=4), TrialConfig(micro_batch=2), device=GPU)
