@@ -35,8 +35,7 @@ class StepTimes:
         return sum(self.seconds)
 
 
-def time_steps(step: Callable[[], float], sync: Callable[[], None], *, warmup: int, steps: int,
-               on_warmup_done: Callable[[], None] | None = None) -> StepTimes:
+def time_steps(step: Callable[[], float], sync: Callable[[], None], *, warmup: int, steps: int) -> StepTimes:
     """Run ``warmup`` untimed and ``steps`` timed optimizer steps.
 
     ``step`` runs every accumulation micro-step of one optimizer step and returns the loss as a
@@ -48,8 +47,6 @@ def time_steps(step: Callable[[], float], sync: Callable[[], None], *, warmup: i
         loss = _checked(step())
     sync()
     warmup_s = time.perf_counter() - start
-    if on_warmup_done is not None:
-        on_warmup_done()
     times = []
     for _ in range(steps):
         begin = time.perf_counter()

@@ -57,7 +57,7 @@ class Workload:
             raise WorkloadError(f"--device {self.device!r} is not known; use one of {', '.join(DEVICES)}")
         if self.optimizer not in OPTIMIZERS:
             raise WorkloadError(
-                f"--optimizer {self.optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
+                f"optimizer {self.optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
         if self.global_batch % self.nproc:
             raise WorkloadError(
                 f"--global-batch {self.global_batch} does not split over --nproc {self.nproc} ranks; "
