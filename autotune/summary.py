@@ -1,0 +1,115 @@
+"""A study read back as plain values: what ``show``, ``report``, ``export`` and ``--json`` print.
+
+Built from the Optuna study by :mod:`autotune.study`; nothing here imports Optuna or torch,
+so the types are cheap to build in tests and to render.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotune.knobs import TrialConfig
+from autotune.workload import Workload
+
+__all__ = ["TrialRecord", "StudySummary", "what_is_trained"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialRecord:
+    """One trial of a study. ``status`` is a TrialStatus value, or ``interrupted`` / ``running``."""
+
+    number: int
+    config: TrialConfig
+    status: str
+    tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+    peak_memory_bytes: int | None = None
+    fits: bool = False                          # ok and its peak is under the memory limit
+    duration_s: float | None = None             # wall time of the whole trial (start-up included)
+    error: str | None = None
+    # The re-run of a winner candidate: None when not re-run; else whether it held up.
+    confirmed: bool | None = None
+    confirmed_tokens_per_s: float | None = None
+    confirmed_samples_per_s: float | None = None
+    confirmed_peak_memory_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "number": self.number,
+            "config": self.config.to_dict(),
+            "describe": self.config.describe(),
+            "status": self.status,
+            "tokens_per_s": self.tokens_per_s,
+            "samples_per_s": self.samples_per_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "fits": self.fits,
+            "duration_s": self.duration_s,
+            "error": self.error,
+            "confirmed": self.confirmed,
+            "confirmed_tokens_per_s": self.confirmed_tokens_per_s,
+            "confirmed_samples_per_s": self.confirmed_samples_per_s,
+            "confirmed_peak_memory_bytes": self.confirmed_peak_memory_bytes,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class StudySummary:
+    """A whole study: its question (workload, device, budget, space) and every trial."""
+
+    name: str
+    storage: str                                # URL with any password masked
+    workload: Workload
+    space: str                                  # preset name or file the study was created with
+    device: dict[str, Any]                      # type, name, count, total_memory_bytes
+    memory_budget_bytes: int
+    memory_limit_bytes: int                     # budget minus headroom: a config fits below it
+    trials: list[TrialRecord] = field(default_factory=list)
+    best: TrialRecord | None = None             # the confirmed winner, if any
+    importances: dict[str, float] | None = None  # knob -> share of tokens/s variance (Optuna fANOVA)
+
+    @property
+    def n_trials(self) -> int:
+        """Trials that measured something (interrupted and running ones are not counted)."""
+        return sum(t.status not in ("interrupted", "running") for t in self.trials)
+
+    def to_dict(self) -> dict[str, Any]:
+        best = None
+        if self.best is not None:
+            best = {
+                "number": self.best.number,
+                "config": self.best.config.to_dict(),
+                "describe": self.best.config.describe(),
+                "status": self.best.status,
+                "tokens_per_s": self.best.confirmed_tokens_per_s,
+                "samples_per_s": self.best.confirmed_samples_per_s,
+                "peak_memory_bytes": self.best.confirmed_peak_memory_bytes,
+                "first_measured_tokens_per_s": self.best.tokens_per_s,
+                "trains": what_is_trained(self.best.config),
+            }
+        return {
+            "study": self.name,
+            "storage": self.storage,
+            "workload": self.workload.to_dict(),
+            "space": self.space,
+            "device": self.device,
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "n_trials": self.n_trials,
+            "best": best,
+            "importances": self.importances,
+            "trials": [t.to_dict() for t in self.trials],
+        }
+
+
+def what_is_trained(config: TrialConfig) -> dict[str, Any]:
+    """The two knobs that change the maths, said plainly: every output carries this."""
+    return {
+        "precision": config.precision,
+        "lora": None if not config.uses_lora else {
+            "rank": config.lora_rank, "alpha": config.effective_lora_alpha,
+            "targets": list(config.lora_targets) if config.lora_targets else None},
+        "note": (("LoRA adapters only" if config.uses_lora else "all weights") + " trained in "
+                 + {"fp32": "fp32", "tf32": "fp32 with tf32 matmuls", "fp16": "fp16 mixed precision",
+                    "bf16": "bf16 mixed precision"}[config.precision]),
+    }
