@@ -103,8 +103,7 @@ def trial(
     from autotune.runner import run_trial
     from autotune.sizes import parse_size
 
-    workload = Workload(model=model, task=task, seq_len=seq_len, global_batch=global_batch, nproc=nproc,
-                        device=device, trust_remote_code=trust_remote_code)
+    workload = _workload(model, task, seq_len, global_batch, nproc, device, trust_remote_code)
     config = TrialConfig(
         micro_batch=micro_batch, precision=precision, checkpointing=_on_off(checkpointing, "--checkpointing"),
         lora_rank=lora_rank, lora_alpha=lora_alpha,
@@ -124,6 +123,255 @@ def trial(
 
         print_trial(workload, result)
     return 0 if result.ok else 1
+
+
+# -- tuning --------------------------------------------------------------------------------------
+SpaceOpt = Annotated[str, typer.Option("--space", help="Search space: a preset (default, lora, quick, zero) or a YAML file.")]
+NTrialsOpt = Annotated[Optional[int], typer.Option(
+    "--n-trials", help="Measured trials the study should hold (default: the space's); an unfinished study carries on to it.")]
+TuneTimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", help="Stop starting trials after this many seconds.")]
+PatienceOpt = Annotated[Optional[int], typer.Option(
+    "--patience", help="Stop after this many trials without a faster config that fits (default: the space's).")]
+HeadroomOpt = Annotated[float, typer.Option(
+    "--headroom", help="A config fits when its peak stays this fraction under the budget (0.1 = 10%).")]
+StorageOpt = Annotated[Optional[str], typer.Option(
+    "--storage", help="SQLAlchemy URL of the study database (default sqlite:///storage/autotune.db, under the current directory).")]
+StudyOpt = Annotated[str, typer.Option("--study", help="Study name (autotune studies lists them).")]
+FormatOpt = Annotated[str, typer.Option("--format", help="json, yaml, deepspeed, hf, accelerate, lightning or peft.")]
+
+
+@app.command()
+def find(
+    model: ModelOpt = DEFAULT_MODEL,
+    task: TaskOpt = None,
+    seq_len: SeqLenOpt = 128,
+    global_batch: GlobalBatchOpt = 16,
+    nproc: NprocOpt = 1,
+    device: DeviceOpt = "auto",
+    trust_remote_code: TrustOpt = False,
+    memory_budget: BudgetOpt = None,
+    space: SpaceOpt = "default",
+    n_trials: NTrialsOpt = None,
+    timeout: TuneTimeoutOpt = None,
+    trial_timeout: TimeoutOpt = 600.0,
+    headroom: HeadroomOpt = 0.1,
+    storage: StorageOpt = None,
+    export: Annotated[Optional[str], typer.Option(
+        "--export", help="Also write the best config in this format (see autotune export).")] = None,
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help="File for --export.")] = None,
+    as_json: JsonOpt = False,
+) -> int:
+    """Find the fastest config that fits: asking the same question again answers from its study.
+
+    Exit status: 0 with a confirmed config, 1 when none fits, 2 when the input was refused.
+    """
+    from autotune.tuner import find as find_config
+
+    workload = _workload(model, task, seq_len, global_batch, nproc, device, trust_remote_code)
+    if export is not None:
+        _check_format(export)
+    elif output is not None:
+        raise ConfigError("-o/--output is the file for --export; add --export FORMAT")
+    summary = find_config(workload=workload, space=space, memory_budget_bytes=_size(memory_budget),
+                          n_trials=n_trials, timeout_s=timeout, trial_timeout_s=trial_timeout,
+                          headroom=headroom, storage=storage, progress=None if as_json else _progress())
+    written = _export_best(summary, export, output) if export is not None and summary.best else None
+    return _finish(summary, as_json=as_json, exported=written, wanted_export=export)
+
+
+@app.command()
+def tune(
+    study: StudyOpt,
+    model: ModelOpt = DEFAULT_MODEL,
+    task: TaskOpt = None,
+    seq_len: SeqLenOpt = 128,
+    global_batch: GlobalBatchOpt = 16,
+    nproc: NprocOpt = 1,
+    device: DeviceOpt = "auto",
+    trust_remote_code: TrustOpt = False,
+    memory_budget: BudgetOpt = None,
+    space: SpaceOpt = "default",
+    n_trials: NTrialsOpt = None,
+    timeout: TuneTimeoutOpt = None,
+    trial_timeout: TimeoutOpt = 600.0,
+    patience: PatienceOpt = None,
+    headroom: HeadroomOpt = 0.1,
+    storage: StorageOpt = None,
+    warmup_steps: WarmupOpt = 1,
+    steps: StepsOpt = 3,
+    as_json: JsonOpt = False,
+) -> int:
+    """Tune a named study; stop it any time (Ctrl-C) and run the same command to carry on.
+
+    Exit status: 0 with a confirmed config, 1 when none fits, 2 when the input was refused, 130 when interrupted.
+    """
+    from autotune.tuner import tune as tune_study
+
+    workload = _workload(model, task, seq_len, global_batch, nproc, device, trust_remote_code)
+    summary = tune_study(study=study, workload=workload, space=space, memory_budget_bytes=_size(memory_budget),
+                         n_trials=n_trials, timeout_s=timeout, trial_timeout_s=trial_timeout, patience=patience,
+                         headroom=headroom, storage=storage, warmup_steps=warmup_steps, measure_steps=steps,
+                         progress=None if as_json else _progress())
+    return _finish(summary, as_json=as_json)
+
+
+# -- reading studies -----------------------------------------------------------------------------
+@app.command()
+def studies(storage: StorageOpt = None, as_json: JsonOpt = False) -> int:
+    """List the studies in the storage, with their trial counts and best configs."""
+    from autotune.storage import open_storage, study_names
+
+    backend = open_storage(storage)
+    rows = [_load_summary(name, storage, backend) for name in study_names(backend)]
+    rows = [r for r in rows if r is not None]
+    if as_json:
+        print(json.dumps([{"study": s.name, "model": s.workload.model, "n_trials": s.n_trials,
+                           "best": s.best.config.describe() if s.best else None,
+                           "tokens_per_s": s.best.confirmed_tokens_per_s if s.best else None} for s in rows]))
+        return 0
+    if not rows:
+        print("no autotune studies here yet; run autotune find")
+    for s in rows:
+        best = f"{s.best.config.describe()} ({s.best.confirmed_tokens_per_s:,.1f} tokens/s)" if s.best else "no confirmed config"
+        print(f"{s.name}  {s.workload.model}  {s.n_trials} trials  best: {best}")
+    return 0
+
+
+@app.command()
+def show(study: StudyOpt, storage: StorageOpt = None, as_json: JsonOpt = False) -> int:
+    """Every trial of a study (config, status, tokens/s, peak memory) and its best config."""
+    summary = _summary(study, storage)
+    if as_json:
+        print(json.dumps(summary.to_dict()))
+        return 0
+    from autotune.render import print_summary
+
+    print_summary(summary)
+    return 0
+
+
+@app.command()
+def export(
+    study: StudyOpt,
+    fmt: FormatOpt = "json",
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help="File to write (default: print it).")] = None,
+    storage: StorageOpt = None,
+) -> int:
+    """Write a study's best config in the format a training job reads."""
+    _check_format(fmt)
+    summary = _summary(study, storage)
+    if summary.best is None:
+        raise ConfigError(f"--study {study} has no confirmed config yet; run autotune tune --study {study} first")
+    if output is None:
+        print(_export_text(summary, fmt), end="")
+        return 0
+    path = _export_best(summary, fmt, output)
+    print(f"wrote {path} ({fmt}: {summary.best.config.describe()})", file=sys.stderr)
+    return 0
+
+
+@app.command()
+def report(
+    study: StudyOpt,
+    output: Annotated[str, typer.Option("-o", "--output", help="The HTML file to write.")] = "report.html",
+    storage: StorageOpt = None,
+) -> int:
+    """An HTML report: throughput per trial, memory against throughput, knob importance."""
+    from autotune.report import write_report
+
+    path = write_report(_summary(study, storage, with_importances=True), output)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+# -- helpers of the commands ---------------------------------------------------------------------
+def _workload(model: str, task: str | None, seq_len: int, global_batch: int, nproc: int, device: str,
+              trust_remote_code: bool) -> Workload:
+    return Workload(model=model, task=task, seq_len=seq_len, global_batch=global_batch, nproc=nproc,
+                    device=device, trust_remote_code=trust_remote_code)
+
+
+def _size(text: str | None) -> int | None:
+    from autotune.sizes import parse_size
+
+    return parse_size(text) if text is not None else None
+
+
+def _progress() -> Any:
+    from autotune.render import ConsoleProgress
+
+    return ConsoleProgress()
+
+
+def _summary(study: str, storage: str | None, *, with_importances: bool = False) -> Any:
+    from autotune.storage import load_study, open_storage
+    from autotune.study import summarize
+
+    return summarize(load_study(open_storage(storage), study, storage), url=storage,
+                     with_importances=with_importances)
+
+
+def _load_summary(name: str, storage: str | None, backend: Any) -> Any:
+    from autotune.errors import StorageError
+    from autotune.storage import load_study
+    from autotune.study import summarize
+
+    try:
+        return summarize(load_study(backend, name, storage), url=storage)
+    except StorageError:
+        return None  # a study some other tool keeps in the same database
+
+
+def _check_format(fmt: str) -> None:
+    from autotune.exporters import FORMATS
+
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt!r} is not known; use one of {', '.join(FORMATS)}")
+
+
+def _export_text(summary: Any, fmt: str) -> str:
+    from autotune.exporters import export_config
+
+    best = summary.best
+    return export_config(best.config, summary.workload, fmt=fmt, device_type=summary.device["type"], summary={
+        "study": summary.name, "tokens_per_s": best.confirmed_tokens_per_s,
+        "samples_per_s": best.confirmed_samples_per_s, "peak_memory_bytes": best.confirmed_peak_memory_bytes,
+        "memory_budget_bytes": summary.memory_budget_bytes})
+
+
+def _export_best(summary: Any, fmt: str, output: str | None) -> str:
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from autotune.exporters import DEFAULT_FILENAMES
+
+    text = _export_text(summary, fmt)
+    path = Path(output or DEFAULT_FILENAMES[fmt])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)  # never a half-written config
+    return str(path)
+
+
+def _finish(summary: Any, *, as_json: bool, exported: str | None = None, wanted_export: str | None = None) -> int:
+    if as_json:
+        data = summary.to_dict()
+        if wanted_export is not None:
+            data["export"] = exported
+        print(json.dumps(data))
+    else:
+        from autotune.render import print_summary
+
+        print_summary(summary)
+        if exported:
+            print(f"wrote {exported} ({wanted_export})")
+        elif wanted_export:
+            print(f"nothing exported: no config fits yet", file=sys.stderr)
+    return 0 if summary.best is not None else 1
 
 
 @app.command()
@@ -148,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return 2
     except typer.Abort:
-        print("autotune: interrupted", file=sys.stderr)
+        print("autotune: interrupted (a study carries on where it stopped: run the same command again)",
+              file=sys.stderr)
         return 130
     except typer.TyperException as exc:  # Click's usage errors: unknown flag, bad value, ...
         ctx = getattr(exc, "ctx", None)

@@ -153,7 +153,7 @@ class TrialConfig:
         if self.checkpointing:
             parts.append("ckpt")
         if self.uses_lora:
-            parts.append(f"lora{self.lora_rank}")
+            parts.append(f"lora{self.lora_rank}" + (":" + ",".join(self.lora_targets) if self.lora_targets else ""))
         if self.uses_deepspeed:
             parts.append(f"zero{self.zero_stage}" + ("" if self.offload == "none" else f"+{self.offload}"))
         return " ".join(parts)

@@ -5,11 +5,13 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from autotune.knobs import TrialConfig
 from autotune.result import TrialResult
 from autotune.sizes import format_size
+from autotune.summary import StudySummary, TrialRecord, what_is_trained
 from autotune.workload import Workload
 
-__all__ = ["print_trial"]
+__all__ = ["print_trial", "print_summary", "ConsoleProgress"]
 
 
 def _num(value: float | None, fmt: str = "{:,.1f}") -> str:
@@ -47,3 +49,70 @@ def print_trial(workload: Workload, result: TrialResult, *, console: Console | N
     if result.error:
         console.print(f"[bold red]{result.status.value}[/]: last lines of the error:", highlight=False)
         console.print(result.error, markup=False, highlight=False)
+
+
+# -- studies -------------------------------------------------------------------------------------
+def _trains(config: TrialConfig) -> str:
+    return what_is_trained(config)["note"]
+
+
+def print_summary(summary: StudySummary, *, console: Console | None = None, all_trials: bool = True) -> None:
+    """Every trial of a study, then the best config and what it trains."""
+    console = console or Console()
+    w = summary.workload
+    console.print(f"study [bold]{summary.name}[/] in {summary.storage}", highlight=False)
+    console.print(f"  {w.model}, seq {w.seq_len}, global batch {w.global_batch}, {w.nproc} rank(s) on "
+                  f"{summary.device.get('name')} ({summary.device.get('type')}); budget "
+                  f"{format_size(summary.memory_budget_bytes)}, fits under {format_size(summary.memory_limit_bytes)}; "
+                  f"space {summary.space}", highlight=False)
+    if all_trials:
+        table = Table(show_edge=False)
+        for column in ("#", "config", "status", "tokens/s", "peak memory", "fits", "re-run"):
+            table.add_column(column, justify="right" if column in ("#", "tokens/s", "peak memory") else "left")
+        for t in summary.trials:
+            rerun = "-" if t.confirmed is None else (
+                f"{_num(t.confirmed_tokens_per_s)} tok/s" if t.confirmed else "refuted")
+            table.add_row(str(t.number), t.config.describe(), t.status, _num(t.tokens_per_s),
+                          format_size(t.peak_memory_bytes), "yes" if t.fits else "no", rerun)
+        console.print(table)
+    best = summary.best
+    if best is None:
+        console.print(f"[bold]no confirmed config yet[/] ({summary.n_trials} trials measured)", highlight=False)
+        return
+    console.print(f"[bold green]best[/]: {best.config.describe()}  (trial {best.number}, confirmed on a longer re-run)",
+                  highlight=False)
+    console.print(f"  {_num(best.confirmed_tokens_per_s)} tokens/s, {_num(best.confirmed_samples_per_s, '{:,.2f}')} "
+                  f"samples/s, peak {format_size(best.confirmed_peak_memory_bytes)} of "
+                  f"{format_size(summary.memory_budget_bytes)}; accumulation "
+                  f"{best.config.grad_accum_steps(summary.workload)}", highlight=False)
+    console.print(f"  trains: {_trains(best.config)}", highlight=False)
+
+
+class ConsoleProgress:
+    """The tuner's progress as one line per event (plain text when not on a terminal)."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True, soft_wrap=True)  # one line per event, even in a log
+
+    def started(self, *, study: str, storage: str, measured: int, target: int, recovered: list[int]) -> None:
+        self.console.print(f"study {study} in {storage}: {measured} of {target} trials measured", highlight=False)
+        if recovered:
+            self.console.print(f"  trial(s) {', '.join(map(str, recovered))} were interrupted; retrying their configs",
+                               highlight=False)
+
+    def trial_started(self, *, index: int, target: int, config: TrialConfig, retry: bool) -> None:
+        self.console.print(f"trial {index}/{target}: {config.describe()}" + ("  (retry)" if retry else ""),
+                           highlight=False)
+
+    def trial_finished(self, *, record: TrialRecord, best: TrialRecord | None, elapsed_s: float) -> None:
+        figure = f"{_num(record.tokens_per_s)} tokens/s" if record.tokens_per_s is not None else "no figure"
+        fit = "" if record.status != "ok" else ("" if record.fits else ", over the memory limit")
+        best_text = f"{best.config.describe()} at {_num(best.tokens_per_s)} tokens/s" if best else "none fits yet"
+        self.console.print(f"  -> {record.status}: {figure}, peak {format_size(record.peak_memory_bytes)}{fit}; "
+                           f"best so far {best_text}; {elapsed_s:.0f} s elapsed", highlight=False)
+
+    def confirming(self, *, record: TrialRecord, steps: int) -> None:
+        self.console.print(f"confirming {record.config.describe()} with {steps} steps", highlight=False)
+
+    def stopped(self, *, reason: str) -> None:
+        self.console.print(f"stopped: {reason}", highlight=False)

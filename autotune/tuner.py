@@ -1,0 +1,323 @@
+"""The driver: search the knobs in an Optuna study, learn from OOMs, confirm the winner.
+
+``tune`` owns one study and carries it on wherever it stopped (a finished trial is never
+measured again; one interrupted by Ctrl-C or ``kill -9`` is retried). ``find`` is ``tune``
+under a name derived from the question, so asking it again answers from the study.
+
+How a trial lands in the study (direction: maximise tokens/s):
+
+* ok -> COMPLETE with its tokens/s, and a ``memory`` constraint (peak / limit - 1; > 0 when it
+  does not fit with headroom), which Optuna's samplers and ``best_trial`` honour;
+* oom, timeout -> PRUNED (TPE ranks pruned trials among the worst; it ignores FAIL ones),
+  an oom with a violated ``memory`` constraint;
+* crashed, nan, error -> FAIL; interrupted -> FAIL with status ``interrupted``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from autotune.device import DeviceInfo, detect_device
+from autotune.errors import AutotuneError, ConfigError
+from autotune.knobs import TrialConfig
+from autotune.result import TrialResult, TrialStatus
+from autotune.runner import DEFAULT_TRIAL_TIMEOUT_S, run_trial
+from autotune.space import SearchSpace, load_space
+from autotune.study import CONFIRM_PREFIX, measured, memory_limit, ranking, records_of, summarize
+from autotune.summary import StudySummary, TrialRecord
+from autotune.workload import Workload
+
+if TYPE_CHECKING:
+    import optuna
+
+    from autotune.proposer import Proposer
+
+__all__ = ["tune", "find", "Progress", "DEFAULT_HEADROOM"]
+
+DEFAULT_HEADROOM = 0.10     # a config fits when its peak stays 10% under the budget
+CONFIRM_STEPS_FACTOR = 3    # the winner's re-run measures 3x as many steps
+MAX_CONFIRMATIONS = 3       # re-runs per tune call before settling on the best confirmed one
+
+
+class Progress(Protocol):
+    """What the driver tells its caller while it works (the CLI prints it; the API ignores it)."""
+
+    def started(self, *, study: str, storage: str, measured: int, target: int, recovered: list[int]) -> None: ...
+    def trial_started(self, *, index: int, target: int, config: TrialConfig, retry: bool) -> None: ...
+    def trial_finished(self, *, record: TrialRecord, best: TrialRecord | None, elapsed_s: float) -> None: ...
+    def confirming(self, *, record: TrialRecord, steps: int) -> None: ...
+    def stopped(self, *, reason: str) -> None: ...
+
+
+class _Silent:
+    def __getattr__(self, name: str) -> Any:
+        return lambda **_: None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Measure:
+    memory_budget_bytes: int
+    trial_timeout_s: float
+    warmup_steps: int
+    measure_steps: int
+
+
+def tune(*, study: str, workload: Workload | None = None, space: str | Path | SearchSpace = "default",
+         memory_budget_bytes: int | None = None, n_trials: int | None = None, timeout_s: float | None = None,
+         trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S, patience: int | None = None,
+         headroom: float = DEFAULT_HEADROOM, storage: str | None = None, warmup_steps: int = 1,
+         measure_steps: int = 3, seed: int = 0, progress: Progress | None = None) -> StudySummary:
+    """Search ``space`` for the fastest config of ``workload`` that fits; return the study read back.
+
+    ``n_trials`` is the study's total of measured trials (default: the space's), so running
+    the same call again carries an unfinished study on to it. It stops early on ``timeout_s``
+    (this call's wall time), ``patience`` measured trials without a faster fit, or an
+    exhausted space; then re-runs the winner longer to confirm it.
+    """
+    from autotune.proposer import Proposer
+    from autotune.storage import create_study, open_storage, recover_stale_trials
+
+    workload = workload or Workload()
+    progress = progress or _Silent()
+    _check_numbers(n_trials=n_trials, timeout_s=timeout_s, trial_timeout_s=trial_timeout_s,
+                   patience=patience, headroom=headroom, warmup_steps=warmup_steps, measure_steps=measure_steps)
+    device = detect_device(workload.device)
+    space = space if isinstance(space, SearchSpace) else load_space(space)
+    budget = _budget(memory_budget_bytes, device)
+    proposer = Proposer(space, workload, device, seed=seed)
+    _check_workload(workload, device)
+    meta = question(workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom)
+    the_study = create_study(open_storage(storage), study, meta)
+    recovered = recover_stale_trials(the_study)
+    target = n_trials or space.n_trials
+    patience = patience if patience is not None else space.patience
+    measure = _Measure(memory_budget_bytes=budget, trial_timeout_s=trial_timeout_s,
+                       warmup_steps=warmup_steps, measure_steps=measure_steps)
+    from autotune.storage import display_url
+
+    progress.started(study=study, storage=display_url(storage), measured=len(measured(records_of(the_study))),
+                     target=target, recovered=recovered)
+    started = time.monotonic()
+    while True:
+        records = records_of(the_study)
+        reason = _stop_reason(records, target=target, patience=patience, timeout_s=timeout_s,
+                              elapsed_s=time.monotonic() - started)
+        config = None if reason else proposer.next_config(the_study, records)
+        if reason is None and config is None:
+            reason = "every config of the space is measured or implied to run out of memory"
+        if reason:
+            progress.stopped(reason=reason)
+            break
+        retry = any(r.status == "interrupted" and r.config == config for r in records)
+        progress.trial_started(index=len(measured(records)) + 1, target=target, config=config, retry=retry)
+        record = _measure_in_study(the_study, proposer, config, workload, measure)
+        progress.trial_finished(record=record, best=next(iter(ranking(records_of(the_study))), None),
+                                elapsed_s=time.monotonic() - started)
+    _confirm_winner(the_study, workload, measure, progress)
+    return summarize(the_study, url=storage)
+
+
+def find(*, workload: Workload | None = None, space: str | Path | SearchSpace = "default",
+         memory_budget_bytes: int | None = None, n_trials: int | None = None, timeout_s: float | None = None,
+         trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S, headroom: float = DEFAULT_HEADROOM,
+         storage: str | None = None, progress: Progress | None = None) -> StudySummary:
+    """One question, one answer: ``tune`` under a study name derived from workload, device, budget, space."""
+    from autotune.storage import find_study_name
+
+    workload = workload or Workload()
+    device = detect_device(workload.device)
+    space = space if isinstance(space, SearchSpace) else load_space(space)
+    budget = _budget(memory_budget_bytes, device)
+    meta = question(workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom)
+    return tune(study=find_study_name(meta, space.name), workload=workload, space=space,
+                memory_budget_bytes=budget, n_trials=n_trials, timeout_s=timeout_s,
+                trial_timeout_s=trial_timeout_s, headroom=headroom, storage=storage, progress=progress)
+
+
+def question(*, workload: Workload, space: SearchSpace, device: DeviceInfo, memory_budget_bytes: int,
+             headroom: float) -> dict[str, Any]:
+    """What a study answers; a study is only resumed for the same question."""
+    return {
+        "version": 1,
+        "workload": workload.to_dict(),
+        "space": space.to_dict(),
+        "space_digest": space.digest,
+        "device": {"type": device.type, "name": device.name, "count": device.count,
+                   "total_memory_bytes": device.total_memory_bytes},
+        "memory_budget_bytes": memory_budget_bytes,
+        "headroom": headroom,
+    }
+
+
+# -- one trial in the study ----------------------------------------------------------------------
+def _measure_in_study(study: optuna.Study, proposer: Proposer, config: TrialConfig, workload: Workload,
+                      measure: _Measure) -> TrialRecord:
+    from optuna.trial import TrialState
+
+    from autotune.storage import worker_id
+
+    study.enqueue_trial(proposer.params_of(config))
+    with warnings.catch_warnings():
+        # Optuna warns that heartbeats are meant for Study.optimize; _heartbeat records them here.
+        warnings.filterwarnings("ignore", message="Heartbeat of storage")
+        trial = study.ask()
+    config = proposer.suggest(trial)  # the enqueued params (another worker may have taken ours)
+    trial.set_user_attr("config", config.to_dict())
+    trial.set_user_attr("worker", worker_id())
+    try:
+        with _heartbeat(study, trial):
+            result = run_trial(workload, config, memory_budget_bytes=measure.memory_budget_bytes,
+                               timeout_s=measure.trial_timeout_s, warmup_steps=measure.warmup_steps,
+                               measure_steps=measure.measure_steps)
+    except KeyboardInterrupt:
+        trial.set_user_attr("status", "interrupted")
+        study.tell(trial, state=TrialState.FAIL)
+        raise
+    except AutotuneError as exc:  # refused before it started (the space let through what cannot run)
+        result = TrialResult(config=config, status=TrialStatus.ERROR, error=str(exc))
+    limit = memory_limit(study.user_attrs["autotune"])
+    trial.set_user_attr("status", result.status.value)
+    trial.set_user_attr("result", _stored(result))
+    peak = result.peak_memory_bytes
+    if result.ok:
+        trial.set_constraint("memory", (peak / limit - 1) if peak is not None else 0.0)
+        study.tell(trial, result.tokens_per_s)
+    elif result.status in (TrialStatus.OOM, TrialStatus.TIMEOUT):
+        if result.status is TrialStatus.OOM:
+            trial.set_constraint("memory", max(peak or 0, measure.memory_budget_bytes) / limit - 1)
+        study.tell(trial, state=TrialState.PRUNED)
+    else:
+        study.tell(trial, state=TrialState.FAIL)
+    return next(r for r in records_of(study) if r.number == trial.number)
+
+
+class _heartbeat:
+    """Record Optuna heartbeats while a trial runs, so other workers can tell it is alive."""
+
+    def __init__(self, study: optuna.Study, trial: optuna.Trial) -> None:
+        from autotune.storage import HEARTBEAT_S
+
+        self._storage = study._storage
+        self._trial_id = trial._trial_id
+        self._stop = threading.Event()
+        self._interval = HEARTBEAT_S
+        self._thread = threading.Thread(target=self._beat, name="autotune-heartbeat", daemon=True)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._storage.record_heartbeat(self._trial_id)
+            except Exception:  # a missed beat is not worth failing the trial for
+                pass
+
+    def __enter__(self) -> _heartbeat:
+        self._storage.record_heartbeat(self._trial_id)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _stored(result: TrialResult) -> dict[str, Any]:
+    data = result.to_dict()
+    del data["config"]  # stored once, as the trial's "config"
+    return data
+
+
+# -- confirming the winner -----------------------------------------------------------------------
+def _confirm_winner(study: optuna.Study, workload: Workload, measure: _Measure, progress: Progress) -> None:
+    """Re-run the top candidate longer until the top one is confirmed (or the re-runs are spent).
+
+    A re-run that does not fit refutes the candidate; one that fits replaces its first figure,
+    so a config that was fast by luck loses its place to the next.
+    """
+    limit = memory_limit(study.user_attrs["autotune"])
+    steps = measure.measure_steps * CONFIRM_STEPS_FACTOR
+    for _ in range(MAX_CONFIRMATIONS):
+        ranked = ranking(records_of(study))
+        if not ranked or ranked[0].confirmed:
+            return
+        top = ranked[0]
+        progress.confirming(record=top, steps=steps)
+        result = run_trial(workload, top.config, memory_budget_bytes=measure.memory_budget_bytes,
+                           timeout_s=measure.trial_timeout_s, warmup_steps=measure.warmup_steps + 1,
+                           measure_steps=steps)
+        peak = result.peak_memory_bytes
+        study.set_user_attr(f"{CONFIRM_PREFIX}{top.number}", {
+            "confirmed": result.ok and peak is not None and peak <= limit,
+            "status": result.status.value,
+            "tokens_per_s": result.tokens_per_s,
+            "samples_per_s": result.samples_per_s,
+            "peak_memory_bytes": peak,
+            "measured_steps": result.measured_steps,
+            "error": result.error,
+        })
+
+
+# -- checks --------------------------------------------------------------------------------------
+def _stop_reason(records: list[TrialRecord], *, target: int, patience: int | None, timeout_s: float | None,
+                 elapsed_s: float) -> str | None:
+    done = measured(records)
+    if len(done) >= target:
+        return f"{len(done)} trials measured (--n-trials {target})"
+    if timeout_s is not None and elapsed_s >= timeout_s:
+        return f"--timeout {timeout_s:g} s reached"
+    if patience is not None and _since_improvement(done) >= patience:
+        return f"no faster config that fits in the last {patience} trials (--patience {patience})"
+    return None
+
+
+def _since_improvement(done: list[TrialRecord]) -> int:
+    best, since = 0.0, 0
+    for record in sorted(done, key=lambda r: r.number):
+        if record.fits and (record.tokens_per_s or 0.0) > best:
+            best, since = record.tokens_per_s or 0.0, 0
+        else:
+            since += 1
+    return since
+
+
+def _budget(memory_budget_bytes: int | None, device: DeviceInfo) -> int:
+    if memory_budget_bytes is not None:
+        if memory_budget_bytes <= 0:
+            raise ConfigError("--memory-budget must be more than 0, e.g. 24GiB")
+        if device.total_memory_bytes is not None and memory_budget_bytes > device.total_memory_bytes:
+            raise ConfigError(f"--memory-budget {memory_budget_bytes} B is more than {device.name} has "
+                              f"({device.total_memory_bytes} B); use at most that")
+        return memory_budget_bytes
+    if device.total_memory_bytes is None:
+        raise ConfigError("--memory-budget is needed: this device does not say how much memory it has")
+    return device.total_memory_bytes
+
+
+def _check_workload(workload: Workload, device: DeviceInfo) -> None:
+    """Refuse a workload that no trial could run, before a study is created for it."""
+    from autotune.errors import WorkloadError
+    from autotune.models import resolve_task
+
+    if device.type == "cuda" and workload.nproc > device.count:
+        raise WorkloadError(f"--nproc {workload.nproc} needs {workload.nproc} GPUs; {device.count} visible here")
+    resolve_task(workload)
+
+
+def _check_numbers(**values: Any) -> None:
+    flags = {"n_trials": "--n-trials", "timeout_s": "--timeout", "trial_timeout_s": "--trial-timeout",
+             "patience": "--patience", "warmup_steps": "--warmup-steps", "measure_steps": "--steps"}
+    for key, flag in flags.items():
+        value = values[key]
+        minimum = 0 if key == "warmup_steps" else 1
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum or (
+                key in ("timeout_s", "trial_timeout_s") and value <= 0):
+            raise ConfigError(f"{flag} {value!r} must be a number of at least {minimum}")
+    headroom = values["headroom"]
+    if not isinstance(headroom, (int, float)) or not 0 <= headroom < 0.9:
+        raise ConfigError(f"--headroom {headroom!r} must be a fraction from 0 to 0.9, e.g. 0.1 for 10%")
