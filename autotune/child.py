@@ -22,6 +22,10 @@ ERROR_TAIL_LINES = 12
 
 
 def main(argv: list[str]) -> int:
+    from autotune.lifeline import die_with_parent, expected_parent
+
+    # A single rank is the runner's child; a rank under torchrun is torchrun's.
+    die_with_parent(expected_parent() if "LOCAL_RANK" not in os.environ else None)
     spec_path, out_dir = Path(argv[0]), Path(argv[1])
     spec = json.loads(spec_path.read_text())
     rank = int(os.environ.get("RANK", "0"))

@@ -387,6 +387,9 @@ def models(as_json: JsonOpt = False) -> int:
     return 0
 
 
+_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script and ``python -m autotune``."""
     command = typer.main.get_command(app)
@@ -395,16 +398,15 @@ def main(argv: list[str] | None = None) -> int:
     except AutotuneError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return 2
-    except typer.Abort:
-        print("autotune: interrupted (a study carries on where it stopped: run the same command again)",
-              file=sys.stderr)
-        return 130
     except typer.TyperException as exc:  # Click's usage errors: unknown flag, bad value, ...
         ctx = getattr(exc, "ctx", None)
         where = f"autotune {ctx.info_name}" if ctx is not None and ctx.info_name != "autotune" else "autotune"
         message = " ".join(exc.format_message().split())
         print(f"{where}: error: {message}", file=sys.stderr)
         return getattr(exc, "exit_code", 2)
+    if code == _INTERRUPTED:  # Typer turns Ctrl-C into this exit status, silently
+        print("autotune: interrupted (a study carries on where it stopped: run the same command again)",
+              file=sys.stderr)
     return code if isinstance(code, int) else 0
 
 

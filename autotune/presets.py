@@ -26,6 +26,9 @@ PRESETS: dict[str, Preset] = {
     "gpt2-tiny": Preset("gpt2", "causal-lm", "GPT-2 shape, 2 layers, 128 wide (~0.8M params)", dict(
         n_layer=2, n_embd=128, n_head=4, n_positions=1024, vocab_size=_TINY_VOCAB,
         bos_token_id=0, eos_token_id=0)),
+    "gpt2-deep-tiny": Preset("gpt2", "causal-lm", "GPT-2 shape, 6 layers, 128 wide, 512-token vocabulary: "
+                             "activations dominate its memory, as in real LLM training", dict(
+        n_layer=6, n_embd=128, n_head=4, n_positions=1024, vocab_size=512, bos_token_id=0, eos_token_id=0)),
     "llama-tiny": Preset("llama", "causal-lm", "Llama shape (RoPE, GQA, SwiGLU), 2 layers, 128 wide", dict(
         hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, vocab_size=_TINY_VOCAB,

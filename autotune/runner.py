@@ -20,6 +20,7 @@ from autotune.child import LAUNCH_TIME_ENV
 from autotune.device import DeviceInfo, detect_device
 from autotune.errors import WorkloadError
 from autotune.failures import classify_exit, describe_exit
+from autotune.lifeline import PARENT_PID_ENV
 from autotune.knobs import TrialConfig
 from autotune.models import resolve_task
 from autotune.result import PhaseTimings, TrialResult, TrialStatus
@@ -71,7 +72,8 @@ def run_trial(workload: Workload, config: TrialConfig, *, memory_budget_bytes: i
 def _command(nproc: int, spec: Path, out_dir: Path) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "autotune.child", str(spec), str(out_dir)]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    return [sys.executable, "-m", "autotune.lifeline", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}",
             "--max-restarts=0", "--module", "autotune.child", str(spec), str(out_dir)]
 
 
@@ -80,6 +82,7 @@ def _run_process_group(command: list[str], work: Path, *, timeout_s: float,
     """Run ``command`` in its own session; on timeout (or Ctrl-C) kill it and all its descendants."""
     child_env = dict(os.environ if env is None else env)
     child_env[LAUNCH_TIME_ENV] = repr(time.time())
+    child_env[PARENT_PID_ENV] = str(os.getpid())  # the trial dies with us, even on kill -9
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     with open(work / "stdout.log", "wb") as out, open(work / "stderr.log", "wb") as err:
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err,

@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -55,8 +56,10 @@ def open_storage(url: str | None = None) -> optuna.storages.RDBStorage:
         Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
         engine_kwargs["connect_args"] = {"timeout": _SQLITE_LOCK_TIMEOUT_S}
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S,
-                                          grace_period=_GRACE_S)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S,
+                                              grace_period=_GRACE_S)
     except Exception as exc:  # driver missing, server down, bad credentials, not a database file
         raise StorageError(f"--storage {display_url(url)}: cannot open it: {_one_line(exc)}") from None
 
@@ -154,7 +157,9 @@ def recover_stale_trials(study: optuna.Study) -> list[int]:
             study.tell(trial.number, state=TrialState.FAIL)
             stale.append(trial.number)
     before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
-    optuna.storages.fail_stale_trials(study)  # remote workers whose heartbeat stopped
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)  # remote workers whose heartbeat stopped
     after = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     return sorted(stale + list(before - after))
 

@@ -1,0 +1,144 @@
+"""Search spaces: every preset loads, the schema refuses bad files by name, and the proposer's rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.device import DeviceInfo
+from autotune.errors import ConfigError
+from autotune.knobs import TrialConfig
+from autotune.proposer import Proposer, implied_too_big
+from autotune.space import load_space, preset_names
+from autotune.summary import TrialRecord
+from autotune.workload import Workload
+
+CPU = DeviceInfo("cpu", "test-cpu", 1, 16 * 2**30, bf16=True, fp16_deepspeed=False)
+GPU = DeviceInfo("cuda", "test-gpu", 2, 80 * 2**30, bf16=True, fp16_deepspeed=True)
+
+
+@pytest.mark.parametrize("name", ["default", "lora", "quick", "zero"])
+def test_every_preset_loads_and_round_trips_its_configs(name):
+    assert name in preset_names()
+    space = load_space(name)
+    for device, nproc in ((CPU, 1), (GPU, 2)):
+        workload = Workload(global_batch=16, nproc=nproc)
+        configs = space.candidates(workload, device)
+        assert configs, f"{name} has nothing to run on {device.type}"
+        assert len(set(configs)) == len(configs)
+        for config in configs:
+            config.validate_for(workload, device)
+            assert space.config_of(space.params_of(config)) == config
+
+
+def test_presets_move_precision_and_lora_only_where_they_say():
+    default, lora, quick = (load_space(n).candidates(Workload(), GPU) for n in ("default", "lora", "quick"))
+    assert not any(c.uses_lora for c in default + quick)
+    assert all(c.uses_lora for c in lora)
+    assert {c.precision for c in default} == {"fp32", "tf32", "bf16", "fp16"}
+    assert len(quick) < len(default) and load_space("quick").n_trials < load_space("default").n_trials
+
+
+def test_precisions_the_device_lacks_are_dropped():
+    precisions = {c.precision for c in load_space("default").candidates(Workload(), CPU)}
+    assert "tf32" not in precisions and "fp32" in precisions
+    # DeepSpeed's CPU accelerator has no fp16 here: no fp16 + ZeRO pair survives.
+    assert not any(c.precision == "fp16" and c.uses_deepspeed for c in load_space("default").candidates(Workload(), CPU))
+
+
+def test_zero_only_where_it_means_something_for_the_rank_count():
+    space = load_space("default")
+    one_rank = space.candidates(Workload(nproc=1), GPU)
+    two_ranks = space.candidates(Workload(nproc=2), GPU)
+    assert all(c.offload != "none" for c in one_rank if c.uses_deepspeed)  # sharding over one rank saves nothing
+    assert any(c.zero_stage == 2 and c.offload == "none" for c in two_ranks)
+    assert {c.micro_batch for c in two_ranks} == {1, 2, 4, 8}  # divisors of 16 / 2 ranks
+
+
+def test_a_users_file(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("n_trials: 4\nknobs:\n  micro_batch: [2, 4]\n  checkpointing: [on, off]\n"
+                    "  lora_rank: [off, 8]\n  lora_targets: ['q_proj,v_proj']\n")
+    space = load_space(str(path))
+    configs = space.candidates(Workload(model="builtin:llama-tiny"), CPU)
+    assert space.n_trials == 4 and len(configs) == 8
+    assert {c.lora_targets for c in configs if c.uses_lora} == {("q_proj", "v_proj")}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("knobs:\n  micro_batchs: [1]\n", "unknown knob 'micro_batchs'; knobs: micro_batch, precision"),
+    ("knobs:\n  precision: [fp8]\n", "knobs.precision: 'fp8' is not allowed; allowed: a list of fp32, tf32, fp16, bf16"),
+    ("knobs:\n  micro_batch: [0]\n", "knobs.micro_batch: 0 is not allowed"),
+    ("knobs:\n  zero_stage: [4]\n", "knobs.zero_stage: 4 is not allowed; allowed: a list of off, 0, 1, 2, 3"),
+    ("knobs:\n  checkpointing: [maybe]\n", "knobs.checkpointing: 'maybe' is not allowed"),
+    ("knobs:\n  lora_rank: [8]\n  lora_alpha: [16, 32]\n", "knobs.lora_alpha: [16, 32] is not allowed"),
+    ("knobs:\n  offload: []\n", "knobs.offload is empty"),
+    ("knob:\n  precision: [fp32]\n", "unknown key 'knob'; allowed: description, knobs, n_trials, patience"),
+    ("n_trials: 0\nknobs:\n  precision: [fp32]\n", "n_trials: 0 must be a whole number of at least 1"),
+    ("- fp32\n", "a search space is a mapping"),
+    ("knobs: [\n", "not valid YAML (line"),
+])
+def test_bad_files_are_refused_naming_the_file_and_the_key(tmp_path, text, message):
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_space(str(path))
+    assert str(path) in str(info.value) and message in str(info.value)
+
+
+def test_values_that_cannot_run_here_are_refused_when_the_workload_is_known(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text("knobs:\n  micro_batch: [3]\n")
+    with pytest.raises(ConfigError, match=r"micro_batch \[3\] do not divide the per-rank batch 16"):
+        load_space(str(path)).candidates(Workload(global_batch=16), CPU)
+    path.write_text("knobs:\n  precision: [tf32]\n")
+    with pytest.raises(ConfigError, match="none of them trains on test-cpu"):
+        load_space(str(path)).candidates(Workload(), CPU)
+
+
+def test_unknown_preset_and_missing_file():
+    with pytest.raises(ConfigError, match="--space nope: no such preset; use one of default, lora, quick, zero"):
+        load_space("nope")
+    with pytest.raises(ConfigError, match="--space missing.yaml: no such file"):
+        load_space("missing.yaml")
+
+
+# -- the proposer ----------------------------------------------------------------------------------
+def _record(number: int, config: TrialConfig, status: str, *, tokens: float | None = None,
+            fits: bool = False) -> TrialRecord:
+    return TrialRecord(number=number, config=config, status=status, tokens_per_s=tokens, fits=fits)
+
+
+def test_implied_out_of_memory():
+    oom = TrialConfig(micro_batch=4)
+    assert implied_too_big(TrialConfig(micro_batch=8), [oom])
+    assert not implied_too_big(TrialConfig(micro_batch=2), [oom])
+    assert not implied_too_big(TrialConfig(micro_batch=8, checkpointing=True), [oom])  # other knobs differ
+
+
+def _proposer(tmp_path, text: str) -> Proposer:
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    return Proposer(load_space(str(path)), Workload(global_batch=16), CPU)
+
+
+def test_the_proposer_starts_safe_retries_interruptions_and_never_repeats(tmp_path):
+    import optuna
+
+    study = optuna.create_study(direction="maximize")  # empty: proposals come from the rules alone
+    proposer = _proposer(tmp_path, "knobs:\n  micro_batch: [2, 4, 8, 16]\n  checkpointing: [false, true]\n")
+    assert proposer.next_config(study, []) == TrialConfig(micro_batch=2, checkpointing=True)
+
+    interrupted = TrialConfig(micro_batch=4)
+    records = [_record(0, TrialConfig(micro_batch=2, checkpointing=True), "ok", tokens=10, fits=True),
+               _record(1, interrupted, "interrupted")]
+    assert proposer.next_config(study, records) == interrupted
+
+    records = [_record(0, TrialConfig(micro_batch=2, checkpointing=True), "ok", tokens=10, fits=True),
+               _record(1, TrialConfig(micro_batch=4), "oom"),
+               _record(2, TrialConfig(micro_batch=4, checkpointing=True), "ok", tokens=20, fits=False)]
+    # Left: mb=2 (no ckpt). mb 8/16 without ckpt are implied by the OOM at 4; with ckpt by the
+    # over-limit mb=4 ckpt.
+    for _ in range(5):
+        assert proposer.next_config(study, records) == TrialConfig(micro_batch=2)
+    records.append(_record(3, TrialConfig(micro_batch=2), "ok", tokens=5, fits=True))
+    assert proposer.next_config(study, records) is None  # exhausted
