@@ -24,6 +24,15 @@ _EXPORTS = {
     "run_trial": "autotune.runner",
     "parse_size": "autotune.sizes",
     "deepspeed_config": "autotune.deepspeed_config",
+    "find": "autotune.tuner",
+    "tune": "autotune.tuner",
+    "load_summary": "autotune.study",
+    "SearchSpace": "autotune.space",
+    "load_space": "autotune.space",
+    "StudySummary": "autotune.summary",
+    "TrialRecord": "autotune.summary",
+    "export_config": "autotune.exporters",
+    "write_report": "autotune.report",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -35,6 +44,12 @@ if TYPE_CHECKING:
     from autotune.result import PhaseTimings, TrialResult, TrialStatus
     from autotune.runner import run_trial
     from autotune.sizes import parse_size
+    from autotune.exporters import export_config
+    from autotune.report import write_report
+    from autotune.space import SearchSpace, load_space
+    from autotune.study import load_summary
+    from autotune.summary import StudySummary, TrialRecord
+    from autotune.tuner import find, tune
     from autotune.workload import Workload
 
 

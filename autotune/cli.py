@@ -264,10 +264,21 @@ def export(
         raise ConfigError(f"--study {study} has no confirmed config yet; run autotune tune --study {study} first")
     if output is None:
         print(_export_text(summary, fmt), end="")
-        return 0
-    path = _export_best(summary, fmt, output)
-    print(f"wrote {path} ({fmt}: {summary.best.config.describe()})", file=sys.stderr)
+    else:
+        print(f"wrote {_export_best(summary, fmt, output)} ({fmt}: {summary.best.config.describe()})",
+              file=sys.stderr)
+    print(_trains_line(summary.best.config, fmt), file=sys.stderr)
     return 0
+
+
+def _trains_line(config: TrialConfig, fmt: str) -> str:
+    """Precision and LoRA change what is trained: say so beside every export."""
+    from autotune.summary import what_is_trained
+
+    line = f"trains: {what_is_trained(config)['note']}"
+    if config.uses_lora and fmt != "peft":
+        line += " (the adapters: autotune export --format peft)"
+    return line
 
 
 @app.command()
@@ -304,11 +315,9 @@ def _progress() -> Any:
 
 
 def _summary(study: str, storage: str | None, *, with_importances: bool = False) -> Any:
-    from autotune.storage import load_study, open_storage
-    from autotune.study import summarize
+    from autotune.study import load_summary
 
-    return summarize(load_study(open_storage(storage), study, storage), url=storage,
-                     with_importances=with_importances)
+    return load_summary(study=study, storage=storage, with_importances=with_importances)
 
 
 def _load_summary(name: str, storage: str | None, backend: Any) -> Any:
@@ -368,9 +377,9 @@ def _finish(summary: Any, *, as_json: bool, exported: str | None = None, wanted_
 
         print_summary(summary)
         if exported:
-            print(f"wrote {exported} ({wanted_export})")
+            print(f"wrote {exported} ({wanted_export}); {_trains_line(summary.best.config, wanted_export)}")
         elif wanted_export:
-            print(f"nothing exported: no config fits yet", file=sys.stderr)
+            print("nothing exported: no config fits yet", file=sys.stderr)
     return 0 if summary.best is not None else 1
 
 

@@ -17,10 +17,18 @@ from autotune.workload import Workload
 if TYPE_CHECKING:
     import optuna
 
-__all__ = ["summarize", "records_of", "ranking", "CONFIRM_PREFIX"]
+__all__ = ["load_summary", "summarize", "records_of", "ranking", "CONFIRM_PREFIX"]
 
 CONFIRM_PREFIX = "confirm:"      # study user attribute per re-run winner candidate: confirm:<number>
 _MEASURED = ("ok", "oom", "timeout", "crashed", "nan", "error")
+
+
+def load_summary(*, study: str, storage: str | None = None, with_importances: bool = False) -> StudySummary:
+    """Read study ``study`` from ``storage`` (default ``sqlite:///storage/autotune.db``)."""
+    from autotune.storage import load_study, open_storage
+
+    return summarize(load_study(open_storage(storage), study, storage), url=storage,
+                     with_importances=with_importances)
 
 
 def summarize(study: optuna.Study, *, url: str | None, with_importances: bool = False) -> StudySummary:

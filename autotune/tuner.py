@@ -42,6 +42,7 @@ __all__ = ["tune", "find", "Progress", "DEFAULT_HEADROOM"]
 DEFAULT_HEADROOM = 0.10     # a config fits when its peak stays 10% under the budget
 CONFIRM_STEPS_FACTOR = 3    # the winner's re-run measures 3x as many steps
 MAX_CONFIRMATIONS = 3       # re-runs per tune call before settling on the best confirmed one
+_BROKEN_AFTER = 2           # stop when this many trials, and every one so far, errored or crashed
 
 
 class Progress(Protocol):
@@ -265,6 +266,11 @@ def _confirm_winner(study: optuna.Study, workload: Workload, measure: _Measure, 
 def _stop_reason(records: list[TrialRecord], *, target: int, patience: int | None, timeout_s: float | None,
                  elapsed_s: float) -> str | None:
     done = measured(records)
+    broken = [r for r in done if r.status in ("error", "crashed")]
+    if len(done) >= _BROKEN_AFTER and len(broken) == len(done):
+        last = (broken[-1].error or "").strip().splitlines()[-1:] or ["no message"]
+        return (f"every trial so far ended in {broken[-1].status} ({last[0]}); the workload itself fails: "
+                f"autotune trial with the same --model shows the whole error")
     if len(done) >= target:
         return f"{len(done)} trials measured (--n-trials {target})"
     if timeout_s is not None and elapsed_s >= timeout_s:

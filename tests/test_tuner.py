@@ -223,3 +223,12 @@ def test_ctrl_c_stops_cleanly_and_marks_the_interrupted_trial(tmp_path):
     assert _no_trial_left()
     trial = _study(tmp_path, "resume").trials[0]
     assert trial.state is TrialState.FAIL and trial.user_attrs["status"] == "interrupted"
+
+
+def test_a_workload_that_always_fails_stops_after_two_trials(tmp_path):
+    proc = autotune("tune", "--study", "broken", "--model", "factories:broken", "--space", "quick",
+                    "--memory-budget", "1GiB", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr  # no config fits
+    assert "every trial so far ended in error" in proc.stderr and "autotune trial" in proc.stderr
+    statuses = [r.status for r in records_of(_study(tmp_path, "broken"))]
+    assert statuses == ["error", "error"]
