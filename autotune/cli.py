@@ -172,9 +172,10 @@ def find(
         _check_format(export)
     elif output is not None:
         raise ConfigError("-o/--output is the file for --export; add --export FORMAT")
-    summary = find_config(workload=workload, space=space, memory_budget_bytes=_size(memory_budget),
-                          n_trials=n_trials, timeout_s=timeout, trial_timeout_s=trial_timeout,
-                          headroom=headroom, storage=storage, progress=None if as_json else _progress())
+    with _progress(quiet=as_json) as progress:
+        summary = find_config(workload=workload, space=space, memory_budget_bytes=_size(memory_budget),
+                              n_trials=n_trials, timeout_s=timeout, trial_timeout_s=trial_timeout,
+                              headroom=headroom, storage=storage, progress=progress)
     written = _export_best(summary, export, output) if export is not None and summary.best else None
     return _finish(summary, as_json=as_json, exported=written, wanted_export=export)
 
@@ -208,10 +209,11 @@ def tune(
     from autotune.tuner import tune as tune_study
 
     workload = _workload(model, task, seq_len, global_batch, nproc, device, trust_remote_code)
-    summary = tune_study(study=study, workload=workload, space=space, memory_budget_bytes=_size(memory_budget),
-                         n_trials=n_trials, timeout_s=timeout, trial_timeout_s=trial_timeout, patience=patience,
-                         headroom=headroom, storage=storage, warmup_steps=warmup_steps, measure_steps=steps,
-                         progress=None if as_json else _progress())
+    with _progress(quiet=as_json) as progress:
+        summary = tune_study(study=study, workload=workload, space=space,
+                             memory_budget_bytes=_size(memory_budget), n_trials=n_trials, timeout_s=timeout,
+                             trial_timeout_s=trial_timeout, patience=patience, headroom=headroom,
+                             storage=storage, warmup_steps=warmup_steps, measure_steps=steps, progress=progress)
     return _finish(summary, as_json=as_json)
 
 
@@ -308,10 +310,13 @@ def _size(text: str | None) -> int | None:
     return parse_size(text) if text is not None else None
 
 
-def _progress() -> Any:
+def _progress(*, quiet: bool) -> Any:
+    """Progress on stderr; none with --json, whose stdout is the one JSON object."""
+    import contextlib
+
     from autotune.render import ConsoleProgress
 
-    return ConsoleProgress()
+    return contextlib.nullcontext() if quiet else ConsoleProgress()
 
 
 def _summary(study: str, storage: str | None, *, with_importances: bool = False) -> Any:

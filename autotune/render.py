@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from autotune.knobs import TrialConfig
@@ -89,10 +90,21 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
 
 
 class ConsoleProgress:
-    """The tuner's progress as one line per event (plain text when not on a terminal)."""
+    """The tuner's progress as one line per event; on a terminal, a spinner with the trial's time too.
+
+    Plain lines when not on a terminal (logs, pipes). Use as a context manager so that the
+    spinner is gone however the tuning ends (Ctrl-C included).
+    """
 
     def __init__(self, console: Console | None = None) -> None:
         self.console = console or Console(stderr=True, soft_wrap=True)  # one line per event, even in a log
+        self._spinner: Progress | None = None
+
+    def __enter__(self) -> ConsoleProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop_spinner()
 
     def started(self, *, study: str, storage: str, measured: int, target: int, recovered: list[int]) -> None:
         self.console.print(f"study {study} in {storage}: {measured} of {target} trials measured", highlight=False)
@@ -101,10 +113,12 @@ class ConsoleProgress:
                                highlight=False)
 
     def trial_started(self, *, index: int, target: int, config: TrialConfig, retry: bool) -> None:
-        self.console.print(f"trial {index}/{target}: {config.describe()}" + ("  (retry)" if retry else ""),
-                           highlight=False)
+        text = f"trial {index}/{target}: {config.describe()}" + ("  (retry)" if retry else "")
+        self.console.print(text, highlight=False)
+        self._start_spinner(f"measuring {config.describe()}")
 
     def trial_finished(self, *, record: TrialRecord, best: TrialRecord | None, elapsed_s: float) -> None:
+        self._stop_spinner()
         figure = f"{_num(record.tokens_per_s)} tokens/s" if record.tokens_per_s is not None else "no figure"
         fit = "" if record.status != "ok" else ("" if record.fits else ", over the memory limit")
         best_text = f"{best.config.describe()} at {_num(best.tokens_per_s)} tokens/s" if best else "none fits yet"
@@ -112,7 +126,22 @@ class ConsoleProgress:
                            f"best so far {best_text}; {elapsed_s:.0f} s elapsed", highlight=False)
 
     def confirming(self, *, record: TrialRecord, steps: int) -> None:
+        self._stop_spinner()
         self.console.print(f"confirming {record.config.describe()} with {steps} steps", highlight=False)
+        self._start_spinner(f"re-running {record.config.describe()}")
 
     def stopped(self, *, reason: str) -> None:
         self.console.print(f"stopped: {reason}", highlight=False)
+
+    def _start_spinner(self, text: str) -> None:
+        if not self.console.is_terminal:
+            return
+        self._spinner = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                                 console=self.console, transient=True)
+        self._spinner.add_task(text, total=None)
+        self._spinner.start()
+
+    def _stop_spinner(self) -> None:
+        if self._spinner is not None:
+            self._spinner.stop()
+            self._spinner = None
