@@ -104,11 +104,7 @@ def trial(
     from autotune.sizes import parse_size
 
     workload = _workload(model, task, seq_len, global_batch, nproc, device, trust_remote_code)
-    config = TrialConfig(
-        micro_batch=micro_batch, precision=precision, checkpointing=_on_off(checkpointing, "--checkpointing"),
-        lora_rank=lora_rank, lora_alpha=lora_alpha,
-        lora_targets=tuple(t.strip() for t in lora_targets.split(",")) if lora_targets is not None else None,
-        zero_stage=_zero_stage(zero_stage), offload=offload)
+    config = _knobs(micro_batch, precision, checkpointing, lora_rank, lora_alpha, lora_targets, zero_stage, offload)
     if trial_timeout <= 0:
         raise ConfigError(f"--trial-timeout {trial_timeout:g} must be more than 0 seconds")
     if warmup_steps < 0 or steps < 1:
@@ -304,6 +300,15 @@ def _workload(model: str, task: str | None, seq_len: int, global_batch: int, npr
                     device=device, trust_remote_code=trust_remote_code)
 
 
+def _knobs(micro_batch: int, precision: str, checkpointing: str, lora_rank: int | None, lora_alpha: int | None,
+           lora_targets: str | None, zero_stage: str, offload: str) -> TrialConfig:
+    return TrialConfig(
+        micro_batch=micro_batch, precision=precision, checkpointing=_on_off(checkpointing, "--checkpointing"),
+        lora_rank=lora_rank, lora_alpha=lora_alpha,
+        lora_targets=tuple(t.strip() for t in lora_targets.split(",")) if lora_targets is not None else None,
+        zero_stage=_zero_stage(zero_stage), offload=offload)
+
+
 def _size(text: str | None) -> int | None:
     from autotune.sizes import parse_size
 
@@ -386,6 +391,68 @@ def _finish(summary: Any, *, as_json: bool, exported: str | None = None, wanted_
         elif wanted_export:
             print("nothing exported: no config fits yet", file=sys.stderr)
     return 0 if summary.best is not None else 1
+
+
+@app.command()
+def estimate(
+    model: ModelOpt = DEFAULT_MODEL,
+    task: TaskOpt = None,
+    seq_len: SeqLenOpt = 128,
+    global_batch: GlobalBatchOpt = 16,
+    nproc: NprocOpt = 1,
+    device: DeviceOpt = "auto",
+    trust_remote_code: TrustOpt = False,
+    micro_batch: MicroBatchOpt = 1,
+    precision: PrecisionOpt = "fp32",
+    checkpointing: CheckpointingOpt = "off",
+    lora_rank: LoraRankOpt = None,
+    lora_alpha: LoraAlphaOpt = None,
+    lora_targets: LoraTargetsOpt = None,
+    zero_stage: ZeroStageOpt = "off",
+    offload: OffloadOpt = "none",
+    space: Annotated[Optional[str], typer.Option(
+        "--space", help="Estimate every config of this space (preset or YAML file) instead of the knobs given.")] = None,
+    memory_budget: BudgetOpt = None,
+    headroom: HeadroomOpt = 0.1,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per config, a line each.")] = False,
+) -> int:
+    """Predict peak memory per rank without training: the real step on fake tensors, split into parts.
+
+    Tensor bytes only: what a GPU adds on top (CUDA context, allocator reserve) is not calibrated yet.
+    """
+    from autotune.estimator import estimate_memory
+    from autotune.models import resolve_task
+    from autotune.sizes import format_size
+
+    workload = _workload(model, task, seq_len, global_batch, nproc, device, trust_remote_code)
+    if space is not None:
+        from autotune.device import detect_device
+        from autotune.space import load_space
+
+        configs = load_space(space).candidates(workload, detect_device(workload.device))
+    else:
+        configs = [_knobs(micro_batch, precision, checkpointing, lora_rank, lora_alpha, lora_targets,
+                          zero_stage, offload)]
+        configs[0].grad_accum_steps(workload)
+    budget = _size(memory_budget)
+    limit = int(budget * (1 - headroom)) if budget is not None else None
+    resolved_task = resolve_task(workload)
+    if not as_json:
+        print(f"{'config':<34} {'peak':>10} {'params':>10} {'grads':>10} {'optimizer':>10} "
+              f"{'activations':>11} {'temporaries':>11}" + ("  fits" if limit is not None else ""))
+    for config in configs:
+        result = estimate_memory(workload, config, task=resolved_task)
+        fits = None if limit is None else result.fits(limit)
+        if as_json:
+            print(json.dumps({**result.to_dict(), "memory_budget_bytes": budget, "memory_limit_bytes": limit,
+                              "fits": fits}), flush=True)
+            continue
+        parts = (result.predicted_peak_bytes, result.parameters_bytes, result.gradients_bytes,
+                 result.optimizer_state_bytes)
+        print(f"{config.describe():<34} " + " ".join(f"{format_size(p):>10}" for p in parts)
+              + f" {format_size(result.activations_bytes):>11} {format_size(result.temporaries_bytes):>11}"
+              + ("" if fits is None else ("  yes" if fits else "  no")), flush=True)
+    return 0
 
 
 @app.command()
