@@ -132,6 +132,8 @@ HeadroomOpt = Annotated[float, typer.Option(
     "--headroom", help="A config fits when its peak stays this fraction under the budget (0.1 = 10%).")]
 StorageOpt = Annotated[Optional[str], typer.Option(
     "--storage", help="SQLAlchemy URL of the study database (default sqlite:///storage/autotune.db, under the current directory).")]
+EstimateOpt = Annotated[bool, typer.Option(
+    "--estimate/--no-estimate", help="Skip configs the memory estimator predicts more than 5% over the limit.")]
 StudyOpt = Annotated[str, typer.Option("--study", help="Study name (autotune studies lists them).")]
 FormatOpt = Annotated[str, typer.Option("--format", help="json, yaml, deepspeed, hf, accelerate, lightning or peft.")]
 
@@ -152,6 +154,7 @@ def find(
     trial_timeout: TimeoutOpt = 600.0,
     headroom: HeadroomOpt = 0.1,
     storage: StorageOpt = None,
+    estimate: EstimateOpt = True,
     export: Annotated[Optional[str], typer.Option(
         "--export", help="Also write the best config in this format (see autotune export).")] = None,
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="File for --export.")] = None,
@@ -171,7 +174,7 @@ def find(
     with _progress(quiet=as_json) as progress:
         summary = find_config(workload=workload, space=space, memory_budget_bytes=_size(memory_budget),
                               n_trials=n_trials, timeout_s=timeout, trial_timeout_s=trial_timeout,
-                              headroom=headroom, storage=storage, progress=progress)
+                              headroom=headroom, storage=storage, estimate=estimate, progress=progress)
     written = _export_best(summary, export, output) if export is not None and summary.best else None
     return _finish(summary, as_json=as_json, exported=written, wanted_export=export)
 
@@ -194,6 +197,7 @@ def tune(
     patience: PatienceOpt = None,
     headroom: HeadroomOpt = 0.1,
     storage: StorageOpt = None,
+    estimate: EstimateOpt = True,
     warmup_steps: WarmupOpt = 1,
     steps: StepsOpt = 3,
     as_json: JsonOpt = False,
@@ -209,7 +213,8 @@ def tune(
         summary = tune_study(study=study, workload=workload, space=space,
                              memory_budget_bytes=_size(memory_budget), n_trials=n_trials, timeout_s=timeout,
                              trial_timeout_s=trial_timeout, patience=patience, headroom=headroom,
-                             storage=storage, warmup_steps=warmup_steps, measure_steps=steps, progress=progress)
+                             storage=storage, warmup_steps=warmup_steps, measure_steps=steps,
+                             estimate=estimate, progress=progress)
     return _finish(summary, as_json=as_json)
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from autotune.summary import TrialRecord
     from autotune.workload import Workload
 
-__all__ = ["Proposer", "implied_too_big"]
+__all__ = ["Proposer", "implied_too_big", "implied_fits"]
 
 _ASKS_PER_PROPOSAL = 24   # mirror proposals tried before falling back to a neighbour of the best
 
@@ -57,8 +57,10 @@ class Proposer:
 
     def next_config(self, study: optuna.Study, records: list[TrialRecord]) -> TrialConfig | None:
         """The next config to measure, or None when every runnable config is measured or implied."""
-        done = {r.config for r in measured(records)} | {r.config for r in records if r.status == "running"}
-        too_big = [r.config for r in records if r.status == "oom" or (r.status == "ok" and not r.fits)]
+        done = {r.config for r in measured(records)}
+        done |= {r.config for r in records if r.status in ("running", "skipped")}
+        too_big = [r.config for r in records
+                   if r.status in ("oom", "skipped") or (r.status == "ok" and not r.fits)]
         open_configs = [c for c in self.candidates if c not in done and not implied_too_big(c, too_big)]
         if not open_configs:
             return None
@@ -110,6 +112,12 @@ class Proposer:
         best = self.params_of(ranked[0].config)
         return [c for c in open_configs
                 if sum(v != best[k] for k, v in self.params_of(c).items()) == 1]
+
+
+def implied_fits(config: TrialConfig, fitting: list[TrialConfig]) -> bool:
+    """A smaller micro batch with the same other knobs as a config that fit needs less memory."""
+    return any(config.micro_batch <= known.micro_batch and config.replace(micro_batch=known.micro_batch) == known
+               for known in fitting)
 
 
 def implied_too_big(config: TrialConfig, too_big: list[TrialConfig]) -> bool:

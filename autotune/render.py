@@ -73,8 +73,10 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
         for t in summary.trials:
             rerun = "-" if t.confirmed is None else (
                 f"{_num(t.confirmed_tokens_per_s)} tok/s" if t.confirmed else "refuted")
-            table.add_row(str(t.number), t.config.describe(), t.status, _num(t.tokens_per_s),
-                          format_size(t.peak_memory_bytes), "yes" if t.fits else "no", rerun)
+            peak = format_size(t.peak_memory_bytes) if t.status != "skipped" else \
+                f"{format_size(t.predicted_peak_bytes)} (predicted)"
+            table.add_row(str(t.number), t.config.describe(), t.status, _num(t.tokens_per_s), peak,
+                          "yes" if t.fits else "no", rerun)
         console.print(table)
     best = summary.best
     if best is None:
@@ -124,6 +126,11 @@ class ConsoleProgress:
         best_text = f"{best.config.describe()} at {_num(best.tokens_per_s)} tokens/s" if best else "none fits yet"
         self.console.print(f"  -> {record.status}: {figure}, peak {format_size(record.peak_memory_bytes)}{fit}; "
                            f"best so far {best_text}; {elapsed_s:.0f} s elapsed", highlight=False)
+
+    def skipped(self, *, record: TrialRecord, limit_bytes: int) -> None:
+        self.console.print(f"skipped {record.config.describe()}: predicted peak "
+                           f"{format_size(record.predicted_peak_bytes)} is over the limit {format_size(limit_bytes)}",
+                           highlight=False)
 
     def confirming(self, *, record: TrialRecord, steps: int) -> None:
         self._stop_spinner()

@@ -84,7 +84,8 @@ def records_of(study: optuna.Study) -> list[TrialRecord]:
             fits=status == "ok" and peak is not None and peak <= limit,
             duration_s=(trial.datetime_complete - trial.datetime_start).total_seconds()
             if trial.datetime_complete and trial.datetime_start else None,
-            error=result.get("error"),
+            error=result.get("error") or trial.user_attrs.get("reason"),
+            predicted_peak_bytes=(trial.user_attrs.get("estimate") or {}).get("predicted_peak_bytes"),
             confirmed=None if confirm is None else confirm["confirmed"],
             confirmed_tokens_per_s=None if confirm is None else confirm.get("tokens_per_s"),
             confirmed_samples_per_s=None if confirm is None else confirm.get("samples_per_s"),

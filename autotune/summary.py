@@ -17,7 +17,8 @@ __all__ = ["TrialRecord", "StudySummary", "what_is_trained"]
 
 @dataclass(frozen=True, kw_only=True)
 class TrialRecord:
-    """One trial of a study. ``status`` is a TrialStatus value, or ``interrupted`` / ``running``."""
+    """One trial of a study. ``status`` is a TrialStatus value, or ``interrupted``, ``running``, or
+    ``skipped`` (not run: the estimator predicted it over the memory limit)."""
 
     number: int
     config: TrialConfig
@@ -28,6 +29,7 @@ class TrialRecord:
     fits: bool = False                          # ok and its peak is under the memory limit
     duration_s: float | None = None             # wall time of the whole trial (start-up included)
     error: str | None = None
+    predicted_peak_bytes: int | None = None     # the estimator's prediction, when it was asked
     # The re-run of a winner candidate: None when not re-run; else whether it held up.
     confirmed: bool | None = None
     confirmed_tokens_per_s: float | None = None
@@ -46,6 +48,7 @@ class TrialRecord:
             "fits": self.fits,
             "duration_s": self.duration_s,
             "error": self.error,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
             "confirmed": self.confirmed,
             "confirmed_tokens_per_s": self.confirmed_tokens_per_s,
             "confirmed_samples_per_s": self.confirmed_samples_per_s,
@@ -70,8 +73,8 @@ class StudySummary:
 
     @property
     def n_trials(self) -> int:
-        """Trials that measured something (interrupted and running ones are not counted)."""
-        return sum(t.status not in ("interrupted", "running") for t in self.trials)
+        """Trials that measured something (interrupted, running and skipped ones are not counted)."""
+        return sum(t.status not in ("interrupted", "running", "skipped") for t in self.trials)
 
     def to_dict(self) -> dict[str, Any]:
         best = None

@@ -42,6 +42,7 @@ __all__ = ["tune", "find", "Progress", "DEFAULT_HEADROOM"]
 DEFAULT_HEADROOM = 0.10     # a config fits when its peak stays 10% under the budget
 CONFIRM_STEPS_FACTOR = 3    # the winner's re-run measures 3x as many steps
 MAX_CONFIRMATIONS = 3       # re-runs per tune call before settling on the best confirmed one
+SKIP_MARGIN = 0.05          # skip a config predicted more than 5% over the limit; closer ones still run
 _BROKEN_AFTER = 2           # stop when this many trials, and every one so far, errored or crashed
 
 
@@ -51,6 +52,7 @@ class Progress(Protocol):
     def started(self, *, study: str, storage: str, measured: int, target: int, recovered: list[int]) -> None: ...
     def trial_started(self, *, index: int, target: int, config: TrialConfig, retry: bool) -> None: ...
     def trial_finished(self, *, record: TrialRecord, best: TrialRecord | None, elapsed_s: float) -> None: ...
+    def skipped(self, *, record: TrialRecord, limit_bytes: int) -> None: ...
     def confirming(self, *, record: TrialRecord, steps: int) -> None: ...
     def stopped(self, *, reason: str) -> None: ...
 
@@ -72,13 +74,16 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
          memory_budget_bytes: int | None = None, n_trials: int | None = None, timeout_s: float | None = None,
          trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S, patience: int | None = None,
          headroom: float = DEFAULT_HEADROOM, storage: str | None = None, warmup_steps: int = 1,
-         measure_steps: int = 3, seed: int = 0, progress: Progress | None = None) -> StudySummary:
+         measure_steps: int = 3, seed: int = 0, estimate: bool = True,
+         progress: Progress | None = None) -> StudySummary:
     """Search ``space`` for the fastest config of ``workload`` that fits; return the study read back.
 
     ``n_trials`` is the study's total of measured trials (default: the space's), so running
     the same call again carries an unfinished study on to it. It stops early on ``timeout_s``
     (this call's wall time), ``patience`` measured trials without a faster fit, or an
-    exhausted space; then re-runs the winner longer to confirm it.
+    exhausted space; then re-runs the winner longer to confirm it. With ``estimate``, a config
+    the memory estimator predicts over the limit by more than 5% is not run but recorded as
+    ``skipped`` with its prediction.
     """
     from autotune.proposer import Proposer
     from autotune.storage import create_study, open_storage, recover_stale_trials
@@ -114,6 +119,8 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
         if reason:
             progress.stopped(reason=reason)
             break
+        if estimate and _predicted_too_big(the_study, proposer, config, workload, records, progress):
+            continue
         retry = any(r.status == "interrupted" and r.config == config for r in records)
         progress.trial_started(index=len(measured(records)) + 1, target=target, config=config, retry=retry)
         record = _measure_in_study(the_study, proposer, config, workload, measure)
@@ -126,7 +133,7 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
 def find(*, workload: Workload | None = None, space: str | Path | SearchSpace = "default",
          memory_budget_bytes: int | None = None, n_trials: int | None = None, timeout_s: float | None = None,
          trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S, headroom: float = DEFAULT_HEADROOM,
-         storage: str | None = None, progress: Progress | None = None) -> StudySummary:
+         storage: str | None = None, estimate: bool = True, progress: Progress | None = None) -> StudySummary:
     """One question, one answer: ``tune`` under a study name derived from workload, device, budget, space."""
     from autotune.storage import find_study_name
 
@@ -137,7 +144,8 @@ def find(*, workload: Workload | None = None, space: str | Path | SearchSpace = 
     meta = question(workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom)
     return tune(study=find_study_name(meta, space.name), workload=workload, space=space,
                 memory_budget_bytes=budget, n_trials=n_trials, timeout_s=timeout_s,
-                trial_timeout_s=trial_timeout_s, headroom=headroom, storage=storage, progress=progress)
+                trial_timeout_s=trial_timeout_s, headroom=headroom, storage=storage, estimate=estimate,
+                progress=progress)
 
 
 def question(*, workload: Workload, space: SearchSpace, device: DeviceInfo, memory_budget_bytes: int,
@@ -195,6 +203,41 @@ def _measure_in_study(study: optuna.Study, proposer: Proposer, config: TrialConf
     else:
         study.tell(trial, state=TrialState.FAIL)
     return next(r for r in records_of(study) if r.number == trial.number)
+
+
+def _predicted_too_big(study: optuna.Study, proposer: Proposer, config: TrialConfig, workload: Workload,
+                       records: list[TrialRecord], progress: Progress) -> bool:
+    """Ask the estimator first; record a config predicted well over the limit as skipped, unrun."""
+    from optuna.trial import TrialState
+
+    from autotune.proposer import implied_fits
+
+    if implied_fits(config, [r.config for r in records if r.fits]):
+        return False  # a larger micro batch with the same knobs already fit
+    limit = memory_limit(study.user_attrs["autotune"])
+    try:
+        from autotune.estimator import estimate_memory
+
+        prediction = estimate_memory(workload, config)
+    except Exception:  # noqa: BLE001 - a model the estimator cannot trace is simply measured
+        return False
+    if prediction.predicted_peak_bytes <= limit * (1 + SKIP_MARGIN):
+        return False
+    study.enqueue_trial(proposer.params_of(config))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Heartbeat of storage")
+        trial = study.ask()
+    proposer.suggest(trial)
+    trial.set_user_attr("config", config.to_dict())
+    trial.set_user_attr("status", "skipped")
+    trial.set_user_attr("estimate", prediction.to_dict())
+    trial.set_user_attr("reason", f"not run: predicted peak {prediction.predicted_peak_bytes} B is more than "
+                                  f"{SKIP_MARGIN:.0%} over the memory limit {limit} B")
+    trial.set_constraint("memory", prediction.predicted_peak_bytes / limit - 1)
+    study.tell(trial, state=TrialState.PRUNED)  # the sampler learns from it as from an OOM
+    record = next(r for r in records_of(study) if r.number == trial.number)
+    progress.skipped(record=record, limit_bytes=limit)
+    return True
 
 
 class _heartbeat:

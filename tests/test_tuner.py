@@ -46,7 +46,8 @@ def found(tmp_path_factory):
     """One real `autotune find` (default storage under the working directory)."""
     work = tmp_path_factory.mktemp("find")
     (work / "space.yaml").write_text(SPACE)
-    args = ("find", "--model", MODEL, "--memory-budget", BUDGET, "--space", "space.yaml", "--json")
+    # Without the estimator, so that the configs that do not fit really run and OOM.
+    args = ("find", "--model", MODEL, "--memory-budget", BUDGET, "--space", "space.yaml", "--no-estimate", "--json")
     first = autotune(*args, cwd=work)
     assert first.returncode == 0, first.stderr
     return work, args, json.loads(first.stdout), first
@@ -232,3 +233,21 @@ def test_a_workload_that_always_fails_stops_after_two_trials(tmp_path):
     assert "every trial so far ended in error" in proc.stderr and "autotune trial" in proc.stderr
     statuses = [r.status for r in records_of(_study(tmp_path, "broken"))]
     assert statuses == ["error", "error"]
+
+
+def test_the_estimator_skips_a_config_predicted_over_the_limit_and_show_lists_it(tmp_path):
+    (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2, 4]\n  precision: [fp32]\n"
+                                         "  checkpointing: [false]\n")
+    proc = autotune("tune", "--study", "est", "--model", MODEL, "--memory-budget", BUDGET, "--space", "space.yaml",
+                    "--n-trials", "2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "skipped mb=4 fp32: predicted peak" in proc.stderr
+    study = _study(tmp_path, "est")
+    skipped = next(t for t in study.trials if t.user_attrs.get("status") == "skipped")
+    assert skipped.state is TrialState.PRUNED and skipped.constraints["memory"] > 0
+    assert skipped.user_attrs["estimate"]["predicted_peak_bytes"] > 84 * 2**20 * 0.9
+    shown = json.loads(autotune("show", "--study", "est", "--json", cwd=tmp_path).stdout)
+    assert shown["n_trials"] == 1  # a skipped config is not a measured trial
+    assert [(t["status"], t["config"]["micro_batch"]) for t in shown["trials"]] == [("ok", 2), ("skipped", 4)]
+    assert "not run: predicted peak" in shown["trials"][1]["error"]
+    assert "(predicted)" in autotune("show", "--study", "est", cwd=tmp_path).stdout
