@@ -425,7 +425,7 @@ def estimate(
 
     Tensor bytes only: what a GPU adds on top (CUDA context, allocator reserve) is not calibrated yet.
     """
-    from autotune.estimator import estimate_memory
+    from autotune.estimator import predict_memory
     from autotune.models import resolve_task
     from autotune.sizes import format_size
 
@@ -446,7 +446,7 @@ def estimate(
         print(f"{'config':<34} {'peak':>10} {'params':>10} {'grads':>10} {'optimizer':>10} "
               f"{'activations':>11} {'temporaries':>11}" + ("  fits" if limit is not None else ""))
     for config in configs:
-        result = estimate_memory(workload, config, task=resolved_task)
+        result = predict_memory(workload, config, task=resolved_task)
         fits = None if limit is None else result.fits(limit)
         if as_json:
             print(json.dumps({**result.to_dict(), "memory_budget_bytes": budget, "memory_limit_bytes": limit,

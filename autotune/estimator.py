@@ -12,6 +12,9 @@ What fake tensors cannot show is added or stated:
   PyTorch and the model states are replaced with DeepSpeed's arithmetic (the ZeRO paper's
   2/2/12 bytes per parameter in mixed precision, 4/4/8 in fp32; optimizer states / N from stage
   1, gradients / N from stage 2, parameters / N at stage 3; offloaded states leave the device).
+  DeepSpeed's own estimator says 2Ψ + 18Ψ/N for ZeRO-2: its optimizer also keeps an fp32
+  partition of the gradients (4Ψ/N) that the paper's count leaves out. Which one matches
+  ``max_memory_allocated`` is for a GPU measurement to settle; until then this follows the paper.
 * What no tensor shows on a GPU (CUDA context, allocator reserve, library workspaces): unknown
   until calibrated on a GPU, so ``overhead_bytes`` is ``None`` and the prediction is of
   tensor bytes (what ``max_memory_allocated`` and the CPU tracker count).
@@ -20,15 +23,19 @@ What fake tensors cannot show is added or stated:
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from autotune.errors import AutotuneError
 from autotune.knobs import TrialConfig
 from autotune.workload import Workload
 
-__all__ = ["MemoryEstimate", "estimate_memory"]
+__all__ = ["MemoryEstimate", "estimate_memory", "predict_memory"]
 
 _OPTIMIZER_STEPS = 2   # the second step is the first with optimizer state, gradients and activations
 _MICRO_STEPS = 2       # accumulation past the second micro-step adds nothing: gradients exist by then
@@ -63,8 +70,39 @@ class MemoryEstimate:
         }
 
 
+def predict_memory(workload: Workload, config: TrialConfig, *, task: str | None = None,
+                   timeout_s: float = 300) -> MemoryEstimate:
+    """:func:`estimate_memory` in a fresh process, like a trial: the caller's process stays clean.
+
+    Fake tensors, PEFT and Transformers' model code leave state behind (and, with some models,
+    a heap that glibc aborts on at interpreter exit); a process per estimate keeps that away from
+    the tuner. Raises EstimateError when the estimate fails.
+    """
+    import subprocess
+    import sys
+
+    spec = json.dumps({"workload": workload.to_dict(), "config": config.to_dict(), "task": task})
+    try:
+        proc = subprocess.run([sys.executable, "-m", "autotune.estimator"], input=spec, capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise EstimateError(f"the estimate took more than {timeout_s:g} s") from None
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise EstimateError(f"the estimate failed (exit {proc.returncode}): {tail}")
+    data = json.loads(lines[-1])
+    data["config"] = config
+    data.pop("describe", None)
+    return MemoryEstimate(**data)
+
+
+class EstimateError(AutotuneError):
+    """The estimator could not trace this model or config."""
+
+
 def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None = None) -> MemoryEstimate:
-    """Predict the peak tensor memory of one rank training ``workload`` with ``config``."""
+    """Predict the peak tensor memory of one rank training ``workload`` with ``config`` (in this process)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -182,8 +220,19 @@ def _zero_states(engine: Any, config: TrialConfig, ranks: int) -> tuple[int, int
 
 
 def _bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (tied weights and views counted once)."""
     storages: dict[int, int] = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()
-        storages[id(storage._cdata) if hasattr(storage, "_cdata") else id(storage)] = storage.nbytes()
+        storages[storage._cdata] = storage.nbytes()  # the C storage's address: one entry per storage
     return sum(storages.values())
+
+
+if __name__ == "__main__":
+    # python -m autotune.estimator < {"workload": ..., "config": ..., "task": ...}: one JSON line out.
+    request = json.loads(sys.stdin.read())
+    result = estimate_memory(Workload.from_dict(request["workload"]), TrialConfig.from_dict(request["config"]),
+                             task=request.get("task"))
+    sys.stdout.write(json.dumps(result.to_dict()) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: fake tensors' finalisers are not worth waiting (or crashing) for

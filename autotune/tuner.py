@@ -35,6 +35,7 @@ from autotune.workload import Workload
 if TYPE_CHECKING:
     import optuna
 
+    from autotune.estimator import MemoryEstimate
     from autotune.proposer import Proposer
 
 __all__ = ["tune", "find", "Progress", "DEFAULT_HEADROOM"]
@@ -119,11 +120,12 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
         if reason:
             progress.stopped(reason=reason)
             break
-        if estimate and _predicted_too_big(the_study, proposer, config, workload, records, progress):
+        prediction = _predict(config, workload, records) if estimate else None
+        if prediction is not None and _skip_if_too_big(the_study, proposer, config, prediction, progress):
             continue
         retry = any(r.status == "interrupted" and r.config == config for r in records)
         progress.trial_started(index=len(measured(records)) + 1, target=target, config=config, retry=retry)
-        record = _measure_in_study(the_study, proposer, config, workload, measure)
+        record = _measure_in_study(the_study, proposer, config, workload, measure, prediction)
         progress.trial_finished(record=record, best=next(iter(ranking(records_of(the_study))), None),
                                 elapsed_s=time.monotonic() - started)
     _confirm_winner(the_study, workload, measure, progress)
@@ -165,19 +167,13 @@ def question(*, workload: Workload, space: SearchSpace, device: DeviceInfo, memo
 
 # -- one trial in the study ----------------------------------------------------------------------
 def _measure_in_study(study: optuna.Study, proposer: Proposer, config: TrialConfig, workload: Workload,
-                      measure: _Measure) -> TrialRecord:
+                      measure: _Measure, prediction: MemoryEstimate | None) -> TrialRecord:
     from optuna.trial import TrialState
 
-    from autotune.storage import worker_id
-
-    study.enqueue_trial(proposer.params_of(config))
-    with warnings.catch_warnings():
-        # Optuna warns that heartbeats are meant for Study.optimize; _heartbeat records them here.
-        warnings.filterwarnings("ignore", message="Heartbeat of storage")
-        trial = study.ask()
-    config = proposer.suggest(trial)  # the enqueued params (another worker may have taken ours)
-    trial.set_user_attr("config", config.to_dict())
-    trial.set_user_attr("worker", worker_id())
+    trial = _ask(study, proposer, config)
+    config = TrialConfig.from_dict(trial.user_attrs["config"])
+    if prediction is not None:
+        trial.set_user_attr("estimate", prediction.to_dict())  # predicted next to measured, for show
     try:
         with _heartbeat(study, trial):
             result = run_trial(workload, config, memory_budget_bytes=measure.memory_budget_bytes,
@@ -205,30 +201,28 @@ def _measure_in_study(study: optuna.Study, proposer: Proposer, config: TrialConf
     return next(r for r in records_of(study) if r.number == trial.number)
 
 
-def _predicted_too_big(study: optuna.Study, proposer: Proposer, config: TrialConfig, workload: Workload,
-                       records: list[TrialRecord], progress: Progress) -> bool:
-    """Ask the estimator first; record a config predicted well over the limit as skipped, unrun."""
-    from optuna.trial import TrialState
-
+def _predict(config: TrialConfig, workload: Workload, records: list[TrialRecord]) -> MemoryEstimate | None:
+    """The estimator's prediction, unless a larger micro batch with the same knobs already fit."""
+    from autotune.estimator import EstimateError, predict_memory
     from autotune.proposer import implied_fits
 
     if implied_fits(config, [r.config for r in records if r.fits]):
-        return False  # a larger micro batch with the same knobs already fit
-    limit = memory_limit(study.user_attrs["autotune"])
+        return None
     try:
-        from autotune.estimator import estimate_memory
+        return predict_memory(workload, config)
+    except EstimateError:  # a model the estimator cannot trace is simply measured
+        return None
 
-        prediction = estimate_memory(workload, config)
-    except Exception:  # noqa: BLE001 - a model the estimator cannot trace is simply measured
-        return False
+
+def _skip_if_too_big(study: optuna.Study, proposer: Proposer, config: TrialConfig, prediction: MemoryEstimate,
+                     progress: Progress) -> bool:
+    """Record a config predicted well over the limit as skipped, unrun; borderline ones still run."""
+    from optuna.trial import TrialState
+
+    limit = memory_limit(study.user_attrs["autotune"])
     if prediction.predicted_peak_bytes <= limit * (1 + SKIP_MARGIN):
         return False
-    study.enqueue_trial(proposer.params_of(config))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Heartbeat of storage")
-        trial = study.ask()
-    proposer.suggest(trial)
-    trial.set_user_attr("config", config.to_dict())
+    trial = _ask(study, proposer, config)
     trial.set_user_attr("status", "skipped")
     trial.set_user_attr("estimate", prediction.to_dict())
     trial.set_user_attr("reason", f"not run: predicted peak {prediction.predicted_peak_bytes} B is more than "
@@ -238,6 +232,21 @@ def _predicted_too_big(study: optuna.Study, proposer: Proposer, config: TrialCon
     record = next(r for r in records_of(study) if r.number == trial.number)
     progress.skipped(record=record, limit_bytes=limit)
     return True
+
+
+def _ask(study: optuna.Study, proposer: Proposer, config: TrialConfig) -> optuna.Trial:
+    """A new trial of the study holding ``config`` (enqueued, so the sampler is not consulted)."""
+    from autotune.storage import worker_id
+
+    study.enqueue_trial(proposer.params_of(config))
+    with warnings.catch_warnings():
+        # Optuna warns that heartbeats are meant for Study.optimize; _heartbeat records them here.
+        warnings.filterwarnings("ignore", message="Heartbeat of storage")
+        trial = study.ask()
+    config = proposer.suggest(trial)  # the enqueued params (another worker may have taken ours)
+    trial.set_user_attr("config", config.to_dict())
+    trial.set_user_attr("worker", worker_id())
+    return trial
 
 
 class _heartbeat:

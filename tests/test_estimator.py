@@ -1,4 +1,6 @@
-"""The estimator against the CPU tracker: predicted peaks of real trials' configs, two architectures."""
+"""The estimator against the CPU tracker: predicted peaks of real trials' configs, two architectures.
+
+Estimates run as the tuner runs them: each in a fresh process (``predict_memory``)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import sys
 
 import pytest
 
-from autotune.estimator import estimate_memory
+from autotune.estimator import predict_memory
 from autotune.knobs import TrialConfig
 from autotune.runner import run_trial
 from autotune.workload import Workload
@@ -24,7 +26,7 @@ CASES = [
 @pytest.mark.parametrize("model, config", CASES, ids=[f"{m}-{c.describe()}" for m, c in CASES])
 def test_predicted_peak_is_within_5_percent_of_the_measured_one(model, config):
     workload = Workload(model=model, seq_len=64)
-    predicted = estimate_memory(workload, config)
+    predicted = predict_memory(workload, config)
     measured = run_trial(workload, config, warmup_steps=1, measure_steps=1)
     assert measured.ok, measured.error
     error = predicted.predicted_peak_bytes / measured.peak_memory_bytes - 1
@@ -36,16 +38,16 @@ def test_predicted_peak_is_within_5_percent_of_the_measured_one(model, config):
 
 def test_model_states_follow_the_arithmetic():
     workload = Workload(model="builtin:gpt2-tiny", seq_len=32, global_batch=8, nproc=2)
-    full = estimate_memory(workload, TrialConfig(micro_batch=4))
+    full = predict_memory(workload, TrialConfig(micro_batch=4))
     params = full.parameters_bytes // 4  # fp32
     assert full.gradients_bytes == 4 * params and full.optimizer_state_bytes == 8 * params  # Adam m + v
-    lora = estimate_memory(workload, TrialConfig(micro_batch=4, lora_rank=8))
+    lora = predict_memory(workload, TrialConfig(micro_batch=4, lora_rank=8))
     assert lora.gradients_bytes < full.gradients_bytes / 20  # only the adapters train
-    zero2 = estimate_memory(workload, TrialConfig(micro_batch=4, precision="bf16", zero_stage=2))
+    zero2 = predict_memory(workload, TrialConfig(micro_batch=4, precision="bf16", zero_stage=2))
     assert zero2.parameters_bytes == 2 * params                       # 16-bit weights
     assert zero2.gradients_bytes == 2 * params // 2                   # sharded over 2 ranks
     assert zero2.optimizer_state_bytes == 12 * params // 2            # fp32 master + m + v, sharded
-    zero3 = estimate_memory(workload, TrialConfig(micro_batch=4, zero_stage=3, offload="optimizer+params"))
+    zero3 = predict_memory(workload, TrialConfig(micro_batch=4, zero_stage=3, offload="optimizer+params"))
     assert zero3.parameters_bytes == 0 and zero3.optimizer_state_bytes == 0
 
 

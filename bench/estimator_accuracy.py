@@ -1,0 +1,72 @@
+"""Accuracy of the memory estimator: predicted peak against the measured one, across the knobs.
+
+    python bench/estimator_accuracy.py [--out bench/results/estimator_accuracy_cpu.json]
+
+Each config is measured by a real trial (on a CPU: the live-bytes tracker's peak, i.e. tensor
+bytes, which is what the estimator predicts; on CUDA: max_memory_allocated, with reserved
+alongside) and predicted by ``estimate_memory``. ZeRO configs are left out on a CPU: there
+the trial's tracker counts offloaded states too (host and device are the same memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+from pathlib import Path
+
+from autotune.device import detect_device
+from autotune.estimator import predict_memory
+from autotune.knobs import TrialConfig
+from autotune.runner import run_trial
+from autotune.workload import Workload
+
+MODELS = ["builtin:gpt2-deep-tiny", "builtin:llama-tiny", "builtin:bert-tiny"]
+CONFIGS = [
+    TrialConfig(micro_batch=1),
+    TrialConfig(micro_batch=4),
+    TrialConfig(micro_batch=8, checkpointing=True),
+    TrialConfig(micro_batch=4, precision="bf16"),
+    TrialConfig(micro_batch=4, lora_rank=8),
+    TrialConfig(micro_batch=8, lora_rank=8, checkpointing=True, precision="bf16"),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/estimator_accuracy_cpu.json"))
+    parser.add_argument("--seq-len", type=int, default=128)
+    args = parser.parse_args()
+
+    device = detect_device("auto")
+    rows = []
+    for model in MODELS:
+        workload = Workload(model=model, seq_len=args.seq_len, global_batch=16)
+        for config in CONFIGS:
+            predicted = predict_memory(workload, config)
+            measured = run_trial(workload, config, warmup_steps=1, measure_steps=1)
+            if not measured.ok:
+                print(f"{model} {config.describe()}: trial {measured.status.value}, left out")
+                continue
+            reference = measured.peak_allocated_bytes or measured.peak_memory_bytes
+            error = predicted.predicted_peak_bytes / reference - 1
+            rows.append({"model": model, "config": config.describe(),
+                         "predicted_peak_bytes": predicted.predicted_peak_bytes,
+                         "measured_allocated_bytes": reference,
+                         "measured_reserved_bytes": measured.peak_reserved_bytes,
+                         "relative_error": error, "estimate_seconds": predicted.seconds})
+            print(f"{model:<24} {config.describe():<26} predicted {predicted.predicted_peak_bytes / 2**20:8.1f} MiB"
+                  f"  measured {reference / 2**20:8.1f} MiB  error {error:+.1%}", flush=True)
+    errors = [abs(r["relative_error"]) for r in rows]
+    summary = {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors), "configs": len(rows)}
+    print(f"median |error| {summary['median_abs_error']:.2%}, max |error| {summary['max_abs_error']:.2%} "
+          f"over {len(rows)} configs ({device.type}: {device.name})")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "command": "python bench/estimator_accuracy.py", "device": device.type, "device_name": device.name,
+        "host": platform.node(), "seq_len": args.seq_len, "summary": summary, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
