@@ -159,7 +159,7 @@ RESUME_SPACE = "n_trials: 3\nknobs:\n  micro_batch: [1, 2, 4, 8]\n  precision: [
 def _start_tune(work: Path) -> subprocess.Popen[str]:
     (work / "space.yaml").write_text(RESUME_SPACE)
     return subprocess.Popen([sys.executable, "-m", "autotune", "tune", "--study", "resume", "--space", "space.yaml",
-                             "--memory-budget", "1GiB", "--seq-len", "64"], cwd=work,
+                             "--memory-budget", "1GiB", "--seq-len", "64", "--no-estimate"], cwd=work,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -228,7 +228,7 @@ def test_ctrl_c_stops_cleanly_and_marks_the_interrupted_trial(tmp_path):
 
 def test_a_workload_that_always_fails_stops_after_two_trials(tmp_path):
     proc = autotune("tune", "--study", "broken", "--model", "factories:broken", "--space", "quick",
-                    "--memory-budget", "1GiB", cwd=tmp_path)
+                    "--memory-budget", "1GiB", "--no-estimate", cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr  # no config fits
     assert "every trial so far ended in error" in proc.stderr and "autotune trial" in proc.stderr
     statuses = [r.status for r in records_of(_study(tmp_path, "broken"))]
