@@ -60,6 +60,8 @@ def _trains(config: TrialConfig) -> str:
 def print_summary(summary: StudySummary, *, console: Console | None = None, all_trials: bool = True) -> None:
     """Every trial of a study, then the best config and what it trains."""
     console = console or Console(soft_wrap=True)  # long lines stay whole in logs and pipes
+    if not console.is_terminal:
+        console.width = max(console.width, 120)  # a log or pipe has no width: keep table rows on one line
     w = summary.workload
     console.print(f"study [bold]{summary.name}[/] in {summary.storage}", highlight=False)
     console.print(f"  {w.model}, seq {w.seq_len}, global batch {w.global_batch}, {w.nproc} rank(s) on "
