@@ -170,8 +170,7 @@ def _measure_in_study(study: optuna.Study, proposer: Proposer, config: TrialConf
                       measure: _Measure, prediction: MemoryEstimate | None) -> TrialRecord:
     from optuna.trial import TrialState
 
-    trial = _ask(study, proposer, config)
-    config = TrialConfig.from_dict(trial.user_attrs["config"])
+    trial, config = _ask(study, proposer, config)
     if prediction is not None:
         trial.set_user_attr("estimate", prediction.to_dict())  # predicted next to measured, for show
     try:
@@ -222,7 +221,7 @@ def _skip_if_too_big(study: optuna.Study, proposer: Proposer, config: TrialConfi
     limit = memory_limit(study.user_attrs["autotune"])
     if prediction.predicted_peak_bytes <= limit * (1 + SKIP_MARGIN):
         return False
-    trial = _ask(study, proposer, config)
+    trial, _ = _ask(study, proposer, config)
     trial.set_user_attr("status", "skipped")
     trial.set_user_attr("estimate", prediction.to_dict())
     trial.set_user_attr("reason", f"not run: predicted peak {prediction.predicted_peak_bytes} B is more than "
@@ -234,8 +233,9 @@ def _skip_if_too_big(study: optuna.Study, proposer: Proposer, config: TrialConfi
     return True
 
 
-def _ask(study: optuna.Study, proposer: Proposer, config: TrialConfig) -> optuna.Trial:
-    """A new trial of the study holding ``config`` (enqueued, so the sampler is not consulted)."""
+def _ask(study: optuna.Study, proposer: Proposer, config: TrialConfig) -> tuple[optuna.Trial, TrialConfig]:
+    """A new trial of the study holding ``config`` (enqueued, so the sampler is not consulted),
+    and the config it really holds."""
     from autotune.storage import worker_id
 
     study.enqueue_trial(proposer.params_of(config))
@@ -246,7 +246,7 @@ def _ask(study: optuna.Study, proposer: Proposer, config: TrialConfig) -> optuna
     config = proposer.suggest(trial)  # the enqueued params (another worker may have taken ours)
     trial.set_user_attr("config", config.to_dict())
     trial.set_user_attr("worker", worker_id())
-    return trial
+    return trial, config
 
 
 class _heartbeat:
