@@ -77,13 +77,14 @@ def _run(spec: dict[str, Any], record: dict[str, Any]) -> None:
 
     try:
         with tracker if tracker is not None else contextlib.nullcontext():
-            _train(spec, record, workload=workload, config=config, device=device, world_size=world_size)
+            _train(spec, record, workload=workload, config=config, device=device, world_size=world_size,
+                   peak_so_far=lambda: _peak_allocated(device, tracker))
     finally:
         _record_peaks(record, device, tracker)
 
 
 def _train(spec: dict[str, Any], record: dict[str, Any], *, workload: Any, config: Any,
-           device: Any, world_size: int) -> None:
+           device: Any, world_size: int, peak_so_far: Any) -> None:
     from autotune.engine import build_engine
     from autotune.measure import time_steps
 
@@ -92,6 +93,7 @@ def _train(spec: dict[str, Any], record: dict[str, Any], *, workload: Any, confi
                           world_size=world_size)
     record.update(trainable_params=engine.trainable_params, total_params=engine.total_params)
     record["phases"]["build_s"] = time.perf_counter() - begin
+    record["build_peak_bytes"] = peak_so_far()  # tells a build-time peak from a training-step one
 
     def sync() -> None:
         if device.type == "cuda":
@@ -136,6 +138,14 @@ def _init_distributed(workload: Any, config: Any, device: Any) -> int:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
     return dist.get_world_size()
+
+
+def _peak_allocated(device: Any, tracker: Any) -> int:
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated(device)
+    return tracker.peak_bytes
 
 
 def _record_peaks(record: dict[str, Any], device: Any, tracker: Any) -> None:

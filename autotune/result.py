@@ -56,6 +56,7 @@ class TrialResult:
     peak_memory_bytes: int | None = None       # reserved on CUDA, tracked tensor bytes on CPU; max over ranks
     peak_allocated_bytes: int | None = None    # CUDA allocated (tracked bytes on CPU); max over ranks
     peak_reserved_bytes: int | None = None     # CUDA only
+    build_peak_bytes: int | None = None        # allocated/tracked peak before the first step (model + engine build)
     peak_memory_per_rank: list[int] | None = None
     optimizer_state_bytes: int | None = None   # per rank, max over ranks
     trainable_params: int | None = None

@@ -167,6 +167,7 @@ def _combine(config: TrialConfig, records: list[dict[str, Any] | None], *, retur
         measured_steps=base.get("measured_steps") or 0,
         peak_memory_bytes=max(peaks) if peaks else None,
         peak_allocated_bytes=_max_of(written, "peak_allocated_bytes"),
+        build_peak_bytes=_max_of(written, "build_peak_bytes"),
         peak_reserved_bytes=_max_of(written, "peak_reserved_bytes"),
         peak_memory_per_rank=[r.get("peak_memory_bytes") if r else None for r in records] if world_size > 1 else None,
         optimizer_state_bytes=_max_of(written, "optimizer_state_bytes"),

@@ -7,25 +7,30 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from autotune.estimator import predict_memory
+from autotune.estimator import ZERO3_MAX_LIVE_PARAMETERS, _zero_states, predict_memory
 from autotune.knobs import TrialConfig
 from autotune.runner import run_trial
 from autotune.workload import Workload
 
 CASES = [
-    ("builtin:gpt2-deep-tiny", TrialConfig(micro_batch=2)),
-    ("builtin:gpt2-deep-tiny", TrialConfig(micro_batch=8, checkpointing=True)),
-    ("builtin:llama-tiny", TrialConfig(micro_batch=4, lora_rank=8)),
-    ("builtin:llama-tiny", TrialConfig(micro_batch=4, precision="bf16", checkpointing=True)),
+    ("builtin:gpt2-deep-tiny", 1, TrialConfig(micro_batch=2)),
+    ("builtin:gpt2-deep-tiny", 1, TrialConfig(micro_batch=8, checkpointing=True)),
+    ("builtin:llama-tiny", 1, TrialConfig(micro_batch=4, lora_rank=8)),
+    ("builtin:llama-tiny", 1, TrialConfig(micro_batch=4, precision="bf16", checkpointing=True)),
+    # Two real ranks: DDP's buckets, and DeepSpeed's own ZeRO optimizer against the arithmetic.
+    ("builtin:llama-tiny", 2, TrialConfig(micro_batch=2)),
+    ("builtin:llama-tiny", 2, TrialConfig(micro_batch=2, precision="bf16", zero_stage=2)),
+    ("builtin:gpt2-deep-tiny", 2, TrialConfig(micro_batch=2, zero_stage=3)),
 ]
 
 
-@pytest.mark.parametrize("model, config", CASES, ids=[f"{m}-{c.describe()}" for m, c in CASES])
-def test_predicted_peak_is_within_5_percent_of_the_measured_one(model, config):
-    workload = Workload(model=model, seq_len=64)
+@pytest.mark.parametrize("model, nproc, config", CASES, ids=[f"{m}-n{n}-{c.describe()}" for m, n, c in CASES])
+def test_predicted_peak_is_within_5_percent_of_the_measured_one(model, nproc, config):
+    workload = Workload(model=model, seq_len=64, global_batch=8, nproc=nproc)
     predicted = predict_memory(workload, config)
     measured = run_trial(workload, config, warmup_steps=1, measure_steps=1)
     assert measured.ok, measured.error
@@ -36,19 +41,41 @@ def test_predicted_peak_is_within_5_percent_of_the_measured_one(model, config):
     assert parts == predicted.predicted_peak_bytes and predicted.overhead_bytes is None
 
 
-def test_model_states_follow_the_arithmetic():
-    workload = Workload(model="builtin:gpt2-tiny", seq_len=32, global_batch=8, nproc=2)
+def test_model_states_of_a_traced_step():
+    workload = Workload(model="builtin:gpt2-tiny", seq_len=32, global_batch=8)
     full = predict_memory(workload, TrialConfig(micro_batch=4))
     params = full.parameters_bytes // 4  # fp32
     assert full.gradients_bytes == 4 * params and full.optimizer_state_bytes == 8 * params  # Adam m + v
     lora = predict_memory(workload, TrialConfig(micro_batch=4, lora_rank=8))
     assert lora.gradients_bytes < full.gradients_bytes / 20  # only the adapters train
-    zero2 = predict_memory(workload, TrialConfig(micro_batch=4, precision="bf16", zero_stage=2))
-    assert zero2.parameters_bytes == 2 * params                       # 16-bit weights
-    assert zero2.gradients_bytes == 2 * params // 2                   # sharded over 2 ranks
-    assert zero2.optimizer_state_bytes == 12 * params // 2            # fp32 master + m + v, sharded
-    zero3 = predict_memory(workload, TrialConfig(micro_batch=4, zero_stage=3, offload="optimizer+params"))
-    assert zero3.parameters_bytes == 0 and zero3.optimizer_state_bytes == 0
+    ddp = predict_memory(workload.replace(nproc=2), TrialConfig(micro_batch=4))
+    assert ddp.gradients_bytes == 2 * full.gradients_bytes  # DDP's buckets copy every gradient
+
+
+PSI = 1_000_000  # parameters, all trainable
+MODEL = SimpleNamespace(total_params=PSI, trainable_params=PSI)
+
+
+@pytest.mark.parametrize("stage, precision, offload, on_cpu, expected", [
+    # (parameters, gradients, optimizer state, step-time extra) in bytes per parameter, 8 ranks
+    (1, "bf16", "none", False, (2, 2, 12 / 8, 4 / 8)),
+    (2, "bf16", "none", False, (2, 2 / 8, 12 / 8, 4 / 8)),   # DeepSpeed's 2 + 18/N at the step
+    (3, "bf16", "none", False, (2 / 8, 2 / 8, 12 / 8, 4 / 8)),
+    (2, "fp32", "none", False, (4, 4 / 8, 12 / 8, 0)),         # the fp32 master is a clone even in fp32
+    (2, "bf16", "optimizer", False, (2, 2 / 8, 0, 0)),
+    (3, "bf16", "optimizer+params", False, (0, 2 / 8, 0, 0)),
+    (2, "bf16", "optimizer", True, (2, 2 / 8, (12 + 2 + 4) / 8, 4 / 8)),  # a CPU device keeps it all
+])
+def test_zero_model_states_follow_deepspeed(stage, precision, offload, on_cpu, expected):
+    config = TrialConfig(micro_batch=1, precision=precision, zero_stage=stage, offload=offload)
+    states = _zero_states(MODEL, config, 8, offload_stays=on_cpu)
+    assert states == tuple(int(b * PSI) for b in expected)
+
+
+def test_zero3_keeps_deepspeeds_live_parameter_default():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    assert DeepSpeedZeroConfig().max_live_parameters == ZERO3_MAX_LIVE_PARAMETERS
 
 
 def test_estimate_command_json_lines():
