@@ -4,8 +4,10 @@
 
 Each config is measured by a real trial (on a CPU: the live-bytes tracker's peak, i.e. tensor
 bytes, which is what the estimator predicts; on CUDA: max_memory_allocated, with reserved
-alongside) and predicted by ``estimate_memory``. ZeRO configs are left out on a CPU: there
-the trial's tracker counts offloaded states too (host and device are the same memory).
+alongside) and predicted by ``predict_memory``. One-rank configs cover precision,
+checkpointing and LoRA; two-rank configs run real DDP and real DeepSpeed ZeRO 1-3 under
+torchrun, and one-rank ZeRO with optimizer offload (on a CPU the offloaded states stay in the
+memory measured, which the estimator knows).
 """
 
 from __future__ import annotations
@@ -23,13 +25,19 @@ from autotune.runner import run_trial
 from autotune.workload import Workload
 
 MODELS = ["builtin:gpt2-deep-tiny", "builtin:llama-tiny", "builtin:bert-tiny"]
-CONFIGS = [
-    TrialConfig(micro_batch=1),
-    TrialConfig(micro_batch=4),
-    TrialConfig(micro_batch=8, checkpointing=True),
-    TrialConfig(micro_batch=4, precision="bf16"),
-    TrialConfig(micro_batch=4, lora_rank=8),
-    TrialConfig(micro_batch=8, lora_rank=8, checkpointing=True, precision="bf16"),
+CONFIGS = [  # (ranks, config)
+    (1, TrialConfig(micro_batch=1)),
+    (1, TrialConfig(micro_batch=4)),
+    (1, TrialConfig(micro_batch=8, checkpointing=True)),
+    (1, TrialConfig(micro_batch=4, precision="bf16")),
+    (1, TrialConfig(micro_batch=4, lora_rank=8)),
+    (1, TrialConfig(micro_batch=8, lora_rank=8, checkpointing=True, precision="bf16")),
+    (2, TrialConfig(micro_batch=4)),
+    (2, TrialConfig(micro_batch=4, precision="bf16", zero_stage=1)),
+    (2, TrialConfig(micro_batch=4, zero_stage=2)),
+    (2, TrialConfig(micro_batch=4, precision="bf16", zero_stage=2, checkpointing=True)),
+    (2, TrialConfig(micro_batch=4, precision="bf16", zero_stage=3)),
+    (1, TrialConfig(micro_batch=4, precision="bf16", zero_stage=2, offload="optimizer")),
 ]
 
 
@@ -42,8 +50,8 @@ def main() -> None:
     device = detect_device("auto")
     rows = []
     for model in MODELS:
-        workload = Workload(model=model, seq_len=args.seq_len, global_batch=16)
-        for config in CONFIGS:
+        for ranks, config in CONFIGS:
+            workload = Workload(model=model, seq_len=args.seq_len, global_batch=16, nproc=ranks)
             predicted = predict_memory(workload, config)
             measured = run_trial(workload, config, warmup_steps=1, measure_steps=1)
             if not measured.ok:
@@ -51,13 +59,13 @@ def main() -> None:
                 continue
             reference = measured.peak_allocated_bytes or measured.peak_memory_bytes
             error = predicted.predicted_peak_bytes / reference - 1
-            rows.append({"model": model, "config": config.describe(),
+            rows.append({"model": model, "ranks": ranks, "config": config.describe(),
                          "predicted_peak_bytes": predicted.predicted_peak_bytes,
                          "measured_allocated_bytes": reference,
                          "measured_reserved_bytes": measured.peak_reserved_bytes,
                          "relative_error": error, "estimate_seconds": predicted.seconds})
-            print(f"{model:<24} {config.describe():<26} predicted {predicted.predicted_peak_bytes / 2**20:8.1f} MiB"
-                  f"  measured {reference / 2**20:8.1f} MiB  error {error:+.1%}", flush=True)
+            print(f"{model:<24} {ranks} rank(s) {config.describe():<36} "
+                  f"predicted {predicted.predicted_peak_bytes / 2**20:8.1f} MiB  measured {reference / 2**20:8.1f} MiB  error {error:+.1%}", flush=True)
     errors = [abs(r["relative_error"]) for r in rows]
     summary = {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors), "configs": len(rows)}
     print(f"median |error| {summary['median_abs_error']:.2%}, max |error| {summary['max_abs_error']:.2%} "

@@ -4,8 +4,8 @@
 
 Both runs use the same workload, budget and space (bench/spaces/fp32_micro_ckpt.yaml, every
 config of which is measured or ruled out), each in a fresh storage. Trial-seconds are the wall
-times of the trials run (OOMs included); estimator-seconds the estimates' own time (each in a
-fresh process); wall the whole find.
+times of the trials run (OOMs included); estimator-seconds the estimates' own tracing time;
+wall the whole find (including starting the estimate server once).
 """
 
 from __future__ import annotations
