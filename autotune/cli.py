@@ -134,6 +134,11 @@ StorageOpt = Annotated[Optional[str], typer.Option(
     "--storage", help="SQLAlchemy URL of the study database (default sqlite:///storage/autotune.db, under the current directory).")]
 EstimateOpt = Annotated[bool, typer.Option(
     "--estimate/--no-estimate", help="Skip configs the memory estimator predicts more than 5% over the limit.")]
+WorkersOpt = Annotated[int, typer.Option(
+    "--workers", help="Tuning processes on the study (each on its own GPUs when there are several); "
+                      "workers on other machines join through the same --storage URL.")]
+ConfirmOpt = Annotated[bool, typer.Option(
+    "--confirm/--no-confirm", help="Re-run the winner longer at the end (leave it on for one worker of a study).")]
 StudyOpt = Annotated[str, typer.Option("--study", help="Study name (autotune studies lists them).")]
 FormatOpt = Annotated[str, typer.Option("--format", help="json, yaml, deepspeed, hf, accelerate, lightning or peft.")]
 
@@ -200,6 +205,8 @@ def tune(
     estimate: EstimateOpt = True,
     warmup_steps: WarmupOpt = 1,
     steps: StepsOpt = 3,
+    workers: WorkersOpt = 1,
+    confirm: ConfirmOpt = True,
     as_json: JsonOpt = False,
 ) -> int:
     """Tune a named study; stop it any time (Ctrl-C) and run the same command to carry on.
@@ -214,7 +221,7 @@ def tune(
                              memory_budget_bytes=_size(memory_budget), n_trials=n_trials, timeout_s=timeout,
                              trial_timeout_s=trial_timeout, patience=patience, headroom=headroom,
                              storage=storage, warmup_steps=warmup_steps, measure_steps=steps,
-                             estimate=estimate, progress=progress)
+                             estimate=estimate, workers=workers, confirm=confirm, progress=progress)
     return _finish(summary, as_json=as_json)
 
 

@@ -100,8 +100,9 @@ class ConsoleProgress:
     spinner is gone however the tuning ends (Ctrl-C included).
     """
 
-    def __init__(self, console: Console | None = None) -> None:
+    def __init__(self, console: Console | None = None, *, prefix: str = "") -> None:
         self.console = console or Console(stderr=True, soft_wrap=True)  # one line per event, even in a log
+        self.prefix = prefix  # a helper worker's lines say whose they are (and it draws no spinner)
         self._spinner: Progress | None = None
 
     def __enter__(self) -> ConsoleProgress:
@@ -111,14 +112,13 @@ class ConsoleProgress:
         self._stop_spinner()
 
     def started(self, *, study: str, storage: str, measured: int, target: int, recovered: list[int]) -> None:
-        self.console.print(f"study {study} in {storage}: {measured} of {target} trials measured", highlight=False)
+        self._say(f"study {study} in {storage}: {measured} of {target} trials measured")
         if recovered:
-            self.console.print(f"  trial(s) {', '.join(map(str, recovered))} were interrupted; retrying their configs",
-                               highlight=False)
+            self._say(f"  trial(s) {', '.join(map(str, recovered))} were interrupted; retrying their configs")
 
     def trial_started(self, *, index: int, target: int, config: TrialConfig, retry: bool) -> None:
         text = f"trial {index}/{target}: {config.describe()}" + ("  (retry)" if retry else "")
-        self.console.print(text, highlight=False)
+        self._say(text)
         self._start_spinner(f"measuring {config.describe()}")
 
     def trial_finished(self, *, record: TrialRecord, best: TrialRecord | None, elapsed_s: float) -> None:
@@ -126,24 +126,26 @@ class ConsoleProgress:
         figure = f"{_num(record.tokens_per_s)} tokens/s" if record.tokens_per_s is not None else "no figure"
         fit = "" if record.status != "ok" else ("" if record.fits else ", over the memory limit")
         best_text = f"{best.config.describe()} at {_num(best.tokens_per_s)} tokens/s" if best else "none fits yet"
-        self.console.print(f"  -> {record.status}: {figure}, peak {format_size(record.peak_memory_bytes)}{fit}; "
-                           f"best so far {best_text}; {elapsed_s:.0f} s elapsed", highlight=False)
+        self._say(f"  -> {record.status}: {figure}, peak {format_size(record.peak_memory_bytes)}{fit}; "
+                  f"best so far {best_text}; {elapsed_s:.0f} s elapsed")
 
     def skipped(self, *, record: TrialRecord, limit_bytes: int) -> None:
-        self.console.print(f"skipped {record.config.describe()}: predicted peak "
-                           f"{format_size(record.predicted_peak_bytes)} is over the limit {format_size(limit_bytes)}",
-                           highlight=False)
+        self._say(f"skipped {record.config.describe()}: predicted peak "
+                  f"{format_size(record.predicted_peak_bytes)} is over the limit {format_size(limit_bytes)}")
 
     def confirming(self, *, record: TrialRecord, steps: int) -> None:
         self._stop_spinner()
-        self.console.print(f"confirming {record.config.describe()} with {steps} steps", highlight=False)
+        self._say(f"confirming {record.config.describe()} with {steps} steps")
         self._start_spinner(f"re-running {record.config.describe()}")
 
     def stopped(self, *, reason: str) -> None:
-        self.console.print(f"stopped: {reason}", highlight=False)
+        self._say(f"stopped: {reason}")
+
+    def _say(self, text: str) -> None:
+        self.console.print(self.prefix + text, highlight=False, markup=False)
 
     def _start_spinner(self, text: str) -> None:
-        if not self.console.is_terminal:
+        if not self.console.is_terminal or self.prefix:
             return
         self._spinner = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                                  console=self.console, transient=True)

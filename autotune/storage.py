@@ -60,7 +60,11 @@ def open_storage(url: str | None = None) -> optuna.storages.RDBStorage:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats
             return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S,
                                               grace_period=_GRACE_S)
-    except Exception as exc:  # driver missing, server down, bad credentials, not a database file
+    except ImportError:
+        extra = " (pip install 'autotune[postgres]')" if parsed.get_backend_name() == "postgresql" else ""
+        raise StorageError(f"--storage {display_url(url)}: the database driver for "
+                           f"{parsed.drivername} is not installed{extra}") from None
+    except Exception as exc:  # server down, bad credentials, not a database file
         raise StorageError(f"--storage {display_url(url)}: cannot open it: {_one_line(exc)}") from None
 
 

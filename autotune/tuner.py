@@ -15,12 +15,15 @@ How a trial lands in the study (direction: maximise tokens/s):
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 from autotune.device import DeviceInfo, detect_device
 from autotune.errors import AutotuneError, ConfigError
@@ -31,6 +34,7 @@ from autotune.space import SearchSpace, load_space
 from autotune.study import CONFIRM_PREFIX, measured, memory_limit, ranking, records_of, summarize
 from autotune.summary import StudySummary, TrialRecord
 from autotune.workload import Workload
+from autotune.workers import gpu_slices, proposal_lock, start_helpers, wait_helpers
 
 if TYPE_CHECKING:
     import optuna
@@ -75,7 +79,7 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
          memory_budget_bytes: int | None = None, n_trials: int | None = None, timeout_s: float | None = None,
          trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S, patience: int | None = None,
          headroom: float = DEFAULT_HEADROOM, storage: str | None = None, warmup_steps: int = 1,
-         measure_steps: int = 3, seed: int = 0, estimate: bool = True,
+         measure_steps: int = 3, seed: int = 0, estimate: bool = True, workers: int = 1, confirm: bool = True,
          progress: Progress | None = None) -> StudySummary:
     """Search ``space`` for the fastest config of ``workload`` that fits; return the study read back.
 
@@ -85,6 +89,10 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     exhausted space; then re-runs the winner longer to confirm it. With ``estimate``, a config
     the memory estimator predicts over the limit by more than 5% is not run but recorded as
     ``skipped`` with its prediction.
+
+    ``workers`` > 1 runs that many processes on the study (this one and helpers, each on its own
+    GPUs where there are several); the winner is confirmed once all are done. Workers elsewhere
+    join by tuning the same study on the same storage URL, with ``confirm`` off but for one.
     """
     from autotune.proposer import Proposer
     from autotune.storage import create_study, open_storage, recover_stale_trials
@@ -92,12 +100,14 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     workload = workload or Workload()
     progress = progress or _Silent()
     _check_numbers(n_trials=n_trials, timeout_s=timeout_s, trial_timeout_s=trial_timeout_s,
-                   patience=patience, headroom=headroom, warmup_steps=warmup_steps, measure_steps=measure_steps)
+                   patience=patience, headroom=headroom, warmup_steps=warmup_steps, measure_steps=measure_steps,
+                   workers=workers)
     device = detect_device(workload.device)
     space = space if isinstance(space, SearchSpace) else load_space(space)
     budget = _budget(memory_budget_bytes, device)
     proposer = Proposer(space, workload, device, seed=seed)
     _check_workload(workload, device)
+    gpus = gpu_slices(workers, workload.nproc, device)
     meta = question(workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom)
     the_study = create_study(open_storage(storage), study, meta)
     recovered = recover_stale_trials(the_study)
@@ -105,31 +115,70 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     patience = patience if patience is not None else space.patience
     measure = _Measure(memory_budget_bytes=budget, trial_timeout_s=trial_timeout_s,
                        warmup_steps=warmup_steps, measure_steps=measure_steps)
-    from autotune.storage import display_url
+    from autotune.storage import DEFAULT_STORAGE, display_url
 
     progress.started(study=study, storage=display_url(storage), measured=len(measured(records_of(the_study))),
                      target=target, recovered=recovered)
+    helpers = start_helpers(dict(
+        study=study, workload=workload.to_dict(), space=space.name, memory_budget_bytes=budget, n_trials=target,
+        timeout_s=timeout_s, trial_timeout_s=trial_timeout_s, patience=patience, headroom=headroom,
+        storage=storage, warmup_steps=warmup_steps, measure_steps=measure_steps, seed=seed, estimate=estimate,
+    ), gpus[1:])
     started = time.monotonic()
-    while True:
-        records = records_of(the_study)
-        reason = _stop_reason(records, target=target, patience=patience, timeout_s=timeout_s,
-                              elapsed_s=time.monotonic() - started)
-        config = None if reason else proposer.next_config(the_study, records)
-        if reason is None and config is None:
-            reason = "every config of the space is measured or implied to run out of memory"
-        if reason:
-            progress.stopped(reason=reason)
-            break
-        prediction = _predict(config, workload, records) if estimate else None
-        if prediction is not None and _skip_if_too_big(the_study, proposer, config, prediction, progress):
-            continue
-        retry = any(r.status == "interrupted" and r.config == config for r in records)
-        progress.trial_started(index=len(measured(records)) + 1, target=target, config=config, retry=retry)
-        record = _measure_in_study(the_study, proposer, config, workload, measure, prediction)
-        progress.trial_finished(record=record, best=next(iter(ranking(records_of(the_study))), None),
-                                elapsed_s=time.monotonic() - started)
-    _confirm_winner(the_study, workload, measure, progress)
+    try:
+        with _visible_gpus(gpus[0]):
+            while True:
+                with proposal_lock(storage or DEFAULT_STORAGE, study):  # choose and take a config atomically
+                    records = records_of(the_study)
+                    reason = _stop_reason(records, target=target, patience=patience, timeout_s=timeout_s,
+                                          elapsed_s=time.monotonic() - started)
+                    config = None if reason else proposer.next_config(the_study, records)
+                    if reason is None and config is None:
+                        reason = "every config of the space is measured, being measured or implied to run out of memory"
+                    if not reason:
+                        trial, config = _ask(the_study, proposer, config)
+                if reason:
+                    progress.stopped(reason=reason)
+                    break
+                prediction = _predict(config, workload, records) if estimate else None
+                if prediction is not None and _skip_if_too_big(the_study, trial, prediction, progress):
+                    continue
+                retry = any(r.status == "interrupted" and r.config == config for r in records)
+                progress.trial_started(index=len(measured(records)) + 1, target=target, config=config, retry=retry)
+                record = _measure_in_study(the_study, trial, config, workload, measure, prediction)
+                progress.trial_finished(record=record, best=next(iter(ranking(records_of(the_study))), None),
+                                        elapsed_s=time.monotonic() - started)
+            wait_helpers(helpers)
+    except KeyboardInterrupt:
+        for helper in helpers:  # a terminal's Ctrl-C reached them too; a signal to this process alone did not
+            helper.send_signal(signal.SIGINT)
+        wait_helpers(helpers)
+        raise
+    finally:
+        for helper in helpers:
+            if helper.poll() is None:
+                helper.kill()
+                helper.wait()
+    if confirm:
+        _confirm_winner(the_study, workload, measure, progress)
     return summarize(the_study, url=storage)
+
+
+@contextlib.contextmanager
+def _visible_gpus(visible: str | None) -> Iterator[None]:
+    """This worker's GPUs for the trials it starts (its helpers were given theirs)."""
+    if visible is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def find(*, workload: Workload | None = None, space: str | Path | SearchSpace = "default",
@@ -166,11 +215,10 @@ def question(*, workload: Workload, space: SearchSpace, device: DeviceInfo, memo
 
 
 # -- one trial in the study ----------------------------------------------------------------------
-def _measure_in_study(study: optuna.Study, proposer: Proposer, config: TrialConfig, workload: Workload,
+def _measure_in_study(study: optuna.Study, trial: optuna.Trial, config: TrialConfig, workload: Workload,
                       measure: _Measure, prediction: MemoryEstimate | None) -> TrialRecord:
     from optuna.trial import TrialState
 
-    trial, config = _ask(study, proposer, config)
     if prediction is not None:
         trial.set_user_attr("estimate", prediction.to_dict())  # predicted next to measured, for show
     try:
@@ -213,7 +261,7 @@ def _predict(config: TrialConfig, workload: Workload, records: list[TrialRecord]
         return None
 
 
-def _skip_if_too_big(study: optuna.Study, proposer: Proposer, config: TrialConfig, prediction: MemoryEstimate,
+def _skip_if_too_big(study: optuna.Study, trial: optuna.Trial, prediction: MemoryEstimate,
                      progress: Progress) -> bool:
     """Record a config predicted well over the limit as skipped, unrun; borderline ones still run."""
     from optuna.trial import TrialState
@@ -221,7 +269,6 @@ def _skip_if_too_big(study: optuna.Study, proposer: Proposer, config: TrialConfi
     limit = memory_limit(study.user_attrs["autotune"])
     if prediction.predicted_peak_bytes <= limit * (1 + SKIP_MARGIN):
         return False
-    trial, _ = _ask(study, proposer, config)
     trial.set_user_attr("status", "skipped")
     trial.set_user_attr("estimate", prediction.to_dict())
     trial.set_user_attr("reason", f"not run: predicted peak {prediction.predicted_peak_bytes} B is more than "
@@ -323,8 +370,10 @@ def _stop_reason(records: list[TrialRecord], *, target: int, patience: int | Non
         last = (broken[-1].error or "").strip().splitlines()[-1:] or ["no message"]
         return (f"every trial so far ended in {broken[-1].status} ({last[0]}); the workload itself fails: "
                 f"autotune trial with the same --model shows the whole error")
-    if len(done) >= target:
-        return f"{len(done)} trials measured (--n-trials {target})"
+    running = sum(r.status == "running" for r in records)  # other workers' trials: taken
+    if len(done) + running >= target:
+        elsewhere = f", {running} more being measured by other workers" if running else ""
+        return f"{len(done)} trials measured{elsewhere} (--n-trials {target})"
     if timeout_s is not None and elapsed_s >= timeout_s:
         return f"--timeout {timeout_s:g} s reached"
     if patience is not None and _since_improvement(done) >= patience:
@@ -367,7 +416,8 @@ def _check_workload(workload: Workload, device: DeviceInfo) -> None:
 
 def _check_numbers(**values: Any) -> None:
     flags = {"n_trials": "--n-trials", "timeout_s": "--timeout", "trial_timeout_s": "--trial-timeout",
-             "patience": "--patience", "warmup_steps": "--warmup-steps", "measure_steps": "--steps"}
+             "patience": "--patience", "warmup_steps": "--warmup-steps", "measure_steps": "--steps",
+             "workers": "--workers"}
     for key, flag in flags.items():
         value = values[key]
         minimum = 0 if key == "warmup_steps" else 1

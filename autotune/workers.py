@@ -1,0 +1,135 @@
+"""Several tuning processes on one study: helper workers, and the lock that keeps proposals apart.
+
+``tune(workers=N)`` runs N-1 helper processes (``python -m autotune.workers``) beside itself on
+the same study; workers on other machines join by running ``tune`` on the same storage URL
+(PostgreSQL or MySQL: Optuna's own distributed mode). Every worker proposes under
+:func:`proposal_lock`, which covers reading the study, choosing a config and creating its trial:
+the next worker's proposal then sees that trial as taken, so no config is measured twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+from autotune.errors import ConfigError
+
+__all__ = ["proposal_lock", "start_helpers", "wait_helpers", "gpu_slices"]
+
+_local_lock = threading.Lock()
+_engines: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def proposal_lock(url: str, study: str) -> Iterator[None]:
+    """Hold the study's proposal lock, across processes and machines that share the storage.
+
+    SQLite (one machine): an exclusive ``flock`` on a file next to the database. PostgreSQL and
+    MySQL: a server-side advisory lock named after the study, so workers anywhere wait their turn.
+    """
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    with _local_lock:
+        if backend == "sqlite":
+            lock_path = Path(parsed.database).expanduser().with_suffix(".proposals.lock")
+            with open(lock_path, "a") as handle:
+                os.chmod(lock_path, 0o600)
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(handle, fcntl.LOCK_UN)
+        elif backend in ("postgresql", "mysql"):
+            with _server_lock(url, backend, study):
+                yield
+        else:
+            yield  # a backend without advisory locks: proposals may collide, nothing is lost
+
+
+@contextlib.contextmanager
+def _server_lock(url: str, backend: str, study: str) -> Iterator[None]:
+    import sqlalchemy
+
+    engine = _engines.get(url)
+    if engine is None:
+        engine = _engines[url] = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+    key = int.from_bytes(hashlib.sha256(f"autotune:{study}".encode()).digest()[:8], "big", signed=True)
+    with engine.connect() as connection:
+        if backend == "postgresql":
+            connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+            release = ("SELECT pg_advisory_unlock(:key)", {"key": key})
+        else:
+            connection.execute(sqlalchemy.text("SELECT GET_LOCK(:name, -1)"), {"name": f"autotune:{key}"})
+            release = ("SELECT RELEASE_LOCK(:name)", {"name": f"autotune:{key}"})
+        try:
+            yield
+        finally:
+            connection.execute(sqlalchemy.text(release[0]), release[1])
+
+
+def gpu_slices(workers: int, ranks: int, device: Any) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES for each worker: its own GPUs when there are enough; None on a CPU."""
+    if device.type != "cuda":
+        return [None] * workers
+    if workers * ranks > device.count:
+        raise ConfigError(f"--workers {workers} x --nproc {ranks} needs {workers * ranks} GPUs, {device.count} "
+                          "visible: workers sharing a GPU would measure each other's memory; use fewer workers")
+    return [",".join(str(w * ranks + r) for r in range(ranks)) for w in range(workers)]
+
+
+def start_helpers(spec: dict[str, Any], gpus: list[str | None]) -> list[subprocess.Popen[bytes]]:
+    """Start one helper per entry of ``gpus`` (after the caller's own slice), each tuning ``spec``."""
+    from autotune.lifeline import PARENT_PID_ENV
+
+    helpers = []
+    for index, visible in enumerate(gpus, start=2):
+        env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        worker_spec = dict(spec, seed=spec["seed"] + index - 1, worker=index)
+        process = subprocess.Popen([sys.executable, "-m", "autotune.workers"], stdin=subprocess.PIPE, env=env)
+        assert process.stdin is not None
+        process.stdin.write(json.dumps(worker_spec).encode())
+        process.stdin.close()
+        helpers.append(process)
+    return helpers
+
+
+def wait_helpers(helpers: list[subprocess.Popen[bytes]]) -> list[int]:
+    return [process.wait() for process in helpers]
+
+
+def _helper_main() -> int:
+    from autotune.errors import AutotuneError
+    from autotune.lifeline import die_with_parent, expected_parent
+    from autotune.render import ConsoleProgress
+    from autotune.tuner import tune
+    from autotune.workload import Workload
+
+    die_with_parent(expected_parent())
+    spec = json.loads(sys.stdin.read())
+    worker = spec.pop("worker")
+    spec["workload"] = Workload.from_dict(spec["workload"])
+    try:
+        with ConsoleProgress(prefix=f"[worker {worker}] ") as progress:
+            tune(**spec, workers=1, confirm=False, progress=progress)
+    except KeyboardInterrupt:
+        return 130
+    except AutotuneError as exc:
+        print(f"autotune: worker {worker}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_helper_main())
