@@ -78,10 +78,17 @@ def load_hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> P
         try:
             return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
         except (ValueError, OSError) as exc:
+            _refuse_custom_code(source.ref, exc)
             raise WorkloadError(f"--model {source.ref}: cannot read its config: {_one_line(exc)}") from exc
     if source.kind == "hub":
         return _hub_config(source.ref, trust_remote_code=trust_remote_code)
     raise WorkloadError(f"--model {source.ref}: a factory has no Hugging Face config")
+
+
+def _refuse_custom_code(ref: str, exc: Exception) -> None:
+    if "custom code" in str(exc):
+        raise WorkloadError(f"--model {ref}: its config needs Python code shipped with the model; read it, "
+                            "then pass --trust-remote-code to run it") from exc
 
 
 def _hub_config(hub_id: str, *, trust_remote_code: bool) -> PretrainedConfig:
@@ -90,6 +97,7 @@ def _hub_config(hub_id: str, *, trust_remote_code: bool) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(hub_id, local_files_only=True, trust_remote_code=trust_remote_code)
     except ValueError as exc:  # e.g. custom code without --trust-remote-code
+        _refuse_custom_code(hub_id, exc)
         raise WorkloadError(f"--model {hub_id}: {_one_line(exc)}") from exc
     except OSError:
         pass  # not cached: try the Hub itself unless the user said we are offline

@@ -53,7 +53,11 @@ def open_storage(url: str | None = None) -> optuna.storages.RDBStorage:
         if parsed.database in (None, "", ":memory:"):
             raise StorageError(f"--storage {url}: an in-memory SQLite database would be lost at exit; "
                                f"name a file, e.g. {DEFAULT_STORAGE}")
-        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        database = Path(parsed.database).expanduser()
+        database.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Studies hold model names, paths and hosts: readable by their owner only. SQLite's journal
+        # and WAL files copy the database's permissions.
+        database.touch(mode=0o600, exist_ok=True)
         engine_kwargs["connect_args"] = {"timeout": _SQLITE_LOCK_TIMEOUT_S}
     try:
         with warnings.catch_warnings():
