@@ -432,7 +432,7 @@ def estimate(
 
     Tensor bytes only: what a GPU adds on top (CUDA context, allocator reserve) is not calibrated yet.
     """
-    from autotune.estimator import predict_memory
+    from autotune.estimator import EstimateError, predict_memory
     from autotune.models import resolve_task
     from autotune.sizes import format_size
 
@@ -449,11 +449,14 @@ def estimate(
     budget = _size(memory_budget)
     limit = int(budget * (1 - headroom)) if budget is not None else None
     resolved_task = resolve_task(workload)
-    if not as_json:
-        print(f"{'config':<34} {'peak':>10} {'params':>10} {'grads':>10} {'optimizer':>10} "
-              f"{'activations':>11} {'temporaries':>11}" + ("  fits" if limit is not None else ""))
-    for config in configs:
-        result = predict_memory(workload, config, task=resolved_task)
+    for index, config in enumerate(configs):
+        try:
+            result = predict_memory(workload, config, task=resolved_task)
+        except EstimateError as exc:  # the model cannot be built or traced: nothing printed yet for it
+            raise ConfigError(f"--model {workload.model}: {exc}") from None
+        if index == 0 and not as_json:  # the header once the first row exists: a refusal prints nothing
+            print(f"{'config':<34} {'peak':>10} {'params':>10} {'grads':>10} {'optimizer':>10} "
+                  f"{'activations':>11} {'temporaries':>11}" + ("  fits" if limit is not None else ""))
         fits = None if limit is None else result.fits(limit)
         if as_json:
             print(json.dumps({**result.to_dict(), "memory_budget_bytes": budget, "memory_limit_bytes": limit,

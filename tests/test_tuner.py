@@ -123,25 +123,6 @@ def test_show_studies_export_and_report_read_the_study(found):
     assert name in html and "memory against throughput" in html.lower()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["tune", "--study", "s", "--space", "nope"], "--space nope: no such preset"),
-    (["tune", "--study", "s", "--n-trials", "0"], "--n-trials 0 must be a number of at least 1"),
-    (["tune", "--study", "s", "--headroom", "2"], "--headroom 2.0 must be a fraction"),
-    (["tune", "--study", "s", "--storage", "not a url"], "--storage 'not a url' is not a database URL"),
-    (["show", "--study", "nope"], "--study nope: no such study"),
-    (["export", "--study", "x", "--format", "onnx"], "--format 'onnx' is not known"),
-    (["find", "-o", "x.json"], "-o/--output is the file for --export; add --export FORMAT"),
-])
-def test_bad_input_is_one_line_and_leaves_no_study(tmp_path, args, message):
-    proc = autotune(*args, cwd=tmp_path, timeout=120)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], proc.stderr
-    db = tmp_path / "storage" / "autotune.db"
-    if db.exists():
-        assert not optuna.get_all_study_names(storage=f"sqlite:///{db}")
-
-
 def test_a_study_is_only_resumed_for_the_same_question(found):
     work, _, result, _ = found
     before = len(_study(work, result["study"]).trials)

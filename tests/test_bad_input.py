@@ -1,0 +1,116 @@
+"""Bad input, every command: one line on stderr that names the flag and the fix, exit status 2,
+nothing on stdout, and the storage byte-for-byte as it was (a study already in it included)."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+
+
+BAD_SPACE = "knobs:\n  micro_batch: [1, 2]\n  precision: [fp8]\n"
+UNKNOWN_KNOB = "knobs:\n  micro_batch: [1]\n  learning_rate: [0.1]\n"
+NOT_A_MAPPING = "- just\n- a list\n"
+
+BAD_INPUTS = [
+    # flags and values
+    (["trial", "--no-such-flag"], "No such option: --no-such-flag"),
+    (["trial", "--micro-batch", "three"], "--micro-batch"),
+    (["trial", "--checkpointing", "maybe"], "--checkpointing 'maybe' must be on or off"),
+    (["trial", "--zero-stage", "two"], "--zero-stage 'two' is not known"),
+    (["trial", "--offload", "optimizer"], "--offload optimizer needs ZeRO"),
+    (["trial", "--lora-alpha", "16"], "--lora-alpha is set but LoRA is off"),
+    (["trial", "--trial-timeout", "0"], "--trial-timeout 0 must be more than 0"),
+    (["tune", "--study", "kept", "--n-trials", "0"], "--n-trials 0 must be a number of at least 1"),
+    (["tune", "--study", "kept", "--headroom", "2"], "--headroom 2.0 must be a fraction"),
+    (["tune", "--study", "kept", "--workers", "0"], "--workers 0 must be a number of at least 1"),
+    (["export", "--study", "kept", "--format", "onnx"], "--format 'onnx' is not known"),
+    (["find", "-o", "x.json"], "-o/--output is the file for --export; add --export FORMAT"),
+    # precisions and devices
+    (["trial", "--precision", "fp8"], "--precision 'fp8' is not known"),
+    (["trial", "--precision", "tf32", "--device", "cpu"], "--precision tf32 only exists on CUDA"),
+    (["trial", "--device", "cuda"], "--device cuda: no CUDA device is visible"),
+    # batches
+    (["trial", "--micro-batch", "3", "--global-batch", "32"],
+     "--micro-batch 3 x --nproc 1 does not divide --global-batch 32"),
+    (["trial", "--nproc", "3"], "--global-batch 16 does not split over --nproc 3"),
+    (["tune", "--study", "kept", "--global-batch", "10", "--nproc", "4"], "--global-batch 10 does not split"),
+    (["trial", "--seq-len", "4096"], "--seq-len 4096 is longer than the model's 1024 positions"),
+    # budgets
+    (["trial", "--memory-budget", "lots"], "--memory-budget 'lots' is not a size"),
+    (["tune", "--study", "kept", "--memory-budget", "0"], "--memory-budget"),
+    (["estimate", "--memory-budget", "-1GiB"], "--memory-budget"),
+    # model sources
+    (["trial", "--model", "builtin:gpt5"], "no such built-in model"),
+    (["trial", "--model", "nobody/nothing"], "not in the local Hugging Face cache"),
+    (["estimate", "--model", "no_such_module_xyz:build"], "--model no_such_module_xyz:build"),
+    (["tune", "--study", "kept", "--model", "empty_dir/"], "--model empty_dir/"),
+    # search-space YAML
+    (["tune", "--study", "kept", "--space", "nope"], "--space nope: no such preset"),
+    (["tune", "--study", "kept", "--space", "bad.yaml"], "bad.yaml"),
+    (["estimate", "--space", "unknown.yaml"], "learning_rate"),
+    (["tune", "--study", "kept", "--space", "list.yaml"], "list.yaml"),
+    # storage URLs and studies
+    (["tune", "--study", "kept", "--storage", "not a url"], "--storage 'not a url' is not a database URL"),
+    (["tune", "--study", "kept", "--storage", "sqlite://"], "in-memory SQLite database would be lost"),
+    (["tune", "--study", "kept", "--storage", "oracle://u@h/db"], "--storage oracle://u@h/db"),
+    (["show", "--study", "nope"], "--study nope: no such study"),
+    (["tune", "--study", "kept", "--global-batch", "32"], "answers another question"),
+]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """A working directory whose default storage already holds a study, with a trial in it."""
+    work = tmp_path_factory.mktemp("bad-input")
+    (work / "bad.yaml").write_text(BAD_SPACE)
+    (work / "unknown.yaml").write_text(UNKNOWN_KNOB)
+    (work / "list.yaml").write_text(NOT_A_MAPPING)
+    (work / "empty_dir").mkdir()
+    proc = subprocess.run([sys.executable, "-c", _SEED], cwd=work, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return work
+
+
+# The study `kept` as `tune --study kept` (all defaults) would create it, with one finished trial.
+_SEED = """
+from autotune.device import detect_device
+from autotune.space import load_space
+from autotune.storage import create_study, open_storage
+from autotune.tuner import question
+from autotune.workload import Workload
+device = detect_device("auto")
+meta = question(workload=Workload(), space=load_space("default"), device=device,
+                memory_budget_bytes=device.total_memory_bytes, headroom=0.1)
+study = create_study(open_storage(None), "kept", meta)
+trial = study.ask()
+trial.set_user_attr("status", "ok")
+study.tell(trial, 123.0)
+"""
+
+
+def _dump(work: Path) -> list[str]:
+    with sqlite3.connect(work / "storage" / "autotune.db") as db:
+        return list(db.iterdump())
+
+
+def test_at_least_twenty_bad_inputs():
+    assert len(BAD_INPUTS) >= 20 and len({tuple(args) for args, _ in BAD_INPUTS}) == len(BAD_INPUTS)
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2_and_leaves_the_storage_as_it_was(work, args, message):
+    before = _dump(work)
+    proc = subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True,
+                          timeout=300, cwd=work)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autotune"), proc.stderr
+    assert message in lines[0], lines[0]
+    assert proc.stdout == ""
+    assert _dump(work) == before
+    assert optuna.get_all_study_names(storage=f"sqlite:///{work}/storage/autotune.db") == ["kept"]
