@@ -133,10 +133,18 @@ def _read_rank_records(work: Path, nproc: int) -> list[dict[str, Any] | None]:
     for rank in range(nproc):
         path = work / f"rank{rank}.json"
         try:
-            records.append(json.loads(path.read_text()))
+            record = json.loads(path.read_text())
         except (OSError, ValueError):
-            records.append(None)
+            record = None
+        if not _is_record(record):  # garbage in the result file counts as no result at all
+            record = None
+        records.append(record)
     return records
+
+
+def _is_record(record: Any) -> bool:
+    return isinstance(record, dict) and record.get("status") in {s.value for s in TrialStatus} \
+        and isinstance(record.get("config"), dict)
 
 
 def _combine(config: TrialConfig, records: list[dict[str, Any] | None], *, returncode: int, timed_out: bool,

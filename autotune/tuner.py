@@ -346,9 +346,10 @@ def _confirm_winner(study: optuna.Study, workload: Workload, measure: _Measure, 
             return
         top = ranked[0]
         progress.confirming(record=top, steps=steps)
+        # It measures CONFIRM_STEPS_FACTOR x the steps, so it gets as many times the trial's time.
         result = run_trial(workload, top.config, memory_budget_bytes=measure.memory_budget_bytes,
-                           timeout_s=measure.trial_timeout_s, warmup_steps=measure.warmup_steps + 1,
-                           measure_steps=steps)
+                           timeout_s=measure.trial_timeout_s * CONFIRM_STEPS_FACTOR,
+                           warmup_steps=measure.warmup_steps + 1, measure_steps=steps)
         peak = result.peak_memory_bytes
         study.set_user_attr(f"{CONFIRM_PREFIX}{top.number}", {
             "confirmed": result.ok and peak is not None and peak <= limit,

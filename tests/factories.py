@@ -57,3 +57,37 @@ def orphan_then_oom() -> torch.nn.Module:
     """Leaves a grandchild process behind, then runs out of memory while building."""
     subprocess.Popen(["sleep", "317"])
     return torch.nn.Linear(4096, 4096 * 8)  # 512 MiB of weights: far over a small budget
+
+
+class FaultyLM(TinyLM):
+    """Misbehaves according to its micro batch, so one study meets every fault a trial can have."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        fault = FAULTS.get(input_ids.shape[0])
+        if fault == "nan":
+            self.poison = float("nan")
+        elif fault == "segfault":
+            ctypes.string_at(0)
+        elif fault == "hang":
+            time.sleep(3600)
+        elif fault == "oom":
+            torch.empty(2**30, dtype=torch.uint8).fill_(0)  # 1 GiB of live tensor: over any test budget
+        elif fault == "garbage":
+            import os
+            import sys
+
+            with open(os.path.join(sys.argv[2], "rank0.json"), "w") as out:  # the trial's result file
+                out.write('["this", "is", "not", "a", "result"]')
+            print("}{ garbage on stdout too", flush=True)
+            os._exit(0)
+        elif fault == "exception":
+            raise RuntimeError("the model's forward exploded on purpose")
+        return super().forward(input_ids, labels)
+
+
+# OOM last: a config with a larger micro batch than one that ran out of memory is never tried.
+FAULTS = {1: None, 2: "nan", 4: "segfault", 8: "hang", 16: "garbage", 32: "exception", 64: "oom"}
+
+
+def faulty() -> torch.nn.Module:
+    return FaultyLM()
