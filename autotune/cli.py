@@ -211,7 +211,8 @@ def tune(
 ) -> int:
     """Tune a named study; stop it any time (Ctrl-C) and run the same command to carry on.
 
-    Exit status: 0 with a confirmed config, 1 when none fits, 2 when the input was refused, 130 when interrupted.
+    Exit status: 0 with a confirmed config (with --no-confirm: with any that fits), 1 when none fits, 2 when
+    the input was refused, 130 when interrupted.
     """
     from autotune.tuner import tune as tune_study
 
@@ -222,7 +223,7 @@ def tune(
                              trial_timeout_s=trial_timeout, patience=patience, headroom=headroom,
                              storage=storage, warmup_steps=warmup_steps, measure_steps=steps,
                              estimate=estimate, workers=workers, confirm=confirm, progress=progress)
-    return _finish(summary, as_json=as_json)
+    return _finish(summary, as_json=as_json, confirmed=confirm)
 
 
 # -- reading studies -----------------------------------------------------------------------------
@@ -388,7 +389,8 @@ def _export_best(summary: Any, fmt: str, output: str | None) -> str:
     return str(path)
 
 
-def _finish(summary: Any, *, as_json: bool, exported: str | None = None, wanted_export: str | None = None) -> int:
+def _finish(summary: Any, *, as_json: bool, exported: str | None = None, wanted_export: str | None = None,
+            confirmed: bool = True) -> int:
     if as_json:
         data = summary.to_dict()
         if wanted_export is not None:
@@ -402,6 +404,8 @@ def _finish(summary: Any, *, as_json: bool, exported: str | None = None, wanted_
             print(f"wrote {exported} ({wanted_export}); {_trains_line(summary.best.config, wanted_export)}")
         elif wanted_export:
             print("nothing exported: no config fits yet", file=sys.stderr)
+    if not confirmed:  # --no-confirm: another worker confirms; a measured fit is this one's success
+        return 0 if any(t.fits for t in summary.trials) else 1
     return 0 if summary.best is not None else 1
 
 

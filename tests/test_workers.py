@@ -67,3 +67,33 @@ def test_three_workers_on_a_postgresql_server(tmp_path):
     study = f"workers-{uuid.uuid4().hex[:8]}"
     result = check_each_config_measured_once(POSTGRES_URL, study, tune(tmp_path, study, POSTGRES_URL, workers=3))
     assert result["best"]["config"]["micro_batch"] == 4
+
+
+MULTI_RANK_SPACE = """\
+description: ZeRO-2 and ZeRO-3 on two ranks
+n_trials: 2
+knobs:
+  micro_batch: [2]
+  precision: [fp32]
+  checkpointing: [false]
+  zero_stage: [2, 3]
+  offload: [none]
+"""
+
+
+def test_two_rank_zero_trials_in_a_study_report_the_largest_rank_peak(tmp_path):
+    (tmp_path / "space.yaml").write_text(MULTI_RANK_SPACE)
+    proc = subprocess.run([sys.executable, "-m", "autotune", "tune", "--study", "ranks", "--model",
+                           "builtin:gpt2-tiny", "--seq-len", "32", "--global-batch", "8", "--nproc", "2",
+                           "--memory-budget", "1GiB", "--space", "space.yaml", "--no-estimate", "--steps", "2",
+                           "--no-confirm", "--json"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    storage = open_storage(f"sqlite:///{tmp_path}/storage/autotune.db")
+    trials = optuna.load_study(study_name="ranks", storage=storage).trials
+    assert sorted(t.user_attrs["config"]["zero_stage"] for t in trials) == [2, 3]
+    for trial in trials:
+        result = trial.user_attrs["result"]
+        assert trial.user_attrs["status"] == "ok" and result["world_size"] == 2, result
+        per_rank = result["peak_memory_per_rank"]
+        assert len(per_rank) == 2 and all(p > 0 for p in per_rank)
+        assert result["peak_memory_bytes"] == max(per_rank)
