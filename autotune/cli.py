@@ -226,6 +226,47 @@ def tune(
     return _finish(summary, as_json=as_json, confirmed=confirm)
 
 
+@app.command()
+def grid(
+    output: Annotated[str, typer.Option("-o", "--output", help="The .jsonl file to write (appended to).")],
+    model: ModelOpt = DEFAULT_MODEL,
+    task: TaskOpt = None,
+    seq_len: SeqLenOpt = 128,
+    global_batch: GlobalBatchOpt = 16,
+    nproc: NprocOpt = 1,
+    device: DeviceOpt = "auto",
+    trust_remote_code: TrustOpt = False,
+    memory_budget: BudgetOpt = None,
+    space: SpaceOpt = "default",
+    trial_timeout: TimeoutOpt = 600.0,
+    warmup_steps: WarmupOpt = 1,
+    steps: StepsOpt = 3,
+) -> int:
+    """Measure every config of a space, one `autotune trial --json` line each (for replaying searches).
+
+    A stopped grid keeps its lines; the same command measures only the configs still missing.
+    """
+    from pathlib import Path
+
+    from autotune.grid import measure_grid
+    from autotune.space import load_space
+
+    workload = _workload(model, task, seq_len, global_batch, nproc, device, trust_remote_code)
+    if trial_timeout <= 0:
+        raise ConfigError(f"--trial-timeout {trial_timeout:g} must be more than 0 seconds")
+
+    def report(index: int, total: int, line: dict[str, Any]) -> None:
+        figure = f"{line['tokens_per_s']:,.1f} tokens/s" if line.get("tokens_per_s") else "no figure"
+        print(f"{index}/{total} {TrialConfig.from_dict(line['config']).describe()}: {line['status']}, {figure}, "
+              f"{line['trial_seconds']:.1f} s", file=sys.stderr, flush=True)
+
+    measured = measure_grid(workload, load_space(space), Path(output), memory_budget_bytes=_size(memory_budget),
+                            trial_timeout_s=trial_timeout, warmup_steps=warmup_steps, measure_steps=steps,
+                            on_trial=report)
+    print(f"{output}: {measured} config(s) measured now", file=sys.stderr)
+    return 0
+
+
 # -- reading studies -----------------------------------------------------------------------------
 @app.command()
 def studies(storage: StorageOpt = None, as_json: JsonOpt = False) -> int:

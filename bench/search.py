@@ -1,0 +1,262 @@
+"""Replay search strategies against a measured grid: how many trials, and how much of the grid's
+trial time, each spends before it has measured a config within 2% of the best one that fits.
+
+    python bench/search.py --grid bench/data/GRID.jsonl --memory-budget SIZE [--seeds N] [--json]
+
+Nothing is trained: a trial returns its grid line's result and costs the seconds that line
+recorded (``trial_seconds``). A config fits when it trained and its recorded peak is under the
+budget minus the tuner's 10% headroom; a recorded peak over the budget replays as an OOM, so one
+grid measured with a generous budget replays at any smaller one. Strategies:
+
+* ``driver``: the tuner's own driver (``autotune.tuner.tune``, the real code, with the trial
+  runner replaced by the grid lookup and the estimator off), default settings;
+* ``tpe``: Optuna's TPESampler with defaults on the same parameters (an OOM is pruned, a repeat
+  proposal is paid again: a plain Optuna loop re-runs it);
+* ``random``: configs in random order, each once;
+* ``grid``: every config in the space's order;
+* ``deepspeed``: DeepSpeed-autotuner style: ZeRO stages in order (other knobs at the space's first
+  values), per stage micro batches upward until one does not fit, then up to 3 below the largest;
+* ``lightning``: Lightning's batch-size finder style: micro batch 1, 2, 4, ... with every other
+  knob fixed until one does not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+
+from autotune.device import detect_device
+from autotune.grid import read_grid
+from autotune.knobs import TrialConfig
+from autotune.result import TrialResult, TrialStatus
+from autotune.sizes import parse_size
+from autotune.space import SearchSpace, load_space
+from autotune.storage import quiet_optuna
+from autotune.workload import Workload
+
+HEADROOM = 0.10
+WITHIN = 0.02
+
+
+class Grid:
+    def __init__(self, path: Path, budget: int) -> None:
+        lines = list(read_grid(path))
+        if not lines:
+            sys.exit(f"--grid {path}: no lines")
+        self.workload = Workload.from_dict(lines[0]["workload"])
+        self.budget = budget
+        self.limit = budget * (1 - HEADROOM)
+        self.lines = {self.key(TrialConfig.from_dict(line["config"])): line for line in lines}
+        self.total_seconds = sum(line["trial_seconds"] for line in lines)
+        fitting = [self.tokens(c) for c in self.configs() if self.fits(c)]
+        if not fitting:
+            sys.exit(f"no config of {path} fits under --memory-budget {budget} B")
+        self.best = max(fitting)
+
+    @staticmethod
+    def key(config: TrialConfig) -> str:
+        return json.dumps(config.to_dict(), sort_keys=True)
+
+    def configs(self) -> list[TrialConfig]:
+        return [TrialConfig.from_dict(line["config"]) for line in self.lines.values()]
+
+    def line(self, config: TrialConfig) -> dict[str, Any] | None:
+        return self.lines.get(self.key(config))
+
+    def fits(self, config: TrialConfig) -> bool:
+        line = self.line(config)
+        return bool(line) and line["status"] == "ok" and (line["peak_memory_bytes"] or 0) <= self.limit
+
+    def tokens(self, config: TrialConfig) -> float:
+        line = self.line(config)
+        return (line or {}).get("tokens_per_s") or 0.0
+
+    def result(self, config: TrialConfig) -> TrialResult:
+        """The trial as the tuner's runner would return it under this budget."""
+        line = self.line(config)
+        if line is None:  # not in the grid: cannot run here
+            return TrialResult(config=config, status=TrialStatus.ERROR, error="not in the grid")
+        result = TrialResult.from_dict(line)
+        if result.ok and (result.peak_memory_bytes or 0) > self.budget:
+            result = result.replace(status=TrialStatus.OOM, tokens_per_s=None, samples_per_s=None,
+                                    error="over the replayed --memory-budget")
+        return result
+
+
+class Tally:
+    """The order configs were measured in, and when one within 2% of the best was first reached."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self.trials = 0
+        self.seconds = 0.0
+        self.found_at: tuple[int, float] | None = None
+
+    def measure(self, config: TrialConfig) -> TrialResult:
+        line = self.grid.line(config)
+        self.trials += 1
+        self.seconds += line["trial_seconds"] if line else 0.0
+        if self.found_at is None and self.grid.fits(config) and \
+                self.grid.tokens(config) >= (1 - WITHIN) * self.grid.best:
+            self.found_at = (self.trials, self.seconds)
+        return self.grid.result(config)
+
+
+# -- strategies ---------------------------------------------------------------------------------
+def driver(grid: Grid, space: SearchSpace, seed: int) -> Tally:
+    import autotune.tuner as tuner
+
+    tally = Tally(grid)
+    confirming = {"on": False}
+    original_run, original_confirm = tuner.run_trial, tuner._confirm_winner
+
+    def replay(workload: Workload, config: TrialConfig, **_: Any) -> TrialResult:
+        return grid.result(config) if confirming["on"] else tally.measure(config)
+
+    def confirm(*args: Any, **kwargs: Any) -> None:  # re-runs come after the search: not charged here
+        confirming["on"] = True
+        original_confirm(*args, **kwargs)
+
+    tuner.run_trial, tuner._confirm_winner = replay, confirm
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            tuner.tune(study="replay", workload=grid.workload, space=space, memory_budget_bytes=grid.budget,
+                       storage=f"sqlite:///{tmp}/replay.db", estimate=False, seed=seed)
+    finally:
+        tuner.run_trial, tuner._confirm_winner = original_run, original_confirm
+    return tally
+
+
+def tpe(grid: Grid, space: SearchSpace, seed: int) -> Tally:
+    tally = Tally(grid)
+    choices = space.choices(grid.workload, detect_device(grid.workload.device))
+
+    def objective(trial: optuna.Trial) -> float:
+        config = space.config_of({name: trial.suggest_categorical(name, list(values))
+                                  for name, values in choices.items()})
+        result = tally.measure(config)
+        if not grid.fits(config) or not result.ok:
+            raise optuna.TrialPruned()
+        return result.tokens_per_s or 0.0
+
+    with quiet_optuna():
+        study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+        study.optimize(objective, n_trials=len(grid.lines), catch=())
+    return tally
+
+
+def random_order(grid: Grid, space: SearchSpace, seed: int) -> Tally:
+    tally = Tally(grid)
+    configs = grid.configs()
+    random.Random(seed).shuffle(configs)
+    for config in configs:
+        tally.measure(config)
+    return tally
+
+
+def exhaustive(grid: Grid, space: SearchSpace, seed: int) -> Tally:
+    tally = Tally(grid)
+    for config in space.candidates(grid.workload, detect_device(grid.workload.device)):
+        tally.measure(config)
+    return tally
+
+
+def _fixed_knobs(grid: Grid, space: SearchSpace) -> dict[str, Any]:
+    """Every knob but micro batch and ZeRO at the space's first value; checkpointing off if offered."""
+    choices = space.choices(grid.workload, detect_device(grid.workload.device))
+    fixed = {name: values[0] for name, values in choices.items()}
+    if False in choices["checkpointing"]:
+        fixed["checkpointing"] = False
+    return fixed
+
+
+def deepspeed_style(grid: Grid, space: SearchSpace, seed: int) -> Tally:
+    tally = Tally(grid)
+    choices = space.choices(grid.workload, detect_device(grid.workload.device))
+    fixed = _fixed_knobs(grid, space)
+    measured: set[str] = set()
+
+    def run(params: dict[str, Any]) -> bool:
+        config = space.config_of(params)
+        if grid.key(config) not in measured:
+            measured.add(grid.key(config))
+            tally.measure(config)
+        return grid.fits(config)
+
+    sizes = sorted(choices["micro_batch"])
+    for zero in choices["zero"]:
+        largest = None
+        for size in sizes:
+            if not run({**fixed, "zero": zero, "micro_batch": size}):
+                break
+            largest = size
+        if largest is None:
+            continue
+        below = [s for s in sizes if s < largest][-3:]
+        for size in below:
+            run({**fixed, "zero": zero, "micro_batch": size})
+    return tally
+
+
+def lightning_style(grid: Grid, space: SearchSpace, seed: int) -> Tally:
+    tally = Tally(grid)
+    choices = space.choices(grid.workload, detect_device(grid.workload.device))
+    fixed = _fixed_knobs(grid, space)
+    for size in sorted(choices["micro_batch"]):
+        config = space.config_of({**fixed, "micro_batch": size})
+        tally.measure(config)
+        if not grid.fits(config):
+            break
+    return tally
+
+
+STRATEGIES: dict[str, tuple[Callable[[Grid, SearchSpace, int], Tally], bool]] = {
+    # name: (strategy, whether it depends on the seed)
+    "driver": (driver, True), "tpe": (tpe, True), "random": (random_order, True), "grid": (exhaustive, False),
+    "deepspeed": (deepspeed_style, False), "lightning": (lightning_style, False),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grid", type=Path, required=True)
+    parser.add_argument("--memory-budget", required=True)
+    parser.add_argument("--space", help="the space the grid measured (default: read from the grid's name)")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    grid = Grid(args.grid, parse_size(args.memory_budget))
+    space = load_space(args.space or args.grid.with_suffix(".yaml"))
+    results = {}
+    for name, (strategy, seeded) in STRATEGIES.items():
+        tallies = [strategy(grid, space, seed) for seed in (range(args.seeds) if seeded else [0])]
+        found = [t.found_at for t in tallies if t.found_at is not None]
+        results[name] = {
+            "trials_to_2pct": statistics.median(f[0] for f in found) if found else None,
+            "cost_fraction": statistics.median(f[1] for f in found) / grid.total_seconds if found else None,
+            "found_ratio": len(found) / len(tallies),
+            "trials_run": statistics.median(t.trials for t in tallies),
+        }
+    if args.json:
+        print(json.dumps({"grid": str(args.grid), "configs": len(grid.lines), "best_tokens_per_s": grid.best,
+                          "strategies": results}))
+        return
+    print(f"{args.grid}: {len(grid.lines)} configs, {grid.total_seconds:.0f} trial-seconds, best fitting "
+          f"{grid.best:,.1f} tokens/s; budget {grid.budget} B")
+    print(f"{'strategy':<10} {'trials to 2%':>13} {'cost fraction':>14} {'found':>6} {'trials run':>11}")
+    for name, r in results.items():
+        trials = f"{r['trials_to_2pct']:g}" if r["trials_to_2pct"] is not None else "-"
+        cost = f"{r['cost_fraction']:.1%}" if r["cost_fraction"] is not None else "-"
+        print(f"{name:<10} {trials:>13} {cost:>14} {r['found_ratio']:>6.0%} {r['trials_run']:>11g}")
+
+
+if __name__ == "__main__":
+    main()
