@@ -142,9 +142,9 @@ def _init_distributed(workload: Any, config: Any, device: Any) -> int:
 
 def _peak_allocated(device: Any, tracker: Any) -> int:
     if device.type == "cuda":
-        import torch
+        from autotune.memory import cuda_peaks
 
-        return torch.cuda.max_memory_allocated(device)
+        return cuda_peaks(device)[0]
     return tracker.peak_bytes
 
 

@@ -78,13 +78,19 @@ def _server_lock(url: str, backend: str, study: str) -> Iterator[None]:
 
 
 def gpu_slices(workers: int, ranks: int, device: Any) -> list[str | None]:
-    """CUDA_VISIBLE_DEVICES for each worker: its own GPUs when there are enough; None on a CPU."""
-    if device.type != "cuda":
+    """CUDA_VISIBLE_DEVICES for each worker: its own GPUs when there are enough.
+
+    None (the environment left as it is) on a CPU or for a single worker. The slices are taken
+    from the GPUs already visible, since CUDA_VISIBLE_DEVICES counts from those, not from all.
+    """
+    if device.type != "cuda" or workers == 1:
         return [None] * workers
     if workers * ranks > device.count:
         raise ConfigError(f"--workers {workers} x --nproc {ranks} needs {workers * ranks} GPUs, {device.count} "
                           "visible: workers sharing a GPU would measure each other's memory; use fewer workers")
-    return [",".join(str(w * ranks + r) for r in range(ranks)) for w in range(workers)]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [i.strip() for i in visible.split(",")] if visible else [str(i) for i in range(device.count)]
+    return [",".join(ids[w * ranks:(w + 1) * ranks]) for w in range(workers)]
 
 
 def start_helpers(spec: dict[str, Any], gpus: list[str | None]) -> list[subprocess.Popen[bytes]]:

@@ -97,3 +97,20 @@ def test_two_rank_zero_trials_in_a_study_report_the_largest_rank_peak(tmp_path):
         per_rank = result["peak_memory_per_rank"]
         assert len(per_rank) == 2 and all(p > 0 for p in per_rank)
         assert result["peak_memory_bytes"] == max(per_rank)
+
+
+def test_each_worker_gets_its_own_slice_of_the_visible_gpus(monkeypatch):
+    from types import SimpleNamespace
+
+    from autotune.errors import ConfigError
+    from autotune.workers import gpu_slices
+
+    gpus = SimpleNamespace(type="cuda", count=4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # indices count from the visible GPUs
+    assert gpu_slices(2, 2, gpus) == ["4,5", "6,7"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert gpu_slices(4, 1, gpus) == ["0", "1", "2", "3"]
+    assert gpu_slices(1, 2, gpus) == [None]  # one worker: the environment stays as the user set it
+    assert gpu_slices(3, 1, SimpleNamespace(type="cpu", count=1)) == [None] * 3
+    with pytest.raises(ConfigError, match="--workers 3 x --nproc 2 needs 6 GPUs"):
+        gpu_slices(3, 2, gpus)
