@@ -59,11 +59,19 @@ def open_storage(url: str | None = None) -> optuna.storages.RDBStorage:
         # and WAL files copy the database's permissions.
         database.touch(mode=0o600, exist_ok=True)
         engine_kwargs["connect_args"] = {"timeout": _SQLITE_LOCK_TIMEOUT_S}
-    try:
+    def rdb_storage() -> optuna.storages.RDBStorage:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats
             return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S,
                                               grace_period=_GRACE_S)
+
+    try:
+        try:
+            return rdb_storage()
+        except sqlalchemy.exc.OperationalError as exc:
+            if "already exists" not in str(exc):
+                raise
+            return rdb_storage()  # another process created the schema meanwhile: it is there now
     except ImportError:
         extra = " (pip install 'autotune[postgres]')" if parsed.get_backend_name() == "postgresql" else ""
         raise StorageError(f"--storage {display_url(url)}: the database driver for "
