@@ -82,6 +82,11 @@ class MemoryEstimate:
             "method": self.method, "seconds": self.seconds,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryEstimate:
+        fields = {k: v for k, v in data.items() if k != "describe"}
+        return cls(**{**fields, "config": TrialConfig.from_dict(data["config"])})
+
 
 def predict_memory(workload: Workload, config: TrialConfig, *, task: str | None = None,
                    timeout_s: float = 300) -> MemoryEstimate:
@@ -97,10 +102,7 @@ def predict_memory(workload: Workload, config: TrialConfig, *, task: str | None 
     reply = _SERVER.ask(request, timeout_s)
     if "error" in reply:
         raise EstimateError(f"the estimate failed: {reply['error']}")
-    data = reply["ok"]
-    data["config"] = config
-    data.pop("describe", None)
-    return MemoryEstimate(**data)
+    return MemoryEstimate.from_dict(reply["ok"])
 
 
 class _EstimateServer:

@@ -1,19 +1,28 @@
-"""Which config to measure next: a safe baseline, retries, then TPE, never a known or implied failure.
+"""Which config to measure next: the one predicted fastest among those that should fit.
 
-The sampler runs on a throw-away in-memory copy of the study (the *mirror*): its proposals
-that are already measured, or implied to run out of memory, are told back to the mirror and
-another is asked for, so the real study only ever holds configs that were really measured.
+The problem has structure, and the proposer uses it instead of a black-box sampler:
+
+* memory grows with the micro batch when the other knobs (a *family*) stay the same, so one
+  out-of-memory trial, or one estimate over the limit, rules out every larger micro batch of
+  its family, and one config that fits vouches for every smaller one;
+* throughput grows with the micro batch until it saturates, so the config to try in a family
+  is its largest that fits: its *frontier*;
+* which family is fastest depends on the device, so families are ranked by a throughput model
+  (knob priors corrected by every measured trial, :mod:`autotune.throughput`).
+
+Each proposal is the open config ranked first whose memory is known, or predicted, to fit.
+A family's frontier is found by bisecting its micro batches with the memory estimator (no
+trial spent); without one, by measuring the middle of its unknown micro batches, so an OOM
+halves what is left. A retry of an interrupted trial comes before anything else.
 """
 
 from __future__ import annotations
 
-import random
-import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from autotune.knobs import TrialConfig
-from autotune.storage import quiet_optuna
 from autotune.study import measured
+from autotune.throughput import ThroughputModel
 
 if TYPE_CHECKING:
     import optuna
@@ -25,16 +34,22 @@ if TYPE_CHECKING:
 
 __all__ = ["Proposer", "implied_too_big", "implied_fits"]
 
-_ASKS_PER_PROPOSAL = 24   # mirror proposals tried before falling back to a neighbour of the best
+PeakPredictor = Callable[[TrialConfig], "int | None"]   # predicted peak bytes, None when it cannot say
 
 
 class Proposer:
-    def __init__(self, space: SearchSpace, workload: Workload, device: DeviceInfo, *, seed: int = 0) -> None:
+    def __init__(self, space: SearchSpace, workload: Workload, device: DeviceInfo, *,
+                 predict_peak: PeakPredictor | None = None, limit_bytes: int | None = None,
+                 margin: float = 0.0) -> None:
         self.space = space
         self.choices = space.choices(workload, device)
         self.candidates = space.candidates(workload, device)
-        self._runnable = set(self.candidates)
-        self._seed = seed
+        self._device_type = device.type
+        self._predict_peak = predict_peak
+        self._limit = limit_bytes
+        self._margin = margin
+        self._predicted: dict[TrialConfig, int | None] = {}
+        self._ruled_out: list[TrialConfig] = []
 
     def suggest(self, trial: optuna.Trial) -> TrialConfig:
         """Define-by-run: the config of ``trial``'s parameters (fixed ones when it was enqueued)."""
@@ -44,74 +59,78 @@ class Proposer:
     def params_of(self, config: TrialConfig) -> dict[str, Any]:
         return self.space.params_of(config)
 
-    def baseline(self) -> TrialConfig:
-        """The config most likely to fit: smallest micro batch, checkpointing on, no ZeRO where allowed.
-
-        Precision and LoRA take the space's first value: the one the user listed first.
-        """
-        def risk(config: TrialConfig) -> tuple[Any, ...]:
-            return (config.micro_batch, not config.checkpointing, config.uses_deepspeed,
-                    self.choices["precision"].index(config.precision),
-                    self.choices["lora"].index(self.params_of(config)["lora"]))
-        return min(self.candidates, key=risk)
-
-    def next_config(self, study: optuna.Study, records: list[TrialRecord]) -> TrialConfig | None:
+    def next_config(self, study: optuna.Study | None, records: list[TrialRecord]) -> TrialConfig | None:
         """The next config to measure, or None when every runnable config is measured or implied."""
         done = {r.config for r in measured(records)}
         done |= {r.config for r in records if r.status in ("running", "skipped")}
         too_big = [r.config for r in records
                    if r.status in ("oom", "skipped") or (r.status == "ok" and not r.fits)]
+        fitting = [r.config for r in records if r.fits]
         open_configs = [c for c in self.candidates if c not in done and not implied_too_big(c, too_big)]
         if not open_configs:
             return None
         retry = next((r.config for r in records if r.status == "interrupted" and r.config in open_configs), None)
         if retry is not None:
             return retry
-        if not measured(records) and self.baseline() in open_configs:
-            return self.baseline()
-        proposal = self._from_sampler(study, set(open_configs), too_big)
-        if proposal is not None:
-            return proposal
-        rng = random.Random(self._seed + len(records))
-        return rng.choice(self._neighbours(records, open_configs) or open_configs)
+        model = ThroughputModel(self.params_of, self._device_type).fit(
+            [(r.config, r.tokens_per_s) for r in records if r.status == "ok" and r.tokens_per_s])
+        order = {c: i for i, c in enumerate(self.candidates)}
+        ranked = sorted(open_configs, key=lambda c: (-model.predict(c), order[c]))
+        for config in ranked:
+            frontier = self._frontier(config, fitting, too_big)
+            if frontier is None:      # nothing can tell: measure the middle of what is unknown
+                return self._bisecting_trial(config, fitting, too_big, open_configs)
+            if config.micro_batch <= frontier:
+                return config
+        return None  # every open config is predicted not to fit
 
-    # -- sampling --------------------------------------------------------------------------------
-    def _from_sampler(self, study: optuna.Study, open_configs: set[TrialConfig],
-                      too_big: list[TrialConfig]) -> TrialConfig | None:
-        import optuna
-        from optuna.trial import TrialState
+    def take_ruled_out(self) -> list[TrialConfig]:
+        """Configs the estimator put over the limit since the last call (for the study to record)."""
+        ruled_out, self._ruled_out = self._ruled_out, []
+        return ruled_out
 
-        finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            sampler = optuna.samplers.TPESampler(
-                seed=self._seed + len(finished), multivariate=True, group=True,
-                n_startup_trials=min(10, max(3, len(self.candidates) // 10)))
-            with quiet_optuna():
-                mirror = optuna.create_study(direction="maximize", sampler=sampler)
-            mirror.add_trials(finished)
-            for _ in range(_ASKS_PER_PROPOSAL):
-                trial = mirror.ask()
-                config = self.suggest(trial)
-                if config in open_configs:
-                    return config
-                if config in self._runnable and implied_too_big(config, too_big):
-                    trial.set_constraint("memory", 1.0)  # teach the mirror: this region runs out
-                    mirror.tell(trial, state=TrialState.PRUNED)
-                else:  # measured already, or cannot run here
-                    mirror.tell(trial, state=TrialState.FAIL)
-        return None
+    # -- memory ------------------------------------------------------------------------------------
+    def _family_sizes(self, config: TrialConfig) -> list[TrialConfig]:
+        return [config.replace(micro_batch=size) for size in sorted(self.choices["micro_batch"])]
 
-    def _neighbours(self, records: list[TrialRecord], open_configs: list[TrialConfig]) -> list[TrialConfig]:
-        """Open configs one knob away from the fastest that fits: local search when TPE insists on it."""
-        from autotune.study import ranking
+    def _frontier(self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig]) -> int | None:
+        """The largest micro batch of ``config``'s family known or predicted to fit (0: none);
+        None when neither trials nor the estimator can tell."""
+        family = self._family_sizes(config)
+        fit, big = self._known_bounds(family, fitting, too_big)
+        while big - fit > 1:
+            middle = (fit + big) // 2
+            peak = self._prediction(family[middle])
+            if peak is None:
+                return None
+            if peak <= self._limit * (1 + self._margin):
+                fit = middle
+            else:
+                big = middle
+                self._ruled_out.append(family[middle])
+        return family[fit].micro_batch if fit >= 0 else 0
 
-        ranked = ranking(records)
-        if not ranked:
-            return []
-        best = self.params_of(ranked[0].config)
-        return [c for c in open_configs
-                if sum(v != best[k] for k, v in self.params_of(c).items()) == 1]
+    def _known_bounds(self, family: list[TrialConfig], fitting: list[TrialConfig],
+                      too_big: list[TrialConfig]) -> tuple[int, int]:
+        """Indices into ``family``: the largest measured (or implied) to fit, the smallest that does not."""
+        fit = max((i for i, c in enumerate(family) if implied_fits(c, fitting)), default=-1)
+        big = min((i for i, c in enumerate(family) if c in too_big or implied_too_big(c, too_big)),
+                  default=len(family))
+        return fit, big
+
+    def _prediction(self, config: TrialConfig) -> int | None:
+        if self._predict_peak is None or self._limit is None:
+            return None
+        if config not in self._predicted:
+            self._predicted[config] = self._predict_peak(config)
+        return self._predicted[config]
+
+    def _bisecting_trial(self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig],
+                         open_configs: list[TrialConfig]) -> TrialConfig:
+        family = self._family_sizes(config)
+        fit, big = self._known_bounds(family, fitting, too_big)
+        middle = family[(fit + big) // 2] if big - fit > 1 else config
+        return middle if middle in open_configs else config
 
 
 def implied_fits(config: TrialConfig, fitting: list[TrialConfig]) -> bool:

@@ -42,10 +42,11 @@ if TYPE_CHECKING:
     from autotune.estimator import MemoryEstimate
     from autotune.proposer import Proposer
 
-__all__ = ["tune", "find", "Progress", "DEFAULT_HEADROOM"]
+__all__ = ["tune", "find", "Progress", "TrialBackend", "LocalBackend", "DEFAULT_HEADROOM"]
 
 DEFAULT_HEADROOM = 0.10     # a config fits when its peak stays 10% under the budget
 CONFIRM_STEPS_FACTOR = 3    # the winner's re-run measures 3x as many steps
+CONFIRM_TOLERANCE = 0.2     # a re-run more than 20% slower than the first figure refutes it (a lucky first run)
 MAX_CONFIRMATIONS = 3       # re-runs per tune call before settling on the best confirmed one
 SKIP_MARGIN = 0.05          # skip a config predicted more than 5% over the limit; closer ones still run
 _BROKEN_AFTER = 2           # stop when this many trials, and every one so far, errored or crashed
@@ -79,8 +80,8 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
          memory_budget_bytes: int | None = None, n_trials: int | None = None, timeout_s: float | None = None,
          trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S, patience: int | None = None,
          headroom: float = DEFAULT_HEADROOM, storage: str | None = None, warmup_steps: int = 1,
-         measure_steps: int = 3, seed: int = 0, estimate: bool = True, workers: int = 1, confirm: bool = True,
-         progress: Progress | None = None) -> StudySummary:
+         measure_steps: int = 3, estimate: bool = True, workers: int = 1, confirm: bool = True,
+         progress: Progress | None = None, backend: TrialBackend | None = None) -> StudySummary:
     """Search ``space`` for the fastest config of ``workload`` that fits; return the study read back.
 
     ``n_trials`` is the study's total of measured trials (default: the space's), so running
@@ -93,6 +94,9 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     ``workers`` > 1 runs that many processes on the study (this one and helpers, each on its own
     GPUs where there are several); the winner is confirmed once all are done. Workers elsewhere
     join by tuning the same study on the same storage URL, with ``confirm`` off but for one.
+
+    ``backend`` runs the trials and estimates (default: real ones, :class:`LocalBackend`); the
+    search benchmarks pass one that replays a measured grid through this same driver.
     """
     from autotune.proposer import Proposer
     from autotune.storage import create_study, open_storage, recover_stale_trials
@@ -105,12 +109,16 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     device = detect_device(workload.device)
     space = space if isinstance(space, SearchSpace) else load_space(space)
     budget = _budget(memory_budget_bytes, device)
-    proposer = Proposer(space, workload, device, seed=seed)
+    backend = backend or LocalBackend()
     _check_workload(workload, device)
     gpus = gpu_slices(workers, workload.nproc, device)
     meta = question(workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom)
     the_study = create_study(open_storage(storage), study, meta)
     recovered = recover_stale_trials(the_study)
+    limit = memory_limit(the_study.user_attrs["autotune"])
+    oracle = _Oracle(backend, workload) if estimate else None
+    proposer = Proposer(space, workload, device, predict_peak=oracle.peak_bytes if oracle else None,
+                        limit_bytes=limit, margin=SKIP_MARGIN)
     target = n_trials or space.n_trials
     patience = patience if patience is not None else space.patience
     measure = _Measure(memory_budget_bytes=budget, trial_timeout_s=trial_timeout_s,
@@ -122,7 +130,7 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     helpers = start_helpers(dict(
         study=study, workload=workload.to_dict(), space=space.name, memory_budget_bytes=budget, n_trials=target,
         timeout_s=timeout_s, trial_timeout_s=trial_timeout_s, patience=patience, headroom=headroom,
-        storage=storage, warmup_steps=warmup_steps, measure_steps=measure_steps, seed=seed, estimate=estimate,
+        storage=storage, warmup_steps=warmup_steps, measure_steps=measure_steps, estimate=estimate,
     ), gpus[1:])
     started = time.monotonic()
     try:
@@ -133,6 +141,7 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
                     reason = _stop_reason(records, target=target, patience=patience, timeout_s=timeout_s,
                                           elapsed_s=time.monotonic() - started)
                     config = None if reason else proposer.next_config(the_study, records)
+                    _record_ruled_out(the_study, proposer, oracle, records, progress)
                     if reason is None and config is None:
                         reason = "every config of the space is measured, being measured or implied to run out of memory"
                     if not reason:
@@ -140,12 +149,12 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
                 if reason:
                     progress.stopped(reason=reason)
                     break
-                prediction = _predict(config, workload, records) if estimate else None
+                prediction = oracle.estimate(config, records) if oracle else None
                 if prediction is not None and _skip_if_too_big(the_study, trial, prediction, progress):
                     continue
                 retry = any(r.status == "interrupted" and r.config == config for r in records)
                 progress.trial_started(index=len(measured(records)) + 1, target=target, config=config, retry=retry)
-                record = _measure_in_study(the_study, trial, config, workload, measure, prediction)
+                record = _measure_in_study(the_study, trial, config, workload, measure, prediction, backend)
                 progress.trial_finished(record=record, best=next(iter(ranking(records_of(the_study))), None),
                                         elapsed_s=time.monotonic() - started)
             wait_helpers(helpers)
@@ -160,7 +169,7 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
                 helper.kill()
                 helper.wait()
     if confirm:
-        _confirm_winner(the_study, workload, measure, progress)
+        _confirm_winner(the_study, workload, measure, progress, backend)
     return summarize(the_study, url=storage)
 
 
@@ -216,16 +225,16 @@ def question(*, workload: Workload, space: SearchSpace, device: DeviceInfo, memo
 
 # -- one trial in the study ----------------------------------------------------------------------
 def _measure_in_study(study: optuna.Study, trial: optuna.Trial, config: TrialConfig, workload: Workload,
-                      measure: _Measure, prediction: MemoryEstimate | None) -> TrialRecord:
+                      measure: _Measure, prediction: MemoryEstimate | None, backend: TrialBackend) -> TrialRecord:
     from optuna.trial import TrialState
 
     if prediction is not None:
         trial.set_user_attr("estimate", prediction.to_dict())  # predicted next to measured, for show
     try:
         with _heartbeat(study, trial):
-            result = run_trial(workload, config, memory_budget_bytes=measure.memory_budget_bytes,
-                               timeout_s=measure.trial_timeout_s, warmup_steps=measure.warmup_steps,
-                               measure_steps=measure.measure_steps)
+            result = backend.run(workload, config, memory_budget_bytes=measure.memory_budget_bytes,
+                                 timeout_s=measure.trial_timeout_s, warmup_steps=measure.warmup_steps,
+                                 measure_steps=measure.measure_steps)
     except KeyboardInterrupt:
         trial.set_user_attr("status", "interrupted")
         study.tell(trial, state=TrialState.FAIL)
@@ -248,17 +257,68 @@ def _measure_in_study(study: optuna.Study, trial: optuna.Trial, config: TrialCon
     return next(r for r in records_of(study) if r.number == trial.number)
 
 
-def _predict(config: TrialConfig, workload: Workload, records: list[TrialRecord]) -> MemoryEstimate | None:
-    """The estimator's prediction, unless a larger micro batch with the same knobs already fit."""
-    from autotune.estimator import EstimateError, predict_memory
-    from autotune.proposer import implied_fits
+class TrialBackend(Protocol):
+    """Where trials and memory estimates come from."""
 
-    if implied_fits(config, [r.config for r in records if r.fits]):
-        return None
-    try:
-        return predict_memory(workload, config)
-    except EstimateError:  # a model the estimator cannot trace is simply measured
-        return None
+    def run(self, workload: Workload, config: TrialConfig, *, memory_budget_bytes: int, timeout_s: float,
+            warmup_steps: int, measure_steps: int) -> TrialResult: ...
+
+    def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None: ...
+
+
+class LocalBackend:
+    """Real trials in fresh processes; real estimates (None where the estimator cannot trace the model)."""
+
+    def run(self, workload: Workload, config: TrialConfig, **measure: Any) -> TrialResult:
+        return run_trial(workload, config, **measure)
+
+    def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None:
+        from autotune.estimator import EstimateError, predict_memory
+
+        try:
+            return predict_memory(workload, config)
+        except EstimateError:  # a model the estimator cannot trace is simply measured
+            return None
+
+
+class _Oracle:
+    """The estimator's predictions, each asked once per tune call: the proposer bisects with them,
+    and a trial stores its config's next to what it measured."""
+
+    def __init__(self, backend: TrialBackend, workload: Workload) -> None:
+        self._backend = backend
+        self._workload = workload
+        self._cache: dict[TrialConfig, MemoryEstimate | None] = {}
+
+    def peak_bytes(self, config: TrialConfig) -> int | None:
+        estimate = self._lookup(config)
+        return estimate.predicted_peak_bytes if estimate is not None else None
+
+    def estimate(self, config: TrialConfig, records: list[TrialRecord]) -> MemoryEstimate | None:
+        """The prediction for a trial, unless a larger micro batch with the same knobs already fit."""
+        from autotune.proposer import implied_fits
+
+        if config not in self._cache and implied_fits(config, [r.config for r in records if r.fits]):
+            return None
+        return self._lookup(config)
+
+    def _lookup(self, config: TrialConfig) -> MemoryEstimate | None:
+        if config not in self._cache:
+            self._cache[config] = self._backend.estimate(self._workload, config)
+        return self._cache[config]
+
+
+def _record_ruled_out(study: optuna.Study, proposer: Proposer, oracle: _Oracle | None,
+                      records: list[TrialRecord], progress: Progress) -> None:
+    """Record the configs the proposer's estimates put over the limit as skipped trials, so the
+    study shows why they never ran (and a resumed or parallel search does not estimate them again)."""
+    known = {r.config for r in records}
+    for config in proposer.take_ruled_out():
+        prediction = oracle.estimate(config, records) if oracle else None
+        if config in known or prediction is None:
+            continue
+        trial, config = _ask(study, proposer, config)
+        _skip_if_too_big(study, trial, prediction, progress)
 
 
 def _skip_if_too_big(study: optuna.Study, trial: optuna.Trial, prediction: MemoryEstimate,
@@ -332,11 +392,14 @@ def _stored(result: TrialResult) -> dict[str, Any]:
 
 
 # -- confirming the winner -----------------------------------------------------------------------
-def _confirm_winner(study: optuna.Study, workload: Workload, measure: _Measure, progress: Progress) -> None:
+def _confirm_winner(study: optuna.Study, workload: Workload, measure: _Measure, progress: Progress,
+                    backend: TrialBackend) -> None:
     """Re-run the top candidate longer until the top one is confirmed (or the re-runs are spent).
 
-    A re-run that does not fit refutes the candidate; one that fits replaces its first figure,
-    so a config that was fast by luck loses its place to the next.
+    A re-run refutes the candidate when it does not train, does not fit, or reads more than
+    ``CONFIRM_TOLERANCE`` below its first figure (fast by luck); the next one is re-run then.
+    The tolerance is wide on purpose: sustained load reads ~15% lower than a short run on a
+    busy CPU, and a tighter one refuted every candidate in turn.
     """
     limit = memory_limit(study.user_attrs["autotune"])
     steps = measure.measure_steps * CONFIRM_STEPS_FACTOR
@@ -347,12 +410,13 @@ def _confirm_winner(study: optuna.Study, workload: Workload, measure: _Measure, 
         top = ranked[0]
         progress.confirming(record=top, steps=steps)
         # It measures CONFIRM_STEPS_FACTOR x the steps, so it gets as many times the trial's time.
-        result = run_trial(workload, top.config, memory_budget_bytes=measure.memory_budget_bytes,
-                           timeout_s=measure.trial_timeout_s * CONFIRM_STEPS_FACTOR,
-                           warmup_steps=measure.warmup_steps + 1, measure_steps=steps)
+        result = backend.run(workload, top.config, memory_budget_bytes=measure.memory_budget_bytes,
+                             timeout_s=measure.trial_timeout_s * CONFIRM_STEPS_FACTOR,
+                             warmup_steps=measure.warmup_steps + 1, measure_steps=steps)
         peak = result.peak_memory_bytes
         study.set_user_attr(f"{CONFIRM_PREFIX}{top.number}", {
-            "confirmed": result.ok and peak is not None and peak <= limit,
+            "confirmed": result.ok and peak is not None and peak <= limit
+                         and (result.tokens_per_s or 0.0) >= (1 - CONFIRM_TOLERANCE) * (top.tokens_per_s or 0.0),
             "status": result.status.value,
             "tokens_per_s": result.tokens_per_s,
             "samples_per_s": result.samples_per_s,

@@ -102,7 +102,7 @@ def start_helpers(spec: dict[str, Any], gpus: list[str | None]) -> list[subproce
         env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
-        worker_spec = dict(spec, seed=spec["seed"] + index - 1, worker=index)
+        worker_spec = dict(spec, worker=index)
         process = subprocess.Popen([sys.executable, "-m", "autotune.workers"], stdin=subprocess.PIPE, env=env)
         assert process.stdin is not None
         process.stdin.write(json.dumps(worker_spec).encode())

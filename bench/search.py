@@ -8,8 +8,9 @@ recorded (``trial_seconds``). A config fits when it trained and its recorded pea
 budget minus the tuner's 10% headroom; a recorded peak over the budget replays as an OOM, so one
 grid measured with a generous budget replays at any smaller one. Strategies:
 
-* ``driver``: the tuner's own driver (``autotune.tuner.tune``, the real code, with the trial
-  runner replaced by the grid lookup and the estimator off), default settings;
+* ``driver``: the tuner's own driver (``autotune.tuner.tune``, the real code, given a backend
+  that answers trials and memory estimates from the grid), default settings; it is
+  deterministic, so it runs once;
 * ``tpe``: Optuna's TPESampler with defaults on the same parameters (an OOM is pruned, a repeat
   proposal is paid again: a plain Optuna loop re-runs it);
 * ``random``: configs in random order, each once;
@@ -34,6 +35,7 @@ from typing import Any, Callable
 import optuna
 
 from autotune.device import detect_device
+from autotune.estimator import MemoryEstimate
 from autotune.grid import read_grid
 from autotune.knobs import TrialConfig
 from autotune.result import TrialResult, TrialStatus
@@ -92,11 +94,16 @@ class Grid:
 
 
 class Tally:
-    """The order configs were measured in, and when one within 2% of the best was first reached."""
+    """What a strategy spent, in order, and when a config within 2% of the best was first measured.
+
+    ``seconds`` counts trials and, for the driver, its memory estimates (each at the seconds
+    its grid line recorded through a warm estimate server, plus starting the server once).
+    """
 
     def __init__(self, grid: Grid) -> None:
         self.grid = grid
         self.trials = 0
+        self.estimates = 0
         self.seconds = 0.0
         self.found_at: tuple[int, float] | None = None
 
@@ -109,29 +116,37 @@ class Tally:
             self.found_at = (self.trials, self.seconds)
         return self.grid.result(config)
 
+    def estimate(self, config: TrialConfig) -> MemoryEstimate | None:
+        line = self.grid.line(config)
+        if line is None or "estimate" not in line:
+            return None  # a grid without estimates: the driver runs as with --no-estimate
+        self.seconds += line["estimate_seconds"] + (line["estimator_start_s"] if not self.estimates else 0.0)
+        self.estimates += 1
+        return MemoryEstimate.from_dict(line["estimate"]) if "predicted_peak_bytes" in line["estimate"] else None
+
+
+class GridBackend:
+    """The tuner's trials and estimates, answered from the grid and charged to a tally."""
+
+    def __init__(self, tally: Tally) -> None:
+        self.tally = tally
+
+    def run(self, workload: Workload, config: TrialConfig, **_: Any) -> TrialResult:
+        return self.tally.measure(config)
+
+    def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None:
+        return self.tally.estimate(config)
+
 
 # -- strategies ---------------------------------------------------------------------------------
 def driver(grid: Grid, space: SearchSpace, seed: int) -> Tally:
-    import autotune.tuner as tuner
+    """The tuner's own driver, as ``autotune tune`` runs it (the winner's re-run comes after the search)."""
+    from autotune.tuner import tune
 
     tally = Tally(grid)
-    confirming = {"on": False}
-    original_run, original_confirm = tuner.run_trial, tuner._confirm_winner
-
-    def replay(workload: Workload, config: TrialConfig, **_: Any) -> TrialResult:
-        return grid.result(config) if confirming["on"] else tally.measure(config)
-
-    def confirm(*args: Any, **kwargs: Any) -> None:  # re-runs come after the search: not charged here
-        confirming["on"] = True
-        original_confirm(*args, **kwargs)
-
-    tuner.run_trial, tuner._confirm_winner = replay, confirm
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            tuner.tune(study="replay", workload=grid.workload, space=space, memory_budget_bytes=grid.budget,
-                       storage=f"sqlite:///{tmp}/replay.db", estimate=False, seed=seed)
-    finally:
-        tuner.run_trial, tuner._confirm_winner = original_run, original_confirm
+    with tempfile.TemporaryDirectory() as tmp:
+        tune(study="replay", workload=grid.workload, space=space, memory_budget_bytes=grid.budget,
+             storage=f"sqlite:///{tmp}/replay.db", confirm=False, backend=GridBackend(tally))
     return tally
 
 
@@ -220,7 +235,7 @@ def lightning_style(grid: Grid, space: SearchSpace, seed: int) -> Tally:
 
 STRATEGIES: dict[str, tuple[Callable[[Grid, SearchSpace, int], Tally], bool]] = {
     # name: (strategy, whether it depends on the seed)
-    "driver": (driver, True), "tpe": (tpe, True), "random": (random_order, True), "grid": (exhaustive, False),
+    "driver": (driver, False), "tpe": (tpe, True), "random": (random_order, True), "grid": (exhaustive, False),
     "deepspeed": (deepspeed_style, False), "lightning": (lightning_style, False),
 }
 
@@ -244,6 +259,8 @@ def main() -> None:
             "cost_fraction": statistics.median(f[1] for f in found) / grid.total_seconds if found else None,
             "found_ratio": len(found) / len(tallies),
             "trials_run": statistics.median(t.trials for t in tallies),
+            "estimates": statistics.median(t.estimates for t in tallies),
+            "spent_fraction": statistics.median(t.seconds for t in tallies) / grid.total_seconds,
         }
     if args.json:
         print(json.dumps({"grid": str(args.grid), "configs": len(grid.lines), "best_tokens_per_s": grid.best,
@@ -251,11 +268,13 @@ def main() -> None:
         return
     print(f"{args.grid}: {len(grid.lines)} configs, {grid.total_seconds:.0f} trial-seconds, best fitting "
           f"{grid.best:,.1f} tokens/s; budget {grid.budget} B")
-    print(f"{'strategy':<10} {'trials to 2%':>13} {'cost fraction':>14} {'found':>6} {'trials run':>11}")
+    print(f"{'strategy':<10} {'trials to 2%':>13} {'cost fraction':>14} {'found':>6} {'trials run':>11} "
+          f"{'estimates':>10} {'spent':>7}")
     for name, r in results.items():
         trials = f"{r['trials_to_2pct']:g}" if r["trials_to_2pct"] is not None else "-"
         cost = f"{r['cost_fraction']:.1%}" if r["cost_fraction"] is not None else "-"
-        print(f"{name:<10} {trials:>13} {cost:>14} {r['found_ratio']:>6.0%} {r['trials_run']:>11g}")
+        print(f"{name:<10} {trials:>13} {cost:>14} {r['found_ratio']:>6.0%} {r['trials_run']:>11g} "
+              f"{r['estimates']:>10g} {r['spent_fraction']:>7.1%}")
 
 
 if __name__ == "__main__":

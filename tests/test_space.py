@@ -115,30 +115,58 @@ def test_implied_out_of_memory():
     assert not implied_too_big(TrialConfig(micro_batch=8, checkpointing=True), [oom])  # other knobs differ
 
 
-def _proposer(tmp_path, text: str) -> Proposer:
+def _proposer(tmp_path, text: str, **kwargs) -> Proposer:
     path = tmp_path / "space.yaml"
     path.write_text(text)
-    return Proposer(load_space(str(path)), Workload(global_batch=16), CPU)
+    return Proposer(load_space(str(path)), Workload(global_batch=16), CPU, **kwargs)
 
 
-def test_the_proposer_starts_safe_retries_interruptions_and_never_repeats(tmp_path):
-    import optuna
+TWO_KNOBS = "knobs:\n  micro_batch: [2, 4, 8, 16]\n  checkpointing: [false, true]\n"
 
-    study = optuna.create_study(direction="maximize")  # empty: proposals come from the rules alone
-    proposer = _proposer(tmp_path, "knobs:\n  micro_batch: [2, 4, 8, 16]\n  checkpointing: [false, true]\n")
-    assert proposer.next_config(study, []) == TrialConfig(micro_batch=2, checkpointing=True)
 
-    interrupted = TrialConfig(micro_batch=4)
-    records = [_record(0, TrialConfig(micro_batch=2, checkpointing=True), "ok", tokens=10, fits=True),
-               _record(1, interrupted, "interrupted")]
-    assert proposer.next_config(study, records) == interrupted
+def test_without_an_estimator_the_proposer_bisects_micro_batches_retries_and_never_repeats(tmp_path):
+    proposer = _proposer(tmp_path, TWO_KNOBS)
+    # Nothing known: the family ranked first (no checkpointing) is bisected: the middle size first.
+    assert proposer.next_config(None, []) == TrialConfig(micro_batch=4)
 
-    records = [_record(0, TrialConfig(micro_batch=2, checkpointing=True), "ok", tokens=10, fits=True),
-               _record(1, TrialConfig(micro_batch=4), "oom"),
-               _record(2, TrialConfig(micro_batch=4, checkpointing=True), "ok", tokens=20, fits=False)]
-    # Left: mb=2 (no ckpt). mb 8/16 without ckpt are implied by the OOM at 4; with ckpt by the
-    # over-limit mb=4 ckpt.
-    for _ in range(5):
-        assert proposer.next_config(study, records) == TrialConfig(micro_batch=2)
-    records.append(_record(3, TrialConfig(micro_batch=2), "ok", tokens=5, fits=True))
-    assert proposer.next_config(study, records) is None  # exhausted
+    interrupted = TrialConfig(micro_batch=8)
+    records = [_record(0, TrialConfig(micro_batch=4), "ok", tokens=10, fits=True), _record(1, interrupted, "interrupted")]
+    assert proposer.next_config(None, records) == interrupted
+
+    # mb=4 fit, so the bisection goes up: mb=8 (between the fit and the unknown top).
+    records = [_record(0, TrialConfig(micro_batch=4), "ok", tokens=10, fits=True)]
+    assert proposer.next_config(None, records) == TrialConfig(micro_batch=8)
+    # mb=8 ran out of memory: mb=16 is implied, never proposed; the frontier of no-ckpt is known.
+    records.append(_record(1, TrialConfig(micro_batch=8), "oom"))
+    seen = {r.config for r in records}
+    while (config := proposer.next_config(None, records)) is not None:
+        assert config not in seen and config != TrialConfig(micro_batch=16)
+        seen.add(config)
+        fits = config.micro_batch <= 8
+        records.append(_record(len(records), config, "ok" if fits else "oom", tokens=config.micro_batch, fits=fits))
+    assert TrialConfig(micro_batch=16, checkpointing=True) in seen
+
+
+def test_with_an_estimator_the_first_proposal_is_the_frontier_of_the_fastest_family(tmp_path):
+    MiB = 2**20
+    asked = []
+
+    def predict(config: TrialConfig) -> int:  # checkpointing stores 4 MiB a sample instead of 10
+        asked.append(config)
+        return config.micro_batch * (4 if config.checkpointing else 10) * MiB
+
+    proposer = _proposer(tmp_path, TWO_KNOBS, predict_peak=predict, limit_bytes=50 * MiB, margin=0.05)
+    # no ckpt: mb=4 (40 MiB) fits, mb=8 (80) does not. Ranked against ckpt's frontier mb=8 (32 MiB),
+    # the prior puts no-ckpt mb=4 first (checkpointing costs ~30% of the throughput).
+    assert proposer.next_config(None, []) == TrialConfig(micro_batch=4)
+    assert len(asked) <= 3 and all(not c.checkpointing for c in asked)  # bisection, one family only
+    # It ran out of memory anyway (an under-estimate): the estimator's frontier gives way to the trial.
+    records = [_record(0, TrialConfig(micro_batch=4), "oom")]
+    assert proposer.next_config(None, records) == TrialConfig(micro_batch=8, checkpointing=True)
+    # Measured: checkpointing ran 3x faster than the prior expects; its family goes first from now on.
+    records.append(_record(1, TrialConfig(micro_batch=8, checkpointing=True), "ok", tokens=300, fits=True))
+    records.append(_record(2, TrialConfig(micro_batch=2), "ok", tokens=50, fits=True))
+    assert proposer.next_config(None, records) == TrialConfig(micro_batch=4, checkpointing=True)
+    calls = len(asked)
+    proposer.next_config(None, records)
+    assert len(asked) == calls  # each estimate is asked once
