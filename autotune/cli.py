@@ -241,14 +241,17 @@ def grid(
     trial_timeout: TimeoutOpt = 600.0,
     warmup_steps: WarmupOpt = 1,
     steps: StepsOpt = 3,
+    estimate: EstimateOpt = True,
 ) -> int:
     """Measure every config of a space, one `autotune trial --json` line each (for replaying searches).
 
     A stopped grid keeps its lines; the same command measures only the configs still missing.
+    Each line then gets the memory estimator's prediction for its config (--no-estimate: not).
     """
     from pathlib import Path
 
-    from autotune.grid import measure_grid
+    from autotune.grid import estimate_grid, measure_grid
+    from autotune.sizes import format_size
     from autotune.space import load_space
 
     workload = _workload(model, task, seq_len, global_batch, nproc, device, trust_remote_code)
@@ -260,10 +263,19 @@ def grid(
         print(f"{index}/{total} {TrialConfig.from_dict(line['config']).describe()}: {line['status']}, {figure}, "
               f"{line['trial_seconds']:.1f} s", file=sys.stderr, flush=True)
 
+    def report_estimate(index: int, total: int, line: dict[str, Any]) -> None:
+        estimate = line["estimate"]
+        figure = format_size(estimate["predicted_peak_bytes"]) if "predicted_peak_bytes" in estimate else estimate["error"]
+        print(f"estimate {index}/{total} {TrialConfig.from_dict(line['config']).describe()}: {figure}, "
+              f"{line['estimate_seconds']:.1f} s", file=sys.stderr, flush=True)
+
     measured = measure_grid(workload, load_space(space), Path(output), memory_budget_bytes=_size(memory_budget),
                             trial_timeout_s=trial_timeout, warmup_steps=warmup_steps, measure_steps=steps,
                             on_trial=report)
     print(f"{output}: {measured} config(s) measured now", file=sys.stderr)
+    if estimate:
+        estimated = estimate_grid(Path(output), on_estimate=report_estimate)
+        print(f"{output}: {estimated} config(s) estimated now", file=sys.stderr)
     return 0
 
 

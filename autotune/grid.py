@@ -4,10 +4,16 @@ Each line of the output is one ``autotune trial --json`` object plus ``trial_sec
 time the trial cost, launch to exit, which a replay charges for it) and ``workload``. Lines are
 appended and flushed as trials finish, so a stopped grid keeps what it measured; running it
 again measures only the configs missing from the file.
+
+Then each line gets the memory estimator's prediction for its config (``estimate``: the
+estimate, with ``estimate_seconds``, its round trip through a warm estimate server, and
+``estimator_start_s``, what starting that server cost once), so a replayed driver can bisect
+with the estimator and pay what it would have paid. Lines that have one keep it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -20,7 +26,7 @@ from autotune.runner import run_trial
 from autotune.space import SearchSpace
 from autotune.workload import Workload
 
-__all__ = ["measure_grid", "read_grid"]
+__all__ = ["measure_grid", "estimate_grid", "read_grid"]
 
 
 def measure_grid(workload: Workload, space: SearchSpace, out: Path, *, memory_budget_bytes: int | None,
@@ -41,6 +47,41 @@ def measure_grid(workload: Workload, space: SearchSpace, out: Path, *, memory_bu
             sink.flush()
             if on_trial is not None:
                 on_trial(index, len(todo), line)
+    return len(todo)
+
+
+def estimate_grid(path: Path, on_estimate: Callable[[int, int, dict[str, Any]], None] | None = None) -> int:
+    """Add the estimator's prediction to every line of ``path`` lacking one; return how many were added.
+
+    The file is rewritten whole (to a temporary file, then renamed), so a stop leaves it as it was.
+    """
+    from autotune.estimator import EstimateError, predict_memory
+
+    lines = list(read_grid(path))
+    todo = [line for line in lines if "estimate" not in line]
+    if not todo:
+        return 0
+    workload = Workload.from_dict(todo[0]["workload"])
+    started = time.monotonic()
+    with contextlib.suppress(EstimateError):  # the first one starts the server: timed apart
+        predict_memory(workload, TrialConfig.from_dict(todo[0]["config"]))
+    start_s = time.monotonic() - started
+    for index, line in enumerate(todo, start=1):
+        started = time.monotonic()
+        try:
+            estimate: dict[str, Any] | None = predict_memory(workload, TrialConfig.from_dict(line["config"])).to_dict()
+        except EstimateError as exc:
+            estimate = {"error": str(exc)}
+        line["estimate"] = estimate
+        line["estimate_seconds"] = time.monotonic() - started
+        if on_estimate is not None:
+            on_estimate(index, len(todo), line)
+    first = todo[0]["estimate_seconds"]
+    for line in todo:
+        line["estimator_start_s"] = max(0.0, start_s - first)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    partial.replace(path)
     return len(todo)
 
 

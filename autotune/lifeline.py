@@ -13,10 +13,12 @@ import runpy
 import signal
 import sys
 
-__all__ = ["die_with_parent", "PARENT_PID_ENV"]
+__all__ = ["die_with_parent", "name_process", "expected_parent", "PARENT_PID_ENV", "TRIAL_PROCESS_NAME"]
 
 PARENT_PID_ENV = "AUTOTUNE_PARENT_PID"
+TRIAL_PROCESS_NAME = "autotune-trial"   # what a trial forked by the trial server is called in ps
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def die_with_parent(expected_parent: int | None = None) -> None:
@@ -30,6 +32,17 @@ def die_with_parent(expected_parent: int | None = None) -> None:
         return
     if os.getppid() != parent:  # it died before the request took effect
         os._exit(1)
+
+
+def name_process(name: str) -> None:
+    """Set the name ``ps`` and ``psutil.Process.name()`` show (15 bytes at most), e.g. for a forked
+    trial, whose command line is still its server's. Linux only; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def expected_parent() -> int | None:

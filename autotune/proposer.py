@@ -28,27 +28,29 @@ if TYPE_CHECKING:
     import optuna
 
     from autotune.device import DeviceInfo
+    from autotune.estimator import MemoryEstimate
     from autotune.space import SearchSpace
     from autotune.summary import TrialRecord
     from autotune.workload import Workload
 
 __all__ = ["Proposer", "implied_too_big", "implied_fits"]
 
-PeakPredictor = Callable[[TrialConfig], "int | None"]   # predicted peak bytes, None when it cannot say
+Estimator = Callable[[TrialConfig], "MemoryEstimate | None"]   # None when it cannot say
+_LINE_SLACK = 0.05   # a size the straight line puts more than 5% past the threshold is not estimated
 
 
 class Proposer:
     def __init__(self, space: SearchSpace, workload: Workload, device: DeviceInfo, *,
-                 predict_peak: PeakPredictor | None = None, limit_bytes: int | None = None,
+                 estimator: Estimator | None = None, limit_bytes: int | None = None,
                  margin: float = 0.0) -> None:
         self.space = space
         self.choices = space.choices(workload, device)
         self.candidates = space.candidates(workload, device)
         self._device_type = device.type
-        self._predict_peak = predict_peak
+        self._estimator = estimator
         self._limit = limit_bytes
         self._margin = margin
-        self._predicted: dict[TrialConfig, int | None] = {}
+        self._estimates: dict[TrialConfig, MemoryEstimate | None] = {}
         self._ruled_out: list[TrialConfig] = []
 
     def suggest(self, trial: optuna.Trial) -> TrialConfig:
@@ -95,19 +97,34 @@ class Proposer:
 
     def _frontier(self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig]) -> int | None:
         """The largest micro batch of ``config``'s family known or predicted to fit (0: none);
-        None when neither trials nor the estimator can tell."""
+        None when neither trials nor the estimator can tell.
+
+        The first estimate probes the middle of what is unknown; from then on each estimate goes
+        where a straight line through the last one says the limit is (model states stay, the
+        rest grows with the micro batch), so a family usually costs two estimates. A size the
+        line puts clearly over the limit is not estimated at all.
+        """
         family = self._family_sizes(config)
         fit, big = self._known_bounds(family, fitting, too_big)
+        threshold = self._limit * (1 + self._margin) if self._limit is not None else 0
+        line: Callable[[int], float] | None = None
         while big - fit > 1:
-            middle = (fit + big) // 2
-            peak = self._prediction(family[middle])
-            if peak is None:
-                return None
-            if peak <= self._limit * (1 + self._margin):
-                fit = middle
+            if line is None:
+                index = (fit + big) // 2
             else:
-                big = middle
-                self._ruled_out.append(family[middle])
+                below = [i for i in range(fit + 1, big) if line(family[i].micro_batch) <= threshold]
+                if not below and line(family[fit + 1].micro_batch) > threshold * (1 + _LINE_SLACK):
+                    break  # clearly over: the line is enough
+                index = max(below, default=fit + 1)
+            estimate = self._estimate(family[index])
+            if estimate is None:
+                return None
+            line = _straight_line(estimate)
+            if estimate.predicted_peak_bytes <= threshold:
+                fit = index
+            else:
+                big = index
+                self._ruled_out.append(family[index])
         return family[fit].micro_batch if fit >= 0 else 0
 
     def _known_bounds(self, family: list[TrialConfig], fitting: list[TrialConfig],
@@ -118,12 +135,12 @@ class Proposer:
                   default=len(family))
         return fit, big
 
-    def _prediction(self, config: TrialConfig) -> int | None:
-        if self._predict_peak is None or self._limit is None:
+    def _estimate(self, config: TrialConfig) -> MemoryEstimate | None:
+        if self._estimator is None or self._limit is None:
             return None
-        if config not in self._predicted:
-            self._predicted[config] = self._predict_peak(config)
-        return self._predicted[config]
+        if config not in self._estimates:
+            self._estimates[config] = self._estimator(config)
+        return self._estimates[config]
 
     def _bisecting_trial(self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig],
                          open_configs: list[TrialConfig]) -> TrialConfig:
@@ -131,6 +148,13 @@ class Proposer:
         fit, big = self._known_bounds(family, fitting, too_big)
         middle = family[(fit + big) // 2] if big - fit > 1 else config
         return middle if middle in open_configs else config
+
+
+def _straight_line(estimate: MemoryEstimate) -> Callable[[int], float]:
+    """Peak bytes against the micro batch through one estimate: model states fixed, the rest per sample."""
+    states = estimate.parameters_bytes + estimate.gradients_bytes + estimate.optimizer_state_bytes
+    per_sample = max(estimate.predicted_peak_bytes - states, 0) / estimate.config.micro_batch
+    return lambda micro_batch: states + per_sample * micro_batch
 
 
 def implied_fits(config: TrialConfig, fitting: list[TrialConfig]) -> bool:

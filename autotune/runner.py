@@ -2,10 +2,14 @@
 
 A fresh process per trial means nothing leaks from one trial into the next: no cached
 allocator blocks, no half-freed optimizer, no CUDA context in a bad state after an OOM.
+A one-rank trial is forked from a server that has imported the libraries already
+(:mod:`autotune.trial_server`), so it skips the interpreter's start and the imports;
+``AUTOTUNE_TRIAL_SERVER=off`` starts each in a new interpreter instead (as torchrun's ranks are).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -60,8 +64,13 @@ def run_trial(workload: Workload, config: TrialConfig, *, memory_budget_bytes: i
     with tempfile.TemporaryDirectory(prefix="autotune-trial-") as tmp:
         work = Path(tmp)
         (work / "spec.json").write_text(json.dumps(spec))
-        command = _command(workload.nproc, work / "spec.json", work)
-        returncode, timed_out = _run_process_group(command, work, timeout_s=timeout_s, env=env)
+        outcome = None
+        if workload.nproc == 1 and _SERVER.enabled():
+            outcome = _SERVER.run(spec, work, timeout_s=timeout_s, env=_trial_env(env))
+        if outcome is None:  # several ranks, the server turned off or not starting: a new interpreter
+            outcome = _run_process_group(_command(workload.nproc, work / "spec.json", work), work,
+                                         timeout_s=timeout_s, env=env)
+        returncode, timed_out = outcome
         records = _read_rank_records(work, workload.nproc)
         stderr_tail = _tail(work / "stderr.log")
     return _combine(config, records, returncode=returncode, timed_out=timed_out, timeout_s=timeout_s,
@@ -77,13 +86,18 @@ def _command(nproc: int, spec: Path, out_dir: Path) -> list[str]:
             "--max-restarts=0", "--module", "autotune.child", str(spec), str(out_dir)]
 
 
-def _run_process_group(command: list[str], work: Path, *, timeout_s: float,
-                       env: dict[str, str] | None) -> tuple[int, bool]:
-    """Run ``command`` in its own session; on timeout (or Ctrl-C) kill it and all its descendants."""
+def _trial_env(env: dict[str, str] | None) -> dict[str, str]:
     child_env = dict(os.environ if env is None else env)
     child_env[LAUNCH_TIME_ENV] = repr(time.time())
     child_env[PARENT_PID_ENV] = str(os.getpid())  # the trial dies with us, even on kill -9
     child_env.setdefault("PYTHONUNBUFFERED", "1")
+    return child_env
+
+
+def _run_process_group(command: list[str], work: Path, *, timeout_s: float,
+                       env: dict[str, str] | None) -> tuple[int, bool]:
+    """Run ``command`` in its own session; on timeout (or Ctrl-C) kill it and all its descendants."""
+    child_env = _trial_env(env)
     with open(work / "stdout.log", "wb") as out, open(work / "stderr.log", "wb") as err:
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                 env=child_env, start_new_session=True)
@@ -98,6 +112,106 @@ def _run_process_group(command: list[str], work: Path, *, timeout_s: float,
             raise
         finally:
             _kill_group(proc.pid)  # anything the trial left behind in its group
+
+
+class _TrialServer:
+    """The runner's handle on one ``python -m autotune.trial_server`` process, started on first use."""
+
+    START_TIMEOUT_S = 120.0   # its imports, on a slow disk
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[str] | None = None
+
+    @staticmethod
+    def enabled() -> bool:
+        return os.environ.get("AUTOTUNE_TRIAL_SERVER", "on").lower() not in ("off", "0", "false", "no")
+
+    def run(self, spec: dict[str, Any], work: Path, *, timeout_s: float,
+            env: dict[str, str]) -> tuple[int, bool] | None:
+        """Fork the trial of ``work/spec.json``: its exit code, and whether it was killed on ``timeout_s``;
+        None when the server is not there to fork it."""
+        process = self._running()
+        assert process.stdin is not None and process.stdout is not None
+        request = {"spec": str(work / "spec.json"), "out": str(work), "env": env, "workload": spec["workload"]}
+        started = time.monotonic()
+        try:
+            process.stdin.write(json.dumps(request) + "\n")
+            process.stdin.flush()
+            pid = self._read(process, "pid", self.START_TIMEOUT_S)
+        except (BrokenPipeError, _ServerGone):
+            self.close()
+            return None
+        except BaseException:
+            self.close()  # it cannot be trusted with the next trial
+            raise
+        try:
+            code = self._read(process, "exit_code", timeout_s - (time.monotonic() - started))
+            return code, False
+        except TimeoutError:
+            _kill_pid_tree(pid)
+            return self._read(process, "exit_code", 30.0), True
+        except _ServerGone:  # killed from outside mid-trial: so was the trial (it dies with the server)
+            return -signal.SIGKILL, False
+        except BaseException:
+            _kill_pid_tree(pid)
+            self.close()
+            raise
+
+    def _read(self, process: subprocess.Popen[str], key: str, timeout_s: float) -> int:
+        import select
+
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], max(timeout_s, 0.0))
+        if not ready:
+            raise TimeoutError(key)
+        line = process.stdout.readline()
+        if not line:
+            self.close()
+            raise _ServerGone()
+        return int(json.loads(line)[key])
+
+    def _running(self) -> subprocess.Popen[str]:
+        if self._process is None or self._process.poll() is not None:
+            env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "autotune.trial_server"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=env)
+        return self._process
+
+    def close(self) -> None:
+        if self._process is not None:
+            _kill_group(self._process.pid)
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+
+
+class _ServerGone(RuntimeError):
+    """The trial server exited (killed from outside): the trial's own end is unknown."""
+
+
+_SERVER = _TrialServer()
+atexit.register(_SERVER.close)
+
+
+def _kill_pid_tree(pid: int) -> None:
+    """SIGKILL a forked trial: its group (it made its own session) and anything it started."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    _kill_group(pid)
+    try:
+        os.kill(pid, signal.SIGKILL)  # in case it had not reached setsid yet
+    except ProcessLookupError:
+        pass
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def _kill_tree(proc: subprocess.Popen[bytes]) -> None:

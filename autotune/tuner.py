@@ -117,7 +117,7 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     recovered = recover_stale_trials(the_study)
     limit = memory_limit(the_study.user_attrs["autotune"])
     oracle = _Oracle(backend, workload) if estimate else None
-    proposer = Proposer(space, workload, device, predict_peak=oracle.peak_bytes if oracle else None,
+    proposer = Proposer(space, workload, device, estimator=oracle.lookup if oracle else None,
                         limit_bytes=limit, margin=SKIP_MARGIN)
     target = n_trials or space.n_trials
     patience = patience if patience is not None else space.patience
@@ -290,19 +290,15 @@ class _Oracle:
         self._workload = workload
         self._cache: dict[TrialConfig, MemoryEstimate | None] = {}
 
-    def peak_bytes(self, config: TrialConfig) -> int | None:
-        estimate = self._lookup(config)
-        return estimate.predicted_peak_bytes if estimate is not None else None
-
     def estimate(self, config: TrialConfig, records: list[TrialRecord]) -> MemoryEstimate | None:
         """The prediction for a trial, unless a larger micro batch with the same knobs already fit."""
         from autotune.proposer import implied_fits
 
         if config not in self._cache and implied_fits(config, [r.config for r in records if r.fits]):
             return None
-        return self._lookup(config)
+        return self.lookup(config)
 
-    def _lookup(self, config: TrialConfig) -> MemoryEstimate | None:
+    def lookup(self, config: TrialConfig) -> MemoryEstimate | None:
         if config not in self._cache:
             self._cache[config] = self._backend.estimate(self._workload, config)
         return self._cache[config]

@@ -1,17 +1,20 @@
-"""Fixed cost of one trial (process launch to its first timed step) next to a bare import.
+"""Fixed cost of one trial (launch to its first timed step): a new interpreter per trial against a
+fork of the warm trial server, next to a bare import.
 
     python bench/fixed_cost.py [--model builtin:gpt2-tiny] [--repeats 5] [--out bench/results/fixed_cost_cpu.json]
 
-Both are measured in the same run, alternating, so machine noise hits them alike. The trial's
-fixed cost is start-up + build + warm-up as the trial process itself reports them, from the
-moment the runner launches it; the bare import is the wall time of
-``python -c "import torch, transformers"``.
+All three are measured in the same run, alternating, so machine noise hits them alike. A
+trial's fixed cost is start-up + build + warm-up as the trial process itself reports them, from
+the moment the runner launches it; ``wall_s`` is the runner's whole call, exit included. The
+server's own start (once per tuning session) is paid by the first forked trial and reported
+apart (``server_start_s``); the bare import is ``python -c "import torch, transformers"``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -30,6 +33,17 @@ def bare_import_s() -> float:
     return time.perf_counter() - start
 
 
+def timed_trial(workload: Workload, config: TrialConfig, *, server: bool) -> dict[str, float]:
+    os.environ["AUTOTUNE_TRIAL_SERVER"] = "on" if server else "off"
+    start = time.perf_counter()
+    result = run_trial(workload, config, warmup_steps=1, measure_steps=1)
+    wall = time.perf_counter() - start
+    assert result.ok, result.error
+    p = result.phases
+    return {"fixed_cost_s": p.fixed_cost_s, "startup_s": p.startup_s, "build_s": p.build_s,
+            "warmup_s": p.warmup_s, "wall_s": wall}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:gpt2-tiny")
@@ -39,30 +53,41 @@ def main() -> None:
 
     workload = Workload(model=args.model, seq_len=128, global_batch=8, device="cpu")
     config = TrialConfig(micro_batch=8)
+    first = timed_trial(workload, config, server=True)  # starts the server: its imports, once
     rows = []
     for i in range(args.repeats):
-        bare = bare_import_s()
-        result = run_trial(workload, config, warmup_steps=1, measure_steps=1)
-        assert result.ok, result.error
-        p = result.phases
-        rows.append({"bare_import_s": bare, "fixed_cost_s": p.fixed_cost_s, "startup_s": p.startup_s,
-                     "build_s": p.build_s, "warmup_s": p.warmup_s})
-        print(f"run {i + 1}: bare import {bare:.2f} s, trial fixed cost {p.fixed_cost_s:.2f} s "
-              f"(start-up {p.startup_s:.2f}, build {p.build_s:.2f}, warm-up {p.warmup_s:.2f})", flush=True)
+        row = {"bare_import_s": bare_import_s(), "new_interpreter": timed_trial(workload, config, server=False),
+               "forked": timed_trial(workload, config, server=True)}
+        rows.append(row)
+        print(f"run {i + 1}: bare import {row['bare_import_s']:.2f} s, fixed cost new interpreter "
+              f"{row['new_interpreter']['fixed_cost_s']:.2f} s, forked {row['forked']['fixed_cost_s']:.2f} s",
+              flush=True)
 
-    median = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    def median(key: str, field: str | None = None) -> float:
+        return statistics.median(r[key] if field is None else r[key][field] for r in rows)
+
+    fields = ("fixed_cost_s", "startup_s", "build_s", "warmup_s", "wall_s")
     summary = {
         "command": "python " + " ".join(sys.argv),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, Python {platform.python_version()}",
-        "model": args.model, "repeats": args.repeats, "median": median,
-        "ratio_fixed_cost_to_bare_import": median["fixed_cost_s"] / median["bare_import_s"],
+        "model": args.model, "repeats": args.repeats,
+        "median": {"bare_import_s": median("bare_import_s"),
+                   "new_interpreter": {f: median("new_interpreter", f) for f in fields},
+                   "forked": {f: median("forked", f) for f in fields}},
+        "server_start_s": first["startup_s"],
         "runs": rows,
     }
+    m = summary["median"]
+    summary["ratio_forked_to_new_interpreter"] = m["forked"]["fixed_cost_s"] / m["new_interpreter"]["fixed_cost_s"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"\nmedian of {args.repeats}: bare import {median['bare_import_s']:.2f} s | trial fixed cost "
-          f"{median['fixed_cost_s']:.2f} s = start-up {median['startup_s']:.2f} + build {median['build_s']:.2f} "
-          f"+ warm-up {median['warmup_s']:.2f} | ratio {summary['ratio_fixed_cost_to_bare_import']:.2f}x")
+    print(f"\nmedian of {args.repeats}: bare import {m['bare_import_s']:.2f} s")
+    for mode in ("new_interpreter", "forked"):
+        r = m[mode]
+        print(f"{mode:<16} fixed cost {r['fixed_cost_s']:.2f} s = start-up {r['startup_s']:.2f} + build "
+              f"{r['build_s']:.2f} + warm-up {r['warmup_s']:.2f}; whole call {r['wall_s']:.2f} s")
+    print(f"server start (once per session) {summary['server_start_s']:.2f} s; forked / new interpreter "
+          f"{summary['ratio_forked_to_new_interpreter']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from autotune.knobs import TrialConfig
+from autotune.lifeline import TRIAL_PROCESS_NAME
 from autotune.result import TrialStatus
 from autotune.runner import run_trial
 from autotune.workload import Workload
@@ -111,7 +112,7 @@ def test_a_builtin_model_over_budget_is_an_oom():
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_hanging_factory_times_out_within_the_limit(nproc):
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = _children_but_servers()
     start = time.monotonic()
     r = run_trial(Workload(model="factories:hang", seq_len=16, global_batch=4, nproc=nproc),
                   TrialConfig(micro_batch=2), timeout_s=15)
@@ -119,7 +120,7 @@ def test_a_hanging_factory_times_out_within_the_limit(nproc):
     assert r.status is TrialStatus.TIMEOUT
     assert elapsed < 15 + 10
     assert "--trial-timeout 15" in r.error
-    assert not _trial_processes() and {p.pid for p in psutil.Process().children(recursive=True)} <= before
+    assert not _trial_processes() and _children_but_servers() <= before
 
 
 def test_a_segfault_is_a_crash():
@@ -162,5 +163,19 @@ def test_ctrl_c_during_a_trial_kills_it_and_leaves_no_process(tmp_path):
     assert not _trial_processes()
 
 
+def _children_but_servers() -> set[int]:
+    """This process's descendants, but the trial server (it stays for the next trial, by design)."""
+    pids = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "autotune.trial_server" not in " ".join(child.cmdline()):
+                pids.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
 def _trial_processes() -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["cmdline"]) if "autotune.child" in " ".join(p.info["cmdline"] or [])]
+    """Trials in a new interpreter (their command line) or forked by the trial server (their name)."""
+    return [p for p in psutil.process_iter(["cmdline", "name"])
+            if "autotune.child" in " ".join(p.info["cmdline"] or []) or p.info["name"] == TRIAL_PROCESS_NAME]

@@ -17,6 +17,7 @@ import pytest
 from optuna.trial import TrialState
 
 from autotune.knobs import TrialConfig
+from autotune.lifeline import TRIAL_PROCESS_NAME
 from autotune.storage import open_storage
 from autotune.study import records_of
 
@@ -164,7 +165,9 @@ def _wait_for_running_trial(work: Path, number: int, proc: subprocess.Popen[str]
 
 
 def _trial_processes() -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["cmdline"]) if "autotune.child" in " ".join(p.info["cmdline"] or [])]
+    """Trials in a new interpreter (their command line) or forked by the trial server (their name)."""
+    return [p for p in psutil.process_iter(["cmdline", "name"])
+            if "autotune.child" in " ".join(p.info["cmdline"] or []) or p.info["name"] == TRIAL_PROCESS_NAME]
 
 
 def _no_trial_left() -> bool:

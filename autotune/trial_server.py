@@ -1,0 +1,122 @@
+"""Where one-rank trials start: a server that imports the heavy libraries once and forks each trial.
+
+A trial in a fresh interpreter pays ``import torch``, Transformers' model module and PEFT every
+time: about 5 of the 6 seconds a tiny model's trial costs before its first step on this
+project's CPU (``bench/fixed_cost.py``). This server (``python -m autotune.trial_server``)
+imports them once, then for each request line on stdin forks a child that runs the trial
+exactly as ``python -m autotune.child`` would (own session, stdout and stderr to the trial's
+files, the request's environment) and exits without teardown. The trial is still a process of
+its own: its memory, its allocator, its CUDA context and its crash are its own, and the server,
+which never touches CUDA or runs a step, stays clean for the next fork.
+
+Protocol, one JSON line each way: ``{"spec", "out", "env"}`` in; ``{"pid"}`` out as soon as the
+child exists (so the runner can kill its group on a timeout), then ``{"exit_code"}`` once it is
+reaped (negative: the signal that ended it). It dies with the process that started it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import IO, Any
+
+__all__ = ["serve"]
+
+
+def serve() -> None:
+    import peft  # noqa: F401 - imported once here, inherited by every forked trial
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import autotune.child  # noqa: F401
+    import autotune.engine  # noqa: F401
+    import autotune.measure  # noqa: F401
+    import autotune.memory  # noqa: F401
+
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # stray prints must not land in the replies
+    for line in sys.stdin:
+        if line.strip():
+            _serve_one(json.loads(line), replies)
+
+
+def _serve_one(request: dict[str, Any], replies: IO[str]) -> None:
+    _preload_model_module(request["workload"])
+    pid = os.fork()
+    if pid == 0:
+        _run_trial_child(request)  # never returns
+    _reply(replies, {"pid": pid})
+    _, status = os.waitpid(pid, 0)
+    _reply(replies, {"exit_code": os.waitstatus_to_exitcode(status)})
+
+
+def _preload_model_module(workload: dict[str, Any]) -> None:
+    """Import the model's Transformers module here, once, instead of in every trial.
+
+    Only for configs Transformers ships code for: a factory or remote code could do anything
+    at import time (touch CUDA, for one), so those are imported by the trial itself.
+    """
+    from autotune.models import load_hf_config, parse_model_source
+
+    try:
+        source = parse_model_source(workload["model"])
+        if source.kind == "factory" or workload.get("trust_remote_code"):
+            return
+        config = load_hf_config(source)
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        for auto in (AutoModelForCausalLM, AutoModelForSequenceClassification):
+            if type(config) in auto._model_mapping:
+                auto._model_mapping[type(config)]  # noqa: B018 - the lookup imports the module
+    except Exception:  # noqa: BLE001 - the trial itself will report what is wrong with the model
+        return
+
+
+def _run_trial_child(request: dict[str, Any]) -> None:
+    """In the forked child: become a trial process, run it, exit with its code."""
+    code = 1
+    try:
+        from autotune.lifeline import PARENT_PID_ENV, TRIAL_PROCESS_NAME, name_process
+
+        os.setsid()  # its own process group, killed whole on a timeout
+        name_process(TRIAL_PROCESS_NAME)
+        out = request["out"]
+        for fd, name, flags in ((0, os.devnull, os.O_RDONLY),
+                                (1, os.path.join(out, "stdout.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+                                (2, os.path.join(out, "stderr.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)):
+            target = os.open(name, flags, 0o600)
+            os.dup2(target, fd)
+            os.close(target)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # the server's stream objects are not ours
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.environ[PARENT_PID_ENV] = str(os.getppid())  # the trial dies with the server
+        sys.argv = ["autotune.child", request["spec"], out]
+
+        from autotune.child import main
+
+        code = main([request["spec"], out])
+    except BaseException:  # noqa: BLE001 - whatever happened, this process must not return to the server loop
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)  # no teardown: the trial's finalisers are not worth waiting (or crashing) for
+
+
+def _reply(replies: IO[str], message: dict[str, Any]) -> None:
+    replies.write(json.dumps(message) + "\n")
+    replies.flush()
+
+
+if __name__ == "__main__":
+    from autotune.lifeline import die_with_parent
+
+    die_with_parent()
+    serve()
