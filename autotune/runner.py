@@ -132,7 +132,8 @@ class _TrialServer:
         None when the server is not there to fork it."""
         process = self._running()
         assert process.stdin is not None and process.stdout is not None
-        request = {"spec": str(work / "spec.json"), "out": str(work), "env": env, "workload": spec["workload"]}
+        request = {"spec": str(work / "spec.json"), "out": str(work), "env": env, "cwd": os.getcwd(),
+                   "workload": spec["workload"]}
         started = time.monotonic()
         try:
             process.stdin.write(json.dumps(request) + "\n")
@@ -146,15 +147,19 @@ class _TrialServer:
             raise
         try:
             code = self._read(process, "exit_code", timeout_s - (time.monotonic() - started))
+            _kill_group(pid)  # anything the trial left behind in its group
             return code, False
         except TimeoutError:
             _kill_pid_tree(pid)
             return self._read(process, "exit_code", 30.0), True
         except _ServerGone:  # killed from outside mid-trial: so was the trial (it dies with the server)
             return -signal.SIGKILL, False
-        except BaseException:
+        except BaseException:  # Ctrl-C: the trial goes, reaped by the server, which stays for the next
             _kill_pid_tree(pid)
-            self.close()
+            try:
+                self._read(process, "exit_code", 30.0)
+            except (TimeoutError, _ServerGone):
+                self.close()
             raise
 
     def _read(self, process: subprocess.Popen[str], key: str, timeout_s: float) -> int:

@@ -93,6 +93,7 @@ def _run_trial_child(request: dict[str, Any]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.environ[PARENT_PID_ENV] = str(os.getppid())  # the trial dies with the server
+        _look_like_a_new_interpreter(request["cwd"])
         sys.argv = ["autotune.child", request["spec"], out]
 
         from autotune.child import main
@@ -108,6 +109,18 @@ def _run_trial_child(request: dict[str, Any]) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)  # no teardown: the trial's finalisers are not worth waiting (or crashing) for
+
+
+def _look_like_a_new_interpreter(cwd: str) -> None:
+    """The runner's working directory and import path, as ``python -m autotune.child`` started there
+    would have them: a factory ``module:function`` is imported from the current directory or
+    PYTHONPATH, and both may differ from the server's (a test's ``monkeypatch.setenv``, for one)."""
+    import importlib
+
+    os.chdir(cwd)
+    extra = [cwd] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [p for p in extra if p not in sys.path]
+    importlib.invalidate_caches()  # directories the server listed may have changed since
 
 
 def _reply(replies: IO[str], message: dict[str, Any]) -> None:

@@ -34,7 +34,7 @@ from autotune.space import SearchSpace, load_space
 from autotune.study import CONFIRM_PREFIX, measured, memory_limit, ranking, records_of, summarize
 from autotune.summary import StudySummary, TrialRecord
 from autotune.workload import Workload
-from autotune.workers import gpu_slices, proposal_lock, start_helpers, wait_helpers
+from autotune.workers import cpu_turn, gpu_slices, proposal_lock, start_helpers, wait_helpers
 
 if TYPE_CHECKING:
     import optuna
@@ -74,6 +74,7 @@ class _Measure:
     trial_timeout_s: float
     warmup_steps: int
     measure_steps: int
+    device_type: str
 
 
 def tune(*, study: str, workload: Workload | None = None, space: str | Path | SearchSpace = "default",
@@ -116,13 +117,13 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     the_study = create_study(open_storage(storage), study, meta)
     recovered = recover_stale_trials(the_study)
     limit = memory_limit(the_study.user_attrs["autotune"])
-    oracle = _Oracle(backend, workload) if estimate else None
+    oracle = _Oracle(backend, workload, device.type) if estimate else None
     proposer = Proposer(space, workload, device, estimator=oracle.lookup if oracle else None,
                         limit_bytes=limit, margin=SKIP_MARGIN)
     target = n_trials or space.n_trials
     patience = patience if patience is not None else space.patience
     measure = _Measure(memory_budget_bytes=budget, trial_timeout_s=trial_timeout_s,
-                       warmup_steps=warmup_steps, measure_steps=measure_steps)
+                       warmup_steps=warmup_steps, measure_steps=measure_steps, device_type=device.type)
     from autotune.storage import DEFAULT_STORAGE, display_url
 
     progress.started(study=study, storage=display_url(storage), measured=len(measured(records_of(the_study))),
@@ -231,7 +232,7 @@ def _measure_in_study(study: optuna.Study, trial: optuna.Trial, config: TrialCon
     if prediction is not None:
         trial.set_user_attr("estimate", prediction.to_dict())  # predicted next to measured, for show
     try:
-        with _heartbeat(study, trial):
+        with _heartbeat(study, trial), cpu_turn(measure.device_type):
             result = backend.run(workload, config, memory_budget_bytes=measure.memory_budget_bytes,
                                  timeout_s=measure.trial_timeout_s, warmup_steps=measure.warmup_steps,
                                  measure_steps=measure.measure_steps)
@@ -285,9 +286,10 @@ class _Oracle:
     """The estimator's predictions, each asked once per tune call: the proposer bisects with them,
     and a trial stores its config's next to what it measured."""
 
-    def __init__(self, backend: TrialBackend, workload: Workload) -> None:
+    def __init__(self, backend: TrialBackend, workload: Workload, device_type: str) -> None:
         self._backend = backend
         self._workload = workload
+        self._device_type = device_type
         self._cache: dict[TrialConfig, MemoryEstimate | None] = {}
 
     def estimate(self, config: TrialConfig, records: list[TrialRecord]) -> MemoryEstimate | None:
@@ -300,7 +302,8 @@ class _Oracle:
 
     def lookup(self, config: TrialConfig) -> MemoryEstimate | None:
         if config not in self._cache:
-            self._cache[config] = self._backend.estimate(self._workload, config)
+            with cpu_turn(self._device_type):  # it computes on the cores a trial may be timed on
+                self._cache[config] = self._backend.estimate(self._workload, config)
         return self._cache[config]
 
 
@@ -406,9 +409,10 @@ def _confirm_winner(study: optuna.Study, workload: Workload, measure: _Measure, 
         top = ranked[0]
         progress.confirming(record=top, steps=steps)
         # It measures CONFIRM_STEPS_FACTOR x the steps, so it gets as many times the trial's time.
-        result = backend.run(workload, top.config, memory_budget_bytes=measure.memory_budget_bytes,
-                             timeout_s=measure.trial_timeout_s * CONFIRM_STEPS_FACTOR,
-                             warmup_steps=measure.warmup_steps + 1, measure_steps=steps)
+        with cpu_turn(measure.device_type):
+            result = backend.run(workload, top.config, memory_budget_bytes=measure.memory_budget_bytes,
+                                 timeout_s=measure.trial_timeout_s * CONFIRM_STEPS_FACTOR,
+                                 warmup_steps=measure.warmup_steps + 1, measure_steps=steps)
         peak = result.peak_memory_bytes
         study.set_user_attr(f"{CONFIRM_PREFIX}{top.number}", {
             "confirmed": result.ok and peak is not None and peak <= limit

@@ -49,11 +49,16 @@ WITHIN = 0.02
 
 
 class Grid:
-    def __init__(self, path: Path, budget: int) -> None:
+    def __init__(self, path: Path, budget: int, space: SearchSpace) -> None:
         lines = list(read_grid(path))
         if not lines:
             sys.exit(f"--grid {path}: no lines")
         self.workload = Workload.from_dict(lines[0]["workload"])
+        # A space narrower than the grid's replays the slice of the grid it covers.
+        wanted = {self.key(c) for c in space.candidates(self.workload, detect_device(self.workload.device))}
+        lines = [line for line in lines if self.key(TrialConfig.from_dict(line["config"])) in wanted]
+        if not lines:
+            sys.exit(f"--space {space.name}: none of its configs is in --grid {path}")
         self.budget = budget
         self.limit = budget * (1 - HEADROOM)
         self.lines = {self.key(TrialConfig.from_dict(line["config"])): line for line in lines}
@@ -244,12 +249,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", type=Path, required=True)
     parser.add_argument("--memory-budget", required=True)
-    parser.add_argument("--space", help="the space the grid measured (default: read from the grid's name)")
+    parser.add_argument("--space", help="the space the grid measured (default: the .yaml next to the grid); "
+                                        "a narrower one replays its slice of the grid")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    grid = Grid(args.grid, parse_size(args.memory_budget))
     space = load_space(args.space or args.grid.with_suffix(".yaml"))
+    grid = Grid(args.grid, parse_size(args.memory_budget), space)
     results = {}
     for name, (strategy, seeded) in STRATEGIES.items():
         tallies = [strategy(grid, space, seed) for seed in (range(args.seeds) if seeded else [0])]

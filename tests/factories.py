@@ -35,6 +35,12 @@ def tiny(seq_len: int) -> torch.nn.Module:
     return TinyLM()
 
 
+def slow_tiny() -> torch.nn.Module:
+    """Takes 5 s to build (a trial of a real model does too), so a test can stop one midway."""
+    time.sleep(5)
+    return TinyLM()
+
+
 def nan_loss() -> torch.nn.Module:
     return TinyLM(poison=float("nan"))
 

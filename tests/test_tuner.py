@@ -143,7 +143,8 @@ RESUME_SPACE = "n_trials: 3\nknobs:\n  micro_batch: [1, 2, 4, 8]\n  precision: [
 def _start_tune(work: Path) -> subprocess.Popen[str]:
     (work / "space.yaml").write_text(RESUME_SPACE)
     return subprocess.Popen([sys.executable, "-m", "autotune", "tune", "--study", "resume", "--space", "space.yaml",
-                             "--memory-budget", "1GiB", "--seq-len", "64", "--no-estimate"], cwd=work,
+                             "--model", "factories:slow_tiny", "--memory-budget", "1GiB", "--seq-len", "64",
+                             "--no-estimate"], cwd=work,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -158,7 +159,7 @@ def _wait_for_running_trial(work: Path, number: int, proc: subprocess.Popen[str]
             except KeyError:
                 study = None
             if study is not None and any(t.number == number and t.state is TrialState.RUNNING for t in study.trials):
-                time.sleep(2)  # well inside the trial: its process is building the model
+                time.sleep(2)  # well inside the trial: its process is building the model (5 s)
                 return
         time.sleep(0.3)
     pytest.fail(f"trial {number} never started")

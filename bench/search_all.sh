@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Replay every strategy on the three committed grids (bench/README.md quotes the results):
+# one budget per grid in results/search_<grid>.{txt,json}, then a sweep of budgets per grid
+# (driver, TPE, DeepSpeed-style), also on the grid's full fine-tuning slice, in results/search_sweep.txt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+run() {  # grid budget
+    python bench/search.py --grid "bench/data/$1.jsonl" --memory-budget "$2" --seeds 5 > "bench/results/search_$1.txt"
+    python bench/search.py --grid "bench/data/$1.jsonl" --memory-budget "$2" --seeds 5 --json > "bench/results/search_$1.json"
+    cat "bench/results/search_$1.txt"
+}
+run gpt2-deep-tiny 84MiB
+run llama-tiny 100MiB
+run llama-tiny-zero2rank 40MiB
+
+sweep() {  # grid space budgets...
+    local grid=$1 space=$2; shift 2
+    for budget in "$@"; do
+        python bench/search.py --grid "bench/data/$grid.jsonl" --space "bench/data/$space.yaml" \
+                --memory-budget "$budget" --seeds 5 --json |
+            python -c "
+import json, sys
+report = json.load(sys.stdin)
+for name in ('driver', 'tpe', 'deepspeed'):
+    r = report['strategies'][name]
+    cost = f\"{r['cost_fraction']:.1%}\" if r['cost_fraction'] is not None else '-'
+    trials = f\"{r['trials_to_2pct']:g}\" if r['trials_to_2pct'] is not None else '-'
+    print(f'$space $budget {name}: trials to 2% {trials}, cost {cost}, found {r[\"found_ratio\"]:.0%}, '
+          f'{r[\"trials_run\"]:g} trials and {r[\"estimates\"]:g} estimates run')
+"
+    done
+}
+{
+    echo "# bash bench/search_all.sh: driver, TPE and the DeepSpeed-style heuristic over a range of budgets"
+    sweep gpt2-deep-tiny gpt2-deep-tiny 40MiB 64MiB 84MiB 128MiB 256MiB
+    sweep llama-tiny llama-tiny 48MiB 64MiB 100MiB 160MiB 256MiB
+    sweep llama-tiny-zero2rank llama-tiny-zero2rank 16MiB 24MiB 32MiB 40MiB 48MiB 64MiB
+    # The full fine-tuning slice (LoRA off): the knobs DeepSpeed's autotuner searches, and checkpointing.
+    sweep llama-tiny-zero2rank llama-tiny-zero2rank-full 16MiB 24MiB 32MiB 40MiB 48MiB 64MiB
+} > bench/results/search_sweep.txt
+cat bench/results/search_sweep.txt
