@@ -124,7 +124,8 @@ class Proposer:
                 fit = index
             else:
                 big = index
-                self._ruled_out.append(family[index])
+                if family[index] not in self._ruled_out:
+                    self._ruled_out.append(family[index])
         return family[fit].micro_batch if fit >= 0 else 0
 
     def _known_bounds(self, family: list[TrialConfig], fitting: list[TrialConfig],

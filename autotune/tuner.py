@@ -316,6 +316,7 @@ def _record_ruled_out(study: optuna.Study, proposer: Proposer, oracle: _Oracle |
         prediction = oracle.estimate(config, records) if oracle else None
         if config in known or prediction is None:
             continue
+        known.add(config)
         trial, config = _ask(study, proposer, config)
         _skip_if_too_big(study, trial, prediction, progress)
 
