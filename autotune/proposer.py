@@ -61,7 +61,7 @@ class Proposer:
     def params_of(self, config: TrialConfig) -> dict[str, Any]:
         return self.space.params_of(config)
 
-    def next_config(self, study: optuna.Study | None, records: list[TrialRecord]) -> TrialConfig | None:
+    def next_config(self, records: list[TrialRecord]) -> TrialConfig | None:
         """The next config to measure, or None when every runnable config is measured or implied."""
         done = {r.config for r in measured(records)}
         done |= {r.config for r in records if r.status in ("running", "skipped")}

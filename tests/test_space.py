@@ -128,19 +128,19 @@ TWO_KNOBS = "knobs:\n  micro_batch: [2, 4, 8, 16]\n  checkpointing: [false, true
 def test_without_an_estimator_the_proposer_bisects_micro_batches_retries_and_never_repeats(tmp_path):
     proposer = _proposer(tmp_path, TWO_KNOBS)
     # Nothing known: the family ranked first (no checkpointing) is bisected: the middle size first.
-    assert proposer.next_config(None, []) == TrialConfig(micro_batch=4)
+    assert proposer.next_config([]) == TrialConfig(micro_batch=4)
 
     interrupted = TrialConfig(micro_batch=8)
     records = [_record(0, TrialConfig(micro_batch=4), "ok", tokens=10, fits=True), _record(1, interrupted, "interrupted")]
-    assert proposer.next_config(None, records) == interrupted
+    assert proposer.next_config(records) == interrupted
 
     # mb=4 fit, so the bisection goes up: mb=8 (between the fit and the unknown top).
     records = [_record(0, TrialConfig(micro_batch=4), "ok", tokens=10, fits=True)]
-    assert proposer.next_config(None, records) == TrialConfig(micro_batch=8)
+    assert proposer.next_config(records) == TrialConfig(micro_batch=8)
     # mb=8 ran out of memory: mb=16 is implied, never proposed; the frontier of no-ckpt is known.
     records.append(_record(1, TrialConfig(micro_batch=8), "oom"))
     seen = {r.config for r in records}
-    while (config := proposer.next_config(None, records)) is not None:
+    while (config := proposer.next_config(records)) is not None:
         assert config not in seen and config != TrialConfig(micro_batch=16)
         seen.add(config)
         fits = config.micro_batch <= 8
@@ -163,17 +163,34 @@ def test_with_an_estimator_the_first_proposal_is_the_frontier_of_the_fastest_fam
     proposer = _proposer(tmp_path, TWO_KNOBS, estimator=estimate, limit_bytes=50 * MiB, margin=0.05)
     # no ckpt: mb=4 (44 MiB) fits, mb=8 (84) does not. Ranked against ckpt's frontier mb=8 (36 MiB),
     # the prior puts no-ckpt mb=4 first (checkpointing costs ~30% of the throughput).
-    assert proposer.next_config(None, []) == TrialConfig(micro_batch=4)
+    assert proposer.next_config([]) == TrialConfig(micro_batch=4)
     # One estimate: the middle (mb=4) fits, and the straight line through it puts mb=8 (84 MiB)
     # clearly over the limit, so it is not estimated; nor is the family ranked second.
     assert asked == [TrialConfig(micro_batch=4)]
     # It ran out of memory anyway (an under-estimate): the estimator's frontier gives way to the trial.
     records = [_record(0, TrialConfig(micro_batch=4), "oom")]
-    assert proposer.next_config(None, records) == TrialConfig(micro_batch=8, checkpointing=True)
+    assert proposer.next_config(records) == TrialConfig(micro_batch=8, checkpointing=True)
     # Measured: checkpointing ran 3x faster than the prior expects; its family goes first from now on.
     records.append(_record(1, TrialConfig(micro_batch=8, checkpointing=True), "ok", tokens=300, fits=True))
     records.append(_record(2, TrialConfig(micro_batch=2), "ok", tokens=50, fits=True))
-    assert proposer.next_config(None, records) == TrialConfig(micro_batch=4, checkpointing=True)
+    assert proposer.next_config(records) == TrialConfig(micro_batch=4, checkpointing=True)
     calls = len(asked)
-    proposer.next_config(None, records)
+    proposer.next_config(records)
     assert len(asked) == calls  # each estimate is asked once
+
+
+def test_the_throughput_model_starts_from_its_priors_and_follows_the_measurements(tmp_path):
+    from autotune.throughput import ThroughputModel
+
+    space = _proposer(tmp_path, TWO_KNOBS).space
+    model = ThroughputModel(space.params_of, "cuda")
+    plain, ckpt = TrialConfig(micro_batch=4), TrialConfig(micro_batch=4, checkpointing=True)
+    assert model.predict(plain) > model.predict(ckpt)                        # recompute costs
+    assert model.predict(TrialConfig(micro_batch=8)) > model.predict(plain)  # a larger micro batch fills the device
+    assert model.predict(TrialConfig(micro_batch=4, precision="bf16")) > model.predict(plain)  # on a GPU
+    assert ThroughputModel(space.params_of, "cpu").predict(TrialConfig(micro_batch=4, precision="bf16")) \
+        < ThroughputModel(space.params_of, "cpu").predict(plain)             # emulated on a CPU
+    # Measured: checkpointing ran faster than the plain step at every size (some models do).
+    model.fit([(TrialConfig(micro_batch=2), 100.0), (TrialConfig(micro_batch=2, checkpointing=True), 300.0),
+               (TrialConfig(micro_batch=8), 150.0), (TrialConfig(micro_batch=8, checkpointing=True), 450.0)])
+    assert model.predict(ckpt) > model.predict(plain)
