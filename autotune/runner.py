@@ -2,9 +2,9 @@
 
 A fresh process per trial means nothing leaks from one trial into the next: no cached
 allocator blocks, no half-freed optimizer, no CUDA context in a bad state after an OOM.
-A one-rank trial is forked from a server that has imported the libraries already
-(:mod:`autotune.trial_server`), so it skips the interpreter's start and the imports;
-``AUTOTUNE_TRIAL_SERVER=off`` starts each in a new interpreter instead (as torchrun's ranks are).
+A trial's ranks are forked from a server that has imported the libraries already
+(:mod:`autotune.trial_server`), so they skip the interpreter's start and the imports;
+``AUTOTUNE_TRIAL_SERVER=off`` starts each in a new interpreter instead (several ranks: torchrun).
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ def run_trial(workload: Workload, config: TrialConfig, *, memory_budget_bytes: i
         work = Path(tmp)
         (work / "spec.json").write_text(json.dumps(spec))
         outcome = None
-        if workload.nproc == 1 and _SERVER.enabled():
+        if _SERVER.enabled():
             outcome = _SERVER.run(spec, work, timeout_s=timeout_s, env=_trial_env(env))
-        if outcome is None:  # several ranks, the server turned off or not starting: a new interpreter
+        if outcome is None:  # the server turned off, refusing or not starting: new interpreters (torchrun)
             outcome = _run_process_group(_command(workload.nproc, work / "spec.json", work), work,
                                          timeout_s=timeout_s, env=env)
         returncode, timed_out = outcome
@@ -121,10 +121,11 @@ class _TrialServer:
 
     def __init__(self) -> None:
         self._process: subprocess.Popen[str] | None = None
+        self._refused = False   # it said it cannot fork safely (CUDA initialised): not asked again
 
-    @staticmethod
-    def enabled() -> bool:
-        return os.environ.get("AUTOTUNE_TRIAL_SERVER", "on").lower() not in ("off", "0", "false", "no")
+    def enabled(self) -> bool:
+        return not self._refused and \
+            os.environ.get("AUTOTUNE_TRIAL_SERVER", "on").lower() not in ("off", "0", "false", "no")
 
     def run(self, spec: dict[str, Any], work: Path, *, timeout_s: float,
             env: dict[str, str]) -> tuple[int, bool] | None:
@@ -133,12 +134,16 @@ class _TrialServer:
         process = self._running()
         assert process.stdin is not None and process.stdout is not None
         request = {"spec": str(work / "spec.json"), "out": str(work), "env": env, "cwd": os.getcwd(),
-                   "workload": spec["workload"]}
+                   "workload": spec["workload"], "nproc": spec["workload"]["nproc"]}
         started = time.monotonic()
         try:
             process.stdin.write(json.dumps(request) + "\n")
             process.stdin.flush()
             pid = self._read(process, "pid", self.START_TIMEOUT_S)
+        except _Refused:
+            self._refused = True
+            self.close()
+            return None
         except (BrokenPipeError, _ServerGone):
             self.close()
             return None
@@ -173,7 +178,10 @@ class _TrialServer:
         if not line:
             self.close()
             raise _ServerGone()
-        return int(json.loads(line)[key])
+        reply = json.loads(line)
+        if "error" in reply:
+            raise _Refused(reply["error"])
+        return int(reply[key])
 
     def _running(self) -> subprocess.Popen[str]:
         if self._process is None or self._process.poll() is not None:
@@ -193,6 +201,10 @@ class _TrialServer:
 
 class _ServerGone(RuntimeError):
     """The trial server exited (killed from outside): the trial's own end is unknown."""
+
+
+class _Refused(RuntimeError):
+    """The trial server cannot fork safely here (see :mod:`autotune.trial_server`)."""
 
 
 _SERVER = _TrialServer()

@@ -1,23 +1,30 @@
-"""Where one-rank trials start: a server that imports the heavy libraries once and forks each trial.
+"""Where trials start: a server that imports the heavy libraries once and forks each trial's ranks.
 
 A trial in a fresh interpreter pays ``import torch``, Transformers' model module and PEFT every
-time: about 5 of the 6 seconds a tiny model's trial costs before its first step on this
-project's CPU (``bench/fixed_cost.py``). This server (``python -m autotune.trial_server``)
-imports them once, then for each request line on stdin forks a child that runs the trial
-exactly as ``python -m autotune.child`` would (own session, stdout and stderr to the trial's
-files, the request's environment) and exits without teardown. The trial is still a process of
+time: over 4 seconds before a tiny model's first step on this project's CPU, against a
+quarter of a second forked (``bench/fixed_cost.py``). This server (``python -m autotune.trial_server``)
+imports them once, then for each request line on stdin forks the trial's ranks, each running
+exactly as ``python -m autotune.child`` would (stdout and stderr to the trial's files, the
+request's environment, and for several ranks what torchrun's agent would set: RANK, WORLD_SIZE,
+MASTER_ADDR/PORT...), all in one new process group, and exiting without teardown; when one rank
+fails the others are stopped, as torchrun stops them. The trial is still a process of
 its own: its memory, its allocator, its CUDA context and its crash are its own, and the server,
 which never touches CUDA or runs a step, stays clean for the next fork.
 
-Protocol, one JSON line each way: ``{"spec", "out", "env"}`` in; ``{"pid"}`` out as soon as the
-child exists (so the runner can kill its group on a timeout), then ``{"exit_code"}`` once it is
-reaped (negative: the signal that ended it). It dies with the process that started it.
+Protocol, one JSON line each way: ``{"spec", "out", "env", "cwd", "workload", "nproc"}`` in;
+``{"pid"}`` (the ranks' process group) out as soon as they exist (so the runner can kill the
+group on a timeout), then
+``{"exit_code"}`` once it is reaped (negative: the signal that ended it); or ``{"error"}`` when
+it cannot fork safely, and the runner starts trials in new interpreters from then on. It dies
+with the process that started it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 from typing import IO, Any
 
@@ -25,6 +32,9 @@ __all__ = ["serve"]
 
 
 def serve() -> None:
+    # A CUDA context does not survive fork: nothing here may create one. torch.cuda.is_available(),
+    # which some imports call, then asks NVML instead of initialising the CUDA driver.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     import peft  # noqa: F401 - imported once here, inherited by every forked trial
     import torch  # noqa: F401
     import transformers  # noqa: F401
@@ -42,13 +52,52 @@ def serve() -> None:
 
 
 def _serve_one(request: dict[str, Any], replies: IO[str]) -> None:
+    import torch
+
     _preload_model_module(request["workload"])
-    pid = os.fork()
-    if pid == 0:
-        _run_trial_child(request)  # never returns
-    _reply(replies, {"pid": pid})
-    _, status = os.waitpid(pid, 0)
-    _reply(replies, {"exit_code": os.waitstatus_to_exitcode(status)})
+    if torch.cuda.is_initialized():  # some import did it anyway: a fork would inherit a dead context
+        _reply(replies, {"error": "CUDA was initialised in the trial server; trials start in new interpreters"})
+        return
+    nproc = int(request.get("nproc", 1))
+    ranks = _rank_envs(nproc)
+    leader = 0
+    pids = []
+    for rank_env in ranks:
+        pid = os.fork()
+        if pid == 0:
+            _run_trial_child(request, rank_env, group=leader)  # never returns
+        leader = leader or pid
+        with contextlib.suppress(PermissionError, ProcessLookupError):  # the child may have done it already
+            os.setpgid(pid, leader)  # every rank in one new process group: killed whole on a timeout
+        pids.append(pid)
+    _reply(replies, {"pid": leader})
+    _reply(replies, {"exit_code": _reap(pids, leader)})
+
+
+def _rank_envs(nproc: int) -> list[dict[str, str]]:
+    """What torchrun's agent tells each rank of a one-node group (none for a single rank)."""
+    if nproc == 1:
+        return [{}]
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    return [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+             "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for r in range(nproc)]
+
+
+def _reap(pids: list[int], group: int) -> int:
+    """Wait for every rank; once one fails, stop the others (as torchrun does). The first failure's code."""
+    first_failure = 0
+    for _ in pids:
+        _, status = os.waitpid(-1, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and first_failure == 0:
+            first_failure = code
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)  # the others would wait in a collective forever
+    return first_failure
 
 
 def _preload_model_module(workload: dict[str, Any]) -> None:
@@ -73,13 +122,13 @@ def _preload_model_module(workload: dict[str, Any]) -> None:
         return
 
 
-def _run_trial_child(request: dict[str, Any]) -> None:
-    """In the forked child: become a trial process, run it, exit with its code."""
+def _run_trial_child(request: dict[str, Any], rank_env: dict[str, str], group: int) -> None:
+    """In the forked child: become a trial process (one rank), run it, exit with its code."""
     code = 1
     try:
         from autotune.lifeline import PARENT_PID_ENV, TRIAL_PROCESS_NAME, name_process
 
-        os.setsid()  # its own process group, killed whole on a timeout
+        os.setpgid(0, group)  # the first rank leads a new group, the others join it
         name_process(TRIAL_PROCESS_NAME)
         out = request["out"]
         for fd, name, flags in ((0, os.devnull, os.O_RDONLY),
@@ -92,6 +141,7 @@ def _run_trial_child(request: dict[str, Any]) -> None:
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         os.environ.clear()
         os.environ.update(request["env"])
+        os.environ.update(rank_env)
         os.environ[PARENT_PID_ENV] = str(os.getppid())  # the trial dies with the server
         _look_like_a_new_interpreter(request["cwd"])
         sys.argv = ["autotune.child", request["spec"], out]

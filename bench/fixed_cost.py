@@ -2,6 +2,7 @@
 fork of the warm trial server, next to a bare import.
 
     python bench/fixed_cost.py [--model builtin:gpt2-tiny] [--repeats 5] [--out bench/results/fixed_cost_cpu.json]
+    python bench/fixed_cost.py --nproc 2 --zero-stage 2 --out bench/results/fixed_cost_2rank_zero2_cpu.json
 
 All three are measured in the same run, alternating, so machine noise hits them alike. A
 trial's fixed cost is start-up + build + warm-up as the trial process itself reports them, from
@@ -48,11 +49,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:gpt2-tiny")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--nproc", type=int, default=1, help="ranks (new interpreter: under torchrun)")
+    parser.add_argument("--zero-stage", type=int, default=None, help="DeepSpeed ZeRO stage (default: off)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/fixed_cost_cpu.json"))
     args = parser.parse_args()
 
-    workload = Workload(model=args.model, seq_len=128, global_batch=8, device="cpu")
-    config = TrialConfig(micro_batch=8)
+    workload = Workload(model=args.model, seq_len=128, global_batch=8 * args.nproc, nproc=args.nproc, device="cpu")
+    config = TrialConfig(micro_batch=8, zero_stage=args.zero_stage)
     first = timed_trial(workload, config, server=True)  # starts the server: its imports, once
     rows = []
     for i in range(args.repeats):
@@ -70,7 +73,7 @@ def main() -> None:
     summary = {
         "command": "python " + " ".join(sys.argv),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, Python {platform.python_version()}",
-        "model": args.model, "repeats": args.repeats,
+        "model": args.model, "nproc": args.nproc, "zero_stage": args.zero_stage, "repeats": args.repeats,
         "median": {"bare_import_s": median("bare_import_s"),
                    "new_interpreter": {f: median("new_interpreter", f) for f in fields},
                    "forked": {f: median("forked", f) for f in fields}},

@@ -40,3 +40,15 @@ def test_the_same_config_fits_without_the_budget_and_tf32_runs():
 def test_zero2_with_optimizer_offload_on_cuda():
     r = run_trial(GPT2, TrialConfig(micro_batch=4, precision="bf16", zero_stage=2, offload="optimizer"))
     assert r.status is TrialStatus.OK, r.error
+
+
+def test_a_cuda_trial_forked_from_the_trial_server_measures_what_a_new_interpreter_measures(monkeypatch):
+    small = Workload(model="builtin:gpt2-tiny", seq_len=128, global_batch=8, device="cuda")
+    monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", "off")
+    fresh = run_trial(small, TrialConfig(micro_batch=4), measure_steps=2)
+    monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", "on")
+    forked = [run_trial(small, TrialConfig(micro_batch=4), measure_steps=2) for _ in range(2)]
+    for r in (fresh, *forked):
+        assert r.status is TrialStatus.OK, r.error  # the server never made a CUDA context to inherit
+    assert forked[1].peak_allocated_bytes == fresh.peak_allocated_bytes
+    assert forked[1].phases.startup_s < fresh.phases.startup_s

@@ -42,6 +42,20 @@ def test_a_forked_trial_measures_what_a_new_interpreter_measures(monkeypatch):
     assert forked_again.phases.startup_s + forked_again.phases.build_s < fresh.phases.startup_s + fresh.phases.build_s
 
 
+def test_two_forked_ranks_measure_what_torchrun_s_ranks_measure(monkeypatch):
+    two_ranks = Workload(model="builtin:gpt2-tiny", seq_len=32, global_batch=8, nproc=2)
+    monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", "off")
+    torchrun = run_trial(two_ranks, TrialConfig(micro_batch=2, zero_stage=2), warmup_steps=1, measure_steps=1)
+    monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", "on")
+    forked = run_trial(two_ranks, TrialConfig(micro_batch=2, zero_stage=2), warmup_steps=1, measure_steps=1)
+    for r in (torchrun, forked):
+        assert r.status is TrialStatus.OK, r.error
+        assert r.world_size == 2 and len(r.peak_memory_per_rank) == 2
+    # Real DeepSpeed ZeRO-2 over a real gloo group either way: the same partitioned states per rank.
+    assert forked.optimizer_state_bytes == torchrun.optimizer_state_bytes
+    assert forked.peak_memory_per_rank == torchrun.peak_memory_per_rank
+
+
 def _servers() -> list[psutil.Process]:
     return [p for p in psutil.Process().children() if "autotune.trial_server" in " ".join(p.cmdline())]
 
