@@ -104,10 +104,10 @@ def _run_process_group(command: list[str], work: Path, *, timeout_s: float,
         try:
             return proc.wait(timeout=timeout_s), False
         except subprocess.TimeoutExpired:
-            _kill_tree(proc)
+            _kill_tree(proc.pid)
             return proc.wait(), True
         except BaseException:
-            _kill_tree(proc)
+            _kill_tree(proc.pid)
             proc.wait()
             raise
         finally:
@@ -155,12 +155,12 @@ class _TrialServer:
             _kill_group(pid)  # anything the trial left behind in its group
             return code, False
         except TimeoutError:
-            _kill_pid_tree(pid)
+            _kill_tree(pid)
             return self._read(process, "exit_code", 30.0), True
         except _ServerGone:  # killed from outside mid-trial: so was the trial (it dies with the server)
             return -signal.SIGKILL, False
         except BaseException:  # Ctrl-C: the trial goes, reaped by the server, which stays for the next
-            _kill_pid_tree(pid)
+            _kill_tree(pid)
             try:
                 self._read(process, "exit_code", 30.0)
             except (TimeoutError, _ServerGone):
@@ -211,8 +211,9 @@ _SERVER = _TrialServer()
 atexit.register(_SERVER.close)
 
 
-def _kill_pid_tree(pid: int) -> None:
-    """SIGKILL a forked trial: its group (it made its own session) and anything it started."""
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a trial: its process group (every rank of a forked trial), the process itself (a fork
+    may not have joined its group yet) and every descendant (torchrun's ranks have groups of their own)."""
     import psutil
 
     try:
@@ -221,30 +222,11 @@ def _kill_pid_tree(pid: int) -> None:
         descendants = []
     _kill_group(pid)
     try:
-        os.kill(pid, signal.SIGKILL)  # in case it had not reached setsid yet
+        os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     for child in descendants:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-
-
-def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the trial, its process group and every descendant (torchrun's ranks have their own)."""
-    import psutil
-
-    try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        descendants = []
-    _kill_group(proc.pid)
-    for child in descendants:
-        try:
-            os.killpg(child.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        _kill_group(child.pid)
         try:
             child.kill()
         except psutil.NoSuchProcess:

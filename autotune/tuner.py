@@ -74,7 +74,6 @@ class _Measure:
     trial_timeout_s: float
     warmup_steps: int
     measure_steps: int
-    device_type: str
 
 
 def tune(*, study: str, workload: Workload | None = None, space: str | Path | SearchSpace = "default",
@@ -110,20 +109,20 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     device = detect_device(workload.device)
     space = space if isinstance(space, SearchSpace) else load_space(space)
     budget = _budget(memory_budget_bytes, device)
-    backend = backend or LocalBackend()
+    backend = backend or LocalBackend(device.type)
     _check_workload(workload, device)
     gpus = gpu_slices(workers, workload.nproc, device)
     meta = question(workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom)
     the_study = create_study(open_storage(storage), study, meta)
     recovered = recover_stale_trials(the_study)
     limit = memory_limit(the_study.user_attrs["autotune"])
-    oracle = _Oracle(backend, workload, device.type) if estimate else None
+    oracle = _Oracle(backend, workload) if estimate else None
     proposer = Proposer(space, workload, device, estimator=oracle.lookup if oracle else None,
                         limit_bytes=limit, margin=SKIP_MARGIN)
     target = n_trials or space.n_trials
     patience = patience if patience is not None else space.patience
     measure = _Measure(memory_budget_bytes=budget, trial_timeout_s=trial_timeout_s,
-                       warmup_steps=warmup_steps, measure_steps=measure_steps, device_type=device.type)
+                       warmup_steps=warmup_steps, measure_steps=measure_steps)
     from autotune.storage import DEFAULT_STORAGE, display_url
 
     progress.started(study=study, storage=display_url(storage), measured=len(measured(records_of(the_study))),
@@ -232,7 +231,7 @@ def _measure_in_study(study: optuna.Study, trial: optuna.Trial, config: TrialCon
     if prediction is not None:
         trial.set_user_attr("estimate", prediction.to_dict())  # predicted next to measured, for show
     try:
-        with _heartbeat(study, trial), cpu_turn(measure.device_type):
+        with _heartbeat(study, trial):
             result = backend.run(workload, config, memory_budget_bytes=measure.memory_budget_bytes,
                                  timeout_s=measure.trial_timeout_s, warmup_steps=measure.warmup_steps,
                                  measure_steps=measure.measure_steps)
@@ -268,16 +267,25 @@ class TrialBackend(Protocol):
 
 
 class LocalBackend:
-    """Real trials in fresh processes; real estimates (None where the estimator cannot trace the model)."""
+    """Real trials in fresh processes; real estimates (None where the estimator cannot trace the model).
+
+    On a CPU both take turns with every other trial and estimate of this machine (see
+    :func:`autotune.workers.cpu_turn`): they compute on the cores a trial is being timed on.
+    """
+
+    def __init__(self, device_type: str) -> None:
+        self._device_type = device_type
 
     def run(self, workload: Workload, config: TrialConfig, **measure: Any) -> TrialResult:
-        return run_trial(workload, config, **measure)
+        with cpu_turn(self._device_type):
+            return run_trial(workload, config, **measure)
 
     def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None:
         from autotune.estimator import EstimateError, predict_memory
 
         try:
-            return predict_memory(workload, config)
+            with cpu_turn(self._device_type):
+                return predict_memory(workload, config)
         except EstimateError:  # a model the estimator cannot trace is simply measured
             return None
 
@@ -286,10 +294,9 @@ class _Oracle:
     """The estimator's predictions, each asked once per tune call: the proposer bisects with them,
     and a trial stores its config's next to what it measured."""
 
-    def __init__(self, backend: TrialBackend, workload: Workload, device_type: str) -> None:
+    def __init__(self, backend: TrialBackend, workload: Workload) -> None:
         self._backend = backend
         self._workload = workload
-        self._device_type = device_type
         self._cache: dict[TrialConfig, MemoryEstimate | None] = {}
 
     def estimate(self, config: TrialConfig, records: list[TrialRecord]) -> MemoryEstimate | None:
@@ -302,8 +309,7 @@ class _Oracle:
 
     def lookup(self, config: TrialConfig) -> MemoryEstimate | None:
         if config not in self._cache:
-            with cpu_turn(self._device_type):  # it computes on the cores a trial may be timed on
-                self._cache[config] = self._backend.estimate(self._workload, config)
+            self._cache[config] = self._backend.estimate(self._workload, config)
         return self._cache[config]
 
 
@@ -411,13 +417,12 @@ def _confirm_winner(study: optuna.Study, workload: Workload, measure: _Measure, 
         top = ranked[0]
         progress.confirming(record=top, steps=steps)
         # It measures CONFIRM_STEPS_FACTOR x the steps, so it gets as many times the trial's time.
-        with cpu_turn(measure.device_type):
-            result = backend.run(workload, top.config, memory_budget_bytes=measure.memory_budget_bytes,
-                                 timeout_s=measure.trial_timeout_s * CONFIRM_STEPS_FACTOR,
-                                 warmup_steps=measure.warmup_steps + 1, measure_steps=steps)
+        result = backend.run(workload, top.config, memory_budget_bytes=measure.memory_budget_bytes,
+                             timeout_s=measure.trial_timeout_s * CONFIRM_STEPS_FACTOR,
+                             warmup_steps=measure.warmup_steps + 1, measure_steps=steps)
         peak = result.peak_memory_bytes
         rerun, first = result.tokens_per_s or 0.0, top.tokens_per_s or 0.0
-        runner_up = ranked[1].tokens_per_s or 0.0 if len(ranked) > 1 else 0.0
+        runner_up = (ranked[1].tokens_per_s or 0.0) if len(ranked) > 1 else 0.0
         lucky = rerun < (1 - CONFIRM_TOLERANCE) * first and rerun < runner_up
         study.set_user_attr(f"{CONFIRM_PREFIX}{top.number}", {
             "confirmed": result.ok and peak is not None and peak <= limit and not lucky,
