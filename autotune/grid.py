@@ -34,8 +34,8 @@ def measure_grid(workload: Workload, space: SearchSpace, out: Path, *, memory_bu
                  on_trial: Callable[[int, int, dict[str, Any]], None] | None = None) -> int:
     """Measure the configs of ``space`` not yet in ``out``; return how many were measured now."""
     configs = space.candidates(workload, detect_device(workload.device))
-    done = {_key(TrialConfig.from_dict(line["config"])) for line in read_grid(out, workload)} if out.exists() else set()
-    todo = [c for c in configs if _key(c) not in done]
+    done = {TrialConfig.from_dict(line["config"]) for line in read_grid(out, workload)} if out.exists() else set()
+    todo = [c for c in configs if c not in done]
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as sink:
         for index, config in enumerate(todo, start=1):
@@ -69,7 +69,7 @@ def estimate_grid(path: Path, on_estimate: Callable[[int, int, dict[str, Any]], 
     for index, line in enumerate(todo, start=1):
         started = time.monotonic()
         try:
-            estimate: dict[str, Any] | None = predict_memory(workload, TrialConfig.from_dict(line["config"])).to_dict()
+            estimate: dict[str, Any] = predict_memory(workload, TrialConfig.from_dict(line["config"])).to_dict()
         except EstimateError as exc:
             estimate = {"error": str(exc)}
         line["estimate"] = estimate
@@ -99,6 +99,3 @@ def read_grid(path: Path, workload: Workload | None = None) -> Iterator[dict[str
                               "use a new -o file or the same workload flags")
         yield line
 
-
-def _key(config: TrialConfig) -> str:
-    return json.dumps(config.to_dict(), sort_keys=True)

@@ -55,28 +55,24 @@ class Grid:
             sys.exit(f"--grid {path}: no lines")
         self.workload = Workload.from_dict(lines[0]["workload"])
         # A space narrower than the grid's replays the slice of the grid it covers.
-        wanted = {self.key(c) for c in space.candidates(self.workload, detect_device(self.workload.device))}
-        lines = [line for line in lines if self.key(TrialConfig.from_dict(line["config"])) in wanted]
+        wanted = set(space.candidates(self.workload, detect_device(self.workload.device)))
+        lines = [line for line in lines if TrialConfig.from_dict(line["config"]) in wanted]
         if not lines:
             sys.exit(f"--space {space.name}: none of its configs is in --grid {path}")
         self.budget = budget
         self.limit = budget * (1 - HEADROOM)
-        self.lines = {self.key(TrialConfig.from_dict(line["config"])): line for line in lines}
+        self.lines = {TrialConfig.from_dict(line["config"]): line for line in lines}
         self.total_seconds = sum(line["trial_seconds"] for line in lines)
         fitting = [self.tokens(c) for c in self.configs() if self.fits(c)]
         if not fitting:
             sys.exit(f"no config of {path} fits under --memory-budget {budget} B")
         self.best = max(fitting)
 
-    @staticmethod
-    def key(config: TrialConfig) -> str:
-        return json.dumps(config.to_dict(), sort_keys=True)
-
     def configs(self) -> list[TrialConfig]:
-        return [TrialConfig.from_dict(line["config"]) for line in self.lines.values()]
+        return list(self.lines)
 
     def line(self, config: TrialConfig) -> dict[str, Any] | None:
-        return self.lines.get(self.key(config))
+        return self.lines.get(config)
 
     def fits(self, config: TrialConfig) -> bool:
         line = self.line(config)
@@ -202,12 +198,12 @@ def deepspeed_style(grid: Grid, space: SearchSpace, seed: int) -> Tally:
     tally = Tally(grid)
     choices = space.choices(grid.workload, detect_device(grid.workload.device))
     fixed = _fixed_knobs(grid, space)
-    measured: set[str] = set()
+    measured: set[TrialConfig] = set()
 
     def run(params: dict[str, Any]) -> bool:
         config = space.config_of(params)
-        if grid.key(config) not in measured:
-            measured.add(grid.key(config))
+        if config not in measured:
+            measured.add(config)
             tally.measure(config)
         return grid.fits(config)
 
