@@ -3,7 +3,8 @@
 On CUDA the caching allocator is capped with ``set_per_process_memory_fraction`` and peaks come
 from its statistics. On a CPU there is no allocator to ask, so :class:`LiveBytesTracker` counts
 the bytes of every tensor storage alive and raises ``torch.OutOfMemoryError`` when they pass the
-budget: the same exception, so the same out-of-memory path, as a real device OOM.
+budget: the same exception, so the same out-of-memory path, as a real device OOM, with the CPU
+allocator's own wording, so other tools' OOM matchers recognise it too.
 """
 
 from __future__ import annotations
@@ -48,18 +49,27 @@ class LiveBytesTracker(TorchDispatchMode):
             self._counted[storage] = counted
             weakref.finalize(storage, self._release, counted)
         if size != counted[0]:  # new, or resized in place
-            self.live_bytes += size - counted[0]
+            grown = size - counted[0]
+            self.live_bytes += grown
             counted[0] = size
             if self.live_bytes > self.peak_bytes:
                 self.peak_bytes = self.live_bytes
                 if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
-                    raise torch.OutOfMemoryError(
-                        f"CPU memory budget exceeded: {self.live_bytes} bytes of live tensors "
-                        f"> --memory-budget {self.budget_bytes} bytes")
+                    raise torch.OutOfMemoryError(_budget_exceeded_message(
+                        grown, live_bytes=self.live_bytes, budget_bytes=self.budget_bytes))
 
     def _release(self, counted: list[int]) -> None:
         self.live_bytes -= counted[0]
         counted[0] = 0
+
+
+def _budget_exceeded_message(requested: int, *, live_bytes: int, budget_bytes: int) -> str:
+    """The tracker's OOM message. It opens with the CPU allocator's own words, which the batch
+    size finders of Lightning (``is_oom_error``) and Accelerate (``should_reduce_batch_size``)
+    match, so code that handles a real CPU OOM handles this one too."""
+    return (f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {requested} bytes "
+            f"(autotune's CPU memory budget exceeded: {live_bytes} bytes of live tensors "
+            f"> --memory-budget {budget_bytes} bytes)")
 
 
 def limit_cuda_memory(budget_bytes: int, device: torch.device) -> None:

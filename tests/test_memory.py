@@ -40,3 +40,30 @@ def test_checkpointed_backward_runs_under_the_tracker_and_lowers_the_peak():
         return tracker.peak_bytes
 
     assert peak(True) < peak(False)
+
+
+def _tracker_oom(*, in_backward: bool) -> torch.OutOfMemoryError:
+    """The exception the tracker raises, in a forward or from inside autograd's backward."""
+    layer = torch.nn.Linear(64, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+    try:
+        with LiveBytesTracker(budget_bytes=40_000 if in_backward else 1_000) as tracker:
+            loss = layer(x).sum()
+            if in_backward:
+                assert tracker.live_bytes < 40_000  # the forward fits: the backward's gradients do not
+                loss.backward()
+    except torch.OutOfMemoryError as exc:
+        return exc
+    raise AssertionError("the tracker raised no OOM")
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["forward", "backward"])
+def test_batch_size_finders_of_lightning_and_accelerate_recognise_the_budget_oom(in_backward):
+    from accelerate.utils.memory import should_reduce_batch_size
+    from lightning.pytorch.utilities.memory import is_oom_error
+
+    exc = _tracker_oom(in_backward=in_backward)
+    assert str(exc).startswith("DefaultCPUAllocator: can't allocate memory: you tried to allocate ")
+    assert "--memory-budget" in str(exc)
+    assert is_oom_error(exc)
+    assert should_reduce_batch_size(exc)
