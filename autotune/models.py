@@ -3,7 +3,8 @@
 ``--model`` takes one of:
 
 * ``builtin:NAME``: a preset from :mod:`autotune.presets` (random weights);
-* a path to a ``config.json`` or to a model directory holding one;
+* a path to a config file (``config.json`` or any other name: that file is read) or to a
+  model directory holding a ``config.json``;
 * a Hugging Face Hub id, whose config is read from the local cache;
 * ``module:function``: a factory, called as ``function(task=..., seq_len=...)`` (it may
   declare only the arguments it wants) and returning a ``torch.nn.Module`` (see README).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -71,18 +73,34 @@ def load_hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> P
         return AutoConfig.for_model(preset.model_type, **preset.config)
     if source.kind == "config":
         path = Path(source.ref)
-        folder = path.parent if path.is_file() else path
-        if not (folder / "config.json").is_file():
-            raise WorkloadError(f"--model {source.ref}: no config.json there; point at a config.json "
-                                "or a directory that holds one")
+        if path.is_file():  # this very file, whatever its name: never a config.json beside it
+            _check_json(path, source.ref)
+        elif not (path / "config.json").is_file():
+            raise WorkloadError(f"--model {source.ref}: no config.json there; point at a model's config file "
+                                "or a directory that holds a config.json")
         try:
-            return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+            return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (ValueError, OSError) as exc:
             _refuse_custom_code(source.ref, exc)
             raise WorkloadError(f"--model {source.ref}: cannot read its config: {_one_line(exc)}") from exc
     if source.kind == "hub":
         return _hub_config(source.ref, trust_remote_code=trust_remote_code)
     raise WorkloadError(f"--model {source.ref}: a factory has no Hugging Face config")
+
+
+def _check_json(path: Path, ref: str) -> None:
+    """Refuse a file that is not a JSON object in one line, before transformers says it its own way."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise WorkloadError(f"--model {ref} is not JSON (not even text); point --model at a model's config "
+                            "file (JSON, like config.json) or the directory holding it") from None
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"--model {ref} is not JSON (line {exc.lineno}: {exc.msg}); point --model at a "
+                            "model's config file (JSON, like config.json) or the directory holding it") from None
+    if not isinstance(data, dict):
+        raise WorkloadError(f"--model {ref} is JSON but not a model config (an object with a model_type key); "
+                            "point --model at a model's config.json or the directory holding it")
 
 
 def _refuse_custom_code(ref: str, exc: Exception) -> None:

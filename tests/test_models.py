@@ -56,3 +56,46 @@ def test_uncached_hub_id_offline_says_what_to_do():
 def test_directory_without_config_is_refused(tmp_path):
     with pytest.raises(WorkloadError, match="no config.json"):
         resolve_task(Workload(model=str(tmp_path)))
+
+
+# -- a config file is read as given ---------------------------------------------------------------
+MINE = {"model_type": "gpt2", "n_layer": 3, "n_embd": 48, "n_head": 2, "n_positions": 256, "vocab_size": 300,
+        "bos_token_id": 0, "eos_token_id": 0}
+DECOY = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 256, "vocab_size": 100}
+
+
+def _decoy_beside(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(DECOY))
+    mine = tmp_path / "my-model.json"
+    mine.write_text(json.dumps(MINE))
+    return mine
+
+
+def test_a_config_file_not_named_config_json_is_the_one_built(tmp_path):
+    import torch
+
+    from autotune.models import build_model
+
+    mine = _decoy_beside(tmp_path)
+    config = load_hf_config(parse_model_source(str(mine)))
+    assert (config.n_layer, config.n_embd, config.vocab_size) == (3, 48, 300)
+    model = build_model(Workload(model=str(mine), seq_len=16), task="causal-lm", device=torch.device("meta"))
+    assert len(model.transformer.h) == 3 and model.lm_head.weight.shape == (300, 48)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("hidden: 64\nlayers: 2\n", r"is not JSON \(line 1: Expecting value\)"),
+    ("[1, 2, 3]", "is JSON but not a model config"),
+])
+def test_a_config_file_that_is_not_a_json_object_is_refused(tmp_path, text, message):
+    path = tmp_path / "model.yaml"
+    path.write_text(text)
+    with pytest.raises(WorkloadError, match=f"--model {path} {message}"):
+        resolve_task(Workload(model=str(path)))
+
+
+def test_a_binary_file_is_refused_as_not_json(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(range(256)))
+    with pytest.raises(WorkloadError, match=r"is not JSON \(not even text\)"):
+        resolve_task(Workload(model=str(path)))
