@@ -52,11 +52,12 @@ class LiveBytesTracker(TorchDispatchMode):
             grown = size - counted[0]
             self.live_bytes += grown
             counted[0] = size
-            if self.live_bytes > self.peak_bytes:
-                self.peak_bytes = self.live_bytes
-                if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
-                    raise torch.OutOfMemoryError(_budget_exceeded_message(
-                        grown, live_bytes=self.live_bytes, budget_bytes=self.budget_bytes))
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            # Checked on every growth, not only at a new peak: code that catches the OOM and tries
+            # again in this process (a batch-size finder) must meet the budget, not the old overshoot.
+            if grown > 0 and self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
+                raise torch.OutOfMemoryError(_budget_exceeded_message(
+                    grown, live_bytes=self.live_bytes, budget_bytes=self.budget_bytes))
 
     def _release(self, counted: list[int]) -> None:
         self.live_bytes -= counted[0]

@@ -67,3 +67,14 @@ def test_batch_size_finders_of_lightning_and_accelerate_recognise_the_budget_oom
     assert "--memory-budget" in str(exc)
     assert is_oom_error(exc)
     assert should_reduce_batch_size(exc)
+
+
+def test_the_budget_holds_after_an_oom_was_caught_in_the_same_process():
+    # A batch-size finder catches the OOM and tries a smaller size under the same tracker: the
+    # budget, not the first attempt's overshoot (40 kB here), is what the retry must stay under.
+    with LiveBytesTracker(budget_bytes=10_000) as tracker:
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(10_000)  # 40 kB in one allocation
+        assert tracker.live_bytes == 0 and tracker.peak_bytes == 40_000
+        with pytest.raises(torch.OutOfMemoryError):
+            keep = [torch.empty(1000) for _ in range(3)]  # noqa: F841 - 12 kB live
