@@ -101,18 +101,38 @@ def _train(spec: dict[str, Any], record: dict[str, Any], *, workload: Any, confi
 
             torch.cuda.synchronize(device)
 
-    times = time_steps(engine.step, sync, warmup=spec["warmup_steps"], steps=spec["measure_steps"])
-    samples = workload.global_batch * len(times.seconds)
+    times = time_steps(engine.step, sync, warmup=spec["warmup_steps"], steps=spec["measure_steps"],
+                       max_steps=spec.get("max_measure_steps"), agree=_agreed(world_size, device))
+    # Per optimizer step, from the median step: a few steps slowed by another process move a
+    # mean, not a median (the spread says how much they disagreed).
     record["phases"].update(warmup_s=times.warmup_s, measure_s=times.total_s)
     record.update(
-        samples_per_s=samples / times.total_s,
-        tokens_per_s=samples * workload.seq_len / times.total_s,
+        samples_per_s=workload.global_batch / times.median_s,
+        tokens_per_s=workload.global_batch * workload.seq_len / times.median_s,
         step_time_median_s=times.median_s,
         step_time_iqr_s=times.iqr_s,
+        step_time_spread=times.spread,
+        disturbed_steps=times.disturbed_steps,
         measured_steps=len(times.seconds),
         final_loss=times.last_loss,
         optimizer_state_bytes=engine.optimizer_state_bytes(),
     )
+
+
+def _agreed(world_size: int, device: Any) -> Any:
+    """One more timed step only if any rank wants one: every rank must run the same steps."""
+    if world_size == 1:
+        return lambda more: more
+
+    def agree(more: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        wish = torch.tensor([int(more)], device=device)
+        dist.all_reduce(wish, op=dist.ReduceOp.MAX)
+        return bool(wish.item())
+
+    return agree
 
 
 def _init_device(device_type: str) -> Any:

@@ -1,4 +1,11 @@
-"""Timing whole optimizer steps: warm-up untimed, then timed steps each ending in a sync."""
+"""Timing whole optimizer steps: warm-up untimed, then timed steps each ending in a sync,
+measured until the step times settle.
+
+A machine that is busy with something else (a shared GPU node, a laptop, CI) slows some steps
+down: a few disturbed steps among three can move a mean by half. So the figure is the median
+step, and when the steps' spread (interquartile range over the median) is still wide after the
+requested steps, more steps are measured, up to a bound, and the spread is reported either way.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,12 @@ from typing import Callable
 
 from autotune.failures import NonFiniteLossError
 
-__all__ = ["StepTimes", "time_steps"]
+__all__ = ["StepTimes", "time_steps", "SETTLED_SPREAD", "DISTURBED_FACTOR", "MAX_STEPS_FACTOR"]
+
+SETTLED_SPREAD = 0.10      # steps have settled when their IQR is within 10% of their median
+DISTURBED_FACTOR = 1.25    # a step 25% slower than the median was disturbed (by another process, a GC, ...)
+MAX_STEPS_FACTOR = 4       # an unsettled measurement takes at most 4x the requested steps...
+MAX_EXTRA_TIME_FACTOR = 3  # ...and at most 3x the time the requested steps took
 
 
 @dataclass(frozen=True)
@@ -31,28 +43,59 @@ class StepTimes:
         return q3 - q1
 
     @property
+    def spread(self) -> float:
+        """The interquartile range relative to the median: 0.05 means the middle half of the
+        steps lie within 5% of the median's length of each other."""
+        return self.iqr_s / self.median_s if self.median_s > 0 else 0.0
+
+    @property
+    def settled(self) -> bool:
+        return self.spread <= SETTLED_SPREAD
+
+    @property
+    def disturbed_steps(self) -> int:
+        median = self.median_s
+        return sum(t > DISTURBED_FACTOR * median for t in self.seconds)
+
+    @property
     def total_s(self) -> float:
         return sum(self.seconds)
 
 
-def time_steps(step: Callable[[], float], sync: Callable[[], None], *, warmup: int, steps: int) -> StepTimes:
-    """Run ``warmup`` untimed and ``steps`` timed optimizer steps.
+def time_steps(step: Callable[[], float], sync: Callable[[], None], *, warmup: int, steps: int,
+               max_steps: int | None = None,
+               agree: Callable[[bool], bool] = lambda more: more) -> StepTimes:
+    """Run ``warmup`` untimed and at least ``steps`` timed optimizer steps.
 
     ``step`` runs every accumulation micro-step of one optimizer step and returns the loss as a
     Python float (which waits for the device); ``sync`` waits for whatever else is queued.
+    While the times have not settled (see :data:`SETTLED_SPREAD`), one more step is measured, up
+    to ``max_steps`` (default ``MAX_STEPS_FACTOR`` x ``steps``) and ``MAX_EXTRA_TIME_FACTOR`` x the
+    time the first ``steps`` took. ``agree`` turns this rank's wish for one more step into every
+    rank's decision (ranks of one trial must run the same number of steps).
     """
+    max_steps = max(steps, max_steps if max_steps is not None else MAX_STEPS_FACTOR * steps)
     loss = math.nan
     start = time.perf_counter()
     for _ in range(warmup):
         loss = _checked(step())
     sync()
     warmup_s = time.perf_counter() - start
-    times = []
-    for _ in range(steps):
+    times: list[float] = []
+
+    def timed() -> None:
+        nonlocal loss
         begin = time.perf_counter()
         loss = _checked(step())
         sync()
         times.append(time.perf_counter() - begin)
+
+    for _ in range(steps):
+        timed()
+    deadline = time.perf_counter() + MAX_EXTRA_TIME_FACTOR * sum(times)
+    while agree(len(times) < max_steps and time.perf_counter() < deadline
+                and not StepTimes(times, warmup_s, loss).settled):
+        timed()
     return StepTimes(times, warmup_s, loss)
 
 

@@ -51,6 +51,8 @@ class TrialResult:
     samples_per_s: float | None = None
     step_time_median_s: float | None = None
     step_time_iqr_s: float | None = None       # spread: interquartile range of step times
+    step_time_spread: float | None = None      # that range over the median: 0.1 = the middle half within 10%
+    disturbed_steps: int | None = None         # steps 25% slower than the median (another process, ...)
     measured_steps: int = 0
     grad_accum_steps: int | None = None
     peak_memory_bytes: int | None = None       # reserved on CUDA, tracked tensor bytes on CPU; max over ranks
@@ -72,6 +74,13 @@ class TrialResult:
     @property
     def ok(self) -> bool:
         return self.status is TrialStatus.OK
+
+    @property
+    def unsettled(self) -> bool:
+        """Its step times still disagreed after the extra steps: a figure to read with its spread."""
+        from autotune.measure import SETTLED_SPREAD
+
+        return self.step_time_spread is not None and self.step_time_spread > SETTLED_SPREAD
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

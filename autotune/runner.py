@@ -280,7 +280,8 @@ def _combine(config: TrialConfig, records: list[dict[str, Any] | None], *, retur
     base = records[0] or (written[0] if written else {})
     peaks = [r.get("peak_memory_bytes") for r in written if r.get("peak_memory_bytes") is not None]
     fields: dict[str, Any] = {k: base.get(k) for k in (
-        "tokens_per_s", "samples_per_s", "step_time_median_s", "step_time_iqr_s", "grad_accum_steps",
+        "tokens_per_s", "samples_per_s", "step_time_median_s", "step_time_iqr_s", "step_time_spread",
+        "disturbed_steps", "grad_accum_steps",
         "trainable_params", "total_params", "final_loss", "device")}
     return TrialResult(
         config=config,
