@@ -42,11 +42,11 @@ _LINE_SLACK = 0.05   # a size the straight line puts more than 5% past the thres
 class Proposer:
     def __init__(self, space: SearchSpace, workload: Workload, device: DeviceInfo, *,
                  estimator: Estimator | None = None, limit_bytes: int | None = None,
-                 margin: float = 0.0) -> None:
+                 margin: float = 0.0, precision_speed: dict[str, float] | None = None) -> None:
         self.space = space
         self.choices = space.choices(workload, device)
         self.candidates = space.candidates(workload, device)
-        self._device_type = device.type
+        self.precision_speed = precision_speed
         self._estimator = estimator
         self._limit = limit_bytes
         self._margin = margin
@@ -61,20 +61,25 @@ class Proposer:
     def params_of(self, config: TrialConfig) -> dict[str, Any]:
         return self.space.params_of(config)
 
-    def next_config(self, records: list[TrialRecord]) -> TrialConfig | None:
-        """The next config to measure, or None when every runnable config is measured or implied."""
-        done = {r.config for r in measured(records)}
-        done |= {r.config for r in records if r.status in ("running", "skipped")}
+    def next_config(self, records: list[TrialRecord], *, unmeasured_only: bool = False) -> TrialConfig | None:
+        """The next config to measure, or None when every runnable config is measured or implied.
+
+        ``unmeasured_only``: only configs with a knob value no trial has measured yet (see
+        :meth:`unmeasured_values`), so a prior never dismisses a value on its own.
+        """
         too_big = [r.config for r in records
                    if r.status in ("oom", "skipped") or (r.status == "ok" and not r.fits)]
         fitting = [r.config for r in records if r.fits]
-        open_configs = [c for c in self.candidates if c not in done and not implied_too_big(c, too_big)]
+        open_configs = self._open_configs(records)
+        if unmeasured_only:
+            unmeasured = self.unmeasured_values(records)
+            open_configs = [c for c in open_configs if unmeasured & self._values(c)]
         if not open_configs:
             return None
         retry = next((r.config for r in records if r.status == "interrupted" and r.config in open_configs), None)
         if retry is not None:
             return retry
-        model = ThroughputModel(self.params_of, self._device_type).fit(
+        model = ThroughputModel(self.params_of, self.precision_speed).fit(
             [(r.config, r.tokens_per_s) for r in records if r.status == "ok" and r.tokens_per_s])
         order = {c: i for i, c in enumerate(self.candidates)}
         ranked = sorted(open_configs, key=lambda c: (-model.predict(c), order[c]))
@@ -85,6 +90,25 @@ class Proposer:
             if config.micro_batch <= frontier:
                 return config
         return None  # every open config is predicted not to fit
+
+    def unmeasured_values(self, records: list[TrialRecord]) -> set[tuple[str, Any]]:
+        """Knob values (micro batch aside) the space offers that no trial has measured and that
+        still have a config open: evidence is owed for them before the search may settle."""
+        offered = {(k, repr(v)) for k, values in self.choices.items() if k != "micro_batch" and len(values) > 1
+                   for v in values}
+        seen = set().union(*(self._values(r.config) for r in measured(records)))
+        still_open = set().union(*(self._values(c) for c in self._open_configs(records)))
+        return (offered - seen) & still_open
+
+    def _values(self, config: TrialConfig) -> set[tuple[str, Any]]:
+        return {(k, repr(v)) for k, v in self.params_of(config).items() if k != "micro_batch"}
+
+    def _open_configs(self, records: list[TrialRecord]) -> list[TrialConfig]:
+        done = {r.config for r in measured(records)}
+        done |= {r.config for r in records if r.status in ("running", "skipped")}
+        too_big = [r.config for r in records
+                   if r.status in ("oom", "skipped") or (r.status == "ok" and not r.fits)]
+        return [c for c in self.candidates if c not in done and not implied_too_big(c, too_big)]
 
     def take_ruled_out(self) -> list[TrialConfig]:
         """Configs the estimator put over the limit since the last call (for the study to record)."""

@@ -1,7 +1,13 @@
 """Reading a study back: Optuna trials -> TrialRecords, the ranking of candidates, the best.
 
-Only a confirmed config is ever called best: a winner candidate is re-run longer by the tuner,
-and ranks by the re-run's figure from then on.
+Only a confirmed config is ever called best: the tuner re-runs the top candidates longer,
+interleaved (A B A B), and stores the order those paired runs decided (``DECISION_KEY``); the
+candidates rank in that order from then on, ahead of any measured since.
+
+The stored study agrees with that answer for anyone reading it with Optuna (``best_trial``,
+optuna-dashboard): every measured trial carries an ``answer`` constraint of 1 (infeasible), and
+the answer is one more trial (``ANSWER_ATTR``: the trial it confirms) with the answer's config,
+its confirmed tokens/s as value and an ``answer`` constraint of 0.
 """
 
 from __future__ import annotations
@@ -17,9 +23,12 @@ from autotune.workload import Workload
 if TYPE_CHECKING:
     import optuna
 
-__all__ = ["load_summary", "summarize", "records_of", "ranking", "CONFIRM_PREFIX"]
+__all__ = ["load_summary", "summarize", "records_of", "ranking", "retire_answers", "CONFIRM_PREFIX",
+           "DECISION_KEY", "ANSWER_ATTR"]
 
 CONFIRM_PREFIX = "confirm:"      # study user attribute per re-run winner candidate: confirm:<number>
+DECISION_KEY = "decision"        # study user attribute: the interleaved confirmation's order and lead
+ANSWER_ATTR = "answer_for"       # trial user attribute of the answer trial: the number it confirms
 _MEASURED = ("ok", "oom", "timeout", "crashed", "nan", "error")
 
 
@@ -36,6 +45,9 @@ def summarize(study: optuna.Study, *, url: str | None, with_importances: bool = 
     records = records_of(study)
     ranked = ranking(records)
     best = next((r for r in ranked if r.confirmed), None)
+    decision = study.user_attrs.get(DECISION_KEY) or {}
+    certainty = decision.get("certainty") if best is not None and decision.get("order", [None])[0] == best.number \
+        else None
     return StudySummary(
         name=study.study_name,
         storage=display_url(url),
@@ -47,6 +59,7 @@ def summarize(study: optuna.Study, *, url: str | None, with_importances: bool = 
         trials=records,
         best=best,
         importances=_importances(study) if with_importances else None,
+        certainty=certainty,
     )
 
 
@@ -62,11 +75,12 @@ def records_of(study: optuna.Study) -> list[TrialRecord]:
     limit = memory_limit(meta)
     confirmations = {int(k.removeprefix(CONFIRM_PREFIX)): v for k, v in study.user_attrs.items()
                      if k.startswith(CONFIRM_PREFIX)}
+    order = (study.user_attrs.get(DECISION_KEY) or {}).get("order", [])
     records = []
     for trial in study.get_trials(deepcopy=False):
         config_data = trial.user_attrs.get("config")
-        if config_data is None:
-            continue  # asked but never given a config (the worker died inside Optuna)
+        if config_data is None or ANSWER_ATTR in trial.user_attrs:
+            continue  # asked but never given a config (the worker died inside Optuna), or the answer's copy
         result = trial.user_attrs.get("result") or {}
         if trial.state is TrialState.RUNNING:
             status = "running"
@@ -90,19 +104,46 @@ def records_of(study: optuna.Study) -> list[TrialRecord]:
             confirmed_tokens_per_s=None if confirm is None else confirm.get("tokens_per_s"),
             confirmed_samples_per_s=None if confirm is None else confirm.get("samples_per_s"),
             confirmed_peak_memory_bytes=None if confirm is None else confirm.get("peak_memory_bytes"),
+            decided_rank=order.index(trial.number) if trial.number in order else None,
+            step_time_spread=result.get("step_time_spread"),
         ))
     return records
 
 
 def ranking(records: list[TrialRecord]) -> list[TrialRecord]:
-    """Winner candidates, fastest first: configs that fit and were not refuted by a re-run.
+    """Winner candidates, fastest first: configs that fit and whose re-run did not refute that.
 
-    They rank by their first figures, like with like: every trial measured the same number of
-    steps, while a re-run measures more, and on a busy machine a longer run reads lower. The
-    re-run's job is to refute (see the tuner's ``CONFIRM_TOLERANCE``); its figure is reported.
+    The ones the interleaved confirmation compared come first, in the order it decided (paired
+    runs under the same conditions); the others follow by their first figures, like with like
+    (every trial measured the same way; a longer re-run on a busy machine reads lower).
     """
     candidates = [r for r in records if r.fits and r.confirmed is not False]
-    return sorted(candidates, key=lambda r: r.tokens_per_s or 0.0, reverse=True)
+    return sorted(candidates, key=lambda r: (r.decided_rank is None, r.decided_rank or 0, -(r.tokens_per_s or 0.0)))
+
+
+def retire_answers(study: optuna.Study) -> None:
+    """Make earlier answer trials infeasible for Optuna: a new decision replaced them.
+
+    A finished trial cannot be changed through Optuna's API, so this sets their ``answer``
+    constraint in the storage's own table (any SQLAlchemy database Optuna's RDBStorage runs on).
+    """
+    import json
+
+    from optuna.storages._rdb import models
+
+    storage = getattr(study._storage, "_backend", study._storage)
+    answers = [t._trial_id for t in study.get_trials(deepcopy=False) if ANSWER_ATTR in t.user_attrs]
+    if not answers or not hasattr(storage, "scoped_session"):
+        return
+    session = storage.scoped_session()
+    try:
+        session.query(models.TrialSystemAttributeModel).filter(
+            models.TrialSystemAttributeModel.trial_id.in_(answers),
+            models.TrialSystemAttributeModel.key == "constraints:answer",
+        ).update({"value_json": json.dumps(1.0)}, synchronize_session=False)
+        session.commit()
+    finally:
+        session.close()
 
 
 def measured(records: list[TrialRecord]) -> list[TrialRecord]:

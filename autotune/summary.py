@@ -1,7 +1,8 @@
 """A study read back as plain values: what ``show``, ``report``, ``export`` and ``--json`` print.
 
 Built from the Optuna study by :mod:`autotune.study`; nothing here imports Optuna or torch,
-so the types are cheap to build in tests and to render.
+so the types are cheap to build in tests and to render (saying which layers a LoRA config
+adapts reads the model's config, and PEFT's table for its default targets).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class TrialRecord:
     confirmed_tokens_per_s: float | None = None
     confirmed_samples_per_s: float | None = None
     confirmed_peak_memory_bytes: int | None = None
+    decided_rank: int | None = None             # place in the interleaved confirmation (0: the answer)
+    step_time_spread: float | None = None       # IQR / median of its step times (0.1 = within 10%)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +56,8 @@ class TrialRecord:
             "confirmed_tokens_per_s": self.confirmed_tokens_per_s,
             "confirmed_samples_per_s": self.confirmed_samples_per_s,
             "confirmed_peak_memory_bytes": self.confirmed_peak_memory_bytes,
+            "decided_rank": self.decided_rank,
+            "step_time_spread": self.step_time_spread,
         }
 
 
@@ -70,6 +75,7 @@ class StudySummary:
     trials: list[TrialRecord] = field(default_factory=list)
     best: TrialRecord | None = None             # the confirmed winner, if any
     importances: dict[str, float] | None = None  # knob -> share of tokens/s variance (Optuna fANOVA)
+    certainty: str | None = None                # how sure the answer is, in words (from the confirmation)
 
     @property
     def n_trials(self) -> int:
@@ -88,7 +94,8 @@ class StudySummary:
                 "samples_per_s": self.best.confirmed_samples_per_s,
                 "peak_memory_bytes": self.best.confirmed_peak_memory_bytes,
                 "first_measured_tokens_per_s": self.best.tokens_per_s,
-                "trains": what_is_trained(self.best.config),
+                "trains": what_is_trained(self.best.config, self.workload),
+                "certainty": self.certainty,
             }
         return {
             "study": self.name,
@@ -105,14 +112,36 @@ class StudySummary:
         }
 
 
-def what_is_trained(config: TrialConfig) -> dict[str, Any]:
-    """The two knobs that change the maths, said plainly: every output carries this."""
-    return {
-        "precision": config.precision,
-        "lora": None if not config.uses_lora else {
-            "rank": config.lora_rank, "alpha": config.effective_lora_alpha,
-            "targets": list(config.lora_targets) if config.lora_targets else None},
-        "note": (("LoRA adapters only" if config.uses_lora else "all weights") + " trained in "
-                 + {"fp32": "fp32", "tf32": "fp32 with tf32 matmuls", "fp16": "fp16 mixed precision",
-                    "bf16": "bf16 mixed precision"}[config.precision]),
-    }
+def what_is_trained(config: TrialConfig, workload: Workload | None = None) -> dict[str, Any]:
+    """The two knobs that change the maths, said plainly: every output carries this.
+
+    With the workload, LoRA's note also says which layers it adapts (PEFT's default targets for
+    the architecture, or every linear layer but the task head) and that a classifier's head
+    trains in full; that needs the model's config (and PEFT's table, only for default targets).
+    """
+    precision = {"fp32": "fp32", "tf32": "fp32 with tf32 matmuls", "fp16": "fp16 mixed precision",
+                 "bf16": "bf16 mixed precision"}[config.precision]
+    lora: dict[str, Any] | None = None
+    note = f"all weights trained in {precision}"
+    if config.uses_lora:
+        lora = {"rank": config.lora_rank, "alpha": config.effective_lora_alpha,
+                "targets": list(config.lora_targets) if config.lora_targets else None}
+        note = f"LoRA adapters only trained in {precision}"
+        where = _lora_where(config, workload) if workload is not None else None
+        if where is not None:
+            lora["targets_note"], head = where
+            note = (f"LoRA r={config.lora_rank} adapters on {lora['targets_note']}"
+                    + (", plus the classification head in full," if head else " only,") + f" trained in {precision}")
+    return {"precision": config.precision, "lora": lora, "note": note}
+
+
+def _lora_where(config: TrialConfig, workload: Workload) -> tuple[str, bool] | None:
+    """Which layers LoRA adapts, and whether a classifier head trains in full; None if the model is unreachable."""
+    from autotune.errors import AutotuneError
+    from autotune.models import lora_targets_note, resolve_task
+
+    try:
+        task = resolve_task(workload)
+        return lora_targets_note(workload, config.lora_targets, task=task), task == "seq-cls"
+    except AutotuneError:  # e.g. a Hub model no longer cached here: say less rather than fail
+        return None

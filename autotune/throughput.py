@@ -27,18 +27,22 @@ _CHECKPOINTING = 0.7     # the forward runs again inside the backward: about a t
 _LORA = 1.1              # no gradients for the frozen weights, a tiny optimizer
 _ZERO = {0: 0.98, 1: 0.97, 2: 0.93, 3: 0.8}       # more communication per step (on several ranks)
 _OFFLOAD = {"none": 1.0, "optimizer": 0.5, "optimizer+params": 0.3}  # the step runs on the host
-_PRECISION = {  # tensor cores on a GPU; a CPU without bf16 units emulates 16-bit math slowly
-    "cuda": {"fp32": 1.0, "tf32": 1.5, "bf16": 2.0, "fp16": 1.9},
-    "cpu": {"fp32": 1.0, "tf32": 1.0, "bf16": 0.25, "fp16": 0.2},
-}
+# Precision: the device's own matmul speed per dtype (autotune.device_probe), square-rooted: a
+# training step is not all matmuls (norms, softmax, casts and the optimizer are not sped up).
+# Without a probe nothing is assumed: every precision starts equal and trials tell them apart.
+_PRECISION_WEIGHT = 0.5
+_PRECISION_RANGE = (0.1, 10.0)
 
 
 class ThroughputModel:
     """Predicted log tokens/s of configs, from the prior and the measured trials."""
 
-    def __init__(self, params_of: Callable[[TrialConfig], dict[str, Any]], device_type: str) -> None:
+    def __init__(self, params_of: Callable[[TrialConfig], dict[str, Any]],
+                 precision_speed: dict[str, float] | None = None) -> None:
         self._params_of = params_of
-        self._precision = _PRECISION.get(device_type, _PRECISION["cpu"])
+        low, high = _PRECISION_RANGE
+        self._precision = {p: min(max(speed, low), high) ** _PRECISION_WEIGHT
+                           for p, speed in (precision_speed or {}).items()}
         self._features: list[tuple[str, Any]] = []
         self._weights: list[float] = []
         self._intercept = 0.0

@@ -45,9 +45,14 @@ if TYPE_CHECKING:
 __all__ = ["tune", "find", "Progress", "TrialBackend", "LocalBackend", "DEFAULT_HEADROOM"]
 
 DEFAULT_HEADROOM = 0.10     # a config fits when its peak stays 10% under the budget
-CONFIRM_STEPS_FACTOR = 3    # the winner's re-run measures 3x as many steps
-CONFIRM_TOLERANCE = 0.2     # a re-run more than 20% below its first figure, and below the runner-up's, refutes it
-MAX_CONFIRMATIONS = 3       # re-runs per tune call before settling on the best confirmed one
+CONFIRM_STEPS_FACTOR = 3    # a candidate's re-run measures 3x as many steps
+CONFIRM_ROUNDS = 2          # interleaved re-runs per contender (A B A B): paired under the same conditions
+CONTENDER_BAND = 0.3        # candidates whose first figure is within 30% of the top one's are compared
+MAX_CONTENDERS = 3          # ... at most this many (plus the answer decided before, if any)
+CONFIRM_NOISE = 0.03        # a lead under 3% in some round is "within noise"
+MAX_CONFIRMATIONS = 3       # decisions per tune call (a new one when every contender of the last was refuted)
+PROBE_KEY = "device_probe"  # study user attribute: matmul speed per precision relative to fp32
+ANSWER_CONSTRAINT = "answer"  # Optuna constraint: 0 on the answer trial, 1 on every measured one
 SKIP_MARGIN = 0.05          # skip a config predicted more than 5% over the limit; closer ones still run
 _BROKEN_AFTER = 2           # stop when this many trials, and every one so far, errored or crashed
 
@@ -119,6 +124,7 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     oracle = _Oracle(backend, workload) if estimate else None
     proposer = Proposer(space, workload, device, estimator=oracle.lookup if oracle else None,
                         limit_bytes=limit, margin=SKIP_MARGIN)
+    proposer.precision_speed = _precision_speed(the_study, backend, proposer.choices.get("precision", ()))
     target = n_trials or space.n_trials
     patience = patience if patience is not None else space.patience
     measure = _Measure(memory_budget_bytes=budget, trial_timeout_s=trial_timeout_s,
@@ -138,9 +144,14 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
             while True:
                 with proposal_lock(storage or DEFAULT_STORAGE, study):  # choose and take a config atomically
                     records = records_of(the_study)
-                    reason = _stop_reason(records, target=target, patience=patience, timeout_s=timeout_s,
-                                          elapsed_s=time.monotonic() - started)
-                    config = None if reason else proposer.next_config(records)
+                    # Patience ends a search only once every knob value has been measured (or ruled out).
+                    owed = bool(proposer.unmeasured_values(records)) and _patience_spent(records, patience)
+                    reason = _stop_reason(records, target=target, patience=None if owed else patience,
+                                          timeout_s=timeout_s, elapsed_s=time.monotonic() - started)
+                    config = None if reason else proposer.next_config(records, unmeasured_only=owed)
+                    if owed and config is None:
+                        reason = _stop_reason(records, target=target, patience=patience, timeout_s=None,
+                                              elapsed_s=0.0)
                     _record_ruled_out(the_study, proposer, oracle, records, progress)
                     if reason is None and config is None:
                         reason = "every config of the space is measured, being measured or implied to run out of memory"
@@ -169,7 +180,7 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
                 helper.kill()
                 helper.wait()
     if confirm:
-        _confirm_winner(the_study, workload, measure, progress, backend)
+        _confirm_winner(the_study, proposer, workload, measure, progress, backend)
     return summarize(the_study, url=storage)
 
 
@@ -247,6 +258,7 @@ def _measure_in_study(study: optuna.Study, trial: optuna.Trial, config: TrialCon
     peak = result.peak_memory_bytes
     if result.ok:
         trial.set_constraint("memory", (peak / limit - 1) if peak is not None else 0.0)
+        trial.set_constraint(ANSWER_CONSTRAINT, 1.0)  # a measurement; only a confirmed answer is feasible
         study.tell(trial, result.tokens_per_s)
     elif result.status in (TrialStatus.OOM, TrialStatus.TIMEOUT):
         if result.status is TrialStatus.OOM:
@@ -280,6 +292,12 @@ class LocalBackend:
         with cpu_turn(self._device_type):
             return run_trial(workload, config, **measure)
 
+    def probe(self, precisions: list[str]) -> dict[str, float] | None:
+        from autotune.device_probe import probe_precisions
+
+        with cpu_turn(self._device_type):
+            return probe_precisions(self._device_type, precisions)
+
     def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None:
         from autotune.estimator import EstimateError, predict_memory
 
@@ -288,6 +306,18 @@ class LocalBackend:
                 return predict_memory(workload, config)
         except EstimateError:  # a model the estimator cannot trace is simply measured
             return None
+
+
+def _precision_speed(study: optuna.Study, backend: TrialBackend, precisions: tuple[str, ...]) -> dict[str, float] | None:
+    """The device's matmul speed per precision the space offers, probed once per study (stored)."""
+    if len(precisions) < 2:
+        return None
+    stored = study.user_attrs.get(PROBE_KEY) or {}
+    if stored.get("asked") != sorted(precisions):
+        probe = getattr(backend, "probe", None)
+        stored = {"asked": sorted(precisions), "speed": probe(list(precisions)) if probe is not None else None}
+        study.set_user_attr(PROBE_KEY, stored)
+    return stored["speed"] or None
 
 
 class _Oracle:
@@ -398,41 +428,136 @@ def _stored(result: TrialResult) -> dict[str, Any]:
 
 
 # -- confirming the winner -----------------------------------------------------------------------
-def _confirm_winner(study: optuna.Study, workload: Workload, measure: _Measure, progress: Progress,
-                    backend: TrialBackend) -> None:
-    """Re-run the top candidate longer until the top one is confirmed (or the re-runs are spent).
+def _confirm_winner(study: optuna.Study, proposer: Proposer, workload: Workload, measure: _Measure,
+                    progress: Progress, backend: TrialBackend) -> None:
+    """Re-run the top candidates longer, interleaved, until a decided answer fits (or re-runs are spent).
 
-    A re-run refutes the candidate when it does not train, does not fit, or was fast by luck:
-    it reads more than ``CONFIRM_TOLERANCE`` below its first figure *and* below the runner-up's
-    first figure; the runner-up is re-run then. Both conditions, on purpose: sustained load
-    reads ~15% lower than a short run on a busy CPU, and a few-millisecond step measured twice
-    can differ by a third, while what matters is whether the candidate is still the fastest.
+    The contenders are the candidates whose first figure is within ``CONTENDER_BAND`` of the top
+    one (at most ``MAX_CONTENDERS``), with the answer decided before, if any. Each runs
+    ``CONFIRM_ROUNDS`` times in turn (A B C A B C), so every round sees them under the same
+    conditions, and they are ranked by their paired figures: a candidate's figure over the
+    round's mean, the median over rounds. A re-run that does not train or does not fit refutes
+    its candidate (``confirmed`` False); a slower one only ranks it lower: a refuted speed
+    demotes, it never turns "fits" into "nothing".
     """
+    from autotune.study import DECISION_KEY
+
     limit = memory_limit(study.user_attrs["autotune"])
     steps = measure.measure_steps * CONFIRM_STEPS_FACTOR
     for _ in range(MAX_CONFIRMATIONS):
-        ranked = ranking(records_of(study))
-        if not ranked or ranked[0].confirmed:
+        records = records_of(study)
+        contenders = _contenders(records)
+        decided = set((study.user_attrs.get(DECISION_KEY) or {}).get("contenders", []))
+        if not contenders or {r.number for r in contenders} <= decided:
             return
-        top = ranked[0]
-        progress.confirming(record=top, steps=steps)
-        # It measures CONFIRM_STEPS_FACTOR x the steps, so it gets as many times the trial's time.
-        result = backend.run(workload, top.config, memory_budget_bytes=measure.memory_budget_bytes,
-                             timeout_s=measure.trial_timeout_s * CONFIRM_STEPS_FACTOR,
-                             warmup_steps=measure.warmup_steps + 1, measure_steps=steps)
-        peak = result.peak_memory_bytes
-        rerun, first = result.tokens_per_s or 0.0, top.tokens_per_s or 0.0
-        runner_up = (ranked[1].tokens_per_s or 0.0) if len(ranked) > 1 else 0.0
-        lucky = rerun < (1 - CONFIRM_TOLERANCE) * first and rerun < runner_up
-        study.set_user_attr(f"{CONFIRM_PREFIX}{top.number}", {
-            "confirmed": result.ok and peak is not None and peak <= limit and not lucky,
-            "status": result.status.value,
-            "tokens_per_s": result.tokens_per_s,
-            "samples_per_s": result.samples_per_s,
-            "peak_memory_bytes": peak,
-            "measured_steps": result.measured_steps,
-            "error": result.error,
+        runs: dict[int, list[TrialResult]] = {r.number: [] for r in contenders}
+        for round_index in range(CONFIRM_ROUNDS if len(contenders) > 1 else 1):
+            for record in contenders:
+                if any(not _holds(result, limit) for result in runs[record.number]):
+                    continue  # refuted already: no need to time it again
+                progress.confirming(record=record, steps=steps)
+                # It measures CONFIRM_STEPS_FACTOR x the steps, so it gets as many times the trial's time.
+                runs[record.number].append(backend.run(
+                    workload, record.config, memory_budget_bytes=measure.memory_budget_bytes,
+                    timeout_s=measure.trial_timeout_s * CONFIRM_STEPS_FACTOR,
+                    warmup_steps=measure.warmup_steps + 1, measure_steps=steps))
+        _store_decision(study, proposer, contenders, runs, limit)
+
+
+def _contenders(records: list[TrialRecord]) -> list[TrialRecord]:
+    """The candidates a re-run should compare: the decided answer and the close runners-up."""
+    ranked = ranking(records)
+    if not ranked:
+        return []
+    by_first = sorted(ranked, key=lambda r: -(r.tokens_per_s or 0.0))
+    top = by_first[0].tokens_per_s or 0.0
+    close = [r for r in by_first if (r.tokens_per_s or 0.0) >= (1 - CONTENDER_BAND) * top][:MAX_CONTENDERS]
+    answer = [r for r in ranked[:1] if r.decided_rank == 0 and r not in close]
+    return answer + close
+
+
+def _holds(result: TrialResult, limit: int) -> bool:
+    return result.ok and result.peak_memory_bytes is not None and result.peak_memory_bytes <= limit
+
+
+def _store_decision(study: optuna.Study, proposer: Proposer, contenders: list[TrialRecord],
+                    runs: dict[int, list[TrialResult]], limit: int) -> None:
+    """Record each contender's re-runs, the order their paired figures decide, and the answer trial."""
+    import statistics
+
+    from autotune.study import CONFIRM_PREFIX, DECISION_KEY
+
+    held = [r for r in contenders if runs[r.number] and all(_holds(x, limit) for x in runs[r.number])]
+    rounds = min((len(runs[r.number]) for r in held), default=0)
+    scores: dict[int, float] = {}
+    for record in held:
+        paired = []
+        for i in range(rounds):
+            round_mean = statistics.geometric_mean([runs[r.number][i].tokens_per_s or 1e-9 for r in held])
+            paired.append((runs[record.number][i].tokens_per_s or 0.0) / round_mean)
+        scores[record.number] = statistics.median(paired) if paired else 0.0
+    order = sorted(scores, key=lambda n: -scores[n])
+    for record in contenders:
+        results = runs[record.number]
+        figures = [x.tokens_per_s for x in results if x.tokens_per_s]
+        samples = [x.samples_per_s for x in results if x.samples_per_s]
+        peaks = [x.peak_memory_bytes for x in results if x.peak_memory_bytes is not None]
+        failed = next((x for x in results if not _holds(x, limit)), None)
+        study.set_user_attr(f"{CONFIRM_PREFIX}{record.number}", {
+            "confirmed": record.number in scores,
+            "status": (failed or results[-1]).status.value if results else "not run",
+            "tokens_per_s": statistics.median(figures) if figures else None,
+            "samples_per_s": statistics.median(samples) if samples else None,
+            "peak_memory_bytes": max(peaks) if peaks else None,
+            "measured_steps": sum(x.measured_steps for x in results),
+            "runs_tokens_per_s": [x.tokens_per_s for x in results],
+            "error": failed.error if failed is not None else None,
         })
+    study.set_user_attr(DECISION_KEY, {
+        "order": order, "contenders": [r.number for r in contenders], "rounds": rounds,
+        "scores": {str(n): v for n, v in scores.items()},
+        "certainty": _certainty(order, runs, rounds, {r.number: r for r in contenders}),
+    })
+    if order:
+        _record_answer(study, proposer, next(r for r in contenders if r.number == order[0]), runs[order[0]], limit)
+
+
+def _certainty(order: list[int], runs: dict[int, list[TrialResult]], rounds: int,
+               by_number: dict[int, TrialRecord]) -> str | None:
+    """How sure the answer is, in words: its lead over the runner-up in the paired rounds."""
+    if not order:
+        return None
+    if len(order) == 1:
+        return "the only candidate that held up on its re-run" if len(by_number) > 1 else \
+            "the one candidate; re-run to check it fits, no runner-up close enough to compare"
+    winner, runner_up = order[0], order[1]
+    leads = [(runs[winner][i].tokens_per_s or 0.0) / (runs[runner_up][i].tokens_per_s or 1e-9) - 1
+             for i in range(rounds)]
+    wins = sum(lead > 0 for lead in leads)
+    spread = f"{min(leads):+.0%} to {max(leads):+.0%}" if len(leads) > 1 else f"{leads[0]:+.0%}"
+    verdict = "clearly faster" if wins == rounds and min(leads) > CONFIRM_NOISE else "within noise of"
+    return (f"{verdict} {'than' if verdict == 'clearly faster' else ''} the runner-up "
+            f"{by_number[runner_up].config.describe()} in interleaved re-runs: ahead in {wins} of {rounds} "
+            f"rounds ({spread})").replace("  ", " ")
+
+
+def _record_answer(study: optuna.Study, proposer: Proposer, record: TrialRecord, results: list[TrialResult],
+                   limit: int) -> None:
+    """The answer as a trial of its own, the only one feasible for Optuna (see :mod:`autotune.study`)."""
+    import statistics
+
+    from optuna.trial import TrialState
+
+    from autotune.study import ANSWER_ATTR, retire_answers
+
+    retire_answers(study)  # an earlier decision's answer is feasible no more
+    trial, _ = _ask(study, proposer, record.config)
+    trial.set_user_attr(ANSWER_ATTR, record.number)
+    trial.set_user_attr("status", "answer")
+    peak = max(x.peak_memory_bytes or 0 for x in results)
+    trial.set_constraint("memory", peak / limit - 1)
+    trial.set_constraint(ANSWER_CONSTRAINT, 0.0)
+    study.tell(trial, statistics.median([x.tokens_per_s or 0.0 for x in results]), state=TrialState.COMPLETE)
 
 
 # -- checks --------------------------------------------------------------------------------------
@@ -453,6 +578,10 @@ def _stop_reason(records: list[TrialRecord], *, target: int, patience: int | Non
     if patience is not None and _since_improvement(done) >= patience:
         return f"no faster config that fits in the last {patience} trials (--patience {patience})"
     return None
+
+
+def _patience_spent(records: list[TrialRecord], patience: int | None) -> bool:
+    return patience is not None and _since_improvement(measured(records)) >= patience
 
 
 def _since_improvement(done: list[TrialRecord]) -> int:

@@ -183,13 +183,16 @@ def test_the_throughput_model_starts_from_its_priors_and_follows_the_measurement
     from autotune.throughput import ThroughputModel
 
     space = _proposer(tmp_path, TWO_KNOBS).space
-    model = ThroughputModel(space.params_of, "cuda")
+    model = ThroughputModel(space.params_of, {"fp32": 1.0, "bf16": 4.0})  # probed: bf16 matmuls 4x fp32's
     plain, ckpt = TrialConfig(micro_batch=4), TrialConfig(micro_batch=4, checkpointing=True)
+    bf16 = TrialConfig(micro_batch=4, precision="bf16")
     assert model.predict(plain) > model.predict(ckpt)                        # recompute costs
     assert model.predict(TrialConfig(micro_batch=8)) > model.predict(plain)  # a larger micro batch fills the device
-    assert model.predict(TrialConfig(micro_batch=4, precision="bf16")) > model.predict(plain)  # on a GPU
-    assert ThroughputModel(space.params_of, "cpu").predict(TrialConfig(micro_batch=4, precision="bf16")) \
-        < ThroughputModel(space.params_of, "cpu").predict(plain)             # emulated on a CPU
+    assert model.predict(bf16) > model.predict(plain)                        # what the probe measured
+    assert ThroughputModel(space.params_of, {"fp32": 1.0, "bf16": 0.2}).predict(bf16) \
+        < ThroughputModel(space.params_of, {"fp32": 1.0, "bf16": 0.2}).predict(plain)  # emulated, slowly
+    unprobed = ThroughputModel(space.params_of)                              # no probe: nothing assumed
+    assert unprobed.predict(bf16) == unprobed.predict(plain)
     # Measured: checkpointing ran faster than the plain step at every size (some models do).
     model.fit([(TrialConfig(micro_batch=2), 100.0), (TrialConfig(micro_batch=2, checkpointing=True), 300.0),
                (TrialConfig(micro_batch=8), 150.0), (TrialConfig(micro_batch=8, checkpointing=True), 450.0)])
