@@ -12,11 +12,29 @@ from autotune.sizes import format_size
 from autotune.summary import StudySummary, TrialRecord, what_is_trained
 from autotune.workload import Workload
 
-__all__ = ["print_trial", "print_summary", "ConsoleProgress"]
+__all__ = ["print_trial", "print_summary", "nothing_fits", "ConsoleProgress"]
 
 
 def _num(value: float | None, fmt: str = "{:,.1f}") -> str:
     return "-" if value is None else fmt.format(value)
+
+
+def _figure(tokens_per_s: float | None, spread: float | None) -> str:
+    """tokens/s, with the step times' spread where they never settled (an uncertain figure)."""
+    from autotune.measure import SETTLED_SPREAD
+
+    if tokens_per_s is None or spread is None or spread <= SETTLED_SPREAD:
+        return _num(tokens_per_s)
+    return f"{_num(tokens_per_s)} ±{spread / 2:.0%}"
+
+
+def _unsettled_warning(spread: float | None) -> str:
+    from autotune.measure import SETTLED_SPREAD
+
+    if spread is None or spread <= SETTLED_SPREAD:
+        return ""
+    return (f" (uncertain: its steps differed by {spread:.0%} of the median step even after extra steps; "
+            "is something else running?)")
 
 
 def print_trial(workload: Workload, result: TrialResult, *, console: Console | None = None) -> None:
@@ -29,8 +47,11 @@ def print_trial(workload: Workload, result: TrialResult, *, console: Console | N
         ("status", result.status.value),
         ("tokens/s", _num(result.tokens_per_s)),
         ("samples/s", _num(result.samples_per_s, "{:,.2f}")),
-        ("step time (median ± IQR)", "-" if result.step_time_median_s is None else
-         f"{result.step_time_median_s * 1000:.1f} ms ± {result.step_time_iqr_s * 1000:.1f} ms"),
+        ("step time (median, IQR)", "-" if result.step_time_median_s is None else
+         f"{result.step_time_median_s * 1000:.1f} ms, IQR {result.step_time_iqr_s * 1000:.1f} ms"
+         + ("" if result.step_time_spread is None else f" ({result.step_time_spread:.0%} of the median)")),
+        ("disturbed steps", "-" if result.disturbed_steps is None else
+         f"{result.disturbed_steps} of {result.measured_steps} over 1.25x the median"),
         ("measured steps", f"{result.measured_steps} x {result.grad_accum_steps or '-'} micro-steps"),
         ("peak memory", format_size(result.peak_memory_bytes) + ("" if result.peak_reserved_bytes is None
                                                                  else " (reserved)")),
@@ -47,6 +68,9 @@ def print_trial(workload: Workload, result: TrialResult, *, console: Console | N
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
+    warning = _unsettled_warning(result.step_time_spread)
+    if warning:
+        console.print(f"[yellow]tokens/s is uncertain[/]:{warning[len(' (uncertain:'):-1]}", highlight=False)
     if result.error:
         console.print(f"[bold red]{result.status.value}[/]: last lines of the error:", highlight=False)
         console.print(result.error, markup=False, highlight=False)
@@ -77,20 +101,70 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
                 f"{_num(t.confirmed_tokens_per_s)} tok/s" if t.confirmed else "refuted")
             peak = format_size(t.peak_memory_bytes) if t.status != "skipped" else \
                 f"{format_size(t.predicted_peak_bytes)} (predicted)"
-            table.add_row(str(t.number), t.config.describe(), t.status, _num(t.tokens_per_s), peak,
+            table.add_row(str(t.number), t.config.describe(), t.status, _figure(t.tokens_per_s, t.step_time_spread), peak,
                           "yes" if t.fits else "no", rerun)
         console.print(table)
+    if any(t.status == "ok" and (t.step_time_spread or 0) > 0.1 for t in summary.trials) and all_trials:
+        console.print("  ±: half the spread of a trial's step times where they never settled; such a "
+                      "figure is uncertain (a busy machine?)", highlight=False)
     best = summary.best
     if best is None:
-        console.print(f"[bold]no confirmed config yet[/] ({summary.n_trials} trials measured)", highlight=False)
+        for line in nothing_fits(summary):
+            console.print(line, highlight=False, markup=False)
         return
     console.print(f"[bold green]best[/]: {best.config.describe()}  (trial {best.number}, confirmed on a longer re-run)",
                   highlight=False)
+    if summary.certainty:
+        console.print(f"  how sure: {summary.certainty}", highlight=False, markup=False)
     console.print(f"  {_num(best.confirmed_tokens_per_s)} tokens/s, {_num(best.confirmed_samples_per_s, '{:,.2f}')} "
                   f"samples/s, peak {format_size(best.confirmed_peak_memory_bytes)} of "
                   f"{format_size(summary.memory_budget_bytes)}; accumulation "
                   f"{best.config.grad_accum_steps(summary.workload)}", highlight=False)
     console.print(f"  trains: {_trains(best.config)}", highlight=False)
+
+
+def nothing_fits(summary: StudySummary) -> list[str]:
+    """Why there is no answer: what was tried, the smallest peak against the limit, what to change."""
+    trials = summary.trials
+    if summary.n_trials == 0 and not any(t.status == "skipped" for t in trials):
+        return ["no confirmed config yet: no trial measured"]
+    counts: dict[str, int] = {}
+    for t in trials:
+        key = "over the memory limit" if t.status == "ok" and not t.fits else t.status
+        if t.status == "ok" and t.fits:
+            key = "fit, refuted on the re-run" if t.confirmed is False else "fit, not confirmed yet"
+        counts[key] = counts.get(key, 0) + 1
+    lines = [f"no config fits: {summary.n_trials} trials measured ("
+             + ", ".join(f"{n} {what}" for what, n in sorted(counts.items(), key=lambda kv: -kv[1])) + ")"]
+    peaks = [(t.peak_memory_bytes, t.config, "measured") for t in trials
+             if t.status == "ok" and t.peak_memory_bytes is not None]
+    peaks += [(t.predicted_peak_bytes, t.config, "predicted") for t in trials
+              if t.status == "skipped" and t.predicted_peak_bytes is not None]
+    limit = summary.memory_limit_bytes
+    if peaks:
+        peak, config, how = min(peaks, key=lambda p: p[0])
+        headroom = 1 - limit / summary.memory_budget_bytes
+        lines.append(f"  smallest peak seen: {format_size(peak)} ({how}, {config.describe()}) against the limit "
+                     f"{format_size(limit)} ({format_size(summary.memory_budget_bytes)} budget less "
+                     f"{headroom:.0%} headroom)")
+        if peak > limit:
+            lines.append(f"  to fit it: --memory-budget {format_size(int(peak / (1 - headroom)) + 1)} or more")
+    elif counts.get("oom"):
+        lines.append(f"  every measured config ran out of memory under the {format_size(summary.memory_budget_bytes)} "
+                     "budget: raise --memory-budget")
+    untried = [hint for used, hint in (
+        (any(t.config.checkpointing for t in trials), "activation checkpointing (checkpointing: [false, true])"),
+        (any(t.config.precision in ("bf16", "fp16") for t in trials), "a 16-bit precision (precision: [bf16])"),
+        (any(t.config.uses_lora for t in trials), "LoRA (--space lora)"),
+        (any(t.config.zero_stage is not None for t in trials) or summary.workload.nproc == 1,
+         "ZeRO sharding over the ranks (--space zero)"),
+    ) if not used]
+    if untried:
+        lines.append("  knobs that save memory and were not tried: " + "; ".join(untried))
+    if counts.get("fit, refuted on the re-run"):
+        lines.append("  configs that fit in their trial ran out of room on the longer re-run: "
+                     "a larger --memory-budget or a lower --headroom leaves them room")
+    return lines
 
 
 class ConsoleProgress:
@@ -127,7 +201,7 @@ class ConsoleProgress:
         fit = "" if record.status != "ok" else ("" if record.fits else ", over the memory limit")
         best_text = f"{best.config.describe()} at {_num(best.tokens_per_s)} tokens/s" if best else "none fits yet"
         self._say(f"  -> {record.status}: {figure}, peak {format_size(record.peak_memory_bytes)}{fit}; "
-                  f"best so far {best_text}; {elapsed_s:.0f} s elapsed")
+                  f"best so far {best_text}; {elapsed_s:.0f} s elapsed{_unsettled_warning(record.step_time_spread)}")
 
     def skipped(self, *, record: TrialRecord, limit_bytes: int) -> None:
         self._say(f"skipped {record.config.describe()}: predicted peak "
@@ -135,7 +209,7 @@ class ConsoleProgress:
 
     def confirming(self, *, record: TrialRecord, steps: int) -> None:
         self._stop_spinner()
-        self._say(f"confirming {record.config.describe()} with {steps} steps")
+        self._say(f"re-running {record.config.describe()} with {steps} steps (close candidates take turns)")
         self._start_spinner(f"re-running {record.config.describe()}")
 
     def stopped(self, *, reason: str) -> None:
