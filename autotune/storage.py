@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 import re
 import socket
 import time
@@ -32,6 +33,7 @@ META_KEY = "autotune"            # study user attribute: the question the study 
 HEARTBEAT_S = 20                 # a running trial's heartbeat; 6 missed ones make it stale
 _GRACE_S = 6 * HEARTBEAT_S
 _SQLITE_LOCK_TIMEOUT_S = 60      # wait this long for another worker's write instead of failing
+_SCHEMA_ATTEMPTS = 10            # processes creating one fresh schema at once: each try gets further
 # The parts of the question that must match for a study to be resumed.
 _IDENTITY = ("workload", "space_digest", "device", "memory_budget_bytes", "headroom")
 
@@ -66,18 +68,36 @@ def open_storage(url: str | None = None) -> optuna.storages.RDBStorage:
                                               grace_period=_GRACE_S)
 
     try:
-        try:
-            return rdb_storage()
-        except sqlalchemy.exc.OperationalError as exc:
-            if "already exists" not in str(exc):
-                raise
-            return rdb_storage()  # another process created the schema meanwhile: it is there now
+        for attempt in range(1, _SCHEMA_ATTEMPTS):
+            try:
+                return rdb_storage()
+            except sqlalchemy.exc.DBAPIError as exc:
+                if not _lost_schema_race(exc):
+                    raise
+                time.sleep(random.uniform(0.01, 0.05) * attempt)  # apart, so the next try finds it done
+        return rdb_storage()
     except ImportError:
         extra = " (pip install 'autotune[postgres]')" if parsed.get_backend_name() == "postgresql" else ""
         raise StorageError(f"--storage {display_url(url)}: the database driver for "
                            f"{parsed.drivername} is not installed{extra}") from None
     except Exception as exc:  # server down, bad credentials, not a database file
         raise StorageError(f"--storage {display_url(url)}: cannot open it: {_one_line(exc)}") from None
+
+
+def _lost_schema_race(exc: Exception) -> bool:
+    """Another process created part of a fresh schema between Optuna's look and its own write.
+
+    Optuna creates each missing table, then inserts its one version_info row and stamps
+    alembic_version: the loser of each step gets "already exists" or a UNIQUE violation. Each
+    step is idempotent, so trying again finds what the winner made and adds only what is missing;
+    every table's indexes are made by whoever made the table, so the schema ends whole.
+    """
+    import sqlalchemy.exc
+
+    if isinstance(exc, sqlalchemy.exc.IntegrityError):
+        return True
+    return isinstance(exc, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.ProgrammingError)) and \
+        "already exists" in str(exc)
 
 
 @contextlib.contextmanager
