@@ -31,6 +31,8 @@ NO_IMPORTANCE_TEXT = (
     "Parameter importance needs at least a few completed trials with varied knobs; "
     "this study does not have them yet."
 )
+FEW_VARIED_TEXT = "Parameter importance compares knobs that varied; among the trials with a throughput, {what}."
+REFUTED_LABEL = "refuted by its re-run"
 
 _MIB = 2**20
 _PLOT_HEIGHT = 440
@@ -48,7 +50,9 @@ _STATUS_STYLE = {
 }
 _OTHER_STYLE = ("#7f7f7f", "circle-open")
 _OVER_LIMIT_SYMBOL = "circle-open"
+_REFUTED_STYLE = ("#e377c2", "circle-x-open")
 _BEST_STYLE = ("#e6b800", "star")
+_Y_PAD = (0.05, 0.08)    # share of the top below 0 and above the top: markers at 0 or the top drawn whole
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1100px; color: #222; }
@@ -68,7 +72,8 @@ tr.best-row { background: #fff7d6; font-weight: 600; }
 
 def render_report(summary: StudySummary) -> str:
     """A self-contained HTML page (plotly.js embedded, works offline) for one study."""
-    importance = _importance_figure(summary.importances)
+    importances, few_varied = _varied_importances(summary)
+    importance = _importance_figure(importances)
     figures = [_throughput_figure(summary), _memory_figure(summary)]
     if importance is not None:
         figures.append(importance)
@@ -78,7 +83,7 @@ def render_report(summary: StudySummary) -> str:
         _section(THROUGHPUT_TITLE, divs[0]),
         _section(MEMORY_TITLE, divs[1] + _memory_note(summary)),
         _section(IMPORTANCE_TITLE, divs[2] if importance is not None
-                 else f'<p class="note">{_esc(NO_IMPORTANCE_TEXT)}</p>'),
+                 else f'<p class="note">{_esc(few_varied or NO_IMPORTANCE_TEXT)}</p>'),
         _section("All trials", _trials_table(summary)),
     ]
     return _page(title=f"autotune report: {summary.name}", body="\n".join(sections))
@@ -187,7 +192,10 @@ def _confirmed(t: TrialRecord) -> str:
     if t.confirmed is None:
         return "-"
     if not t.confirmed:
-        return "no"
+        if t.confirmed_peak_memory_bytes is None:
+            return "refuted: the re-run did not train"
+        return (f"refuted: the re-run read {_num(t.confirmed_tokens_per_s)} tokens/s, "
+                f"{format_size(t.confirmed_peak_memory_bytes)}")
     return f"yes: {_num(t.confirmed_tokens_per_s)} tokens/s, {format_size(t.confirmed_peak_memory_bytes)}"
 
 
@@ -232,22 +240,20 @@ def _hover(t: TrialRecord) -> str:
     return "<br>".join(_plot_text(line) for line in lines)
 
 
-def _group_label(t: TrialRecord) -> str:
+def _group(t: TrialRecord) -> tuple[str, tuple[str, str]]:
+    """The legend entry a trial is drawn under, and its (colour, marker symbol)."""
+    colour, symbol = _STATUS_STYLE.get(t.status, _OTHER_STYLE)
+    if t.confirmed is False:    # fitted once, then its re-run did not fit or did not train
+        return REFUTED_LABEL, _REFUTED_STYLE
     if t.tokens_per_s is not None and not t.fits:
-        return f"{t.status}, over the memory limit"
-    return t.status
+        return f"{t.status}, over the memory limit", (colour, _OVER_LIMIT_SYMBOL)
+    return t.status, (colour, symbol)
 
 
-def _style(label: str) -> tuple[str, str]:
-    status, _, rest = label.partition(",")
-    colour, symbol = _STATUS_STYLE.get(status, _OTHER_STYLE)
-    return (colour, _OVER_LIMIT_SYMBOL) if rest else (colour, symbol)
-
-
-def _grouped(trials: Iterable[TrialRecord]) -> dict[str, list[TrialRecord]]:
-    groups: dict[str, list[TrialRecord]] = {}
+def _grouped(trials: Iterable[TrialRecord]) -> dict[tuple[str, tuple[str, str]], list[TrialRecord]]:
+    groups: dict[tuple[str, tuple[str, str]], list[TrialRecord]] = {}
     for t in _by_number(trials):
-        groups.setdefault(_group_label(t), []).append(t)
+        groups.setdefault(_group(t), []).append(t)
     return groups
 
 
@@ -258,8 +264,7 @@ def _scatter_traces(
     import plotly.graph_objects as go
 
     traces = []
-    for label, group in _grouped(trials).items():
-        colour, symbol = _style(label)
+    for (label, (colour, symbol)), group in _grouped(trials).items():
         traces.append(go.Scatter(
             x=[x(t) for t in group], y=[y(t) for t in group], mode="markers",
             name=_plot_text(label + suffix), hovertext=[_hover(t) for t in group], hoverinfo="text",
@@ -282,8 +287,15 @@ def _base_layout(*, title: str, x_title: str, y_title: str) -> dict[str, Any]:
     return {
         "title": {"text": title}, "height": _PLOT_HEIGHT, "template": "plotly_white",
         "xaxis": {"title": {"text": x_title}}, "yaxis": {"title": {"text": y_title}, "rangemode": "tozero"},
-        "legend": {"title": {"text": "status"}}, "hovermode": "closest",
+        # Entries without a group are each a group of one: the default 10 px between groups spreads them out.
+        "legend": {"title": {"text": "status"}, "tracegroupgap": 2}, "hovermode": "closest",
     }
+
+
+def _padded_y_range(values: Iterable[float | None]) -> list[float]:
+    """From a little below 0 to a little above the top: rangemode "tozero" would cut the markers at 0 in half."""
+    top = max((v for v in values if v is not None), default=0.0) or 1.0
+    return [-_Y_PAD[0] * top, (1 + _Y_PAD[1]) * top]
 
 
 def _best_in_trials(summary: StudySummary) -> TrialRecord | None:
@@ -306,11 +318,16 @@ def _throughput_figure(summary: StudySummary) -> go.Figure:
     for trace in _scatter_traces(failed, x=lambda t: t.number, y=lambda t: 0, suffix=" (no throughput)"):
         fig.add_trace(trace)
     best = _best_in_trials(summary)
+    ys = [t.tokens_per_s for t in measured]
     if best is not None:
         y = best.tokens_per_s if best.tokens_per_s is not None else best.confirmed_tokens_per_s
         if y is not None:
             fig.add_trace(_best_trace(best, x=best.number, y=y))
-    fig.update_xaxes(rangemode="tozero")
+            ys.append(y)
+    numbers = [t.number for t in summary.trials]
+    if numbers:  # half a trial either side: trial 0 and the last one are drawn whole
+        fig.update_xaxes(range=[min(numbers) - 0.5, max(numbers) + 0.5])
+    fig.update_yaxes(range=_padded_y_range(ys))
     return fig
 
 
@@ -336,6 +353,7 @@ def _memory_figure(summary: StudySummary) -> go.Figure:
     if best is not None and best.tokens_per_s is not None and best.peak_memory_bytes is not None:
         fig.add_trace(_best_trace(best, x=best.peak_memory_bytes / _MIB, y=best.tokens_per_s))
     _add_memory_lines(fig, budget=summary.memory_budget_bytes, limit=summary.memory_limit_bytes)
+    fig.update_yaxes(range=_padded_y_range(t.tokens_per_s for t in both))
     return fig
 
 
@@ -348,12 +366,36 @@ def _limit_label(limit: int) -> str:
 
 
 def _add_memory_lines(fig: go.Figure, *, budget: int, limit: int) -> None:
-    fig.add_vline(x=budget / _MIB, line={"color": "#d62728", "dash": "dash"},
-                  annotation={"text": _plot_text(_budget_label(budget)), "xanchor": "left"},
-                  annotation_position="top right")
-    fig.add_vline(x=limit / _MIB, line={"color": "#ff7f0e", "dash": "dot"},
-                  annotation={"text": _plot_text(_limit_label(limit)), "xanchor": "right", "y": 0.92},
-                  annotation_position="top left")
+    """The two lines, named in the legend: a label on the plot would sit on the points near them,
+    and the best config is by design the one closest to the limit."""
+    for x, label, line in ((limit, _limit_label(limit), {"color": "#ff7f0e", "dash": "dot"}),
+                           (budget, _budget_label(budget), {"color": "#d62728", "dash": "dash"})):
+        fig.add_vline(x=x / _MIB, line=line, name=_plot_text(label), showlegend=True, legendgroup="lines",
+                      legendgrouptitle={"text": "memory"})
+
+
+def _varied_importances(summary: StudySummary) -> tuple[dict[str, float] | None, str | None]:
+    """fANOVA's shares for the knobs that took more than one value among the trials with a
+    throughput (the ones it explains), rescaled to sum to 1; or, when fewer than two knobs varied,
+    no shares and a sentence saying so. fANOVA credits a knob that never varied with a share of
+    the variance; such a knob explains none of it."""
+    if not summary.importances:
+        return None, None
+    from autotune.space import SearchSpace
+
+    values: dict[str, set[Any]] = {}
+    for t in summary.trials:
+        if t.status == "ok" and t.tokens_per_s is not None:
+            for name, value in SearchSpace.params_of(t.config).items():
+                values.setdefault(name, set()).add(value)
+    # A knob name the trials do not show (none of the tuner's parameters) is kept: nothing says it stayed put.
+    varied = {k: v for k, v in summary.importances.items() if len(values.get(k, {1, 2})) > 1}
+    if len(varied) < 2:
+        what = (f"only {', '.join(varied)} varied" if varied else "no knob varied") + \
+            "".join(f"; {k} was always {next(iter(values[k]))}" for k in summary.importances if k not in varied)
+        return None, FEW_VARIED_TEXT.format(what=what)
+    total = sum(varied.values())
+    return ({k: v / total for k, v in varied.items()} if total > 0 else varied), None
 
 
 def _importance_figure(importances: dict[str, float] | None) -> go.Figure | None:

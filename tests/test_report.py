@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -71,8 +72,8 @@ def test_page_has_the_three_plots_the_best_and_the_memory_lines(page):
     assert "<strong>mb=4 bf16 ckpt lora16</strong> (trial 2)" in page
     assert "8,800.0 tokens/s confirmed, peak memory 11.0 GiB" in page
     assert "LoRA adapters only trained in bf16 mixed precision" in page
-    assert '"text":"memory budget 24.0 GiB"' in page
-    assert '"text":"memory limit 20.0 GiB (budget minus headroom)"' in page
+    assert '"name":"memory budget 24.0 GiB"' in page
+    assert '"name":"memory limit 20.0 GiB (budget minus headroom)"' in page
     assert "seq_len 512, global batch 32, 1 rank(s) per trial" in page
     assert "6 measured" in page
 
@@ -184,3 +185,81 @@ def test_importing_the_module_does_not_import_plotly():
     code = "import sys, autotune.report; print(any(m.split('.')[0] == 'plotly' for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# -- the figures as the page draws them (parsed from the Plotly.newPlot calls) ---------------------
+
+def _figures(page: str) -> dict[str, dict]:
+    """Each figure's {data, layout} as plotly.js receives it, by title."""
+    decoder, figures = json.JSONDecoder(), {}
+    for call in page.split("Plotly.newPlot(")[1:]:
+        args, at = [], 0
+        for _ in range(3):                              # the div id, the data, the layout
+            at = len(call) - len(call[at:].lstrip(" \n,"))
+            value, at = decoder.raw_decode(call, at)
+            args.append(value)
+        figures[args[2]["title"]["text"]] = {"data": args[1], "layout": args[2]}
+    return figures
+
+
+def _trace(figure: dict, name: str) -> dict:
+    (trace,) = [t for t in figure["data"] if t.get("name") == name]
+    return trace
+
+
+ALL_FP32 = [
+    TrialRecord(number=i, config=TrialConfig(micro_batch=mb, checkpointing=ckpt), status="ok",
+                tokens_per_s=1000.0 * mb, peak_memory_bytes=mb * GIB, fits=True)
+    for i, (mb, ckpt) in enumerate([(1, False), (2, False), (4, True), (8, True)])
+]
+
+
+def test_importance_leaves_out_a_knob_that_never_varied():
+    # fANOVA credited precision with 16% in a study where every trial ran fp32.
+    page = render_report(_summary(trials=ALL_FP32, best=None,
+                                  importances={"micro_batch": 0.6, "checkpointing": 0.24, "precision": 0.16}))
+    (bars,) = _figures(page)[report.IMPORTANCE_TITLE]["data"]
+    assert bars["y"] == ["checkpointing", "micro_batch"]
+    assert bars["x"] == pytest.approx([0.24 / 0.84, 0.6 / 0.84])   # shares of what the varied knobs explain
+
+
+def test_importance_with_one_varied_knob_says_so_instead_of_a_chart():
+    same_ckpt = [t for t in ALL_FP32 if not t.config.checkpointing]
+    page = render_report(_summary(trials=same_ckpt, best=None,
+                                  importances={"micro_batch": 0.6, "checkpointing": 0.24, "precision": 0.16}))
+    assert report.IMPORTANCE_TITLE not in _figures(page)
+    assert (f"<h2>{report.IMPORTANCE_TITLE}</h2>\n<p class=\"note\">Parameter importance compares knobs that varied; "
+            "among the trials with a throughput, only micro_batch varied; checkpointing was always False; "
+            "precision was always fp32.</p>") in page
+
+
+def test_memory_line_labels_are_in_the_legend_not_over_the_points():
+    memory = _figures(render_report(_summary()))[report.MEMORY_TITLE]
+    assert not memory["layout"].get("annotations")      # a label on the plot covered the best point
+    lines = {shape["name"]: shape["x0"] for shape in memory["layout"]["shapes"]}
+    assert lines == {"memory limit 20.0 GiB (budget minus headroom)": 20 * 1024, "memory budget 24.0 GiB": 24 * 1024}
+    assert all(shape["showlegend"] for shape in memory["layout"]["shapes"])
+
+
+def test_points_at_the_edges_are_drawn_whole():
+    figures = _figures(render_report(_summary()))
+    throughput, memory = figures[report.THROUGHPUT_TITLE], figures[report.MEMORY_TITLE]
+    assert throughput["layout"]["xaxis"]["range"] == [-0.5, 5.5]           # trial 0 is not cut at the left edge
+    for figure in (throughput, memory):                                     # nor failed trials drawn at 0
+        low, high = figure["layout"]["yaxis"]["range"]
+        assert low < 0 and high > 9000.0
+
+
+def test_a_refuted_trial_has_its_own_marker_and_legend_entry():
+    refuted = TrialRecord(number=6, config=TrialConfig(micro_batch=4), status="ok", tokens_per_s=9500.0,
+                          peak_memory_bytes=19 * GIB, fits=True, confirmed=False,
+                          confirmed_tokens_per_s=9400.0, confirmed_peak_memory_bytes=21 * GIB)
+    page = render_report(_summary(trials=[*TRIALS, refuted]))
+    for figure in _figures(page).values():
+        if figure["layout"]["title"]["text"] == report.IMPORTANCE_TITLE:
+            continue
+        trace = _trace(figure, "refuted by its re-run")
+        assert len(trace["x"]) == 1 and "trial 6: mb=4 fp32" in trace["hovertext"][0]
+        others = {t["marker"]["symbol"] for t in figure["data"] if t["name"] != "refuted by its re-run"}
+        assert trace["marker"]["symbol"] not in others
+    assert "<td>refuted: the re-run read 9,400.0 tokens/s, 21.0 GiB</td>" in page
