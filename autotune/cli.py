@@ -335,11 +335,12 @@ def export(
     return 0
 
 
-def _trains_line(config: TrialConfig, fmt: str) -> str:
-    """Precision and LoRA change what is trained: say so beside every export."""
+def _trains_line(config: TrialConfig, fmt: str, workload: Workload | None = None) -> str:
+    """Precision and LoRA change what is trained: say so beside every export (with the workload,
+    also which layers LoRA adapts)."""
     from autotune.summary import what_is_trained
 
-    line = f"trains: {what_is_trained(config)['note']}"
+    line = f"trains: {what_is_trained(config, workload)['note']}"
     if config.uses_lora and fmt != "peft":
         line += " (the adapters: autotune export --format peft)"
     return line

@@ -115,7 +115,7 @@ def build_engine(*, workload: Workload, config: TrialConfig, task: str, device: 
     if config.checkpointing:
         _enable_checkpointing(model, workload.model)
     if config.uses_lora:
-        model = _apply_lora(model, config, task=task)
+        model = _apply_lora(model, config, workload, task=task)
     model.train()
     common = dict(model=model, config=config, task=task, device=device)
     if config.uses_deepspeed:
@@ -134,21 +134,21 @@ def _enable_checkpointing(model: torch.nn.Module, source: str) -> None:
         model.config.use_cache = False
 
 
-def _apply_lora(model: torch.nn.Module, config: TrialConfig, *, task: str) -> torch.nn.Module:
-    from peft import LoraConfig, TaskType, get_peft_model
+def _apply_lora(model: torch.nn.Module, config: TrialConfig, workload: Workload, *, task: str) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
 
-    targets: Any = config.lora_targets
-    if targets == ("all-linear",):
-        targets = "all-linear"
-    task_type = TaskType.CAUSAL_LM if task == "causal-lm" else TaskType.SEQ_CLS
-    if not hasattr(model, "config"):  # a custom factory's plain module: PEFT's generic wrapper
-        task_type = None
+    from autotune.errors import WorkloadError
+    from autotune.models import lora_targets
+
+    try:
+        plan = lora_targets(workload, config.lora_targets, task=task, model=model)
+    except WorkloadError as exc:
+        raise ConfigError(str(exc)) from exc
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.effective_lora_alpha, lora_dropout=0.0,
-                      target_modules=list(targets) if isinstance(targets, tuple) else targets,
-                      task_type=task_type)
+                      **plan.peft_kwargs())
     try:
         return get_peft_model(model, lora)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # TypeError: e.g. a target inside a head PEFT trains in full
         raise ConfigError(f"--lora-targets: {str(exc).splitlines()[0]}; name the modules to adapt, "
                           "e.g. --lora-targets q_proj,v_proj, or --lora-targets all-linear") from exc
 

@@ -57,7 +57,7 @@ def _record(config: TrialConfig, workload: Workload, summary: dict[str, Any]) ->
     from autotune import __version__
 
     data = {"autotune": __version__, "workload": workload.to_dict(), "config": config.to_dict(),
-            "grad_accum_steps": config.grad_accum_steps(workload), "trains": what_is_trained(config)}
+            "grad_accum_steps": config.grad_accum_steps(workload), "trains": what_is_trained(config, workload)}
     clash = sorted(set(data) & set(summary))
     if clash:
         raise ValueError(f"summary keys {clash} would overwrite the exported config")
@@ -208,18 +208,14 @@ def _peft(config: TrialConfig, workload: Workload, *, device_type: str, summary:
     if not config.uses_lora:
         raise ConfigError("--format peft: this config trains all weights (no LoRA), so there is no "
                           "adapter config; tune with --space lora to search LoRA configs")
-    from peft import LoraConfig, TaskType
+    from peft import LoraConfig
 
-    from autotune.models import resolve_task
+    from autotune.models import lora_targets, resolve_task
 
-    targets: Any = config.lora_targets
-    if targets == ("all-linear",):
-        targets = "all-linear"  # PEFT's keyword, not a module name
-    elif targets is not None:
-        targets = list(targets)
-    task_type = TaskType.CAUSAL_LM if resolve_task(workload) == "causal-lm" else TaskType.SEQ_CLS
+    # The same LoraConfig the trials applied: PEFT's default targets named, or the fallback's layers.
+    plan = lora_targets(workload, config.lora_targets, task=resolve_task(workload))
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.effective_lora_alpha, lora_dropout=0.0,
-                      target_modules=targets, task_type=task_type)
+                      **plan.peft_kwargs())
     data = {key: sorted(value) if isinstance(value, set) else value for key, value in lora.to_dict().items()}
     return json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
 
@@ -227,7 +223,7 @@ def _peft(config: TrialConfig, workload: Workload, *, device_type: str, summary:
 # -- shared helpers -------------------------------------------------------------------------
 def _header(config: TrialConfig, workload: Workload, summary: dict[str, Any]) -> str:
     """Comment lines for YAML formats: what is trained, and the knobs no YAML key carries."""
-    trains = what_is_trained(config)
+    trains = what_is_trained(config, workload)
     lines = [
         f"autotune export: {workload.model}, {config.describe()}",
         f"trains: {trains['note']}",
@@ -239,7 +235,7 @@ def _header(config: TrialConfig, workload: Workload, summary: dict[str, Any]) ->
     ]
     if config.uses_lora:
         lora = trains["lora"]
-        targets = ",".join(lora["targets"]) if lora["targets"] else "PEFT's default for the model"
+        targets = lora.get("targets_note") or (",".join(lora["targets"]) if lora["targets"] else "default")
         lines.append(f"LoRA: rank {lora['rank']}, alpha {lora['alpha']}, targets {targets} "
                      "(adapter config: autotune export --format peft)")
     else:

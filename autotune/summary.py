@@ -130,18 +130,20 @@ def what_is_trained(config: TrialConfig, workload: Workload | None = None) -> di
         where = _lora_where(config, workload) if workload is not None else None
         if where is not None:
             lora["targets_note"], head = where
-            note = (f"LoRA r={config.lora_rank} adapters on {lora['targets_note']}"
-                    + (", plus the classification head in full," if head else " only,") + f" trained in {precision}")
+            note = (f"LoRA r={config.lora_rank} adapters" + ("" if head else " only") + f", on {lora['targets_note']}"
+                    + (", plus the classification head in full" if head else "") + f", trained in {precision}")
     return {"precision": config.precision, "lora": lora, "note": note}
 
 
 def _lora_where(config: TrialConfig, workload: Workload) -> tuple[str, bool] | None:
     """Which layers LoRA adapts, and whether a classifier head trains in full; None if the model is unreachable."""
     from autotune.errors import AutotuneError
-    from autotune.models import lora_targets_note, resolve_task
+    from autotune.models import lora_targets_note, parse_model_source, resolve_task
 
     try:
         task = resolve_task(workload)
-        return lora_targets_note(workload, config.lora_targets, task=task), task == "seq-cls"
+        # PEFT's SEQ_CLS trains the classifier; a factory's plain module only on the default targets.
+        head = task == "seq-cls" and (config.lora_targets is None or parse_model_source(workload.model).kind != "factory")
+        return lora_targets_note(workload, config.lora_targets, task=task), head
     except AutotuneError:  # e.g. a Hub model no longer cached here: say less rather than fail
         return None

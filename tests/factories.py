@@ -97,3 +97,21 @@ FAULTS = {1: None, 2: "nan", 4: "segfault", 8: "hang", 16: "garbage", 32: "excep
 
 def faulty() -> torch.nn.Module:
     return FaultyLM()
+
+
+class MlpLM(TinyLM):
+    """TinyLM with a hidden linear layer: LoRA's fallback adapts it (not the head). Like every model
+    here it has no gradient_checkpointing_enable(): checkpointing configs cannot run on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = torch.nn.Linear(32, 32)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(torch.relu(self.hidden(self.embed(input_ids))))
+        return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def mlp() -> torch.nn.Module:
+    return MlpLM()
+

@@ -69,7 +69,7 @@ def test_summary_cannot_overwrite_the_config() -> None:
 def test_yaml_formats_say_what_is_trained_in_their_header(fmt: str) -> None:
     text = export_config(LORA, WORKLOAD, fmt=fmt, summary={"study": "demo"})
     header = [line for line in text.splitlines() if line.startswith("#")]
-    assert "# trains: LoRA adapters only trained in fp32" in header
+    assert "# trains: LoRA r=8 adapters only, on c_attn (PEFT's default targets for gpt2), trained in fp32" in header
     assert any(line.startswith("# LoRA: rank 8, alpha 16") for line in header)
     assert any("micro batch: 4 per rank" in line for line in header)
     assert "# study: demo" in header
@@ -173,7 +173,7 @@ def test_hf_export_builds_training_arguments(tmp_path: Path, config: TrialConfig
 
 # -- PEFT -------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("config", "workload", "targets", "task_type"), [
-    (LORA, WORKLOAD, None, "CAUSAL_LM"),
+    (LORA, WORKLOAD, {"c_attn"}, "CAUSAL_LM"),  # PEFT's default for gpt2, named: what the trials adapted
     (LORA.replace(lora_alpha=4, lora_targets=("c_attn", "c_proj")), WORKLOAD, {"c_attn", "c_proj"},
      "CAUSAL_LM"),
     (LORA.replace(lora_targets=("all-linear",)), Workload(model="builtin:bert-tiny"), "all-linear",
