@@ -2,9 +2,15 @@
 trial time, each spends before it has measured a config within 2% of the best one that fits.
 
     python bench/search.py --grid bench/data/GRID.jsonl --memory-budget SIZE [--seeds N] [--json]
+                           [--strategies driver,tpe,...]
+
+Besides the cost to 2%, each strategy's *answer quality*: the best fitting config it measured
+(what it would answer) over the grid's optimum, the median and the worst over seeds.
 
 Nothing is trained: a trial returns its grid line's result and costs the seconds that line
-recorded (``trial_seconds``). A config fits when it trained and its recorded peak is under the
+recorded (``trial_seconds``). The driver's device probe (matmul speed per precision) is read from
+``GRID.probe.json`` beside the grid, written by probing this machine the first time (the grids
+were measured here). A config fits when it trained and its recorded peak is under the
 budget minus the tuner's 10% headroom; a recorded peak over the budget replays as an OOM, so one
 grid measured with a generous budget replays at any smaller one. Strategies:
 
@@ -67,6 +73,7 @@ class Grid:
         if not fitting:
             sys.exit(f"no config of {path} fits under --memory-budget {budget} B")
         self.best = max(fitting)
+        self.probe = _device_probe(path, space.precision)
 
     def configs(self) -> list[TrialConfig]:
         return list(self.lines)
@@ -94,6 +101,19 @@ class Grid:
         return result
 
 
+def _device_probe(grid_path: Path, precisions: tuple[str, ...]) -> dict[str, float] | None:
+    """The matmul speed per precision of the machine the grid was measured on (see the module doc)."""
+    from autotune.device_probe import probe_precisions
+
+    if len(precisions) < 2:
+        return None
+    path = grid_path.with_suffix(".probe.json")
+    if not path.exists():
+        speeds = probe_precisions("cpu", ["fp32", "tf32", "bf16", "fp16"])
+        path.write_text(json.dumps(speeds, indent=1) + "\n")
+    return json.loads(path.read_text())
+
+
 class Tally:
     """What a strategy spent, in order, and when a config within 2% of the best was first measured.
 
@@ -107,6 +127,11 @@ class Tally:
         self.estimates = 0
         self.seconds = 0.0
         self.found_at: tuple[int, float] | None = None
+        self.best_measured = 0.0   # tokens/s of the fastest fitting config measured: the answer
+
+    @property
+    def quality(self) -> float:
+        return self.best_measured / self.grid.best
 
     def measure(self, config: TrialConfig) -> TrialResult:
         line = self.grid.line(config)
@@ -115,6 +140,8 @@ class Tally:
         if self.found_at is None and self.grid.fits(config) and \
                 self.grid.tokens(config) >= (1 - WITHIN) * self.grid.best:
             self.found_at = (self.trials, self.seconds)
+        if self.grid.fits(config):
+            self.best_measured = max(self.best_measured, self.grid.tokens(config))
         return self.grid.result(config)
 
     def estimate(self, config: TrialConfig) -> MemoryEstimate | None:
@@ -129,8 +156,12 @@ class Tally:
 class GridBackend:
     """The tuner's trials and estimates, answered from the grid and charged to a tally."""
 
-    def __init__(self, tally: Tally) -> None:
+    def __init__(self, tally: Tally, probe: dict[str, float] | None = None) -> None:
         self.tally = tally
+        self._probe = probe
+
+    def probe(self, precisions: list[str]) -> dict[str, float] | None:
+        return {p: v for p, v in self._probe.items() if p in precisions} if self._probe else None
 
     def run(self, workload: Workload, config: TrialConfig, **_: Any) -> TrialResult:
         return self.tally.measure(config)
@@ -147,7 +178,7 @@ def driver(grid: Grid, space: SearchSpace, seed: int) -> Tally:
     tally = Tally(grid)
     with tempfile.TemporaryDirectory() as tmp:
         tune(study="replay", workload=grid.workload, space=space, memory_budget_bytes=grid.budget,
-             storage=f"sqlite:///{tmp}/replay.db", confirm=False, backend=GridBackend(tally))
+             storage=f"sqlite:///{tmp}/replay.db", confirm=False, backend=GridBackend(tally, grid.probe))
     return tally
 
 
@@ -249,11 +280,14 @@ def main() -> None:
                                         "a narrower one replays its slice of the grid")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated, of " + ", ".join(STRATEGIES))
     args = parser.parse_args()
     space = load_space(args.space or args.grid.with_suffix(".yaml"))
     grid = Grid(args.grid, parse_size(args.memory_budget), space)
     results = {}
     for name, (strategy, seeded) in STRATEGIES.items():
+        if name not in args.strategies.split(","):
+            continue
         tallies = [strategy(grid, space, seed) for seed in (range(args.seeds) if seeded else [0])]
         found = [t.found_at for t in tallies if t.found_at is not None]
         results[name] = {
@@ -263,6 +297,8 @@ def main() -> None:
             "trials_run": statistics.median(t.trials for t in tallies),
             "estimates": statistics.median(t.estimates for t in tallies),
             "spent_fraction": statistics.median(t.seconds for t in tallies) / grid.total_seconds,
+            "quality": statistics.median(t.quality for t in tallies),
+            "worst_quality": min(t.quality for t in tallies),
         }
     if args.json:
         print(json.dumps({"grid": str(args.grid), "configs": len(grid.lines), "best_tokens_per_s": grid.best,
@@ -271,12 +307,13 @@ def main() -> None:
     print(f"{args.grid}: {len(grid.lines)} configs, {grid.total_seconds:.0f} trial-seconds, best fitting "
           f"{grid.best:,.1f} tokens/s; budget {grid.budget} B")
     print(f"{'strategy':<10} {'trials to 2%':>13} {'cost fraction':>14} {'found':>6} {'trials run':>11} "
-          f"{'estimates':>10} {'spent':>7}")
+          f"{'estimates':>10} {'spent':>7} {'answer/optimum (worst)':>23}")
     for name, r in results.items():
         trials = f"{r['trials_to_2pct']:g}" if r["trials_to_2pct"] is not None else "-"
         cost = f"{r['cost_fraction']:.1%}" if r["cost_fraction"] is not None else "-"
         print(f"{name:<10} {trials:>13} {cost:>14} {r['found_ratio']:>6.0%} {r['trials_run']:>11g} "
-              f"{r['estimates']:>10g} {r['spent_fraction']:>7.1%}")
+              f"{r['estimates']:>10g} {r['spent_fraction']:>7.1%} "
+              f"{r['quality']:>15.3f} ({r['worst_quality']:.3f})")
 
 
 if __name__ == "__main__":
