@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from autotune.workload import Workload
 
 __all__ = ["ModelSource", "parse_model_source", "load_hf_config", "infer_task", "resolve_task", "build_model",
-           "LoraTargets", "lora_targets", "lora_targets_note"]
+           "LoraTargets", "lora_targets", "lora_targets_note", "missing_checkpointing"]
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -214,7 +214,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 
-# -- facts found before any trial: LoRA targets ---------------------------
+# -- facts found before any trial: LoRA targets, activation checkpointing ---------------------------
 # A head is a direct child by one of these names (PEFT's classifier names, causal LMs' lm_head,
 # common names in factories), or the output embeddings; heads are never adapted.
 _HEAD_NAMES = ("classifier", "score", "lm_head", "head", "output")
@@ -289,12 +289,54 @@ def lora_targets_note(workload: Workload, targets: tuple[str, ...] | None, *, ta
     return f"every linear layer but the task head (PEFT has no default targets for {model_type or 'a custom model'})"
 
 
+def missing_checkpointing(workload: Workload) -> str | None:
+    """Why the workload's model cannot checkpoint activations, or None when it can (or when that is
+    unknown before a trial: a factory that fails to build fails its trials anyway).
+
+    Hugging Face models: the model class's ``supports_gradient_checkpointing``, no model built.
+    A factory: built once on the meta device in a separate process (its code may hang or crash).
+    """
+    source = parse_model_source(workload.model)
+    task = resolve_task(workload)
+    key = (workload.model, task, workload.seq_len, workload.trust_remote_code)
+    if key not in _MISSING_CHECKPOINTING:  # the search space asks for every list of choices
+        if source.kind == "factory":
+            facts = _factory_facts(workload, task)
+            missing = None if facts is None else facts["missing_checkpointing"]
+        else:
+            model_class = _hf_model_class(workload, task)
+            if model_class is None:
+                missing = _checkpointing_gap(_meta_model(workload, task), workload.model)
+            elif not getattr(model_class, "supports_gradient_checkpointing", False):
+                missing = f"{model_class.__name__} (--model {workload.model}) does not support gradient checkpointing"
+            else:
+                missing = None
+        _MISSING_CHECKPOINTING[key] = missing
+    return _MISSING_CHECKPOINTING[key]
+
+
+_MISSING_CHECKPOINTING: dict[tuple[Any, ...], str | None] = {}
+
+
 def _checkpointing_gap(model: Any, ref: str) -> str | None:
     if not callable(getattr(model, "gradient_checkpointing_enable", None)):
         return f"the model from --model {ref} has no gradient_checkpointing_enable()"
     if getattr(model, "supports_gradient_checkpointing", True) is False:  # HF models have the method anyway
         return f"{type(model).__name__} (--model {ref}) does not support gradient checkpointing"
     return None
+
+
+def _hf_model_class(workload: Workload, task: str) -> type | None:
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = load_hf_config(parse_model_source(workload.model), trust_remote_code=workload.trust_remote_code)
+    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+    try:
+        from transformers.models.auto.auto_factory import _get_model_class  # private: a fallback follows
+
+        return _get_model_class(config, auto._model_mapping)
+    except (ImportError, KeyError, ValueError, AttributeError):
+        return None  # remote code, or a transformers without it: build on the meta device instead
 
 
 def _meta_model(workload: Workload, task: str) -> torch.nn.Module:

@@ -102,9 +102,25 @@ class SearchSpace:
             raise ConfigError(f"{self.name}: knobs.zero_stage {list(self.zero_stage)} x offload {list(self.offload)}: "
                               f"no pair means something on {workload.nproc} rank(s) (on one rank ZeRO needs "
                               "offload); add off to zero_stage")
+        checkpointing = self.checkpointing
+        missing = _missing_checkpointing(workload) if True in checkpointing else None
+        if missing is not None:
+            checkpointing = tuple(c for c in checkpointing if not c)
+            if not checkpointing:
+                raise ConfigError(f"{self.name}: knobs.checkpointing [true]: {missing}; add false")
         lora = tuple(dict.fromkeys(_lora_label(rank, targets) for rank in self.lora_rank for targets in self.lora_targets))
-        return {"micro_batch": tuple(micro), "precision": precision, "checkpointing": self.checkpointing,
+        return {"micro_batch": tuple(micro), "precision": precision, "checkpointing": checkpointing,
                 "zero": tuple(dict.fromkeys(zero)), "lora": lora}
+
+    def dropped_knobs(self, workload: Workload, device: DeviceInfo) -> list[str]:
+        """Knob values this space offers that :meth:`choices` leaves out for this model and device,
+        beyond the precisions the device lacks: one line each, said once by the tuner."""
+        dropped = []
+        if True in self.checkpointing:
+            missing = _missing_checkpointing(workload)
+            if missing is not None:
+                dropped.append(f"checkpointing on: {missing}")
+        return dropped
 
     def config_of(self, params: dict[str, Any]) -> TrialConfig:
         """The TrialConfig of one value per parameter (see :meth:`choices`)."""
@@ -148,6 +164,12 @@ def _zero_pair_means_something(stage: int | None, offload: str, nproc: int) -> b
     if offload == "optimizer+params" and stage != 3 or offload == "optimizer" and stage == 0:
         return False
     return nproc > 1 or offload != "none"  # sharding over one rank saves nothing; offload still does
+
+
+def _missing_checkpointing(workload: Workload) -> str | None:
+    from autotune.models import missing_checkpointing  # imports transformers: only when asked
+
+    return missing_checkpointing(workload)
 
 
 def _zero_label(stage: int | None, offload: str) -> str:

@@ -55,6 +55,36 @@ def test_zero_only_where_it_means_something_for_the_rank_count():
     assert {c.micro_batch for c in two_ranks} == {1, 2, 4, 8}  # divisors of 16 / 2 ranks
 
 
+def test_checkpointing_is_dropped_for_a_factory_model_without_it():
+    space = load_space("quick")
+    plain = Workload(model="factories:tiny", global_batch=4, seq_len=8)  # TinyLM: no gradient_checkpointing_enable()
+    assert {c.checkpointing for c in space.candidates(plain, CPU)} == {False}
+    assert space.choices(plain, CPU)["checkpointing"] == (False,)
+    assert space.dropped_knobs(plain, CPU) == [
+        "checkpointing on: the model from --model factories:tiny has no gradient_checkpointing_enable()"]
+    able = plain.replace(model="factories:checkpointable")
+    assert {c.checkpointing for c in space.candidates(able, CPU)} == {False, True}
+    assert space.dropped_knobs(able, CPU) == []
+    assert {c.checkpointing for c in space.candidates(Workload(), CPU)} == {False, True}  # a Hugging Face model
+
+
+def test_a_space_of_checkpointing_only_is_refused_for_a_model_without_it(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text("knobs:\n  checkpointing: [true]\n")
+    with pytest.raises(ConfigError, match=r"knobs.checkpointing \[true\]: the model from --model factories:tiny has "
+                                          r"no gradient_checkpointing_enable\(\); add false"):
+        load_space(str(path)).candidates(Workload(model="factories:tiny", global_batch=4, seq_len=8), CPU)
+
+
+def test_missing_checkpointing_reads_the_model_class_without_building_a_model():
+    from autotune.models import missing_checkpointing
+
+    assert missing_checkpointing(Workload(model="builtin:llama2-7b")) is None  # a 7B model: no time to build it
+    assert missing_checkpointing(Workload(model="factories:mlp", seq_len=8)) == (
+        "the model from --model factories:mlp has no gradient_checkpointing_enable()")
+    assert missing_checkpointing(Workload(model="factories:broken", seq_len=8)) is None  # unknown: its trials say
+
+
 def test_a_users_file(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text("n_trials: 4\nknobs:\n  micro_batch: [2, 4]\n  checkpointing: [on, off]\n"
