@@ -97,11 +97,13 @@ class SearchSpace:
             raise ConfigError(f"{self.name}: knobs.precision {list(self.precision)}: none of them trains on "
                               f"{device.name} ({device.type}); add fp32")
         zero = tuple(_zero_label(stage, offload) for stage in self.zero_stage for offload in self.offload
-                     if _zero_pair_means_something(stage, offload, workload.nproc))
+                     if _zero_pair_means_something(stage, offload, workload.nproc, device.type))
         if not zero:
+            why = "on one rank ZeRO needs offload" + ("; on a CPU device offloading to the CPU changes nothing"
+                                                      if device.type == "cpu" else "")
             raise ConfigError(f"{self.name}: knobs.zero_stage {list(self.zero_stage)} x offload {list(self.offload)}: "
-                              f"no pair means something on {workload.nproc} rank(s) (on one rank ZeRO needs "
-                              "offload); add off to zero_stage")
+                              f"no pair means something on {workload.nproc} rank(s) of a {device.type} ({why}); "
+                              "add off to zero_stage")
         checkpointing = self.checkpointing
         missing = _missing_checkpointing(workload) if True in checkpointing else None
         if missing is not None:
@@ -120,6 +122,10 @@ class SearchSpace:
             missing = _missing_checkpointing(workload)
             if missing is not None:
                 dropped.append(f"checkpointing on: {missing}")
+        offloads = [o for o in self.offload if o != "none"]
+        if device.type == "cpu" and offloads and any(stage is not None for stage in self.zero_stage):
+            dropped.append(f"offload {', '.join(offloads)}: the device is the CPU, and offloading from the CPU "
+                           "to the CPU changes nothing")
         return dropped
 
     def config_of(self, params: dict[str, Any]) -> TrialConfig:
@@ -158,11 +164,13 @@ class SearchSpace:
         return found
 
 
-def _zero_pair_means_something(stage: int | None, offload: str, nproc: int) -> bool:
+def _zero_pair_means_something(stage: int | None, offload: str, nproc: int, device_type: str) -> bool:
     if stage is None:
         return offload == "none"
     if offload == "optimizer+params" and stage != 3 or offload == "optimizer" and stage == 0:
         return False
+    if offload != "none" and device_type == "cpu":
+        return False  # offloading from the CPU to the CPU changes nothing
     return nproc > 1 or offload != "none"  # sharding over one rank saves nothing; offload still does
 
 

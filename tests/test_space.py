@@ -21,7 +21,8 @@ GPU = DeviceInfo("cuda", "test-gpu", 2, 80 * 2**30, bf16=True, fp16_deepspeed=Tr
 def test_every_preset_loads_and_round_trips_its_configs(name):
     assert name in preset_names()
     space = load_space(name)
-    for device, nproc in ((CPU, 1), (GPU, 2)):
+    # zero on one CPU rank: sharding over one rank saves nothing, offloading to the CPU neither
+    for device, nproc in ((CPU, 1), (CPU, 2), (GPU, 2)) if name != "zero" else ((CPU, 2), (GPU, 1), (GPU, 2)):
         workload = Workload(global_batch=16, nproc=nproc)
         configs = space.candidates(workload, device)
         assert configs, f"{name} has nothing to run on {device.type}"
@@ -53,6 +54,20 @@ def test_zero_only_where_it_means_something_for_the_rank_count():
     assert all(c.offload != "none" for c in one_rank if c.uses_deepspeed)  # sharding over one rank saves nothing
     assert any(c.zero_stage == 2 and c.offload == "none" for c in two_ranks)
     assert {c.micro_batch for c in two_ranks} == {1, 2, 4, 8}  # divisors of 16 / 2 ranks
+
+
+def test_offload_means_nothing_when_the_device_is_the_cpu():
+    space = load_space("default")
+    on_cpu = space.candidates(Workload(nproc=2), CPU)
+    assert {c.offload for c in on_cpu} == {"none"} and any(c.zero_stage == 3 for c in on_cpu)
+    assert {c.offload for c in space.candidates(Workload(nproc=2), GPU)} == {"none", "optimizer", "optimizer+params"}
+    assert all(not c.uses_deepspeed for c in space.candidates(Workload(nproc=1), CPU))  # nothing left to shard
+    assert space.dropped_knobs(Workload(nproc=2), CPU) == [
+        "offload optimizer, optimizer+params: the device is the CPU, and offloading from the CPU to the CPU changes nothing"]
+    assert space.dropped_knobs(Workload(nproc=2), GPU) == []
+    with pytest.raises(ConfigError, match=r"zero: .*no pair means something on 1 rank\(s\) of a cpu .*offloading to the "
+                                          r"CPU changes nothing\); add off to zero_stage"):
+        load_space("zero").candidates(Workload(nproc=1), CPU)
 
 
 def test_checkpointing_is_dropped_for_a_factory_model_without_it():
