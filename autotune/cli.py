@@ -426,6 +426,13 @@ def _export_text(summary: Any, fmt: str) -> str:
 
 
 def _export_best(summary: Any, fmt: str, output: str | None) -> str:
+    """Write the export where ``-o`` says; return the file's path.
+
+    ``-o`` naming a directory (one that exists, or a name ending in /) gets the format's usual file
+    name inside it; so does any name for ``--format peft`` that does not end in .json, since PEFT
+    loads adapter_config.json from a directory (``LoraConfig.from_pretrained(dir)``). The file is
+    replaced whole or not at all, and no temporary file is left behind.
+    """
     import os
     import tempfile
     from pathlib import Path
@@ -434,12 +441,26 @@ def _export_best(summary: Any, fmt: str, output: str | None) -> str:
 
     text = _export_text(summary, fmt)
     path = Path(output or DEFAULT_FILENAMES[fmt])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)  # never a half-written config
+    if output is not None and (path.is_dir() or output.endswith(("/", os.sep))
+                               or fmt == "peft" and path.suffix.lower() != ".json"):
+        path = path / DEFAULT_FILENAMES[fmt]
+    if path.is_dir():  # e.g. -o out/ where out/ds_config.json is itself a directory
+        raise ConfigError(f"-o {output or path}: {path} is a directory; name a file to write, e.g. -o {path}.new")
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)  # never a half-written config
+        tmp = None
+    except OSError as exc:
+        raise ConfigError(f"-o {output or path}: cannot write {path}: {exc.strerror or exc}; "
+                          "name a file in a directory you can write to") from None
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
     return str(path)
 
 
