@@ -534,18 +534,20 @@ def estimate(
         except EstimateError as exc:  # the model cannot be built or traced: nothing printed yet for it
             raise ConfigError(f"--model {workload.model}: {exc}") from None
         if index == 0 and not as_json:  # the header once the first row exists: a refusal prints nothing
-            print(f"{'config':<34} {'peak':>10} {'params':>10} {'grads':>10} {'optimizer':>10} "
-                  f"{'activations':>11} {'temporaries':>11}" + ("  fits" if limit is not None else ""))
+            print(f"{'config':<34} {'peak':>10} = {'params':>10} {'grads':>10} {'optimizer':>10} "
+                  f"{'activations':>11} {'temporaries':>11} {'not live':>10}" + ("  fits" if limit is not None else ""))
         fits = None if limit is None else result.fits(limit)
         if as_json:
             print(json.dumps({**result.to_dict(), "memory_budget_bytes": budget, "memory_limit_bytes": limit,
                               "fits": fits}), flush=True)
             continue
-        parts = (result.predicted_peak_bytes, result.parameters_bytes, result.gradients_bytes,
-                 result.optimizer_state_bytes)
-        print(f"{config.describe():<34} " + " ".join(f"{format_size(p):>10}" for p in parts)
-              + f" {format_size(result.activations_bytes):>11} {format_size(result.temporaries_bytes):>11}"
+        parts = list(result.parts().values())
+        print(f"{config.describe():<34} {format_size(result.predicted_peak_bytes):>10} = "
+              + " ".join(f"{format_size(p):>{w}}" for p, w in zip(parts, (10, 10, 10, 11, 11, 10)))
               + ("" if fits is None else ("  yes" if fits else "  no")), flush=True)
+    if not as_json:
+        print("peak = the parts; activations and temporaries: live at the peak; not live: model states "
+              "not allocated at the peak (gradients the backward has not made yet)")
     return 0
 
 

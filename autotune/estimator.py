@@ -25,12 +25,19 @@ What fake tensors cannot show is added or stated:
 * What no tensor shows on a GPU (CUDA context, allocator reserve, library workspaces): unknown
   until calibrated on a GPU, so ``overhead_bytes`` is ``None`` and the prediction is of
   tensor bytes (what ``max_memory_allocated`` and the CPU tracker count).
+
+The parts add up to the peak: model states are whole (what the proposer's straight line
+holds fixed), activations and temporaries are what was live at the peak moment, and the
+model states not yet allocated then (gradients the backward has not made) are their own
+negative part.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
+import functools
 import json
 import os
 import select
@@ -63,14 +70,22 @@ class MemoryEstimate:
     parameters_bytes: int
     gradients_bytes: int
     optimizer_state_bytes: int
-    activations_bytes: int        # saved by the forward for the backward (largest micro-step)
-    temporaries_bytes: int        # the rest of the peak: workspaces, casts, the backward's transients
+    activations_bytes: int        # left by the forward for the backward, live at the peak
+    temporaries_bytes: int        # the rest live at the peak: workspaces, casts, the backward's transients
     overhead_bytes: int | None    # what no tensor shows (GPU); None until calibrated
     method: str
     seconds: float
+    # Model states not allocated at the peak moment (gradients not made yet), <= 0: the parts add up.
+    not_live_at_peak_bytes: int = 0
 
     def fits(self, limit_bytes: int) -> bool:
         return self.predicted_peak_bytes <= limit_bytes
+
+    def parts(self) -> dict[str, int]:
+        """The peak's parts by name; they sum to ``predicted_peak_bytes``."""
+        return {"parameters": self.parameters_bytes, "gradients": self.gradients_bytes,
+                "optimizer state": self.optimizer_state_bytes, "activations": self.activations_bytes,
+                "temporaries": self.temporaries_bytes, "not live at the peak": self.not_live_at_peak_bytes}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,13 +93,18 @@ class MemoryEstimate:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "parameters_bytes": self.parameters_bytes, "gradients_bytes": self.gradients_bytes,
             "optimizer_state_bytes": self.optimizer_state_bytes, "activations_bytes": self.activations_bytes,
-            "temporaries_bytes": self.temporaries_bytes, "overhead_bytes": self.overhead_bytes,
-            "method": self.method, "seconds": self.seconds,
+            "temporaries_bytes": self.temporaries_bytes, "not_live_at_peak_bytes": self.not_live_at_peak_bytes,
+            "overhead_bytes": self.overhead_bytes, "method": self.method, "seconds": self.seconds,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MemoryEstimate:
-        fields = {k: v for k, v in data.items() if k != "describe"}
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in data.items() if k in known}
+        if "not_live_at_peak_bytes" not in data:  # stored before the parts added up: name the remainder
+            listed = sum(data[k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
+                                           "activations_bytes", "temporaries_bytes"))
+            fields["not_live_at_peak_bytes"] = data["predicted_peak_bytes"] - listed
         return cls(**{**fields, "config": TrialConfig.from_dict(data["config"])})
 
 
@@ -156,7 +176,6 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autotune.engine import build_engine
-    from autotune.memory import LiveBytesTracker
     from autotune.models import resolve_task
 
     started = time.perf_counter()
@@ -165,7 +184,7 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
     plain = config.replace(zero_stage=None, offload="none")
     if plain.precision == "tf32":
         plain = plain.replace(precision="fp32")  # same tensors; tf32 only changes the matmul kernels
-    tracker = LiveBytesTracker(None)
+    tracker = _peak_parts_tracker()
     with warnings.catch_warnings(), _adapters_stay_put():
         warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
         # Model code treats fake tensors as tracing: no data-dependent check runs.
@@ -175,30 +194,122 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
             if config.uses_deepspeed and engine.autocast_dtype is not None:
                 # DeepSpeed's fp16/bf16 modes train a 16-bit model (no autocast): 16-bit activations.
                 _to_16_bit(engine)
-            parameters = _bytes([*engine.model.parameters(), *engine.model.buffers()])
-            activations, gradients, optimizer_state = _fake_steps(engine, tracker)
-    peak = tracker.peak_bytes
+            whole = _fake_steps(engine, tracker)
+    peak, at_peak = tracker.peak_bytes, _States(**{k: tracker.at_peak[k] for k in _STATES})
+    activations = tracker.at_peak["activations"]
     method = "fake-tensor training step"
     if config.uses_deepspeed:
-        states = parameters + gradients + optimizer_state
         from autotune.device import detect_device
 
         on_cpu = detect_device(workload.device).type == "cpu"
-        parameters, gradients, optimizer_state, step_extra = _zero_states(engine, config, workload.nproc,
-                                                                          offload_stays=on_cpu)
-        states_now = parameters + gradients + optimizer_state
-        peak = max(peak - states + states_now + _zero3_gathered(engine, config), states_now + step_extra)
+        p, g, o, step_extra = _zero_states(engine, config, workload.nproc, offload_stays=on_cpu)
+        zero_whole = _States(p, g, o)
+        # ZeRO-2/3 keep a gradient partition through the backward; ZeRO-1 keeps the gradients as made.
+        zero_at_peak = _States(p, g if (config.zero_stage or 0) >= 2 else at_peak.gradients, o)
+        backward_peak = peak - at_peak.total + zero_at_peak.total + _zero3_gathered(engine, config)
+        step_peak = zero_whole.total + step_extra  # after the backward: no activation is live
+        peak, whole = max(backward_peak, step_peak), zero_whole
+        at_peak, activations = (zero_at_peak, activations) if backward_peak >= step_peak else (zero_whole, 0)
         method += " + ZeRO model-state arithmetic"
     elif workload.nproc > 1:
-        # DDP copies every gradient into its all-reduce buckets (gradient_as_bucket_view is off).
-        peak += gradients
-        gradients *= 2
+        # DDP copies every gradient into its all-reduce buckets (gradient_as_bucket_view is off),
+        # allocated when DDP wraps the model: live all along.
+        peak += whole.gradients
+        whole = dataclasses.replace(whole, gradients=2 * whole.gradients)
+        at_peak = dataclasses.replace(at_peak, gradients=at_peak.gradients + whole.gradients // 2)
         method += " + DDP gradient buckets"
-    temporaries = max(0, peak - parameters - gradients - optimizer_state - activations)
-    return MemoryEstimate(config=config, predicted_peak_bytes=peak, parameters_bytes=parameters,
-                          gradients_bytes=gradients, optimizer_state_bytes=optimizer_state,
-                          activations_bytes=activations, temporaries_bytes=temporaries, overhead_bytes=None,
+    return MemoryEstimate(config=config, predicted_peak_bytes=peak, parameters_bytes=whole.parameters,
+                          gradients_bytes=whole.gradients, optimizer_state_bytes=whole.optimizer_state,
+                          activations_bytes=activations,
+                          temporaries_bytes=peak - at_peak.total - activations,
+                          not_live_at_peak_bytes=at_peak.total - whole.total, overhead_bytes=None,
                           method=method, seconds=time.perf_counter() - started)
+
+
+_STATES = ("parameters", "gradients", "optimizer_state")
+
+
+@dataclass(frozen=True)
+class _States:
+    """Model-state bytes: whole, or the part of them live at one moment."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+
+def _peak_parts_tracker() -> Any:
+    return _peak_parts_tracker_class()()
+
+
+@functools.cache
+def _peak_parts_tracker_class() -> type:
+    """The CPU trials' live-bytes tracker, on every device, that also says whose bytes made its peak.
+
+    Storages are tagged when they become parameters, gradients or optimizer state, and as
+    activations when the forward allocates them (what it leaves behind is what the backward
+    needs); each new peak copies the live bytes of every tag, so the parts of the peak are what
+    was live at that moment and the untagged rest is the temporaries.
+    """
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    from autotune.memory import LiveBytesTracker
+
+    class PeakPartsTracker(LiveBytesTracker):
+        def __init__(self) -> None:
+            super().__init__(None)
+            self.live = dict.fromkeys((*_STATES, "activations"), 0)
+            self.at_peak = dict(self.live)
+            self.in_forward = False
+            self._tags: dict[int, str] = {}  # id of the per-storage counter -> tag
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self._count(leaf.untyped_storage())
+            return out
+
+        def tag(self, tensors: Any, tag: str) -> None:
+            for tensor in tensors:
+                counter = self._counted.get(tensor.untyped_storage())
+                old = None if counter is None else self._tags.get(id(counter))
+                if counter is None or old == tag:
+                    continue  # not allocated under the tracker, or tagged already
+                if old is not None:
+                    self.live[old] -= counter[0]
+                self._tags[id(counter)] = tag
+                self.live[tag] += counter[0]
+
+        def reset_peak(self) -> None:
+            self.peak_bytes = self.live_bytes
+            self.at_peak = dict(self.live)
+
+        def _count(self, storage: Any) -> None:
+            counter = self._counted.get(storage)
+            new, before, peak = counter is None, 0 if counter is None else counter[0], self.peak_bytes
+            super()._count(storage)
+            counter = self._counted[storage]
+            if new and self.in_forward:
+                self._tags[id(counter)] = "activations"
+            tag = self._tags.get(id(counter))
+            if tag is not None:
+                self.live[tag] += counter[0] - before
+            if self.peak_bytes > peak:
+                self.at_peak = dict(self.live)
+
+        def _release(self, counter: list[int]) -> None:
+            tag = self._tags.pop(id(counter), None)
+            if tag is not None:
+                self.live[tag] -= counter[0]
+            super()._release(counter)
+
+    return PeakPartsTracker
 
 
 @contextlib.contextmanager
@@ -256,32 +367,43 @@ def _to_16_bit(engine: Any) -> None:
     engine.autocast_dtype = None
 
 
-def _fake_steps(engine: Any, tracker: Any) -> tuple[int, int, int]:
-    """The trial's step on fake tensors; returns (activations, gradients, optimizer state) bytes.
+def _fake_steps(engine: Any, tracker: Any) -> _States:
+    """The trial's step on fake tensors; returns the whole model states.
 
     Like the trial's step except that nothing reads a value back (``.item()`` has no data here)
     and fp16's loss scaler is left out (its unscale checks values; its state is a few scalars).
+    The tracker's peak is the second optimizer step's: the first with optimizer state from the
+    start, as every later step (the first one creates the state midway, at the same peak).
     """
     import torch
 
     from autotune.engine import _loss_of
 
-    activations = gradients = 0
+    parameters = [*engine.model.parameters(), *engine.model.buffers()]
+    tracker.tag(parameters, "parameters")
+    trainable = [p for p in engine.model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.register_post_accumulate_grad_hook(lambda p: tracker.tag([p.grad], "gradients"))
+    gradients = state = 0
     micro_steps = min(engine.accum, _MICRO_STEPS)
-    for _ in range(_OPTIMIZER_STEPS):
+    for step in range(_OPTIMIZER_STEPS):
+        if step == _OPTIMIZER_STEPS - 1:
+            tracker.reset_peak()
         for _ in range(micro_steps):
-            before = tracker.live_bytes
+            tracker.in_forward = True
             with torch.autocast("cpu", dtype=engine.autocast_dtype, enabled=engine.autocast_dtype is not None):
                 loss = _loss_of(engine.forward_model(**engine.batch)) / engine.accum
-            activations = max(activations, tracker.live_bytes - before)
+            tracker.in_forward = False
             loss.backward()
             del loss
-        gradients = _bytes(p.grad for p in engine.model.parameters() if p.grad is not None)
+        gradients = _bytes(p.grad for p in trainable if p.grad is not None)
         engine.optimizer.step()
+        states = [v for s in engine.optimizer.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor) and v.numel() > 1]
+        tracker.tag(states, "optimizer_state")
+        state = _bytes(states)
         engine.optimizer.zero_grad(set_to_none=True)
-    state = _bytes(v for s in engine.optimizer.state.values() for v in s.values()
-                   if isinstance(v, torch.Tensor) and v.numel() > 1)
-    return activations, gradients, state
+    return _States(_bytes(parameters), gradients, state)
 
 
 def _zero_states(engine: Any, config: TrialConfig, ranks: int, *,

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from autotune.estimator import ZERO3_MAX_LIVE_PARAMETERS, _zero_states, predict_memory
+from autotune.estimator import ZERO3_MAX_LIVE_PARAMETERS, MemoryEstimate, _zero_states, predict_memory
 from autotune.knobs import TrialConfig
 from autotune.runner import run_trial
 from autotune.workload import Workload
@@ -36,9 +36,7 @@ def test_predicted_peak_is_within_5_percent_of_the_measured_one(model, nproc, co
     assert measured.ok, measured.error
     error = predicted.predicted_peak_bytes / measured.peak_memory_bytes - 1
     assert abs(error) <= 0.05, (predicted.to_dict(), measured.peak_memory_bytes)
-    parts = (predicted.parameters_bytes + predicted.gradients_bytes + predicted.optimizer_state_bytes
-             + predicted.activations_bytes + predicted.temporaries_bytes)
-    assert parts == predicted.predicted_peak_bytes and predicted.overhead_bytes is None
+    assert sum(predicted.parts().values()) == predicted.predicted_peak_bytes and predicted.overhead_bytes is None
 
 
 def test_model_states_of_a_traced_step():
@@ -50,6 +48,40 @@ def test_model_states_of_a_traced_step():
     assert lora.gradients_bytes < full.gradients_bytes / 20  # only the adapters train
     ddp = predict_memory(workload.replace(nproc=2), TrialConfig(micro_batch=4))
     assert ddp.gradients_bytes == 2 * full.gradients_bytes  # DDP's buckets copy every gradient
+
+
+PARTS_CASES = [  # one micro-step per optimizer step: the peak falls inside the backward
+    ("builtin:gpt2-deep-tiny", 1, TrialConfig(micro_batch=8)),  # whole states + activations were 0.2% over the peak
+    ("builtin:bert-tiny", 1, TrialConfig(micro_batch=8, precision="bf16")),  # 1.6% over
+    ("builtin:gpt2-deep-tiny", 1, TrialConfig(micro_batch=8, checkpointing=True)),
+    ("builtin:llama-tiny", 1, TrialConfig(micro_batch=8, lora_rank=8, precision="bf16")),
+    ("builtin:llama-tiny", 2, TrialConfig(micro_batch=4)),
+    ("builtin:llama-tiny", 2, TrialConfig(micro_batch=4, precision="bf16", zero_stage=2, checkpointing=True)),
+    ("builtin:gpt2-deep-tiny", 2, TrialConfig(micro_batch=4, zero_stage=3)),
+]
+
+
+@pytest.mark.parametrize("model, nproc, config", PARTS_CASES,
+                         ids=[f"{m}-n{n}-{c.describe()}" for m, n, c in PARTS_CASES])
+def test_the_parts_add_up_to_the_peak_as_live_at_that_moment(model, nproc, config):
+    workload = Workload(model=model, seq_len=128, global_batch=8 * nproc, nproc=nproc)
+    estimate = predict_memory(workload, config)
+    parts = estimate.parts()
+    assert sum(parts.values()) == estimate.predicted_peak_bytes, parts
+    assert estimate.activations_bytes >= 0 and estimate.temporaries_bytes >= 0, parts
+    assert estimate.not_live_at_peak_bytes <= 0, parts
+    if config.checkpointing and nproc == 1:  # peaks in the backward's recomputation, before the last gradients
+        assert estimate.not_live_at_peak_bytes < 0, parts
+
+
+def test_an_estimate_stored_before_the_parts_added_up_loads_with_the_remainder_named():
+    stored = {"config": TrialConfig(micro_batch=2).to_dict(), "describe": "mb=2 fp32",
+              "predicted_peak_bytes": 1000, "parameters_bytes": 300, "gradients_bytes": 300,
+              "optimizer_state_bytes": 400, "activations_bytes": 200, "temporaries_bytes": 0,
+              "overhead_bytes": None, "method": "fake-tensor training step", "seconds": 1.0}
+    estimate = MemoryEstimate.from_dict(stored)
+    assert estimate.not_live_at_peak_bytes == -200 and sum(estimate.parts().values()) == 1000
+    assert MemoryEstimate.from_dict(estimate.to_dict()) == estimate
 
 
 PSI = 1_000_000  # parameters, all trainable
@@ -87,3 +119,16 @@ def test_estimate_command_json_lines():
     assert {"config", "predicted_peak_bytes", "parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
             "activations_bytes", "temporaries_bytes"} <= result.keys()
     assert result["fits"] is False and result["predicted_peak_bytes"] > 8 * 2**20
+    parts = ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes",
+             "temporaries_bytes", "not_live_at_peak_bytes")
+    assert sum(result[k] for k in parts) == result["predicted_peak_bytes"]
+
+
+def test_estimate_command_table_adds_up():
+    proc = subprocess.run([sys.executable, "-m", "autotune", "estimate", "--model", "builtin:gpt2-deep-tiny",
+                           "--seq-len", "64", "--global-batch", "8", "--micro-batch", "8", "--checkpointing", "on"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    header, row = proc.stdout.splitlines()[:2]
+    assert header.split()[-7:] == ["params", "grads", "optimizer", "activations", "temporaries", "not", "live"]
+    assert row.split()[5] == "=" and row.split()[-2].startswith("-")  # the negative part, shown
