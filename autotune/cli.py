@@ -548,6 +548,7 @@ def estimate(
     if not as_json:
         print("peak = the parts; activations and temporaries: live at the peak; not live: model states "
               "not allocated at the peak (gradients the backward has not made yet)")
+        print(result.device_note or f"traced with {result.traced_device.upper()} kernels")
     return 0
 
 

@@ -19,6 +19,10 @@ __all__ = ["serve"]
 
 
 def serve() -> None:
+    # A CUDA context does not survive fork, and an estimate for a CUDA workload traces on fake CUDA
+    # tensors (which make one): nothing here may create one. torch.cuda.is_available(), which some
+    # imports call, then asks NVML instead of initialising the CUDA driver.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     import peft  # noqa: F401 - imported once here, inherited by every forked estimate
     import torch  # noqa: F401
     from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401

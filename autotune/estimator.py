@@ -77,6 +77,8 @@ class MemoryEstimate:
     seconds: float
     # Model states not allocated at the peak moment (gradients not made yet), <= 0: the parts add up.
     not_live_at_peak_bytes: int = 0
+    traced_device: str = "cpu"      # whose kernels the step was traced with: "cpu" or "cuda"
+    device_note: str | None = None  # where those kernels differ from the workload's device
 
     def fits(self, limit_bytes: int) -> bool:
         return self.predicted_peak_bytes <= limit_bytes
@@ -94,7 +96,8 @@ class MemoryEstimate:
             "parameters_bytes": self.parameters_bytes, "gradients_bytes": self.gradients_bytes,
             "optimizer_state_bytes": self.optimizer_state_bytes, "activations_bytes": self.activations_bytes,
             "temporaries_bytes": self.temporaries_bytes, "not_live_at_peak_bytes": self.not_live_at_peak_bytes,
-            "overhead_bytes": self.overhead_bytes, "method": self.method, "seconds": self.seconds,
+            "overhead_bytes": self.overhead_bytes, "traced_device": self.traced_device,
+            "device_note": self.device_note, "method": self.method, "seconds": self.seconds,
         }
 
     @classmethod
@@ -184,13 +187,17 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
     plain = config.replace(zero_stage=None, offload="none")
     if plain.precision == "tf32":
         plain = plain.replace(precision="fp32")  # same tensors; tf32 only changes the matmul kernels
+    target, traced, note = _devices(workload)
+    device = torch.device(traced)
+    attention = _cuda_fused_attention() if target != traced else contextlib.nullcontext()
     tracker = _peak_parts_tracker()
-    with warnings.catch_warnings(), _adapters_stay_put():
+    with warnings.catch_warnings(), _adapters_stay_put(traced), attention:
         warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
-        # Model code treats fake tensors as tracing: no data-dependent check runs.
-        with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
+        # model code allocates without naming a device is born on the traced one (PEFT's adapters).
+        with FakeTensorMode(allow_non_fake_inputs=True), tracker, device:
             engine = build_engine(workload=workload.replace(nproc=1), config=plain, task=task,
-                                  device=torch.device("cpu"), world_size=1)
+                                  device=device, world_size=1)
             if config.uses_deepspeed and engine.autocast_dtype is not None:
                 # DeepSpeed's fp16/bf16 modes train a 16-bit model (no autocast): 16-bit activations.
                 _to_16_bit(engine)
@@ -199,10 +206,7 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
     activations = tracker.at_peak["activations"]
     method = "fake-tensor training step"
     if config.uses_deepspeed:
-        from autotune.device import detect_device
-
-        on_cpu = detect_device(workload.device).type == "cpu"
-        p, g, o, step_extra = _zero_states(engine, config, workload.nproc, offload_stays=on_cpu)
+        p, g, o, step_extra = _zero_states(engine, config, workload.nproc, offload_stays=target == "cpu")
         zero_whole = _States(p, g, o)
         # ZeRO-2/3 keep a gradient partition through the backward; ZeRO-1 keeps the gradients as made.
         zero_at_peak = _States(p, g if (config.zero_stage or 0) >= 2 else at_peak.gradients, o)
@@ -223,7 +227,68 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
                           activations_bytes=activations,
                           temporaries_bytes=peak - at_peak.total - activations,
                           not_live_at_peak_bytes=at_peak.total - whole.total, overhead_bytes=None,
-                          method=method, seconds=time.perf_counter() - started)
+                          traced_device=traced, device_note=note, method=method,
+                          seconds=time.perf_counter() - started)
+
+
+def _devices(workload: Workload) -> tuple[str, str, str | None]:
+    """(the workload's device type, the device type to trace on, what the output should say about it).
+
+    Kernels decide what is kept for the backward: with dropout, the CPU's attention keeps the
+    whole s x s scores (in fp32 under bf16) where CUDA's fused kernels keep a row statistic, so
+    a CUDA workload is traced on fake CUDA tensors. Those need a GPU: without one, PyTorch's
+    CUDA builds pick the math attention and cannot run the backward, and its CPU builds abort
+    the process; there the trace runs on the CPU with attention as CUDA's fused kernels keep it.
+    """
+    import torch
+
+    cuda_here = torch.cuda.is_available() and not torch.cuda._is_in_bad_fork()
+    if workload.device == "cpu" or (workload.device == "auto" and not cuda_here):
+        return "cpu", "cpu", None
+    if cuda_here:
+        return "cuda", "cuda", None
+    return "cuda", "cpu", ("no CUDA GPU here: traced with CPU kernels and attention as CUDA's fused kernels "
+                           "keep it; CUDA's other kernels may keep a little more or less")
+
+
+@contextlib.contextmanager
+def _cuda_fused_attention() -> Iterator[None]:
+    """Within a CPU trace, ``scaled_dot_product_attention`` keeps what CUDA's kernels keep.
+
+    CUDA picks flash attention for 16-bit inputs without a mask and memory-efficient attention
+    for fp32 or a mask: both keep the output and a log-sum-exp per row (their dropout is
+    regenerated, not stored). Their fake kernels run on any device. Grouped-query attention
+    with a mask or in fp32 is math attention on CUDA too: it stays as it is.
+    """
+    import torch
+
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def fused(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+              is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
+        if torch.is_autocast_enabled(query.device.type):  # as autocast casts SDPA's inputs, on CUDA too
+            dtype = torch.get_autocast_dtype(query.device.type)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+            if attn_mask is not None and attn_mask.is_floating_point():
+                attn_mask = attn_mask.to(dtype)
+        grouped = enable_gqa and key.size(-3) != query.size(-3)
+        if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16):
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, scale=scale)[0]
+        if grouped:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA turns it into a bias
+            bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+            attn_mask = bias.masked_fill(~attn_mask, float("-inf"))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+
+    torch.nn.functional.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
 
 
 _STATES = ("parameters", "gradients", "optimizer_state")
@@ -313,9 +378,9 @@ def _peak_parts_tracker_class() -> type:
 
 
 @contextlib.contextmanager
-def _adapters_stay_put() -> Iterator[None]:
+def _adapters_stay_put(device_type: str) -> Iterator[None]:
     """PEFT moves each new adapter to its base layer's device, which fake parameters cannot do
-    (``Module._apply`` cannot swap them). Under fake tensors both are on the same fake CPU already."""
+    (``Module._apply`` cannot swap them). Under fake tensors both are on the traced device already."""
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:
@@ -328,8 +393,8 @@ def _adapters_stay_put() -> Iterator[None]:
 
     def to_unless_a_no_op(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
         if not kwargs and len(args) == 1 and isinstance(args[0], (torch.device, str)) \
-                and torch.device(args[0]).type == "cpu":
-            return module  # everything is on the fake CPU already
+                and torch.device(args[0]).type == device_type:
+            return module  # everything is on the traced device already
         return original_to(module, *args, **kwargs)
 
     BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *args, **kwargs: None
@@ -391,7 +456,8 @@ def _fake_steps(engine: Any, tracker: Any) -> _States:
             tracker.reset_peak()
         for _ in range(micro_steps):
             tracker.in_forward = True
-            with torch.autocast("cpu", dtype=engine.autocast_dtype, enabled=engine.autocast_dtype is not None):
+            with torch.autocast(engine.device.type, dtype=engine.autocast_dtype,
+                                enabled=engine.autocast_dtype is not None):
                 loss = _loss_of(engine.forward_model(**engine.batch)) / engine.accum
             tracker.in_forward = False
             loss.backward()

@@ -10,6 +10,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from autotune.estimator import ZERO3_MAX_LIVE_PARAMETERS, MemoryEstimate, _zero_states, predict_memory
 from autotune.knobs import TrialConfig
@@ -84,6 +85,46 @@ def test_an_estimate_stored_before_the_parts_added_up_loads_with_the_remainder_n
     assert MemoryEstimate.from_dict(estimate.to_dict()) == estimate
 
 
+def test_a_cpu_workload_is_traced_with_cpu_kernels():
+    estimate = predict_memory(Workload(model="builtin:gpt2-tiny", seq_len=32, global_batch=4, device="cpu"),
+                              TrialConfig(micro_batch=4))
+    assert estimate.traced_device == "cpu" and estimate.device_note is None
+
+
+ATTENTION_CASES = [  # CUDA would run: flash (16-bit, no mask), memory-efficient (fp32), flash for an encoder
+    ("builtin:gpt2-deep-tiny", TrialConfig(micro_batch=4, precision="bf16")),
+    ("builtin:gpt2-deep-tiny", TrialConfig(micro_batch=4)),
+    ("builtin:bert-tiny", TrialConfig(micro_batch=4, precision="bf16", checkpointing=True)),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU here traces on fake CUDA tensors (tests/test_estimator_gpu.py)")
+@pytest.mark.parametrize("model, config", ATTENTION_CASES, ids=[f"{m}-{c.describe()}" for m, c in ATTENTION_CASES])
+def test_a_cuda_workload_without_a_gpu_keeps_no_attention_scores_and_says_so(model, config):
+    cpu = Workload(model=model, seq_len=256, global_batch=4, device="cpu")
+    on_cpu = predict_memory(cpu, config)
+    on_cuda = predict_memory(cpu.replace(device="cuda"), config)
+    assert on_cuda.traced_device == "cpu" and "no CUDA GPU here" in on_cuda.device_note
+    assert sum(on_cuda.parts().values()) == on_cuda.predicted_peak_bytes
+    # The CPU's attention with dropout keeps the s x s scores per head and layer (fp32 at least); CUDA's does not.
+    layers, heads = (6, 4) if "gpt2" in model else (2, 4)
+    scores = layers * config.micro_batch * heads * 256 ** 2 * 4
+    if not config.checkpointing:  # checkpointing keeps no layer's scores: only the peak's layer's, recomputed
+        assert on_cuda.activations_bytes <= on_cpu.activations_bytes - scores
+    assert on_cuda.predicted_peak_bytes < on_cpu.predicted_peak_bytes - 256 ** 2 * 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU here traces on fake CUDA tensors")
+def test_without_dropout_cuda_attention_keeps_what_the_cpus_fused_kernel_keeps():
+    # Llama: grouped-query attention (fp32: math attention on CUDA too; bf16: flash), no attention dropout.
+    workload = Workload(model="builtin:llama-tiny", seq_len=128, global_batch=4, device="cpu")
+    for precision in ("fp32", "bf16"):
+        config = TrialConfig(micro_batch=4, precision=precision)
+        on_cpu = predict_memory(workload, config).predicted_peak_bytes
+        on_cuda = predict_memory(workload.replace(device="cuda"), config).predicted_peak_bytes
+        assert abs(on_cuda / on_cpu - 1) < 0.001, (precision, on_cpu, on_cuda)
+
+
 PSI = 1_000_000  # parameters, all trainable
 MODEL = SimpleNamespace(total_params=PSI, trainable_params=PSI)
 
@@ -117,7 +158,7 @@ def test_estimate_command_json_lines():
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert {"config", "predicted_peak_bytes", "parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
-            "activations_bytes", "temporaries_bytes"} <= result.keys()
+            "activations_bytes", "temporaries_bytes", "traced_device", "device_note"} <= result.keys()
     assert result["fits"] is False and result["predicted_peak_bytes"] > 8 * 2**20
     parts = ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes",
              "temporaries_bytes", "not_live_at_peak_bytes")
@@ -132,3 +173,4 @@ def test_estimate_command_table_adds_up():
     header, row = proc.stdout.splitlines()[:2]
     assert header.split()[-7:] == ["params", "grads", "optimizer", "activations", "temporaries", "not", "live"]
     assert row.split()[5] == "=" and row.split()[-2].startswith("-")  # the negative part, shown
+    assert proc.stdout.splitlines()[-1] == "traced with CPU kernels"
