@@ -331,7 +331,7 @@ def export(
     else:
         print(f"wrote {_export_best(summary, fmt, output)} ({fmt}: {summary.best.config.describe()})",
               file=sys.stderr)
-    print(_trains_line(summary.best.config, fmt), file=sys.stderr)
+    print(_trains_line(summary.best.config, fmt, summary.workload), file=sys.stderr)
     return 0
 
 
@@ -476,7 +476,7 @@ def _finish(summary: Any, *, as_json: bool, exported: str | None = None, wanted_
 
         print_summary(summary)
         if exported:
-            print(f"wrote {exported} ({wanted_export}); {_trains_line(summary.best.config, wanted_export)}")
+            print(f"wrote {exported} ({wanted_export}); {_trains_line(summary.best.config, wanted_export, summary.workload)}")
         elif wanted_export:
             print("nothing exported: no config fits yet", file=sys.stderr)
     if not confirmed:  # --no-confirm: another worker confirms; a measured fit is this one's success

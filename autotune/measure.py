@@ -21,8 +21,8 @@ __all__ = ["StepTimes", "time_steps", "SETTLED_SPREAD", "DISTURBED_FACTOR", "MAX
 
 SETTLED_SPREAD = 0.10      # steps have settled when their IQR is within 10% of their median
 DISTURBED_FACTOR = 1.25    # a step 25% slower than the median was disturbed (by another process, a GC, ...)
-MAX_STEPS_FACTOR = 4       # an unsettled measurement takes at most 4x the requested steps...
-MAX_EXTRA_TIME_FACTOR = 3  # ...and at most 3x the time the requested steps took
+MAX_STEPS_FACTOR = 3       # an unsettled measurement takes at most 3x the requested steps...
+MAX_EXTRA_TIME_FACTOR = 1  # ...and at most as much extra time as the requested steps took
 
 
 @dataclass(frozen=True)

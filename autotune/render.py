@@ -77,8 +77,8 @@ def print_trial(workload: Workload, result: TrialResult, *, console: Console | N
 
 
 # -- studies -------------------------------------------------------------------------------------
-def _trains(config: TrialConfig) -> str:
-    return what_is_trained(config)["note"]
+def _trains(config: TrialConfig, workload: Workload) -> str:
+    return what_is_trained(config, workload)["note"]
 
 
 def print_summary(summary: StudySummary, *, console: Console | None = None, all_trials: bool = True) -> None:
@@ -120,7 +120,7 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
                   f"samples/s, peak {format_size(best.confirmed_peak_memory_bytes)} of "
                   f"{format_size(summary.memory_budget_bytes)}; accumulation "
                   f"{best.config.grad_accum_steps(summary.workload)}", highlight=False)
-    console.print(f"  trains: {_trains(best.config)}", highlight=False)
+    console.print(f"  trains: {_trains(best.config, summary.workload)}", highlight=False)
 
 
 def nothing_fits(summary: StudySummary) -> list[str]:
@@ -211,6 +211,10 @@ class ConsoleProgress:
         self._stop_spinner()
         self._say(f"re-running {record.config.describe()} with {steps} steps (close candidates take turns)")
         self._start_spinner(f"re-running {record.config.describe()}")
+
+    def dropped(self, *, reasons: list[str]) -> None:
+        for reason in reasons:
+            self._say(f"not searched: {reason}")
 
     def stopped(self, *, reason: str) -> None:
         self._say(f"stopped: {reason}")

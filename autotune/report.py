@@ -21,6 +21,8 @@ from autotune.summary import StudySummary, TrialRecord, what_is_trained
 if TYPE_CHECKING:
     import plotly.graph_objects as go
 
+    from autotune.workload import Workload
+
 __all__ = ["render_report", "write_report"]
 
 THROUGHPUT_TITLE = "Throughput per trial"
@@ -130,7 +132,7 @@ def _header_html(summary: StudySummary) -> str:
     ]
     items = "\n".join(f"<dt>{_esc(k)}</dt><dd>{_esc(v)}</dd>" for k, v in rows)
     return (f"<header>\n<h1>autotune report: {_esc(summary.name)}</h1>\n<dl>\n{items}\n</dl>\n"
-            f"{_best_html(summary.best)}\n</header>")
+            f"{_best_html(summary.best, summary.workload)}\n</header>")
 
 
 def _describe_device(device: dict[str, Any]) -> str:
@@ -144,11 +146,11 @@ def _describe_device(device: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _best_html(best: TrialRecord | None) -> str:
+def _best_html(best: TrialRecord | None, workload: Workload) -> str:
     if best is None:
         return (f'<p class="best">{_esc(NO_BEST_TEXT)}: no trial has been confirmed under the '
                 "memory limit.</p>")
-    trains = what_is_trained(best.config)
+    trains = what_is_trained(best.config, workload)
     return (
         f'<p class="best">Best: <strong>{_esc(best.config.describe())}</strong> (trial {best.number}): '
         f"{_esc(_num(best.confirmed_tokens_per_s))} tokens/s confirmed, peak memory "
@@ -263,6 +265,8 @@ def _scatter_traces(
 ) -> list[go.Scatter]:
     import plotly.graph_objects as go
 
+    from autotune.workload import Workload
+
     traces = []
     for (label, (colour, symbol)), group in _grouped(trials).items():
         traces.append(go.Scatter(
@@ -275,6 +279,8 @@ def _scatter_traces(
 
 def _best_trace(best: TrialRecord, *, x: float, y: float) -> go.Scatter:
     import plotly.graph_objects as go
+
+    from autotune.workload import Workload
 
     colour, symbol = _BEST_STYLE
     return go.Scatter(
@@ -310,6 +316,8 @@ def _throughput_figure(summary: StudySummary) -> go.Figure:
     """Tokens/s by trial number; trials without a figure sit on the x axis, never at an invented height."""
     import plotly.graph_objects as go
 
+    from autotune.workload import Workload
+
     measured = [t for t in summary.trials if t.tokens_per_s is not None]
     failed = [t for t in summary.trials if t.tokens_per_s is None]
     fig = go.Figure(layout=_base_layout(title=THROUGHPUT_TITLE, x_title="trial number", y_title="tokens/s"))
@@ -334,6 +342,8 @@ def _throughput_figure(summary: StudySummary) -> go.Figure:
 def _memory_figure(summary: StudySummary) -> go.Figure:
     """Tokens/s against peak MiB, with the budget and the limit drawn; OOM trials sit on the x axis."""
     import plotly.graph_objects as go
+
+    from autotune.workload import Workload
 
     budget_mib = summary.memory_budget_bytes / _MIB
     both = [t for t in summary.trials if t.tokens_per_s is not None and t.peak_memory_bytes is not None]
@@ -403,6 +413,8 @@ def _importance_figure(importances: dict[str, float] | None) -> go.Figure | None
     if not importances:
         return None
     import plotly.graph_objects as go
+
+    from autotune.workload import Workload
 
     ranked = sorted(importances.items(), key=lambda kv: kv[1])
     fig = go.Figure(

@@ -48,7 +48,7 @@ DEFAULT_HEADROOM = 0.10     # a config fits when its peak stays 10% under the bu
 CONFIRM_STEPS_FACTOR = 3    # a candidate's re-run measures 3x as many steps
 CONFIRM_ROUNDS = 2          # interleaved re-runs per contender (A B A B): paired under the same conditions
 CONTENDER_BAND = 0.3        # candidates whose first figure is within 30% of the top one's are compared
-MAX_CONTENDERS = 3          # ... at most this many (plus the answer decided before, if any)
+MAX_CONTENDERS = 2          # ... at most this many (plus the answer decided before, if any)
 CONFIRM_NOISE = 0.03        # a lead under 3% in some round is "within noise"
 MAX_CONFIRMATIONS = 3       # decisions per tune call (a new one when every contender of the last was refuted)
 PROBE_KEY = "device_probe"  # study user attribute: matmul speed per precision relative to fp32
@@ -64,6 +64,7 @@ class Progress(Protocol):
     def trial_started(self, *, index: int, target: int, config: TrialConfig, retry: bool) -> None: ...
     def trial_finished(self, *, record: TrialRecord, best: TrialRecord | None, elapsed_s: float) -> None: ...
     def skipped(self, *, record: TrialRecord, limit_bytes: int) -> None: ...
+    def dropped(self, *, reasons: list[str]) -> None: ...
     def confirming(self, *, record: TrialRecord, steps: int) -> None: ...
     def stopped(self, *, reason: str) -> None: ...
 
@@ -133,6 +134,7 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
 
     progress.started(study=study, storage=display_url(storage), measured=len(measured(records_of(the_study))),
                      target=target, recovered=recovered)
+    progress.dropped(reasons=space.dropped_knobs(workload, device))
     helpers = start_helpers(dict(
         study=study, workload=workload.to_dict(), space=space.name, memory_budget_bytes=budget, n_trials=target,
         timeout_s=timeout_s, trial_timeout_s=trial_timeout_s, patience=patience, headroom=headroom,

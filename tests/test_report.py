@@ -71,7 +71,7 @@ def test_page_has_the_three_plots_the_best_and_the_memory_lines(page):
     assert page.count("Plotly.newPlot(") == 3
     assert "<strong>mb=4 bf16 ckpt lora16</strong> (trial 2)" in page
     assert "8,800.0 tokens/s confirmed, peak memory 11.0 GiB" in page
-    assert "LoRA adapters only trained in bf16 mixed precision" in page
+    assert "LoRA r=16 adapters only, on c_attn (PEFT&#x27;s default targets for gpt2), trained in bf16 mixed precision" in page
     assert '"name":"memory budget 24.0 GiB"' in page
     assert '"name":"memory limit 20.0 GiB (budget minus headroom)"' in page
     assert "seq_len 512, global batch 32, 1 rank(s) per trial" in page
