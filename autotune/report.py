@@ -265,8 +265,6 @@ def _scatter_traces(
 ) -> list[go.Scatter]:
     import plotly.graph_objects as go
 
-    from autotune.workload import Workload
-
     traces = []
     for (label, (colour, symbol)), group in _grouped(trials).items():
         traces.append(go.Scatter(
@@ -279,8 +277,6 @@ def _scatter_traces(
 
 def _best_trace(best: TrialRecord, *, x: float, y: float) -> go.Scatter:
     import plotly.graph_objects as go
-
-    from autotune.workload import Workload
 
     colour, symbol = _BEST_STYLE
     return go.Scatter(
@@ -316,8 +312,6 @@ def _throughput_figure(summary: StudySummary) -> go.Figure:
     """Tokens/s by trial number; trials without a figure sit on the x axis, never at an invented height."""
     import plotly.graph_objects as go
 
-    from autotune.workload import Workload
-
     measured = [t for t in summary.trials if t.tokens_per_s is not None]
     failed = [t for t in summary.trials if t.tokens_per_s is None]
     fig = go.Figure(layout=_base_layout(title=THROUGHPUT_TITLE, x_title="trial number", y_title="tokens/s"))
@@ -342,8 +336,6 @@ def _throughput_figure(summary: StudySummary) -> go.Figure:
 def _memory_figure(summary: StudySummary) -> go.Figure:
     """Tokens/s against peak MiB, with the budget and the limit drawn; OOM trials sit on the x axis."""
     import plotly.graph_objects as go
-
-    from autotune.workload import Workload
 
     budget_mib = summary.memory_budget_bytes / _MIB
     both = [t for t in summary.trials if t.tokens_per_s is not None and t.peak_memory_bytes is not None]
@@ -398,8 +390,8 @@ def _varied_importances(summary: StudySummary) -> tuple[dict[str, float] | None,
         if t.status == "ok" and t.tokens_per_s is not None:
             for name, value in SearchSpace.params_of(t.config).items():
                 values.setdefault(name, set()).add(value)
-    # A knob name the trials do not show (none of the tuner's parameters) is kept: nothing says it stayed put.
-    varied = {k: v for k, v in summary.importances.items() if len(values.get(k, {1, 2})) > 1}
+    # A name the trials do not show (not one of the tuner's parameters) is kept: nothing says it stayed put.
+    varied = {k: v for k, v in summary.importances.items() if k not in values or len(values[k]) > 1}
     if len(varied) < 2:
         what = (f"only {', '.join(varied)} varied" if varied else "no knob varied") + \
             "".join(f"; {k} was always {next(iter(values[k]))}" for k in summary.importances if k not in varied)
@@ -413,8 +405,6 @@ def _importance_figure(importances: dict[str, float] | None) -> go.Figure | None
     if not importances:
         return None
     import plotly.graph_objects as go
-
-    from autotune.workload import Workload
 
     ranked = sorted(importances.items(), key=lambda kv: kv[1])
     fig = go.Figure(
