@@ -47,6 +47,7 @@ __all__ = ["tune", "find", "Progress", "TrialBackend", "LocalBackend", "DEFAULT_
 DEFAULT_HEADROOM = 0.10     # a config fits when its peak stays 10% under the budget
 CONFIRM_STEPS_FACTOR = 3    # a candidate's re-run measures 3x as many steps
 CONFIRM_ROUNDS = 2          # interleaved re-runs per contender (A B A B): paired under the same conditions
+MAX_CONFIRM_ROUNDS = 3      # one more round when the first ones disagree on who leads
 CONTENDER_BAND = 0.3        # candidates whose first figure is within 30% of the top one's are compared
 MAX_CONTENDERS = 2          # ... at most this many (plus the answer decided before, if any)
 CONFIRM_NOISE = 0.03        # a lead under 3% in some round is "within noise"
@@ -436,7 +437,8 @@ def _confirm_winner(study: optuna.Study, proposer: Proposer, workload: Workload,
 
     The contenders are the candidates whose first figure is within ``CONTENDER_BAND`` of the top
     one (at most ``MAX_CONTENDERS``), with the answer decided before, if any. Each runs
-    ``CONFIRM_ROUNDS`` times in turn (A B C A B C), so every round sees them under the same
+    ``CONFIRM_ROUNDS`` times in turn (A B C A B C; a third round when the rounds disagree on who
+    leads), so every round sees them under the same
     conditions, and they are ranked by their paired figures: a candidate's figure over the
     round's mean, the median over rounds. A re-run that does not train or does not fit refutes
     its candidate (``confirmed`` False); a slower one only ranks it lower: a refuted speed
@@ -453,7 +455,9 @@ def _confirm_winner(study: optuna.Study, proposer: Proposer, workload: Workload,
         if not contenders or {r.number for r in contenders} <= decided:
             return
         runs: dict[int, list[TrialResult]] = {r.number: [] for r in contenders}
-        for round_index in range(CONFIRM_ROUNDS if len(contenders) > 1 else 1):
+        for round_index in range(MAX_CONFIRM_ROUNDS if len(contenders) > 1 else 1):
+            if round_index >= CONFIRM_ROUNDS and _rounds_agree(contenders, runs, limit):
+                break
             for record in contenders:
                 if any(not _holds(result, limit) for result in runs[record.number]):
                     continue  # refuted already: no need to time it again
@@ -464,6 +468,37 @@ def _confirm_winner(study: optuna.Study, proposer: Proposer, workload: Workload,
                     timeout_s=measure.trial_timeout_s * CONFIRM_STEPS_FACTOR,
                     warmup_steps=measure.warmup_steps + 1, measure_steps=steps))
         _store_decision(study, proposer, contenders, runs, limit)
+
+
+def _rounds_agree(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], limit: int) -> bool:
+    """Whether the leader by paired figures was ahead of every other contender in every round."""
+    held = _held(contenders, runs, limit)
+    scores, rounds = _paired_scores(held, runs)
+    if len(scores) < 2:
+        return True
+    leader = max(scores, key=scores.__getitem__)
+    return all((runs[leader][i].tokens_per_s or 0.0) > (runs[n][i].tokens_per_s or 0.0)
+               for n in scores if n != leader for i in range(rounds))
+
+
+def _held(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], limit: int) -> list[TrialRecord]:
+    """The contenders every re-run of which trained and fit."""
+    return [r for r in contenders if runs[r.number] and all(_holds(x, limit) for x in runs[r.number])]
+
+
+def _paired_scores(held: list[TrialRecord], runs: dict[int, list[TrialResult]]) -> tuple[dict[int, float], int]:
+    """Each contender's figure over the round's geometric mean, the median over the rounds all ran."""
+    import statistics
+
+    rounds = min((len(runs[r.number]) for r in held), default=0)
+    scores: dict[int, float] = {}
+    for record in held:
+        paired = []
+        for i in range(rounds):
+            round_mean = statistics.geometric_mean([runs[r.number][i].tokens_per_s or 1e-9 for r in held])
+            paired.append((runs[record.number][i].tokens_per_s or 0.0) / round_mean)
+        scores[record.number] = statistics.median(paired) if paired else 0.0
+    return scores, rounds
 
 
 def _contenders(records: list[TrialRecord]) -> list[TrialRecord]:
@@ -489,15 +524,7 @@ def _store_decision(study: optuna.Study, proposer: Proposer, contenders: list[Tr
 
     from autotune.study import CONFIRM_PREFIX, DECISION_KEY
 
-    held = [r for r in contenders if runs[r.number] and all(_holds(x, limit) for x in runs[r.number])]
-    rounds = min((len(runs[r.number]) for r in held), default=0)
-    scores: dict[int, float] = {}
-    for record in held:
-        paired = []
-        for i in range(rounds):
-            round_mean = statistics.geometric_mean([runs[r.number][i].tokens_per_s or 1e-9 for r in held])
-            paired.append((runs[record.number][i].tokens_per_s or 0.0) / round_mean)
-        scores[record.number] = statistics.median(paired) if paired else 0.0
+    scores, rounds = _paired_scores(_held(contenders, runs, limit), runs)
     order = sorted(scores, key=lambda n: -scores[n])
     for record in contenders:
         results = runs[record.number]

@@ -190,3 +190,12 @@ def test_patience_waits_until_every_precision_was_measured_once(tmp_path):
     assert summary.best.config.precision == "bf16"
     _tune(tmp_path, backend, knobs="  micro_batch: [1, 2, 4]\n  precision: [fp32, bf16]\n", patience=1)
     assert len(backend.probed) == 1  # stored in the study: probed once
+
+
+def test_rounds_that_disagree_on_the_leader_get_a_third_round(tmp_path):
+    # Round 1: mb=4 ahead; round 2 (a burst of load on mb=4's run): mb=2 ahead; round 3 decides.
+    backend = ScriptedBackend(first={1: 50.0, 2: 90.0, 4: 100.0}, reruns={4: [100.0, 50.0, 100.0], 2: [90.0, 80.0, 90.0]})
+    summary = _tune(tmp_path, backend)
+    assert _confirming(backend) == [4, 2, 4, 2, 4, 2]
+    assert summary.best.config.micro_batch == 4
+    assert "within noise of the runner-up mb=2 fp32" in summary.certainty and "ahead in 2 of 3 rounds" in summary.certainty
