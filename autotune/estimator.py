@@ -191,7 +191,7 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
     device = torch.device(traced)
     attention = _cuda_fused_attention() if target != traced else contextlib.nullcontext()
     tracker = _peak_parts_tracker()
-    with warnings.catch_warnings(), _adapters_stay_put(traced), attention:
+    with warnings.catch_warnings(), _adapters_stay_put(traced), _unpacked_batches(), attention:
         warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
         # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
         # model code allocates without naming a device is born on the traced one (PEFT's adapters).
@@ -375,6 +375,32 @@ def _peak_parts_tracker_class() -> type:
             super()._release(counter)
 
     return PeakPartsTracker
+
+
+@contextlib.contextmanager
+def _unpacked_batches() -> Iterator[None]:
+    """Transformers' masks treat the batch as the real step sees it: one sequence per row.
+
+    Given position ids, Transformers looks for several sequences packed in one row; on fake
+    tensors it cannot read them, so it assumes packing and builds an explicit mask (and its
+    copies) that the real step, whose synthetic rows are never packed, skips for SDPA's causal
+    flag. Checkpointed layers keep that mask to the end of the backward: +0.8% on a small Llama,
+    +7% on a small Mixtral.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 @contextlib.contextmanager
