@@ -195,7 +195,7 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
         warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
         # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
         # model code allocates without naming a device is born on the traced one (PEFT's adapters).
-        with FakeTensorMode(allow_non_fake_inputs=True), tracker, device:
+        with FakeTensorMode(allow_non_fake_inputs=True), _grouped_mm_in_any_dtype(), tracker, device:
             engine = build_engine(workload=workload.replace(nproc=1), config=plain, task=task,
                                   device=device, world_size=1)
             if config.uses_deepspeed and engine.autocast_dtype is not None:
@@ -307,6 +307,30 @@ class _States:
         return self.parameters + self.gradients + self.optimizer_state
 
 
+def _grouped_mm_in_any_dtype() -> Any:
+    """A dispatch mode under which fake ``_grouped_mm`` takes what the CPU's kernel takes.
+
+    Its fake kernel checks the bf16-only rule of CUDA's fast kernel, so mixture-of-experts layers
+    (Transformers' grouped experts: fp32 weights, inputs cast to them, autocast or not) failed
+    to trace, where the CPU's kernel takes fp32: same output shape, in the inputs' dtype. The
+    bf16 stand-ins live below the tracker, which counts only the result.
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class GroupedMMInAnyDtype(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+                dtype = kwargs.get("out_dtype") or args[0].dtype
+                stand_ins = [arg.to(torch.bfloat16) if isinstance(arg, torch.Tensor) and arg.is_floating_point()
+                             else arg for arg in args]
+                return func(*stand_ins, **kwargs).to(dtype)
+            return func(*args, **kwargs)
+
+    return GroupedMMInAnyDtype()
+
+
 def _peak_parts_tracker() -> Any:
     return _peak_parts_tracker_class()()
 
@@ -405,8 +429,9 @@ def _unpacked_batches() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _adapters_stay_put(device_type: str) -> Iterator[None]:
-    """PEFT moves each new adapter to its base layer's device, which fake parameters cannot do
-    (``Module._apply`` cannot swap them). Under fake tensors both are on the traced device already."""
+    """PEFT moves each new adapter to its base layer's device (and, for an adapted parameter such as
+    fused experts, dtype), which fake parameters cannot do (``Module._apply`` cannot swap them).
+    Under fake tensors both are on the traced device already."""
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:
@@ -418,9 +443,10 @@ def _adapters_stay_put(device_type: str) -> Iterator[None]:
     original_to = torch.nn.Module.to
 
     def to_unless_a_no_op(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
-        if not kwargs and len(args) == 1 and isinstance(args[0], (torch.device, str)) \
-                and torch.device(args[0]).type == device_type:
-            return module  # everything is on the traced device already
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
+        if (device is None or device.type == device_type) and (dtype is None or all(t.dtype == dtype for t in tensors)):
+            return module  # everything is on the traced device, in that dtype, already
         return original_to(module, *args, **kwargs)
 
     BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *args, **kwargs: None
