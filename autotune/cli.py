@@ -162,7 +162,9 @@ def find(
     estimate: EstimateOpt = True,
     export: Annotated[Optional[str], typer.Option(
         "--export", help="Also write the best config in this format (see autotune export).")] = None,
-    output: Annotated[Optional[str], typer.Option("-o", "--output", help="File for --export.")] = None,
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help=(
+        "File for --export; a directory (existing, or ending in /) gets the format's usual file name "
+        "inside it; --format peft writes DIR/adapter_config.json unless the name ends in .json."))] = None,
     as_json: JsonOpt = False,
 ) -> int:
     """Find the fastest config that fits: asking the same question again answers from its study.
@@ -318,7 +320,9 @@ def show(study: StudyOpt, storage: StorageOpt = None, as_json: JsonOpt = False) 
 def export(
     study: StudyOpt,
     fmt: FormatOpt = "json",
-    output: Annotated[Optional[str], typer.Option("-o", "--output", help="File to write (default: print it).")] = None,
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help=(
+        "File to write (default: print it); a directory (existing, or ending in /) gets the format's usual "
+        "file name inside it; --format peft writes DIR/adapter_config.json unless the name ends in .json."))] = None,
     storage: StorageOpt = None,
 ) -> int:
     """Write a study's best config in the format a training job reads."""
@@ -509,6 +513,8 @@ def estimate(
 ) -> int:
     """Predict peak memory per rank without training: the real step on fake tensors, split into parts.
 
+    The parts add up to the peak. A CUDA workload is traced with CUDA's kernels where a GPU is
+    visible, else with the CPU's (attention as CUDA's fused kernels keep it), as the output says.
     Tensor bytes only: what a GPU adds on top (CUDA context, allocator reserve) is not calibrated yet.
     """
     from autotune.estimator import EstimateError, predict_memory

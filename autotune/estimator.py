@@ -218,9 +218,10 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
     elif workload.nproc > 1:
         # DDP copies every gradient into its all-reduce buckets (gradient_as_bucket_view is off),
         # allocated when DDP wraps the model: live all along.
-        peak += whole.gradients
-        whole = dataclasses.replace(whole, gradients=2 * whole.gradients)
-        at_peak = dataclasses.replace(at_peak, gradients=at_peak.gradients + whole.gradients // 2)
+        buckets = whole.gradients
+        peak += buckets
+        whole = dataclasses.replace(whole, gradients=whole.gradients + buckets)
+        at_peak = dataclasses.replace(at_peak, gradients=at_peak.gradients + buckets)
         method += " + DDP gradient buckets"
     return MemoryEstimate(config=config, predicted_peak_bytes=peak, parameters_bytes=whole.parameters,
                           gradients_bytes=whole.gradients, optimizer_state_bytes=whole.optimizer_state,
