@@ -7,6 +7,8 @@ N ranks): full fine-tuning with torch autocast (fp32 weights, gradients and Adam
 4 + 4 + 8 = 16 bytes per parameter; DeepSpeed mixed precision (16-bit weights and gradients,
 fp32 master + m + v): 2 + 2 + 12 = 16 bytes per parameter, divided over N ranks per ZeRO stage.
 Ψ is counted from the config's shapes, independently of the model the estimator builds.
+Each row also lists the peak's parts, which add up to it: whole model states, the activations
+and temporaries live at the peak, and the model states not allocated yet at that moment.
 """
 
 from __future__ import annotations
@@ -43,12 +45,15 @@ def main() -> None:
         psi = _parameters(workload)
         expected = [int(b * psi) for b in per_param]
         got = [estimate.parameters_bytes, estimate.gradients_bytes, estimate.optimizer_state_bytes]
+        parts = estimate.parts()
+        assert sum(parts.values()) == estimate.predicted_peak_bytes, parts
         rows.append({"case": label, "parameters": psi, "seconds": seconds, "estimate": estimate.to_dict(),
                      "expected_model_states": expected, "estimated_model_states": got,
                      "model_states_relative_error": sum(got) / sum(expected) - 1})
         print(f"{label:<32} {seconds:5.1f} s  peak {estimate.predicted_peak_bytes / 2**30:6.2f} GiB  model states "
               f"{sum(got) / 2**30:6.2f} GiB vs arithmetic {sum(expected) / 2**30:6.2f} GiB "
-              f"({sum(got) / psi:.2f} B/param, error {sum(got) / sum(expected) - 1:+.2%})", flush=True)
+              f"({sum(got) / psi:.2f} B/param, error {sum(got) / sum(expected) - 1:+.2%})\n    = "
+              + " + ".join(f"{name} {size / 2**30:.2f}" for name, size in parts.items()) + " GiB", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": "python bench/estimate_7b.py", "rows": rows}, indent=2) + "\n")
 
