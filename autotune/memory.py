@@ -56,8 +56,13 @@ class LiveBytesTracker(TorchDispatchMode):
             # Checked on every growth, not only at a new peak: code that catches the OOM and tries
             # again in this process (a batch-size finder) must meet the budget, not the old overshoot.
             if grown > 0 and self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
-                raise torch.OutOfMemoryError(_budget_exceeded_message(
-                    grown, live_bytes=self.live_bytes, budget_bytes=self.budget_bytes))
+                message = _budget_exceeded_message(grown, live_bytes=self.live_bytes, budget_bytes=self.budget_bytes)
+                # As an allocator's failed request, the bytes are not live (the peak keeps what was
+                # asked for): the tensor lives on in the exception's frames, and a handler that
+                # allocates a little before it lets go (Lightning's finder does) must not OOM again.
+                self.live_bytes -= grown
+                counted[0] -= grown
+                raise torch.OutOfMemoryError(message)
 
     def _release(self, counted: list[int]) -> None:
         self.live_bytes -= counted[0]

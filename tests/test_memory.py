@@ -78,3 +78,15 @@ def test_the_budget_holds_after_an_oom_was_caught_in_the_same_process():
         assert tracker.live_bytes == 0 and tracker.peak_bytes == 40_000
         with pytest.raises(torch.OutOfMemoryError):
             keep = [torch.empty(1000) for _ in range(3)]  # noqa: F841 - 12 kB live
+
+
+def test_a_failed_request_is_not_live_while_its_exception_is_handled():
+    # A real allocator never hands out the bytes of a failed request; Lightning's finder allocates
+    # a small tensor inside its `except` block, while the traceback still holds the oversized one.
+    with LiveBytesTracker(budget_bytes=10_000) as tracker:
+        try:
+            torch.empty(10_000)  # 40 kB asked for
+        except torch.OutOfMemoryError:
+            small = torch.empty(10)
+            assert tracker.live_bytes == small.untyped_storage().nbytes()
+    assert tracker.peak_bytes == 40_000  # the peak says how much was asked for
