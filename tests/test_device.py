@@ -32,7 +32,6 @@ def test_the_cpu_fp16_answer_is_deepspeeds_own():
     assert out.stdout.strip().splitlines()[-1] == str(CPU.fp16_deepspeed)
 
 
-@pytest.mark.slow
 def test_fp16_under_zero_trains_exactly_where_autotune_allows_it():
     # Skip autotune's own refusal and let DeepSpeed decide in a real 1-rank ZeRO-2 trial.
     r = run_trial(WORKLOAD, FP16_ZERO2, device=dataclasses.replace(CPU, fp16_deepspeed=True),
