@@ -31,6 +31,7 @@ from pathlib import Path
 import optuna
 
 from autotune.storage import open_storage
+from autotune.study import ANSWER_ATTR
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 FAULT_SPACE = "n_trials: 7\npatience: 7\nknobs:\n  micro_batch: [1, 2, 4, 8, 16, 32, 64]\n" \
@@ -52,7 +53,9 @@ def _env() -> dict[str, str]:
 
 
 def trials(work: Path, study: str) -> list[optuna.trial.FrozenTrial]:
-    return optuna.load_study(study_name=study, storage=open_storage(f"sqlite:///{work}/storage/autotune.db")).trials
+    """The study's measured trials (the confirmed answer's own copy left out)."""
+    study = optuna.load_study(study_name=study, storage=open_storage(f"sqlite:///{work}/storage/autotune.db"))
+    return [t for t in study.trials if ANSWER_ATTR not in t.user_attrs]
 
 
 def trial_faults(work: Path) -> list[dict]:

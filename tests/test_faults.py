@@ -13,6 +13,7 @@ from pathlib import Path
 import optuna
 
 from autotune.storage import open_storage
+from autotune.study import ANSWER_ATTR
 
 # tests/factories.py FaultyLM: the micro batch picks the fault (OOM at the largest, since larger
 # micro batches than an OOM are never tried).
@@ -43,8 +44,9 @@ def tune(work: Path, study: str, model: str, *extra: str) -> subprocess.Complete
 
 
 def trials(work: Path, study: str) -> list[optuna.trial.FrozenTrial]:
+    """The study's measured trials (the confirmed answer's own copy left out)."""
     storage = open_storage(f"sqlite:///{work}/storage/autotune.db")
-    return optuna.load_study(study_name=study, storage=storage).trials
+    return [t for t in optuna.load_study(study_name=study, storage=storage).trials if ANSWER_ATTR not in t.user_attrs]
 
 
 def test_a_study_survives_every_trial_fault_and_keeps_every_trial(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 from optuna.trial import TrialState
 
 from autotune.storage import open_storage
+from autotune.study import ANSWER_ATTR
 
 # gpt2-tiny, seq 32, fp32: mb=1 ~15 MiB, mb=4 ~19 MiB, mb=16 ~38 MiB (over a 28 MiB budget: OOM).
 # mb=4 runs about 4x faster than mb=1, a gap no contention between three workers on two cores hides.
@@ -41,8 +42,11 @@ def tune(work: Path, study: str, storage: str | None, workers: int) -> subproces
 def check_each_config_measured_once(storage: str, study: str, proc: subprocess.CompletedProcess[str]) -> dict:
     assert proc.returncode == 0, proc.stderr
     assert "locked" not in proc.stderr.lower() and "Traceback" not in proc.stderr, proc.stderr
-    trials = optuna.load_study(study_name=study, storage=open_storage(storage)).trials
-    configs = [t.user_attrs["config"]["micro_batch"] for t in trials]
+    every = optuna.load_study(study_name=study, storage=open_storage(storage)).trials
+    trials = [t for t in every if ANSWER_ATTR not in t.user_attrs]    # measurements; the answer's copy aside
+    answers = [t for t in every if ANSWER_ATTR in t.user_attrs]
+    best = json.loads(proc.stdout)["best"]
+    assert [t.user_attrs["config"] for t in answers] == [best["config"]]  # the one confirmation, once
     assert sorted(configs) == [1, 4, 16], configs                      # each config once, none lost
     assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}  # nothing left running
     assert {t.user_attrs["status"] for t in trials} == {"ok", "oom"}
