@@ -380,6 +380,19 @@ def _knobs(micro_batch: int, precision: str, checkpointing: str, lora_rank: int 
         zero_stage=_zero_stage(zero_stage), offload=offload)
 
 
+def _refuse_what_cannot_run_here(config: TrialConfig, workload: Workload) -> None:
+    """A config this device cannot run (tf32 or fp16 under ZeRO on a CPU) is refused as trial refuses it;
+    a CUDA workload estimated on a machine without a GPU is checked for what it can be checked."""
+    from autotune.device import detect_device
+    from autotune.errors import AutotuneError
+
+    try:
+        device = detect_device(workload.device)
+    except AutotuneError:  # --device cuda with no GPU here: estimating for another machine
+        return
+    config.validate_for(workload, device)
+
+
 def _size(text: str | None) -> int | None:
     from autotune.sizes import parse_size
 
@@ -531,6 +544,7 @@ def estimate(
         configs = [_knobs(micro_batch, precision, checkpointing, lora_rank, lora_alpha, lora_targets,
                           zero_stage, offload)]
         configs[0].grad_accum_steps(workload)
+        _refuse_what_cannot_run_here(configs[0], workload)
     budget = _size(memory_budget)
     limit = int(budget * (1 - headroom)) if budget is not None else None
     resolved_task = resolve_task(workload)

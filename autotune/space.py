@@ -153,14 +153,17 @@ class SearchSpace:
     def candidates(self, workload: Workload, device: DeviceInfo) -> list[TrialConfig]:
         """Every config of the space that can run here, in a stable order."""
         choices = self.choices(workload, device)
-        found = []
+        found, refused = [], []
         for combo in itertools.product(*choices.values()):
             config = self.config_of(dict(zip(choices, combo)))
             try:
                 config.validate_for(workload, device)  # e.g. fp16 with ZeRO where DeepSpeed has no fp16
-            except ConfigError:
+            except ConfigError as exc:
+                refused.append(str(exc))
                 continue
             found.append(config)
+        if not found and refused:
+            raise ConfigError(f"{self.name}: no config of this space can run here: {refused[0]}")
         return found
 
 

@@ -44,6 +44,7 @@ BAD_INPUTS = [
     (["trial", "--memory-budget", "lots"], "--memory-budget 'lots' is not a size"),
     (["tune", "--study", "kept", "--memory-budget", "0"], "--memory-budget"),
     (["estimate", "--memory-budget", "-1GiB"], "--memory-budget"),
+    (["estimate", "--precision", "tf32"], "--precision tf32 only exists on CUDA"),
     # model sources
     (["trial", "--model", "builtin:gpt5"], "no such built-in model"),
     (["trial", "--model", "nobody/nothing"], "not in the local Hugging Face cache"),

@@ -242,3 +242,15 @@ def test_the_throughput_model_starts_from_its_priors_and_follows_the_measurement
     model.fit([(TrialConfig(micro_batch=2), 100.0), (TrialConfig(micro_batch=2, checkpointing=True), 300.0),
                (TrialConfig(micro_batch=8), 150.0), (TrialConfig(micro_batch=8, checkpointing=True), 450.0)])
     assert model.predict(ckpt) > model.predict(plain)
+
+
+def test_a_space_none_of_whose_configs_can_run_here_says_why(tmp_path):
+    from autotune.errors import ConfigError
+    from autotune.space import load_space
+    from autotune.workload import Workload
+
+    (tmp_path / "fp16_zero.yaml").write_text("knobs:\n  micro_batch: [2]\n  precision: [fp16]\n  zero_stage: [2]\n")
+    space = load_space(tmp_path / "fp16_zero.yaml")
+    with pytest.raises(ConfigError, match="no config of this space can run here: --precision fp16 with --zero-stage"):
+        space.candidates(Workload(model="builtin:gpt2-tiny", nproc=2), CPU)
+    assert space.candidates(Workload(model="builtin:gpt2-tiny", nproc=2), GPU)  # where DeepSpeed trains fp16
