@@ -1,0 +1,443 @@
+"""Peers side by side: batch-size finders and `autotune find` on one model, workload and CPU budget.
+
+    python bench/peers.py     # writes bench/results/peers_cpu.{json,md}; about 7 minutes on 2 quiet cores
+
+Each tool tunes in its own process, the real library code:
+
+- Lightning ``Tuner.scale_batch_size`` (mode power, and mode binsearch), on a LightningModule
+  wrapping the workload's model (``autotune.models.build_model``) and synthetic batches of its shapes;
+- Accelerate ``find_executable_batch_size`` around a training loop, as Accelerate's
+  ``automatic_gradient_accumulation`` example uses it: starting at the global batch, accumulation
+  ``global batch // batch size``, two optimizer steps per attempt;
+- ``autotune find`` (the CLI, ``--json``, a fresh SQLite storage in a temporary directory), once
+  per ``--space``: by default ``quick`` (micro batch, checkpointing, fp32/bf16) and
+  ``bench/spaces/fp32_micro_ckpt.yaml`` (fp32 only, the precision the peers train in).
+
+Inside each peer's process ``autotune.memory.LiveBytesTracker`` enforces the budget: an
+out-of-memory error carrying the CPU allocator's own words, which the peers' OOM matchers
+(Lightning ``is_oom_error``, Accelerate ``should_reduce_batch_size``) recognise. The peers pick a
+micro batch only (fp32, no checkpointing); each pick is then measured with ``autotune trial --json``
+at the same budget, as its job would run it: micro batch m, accumulation ``global // m`` (Accelerate's
+rule; the global batch is m x that), interleaved round by round with ``autotune find``'s pick.
+DeepSpeed's autotuner is listed but not run (see ``DEEPSPEED``).
+
+    python bench/peers.py --remeasure --rounds 5   # the picks in the results, measured again
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ("lightning-power", "lightning-binsearch", "accelerate")
+HEADROOM = 0.10  # autotune's default: a config fits when its peak stays 10% under the budget
+PROBE_OPTIMIZER_STEPS = 2  # the second step holds optimizer states, gradients and activations at once
+QUIET_SPREAD = 0.10  # a measurement whose step times spread wider (IQR / median) was disturbed
+TOOLS = {"lightning-power": "Lightning `scale_batch_size` power",
+         "lightning-binsearch": "Lightning `scale_batch_size` binsearch",
+         "accelerate": "Accelerate `find_executable_batch_size`"}
+DEEPSPEED = ("not run: `deepspeed --autotuning run` starts every experiment through its launcher and "
+             "ends each with pdsh over ssh (not installed here); it has no memory budget (it sizes "
+             "configs against the accelerator's total memory) and no CPU live-bytes tracker to "
+             "enforce one in its experiments' processes; it is made for GPU nodes")
+
+
+# -- inside a peer's process ----------------------------------------------------------------------
+def _synthetic_dataset(model: Any, *, task: str, seq_len: int, length: int = 100_000) -> Any:
+    """Random tokens of the workload's shapes, as autotune's trials use (values change neither speed
+    nor memory); long enough that no finder stops at the dataset's length."""
+    import torch
+
+    vocab = model.config.vocab_size
+
+    class SyntheticTokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return length
+
+        def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+            ids = torch.randint(0, vocab, (seq_len,))
+            labels = ids if task == "causal-lm" else torch.randint(0, 2, ())
+            return {"input_ids": ids, "labels": labels}
+
+    return SyntheticTokens()
+
+
+def _lightning(mode: str, workload: Any, task: str, attempts: list[dict[str, Any]], workdir: str) -> int:
+    import lightning as L
+    import torch
+    from lightning.pytorch.tuner import Tuner
+
+    from autotune.deepspeed_config import LEARNING_RATE
+    from autotune.models import build_model
+
+    class PeerModule(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build_model(workload, task=task, device=torch.device("cpu"))
+            self.dataset = _synthetic_dataset(self.model, task=task, seq_len=workload.seq_len)
+            self.batch_size = 2  # the attribute scale_batch_size adjusts
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.model(**batch).loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(self.dataset, batch_size=self.batch_size)
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 0:  # the finder resets the loop for each size it tries
+                attempts.append({"micro_batch": len(batch["input_ids"]), "steps_done": 0})
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            attempts[-1]["steps_done"] = batch_idx + 1
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=workdir)
+    return Tuner(trainer).scale_batch_size(PeerModule(), mode=mode)  # Lightning's defaults otherwise
+
+
+def _accelerate(workload: Any, task: str, attempts: list[dict[str, Any]]) -> int:
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import find_executable_batch_size
+
+    from autotune.deepspeed_config import LEARNING_RATE
+    from autotune.models import build_model
+
+    accelerator = Accelerator(cpu=True)
+    observed = workload.global_batch
+
+    @find_executable_batch_size(starting_batch_size=observed)
+    def train(batch_size: int) -> int:
+        nonlocal accelerator
+        accum = observed // batch_size
+        attempts.append({"micro_batch": batch_size, "accumulation": accum, "steps_done": 0})
+        accelerator.gradient_accumulation_steps = accum
+        accelerator.free_memory()
+        model = build_model(workload, task=task, device=accelerator.device)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+        loader = torch.utils.data.DataLoader(_synthetic_dataset(model, task=task, seq_len=workload.seq_len),
+                                             batch_size=batch_size)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        for micro, batch in zip(range(PROBE_OPTIMIZER_STEPS * accum), loader):
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            attempts[-1]["steps_done"] = micro + 1
+        return batch_size
+
+    return train()
+
+
+def run_peer(name: str, workload: Any, budget: int, result_path: Path) -> None:
+    """Tune with one peer under the budget; write its pick and attempts to ``result_path``."""
+    from autotune.memory import LiveBytesTracker
+    from autotune.models import resolve_task
+
+    task = resolve_task(workload)
+    attempts: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as workdir, LiveBytesTracker(budget) as tracker:
+        if name == "accelerate":
+            picked = _accelerate(workload, task, attempts)
+        else:
+            picked = _lightning(name.removeprefix("lightning-"), workload, task, attempts, workdir)
+    result_path.write_text(json.dumps({"picked_micro_batch": picked, "attempts": attempts,
+                                       "finder_s": time.perf_counter() - started,
+                                       "tracker_peak_bytes": tracker.peak_bytes}))
+
+
+# -- the bench ------------------------------------------------------------------------------------
+def _workload_flags(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--seq-len", str(args.seq_len)]
+
+
+def _turn() -> Any:
+    """Take the CPU turn autotune's own trials take, so that no autotune trial of another run
+    computes on these cores while a peer tunes or a pick is measured."""
+    from autotune.workers import cpu_turn
+
+    return cpu_turn("cpu")
+
+
+def tune_with_peer(name: str, args: argparse.Namespace, budget: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp, _turn():
+        result_path = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--peer", name, "--result", str(result_path),
+               "--budget-bytes", str(budget), "--global-batch", str(args.global_batch), *_workload_flags(args)]
+        started = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, timeout=600)
+        wall = time.perf_counter() - started
+        if proc.returncode != 0 or not result_path.exists():
+            raise SystemExit(f"peer {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return {**json.loads(result_path.read_text()), "wall_s": wall}
+
+
+def tune_with_autotune(args: argparse.Namespace, space: str) -> dict[str, Any]:
+    file = ROOT / space  # find runs in a temporary directory: a space file by its absolute path
+    flags = [*_workload_flags(args), "--global-batch", str(args.global_batch), "--memory-budget",
+             args.memory_budget, "--space", str(file) if file.is_file() else space]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "autotune", "find", *flags, "--storage", f"sqlite:///{tmp}/autotune.db", "--json"]
+        started = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, timeout=3600)
+        wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"autotune find failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    study = json.loads(proc.stdout)
+    ran = [t for t in study["trials"] if t["status"] != "skipped"]
+    return {"picked": study["best"], "wall_s": wall, "trials_run": len(ran),
+            "oom_trials": sum(t["status"] == "oom" for t in ran),
+            "trial_s": sum(t["duration_s"] or 0.0 for t in ran),
+            "trials": [{k: t.get(k) for k in ("describe", "status", "tokens_per_s", "peak_memory_bytes", "duration_s")}
+                       for t in study["trials"]],
+            "space": space,
+            "command": "autotune find " + " ".join(flags[:-1] + [space]) + " --storage sqlite:///TMP/autotune.db --json"}
+
+
+def measure(config: dict[str, Any], global_batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One ``autotune trial --json`` of ``config`` at ``global_batch``, under the budget."""
+    flags = ["--micro-batch", str(config["micro_batch"]), "--precision", config["precision"],
+             "--checkpointing", "on" if config["checkpointing"] else "off"]
+    if config.get("lora_rank"):
+        flags += ["--lora-rank", str(config["lora_rank"])]
+    if config.get("zero_stage") is not None:
+        flags += ["--zero-stage", str(config["zero_stage"]), "--offload", config["offload"]]
+    cmd = [sys.executable, "-m", "autotune", "trial", *_workload_flags(args), "--global-batch", str(global_batch),
+           *flags, "--memory-budget", args.memory_budget, "--warmup-steps", "1", "--steps", str(args.steps), "--json"]
+    with tempfile.TemporaryDirectory() as tmp, _turn():
+        load = os.getloadavg()[0]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, timeout=600)
+    if not proc.stdout.strip():
+        raise SystemExit(f"autotune trial printed nothing (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    run = {key: result.get(key) for key in ("status", "tokens_per_s", "peak_memory_bytes", "step_time_median_s",
+                                            "step_time_iqr_s", "measured_steps", "error")}
+    median, iqr = run["step_time_median_s"], run["step_time_iqr_s"]
+    run["spread"] = iqr / median if median and iqr is not None else None
+    run["load_before"] = load
+    return run
+
+
+def measure_picks(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Measure each distinct pick ``args.rounds`` times, interleaved (A B C A B C ...) so that
+    each sees the same conditions; the runs go into each row's ``measured``."""
+    distinct: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        row["measured"] = distinct.setdefault(json.dumps([row["config"], row["global_batch"]], sort_keys=True), [])
+    for round_ in range(args.rounds):
+        for key, runs in distinct.items():
+            config, global_batch = json.loads(key)
+            runs.append(measure(config, global_batch, args))
+            run = runs[-1]
+            print(f"round {round_ + 1}: {_describe(config)} global {global_batch}: {run['status']} "
+                  f"{run['tokens_per_s'] or 0:,.0f} tokens/s, spread {run['spread'] or 0:.0%}, "
+                  f"peak {_mib(run['peak_memory_bytes'])}", flush=True)
+
+
+def _describe(config: dict[str, Any]) -> str:
+    return f"mb={config['micro_batch']} {config['precision']}" + (" ckpt" if config["checkpointing"] else "")
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def _figures(runs: list[dict[str, Any]]) -> str:
+    """Tokens/s: the median of the settled runs (their steps' spread within QUIET_SPREAD), and of all."""
+    if any(r["status"] != "ok" for r in runs):
+        return ", ".join(r["status"] for r in runs)
+    quiet = [r["tokens_per_s"] for r in runs if r["spread"] is not None and r["spread"] <= QUIET_SPREAD]
+    every = [r["tokens_per_s"] for r in runs]
+    head = f"**{statistics.median(quiet):,.0f}** ({len(quiet)} of {len(runs)})" if quiet else f"- (0 of {len(runs)})"
+    return f"{head}; all: {statistics.median(every):,.0f} ({min(every):,.0f}-{max(every):,.0f})"
+
+
+def _paired(runs: list[dict[str, Any]], ours: list[dict[str, Any]]) -> str:
+    """The median over rounds of this pick's tokens/s over autotune's pick's in the same round:
+    a slow phase of the machine that spans a round slows both."""
+    ratios = [r["tokens_per_s"] / o["tokens_per_s"] for r, o in zip(runs, ours)
+              if r["status"] == o["status"] == "ok"]
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    budget = report["memory_budget_bytes"]
+    limit = budget * (1 - HEADROOM)
+    lines = [
+        f"    {report['command']}",
+        *([f"    {report['remeasured']}   # the same picks measured again"] if report.get("remeasured") else []),
+        "",
+        f"{report['workload']}; budget {report['memory_budget']}, fits with headroom when the peak is at most "
+        f"{_mib(int(limit))} (10% under). Each pick measured {report['rounds']} times with `autotune trial "
+        f"--steps {report['steps']}`, interleaved; tokens/s: the median of the settled runs (step-time spread "
+        f"<= {QUIET_SPREAD:.0%} of the median: not disturbed by other processes), then of all runs (min-max); next to it the median over the rounds of the pick's tokens/s over `autotune find`'s pick's in the same round (min-max). "
+        f"{_machine(report)}",
+        "",
+        "| tool | picked | measured as | tokens/s: settled runs; all runs | vs autotune's pick, same round | peak "
+        "| fits with headroom | tuning wall time |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    ours = next(row["measured"] for row in report["rows"] if row.get("peer", "").startswith("autotune"))
+    for row in report["rows"]:
+        if row.get("not_run"):
+            lines.append(f"| {row['tool']} | {row['not_run']} | - | - | - | - | - | - |")
+            continue
+        runs = row["measured"]
+        peak = max((r["peak_memory_bytes"] or 0) for r in runs) or None
+        ok = all(r["status"] == "ok" for r in runs)
+        fits = "yes" if ok and peak is not None and peak <= limit else "no"
+        fits += f" ({peak / budget:.0%} of the budget)" if peak is not None else ""
+        lines.append(f"| {row['tool']} | {row['picked']} | {row['measured_as']} | {_figures(runs)} "
+                     f"| {_paired(runs, ours)} | {_mib(peak)} "
+                     f"| {fits} | {row['wall_s']:.0f} s{row['wall_note']} |")
+    lines += ["", "How each tool got there:", ""]
+    lines += [f"- {row['tool']}: {row['how']}" for row in report["rows"] if row.get("how")]
+    return "\n".join(lines) + "\n"
+
+
+def peer_row(name: str, tuned: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    m = tuned["picked_micro_batch"]
+    accum = max(1, args.global_batch // m)
+    if name.startswith("lightning"):
+        how = ", ".join(f"{a['micro_batch']} {'ok' if a['steps_done'] >= 3 else 'OOM'}" for a in tuned["attempts"])
+        if name == "lightning-binsearch":
+            how += f"; then its 5% margin: {m}"
+        how += " (3 steps per size, no accumulation)"
+    else:
+        how = ", ".join(f"{a['micro_batch']}x{a['accumulation']} "
+                        f"{'ok' if a['steps_done'] >= PROBE_OPTIMIZER_STEPS * a['accumulation'] else 'OOM'}"
+                        for a in tuned["attempts"])
+        how += f" (micro batch x accumulation, {PROBE_OPTIMIZER_STEPS} optimizer steps per attempt)"
+    config = {"micro_batch": m, "precision": "fp32", "checkpointing": False}
+    return {"tool": TOOLS[name], "peer": name, "tuned": tuned, "picked": f"micro batch {m}",
+            "config": config, "global_batch": m * accum,
+            "measured_as": f"{_describe(config)} x{accum} (global {m * accum})",
+            "wall_s": tuned["wall_s"], "wall_note": f" ({tuned['finder_s']:.0f} s in the finder)", "how": how}
+
+
+def autotune_row(found: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    best = found["picked"]
+    accum = args.global_batch // best["config"]["micro_batch"]
+    trains = best.get("trains")
+    trials = ", ".join(f"{t['describe']} {t['status']}" + (f" {t['tokens_per_s']:,.0f}" if t["tokens_per_s"] else "")
+                       for t in found["trials"])
+    return {"tool": f"`autotune find --space {found['space']}`", "peer": f"autotune:{found['space']}", "tuned": found,
+            "picked": f"{best['describe']}, accumulation {accum}", "config": best["config"],
+            "global_batch": args.global_batch, "measured_as": f"{best['describe']} x{accum} (global {args.global_batch})",
+            "wall_s": found["wall_s"],
+            "wall_note": f" ({found['trials_run']} trials, {found['oom_trials']} OOM, {found['trial_s']:.0f} trial-s)",
+            "how": f"trials (tokens/s): {trials}; its confirming re-run of the pick: "
+                   f"{best['tokens_per_s'] or 0:,.0f} tokens/s; trains: "
+                   f"{trains.get('note') if isinstance(trains, dict) else trains}"}
+
+
+def _machine(report: dict[str, Any]) -> str:
+    def loads(xs: list[float]) -> str:
+        return " / ".join(f"{x:.1f}" for x in xs)
+
+    return (f"The machine: {report['cores']} cores shared with other agents' work (their autotune trials kept "
+            f"off these runs by autotune's CPU turns, the rest not); 1-minute load average "
+            f"{loads(report['load']['tuning'])} at the start, after the peers and after each find, "
+            f"{loads(report['load']['measuring'])} before and after measuring.")
+
+
+def tune_all(args: argparse.Namespace, budget: int, load: list[float]) -> list[dict[str, Any]]:
+    rows = []
+    for name in PEERS:
+        rows.append(peer_row(name, tune_with_peer(name, args, budget), args))
+        print(f"{name}: {rows[-1]['picked']} in {rows[-1]['wall_s']:.1f} s ({rows[-1]['how']})", flush=True)
+    load.append(os.getloadavg()[0])
+    for space in args.space:
+        found = tune_with_autotune(args, space)
+        if found["picked"] is None:
+            raise SystemExit(f"autotune find --space {space} answered no config")
+        rows.append(autotune_row(found, args))
+        print(f"autotune find --space {space}: {rows[-1]['picked']} in {found['wall_s']:.1f} s", flush=True)
+        load.append(os.getloadavg()[0])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin:gpt2-deep-tiny")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--memory-budget", default="84MiB")
+    parser.add_argument("--space", action="append", help="a search space for autotune find, one find each "
+                        "(default: quick, and bench/spaces/fp32_micro_ckpt.yaml: the peers' precision)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved measurements of each pick")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps of each measurement")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peers_cpu",
+                        help="results prefix: writes PREFIX.json and PREFIX.md")
+    parser.add_argument("--remeasure", action="store_true",
+                        help="keep the picks in PREFIX.json and measure them again (--rounds, --steps)")
+    parser.add_argument("--peer", choices=PEERS, help=argparse.SUPPRESS)  # inside a peer's process
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--budget-bytes", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    from autotune.workload import Workload
+
+    if args.peer:
+        workload = Workload(model=args.model, seq_len=args.seq_len, global_batch=args.global_batch, device="cpu")
+        run_peer(args.peer, workload, args.budget_bytes, args.result)
+        return
+
+    from autotune.sizes import parse_size
+
+    args.space = args.space or ["quick", "bench/spaces/fp32_micro_ckpt.yaml"]
+    json_path, md_path = args.out.with_suffix(".json"), args.out.with_suffix(".md")
+    command = "python bench/peers.py" + "".join(f" {a}" for a in sys.argv[1:])
+    if args.remeasure:
+        report = json.loads(json_path.read_text())
+        for key in ("model", "seq_len", "global_batch", "memory_budget", "space"):
+            setattr(args, key, report["args"][key])
+        report["remeasured"] = command
+    else:
+        tuning_load = [os.getloadavg()[0]]
+        rows = tune_all(args, parse_size(args.memory_budget), tuning_load)
+        report = {"command": command, "args": {k: getattr(args, k) for k in
+                                               ("model", "seq_len", "global_batch", "memory_budget", "space")},
+                  "workload": f"`{args.model}`, seq {args.seq_len}, global batch {args.global_batch}, 1 rank, CPU",
+                  "memory_budget_bytes": parse_size(args.memory_budget), "headroom": HEADROOM,
+                  "cores": os.cpu_count(), "load": {"tuning": tuning_load},
+                  "rows": [*rows, {"tool": "DeepSpeed autotuner", "not_run": DEEPSPEED}],
+                  "versions": _versions()}
+    measuring_load = [os.getloadavg()[0]]
+    measure_picks([row for row in report["rows"] if not row.get("not_run")], args)
+    report["load"]["measuring"] = [*measuring_load, os.getloadavg()[0]]
+    report.update(memory_budget=args.memory_budget, rounds=args.rounds, steps=args.steps)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    md_path.write_text(markdown(report))
+    print(md_path.read_text())
+
+
+def _versions() -> dict[str, str]:
+    import accelerate
+    import lightning
+    import torch
+
+    return {"torch": torch.__version__, "lightning": lightning.__version__, "accelerate": accelerate.__version__}
+
+
+if __name__ == "__main__":
+    main()
