@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Replay every strategy on the three committed grids (bench/README.md quotes the results):
+# Replay every strategy on the four committed grids (bench/README.md quotes the results):
 # one budget per grid in results/search_<grid>.{txt,json}, then a sweep of budgets per grid
 # (driver, TPE, DeepSpeed-style), also on the grid's full fine-tuning slice, in results/search_sweep.txt.
 set -euo pipefail
@@ -12,6 +12,7 @@ run() {  # grid budget
 run gpt2-deep-tiny 84MiB
 run llama-tiny 100MiB
 run llama-tiny-zero2rank 40MiB
+run llama-gqa 160MiB
 
 sweep() {  # grid space budgets...
     local grid=$1 space=$2; shift 2
@@ -26,7 +27,8 @@ for name in ('driver', 'tpe', 'deepspeed'):
     cost = f\"{r['cost_fraction']:.1%}\" if r['cost_fraction'] is not None else '-'
     trials = f\"{r['trials_to_2pct']:g}\" if r['trials_to_2pct'] is not None else '-'
     print(f'$space $budget {name}: trials to 2% {trials}, cost {cost}, found {r[\"found_ratio\"]:.0%}, '
-          f'{r[\"trials_run\"]:g} trials and {r[\"estimates\"]:g} estimates run')
+          f'{r[\"trials_run\"]:g} trials and {r[\"estimates\"]:g} estimates run, '
+          f'answer {r[\"quality\"]:.3f} of the optimum (worst seed {r[\"worst_quality\"]:.3f})')
 "
     done
 }
@@ -37,5 +39,7 @@ for name in ('driver', 'tpe', 'deepspeed'):
     sweep llama-tiny-zero2rank llama-tiny-zero2rank 16MiB 24MiB 32MiB 40MiB 48MiB 64MiB
     # The full fine-tuning slice (LoRA off): the knobs DeepSpeed's autotuner searches, and checkpointing.
     sweep llama-tiny-zero2rank llama-tiny-zero2rank-full 16MiB 24MiB 32MiB 40MiB 48MiB 64MiB
+    # A GQA Llama no test uses, the default space's knobs on one CPU rank: fp32, bf16 and fp16.
+    sweep llama-gqa llama-gqa 100MiB 128MiB 160MiB 212MiB 300MiB 512MiB
 } > bench/results/search_sweep.txt
 cat bench/results/search_sweep.txt
