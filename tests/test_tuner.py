@@ -19,7 +19,7 @@ from optuna.trial import TrialState
 from autotune.knobs import TrialConfig
 from autotune.lifeline import TRIAL_PROCESS_NAME
 from autotune.storage import open_storage
-from autotune.study import records_of
+from autotune.study import ANSWER_ATTR, records_of
 
 # gpt2-deep-tiny (6 layers, small vocabulary: activations dominate), seq 128, global batch 16, fp32;
 # tracked peaks on a CPU are exact: mb=2 ~55 MiB, mb=4 ~89 MiB -> OOM under 84 MiB, so the naive
@@ -85,7 +85,10 @@ def test_find_returns_a_confirmed_config_that_beats_the_naive_baseline(found):
     study = _study(work, result["study"])
     oom = next(t for t in study.trials if t.user_attrs.get("status") == "oom")
     assert oom.state is TrialState.PRUNED and oom.constraints["memory"] > 0
-    assert study.best_trial.user_attrs["status"] == "ok"  # Optuna's own API reads the study
+    # Optuna's own API names autotune's answer: its confirmed copy, the only feasible trial.
+    answer = study.best_trial
+    assert answer.user_attrs["status"] == "answer" and answer.user_attrs[ANSWER_ATTR] == result["best"]["number"]
+    assert answer.user_attrs["config"] == best["config"] and answer.value == best["tokens_per_s"]
 
 
 def test_the_same_find_again_answers_from_the_study_without_a_trial(found):

@@ -47,6 +47,7 @@ def check_each_config_measured_once(storage: str, study: str, proc: subprocess.C
     answers = [t for t in every if ANSWER_ATTR in t.user_attrs]
     best = json.loads(proc.stdout)["best"]
     assert [t.user_attrs["config"] for t in answers] == [best["config"]]  # the one confirmation, once
+    configs = [t.user_attrs["config"]["micro_batch"] for t in trials]
     assert sorted(configs) == [1, 4, 16], configs                      # each config once, none lost
     assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}  # nothing left running
     assert {t.user_attrs["status"] for t in trials} == {"ok", "oom"}
