@@ -12,7 +12,7 @@ cmd=(autotune find --model builtin:gpt2-deep-tiny --memory-budget 84MiB --space 
   echo
   echo "\$ ${cmd[*]}   # the same question again: answered from the study"
   start=$(date +%s.%N)
-  "${cmd[@]}" 2>&1 | tail -n 3
+  "${cmd[@]}" 2>&1 | tail -n 4
   echo "($(python -c "print(f'{$(date +%s.%N) - $start:.1f}')") s)"
 } | tee "$out"
 rm -rf "$work"
