@@ -10,7 +10,8 @@ if [ -z "$PGBIN" ]; then
   apt-get update -qq >/dev/null && apt-get install -y -qq postgresql >/dev/null
   PGBIN=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
 fi
-PORT=${AUTOTUNE_PG_PORT:-55432}
+# A free loopback port unless one is given: a server left by an earlier run must not stop this one.
+PORT=${AUTOTUNE_PG_PORT:-$(python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")}
 DATA=$(mktemp -d /tmp/autotune-pg.XXXXXX)
 chown postgres "$DATA"
 as_postgres() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
