@@ -17,12 +17,17 @@ from typing import Callable
 
 from autotune.failures import NonFiniteLossError
 
-__all__ = ["StepTimes", "time_steps", "SETTLED_SPREAD", "DISTURBED_FACTOR", "MAX_STEPS_FACTOR"]
+__all__ = ["StepTimes", "time_steps", "unsettled", "SETTLED_SPREAD", "DISTURBED_FACTOR", "MAX_STEPS_FACTOR"]
 
 SETTLED_SPREAD = 0.10      # steps have settled when their IQR is within 10% of their median
 DISTURBED_FACTOR = 1.25    # a step 25% slower than the median was disturbed (by another process, a GC, ...)
 MAX_STEPS_FACTOR = 3       # an unsettled measurement takes at most 3x the requested steps...
 MAX_EXTRA_TIME_FACTOR = 1  # ...and at most as much extra time as the requested steps took
+
+
+def unsettled(spread: float | None) -> bool:
+    """Whether step times with this spread (IQR / median) still disagreed: a figure to read with it."""
+    return spread is not None and spread > SETTLED_SPREAD
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class StepTimes:
 
     @property
     def settled(self) -> bool:
-        return self.spread <= SETTLED_SPREAD
+        return not unsettled(self.spread)
 
     @property
     def disturbed_steps(self) -> int:

@@ -67,8 +67,7 @@ class Proposer:
         ``unmeasured_only``: only configs with a knob value no trial has measured yet (see
         :meth:`unmeasured_values`), so a prior never dismisses a value on its own.
         """
-        too_big = [r.config for r in records
-                   if r.status in ("oom", "skipped") or (r.status == "ok" and not r.fits)]
+        too_big = _too_big(records)
         fitting = [r.config for r in records if r.fits]
         open_configs = self._open_configs(records)
         if unmeasured_only:
@@ -106,8 +105,7 @@ class Proposer:
     def _open_configs(self, records: list[TrialRecord]) -> list[TrialConfig]:
         done = {r.config for r in measured(records)}
         done |= {r.config for r in records if r.status in ("running", "skipped")}
-        too_big = [r.config for r in records
-                   if r.status in ("oom", "skipped") or (r.status == "ok" and not r.fits)]
+        too_big = _too_big(records)
         return [c for c in self.candidates if c not in done and not implied_too_big(c, too_big)]
 
     def take_ruled_out(self) -> list[TrialConfig]:
@@ -173,6 +171,11 @@ class Proposer:
         fit, big = self._known_bounds(family, fitting, too_big)
         middle = family[(fit + big) // 2] if big - fit > 1 else config
         return middle if middle in open_configs else config
+
+
+def _too_big(records: list[TrialRecord]) -> list[TrialConfig]:
+    """Configs known not to fit: out of memory, skipped by the estimator, or measured over the limit."""
+    return [r.config for r in records if r.status in ("oom", "skipped") or (r.status == "ok" and not r.fits)]
 
 
 def _straight_line(estimate: MemoryEstimate) -> Callable[[int], float]:

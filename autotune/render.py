@@ -7,6 +7,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from autotune.knobs import TrialConfig
+from autotune.measure import unsettled
 from autotune.result import TrialResult
 from autotune.sizes import format_size
 from autotune.summary import StudySummary, TrialRecord, what_is_trained
@@ -21,20 +22,13 @@ def _num(value: float | None, fmt: str = "{:,.1f}") -> str:
 
 def _figure(tokens_per_s: float | None, spread: float | None) -> str:
     """tokens/s, with the step times' spread where they never settled (an uncertain figure)."""
-    from autotune.measure import SETTLED_SPREAD
-
-    if tokens_per_s is None or spread is None or spread <= SETTLED_SPREAD:
+    if tokens_per_s is None or not unsettled(spread):
         return _num(tokens_per_s)
     return f"{_num(tokens_per_s)} ±{spread / 2:.0%}"
 
 
-def _unsettled_warning(spread: float | None) -> str:
-    from autotune.measure import SETTLED_SPREAD
-
-    if spread is None or spread <= SETTLED_SPREAD:
-        return ""
-    return (f" (uncertain: its steps differed by {spread:.0%} of the median step even after extra steps; "
-            "is something else running?)")
+def _unsettled_why(spread: float) -> str:
+    return f"its steps differed by {spread:.0%} of the median step even after extra steps; is something else running?"
 
 
 def print_trial(workload: Workload, result: TrialResult, *, console: Console | None = None) -> None:
@@ -68,9 +62,8 @@ def print_trial(workload: Workload, result: TrialResult, *, console: Console | N
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
-    warning = _unsettled_warning(result.step_time_spread)
-    if warning:
-        console.print(f"[yellow]tokens/s is uncertain[/]:{warning[len(' (uncertain:'):-1]}", highlight=False)
+    if unsettled(result.step_time_spread):
+        console.print(f"[yellow]tokens/s is uncertain[/]: {_unsettled_why(result.step_time_spread)}", highlight=False)
     if result.error:
         console.print(f"[bold red]{result.status.value}[/]: last lines of the error:", highlight=False)
         console.print(result.error, markup=False, highlight=False)
@@ -104,7 +97,7 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
             table.add_row(str(t.number), t.config.describe(), t.status, _figure(t.tokens_per_s, t.step_time_spread), peak,
                           "yes" if t.fits else "no", rerun)
         console.print(table)
-    if any(t.status == "ok" and (t.step_time_spread or 0) > 0.1 for t in summary.trials) and all_trials:
+    if all_trials and any(t.status == "ok" and unsettled(t.step_time_spread) for t in summary.trials):
         console.print("  ±: half the spread of a trial's step times where they never settled; such a "
                       "figure is uncertain (a busy machine?)", highlight=False)
     best = summary.best
@@ -200,8 +193,9 @@ class ConsoleProgress:
         figure = f"{_num(record.tokens_per_s)} tokens/s" if record.tokens_per_s is not None else "no figure"
         fit = "" if record.status != "ok" else ("" if record.fits else ", over the memory limit")
         best_text = f"{best.config.describe()} at {_num(best.tokens_per_s)} tokens/s" if best else "none fits yet"
+        warning = f" (uncertain: {_unsettled_why(record.step_time_spread)})" if unsettled(record.step_time_spread) else ""
         self._say(f"  -> {record.status}: {figure}, peak {format_size(record.peak_memory_bytes)}{fit}; "
-                  f"best so far {best_text}; {elapsed_s:.0f} s elapsed{_unsettled_warning(record.step_time_spread)}")
+                  f"best so far {best_text}; {elapsed_s:.0f} s elapsed{warning}")
 
     def skipped(self, *, record: TrialRecord, limit_bytes: int) -> None:
         self._say(f"skipped {record.config.describe()}: predicted peak "

@@ -75,13 +75,6 @@ class TrialResult:
     def ok(self) -> bool:
         return self.status is TrialStatus.OK
 
-    @property
-    def unsettled(self) -> bool:
-        """Its step times still disagreed after the extra steps: a figure to read with its spread."""
-        from autotune.measure import SETTLED_SPREAD
-
-        return self.step_time_spread is not None and self.step_time_spread > SETTLED_SPREAD
-
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["config"] = self.config.to_dict()

@@ -24,11 +24,12 @@ if TYPE_CHECKING:
     import optuna
 
 __all__ = ["load_summary", "summarize", "records_of", "ranking", "retire_answers", "CONFIRM_PREFIX",
-           "DECISION_KEY", "ANSWER_ATTR"]
+           "DECISION_KEY", "ANSWER_ATTR", "ANSWER_CONSTRAINT"]
 
 CONFIRM_PREFIX = "confirm:"      # study user attribute per re-run winner candidate: confirm:<number>
 DECISION_KEY = "decision"        # study user attribute: the interleaved confirmation's order and lead
 ANSWER_ATTR = "answer_for"       # trial user attribute of the answer trial: the number it confirms
+ANSWER_CONSTRAINT = "answer"     # Optuna constraint: 0 on the answer trial, 1 on every measured one
 _MEASURED = ("ok", "oom", "timeout", "crashed", "nan", "error")
 
 
@@ -139,7 +140,7 @@ def retire_answers(study: optuna.Study) -> None:
     try:
         session.query(models.TrialSystemAttributeModel).filter(
             models.TrialSystemAttributeModel.trial_id.in_(answers),
-            models.TrialSystemAttributeModel.key == "constraints:answer",
+            models.TrialSystemAttributeModel.key == f"constraints:{ANSWER_CONSTRAINT}",
         ).update({"value_json": json.dumps(1.0)}, synchronize_session=False)
         session.commit()
     finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import statistics
 import threading
 import time
 import warnings
@@ -31,7 +32,8 @@ from autotune.knobs import TrialConfig
 from autotune.result import TrialResult, TrialStatus
 from autotune.runner import DEFAULT_TRIAL_TIMEOUT_S, run_trial
 from autotune.space import SearchSpace, load_space
-from autotune.study import CONFIRM_PREFIX, measured, memory_limit, ranking, records_of, summarize
+from autotune.study import (ANSWER_ATTR, ANSWER_CONSTRAINT, CONFIRM_PREFIX, DECISION_KEY, measured, memory_limit,
+                            ranking, records_of, retire_answers, summarize)
 from autotune.summary import StudySummary, TrialRecord
 from autotune.workload import Workload
 from autotune.workers import cpu_turn, gpu_slices, proposal_lock, start_helpers, wait_helpers
@@ -53,7 +55,6 @@ MAX_CONTENDERS = 2          # ... at most this many (plus the answer decided bef
 CONFIRM_NOISE = 0.03        # a lead under 3% in some round is "within noise"
 MAX_CONFIRMATIONS = 3       # decisions per tune call (a new one when every contender of the last was refuted)
 PROBE_KEY = "device_probe"  # study user attribute: matmul speed per precision relative to fp32
-ANSWER_CONSTRAINT = "answer"  # Optuna constraint: 0 on the answer trial, 1 on every measured one
 SKIP_MARGIN = 0.05          # skip a config predicted more than 5% over the limit; closer ones still run
 _BROKEN_AFTER = 2           # stop when this many trials, and every one so far, errored or crashed
 
@@ -444,8 +445,6 @@ def _confirm_winner(study: optuna.Study, proposer: Proposer, workload: Workload,
     its candidate (``confirmed`` False); a slower one only ranks it lower: a refuted speed
     demotes, it never turns "fits" into "nothing".
     """
-    from autotune.study import DECISION_KEY
-
     limit = memory_limit(study.user_attrs["autotune"])
     steps = measure.measure_steps * CONFIRM_STEPS_FACTOR
     for _ in range(MAX_CONFIRMATIONS):
@@ -488,8 +487,6 @@ def _held(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], lim
 
 def _paired_scores(held: list[TrialRecord], runs: dict[int, list[TrialResult]]) -> tuple[dict[int, float], int]:
     """Each contender's figure over the round's geometric mean, the median over the rounds all ran."""
-    import statistics
-
     rounds = min((len(runs[r.number]) for r in held), default=0)
     scores: dict[int, float] = {}
     for record in held:
@@ -520,19 +517,16 @@ def _holds(result: TrialResult, limit: int) -> bool:
 def _store_decision(study: optuna.Study, proposer: Proposer, contenders: list[TrialRecord],
                     runs: dict[int, list[TrialResult]], limit: int) -> None:
     """Record each contender's re-runs, the order their paired figures decide, and the answer trial."""
-    import statistics
-
-    from autotune.study import CONFIRM_PREFIX, DECISION_KEY
-
     scores, rounds = _paired_scores(_held(contenders, runs, limit), runs)
     order = sorted(scores, key=lambda n: -scores[n])
+    confirmations = {}
     for record in contenders:
         results = runs[record.number]
         figures = [x.tokens_per_s for x in results if x.tokens_per_s]
         samples = [x.samples_per_s for x in results if x.samples_per_s]
         peaks = [x.peak_memory_bytes for x in results if x.peak_memory_bytes is not None]
         failed = next((x for x in results if not _holds(x, limit)), None)
-        study.set_user_attr(f"{CONFIRM_PREFIX}{record.number}", {
+        confirmations[record.number] = {
             "confirmed": record.number in scores,
             "status": (failed or results[-1]).status.value if results else "not run",
             "tokens_per_s": statistics.median(figures) if figures else None,
@@ -541,14 +535,16 @@ def _store_decision(study: optuna.Study, proposer: Proposer, contenders: list[Tr
             "measured_steps": sum(x.measured_steps for x in results),
             "runs_tokens_per_s": [x.tokens_per_s for x in results],
             "error": failed.error if failed is not None else None,
-        })
+        }
+        study.set_user_attr(f"{CONFIRM_PREFIX}{record.number}", confirmations[record.number])
     study.set_user_attr(DECISION_KEY, {
         "order": order, "contenders": [r.number for r in contenders], "rounds": rounds,
         "scores": {str(n): v for n, v in scores.items()},
         "certainty": _certainty(order, runs, rounds, {r.number: r for r in contenders}),
     })
     if order:
-        _record_answer(study, proposer, next(r for r in contenders if r.number == order[0]), runs[order[0]], limit)
+        winner = next(r for r in contenders if r.number == order[0])
+        _record_answer(study, proposer, winner, confirmations[winner.number], limit)
 
 
 def _certainty(order: list[int], runs: dict[int, list[TrialResult]], rounds: int,
@@ -564,29 +560,24 @@ def _certainty(order: list[int], runs: dict[int, list[TrialResult]], rounds: int
              for i in range(rounds)]
     wins = sum(lead > 0 for lead in leads)
     spread = f"{min(leads):+.0%} to {max(leads):+.0%}" if len(leads) > 1 else f"{leads[0]:+.0%}"
-    verdict = "clearly faster" if wins == rounds and min(leads) > CONFIRM_NOISE else "within noise of"
-    return (f"{verdict} {'than' if verdict == 'clearly faster' else ''} the runner-up "
-            f"{by_number[runner_up].config.describe()} in interleaved re-runs: ahead in {wins} of {rounds} "
-            f"rounds ({spread})").replace("  ", " ")
+    verdict = "clearly faster than" if wins == rounds and min(leads) > CONFIRM_NOISE else "within noise of"
+    return (f"{verdict} the runner-up {by_number[runner_up].config.describe()} in interleaved re-runs: "
+            f"ahead in {wins} of {rounds} rounds ({spread})")
 
 
-def _record_answer(study: optuna.Study, proposer: Proposer, record: TrialRecord, results: list[TrialResult],
+def _record_answer(study: optuna.Study, proposer: Proposer, record: TrialRecord, confirmation: dict[str, Any],
                    limit: int) -> None:
-    """The answer as a trial of its own, the only one feasible for Optuna (see :mod:`autotune.study`)."""
-    import statistics
-
+    """The answer as a trial of its own, the only one feasible for Optuna (see :mod:`autotune.study`),
+    with the figures its confirmation stored."""
     from optuna.trial import TrialState
-
-    from autotune.study import ANSWER_ATTR, retire_answers
 
     retire_answers(study)  # an earlier decision's answer is feasible no more
     trial, _ = _ask(study, proposer, record.config)
     trial.set_user_attr(ANSWER_ATTR, record.number)
     trial.set_user_attr("status", "answer")
-    peak = max(x.peak_memory_bytes or 0 for x in results)
-    trial.set_constraint("memory", peak / limit - 1)
+    trial.set_constraint("memory", confirmation["peak_memory_bytes"] / limit - 1)
     trial.set_constraint(ANSWER_CONSTRAINT, 0.0)
-    study.tell(trial, statistics.median([x.tokens_per_s or 0.0 for x in results]), state=TrialState.COMPLETE)
+    study.tell(trial, confirmation["tokens_per_s"], state=TrialState.COMPLETE)
 
 
 # -- checks --------------------------------------------------------------------------------------
