@@ -2,14 +2,19 @@
 
 Every error autotune raises on purpose, and every usage error, ends as one line on stderr
 and exit status 2.
+
+Each option is declared once, in :data:`OPTIONS` (help text from the dataclass fields where
+there is one); a command names the options it takes by its parameters (see :func:`command`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import json
 import sys
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
@@ -31,30 +36,76 @@ def _help(cls: type, name: str) -> str:
     return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
 
 
-# -- shared options: the workload ----------------------------------------------------------
-ModelOpt = Annotated[str, typer.Option("--model", help=_help(Workload, "model"))]
-TaskOpt = Annotated[Optional[str], typer.Option("--task", help=_help(Workload, "task"))]
-SeqLenOpt = Annotated[int, typer.Option("--seq-len", help=_help(Workload, "seq_len"))]
-GlobalBatchOpt = Annotated[int, typer.Option("--global-batch", help=_help(Workload, "global_batch"))]
-NprocOpt = Annotated[int, typer.Option("--nproc", help=_help(Workload, "nproc"))]
-DeviceOpt = Annotated[str, typer.Option("--device", help=_help(Workload, "device"))]
-TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help=_help(Workload, "trust_remote_code"))]
-# -- the knobs -----------------------------------------------------------------------------
-MicroBatchOpt = Annotated[int, typer.Option("--micro-batch", help=_help(TrialConfig, "micro_batch"))]
-PrecisionOpt = Annotated[str, typer.Option("--precision", help=_help(TrialConfig, "precision"))]
-CheckpointingOpt = Annotated[str, typer.Option("--checkpointing", help="off or on. " + _help(TrialConfig, "checkpointing"))]
-LoraRankOpt = Annotated[Optional[int], typer.Option("--lora-rank", help=_help(TrialConfig, "lora_rank"))]
-LoraAlphaOpt = Annotated[Optional[int], typer.Option("--lora-alpha", help=_help(TrialConfig, "lora_alpha"))]
-LoraTargetsOpt = Annotated[Optional[str], typer.Option("--lora-targets", help=_help(TrialConfig, "lora_targets"))]
-ZeroStageOpt = Annotated[str, typer.Option("--zero-stage", help=_help(TrialConfig, "zero_stage"))]
-OffloadOpt = Annotated[str, typer.Option("--offload", help=_help(TrialConfig, "offload"))]
-# -- measuring -----------------------------------------------------------------------------
-BudgetOpt = Annotated[Optional[str], typer.Option(
-    "--memory-budget", help="Memory a trial may use, e.g. 512MiB or 24GiB; enforced for real (OOM beyond it).")]
-TimeoutOpt = Annotated[float, typer.Option("--trial-timeout", help="Seconds before a trial is killed (status timeout).")]
-WarmupOpt = Annotated[int, typer.Option("--warmup-steps", help="Untimed optimizer steps before measuring.")]
-StepsOpt = Annotated[int, typer.Option("--steps", help="Timed optimizer steps.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")]
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One command-line option: its type as typed, its default, its flags and help."""
+
+    type: Any
+    default: Any
+    flags: tuple[str, ...]
+    help: str
+
+    def parameter(self, name: str) -> inspect.Parameter:
+        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=self.default,
+                                 annotation=Annotated[self.type, typer.Option(*self.flags, help=self.help)])
+
+
+_REQUIRED = inspect.Parameter.empty
+
+# -- the workload: what is trained, on what (a command's ``workload`` parameter) -------------------
+WORKLOAD_OPTIONS = {
+    "model": Option(str, DEFAULT_MODEL, ("--model",), _help(Workload, "model")),
+    "task": Option(Optional[str], None, ("--task",), _help(Workload, "task")),
+    "seq_len": Option(int, 128, ("--seq-len",), _help(Workload, "seq_len")),
+    "global_batch": Option(int, 16, ("--global-batch",), _help(Workload, "global_batch")),
+    "nproc": Option(int, 1, ("--nproc",), _help(Workload, "nproc")),
+    "device": Option(str, "auto", ("--device",), _help(Workload, "device")),
+    "trust_remote_code": Option(bool, False, ("--trust-remote-code",), _help(Workload, "trust_remote_code")),
+}
+# -- the knobs: one training configuration (a command's ``config`` parameter) ----------------------
+KNOB_OPTIONS = {
+    "micro_batch": Option(int, 1, ("--micro-batch",), _help(TrialConfig, "micro_batch")),
+    "precision": Option(str, "fp32", ("--precision",), _help(TrialConfig, "precision")),
+    "checkpointing": Option(str, "off", ("--checkpointing",), "off or on. " + _help(TrialConfig, "checkpointing")),
+    "lora_rank": Option(Optional[int], None, ("--lora-rank",), _help(TrialConfig, "lora_rank")),
+    "lora_alpha": Option(Optional[int], None, ("--lora-alpha",), _help(TrialConfig, "lora_alpha")),
+    "lora_targets": Option(Optional[str], None, ("--lora-targets",), _help(TrialConfig, "lora_targets")),
+    "zero_stage": Option(str, "off", ("--zero-stage",), _help(TrialConfig, "zero_stage")),
+    "offload": Option(str, "none", ("--offload",), _help(TrialConfig, "offload")),
+}
+# -- every other option shared by commands: a command takes one by naming its parameter so --------
+OPTIONS = {
+    # measuring
+    "memory_budget": Option(Optional[str], None, ("--memory-budget",),
+                            "Memory a trial may use, e.g. 512MiB or 24GiB; enforced for real (OOM beyond it)."),
+    "trial_timeout": Option(float, 600.0, ("--trial-timeout",), "Seconds before a trial is killed (status timeout)."),
+    "warmup_steps": Option(int, 1, ("--warmup-steps",), "Untimed optimizer steps before measuring."),
+    "steps": Option(int, 3, ("--steps",), "Timed optimizer steps."),
+    "as_json": Option(bool, False, ("--json",), "Print one JSON object instead of a table."),
+    # tuning
+    "space": Option(str, "default", ("--space",),
+                    "Search space: a preset (default, lora, quick, zero) or a YAML file."),
+    "n_trials": Option(Optional[int], None, ("--n-trials",), "Measured trials the study should hold (default: the "
+                       "space's); an unfinished study carries on to it."),
+    "timeout": Option(Optional[float], None, ("--timeout",), "Stop starting trials after this many seconds."),
+    "patience": Option(Optional[int], None, ("--patience",),
+                       "Stop after this many trials without a faster config that fits (default: the space's)."),
+    "headroom": Option(float, 0.1, ("--headroom",),
+                       "A config fits when its peak stays this fraction under the budget (0.1 = 10%)."),
+    "estimate": Option(bool, True, ("--estimate/--no-estimate",),
+                       "Skip configs the memory estimator predicts more than 5% over the limit."),
+    "workers": Option(int, 1, ("--workers",), "Tuning processes on the study (each on its own GPUs when there are "
+                      "several); workers on other machines join through the same --storage URL."),
+    "confirm": Option(bool, True, ("--confirm/--no-confirm",),
+                      "Re-run the winner longer at the end (leave it on for one worker of a study)."),
+    # studies
+    "study": Option(str, _REQUIRED, ("--study",), "Study name (autotune studies lists them)."),
+    "storage": Option(Optional[str], None, ("--storage",), "SQLAlchemy URL of the study database (default "
+                      "sqlite:///storage/autotune.db, under the current directory)."),
+    "fmt": Option(str, "json", ("--format",), "json, yaml, deepspeed, hf, accelerate, lightning or peft."),
+}
+_OUTPUT_HELP = ("a directory (existing, or ending in /) gets the format's usual file name inside it; --format peft "
+                "writes DIR/adapter_config.json unless the name ends in .json.")
 
 
 def _on_off(value: str, flag: str) -> bool:
@@ -73,29 +124,56 @@ def _zero_stage(value: str) -> int | None:
     raise ConfigError(f"--zero-stage {value!r} is not known; use off, 0, 1, 2 or 3")
 
 
-@app.command()
-def trial(
-    model: ModelOpt = DEFAULT_MODEL,
-    task: TaskOpt = None,
-    seq_len: SeqLenOpt = 128,
-    global_batch: GlobalBatchOpt = 16,
-    nproc: NprocOpt = 1,
-    device: DeviceOpt = "auto",
-    trust_remote_code: TrustOpt = False,
-    micro_batch: MicroBatchOpt = 1,
-    precision: PrecisionOpt = "fp32",
-    checkpointing: CheckpointingOpt = "off",
-    lora_rank: LoraRankOpt = None,
-    lora_alpha: LoraAlphaOpt = None,
-    lora_targets: LoraTargetsOpt = None,
-    zero_stage: ZeroStageOpt = "off",
-    offload: OffloadOpt = "none",
-    memory_budget: BudgetOpt = None,
-    trial_timeout: TimeoutOpt = 600.0,
-    warmup_steps: WarmupOpt = 1,
-    steps: StepsOpt = 3,
-    as_json: JsonOpt = False,
-) -> int:
+def _knobs(micro_batch: int, precision: str, checkpointing: str, lora_rank: int | None, lora_alpha: int | None,
+           lora_targets: str | None, zero_stage: str, offload: str) -> TrialConfig:
+    return TrialConfig(
+        micro_batch=micro_batch, precision=precision, checkpointing=_on_off(checkpointing, "--checkpointing"),
+        lora_rank=lora_rank, lora_alpha=lora_alpha,
+        lora_targets=tuple(t.strip() for t in lora_targets.split(",")) if lora_targets is not None else None,
+        zero_stage=_zero_stage(zero_stage), offload=offload)
+
+
+# A command's parameter by one of these names takes the whole group, built into one object.
+_GROUPS: dict[str, tuple[dict[str, Option], Callable[..., Any]]] = {
+    "workload": (WORKLOAD_OPTIONS, Workload),
+    "config": (KNOB_OPTIONS, _knobs),
+}
+
+
+def command(fn: Callable[..., int]) -> Callable[..., int]:
+    """Register ``fn`` as a command. Its parameters say which options it takes: ``workload`` and
+    ``config`` take the workload and knob options (built into a Workload and a TrialConfig), a name
+    in :data:`OPTIONS` takes that option; a parameter annotated with its own ``typer.Option`` is an
+    option of this command alone."""
+    parameters: list[inspect.Parameter] = []
+    for parameter in inspect.signature(fn, eval_str=True).parameters.values():
+        if parameter.name in _GROUPS:
+            parameters += [option.parameter(name) for name, option in _GROUPS[parameter.name][0].items()]
+        elif parameter.name in OPTIONS and not _own_option(parameter):
+            parameters.append(OPTIONS[parameter.name].parameter(parameter.name))
+        else:
+            parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+
+    @functools.wraps(fn)
+    def parsed(**values: Any) -> int:
+        for group, (options, build) in _GROUPS.items():
+            if group in wanted:
+                values[group] = build(**{name: values.pop(name) for name in options})
+        return fn(**values)
+
+    wanted = inspect.signature(fn).parameters
+    parsed.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]  # what Typer reads
+    parsed.__annotations__ = {p.name: p.annotation for p in parameters}
+    return app.command(name=fn.__name__)(parsed)
+
+
+def _own_option(parameter: inspect.Parameter) -> bool:
+    return any(isinstance(meta, typer.models.OptionInfo) for meta in getattr(parameter.annotation, "__metadata__", ()))
+
+
+@command
+def trial(workload: Workload, config: TrialConfig, memory_budget: Optional[str], trial_timeout: float,
+          warmup_steps: int, steps: int, as_json: bool) -> int:
     """Measure one training configuration in a fresh process.
 
     Exit status: 0 when the trial trained (ok), 1 when it ended otherwise (oom, timeout, crashed, nan, error), 2 when the input was refused before running.
@@ -103,8 +181,6 @@ def trial(
     from autotune.runner import run_trial
     from autotune.sizes import parse_size
 
-    workload = _workload(model, task, seq_len, global_batch, nproc, device, trust_remote_code)
-    config = _knobs(micro_batch, precision, checkpointing, lora_rank, lora_alpha, lora_targets, zero_stage, offload)
     if trial_timeout <= 0:
         raise ConfigError(f"--trial-timeout {trial_timeout:g} must be more than 0 seconds")
     if warmup_steps < 0 or steps < 1:
@@ -121,51 +197,15 @@ def trial(
     return 0 if result.ok else 1
 
 
-# -- tuning --------------------------------------------------------------------------------------
-SpaceOpt = Annotated[str, typer.Option("--space", help="Search space: a preset (default, lora, quick, zero) or a YAML file.")]
-NTrialsOpt = Annotated[Optional[int], typer.Option(
-    "--n-trials", help="Measured trials the study should hold (default: the space's); an unfinished study carries on to it.")]
-TuneTimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", help="Stop starting trials after this many seconds.")]
-PatienceOpt = Annotated[Optional[int], typer.Option(
-    "--patience", help="Stop after this many trials without a faster config that fits (default: the space's).")]
-HeadroomOpt = Annotated[float, typer.Option(
-    "--headroom", help="A config fits when its peak stays this fraction under the budget (0.1 = 10%).")]
-StorageOpt = Annotated[Optional[str], typer.Option(
-    "--storage", help="SQLAlchemy URL of the study database (default sqlite:///storage/autotune.db, under the current directory).")]
-EstimateOpt = Annotated[bool, typer.Option(
-    "--estimate/--no-estimate", help="Skip configs the memory estimator predicts more than 5% over the limit.")]
-WorkersOpt = Annotated[int, typer.Option(
-    "--workers", help="Tuning processes on the study (each on its own GPUs when there are several); "
-                      "workers on other machines join through the same --storage URL.")]
-ConfirmOpt = Annotated[bool, typer.Option(
-    "--confirm/--no-confirm", help="Re-run the winner longer at the end (leave it on for one worker of a study).")]
-StudyOpt = Annotated[str, typer.Option("--study", help="Study name (autotune studies lists them).")]
-FormatOpt = Annotated[str, typer.Option("--format", help="json, yaml, deepspeed, hf, accelerate, lightning or peft.")]
-
-
-@app.command()
+@command
 def find(
-    model: ModelOpt = DEFAULT_MODEL,
-    task: TaskOpt = None,
-    seq_len: SeqLenOpt = 128,
-    global_batch: GlobalBatchOpt = 16,
-    nproc: NprocOpt = 1,
-    device: DeviceOpt = "auto",
-    trust_remote_code: TrustOpt = False,
-    memory_budget: BudgetOpt = None,
-    space: SpaceOpt = "default",
-    n_trials: NTrialsOpt = None,
-    timeout: TuneTimeoutOpt = None,
-    trial_timeout: TimeoutOpt = 600.0,
-    headroom: HeadroomOpt = 0.1,
-    storage: StorageOpt = None,
-    estimate: EstimateOpt = True,
+    workload: Workload, memory_budget: Optional[str], space: str, n_trials: Optional[int], timeout: Optional[float],
+    trial_timeout: float, headroom: float, storage: Optional[str], estimate: bool,
     export: Annotated[Optional[str], typer.Option(
         "--export", help="Also write the best config in this format (see autotune export).")] = None,
-    output: Annotated[Optional[str], typer.Option("-o", "--output", help=(
-        "File for --export; a directory (existing, or ending in /) gets the format's usual file name "
-        "inside it; --format peft writes DIR/adapter_config.json unless the name ends in .json."))] = None,
-    as_json: JsonOpt = False,
+    output: Annotated[Optional[str], typer.Option(
+        "-o", "--output", help="File for --export; " + _OUTPUT_HELP)] = None,
+    as_json: bool = False,
 ) -> int:
     """Find the fastest config that fits: asking the same question again answers from its study.
 
@@ -173,7 +213,6 @@ def find(
     """
     from autotune.tuner import find as find_config
 
-    workload = _workload(model, task, seq_len, global_batch, nproc, device, trust_remote_code)
     if export is not None:
         _check_format(export)
     elif output is not None:
@@ -186,30 +225,11 @@ def find(
     return _finish(summary, as_json=as_json, exported=written, wanted_export=export)
 
 
-@app.command()
+@command
 def tune(
-    study: StudyOpt,
-    model: ModelOpt = DEFAULT_MODEL,
-    task: TaskOpt = None,
-    seq_len: SeqLenOpt = 128,
-    global_batch: GlobalBatchOpt = 16,
-    nproc: NprocOpt = 1,
-    device: DeviceOpt = "auto",
-    trust_remote_code: TrustOpt = False,
-    memory_budget: BudgetOpt = None,
-    space: SpaceOpt = "default",
-    n_trials: NTrialsOpt = None,
-    timeout: TuneTimeoutOpt = None,
-    trial_timeout: TimeoutOpt = 600.0,
-    patience: PatienceOpt = None,
-    headroom: HeadroomOpt = 0.1,
-    storage: StorageOpt = None,
-    estimate: EstimateOpt = True,
-    warmup_steps: WarmupOpt = 1,
-    steps: StepsOpt = 3,
-    workers: WorkersOpt = 1,
-    confirm: ConfirmOpt = True,
-    as_json: JsonOpt = False,
+    study: str, workload: Workload, memory_budget: Optional[str], space: str, n_trials: Optional[int],
+    timeout: Optional[float], trial_timeout: float, patience: Optional[int], headroom: float, storage: Optional[str],
+    estimate: bool, warmup_steps: int, steps: int, workers: int, confirm: bool, as_json: bool,
 ) -> int:
     """Tune a named study; stop it any time (Ctrl-C) and run the same command to carry on.
 
@@ -218,7 +238,6 @@ def tune(
     """
     from autotune.tuner import tune as tune_study
 
-    workload = _workload(model, task, seq_len, global_batch, nproc, device, trust_remote_code)
     with _progress(quiet=as_json) as progress:
         summary = tune_study(study=study, workload=workload, space=space,
                              memory_budget_bytes=_size(memory_budget), n_trials=n_trials, timeout_s=timeout,
@@ -228,22 +247,11 @@ def tune(
     return _finish(summary, as_json=as_json, confirmed=confirm)
 
 
-@app.command()
+@command
 def grid(
     output: Annotated[str, typer.Option("-o", "--output", help="The .jsonl file to write (appended to).")],
-    model: ModelOpt = DEFAULT_MODEL,
-    task: TaskOpt = None,
-    seq_len: SeqLenOpt = 128,
-    global_batch: GlobalBatchOpt = 16,
-    nproc: NprocOpt = 1,
-    device: DeviceOpt = "auto",
-    trust_remote_code: TrustOpt = False,
-    memory_budget: BudgetOpt = None,
-    space: SpaceOpt = "default",
-    trial_timeout: TimeoutOpt = 600.0,
-    warmup_steps: WarmupOpt = 1,
-    steps: StepsOpt = 3,
-    estimate: EstimateOpt = True,
+    workload: Workload, memory_budget: Optional[str], space: str, trial_timeout: float, warmup_steps: int, steps: int,
+    estimate: bool,
 ) -> int:
     """Measure every config of a space, one `autotune trial --json` line each (for replaying searches).
 
@@ -256,7 +264,6 @@ def grid(
     from autotune.sizes import format_size
     from autotune.space import load_space
 
-    workload = _workload(model, task, seq_len, global_batch, nproc, device, trust_remote_code)
     if trial_timeout <= 0:
         raise ConfigError(f"--trial-timeout {trial_timeout:g} must be more than 0 seconds")
 
@@ -282,8 +289,8 @@ def grid(
 
 
 # -- reading studies -----------------------------------------------------------------------------
-@app.command()
-def studies(storage: StorageOpt = None, as_json: JsonOpt = False) -> int:
+@command
+def studies(storage: Optional[str], as_json: bool) -> int:
     """List the studies in the storage, with their trial counts and best configs."""
     from autotune.storage import open_storage, study_names
 
@@ -303,8 +310,8 @@ def studies(storage: StorageOpt = None, as_json: JsonOpt = False) -> int:
     return 0
 
 
-@app.command()
-def show(study: StudyOpt, storage: StorageOpt = None, as_json: JsonOpt = False) -> int:
+@command
+def show(study: str, storage: Optional[str], as_json: bool) -> int:
     """Every trial of a study (config, status, tokens/s, peak memory) and its best config."""
     summary = _summary(study, storage)
     if as_json:
@@ -316,14 +323,12 @@ def show(study: StudyOpt, storage: StorageOpt = None, as_json: JsonOpt = False) 
     return 0
 
 
-@app.command()
+@command
 def export(
-    study: StudyOpt,
-    fmt: FormatOpt = "json",
-    output: Annotated[Optional[str], typer.Option("-o", "--output", help=(
-        "File to write (default: print it); a directory (existing, or ending in /) gets the format's usual "
-        "file name inside it; --format peft writes DIR/adapter_config.json unless the name ends in .json."))] = None,
-    storage: StorageOpt = None,
+    study: str, fmt: str,
+    output: Annotated[Optional[str], typer.Option(
+        "-o", "--output", help="File to write (default: print it); " + _OUTPUT_HELP)] = None,
+    storage: Optional[str] = None,
 ) -> int:
     """Write a study's best config in the format a training job reads."""
     _check_format(fmt)
@@ -350,11 +355,11 @@ def _trains_line(config: TrialConfig, fmt: str, workload: Workload | None = None
     return line
 
 
-@app.command()
+@command
 def report(
-    study: StudyOpt,
+    study: str,
     output: Annotated[str, typer.Option("-o", "--output", help="The HTML file to write.")] = "report.html",
-    storage: StorageOpt = None,
+    storage: Optional[str] = None,
 ) -> int:
     """An HTML report: throughput per trial, memory against throughput, knob importance."""
     from autotune.report import write_report
@@ -365,21 +370,6 @@ def report(
 
 
 # -- helpers of the commands ---------------------------------------------------------------------
-def _workload(model: str, task: str | None, seq_len: int, global_batch: int, nproc: int, device: str,
-              trust_remote_code: bool) -> Workload:
-    return Workload(model=model, task=task, seq_len=seq_len, global_batch=global_batch, nproc=nproc,
-                    device=device, trust_remote_code=trust_remote_code)
-
-
-def _knobs(micro_batch: int, precision: str, checkpointing: str, lora_rank: int | None, lora_alpha: int | None,
-           lora_targets: str | None, zero_stage: str, offload: str) -> TrialConfig:
-    return TrialConfig(
-        micro_batch=micro_batch, precision=precision, checkpointing=_on_off(checkpointing, "--checkpointing"),
-        lora_rank=lora_rank, lora_alpha=lora_alpha,
-        lora_targets=tuple(t.strip() for t in lora_targets.split(",")) if lora_targets is not None else None,
-        zero_stage=_zero_stage(zero_stage), offload=offload)
-
-
 def _refuse_what_cannot_run_here(config: TrialConfig, workload: Workload) -> None:
     """A config this device cannot run (tf32 or fp16 under ZeRO on a CPU) is refused as trial refuses it;
     a CUDA workload estimated on a machine without a GPU is checked for what it can be checked."""
@@ -501,27 +491,12 @@ def _finish(summary: Any, *, as_json: bool, exported: str | None = None, wanted_
     return 0 if summary.best is not None else 1
 
 
-@app.command()
+@command
 def estimate(
-    model: ModelOpt = DEFAULT_MODEL,
-    task: TaskOpt = None,
-    seq_len: SeqLenOpt = 128,
-    global_batch: GlobalBatchOpt = 16,
-    nproc: NprocOpt = 1,
-    device: DeviceOpt = "auto",
-    trust_remote_code: TrustOpt = False,
-    micro_batch: MicroBatchOpt = 1,
-    precision: PrecisionOpt = "fp32",
-    checkpointing: CheckpointingOpt = "off",
-    lora_rank: LoraRankOpt = None,
-    lora_alpha: LoraAlphaOpt = None,
-    lora_targets: LoraTargetsOpt = None,
-    zero_stage: ZeroStageOpt = "off",
-    offload: OffloadOpt = "none",
+    workload: Workload, config: TrialConfig,
     space: Annotated[Optional[str], typer.Option(
         "--space", help="Estimate every config of this space (preset or YAML file) instead of the knobs given.")] = None,
-    memory_budget: BudgetOpt = None,
-    headroom: HeadroomOpt = 0.1,
+    memory_budget: Optional[str] = None, headroom: float = 0.1,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per config, a line each.")] = False,
 ) -> int:
     """Predict peak memory per rank without training: the real step on fake tensors, split into parts.
@@ -534,15 +509,13 @@ def estimate(
     from autotune.models import resolve_task
     from autotune.sizes import format_size
 
-    workload = _workload(model, task, seq_len, global_batch, nproc, device, trust_remote_code)
     if space is not None:
         from autotune.device import detect_device
         from autotune.space import load_space
 
         configs = load_space(space).candidates(workload, detect_device(workload.device))
     else:
-        configs = [_knobs(micro_batch, precision, checkpointing, lora_rank, lora_alpha, lora_targets,
-                          zero_stage, offload)]
+        configs = [config]
         configs[0].grad_accum_steps(workload)
         _refuse_what_cannot_run_here(configs[0], workload)
     budget = _size(memory_budget)
@@ -572,8 +545,8 @@ def estimate(
     return 0
 
 
-@app.command()
-def models(as_json: JsonOpt = False) -> int:
+@command
+def models(as_json: bool) -> int:
     """List the built-in models (use them as --model builtin:NAME)."""
     from autotune.presets import PRESETS
 

@@ -1,0 +1,63 @@
+"""The command line declares each option once (autotune/cli.py), and every command still takes it."""
+
+from __future__ import annotations
+
+import ast
+import collections
+from pathlib import Path
+
+import typer
+
+import autotune.cli as cli
+
+# Options of one command alone that reuse a flag with another meaning there (the file -o writes,
+# what --space and --json mean to estimate): declared beside the command, once per meaning.
+_PER_COMMAND = {"-o", "--output", "--space", "--json"}
+
+
+def _declared_flags() -> collections.Counter[str]:
+    """Every flag string in an ``Option(...)`` or ``typer.Option(...)`` call in cli.py."""
+    tree = ast.parse(Path(cli.__file__).read_text())
+    flags: collections.Counter[str] = collections.Counter()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "Option":
+            for arg in ast.walk(node):
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("-") \
+                        and " " not in arg.value:
+                    flags.update(arg.value.split("/"))
+    return flags
+
+
+def test_each_shared_option_is_declared_once() -> None:
+    flags = _declared_flags()
+    assert {"--model", "--micro-batch", "--memory-budget", "--storage", "--study"} <= set(flags)
+    repeated = {flag: n for flag, n in flags.items() if n > 1 and flag not in _PER_COMMAND}
+    assert not repeated, f"declared more than once in autotune/cli.py: {repeated}"
+
+
+def _options(command: str) -> set[str]:
+    click_command = typer.main.get_command(cli.app).commands[command]  # type: ignore[attr-defined]
+    return {flag for param in click_command.params for flag in param.opts}
+
+
+def test_the_workload_and_knob_options_reach_every_command_that_takes_them() -> None:
+    workload = {"--model", "--task", "--seq-len", "--global-batch", "--nproc", "--device", "--trust-remote-code"}
+    knobs = {"--micro-batch", "--precision", "--checkpointing", "--lora-rank", "--lora-alpha", "--lora-targets",
+             "--zero-stage", "--offload"}
+    for command in ("trial", "estimate", "find", "tune", "grid"):
+        assert workload <= _options(command), command
+    for command in ("trial", "estimate"):
+        assert knobs <= _options(command), command
+    for command in ("find", "tune", "grid"):
+        assert not knobs & _options(command), command  # the search picks the knobs there
+    assert {"--study", "--format", "-o", "--storage"} <= _options("export")
+
+
+def test_no_command_lists_the_workload_or_knob_options_itself() -> None:
+    """Commands take ``workload``/``config`` (one shared declaration), not the fields one by one."""
+    fields = set(cli.WORKLOAD_OPTIONS) | set(cli.KNOB_OPTIONS)
+    tree = ast.parse(Path(cli.__file__).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and any(getattr(d, "id", None) == "command" for d in node.decorator_list):
+            listed = {arg.arg for arg in node.args.args + node.args.kwonlyargs} & fields
+            assert not listed, f"autotune {node.name} lists {sorted(listed)}; take workload/config instead"
