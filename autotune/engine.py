@@ -16,6 +16,8 @@ from autotune.deepspeed_config import LEARNING_RATE, deepspeed_config
 from autotune.errors import ConfigError
 from autotune.knobs import TrialConfig
 from autotune.models import build_model
+from autotune.prepare.checkpointing import enable_checkpointing
+from autotune.prepare.lora import apply_lora
 from autotune.workload import Workload
 
 __all__ = ["TrainingEngine", "build_engine"]
@@ -113,9 +115,9 @@ def build_engine(*, workload: Workload, config: TrialConfig, task: str, device: 
         torch.backends.cudnn.allow_tf32 = True
     model = build_model(workload, task=task, device=device)
     if config.checkpointing:
-        _enable_checkpointing(model, workload.model)
+        enable_checkpointing(model, workload.model)
     if config.uses_lora:
-        model = _apply_lora(model, config, workload, task=task)
+        model = apply_lora(model, config, workload, task=task)
     model.train()
     common = dict(model=model, config=config, task=task, device=device)
     if config.uses_deepspeed:
@@ -123,34 +125,8 @@ def build_engine(*, workload: Workload, config: TrialConfig, task: str, device: 
     return TorchEngine(workload=workload, world_size=world_size, **common)
 
 
-def _enable_checkpointing(model: torch.nn.Module, source: str) -> None:
-    enable = getattr(model, "gradient_checkpointing_enable", None)
-    if enable is None:
-        raise ConfigError(f"--checkpointing on: the model from --model {source} has no "
-                          "gradient_checkpointing_enable(); add one or use --checkpointing off")
-    # Non-reentrant checkpointing works with frozen inputs (LoRA) and with DeepSpeed.
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if hasattr(getattr(model, "config", None), "use_cache"):
-        model.config.use_cache = False
 
 
-def _apply_lora(model: torch.nn.Module, config: TrialConfig, workload: Workload, *, task: str) -> torch.nn.Module:
-    from peft import LoraConfig, get_peft_model
-
-    from autotune.errors import WorkloadError
-    from autotune.models import lora_targets
-
-    try:
-        plan = lora_targets(workload, config.lora_targets, task=task, model=model)
-    except WorkloadError as exc:
-        raise ConfigError(str(exc)) from exc
-    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.effective_lora_alpha, lora_dropout=0.0,
-                      **plan.peft_kwargs())
-    try:
-        return get_peft_model(model, lora)
-    except (ValueError, TypeError) as exc:  # TypeError: e.g. a target inside a head PEFT trains in full
-        raise ConfigError(f"--lora-targets: {str(exc).splitlines()[0]}; name the modules to adapt, "
-                          "e.g. --lora-targets q_proj,v_proj, or --lora-targets all-linear") from exc
 
 
 def _synthetic_batch(model: torch.nn.Module, *, task: str, micro_batch: int, seq_len: int,

@@ -210,7 +210,8 @@ def _peft(config: TrialConfig, workload: Workload, *, device_type: str, summary:
                           "adapter config; tune with --space lora to search LoRA configs")
     from peft import LoraConfig
 
-    from autotune.models import lora_targets, resolve_task
+    from autotune.models import resolve_task
+    from autotune.prepare.lora import lora_targets
 
     # The same LoraConfig the trials applied: PEFT's default targets named, or the fallback's layers.
     plan = lora_targets(workload, config.lora_targets, task=resolve_task(workload))

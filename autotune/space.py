@@ -178,7 +178,7 @@ def _zero_pair_means_something(stage: int | None, offload: str, nproc: int, devi
 
 
 def _missing_checkpointing(workload: Workload) -> str | None:
-    from autotune.models import missing_checkpointing  # imports transformers: only when asked
+    from autotune.prepare.checkpointing import missing_checkpointing  # imports transformers: only when asked
 
     return missing_checkpointing(workload)
 

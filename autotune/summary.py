@@ -138,7 +138,8 @@ def what_is_trained(config: TrialConfig, workload: Workload | None = None) -> di
 def _lora_where(config: TrialConfig, workload: Workload) -> tuple[str, bool] | None:
     """Which layers LoRA adapts, and whether a classifier head trains in full; None if the model is unreachable."""
     from autotune.errors import AutotuneError
-    from autotune.models import lora_targets_note, parse_model_source, resolve_task
+    from autotune.models import parse_model_source, resolve_task
+    from autotune.prepare.lora import lora_targets_note
 
     try:
         task = resolve_task(workload)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from autotune.knobs import TrialConfig
-from autotune.models import build_model, lora_targets
+from autotune.models import build_model
+from autotune.prepare.lora import lora_targets
 from autotune.result import TrialStatus
 from autotune.runner import run_trial
 from autotune.summary import what_is_trained

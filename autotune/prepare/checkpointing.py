@@ -1,0 +1,71 @@
+"""Activation checkpointing: turning it on in a built model, and knowing before any trial whether
+a model can do it at all (a space then leaves the knob out instead of measuring failures).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from autotune.errors import ConfigError
+from autotune.models import load_hf_config, meta_model, parse_model_source, resolve_task
+from autotune.prepare.model_facts import checkpointing_gap, factory_facts
+
+if TYPE_CHECKING:
+    import torch
+
+    from autotune.workload import Workload
+
+__all__ = ["enable_checkpointing", "missing_checkpointing"]
+
+
+def enable_checkpointing(model: torch.nn.Module, source: str) -> None:
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise ConfigError(f"--checkpointing on: the model from --model {source} has no "
+                          "gradient_checkpointing_enable(); add one or use --checkpointing off")
+    # Non-reentrant checkpointing works with frozen inputs (LoRA) and with DeepSpeed.
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(getattr(model, "config", None), "use_cache"):
+        model.config.use_cache = False
+
+
+def missing_checkpointing(workload: Workload) -> str | None:
+    """Why the workload's model cannot checkpoint activations, or None when it can (or when that is
+    unknown before a trial: a factory that fails to build fails its trials anyway).
+
+    Hugging Face models: the model class's ``supports_gradient_checkpointing``, no model built.
+    A factory: built once on the meta device in a separate process (its code may hang or crash).
+    """
+    source = parse_model_source(workload.model)
+    task = resolve_task(workload)
+    key = (workload.model, task, workload.seq_len, workload.trust_remote_code)
+    if key not in _MISSING_CHECKPOINTING:  # the search space asks for every list of choices
+        if source.kind == "factory":
+            facts = factory_facts(workload, task)
+            missing = None if facts is None else facts["missing_checkpointing"]
+        else:
+            model_class = _hf_model_class(workload, task)
+            if model_class is None:
+                missing = checkpointing_gap(meta_model(workload, task), workload.model)
+            elif not getattr(model_class, "supports_gradient_checkpointing", False):
+                missing = f"{model_class.__name__} (--model {workload.model}) does not support gradient checkpointing"
+            else:
+                missing = None
+        _MISSING_CHECKPOINTING[key] = missing
+    return _MISSING_CHECKPOINTING[key]
+
+
+_MISSING_CHECKPOINTING: dict[tuple[Any, ...], str | None] = {}
+
+
+def _hf_model_class(workload: Workload, task: str) -> type | None:
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = load_hf_config(parse_model_source(workload.model), trust_remote_code=workload.trust_remote_code)
+    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+    try:
+        from transformers.models.auto.auto_factory import _get_model_class  # private: a fallback follows
+
+        return _get_model_class(config, auto._model_mapping)
+    except (ImportError, KeyError, ValueError, AttributeError):
+        return None  # remote code, or a transformers without it: build on the meta device instead

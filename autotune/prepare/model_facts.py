@@ -1,0 +1,111 @@
+"""Facts about a model found before any trial: its linear layers, its task head, whether it can
+checkpoint activations. A factory's model is built on the meta device in a process of its own
+(its code may hang or crash); a Hugging Face model on the meta device here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+from autotune.models import meta_model
+
+if TYPE_CHECKING:
+    import torch
+
+    from autotune.workload import Workload
+
+__all__ = ["factory_facts", "checkpointing_gap", "linear_layers_but_heads"]
+
+# A head is a direct child by one of these names (PEFT's classifier names, causal LMs' lm_head,
+# common names in factories), or the output embeddings; heads are never adapted.
+_HEAD_NAMES = ("classifier", "score", "lm_head", "head", "output")
+
+
+def checkpointing_gap(model: Any, ref: str) -> str | None:
+    if not callable(getattr(model, "gradient_checkpointing_enable", None)):
+        return f"the model from --model {ref} has no gradient_checkpointing_enable()"
+    if getattr(model, "supports_gradient_checkpointing", True) is False:  # HF models have the method anyway
+        return f"{type(model).__name__} (--model {ref}) does not support gradient checkpointing"
+    return None
+
+
+_FACTORY_FACTS: dict[tuple[str, str, int], dict[str, Any] | None] = {}
+_PROBE_TIMEOUT_S = 120
+
+
+def factory_facts(workload: Workload, task: str) -> dict[str, Any] | None:
+    """A factory's model, built on the meta device in a child process: None if that fails or hangs."""
+    import signal
+    import subprocess
+    import sys
+
+    key = (workload.model, task, workload.seq_len)
+    if key in _FACTORY_FACTS:
+        return _FACTORY_FACTS[key]
+    code = "import sys; from autotune.prepare.model_facts import _probe_main; _probe_main(*sys.argv[1:])"
+    facts = None
+    with subprocess.Popen([sys.executable, "-c", code, workload.model, task, str(workload.seq_len)],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          start_new_session=True) as probe:
+        try:
+            out, _ = probe.communicate(timeout=_PROBE_TIMEOUT_S)
+            lines = out.strip().splitlines()
+            if probe.returncode == 0 and lines:
+                facts = json.loads(lines[-1])  # the last line: the factory may print too
+        except (subprocess.TimeoutExpired, json.JSONDecodeError):
+            pass
+        finally:
+            try:
+                os.killpg(probe.pid, signal.SIGKILL)  # with whatever the factory started
+            except ProcessLookupError:
+                pass
+    _FACTORY_FACTS[key] = facts
+    return facts
+
+
+def _probe_main(ref: str, task: str, seq_len: str) -> None:
+    from autotune.workload import Workload
+
+    model = meta_model(Workload(model=ref, task=task, seq_len=int(seq_len)), task)
+    targets, heads = linear_layers_but_heads(model, task=task)
+    print("\n" + json.dumps({"missing_checkpointing": checkpointing_gap(model, ref),
+                             "lora_targets": targets, "heads": heads}), flush=True)
+
+
+def linear_layers_but_heads(model: torch.nn.Module, *, task: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Last names (as PEFT matches them) of the linear layers outside the task head, and of the heads."""
+    import torch
+
+    linear: tuple[type, ...] = (torch.nn.Linear,)
+    try:
+        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+        linear += (Conv1D,)
+    except ImportError:
+        pass
+    head_names = _head_names(model, task=task)
+    leaves = {head.rpartition(".")[2] for head in head_names}
+    # A classifier trains in full: PEFT wraps every module whose name *ends with* a modules_to_save
+    # name (its SEQ_CLS adds classifier and score), DistilBERT's pre_classifier included.
+    saved = leaves | {"classifier", "score"} if task == "seq-cls" else set()
+    targets = set()
+    for name, module in model.named_modules():
+        in_head = any(name == head or name.startswith(head + ".") for head in head_names)
+        if isinstance(module, linear) and not in_head and not any(name.endswith(s) for s in saved):
+            targets.add(name.rpartition(".")[2])
+    return tuple(sorted(targets - leaves)), tuple(sorted(leaves))
+
+
+def _head_names(model: torch.nn.Module, *, task: str) -> list[str]:
+    """The task head: the output embeddings (an LM's vocabulary projection) or a classifier."""
+    heads = [module for name, module in model.named_children() if name in _HEAD_NAMES]
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    if output is not None:
+        heads.append(output)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or getattr(model, "vocab_size", None)
+    if task == "causal-lm" and isinstance(vocab, int):  # a factory's projection onto the vocabulary
+        heads += [m for m in model.modules() if getattr(m, "out_features", None) == vocab]
+    ids = {id(m) for m in heads}
+    return [name for name, module in model.named_modules() if id(module) in ids and name]
