@@ -57,6 +57,12 @@ def _run(spec: dict[str, Any], record: dict[str, Any]) -> None:
     config = TrialConfig.from_dict(spec["config"])
     budget = spec.get("memory_budget_bytes")
     device = _init_device(spec["device_type"])
+    if spec.get("cpu_cores"):  # before any thread starts: they inherit the pinning
+        from autotune.cpu_cores import rank_cores, use_cores
+
+        cores, threads = rank_cores(spec["cpu_cores"], int(os.environ.get("LOCAL_RANK", "0")), workload.nproc)
+        use_cores(cores, threads, torch)
+        record.update(cpu_cores=sorted(os.sched_getaffinity(0)), cpu_threads=torch.get_num_threads())  # in effect
     world_size = _init_distributed(workload, config, device)
     record.update(device=str(device), world_size=world_size, memory_budget_bytes=budget,
                   grad_accum_steps=config.grad_accum_steps(workload))

@@ -5,7 +5,8 @@ bfloat16 units (avx512_bf16, AMX) 16-bit matmuls run as fast as fp32 or faster, 
 them they emulate and crawl, and on a GPU tensor cores decide; only measuring tells which. It
 runs in a process of its own (``python -m autotune.device_probe cpu fp32,bf16``), so the driver
 never imports torch or holds a CUDA context, and prints one JSON object: precision -> matmul
-speed relative to fp32 (precisions the device cannot run are left out).
+speed relative to fp32 (precisions the device cannot run are left out). On a CPU it computes only
+on the cores free when it starts, as a trial does.
 """
 
 from __future__ import annotations
@@ -79,5 +80,17 @@ def _matmul_rate(torch: Any, device: Any, precision: str, size: int) -> float:
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
+def _use_free_cores(device_type: str) -> None:
+    """In the probe's own process: compute on the cores a trial would run on now (see autotune.cpu_cores)."""
+    from autotune.cpu_cores import free_cores, use_cores
+
+    cores = free_cores() if device_type == "cpu" else None
+    if cores:
+        import torch
+
+        use_cores(cores, len(cores), torch)
+
+
 if __name__ == "__main__":
+    _use_free_cores(sys.argv[1])
     print(json.dumps(relative_matmul_speed(sys.argv[1], sys.argv[2].split(","))))

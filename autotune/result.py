@@ -65,6 +65,8 @@ class TrialResult:
     total_params: int | None = None
     final_loss: float | None = None
     device: str | None = None
+    cpu_cores: list[int] | None = None         # CPU: the cores the trial ran on (the free ones; all ranks')
+    cpu_threads: int | None = None             # CPU: torch threads per rank
     world_size: int = 1
     memory_budget_bytes: int | None = None
     phases: PhaseTimings = field(default_factory=PhaseTimings)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.child import LAUNCH_TIME_ENV
+from autotune.cpu_cores import free_cores
 from autotune.device import DeviceInfo, detect_device
 from autotune.errors import WorkloadError
 from autotune.failures import classify_exit, describe_exit
@@ -60,6 +61,8 @@ def run_trial(workload: Workload, config: TrialConfig, *, memory_budget_bytes: i
         "memory_budget_bytes": memory_budget_bytes,
         "warmup_steps": warmup_steps,
         "measure_steps": measure_steps,
+        # Measured here, under the caller's CPU turn: the trial's ranks run only on the cores free now.
+        "cpu_cores": free_cores() if device.type == "cpu" else None,
     }
     with tempfile.TemporaryDirectory(prefix="autotune-trial-") as tmp:
         work = Path(tmp)
@@ -282,7 +285,8 @@ def _combine(config: TrialConfig, records: list[dict[str, Any] | None], *, retur
     fields: dict[str, Any] = {k: base.get(k) for k in (
         "tokens_per_s", "samples_per_s", "step_time_median_s", "step_time_iqr_s", "step_time_spread",
         "disturbed_steps", "grad_accum_steps",
-        "trainable_params", "total_params", "final_loss", "device")}
+        "trainable_params", "total_params", "final_loss", "device", "cpu_threads")}
+    cores = sorted({c for r in written for c in r.get("cpu_cores") or []})
     return TrialResult(
         config=config,
         status=status,
@@ -294,6 +298,7 @@ def _combine(config: TrialConfig, records: list[dict[str, Any] | None], *, retur
         peak_memory_per_rank=[r.get("peak_memory_bytes") if r else None for r in records] if world_size > 1 else None,
         optimizer_state_bytes=_max_of(written, "optimizer_state_bytes"),
         world_size=world_size,
+        cpu_cores=cores or None,
         memory_budget_bytes=memory_budget_bytes,
         phases=PhaseTimings(**(base.get("phases") or {})),
         error=error,
