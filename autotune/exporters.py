@@ -4,8 +4,9 @@ One small function per format, each returning the file's text. Every export says
 precision is used and whether LoRA is trained (DESIGN: never hand over LoRA silently): as a
 ``trains`` key in JSON/YAML and as comment lines in the YAML formats. DeepSpeed and
 TrainingArguments JSON can hold neither comments nor extra keys: their precision keys say it,
-and LoRA travels in the peft export (adapter_config.json). Torch, transformers and PEFT are
-imported only by the formats that need them.
+and LoRA travels in the peft export (adapter_config.json). The model's facts these need (hidden
+size, LoRA's targets) come from the study when it stored them (:mod:`autotune.stored_facts`):
+then no format imports torch, transformers or PEFT.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Callable
 from autotune.deepspeed_config import deepspeed_config
 from autotune.errors import ConfigError
 from autotune.knobs import TrialConfig
+from autotune.stored_facts import adapter_config, hidden_size
 from autotune.summary import what_is_trained
 from autotune.workload import Workload
 
@@ -75,7 +77,7 @@ def _yaml(config: TrialConfig, workload: Workload, *, device_type: str, summary:
 # -- DeepSpeed and Hugging Face TrainingArguments -------------------------------------------
 def _deepspeed(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
     return _dump_json(deepspeed_config(config, workload, device_type=device_type,
-                                       hidden_size=_hidden_size(workload)))
+                                       hidden_size=hidden_size(workload)))
 
 
 def _hf(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
@@ -99,21 +101,10 @@ def _hf(config: TrialConfig, workload: Workload, *, device_type: str, summary: d
 
 
 def _hf_deepspeed(config: TrialConfig, workload: Workload, *, device_type: str) -> dict[str, Any]:
-    ds = deepspeed_config(config, workload, device_type=device_type, hidden_size=_hidden_size(workload))
+    ds = deepspeed_config(config, workload, device_type=device_type, hidden_size=hidden_size(workload))
     ds.update(dict.fromkeys(_HF_AUTO_KEYS, "auto"))
     ds["optimizer"]["params"].update(dict.fromkeys(_HF_AUTO_OPTIMIZER_KEYS, "auto"))
     return ds
-
-
-def _hidden_size(workload: Workload) -> int | None:
-    """The model's hidden size for DeepSpeed's bucket sizes; None for a factory model."""
-    from autotune.models import load_hf_config, parse_model_source
-
-    source = parse_model_source(workload.model)
-    if source.kind == "factory":  # building the model to find out would run the user's code
-        return None
-    hf_config = load_hf_config(source, trust_remote_code=workload.trust_remote_code)
-    return getattr(hf_config, "hidden_size", None)
 
 
 # -- Accelerate -----------------------------------------------------------------------------
@@ -208,17 +199,8 @@ def _peft(config: TrialConfig, workload: Workload, *, device_type: str, summary:
     if not config.uses_lora:
         raise ConfigError("--format peft: this config trains all weights (no LoRA), so there is no "
                           "adapter config; tune with --space lora to search LoRA configs")
-    from peft import LoraConfig
-
-    from autotune.models import resolve_task
-    from autotune.prepare.lora import lora_targets
-
-    # The same LoraConfig the trials applied: PEFT's default targets named, or the fallback's layers.
-    plan = lora_targets(workload, config.lora_targets, task=resolve_task(workload))
-    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.effective_lora_alpha, lora_dropout=0.0,
-                      **plan.peft_kwargs())
-    data = {key: sorted(value) if isinstance(value, set) else value for key, value in lora.to_dict().items()}
-    return json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
+    # The same LoraConfig the trials applied, as the study stored it at tune time (else worked out now).
+    return json.dumps(adapter_config(config, workload), indent=2, sort_keys=True, default=str) + "\n"
 
 
 # -- shared helpers -------------------------------------------------------------------------

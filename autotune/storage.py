@@ -115,9 +115,13 @@ def quiet_optuna() -> Iterator[None]:
 
 def display_url(url: str | None) -> str:
     """The URL with any password hidden, for output and JSON."""
-    from sqlalchemy.engine import make_url
+    from autotune.sqlite_reader import sqlite_path
 
     url = url or DEFAULT_STORAGE
+    if sqlite_path(url) is not None:  # no password, and SQLAlchemy renders it unchanged: skip importing it
+        return url
+    from sqlalchemy.engine import make_url
+
     try:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:
@@ -150,12 +154,19 @@ def load_study(storage: optuna.storages.RDBStorage, name: str, url: str | None) 
     try:
         study = optuna.load_study(study_name=name, storage=storage)
     except KeyError:
-        known = study_names(storage)
-        hint = f"studies there: {', '.join(known)}" if known else "it holds no study yet"
-        raise StorageError(f"--study {name}: no such study in {display_url(url)} ({hint})") from None
+        raise no_such_study(name, url, study_names(storage)) from None
     if META_KEY not in study.user_attrs:
-        raise StorageError(f"--study {name} was not created by autotune (no {META_KEY!r} attribute)")
+        raise not_autotune(name)
     return study
+
+
+def no_such_study(name: str, url: str | None, known: list[str]) -> StorageError:
+    hint = f"studies there: {', '.join(known)}" if known else "it holds no study yet"
+    return StorageError(f"--study {name}: no such study in {display_url(url)} ({hint})")
+
+
+def not_autotune(name: str) -> StorageError:
+    return StorageError(f"--study {name} was not created by autotune (no {META_KEY!r} attribute)")
 
 
 def study_names(storage: optuna.storages.RDBStorage) -> list[str]:

@@ -16,14 +16,16 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from autotune.knobs import TrialConfig
-from autotune.storage import META_KEY, display_url
+from autotune.sqlite_reader import StoredStudy, read_study_file
+from autotune.storage import DEFAULT_STORAGE, META_KEY, display_url, no_such_study, not_autotune
+from autotune.stored_facts import FACTS_KEY, remember
 from autotune.summary import StudySummary, TrialRecord
 from autotune.workload import Workload
 
 if TYPE_CHECKING:
     import optuna
 
-__all__ = ["load_summary", "summarize", "records_of", "ranking", "retire_answers", "CONFIRM_PREFIX",
+__all__ = ["load_summary", "load_summaries", "summarize", "records_of", "ranking", "retire_answers", "CONFIRM_PREFIX",
            "DECISION_KEY", "ANSWER_ATTR", "ANSWER_CONSTRAINT"]
 
 CONFIRM_PREFIX = "confirm:"      # study user attribute per re-run winner candidate: confirm:<number>
@@ -34,14 +36,47 @@ _MEASURED = ("ok", "oom", "timeout", "crashed", "nan", "error")
 
 
 def load_summary(*, study: str, storage: str | None = None, with_importances: bool = False) -> StudySummary:
-    """Read study ``study`` from ``storage`` (default ``sqlite:///storage/autotune.db``)."""
+    """Read study ``study`` from ``storage`` (default ``sqlite:///storage/autotune.db``).
+
+    A SQLite file of the schema :mod:`autotune.sqlite_reader` knows is read without Optuna (a
+    command that only reads a study starts in a fraction of a second); anything else, and the
+    importances (Optuna's fANOVA), through Optuna.
+    """
     from autotune.storage import load_study, open_storage
 
+    if not with_importances:
+        read = read_study_file(storage or DEFAULT_STORAGE, only=study)
+        if read is not None:
+            if study not in read.studies:
+                raise no_such_study(study, storage, read.names)
+            if META_KEY not in read.studies[study].user_attrs:
+                raise not_autotune(study)
+            return summarize(read.studies[study], url=storage)
     return summarize(load_study(open_storage(storage), study, storage), url=storage,
                      with_importances=with_importances)
 
 
-def summarize(study: optuna.Study, *, url: str | None, with_importances: bool = False) -> StudySummary:
+def load_summaries(storage: str | None = None) -> list[StudySummary]:
+    """Every autotune study in ``storage``, by name (studies other tools keep there are left out)."""
+    read = read_study_file(storage or DEFAULT_STORAGE)
+    if read is not None:
+        return [summarize(read.studies[name], url=storage) for name in read.names
+                if META_KEY in read.studies[name].user_attrs]
+    from autotune.errors import StorageError
+    from autotune.storage import load_study, open_storage, study_names
+
+    backend = open_storage(storage)
+    summaries = []
+    for name in study_names(backend):
+        try:
+            summaries.append(summarize(load_study(backend, name, storage), url=storage))
+        except StorageError:
+            pass  # a study some other tool keeps in the same database
+    return summaries
+
+
+def summarize(study: optuna.Study | StoredStudy, *, url: str | None, with_importances: bool = False) -> StudySummary:
+    """A study (Optuna's, or as :mod:`autotune.sqlite_reader` read it) as plain values."""
     meta = study.user_attrs[META_KEY]
     records = records_of(study)
     ranked = ranking(records)
@@ -49,10 +84,12 @@ def summarize(study: optuna.Study, *, url: str | None, with_importances: bool = 
     decision = study.user_attrs.get(DECISION_KEY) or {}
     certainty = decision.get("certainty") if best is not None and decision.get("order", [None])[0] == best.number \
         else None
+    workload = Workload.from_dict(meta["workload"])
+    remember(workload, study.user_attrs.get(FACTS_KEY))  # what the tuner stored: show and export need no torch
     return StudySummary(
         name=study.study_name,
         storage=display_url(url),
-        workload=Workload.from_dict(meta["workload"]),
+        workload=workload,
         space=meta["space"]["name"],
         device=meta["device"],
         memory_budget_bytes=meta["memory_budget_bytes"],
@@ -69,9 +106,7 @@ def memory_limit(meta: dict[str, Any]) -> int:
     return int(meta["memory_budget_bytes"] * (1 - meta["headroom"]))
 
 
-def records_of(study: optuna.Study) -> list[TrialRecord]:
-    from optuna.trial import TrialState
-
+def records_of(study: optuna.Study | StoredStudy) -> list[TrialRecord]:
     meta = study.user_attrs[META_KEY]
     limit = memory_limit(meta)
     confirmations = {int(k.removeprefix(CONFIRM_PREFIX)): v for k, v in study.user_attrs.items()
@@ -83,7 +118,7 @@ def records_of(study: optuna.Study) -> list[TrialRecord]:
         if config_data is None or ANSWER_ATTR in trial.user_attrs:
             continue  # asked but never given a config (the worker died inside Optuna), or the answer's copy
         result = trial.user_attrs.get("result") or {}
-        if trial.state is TrialState.RUNNING:
+        if getattr(trial.state, "name", trial.state) == "RUNNING":  # Optuna's TrialState, or its name
             status = "running"
         else:
             status = trial.user_attrs.get("status", "interrupted")

@@ -2,7 +2,8 @@
 
 Built from the Optuna study by :mod:`autotune.study`; nothing here imports Optuna or torch,
 so the types are cheap to build in tests and to render (saying which layers a LoRA config
-adapts reads the model's config, and PEFT's table for its default targets).
+adapts takes what the study stored, or reads the model's config and PEFT's table for a study
+that stored nothing: see :mod:`autotune.stored_facts`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.knobs import TrialConfig
+from autotune.stored_facts import lora_where
 from autotune.workload import Workload
 
 __all__ = ["TrialRecord", "StudySummary", "what_is_trained"]
@@ -117,7 +119,8 @@ def what_is_trained(config: TrialConfig, workload: Workload | None = None) -> di
 
     With the workload, LoRA's note also says which layers it adapts (PEFT's default targets for
     the architecture, or every linear layer but the task head) and that a classifier's head
-    trains in full; that needs the model's config (and PEFT's table, only for default targets).
+    trains in full: as the study stored it at tune time, else from the model's config (and
+    PEFT's table, only for default targets).
     """
     precision = {"fp32": "fp32", "tf32": "fp32 with tf32 matmuls", "fp16": "fp16 mixed precision",
                  "bf16": "bf16 mixed precision"}[config.precision]
@@ -127,24 +130,9 @@ def what_is_trained(config: TrialConfig, workload: Workload | None = None) -> di
         lora = {"rank": config.lora_rank, "alpha": config.effective_lora_alpha,
                 "targets": list(config.lora_targets) if config.lora_targets else None}
         note = f"LoRA adapters only trained in {precision}"
-        where = _lora_where(config, workload) if workload is not None else None
+        where = lora_where(config, workload) if workload is not None else None
         if where is not None:
             lora["targets_note"], head = where
             note = (f"LoRA r={config.lora_rank} adapters" + ("" if head else " only") + f", on {lora['targets_note']}"
                     + (", plus the classification head in full" if head else "") + f", trained in {precision}")
     return {"precision": config.precision, "lora": lora, "note": note}
-
-
-def _lora_where(config: TrialConfig, workload: Workload) -> tuple[str, bool] | None:
-    """Which layers LoRA adapts, and whether a classifier head trains in full; None if the model is unreachable."""
-    from autotune.errors import AutotuneError
-    from autotune.models import parse_model_source, resolve_task
-    from autotune.prepare.lora import lora_targets_note
-
-    try:
-        task = resolve_task(workload)
-        # PEFT's SEQ_CLS trains the classifier; a factory's plain module only on the default targets.
-        head = task == "seq-cls" and (config.lora_targets is None or parse_model_source(workload.model).kind != "factory")
-        return lora_targets_note(workload, config.lora_targets, task=task), head
-    except AutotuneError:  # e.g. a Hub model no longer cached here: say less rather than fail
-        return None

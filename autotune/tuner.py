@@ -108,6 +108,7 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     """
     from autotune.proposer import Proposer
     from autotune.storage import create_study, open_storage, recover_stale_trials
+    from autotune.stored_facts import record as record_model_facts
 
     workload = workload or Workload()
     progress = progress or _Silent()
@@ -128,6 +129,8 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     proposer = Proposer(space, workload, device, estimator=oracle.lookup if oracle else None,
                         limit_bytes=limit, margin=SKIP_MARGIN)
     proposer.precision_speed = _precision_speed(the_study, backend, proposer.choices.get("precision", ()))
+    # What show and export need about the model (LoRA's targets, hidden size), resolved as the trials resolve it.
+    record_model_facts(the_study, workload, proposer.choices.get("lora", ()))
     target = n_trials or space.n_trials
     patience = patience if patience is not None else space.patience
     measure = _Measure(memory_budget_bytes=budget, trial_timeout_s=trial_timeout_s,
