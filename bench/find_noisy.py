@@ -42,6 +42,19 @@ def find(budget: str, storage: str, *, busy: bool) -> tuple[dict, float, int]:
             spinner.wait()
 
 
+def _threads_used(storage: str) -> dict[str, int]:
+    """How many of the study's trials ran with how many torch threads (the free cores they saw)."""
+    import optuna
+
+    counts: dict[str, int] = {}
+    for name in optuna.get_all_study_names(storage):
+        for trial in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False):
+            threads = (trial.user_attrs.get("result") or {}).get("cpu_threads")
+            if threads is not None:
+                counts[str(threads)] = counts.get(str(threads), 0) + 1
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", default="160MiB")
@@ -66,10 +79,11 @@ def main() -> None:
                 "quiet_grid_tokens_per_s": quiet_figure,
                 "of_optimum": quiet_figure / fitting[optimum] if quiet_figure else None,
                 "trials": summary.get("n_trials"),
+                "trials_by_cpu_threads": _threads_used(f"sqlite:///{tmp}/{'busy' if busy else 'quiet'}.db"),
             })
-    report = {"command": f"python bench/find_noisy.py --budget {args.budget}", "grid": str(GRID),
-              "optimum": optimum.describe(), "optimum_tokens_per_s": fitting[optimum], "runs": rows}
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+            report = {"command": f"python bench/find_noisy.py --budget {args.budget}", "grid": str(GRID),
+                      "optimum": optimum.describe(), "optimum_tokens_per_s": fitting[optimum], "runs": rows}
+            args.out.write_text(json.dumps(report, indent=1) + "\n")  # after each run: a stopped script keeps it
     print(f"optimum of the quiet grid under {args.budget}: {optimum.describe()} at {fitting[optimum]:,.0f} tokens/s")
     print(f"{'machine':<18} {'exit':>4} {'trials':>6} {'wall':>7}  {'pick':<22} {'quiet figure':>12} {'of optimum':>10}")
     for r in rows:
@@ -77,6 +91,7 @@ def main() -> None:
         share = f"{r['of_optimum']:.1%}" if r["of_optimum"] else "-"
         print(f"{r['machine']:<18} {r['exit_code']:>4} {r['trials'] or 0:>6} {r['wall_s']:>6.0f}s  "
               f"{r['pick'] or '-':<22} {quiet:>12} {share:>10}")
+        print(f"{'':<18} trials by torch threads: {r['trials_by_cpu_threads']}")
         if r["certainty"]:
             print(f"{'':<18} how sure: {r['certainty']}")
 
