@@ -18,6 +18,7 @@ halves what is left. A retry of an interrupted trial comes before anything else.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Callable
 
 from autotune.knobs import TrialConfig
@@ -82,13 +83,25 @@ class Proposer:
             [(r.config, r.tokens_per_s) for r in records if r.status == "ok" and r.tokens_per_s])
         order = {c: i for i, c in enumerate(self.candidates)}
         ranked = sorted(open_configs, key=lambda c: (-model.predict(c), order[c]))
+        threshold = self._threshold(records)
+        best = max((r.tokens_per_s or 0.0 for r in records if r.fits), default=0.0)
+        # The device probe measured each precision's speed here: that is evidence, not a prior.
+        probed = {("precision", repr(p)) for p in self.precision_speed or {}}
+        unmeasured = self.unmeasured_values(records) - probed
+        first = None
         for config in ranked:
-            frontier = self._frontier(config, fitting, too_big)
+            frontier = self._frontier(config, fitting, too_big, threshold)
             if frontier is None:      # nothing can tell: measure the middle of what is unknown
-                return self._bisecting_trial(config, fitting, too_big, open_configs)
-            if config.micro_batch <= frontier:
+                return first or self._bisecting_trial(config, fitting, too_big, open_configs)
+            if config.micro_batch > frontier:
+                continue
+            # Predicted faster than the best measured, or no value left unmeasured: measure it.
+            # Else no trial is expected to beat the best, and for the values no trial (nor the probe)
+            # has measured only a prior speaks: the fastest config that carries one goes first.
+            if math.exp(model.predict(config)) > best or not unmeasured or unmeasured & self._values(config):
                 return config
-        return None  # every open config is predicted not to fit
+            first = first or config
+        return first  # None: every open config is predicted not to fit
 
     def unmeasured_values(self, records: list[TrialRecord]) -> set[tuple[str, Any]]:
         """Knob values (micro batch aside) the space offers that no trial has measured and that
@@ -117,18 +130,37 @@ class Proposer:
     def _family_sizes(self, config: TrialConfig) -> list[TrialConfig]:
         return [config.replace(micro_batch=size) for size in sorted(self.choices["micro_batch"])]
 
-    def _frontier(self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig]) -> int | None:
-        """The largest micro batch of ``config``'s family known or predicted to fit (0: none);
-        None when neither trials nor the estimator can tell.
+    def _threshold(self, records: list[TrialRecord]) -> float:
+        """The predicted peak up to which a config is worth a trial: the limit, plus the margin
+        for the estimator's error. Once trials have measured peaks it predicted, the margin is no
+        more than the largest over-prediction seen on this workload: an estimator that has been
+        right (or low) here says a config predicted over the limit will not fit."""
+        if self._limit is None:
+            return 0.0
+        over = [predicted / r.peak_memory_bytes - 1 for r in records
+                if r.status == "ok" and r.peak_memory_bytes and (predicted := self._predicted(r))]
+        margin = min(self._margin, max(0.0, *over)) if over else self._margin
+        return self._limit * (1 + margin)
+
+    def _predicted(self, record: TrialRecord) -> int | None:
+        if record.predicted_peak_bytes is not None:
+            return record.predicted_peak_bytes
+        estimate = self._estimates.get(record.config)
+        return estimate.predicted_peak_bytes if estimate is not None else None
+
+    def _frontier(self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig],
+                  threshold: float) -> int | None:
+        """The largest micro batch of ``config``'s family known or predicted to fit under
+        ``threshold`` (0: none); None when neither trials nor the estimator can tell.
 
         The first estimate probes the middle of what is unknown; from then on each estimate goes
         where a straight line through the last one says the limit is (model states stay, the
         rest grows with the micro batch), so a family usually costs two estimates. A size the
-        line puts clearly over the limit is not estimated at all.
+        line puts clearly over the limit is not estimated at all, nor one it puts clearly under (that
+        one's own estimate, made before its trial, checks it if it is ever proposed).
         """
         family = self._family_sizes(config)
         fit, big = self._known_bounds(family, fitting, too_big)
-        threshold = self._limit * (1 + self._margin) if self._limit is not None else 0
         line: Callable[[int], float] | None = None
         while big - fit > 1:
             if line is None:
@@ -138,6 +170,9 @@ class Proposer:
                 if not below and line(family[fit + 1].micro_batch) > threshold * (1 + _LINE_SLACK):
                     break  # clearly over: the line is enough
                 index = max(below, default=fit + 1)
+                if below and line(family[index].micro_batch) <= threshold / (1 + _LINE_SLACK):
+                    fit = index  # clearly under
+                    continue
             estimate = self._estimate(family[index])
             if estimate is None:
                 return None
@@ -146,7 +181,8 @@ class Proposer:
                 fit = index
             else:
                 big = index
-                if family[index] not in self._ruled_out:
+                skip = self._limit * (1 + self._margin)  # what the study records as skipped; closer ones stay open
+                if estimate.predicted_peak_bytes > skip and family[index] not in self._ruled_out:
                     self._ruled_out.append(family[index])
         return family[fit].micro_batch if fit >= 0 else 0
 
