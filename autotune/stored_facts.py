@@ -47,8 +47,8 @@ def collect(workload: Workload, lora_targets: Iterable[tuple[str, ...] | None]) 
         entry: dict[str, Any] = {"note": where[0], "head": where[1]}
         try:
             entry["adapter_config"] = _adapter_config(targets, workload, rank=1, alpha=1)
-        except AutotuneError:
-            pass  # e.g. no linear layer to adapt: the export says so itself, as before
+        except (AutotuneError, ValueError):  # e.g. no linear layer to adapt: the trials and the export say so
+            pass
         lora[_setting(targets)] = entry
     return {"hidden_size": _hidden_size(workload), "lora": lora}
 

@@ -234,6 +234,27 @@ def test_a_classifier_study_stores_that_its_head_trains_in_full(studies):
                                       "classification head in full, trained in fp32")
 
 
+def test_a_model_lora_cannot_adapt_still_tunes_and_its_export_says_why(tmp_path):
+    """facts are worked out before the first trial: one that cannot be (no linear layer but the head
+    to adapt) must not stop the tuning; its peft export refuses as it did before facts were stored."""
+    from autotune.errors import WorkloadError
+
+    url = f"sqlite:///{tmp_path}/head-only.db"
+    (tmp_path / "space.yaml").write_text("n_trials: 1\nknobs:\n  micro_batch: [8]\n  precision: [fp32]\n"
+                                         "  checkpointing: [false]\n  lora_rank: [8]\n")
+    space = load_space(tmp_path / "space.yaml")
+    workload = Workload(model="factories:tiny", seq_len=32, global_batch=8)
+    config = space.config_of({"micro_batch": 8, "precision": "fp32", "checkpointing": False, "zero": "off",
+                              "lora": "8"})
+    tune(study="s", workload=workload, space=space, memory_budget_bytes=2**30, storage=url, estimate=False,
+         backend=Scripted({config: 100.0}))
+    summary = load_summary(study="s", storage=url)
+    assert summary.best.config == config
+    assert "every linear layer but the task head" in summary.to_dict()["best"]["trains"]["note"]
+    with pytest.raises(WorkloadError, match="no linear layer besides its task head"):
+        export_config(config, workload, fmt="peft")
+
+
 def test_show_and_export_import_neither_torch_nor_optuna(studies):
     """Each command as the console script runs it, in one fresh interpreter; its modules checked after each."""
     tmp, url = studies
