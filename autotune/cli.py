@@ -292,11 +292,9 @@ def grid(
 @command
 def studies(storage: Optional[str], as_json: bool) -> int:
     """List the studies in the storage, with their trial counts and best configs."""
-    from autotune.storage import open_storage, study_names
+    from autotune.study import load_summaries
 
-    backend = open_storage(storage)
-    rows = [_load_summary(name, storage, backend) for name in study_names(backend)]
-    rows = [r for r in rows if r is not None]
+    rows = load_summaries(storage)
     if as_json:
         print(json.dumps([{"study": s.name, "model": s.workload.model, "n_trials": s.n_trials,
                            "best": s.best.config.describe() if s.best else None,
@@ -402,17 +400,6 @@ def _summary(study: str, storage: str | None, *, with_importances: bool = False)
     from autotune.study import load_summary
 
     return load_summary(study=study, storage=storage, with_importances=with_importances)
-
-
-def _load_summary(name: str, storage: str | None, backend: Any) -> Any:
-    from autotune.errors import StorageError
-    from autotune.storage import load_study
-    from autotune.study import summarize
-
-    try:
-        return summarize(load_study(backend, name, storage), url=storage)
-    except StorageError:
-        return None  # a study some other tool keeps in the same database
 
 
 def _check_format(fmt: str) -> None:

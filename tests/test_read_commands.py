@@ -258,7 +258,8 @@ def test_a_model_lora_cannot_adapt_still_tunes_and_its_export_says_why(tmp_path)
 def test_show_and_export_import_neither_torch_nor_optuna(studies):
     """Each command as the console script runs it, in one fresh interpreter; its modules checked after each."""
     tmp, url = studies
-    commands = [["show", "--study", "lora"], ["show", "--study", "plain", "--json"], ["show", "--study", "bert"]]
+    commands = [["studies"], ["studies", "--json"]]
+    commands += [["show", "--study", "lora"], ["show", "--study", "plain", "--json"], ["show", "--study", "bert"]]
     commands += [["export", "--study", "plain", "--format", fmt] for fmt in FORMATS if fmt != "peft"]
     commands += [["export", "--study", study, "--format", fmt] for study in ("lora", "bert") for fmt in FORMATS]
     commands += [["export", "--study", "lora", "--format", "peft", "-o", str(tmp / "adapter")]]
