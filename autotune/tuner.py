@@ -357,8 +357,8 @@ def _record_ruled_out(study: optuna.Study, proposer: Proposer, oracle: _Oracle |
     known = {r.config for r in records}
     for config in proposer.take_ruled_out():
         prediction = oracle.estimate(config, records) if oracle else None
-        if config in known or prediction is None:
-            continue
+        if config in known or prediction is None or not _too_big(study, prediction):
+            continue  # within the margin: it stays a candidate, never a trial asked for and left open
         known.add(config)
         trial, config = _ask(study, proposer, config)
         _skip_if_too_big(study, trial, prediction, progress)
@@ -369,9 +369,9 @@ def _skip_if_too_big(study: optuna.Study, trial: optuna.Trial, prediction: Memor
     """Record a config predicted well over the limit as skipped, unrun; borderline ones still run."""
     from optuna.trial import TrialState
 
-    limit = memory_limit(study.user_attrs["autotune"])
-    if prediction.predicted_peak_bytes <= limit * (1 + SKIP_MARGIN):
+    if not _too_big(study, prediction):
         return False
+    limit = memory_limit(study.user_attrs["autotune"])
     trial.set_user_attr("status", "skipped")
     trial.set_user_attr("estimate", prediction.to_dict())
     trial.set_user_attr("reason", f"not run: predicted peak {prediction.predicted_peak_bytes} B is more than "
@@ -381,6 +381,10 @@ def _skip_if_too_big(study: optuna.Study, trial: optuna.Trial, prediction: Memor
     record = next(r for r in records_of(study) if r.number == trial.number)
     progress.skipped(record=record, limit_bytes=limit)
     return True
+
+
+def _too_big(study: optuna.Study, prediction: MemoryEstimate) -> bool:
+    return prediction.predicted_peak_bytes > memory_limit(study.user_attrs["autotune"]) * (1 + SKIP_MARGIN)
 
 
 def _ask(study: optuna.Study, proposer: Proposer, config: TrialConfig) -> tuple[optuna.Trial, TrialConfig]:

@@ -70,3 +70,30 @@ def test_when_no_config_is_predicted_faster_than_the_best_an_unmeasured_value_go
     # Once checkpointing is measured, the ranking alone decides again.
     records.append(_measured(TrialConfig(micro_batch=4, checkpointing=True), 70.0, peak_mib=8, predicted_mib=8))
     assert proposer.next_config(records) == TrialConfig(micro_batch=2)
+
+
+def test_the_study_records_as_skipped_only_what_is_over_the_skip_margin(tmp_path):
+    """A ruled-out config the estimate puts within the 5% margin stays a candidate: no trial is asked
+    for it (an asked trial never told would stay RUNNING in the study)."""
+    import optuna
+
+    from autotune.tuner import _Oracle, _record_ruled_out, _Silent
+
+    asked: list[TrialConfig] = []
+    proposer = _proposer(tmp_path, "[1, 2, 4, 8]", {False: 10.0, True: 2.0}, asked)
+    study = optuna.create_study(study_name="s", directions=["maximize"])
+    study.set_user_attr("autotune", {"memory_budget_bytes": 50 * MiB, "headroom": 0.0})
+    within, over = TrialConfig(micro_batch=4), TrialConfig(micro_batch=8)
+    predicted = {within: 52 * MiB, over: 84 * MiB}  # 4% and 68% over the 50 MiB limit
+
+    class Backend:
+        def estimate(self, workload, config):
+            return MemoryEstimate(config=config, predicted_peak_bytes=predicted[config], parameters_bytes=0,
+                                  gradients_bytes=0, optimizer_state_bytes=0, activations_bytes=0,
+                                  temporaries_bytes=0, overhead_bytes=None, method="test", seconds=0.0)
+
+    proposer._ruled_out = [within, over]
+    _record_ruled_out(study, proposer, _Oracle(Backend(), Workload(global_batch=16)), [], _Silent())
+    trials = study.get_trials(deepcopy=False)
+    assert [(t.state.name, t.user_attrs.get("status"), t.user_attrs["config"]["micro_batch"]) for t in trials] \
+        == [("PRUNED", "skipped", 8)]
