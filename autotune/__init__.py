@@ -9,48 +9,48 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from autotune.version import __version__ as __version__  # re-exported
 
 _EXPORTS = {
     "AutotuneError": "autotune.errors",
     "ConfigError": "autotune.errors",
     "WorkloadError": "autotune.errors",
     "StorageError": "autotune.errors",
-    "Workload": "autotune.workload",
-    "TrialConfig": "autotune.knobs",
-    "TrialResult": "autotune.result",
-    "TrialStatus": "autotune.result",
-    "PhaseTimings": "autotune.result",
-    "run_trial": "autotune.runner",
+    "Workload": "autotune.config.workload",
+    "TrialConfig": "autotune.config.knobs",
+    "TrialResult": "autotune.trial.result",
+    "TrialStatus": "autotune.trial.result",
+    "PhaseTimings": "autotune.trial.result",
+    "run_trial": "autotune.trial.runner",
     "parse_size": "autotune.sizes",
-    "deepspeed_config": "autotune.deepspeed_config",
-    "find": "autotune.tuner",
-    "tune": "autotune.tuner",
-    "load_summary": "autotune.study",
-    "SearchSpace": "autotune.space",
-    "load_space": "autotune.space",
-    "StudySummary": "autotune.summary",
-    "TrialRecord": "autotune.summary",
-    "export_config": "autotune.exporters",
-    "write_report": "autotune.report",
+    "deepspeed_config": "autotune.config.deepspeed_config",
+    "find": "autotune.search.tuner",
+    "tune": "autotune.search.tuner",
+    "load_summary": "autotune.study.records",
+    "SearchSpace": "autotune.search.space",
+    "load_space": "autotune.search.space",
+    "StudySummary": "autotune.study.summary",
+    "TrialRecord": "autotune.study.summary",
+    "export_config": "autotune.output.exporters",
+    "write_report": "autotune.output.report",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from autotune.deepspeed_config import deepspeed_config
+    from autotune.config.deepspeed_config import deepspeed_config
+    from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
     from autotune.errors import AutotuneError, ConfigError, StorageError, WorkloadError
-    from autotune.knobs import TrialConfig
-    from autotune.result import PhaseTimings, TrialResult, TrialStatus
-    from autotune.runner import run_trial
+    from autotune.output.exporters import export_config
+    from autotune.output.report import write_report
+    from autotune.search.space import SearchSpace, load_space
+    from autotune.search.tuner import find, tune
     from autotune.sizes import parse_size
-    from autotune.exporters import export_config
-    from autotune.report import write_report
-    from autotune.space import SearchSpace, load_space
-    from autotune.study import load_summary
-    from autotune.summary import StudySummary, TrialRecord
-    from autotune.tuner import find, tune
-    from autotune.workload import Workload
+    from autotune.study.records import load_summary
+    from autotune.study.summary import StudySummary, TrialRecord
+    from autotune.trial.result import PhaseTimings, TrialResult, TrialStatus
+    from autotune.trial.runner import run_trial
 
 
 def __getattr__(name: str) -> Any:

@@ -18,9 +18,9 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import DEFAULT_MODEL, Workload
 from autotune.errors import AutotuneError, ConfigError
-from autotune.knobs import TrialConfig
-from autotune.workload import DEFAULT_MODEL, Workload
 
 app = typer.Typer(
     name="autotune",
@@ -178,8 +178,8 @@ def trial(workload: Workload, config: TrialConfig, memory_budget: Optional[str],
 
     Exit status: 0 when the trial trained (ok), 1 when it ended otherwise (oom, timeout, crashed, nan, error), 2 when the input was refused before running.
     """
-    from autotune.runner import run_trial
     from autotune.sizes import parse_size
+    from autotune.trial.runner import run_trial
 
     if trial_timeout <= 0:
         raise ConfigError(f"--trial-timeout {trial_timeout:g} must be more than 0 seconds")
@@ -191,7 +191,7 @@ def trial(workload: Workload, config: TrialConfig, memory_budget: Optional[str],
     if as_json:
         print(json.dumps(result.to_dict()))
     else:
-        from autotune.render import print_trial
+        from autotune.output.render import print_trial
 
         print_trial(workload, result)
     return 0 if result.ok else 1
@@ -211,7 +211,7 @@ def find(
 
     Exit status: 0 with a confirmed config, 1 when none fits, 2 when the input was refused.
     """
-    from autotune.tuner import find as find_config
+    from autotune.search.tuner import find as find_config
 
     if export is not None:
         _check_format(export)
@@ -236,7 +236,7 @@ def tune(
     Exit status: 0 with a confirmed config (with --no-confirm: with any that fits), 1 when none fits, 2 when
     the input was refused, 130 when interrupted.
     """
-    from autotune.tuner import tune as tune_study
+    from autotune.search.tuner import tune as tune_study
 
     with _progress(quiet=as_json) as progress:
         summary = tune_study(study=study, workload=workload, space=space,
@@ -260,9 +260,9 @@ def grid(
     """
     from pathlib import Path
 
-    from autotune.grid import estimate_grid, measure_grid
+    from autotune.search.grid import estimate_grid, measure_grid
+    from autotune.search.space import load_space
     from autotune.sizes import format_size
-    from autotune.space import load_space
 
     if trial_timeout <= 0:
         raise ConfigError(f"--trial-timeout {trial_timeout:g} must be more than 0 seconds")
@@ -292,7 +292,7 @@ def grid(
 @command
 def studies(storage: Optional[str], as_json: bool) -> int:
     """List the studies in the storage, with their trial counts and best configs."""
-    from autotune.study import load_summaries
+    from autotune.study.records import load_summaries
 
     rows = load_summaries(storage)
     if as_json:
@@ -315,7 +315,7 @@ def show(study: str, storage: Optional[str], as_json: bool) -> int:
     if as_json:
         print(json.dumps(summary.to_dict()))
         return 0
-    from autotune.render import print_summary
+    from autotune.output.render import print_summary
 
     print_summary(summary)
     return 0
@@ -345,7 +345,7 @@ def export(
 def _trains_line(config: TrialConfig, fmt: str, workload: Workload | None = None) -> str:
     """Precision and LoRA change what is trained: say so beside every export (with the workload,
     also which layers LoRA adapts)."""
-    from autotune.summary import what_is_trained
+    from autotune.study.summary import what_is_trained
 
     line = f"trains: {what_is_trained(config, workload)['note']}"
     if config.uses_lora and fmt != "peft":
@@ -360,7 +360,7 @@ def report(
     storage: Optional[str] = None,
 ) -> int:
     """An HTML report: throughput per trial, memory against throughput, knob importance."""
-    from autotune.report import write_report
+    from autotune.output.report import write_report
 
     path = write_report(_summary(study, storage, with_importances=True), output)
     print(f"wrote {path}", file=sys.stderr)
@@ -371,7 +371,7 @@ def report(
 def _refuse_what_cannot_run_here(config: TrialConfig, workload: Workload) -> None:
     """A config this device cannot run (tf32 or fp16 under ZeRO on a CPU) is refused as trial refuses it;
     a CUDA workload estimated on a machine without a GPU is checked for what it can be checked."""
-    from autotune.device import detect_device
+    from autotune.config.device import detect_device
     from autotune.errors import AutotuneError
 
     try:
@@ -391,26 +391,26 @@ def _progress(*, quiet: bool) -> Any:
     """Progress on stderr; none with --json, whose stdout is the one JSON object."""
     import contextlib
 
-    from autotune.render import ConsoleProgress
+    from autotune.output.render import ConsoleProgress
 
     return contextlib.nullcontext() if quiet else ConsoleProgress()
 
 
 def _summary(study: str, storage: str | None, *, with_importances: bool = False) -> Any:
-    from autotune.study import load_summary
+    from autotune.study.records import load_summary
 
     return load_summary(study=study, storage=storage, with_importances=with_importances)
 
 
 def _check_format(fmt: str) -> None:
-    from autotune.exporters import FORMATS
+    from autotune.output.exporters import FORMATS
 
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r} is not known; use one of {', '.join(FORMATS)}")
 
 
 def _export_text(summary: Any, fmt: str) -> str:
-    from autotune.exporters import export_config
+    from autotune.output.exporters import export_config
 
     best = summary.best
     return export_config(best.config, summary.workload, fmt=fmt, device_type=summary.device["type"], summary={
@@ -431,7 +431,7 @@ def _export_best(summary: Any, fmt: str, output: str | None) -> str:
     import tempfile
     from pathlib import Path
 
-    from autotune.exporters import DEFAULT_FILENAMES
+    from autotune.output.exporters import DEFAULT_FILENAMES
 
     text = _export_text(summary, fmt)
     path = Path(output or DEFAULT_FILENAMES[fmt])
@@ -466,7 +466,7 @@ def _finish(summary: Any, *, as_json: bool, exported: str | None = None, wanted_
             data["export"] = exported
         print(json.dumps(data))
     else:
-        from autotune.render import print_summary
+        from autotune.output.render import print_summary
 
         print_summary(summary)
         if exported:
@@ -492,13 +492,13 @@ def estimate(
     visible, else with the CPU's (attention as CUDA's fused kernels keep it), as the output says.
     Tensor bytes only: what a GPU adds on top (CUDA context, allocator reserve) is not calibrated yet.
     """
-    from autotune.estimator import EstimateError, predict_memory
-    from autotune.models import resolve_task
+    from autotune.estimate.estimator import EstimateError, predict_memory
+    from autotune.models.sources import resolve_task
     from autotune.sizes import format_size
 
     if space is not None:
-        from autotune.device import detect_device
-        from autotune.space import load_space
+        from autotune.config.device import detect_device
+        from autotune.search.space import load_space
 
         configs = load_space(space).candidates(workload, detect_device(workload.device))
     else:
@@ -535,13 +535,40 @@ def estimate(
 @command
 def models(as_json: bool) -> int:
     """List the built-in models (use them as --model builtin:NAME)."""
-    from autotune.presets import PRESETS
+    from autotune.models.presets import PRESETS
 
     if as_json:
         print(json.dumps({name: {"task": p.task, "summary": p.summary} for name, p in PRESETS.items()}))
         return 0
     for name, preset in PRESETS.items():
         print(f"builtin:{name:<16} {preset.task:<10} {preset.summary}")
+    return 0
+
+
+@app.command(hidden=True)
+def worker() -> int:
+    """A helper of ``autotune tune --workers N``: tunes the study its parent sends on stdin (JSON), with
+    its own progress lines; started by :func:`autotune.search.workers.start_helpers`, never by hand."""
+    from autotune.output.render import ConsoleProgress
+    from autotune.search.tuner import tune
+    from autotune.search.workers import cpu_turn
+    from autotune.trial.lifeline import die_with_parent, expected_parent
+
+    die_with_parent(expected_parent())
+    with cpu_turn("cpu"):  # seconds of imports: not while another worker's trial is timed on these cores
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    spec = json.loads(sys.stdin.read())
+    number = spec.pop("worker")
+    spec["workload"] = Workload.from_dict(spec["workload"])
+    try:
+        with ConsoleProgress(prefix=f"[worker {number}] ") as progress:
+            tune(**spec, workers=1, confirm=False, progress=progress)
+    except KeyboardInterrupt:
+        return _INTERRUPTED
+    except AutotuneError as exc:
+        print(f"autotune: worker {number}: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -18,9 +18,9 @@ import json
 import time
 from pathlib import Path
 
-from autotune.estimator import predict_memory
-from autotune.knobs import TrialConfig
-from autotune.workload import Workload
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.estimate.estimator import predict_memory
 
 CASES = [  # (label, config, ranks, expected bytes per parameter: params, grads, optimizer)
     ("full fine-tuning, bf16 autocast", TrialConfig(micro_batch=1, precision="bf16", checkpointing=True), 1,
@@ -60,7 +60,7 @@ def main() -> None:
 
 def _parameters(workload: Workload) -> int:
     """Ψ from the config's shapes alone: Llama-2 7B's own count."""
-    from autotune.models import load_hf_config, parse_model_source
+    from autotune.models.sources import load_hf_config, parse_model_source
 
     c = load_hf_config(parse_model_source(workload.model))
     h, i, layers, v = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size

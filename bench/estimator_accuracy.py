@@ -18,11 +18,11 @@ import platform
 import statistics
 from pathlib import Path
 
-from autotune.device import detect_device
-from autotune.estimator import predict_memory
-from autotune.knobs import TrialConfig
-from autotune.runner import run_trial
-from autotune.workload import Workload
+from autotune.config.device import detect_device
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.estimate.estimator import predict_memory
+from autotune.trial.runner import run_trial
 
 MODELS = ["builtin:gpt2-deep-tiny", "builtin:llama-tiny", "builtin:bert-tiny"]
 CONFIGS = [  # (ranks, config)

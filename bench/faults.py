@@ -30,8 +30,8 @@ from pathlib import Path
 
 import optuna
 
-from autotune.storage import open_storage
-from autotune.study import ANSWER_ATTR
+from autotune.study.records import ANSWER_ATTR
+from autotune.study.storage import open_storage
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 FAULT_SPACE = "n_trials: 7\npatience: 7\nknobs:\n  micro_batch: [1, 2, 4, 8, 16, 32, 64]\n" \

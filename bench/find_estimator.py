@@ -18,9 +18,9 @@ from pathlib import Path
 
 import optuna
 
-from autotune.storage import open_storage
-from autotune.tuner import find
-from autotune.workload import Workload
+from autotune.config.workload import Workload
+from autotune.search.tuner import find
+from autotune.study.storage import open_storage
 
 SPACE = Path(__file__).parent / "spaces" / "fp32_micro_ckpt.yaml"
 

@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from autotune.grid import read_grid
-from autotune.knobs import TrialConfig
+from autotune.config.knobs import TrialConfig
+from autotune.search.grid import read_grid
 from autotune.sizes import parse_size
 
 GRID = Path("bench/data/llama-gqa.jsonl")

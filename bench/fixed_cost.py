@@ -23,9 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-from autotune.knobs import TrialConfig
-from autotune.runner import run_trial
-from autotune.workload import Workload
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.trial.runner import run_trial
 
 
 def bare_import_s() -> float:

@@ -5,7 +5,7 @@
 Each tool tunes in its own process, the real library code:
 
 - Lightning ``Tuner.scale_batch_size`` (mode power, and mode binsearch), on a LightningModule
-  wrapping the workload's model (``autotune.models.build_model``) and synthetic batches of its shapes;
+  wrapping the workload's model (``autotune.models.sources.build_model``) and synthetic batches of its shapes;
 - Accelerate ``find_executable_batch_size`` around a training loop, as Accelerate's
   ``automatic_gradient_accumulation`` example uses it: starting at the global batch, accumulation
   ``global batch // batch size``, two optimizer steps per attempt;
@@ -13,7 +13,7 @@ Each tool tunes in its own process, the real library code:
   per ``--space``: by default ``quick`` (micro batch, checkpointing, fp32/bf16) and
   ``bench/spaces/fp32_micro_ckpt.yaml`` (fp32 only, the precision the peers train in).
 
-Inside each peer's process ``autotune.memory.LiveBytesTracker`` enforces the budget: an
+Inside each peer's process ``autotune.trial.memory.LiveBytesTracker`` enforces the budget: an
 out-of-memory error carrying the CPU allocator's own words, which the peers' OOM matchers
 (Lightning ``is_oom_error``, Accelerate ``should_reduce_batch_size``) recognise. The peers pick a
 micro batch only (fp32, no checkpointing); each pick is then measured with ``autotune trial --json``
@@ -76,8 +76,8 @@ def _lightning(mode: str, workload: Any, task: str, attempts: list[dict[str, Any
     import torch
     from lightning.pytorch.tuner import Tuner
 
-    from autotune.deepspeed_config import LEARNING_RATE
-    from autotune.models import build_model
+    from autotune.config.deepspeed_config import LEARNING_RATE
+    from autotune.models.sources import build_model
 
     class PeerModule(L.LightningModule):
         def __init__(self) -> None:
@@ -113,8 +113,8 @@ def _accelerate(workload: Any, task: str, attempts: list[dict[str, Any]]) -> int
     from accelerate import Accelerator
     from accelerate.utils import find_executable_batch_size
 
-    from autotune.deepspeed_config import LEARNING_RATE
-    from autotune.models import build_model
+    from autotune.config.deepspeed_config import LEARNING_RATE
+    from autotune.models.sources import build_model
 
     accelerator = Accelerator(cpu=True)
     observed = workload.global_batch
@@ -146,8 +146,8 @@ def _accelerate(workload: Any, task: str, attempts: list[dict[str, Any]]) -> int
 
 def run_peer(name: str, workload: Any, budget: int, result_path: Path) -> None:
     """Tune with one peer under the budget; write its pick and attempts to ``result_path``."""
-    from autotune.memory import LiveBytesTracker
-    from autotune.models import resolve_task
+    from autotune.models.sources import resolve_task
+    from autotune.trial.memory import LiveBytesTracker
 
     task = resolve_task(workload)
     attempts: list[dict[str, Any]] = []
@@ -170,7 +170,7 @@ def _workload_flags(args: argparse.Namespace) -> list[str]:
 def _turn() -> Any:
     """Take the CPU turn autotune's own trials take, so that no autotune trial of another run
     computes on these cores while a peer tunes or a pick is measured."""
-    from autotune.workers import cpu_turn
+    from autotune.search.workers import cpu_turn
 
     return cpu_turn("cpu")
 
@@ -394,7 +394,7 @@ def main() -> None:
     parser.add_argument("--budget-bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    from autotune.workload import Workload
+    from autotune.config.workload import Workload
 
     if args.peer:
         workload = Workload(model=args.model, seq_len=args.seq_len, global_batch=args.global_batch, device="cpu")

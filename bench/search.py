@@ -14,7 +14,7 @@ were measured here). A config fits when it trained and its recorded peak is unde
 budget minus the tuner's 10% headroom; a recorded peak over the budget replays as an OOM, so one
 grid measured with a generous budget replays at any smaller one. Strategies:
 
-* ``driver``: the tuner's own driver (``autotune.tuner.tune``, the real code, given a backend
+* ``driver``: the tuner's own driver (``autotune.search.tuner.tune``, the real code, given a backend
   that answers trials and memory estimates from the grid), default settings; it is
   deterministic, so it runs once;
 * ``tpe``: Optuna's TPESampler with defaults on the same parameters (an OOM is pruned, a repeat
@@ -40,15 +40,15 @@ from typing import Any, Callable
 
 import optuna
 
-from autotune.device import detect_device
-from autotune.estimator import MemoryEstimate
-from autotune.grid import read_grid
-from autotune.knobs import TrialConfig
-from autotune.result import TrialResult, TrialStatus
+from autotune.config.device import detect_device
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.estimate.estimator import MemoryEstimate
+from autotune.search.grid import read_grid
+from autotune.search.space import SearchSpace, load_space
 from autotune.sizes import parse_size
-from autotune.space import SearchSpace, load_space
-from autotune.storage import quiet_optuna
-from autotune.workload import Workload
+from autotune.study.storage import quiet_optuna
+from autotune.trial.result import TrialResult, TrialStatus
 
 HEADROOM = 0.10
 WITHIN = 0.02
@@ -103,7 +103,7 @@ class Grid:
 
 def _device_probe(grid_path: Path, precisions: tuple[str, ...]) -> dict[str, float] | None:
     """The matmul speed per precision of the machine the grid was measured on (see the module doc)."""
-    from autotune.device_probe import probe_precisions
+    from autotune.trial.device_probe import probe_precisions
 
     if len(precisions) < 2:
         return None
@@ -173,7 +173,7 @@ class GridBackend:
 # -- strategies ---------------------------------------------------------------------------------
 def driver(grid: Grid, space: SearchSpace, seed: int) -> Tally:
     """The tuner's own driver, as ``autotune tune`` runs it (the winner's re-run comes after the search)."""
-    from autotune.tuner import tune
+    from autotune.search.tuner import tune
 
     tally = Tally(grid)
     with tempfile.TemporaryDirectory() as tmp:

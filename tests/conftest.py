@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 TESTS = Path(__file__).parent
+# Tests live in folders mirroring the package's; factories.py and broken_module.py stay here, importable
+# as `factories` from any of them (and from trial processes, through PYTHONPATH below).
+sys.path.insert(0, str(TESTS))
 
 
 @pytest.fixture(autouse=True)

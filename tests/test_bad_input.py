@@ -11,7 +11,6 @@ from pathlib import Path
 import optuna
 import pytest
 
-
 BAD_SPACE = "knobs:\n  micro_batch: [1, 2]\n  precision: [fp8]\n"
 UNKNOWN_KNOB = "knobs:\n  micro_batch: [1]\n  learning_rate: [0.1]\n"
 NOT_A_MAPPING = "- just\n- a list\n"
@@ -79,11 +78,11 @@ def work(tmp_path_factory) -> Path:
 
 # The study `kept` as `tune --study kept` (all defaults) would create it, with one finished trial.
 _SEED = """
-from autotune.device import detect_device
-from autotune.space import load_space
-from autotune.storage import create_study, open_storage
-from autotune.tuner import question
-from autotune.workload import Workload
+from autotune.config.device import detect_device
+from autotune.search.space import load_space
+from autotune.study.storage import create_study, open_storage
+from autotune.search.tuner import question
+from autotune.config.workload import Workload
 device = detect_device("auto")
 meta = question(workload=Workload(), space=load_space("default"), device=device,
                 memory_budget_bytes=device.total_memory_bytes, headroom=0.1)

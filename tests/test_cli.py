@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 
-
 REQUIRED_KEYS = {"config", "status", "tokens_per_s", "samples_per_s", "peak_memory_bytes", "error"}
 
 

@@ -14,8 +14,8 @@ import pytest
 
 import autotune
 from autotune.errors import ConfigError
-from autotune.space import load_space
-from autotune.storage import create_study, open_storage
+from autotune.search.space import load_space
+from autotune.study.storage import create_study, open_storage
 
 SOURCE = Path(autotune.__file__).parent
 

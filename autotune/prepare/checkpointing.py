@@ -7,13 +7,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autotune.errors import ConfigError
-from autotune.models import load_hf_config, meta_model, parse_model_source, resolve_task
+from autotune.models.sources import (
+    load_hf_config,
+    meta_model,
+    parse_model_source,
+    resolve_task,
+)
 from autotune.prepare.model_facts import checkpointing_gap, factory_facts
 
 if TYPE_CHECKING:
     import torch
 
-    from autotune.workload import Workload
+    from autotune.config.workload import Workload
 
 __all__ = ["enable_checkpointing", "missing_checkpointing"]
 
@@ -64,7 +69,9 @@ def _hf_model_class(workload: Workload, task: str) -> type | None:
     config = load_hf_config(parse_model_source(workload.model), trust_remote_code=workload.trust_remote_code)
     auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
     try:
-        from transformers.models.auto.auto_factory import _get_model_class  # private: a fallback follows
+        from transformers.models.auto.auto_factory import (
+            _get_model_class,  # private: a fallback follows
+        )
 
         return _get_model_class(config, auto._model_mapping)
     except (ImportError, KeyError, ValueError, AttributeError):

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autotune.errors import ConfigError, WorkloadError
-from autotune.models import meta_model, model_type, parse_model_source
+from autotune.models.sources import meta_model, model_type, parse_model_source
 from autotune.prepare.model_facts import factory_facts, linear_layers_but_heads
 
 if TYPE_CHECKING:
     import torch
 
-    from autotune.knobs import TrialConfig
-    from autotune.workload import Workload
+    from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
 
 __all__ = ["LoraTargets", "lora_targets", "lora_targets_note", "apply_lora"]
 

@@ -9,12 +9,12 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from autotune.models import meta_model
+from autotune.models.sources import meta_model
 
 if TYPE_CHECKING:
     import torch
 
-    from autotune.workload import Workload
+    from autotune.config.workload import Workload
 
 __all__ = ["factory_facts", "checkpointing_gap", "linear_layers_but_heads"]
 
@@ -66,7 +66,7 @@ def factory_facts(workload: Workload, task: str) -> dict[str, Any] | None:
 
 
 def _probe_main(ref: str, task: str, seq_len: str) -> None:
-    from autotune.workload import Workload
+    from autotune.config.workload import Workload
 
     model = meta_model(Workload(model=ref, task=task, seq_len=int(seq_len)), task)
     targets, heads = linear_layers_but_heads(model, task=task)

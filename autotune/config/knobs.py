@@ -1,0 +1,167 @@
+"""The knobs of one trial: a frozen ``TrialConfig`` that flows from sampler to runner to storage.
+
+Exact knobs (micro batch, checkpointing, ZeRO stage, offload) do not change what is trained;
+precision and LoRA do, and are only moved where the user's search space allows them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from autotune.config.workload import Workload
+from autotune.errors import ConfigError
+
+if TYPE_CHECKING:
+    from autotune.config.device import DeviceInfo
+
+__all__ = ["TrialConfig", "PRECISIONS", "OFFLOADS", "ZERO_STAGES"]
+
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialConfig:
+    """One point of the search space. ``None`` means a knob is off, never a sentinel number."""
+
+    micro_batch: int = field(
+        default=1,
+        metadata={"help": "Samples per forward/backward on one rank; accumulation is derived "
+                          "as global batch / (micro batch x ranks)."},
+    )
+    precision: str = field(
+        default="fp32",
+        metadata={"help": "fp32, tf32 (CUDA only), fp16 (with loss scaling) or bf16."},
+    )
+    checkpointing: bool = field(
+        default=False, metadata={"help": "Activation checkpointing: recompute activations in backward."},
+    )
+    lora_rank: int | None = field(
+        default=None, metadata={"help": "Train LoRA adapters of this rank (PEFT) instead of all weights."},
+    )
+    lora_alpha: int | None = field(
+        default=None, metadata={"help": "LoRA scaling alpha (default: 2 x rank)."},
+    )
+    lora_targets: tuple[str, ...] | None = field(
+        default=None,
+        metadata={"help": "Comma-separated module names LoRA adapts, or all-linear "
+                          "(default: PEFT's choice for the architecture)."},
+    )
+    zero_stage: int | None = field(
+        default=None,
+        metadata={"help": "DeepSpeed ZeRO stage 0-3; off trains with plain PyTorch (DDP across ranks)."},
+    )
+    offload: str = field(
+        default="none",
+        metadata={"help": "none, optimizer (ZeRO 1-3) or optimizer+params (ZeRO 3): move states to CPU RAM."},
+    )
+
+    def __post_init__(self) -> None:
+        # Normalise list-like targets so equal configs compare (and hash) equal.
+        if self.lora_targets is not None and not isinstance(self.lora_targets, tuple):
+            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        self._check_values()
+
+    # -- derived values -------------------------------------------------------------------
+    @property
+    def uses_lora(self) -> bool:
+        return self.lora_rank is not None
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.zero_stage is not None
+
+    @property
+    def effective_lora_alpha(self) -> int | None:
+        if not self.uses_lora:
+            return None
+        return self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
+
+    def grad_accum_steps(self, workload: Workload) -> int:
+        """Micro-steps per optimizer step so that micro x accumulation x ranks = global batch."""
+        per_step = self.micro_batch * workload.nproc
+        if workload.global_batch % per_step:
+            raise ConfigError(
+                f"--micro-batch {self.micro_batch} x --nproc {workload.nproc} does not divide "
+                f"--global-batch {workload.global_batch}; pick a micro batch from "
+                f"{_divisors(workload.global_batch // workload.nproc)}"
+            )
+        return workload.global_batch // per_step
+
+    # -- validation -----------------------------------------------------------------------
+    def _check_values(self) -> None:
+        if not _is_count(self.micro_batch):
+            raise ConfigError(f"--micro-batch {self.micro_batch!r} must be a whole number of at least 1")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision {self.precision!r} is not known; use one of {', '.join(PRECISIONS)}")
+        if not isinstance(self.checkpointing, bool):
+            raise ConfigError(f"--checkpointing {self.checkpointing!r} must be on or off")
+        if self.lora_rank is not None and not _is_count(self.lora_rank):
+            raise ConfigError(f"--lora-rank {self.lora_rank!r} must be a whole number of at least 1")
+        if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets is not None):
+            flag = "--lora-alpha" if self.lora_alpha is not None else "--lora-targets"
+            raise ConfigError(f"{flag} is set but LoRA is off; add --lora-rank R to train LoRA adapters")
+        if self.lora_alpha is not None and not _is_count(self.lora_alpha):
+            raise ConfigError(f"--lora-alpha {self.lora_alpha!r} must be a whole number of at least 1")
+        if self.lora_targets is not None and (not self.lora_targets or not all(self.lora_targets)):
+            raise ConfigError("--lora-targets is empty; name modules (e.g. q_proj,v_proj) or use all-linear")
+        if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
+            raise ConfigError(f"--zero-stage {self.zero_stage!r} is not known; use off, 0, 1, 2 or 3")
+        if self.offload not in OFFLOADS:
+            raise ConfigError(f"--offload {self.offload!r} is not known; use one of {', '.join(OFFLOADS)}")
+        if self.offload == "optimizer" and self.zero_stage not in (1, 2, 3):
+            raise ConfigError("--offload optimizer needs ZeRO; add --zero-stage 1, 2 or 3")
+        if self.offload == "optimizer+params" and self.zero_stage != 3:
+            raise ConfigError("--offload optimizer+params needs --zero-stage 3 (only ZeRO-3 partitions parameters)")
+
+    def validate_for(self, workload: Workload, device: DeviceInfo) -> None:
+        """Refuse combinations that cannot run for this workload on this device."""
+        self.grad_accum_steps(workload)  # also refuses a micro batch larger than the per-rank batch
+        if self.precision == "tf32" and device.type != "cuda":
+            raise ConfigError("--precision tf32 only exists on CUDA tensor cores; use fp32 or bf16 on a CPU")
+        if self.precision == "bf16" and not device.bf16:
+            raise ConfigError(f"--precision bf16: {device.name} has no bfloat16; use fp16 or fp32")
+        if self.precision == "fp16" and self.uses_deepspeed and not device.fp16_deepspeed:
+            raise ConfigError(
+                "--precision fp16 with --zero-stage: DeepSpeed's accelerator on this device has no fp16 "
+                "training; use bf16, or fp16 without --zero-stage")
+
+    # -- (de)serialisation ----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        if data["lora_targets"] is not None:
+            data["lora_targets"] = list(data["lora_targets"])
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrialConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown knob(s) {unknown}; known knobs: {sorted(known)}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> TrialConfig:
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """A short human label, e.g. ``mb=4 bf16 ckpt lora16 zero2+offload``."""
+        parts = [f"mb={self.micro_batch}", self.precision]
+        if self.checkpointing:
+            parts.append("ckpt")
+        if self.uses_lora:
+            parts.append(f"lora{self.lora_rank}" + (":" + ",".join(self.lora_targets) if self.lora_targets else ""))
+        if self.uses_deepspeed:
+            parts.append(f"zero{self.zero_stage}" + ("" if self.offload == "none" else f"+{self.offload}"))
+        return " ".join(parts)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

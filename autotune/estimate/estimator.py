@@ -1,0 +1,584 @@
+"""Predict a config's peak memory without running it: the real training step on fake tensors.
+
+The trial's own model build (checkpointing, LoRA, precision, optimizer) runs under PyTorch's
+``FakeTensorMode``, where tensors have shapes and dtypes but no data, with the same live-bytes
+tracker the CPU trials use counting their storages. So activations, logits, autocast's weight
+copies and the optimizer's state come from the code that will really run, not from a formula;
+a 7B model costs seconds and no memory.
+
+What fake tensors cannot show is added or stated:
+
+* ZeRO sharding and offload: DeepSpeed cannot run on fake tensors, so the step runs on plain
+  PyTorch (a 16-bit model without autocast in fp16/bf16, as DeepSpeed trains) and the model
+  states are replaced by what DeepSpeed's ZeRO-1/2 optimizer allocates (read from its source
+  and checked against real 2-rank trials on a CPU): 16-bit (or fp32) weights and gradients, an
+  fp32 master partition (a clone even in fp32) and Adam's m and v: 12 bytes per trainable
+  parameter / N from stage 1, gradients / N from stage 2, weights / N at stage 3; offloaded
+  states leave the device. DeepSpeed's own estimator says 2Ψ + 18Ψ/N for mixed-precision ZeRO-2:
+  it adds the fp32 copy of the gradient partition (4Ψ/N), which lives only during the
+  optimizer step; here it counts only where the step, not the backward, sets the peak.
+  ZeRO-3 also keeps up to ``stage3_max_live_parameters`` (1e9) gathered weights through the
+  forward and backward: for smaller models the whole model, as DeepSpeed's estimator (which
+  counts only the largest layer) leaves out; they are counted as temporaries.
+* Without ZeRO, more than one rank trains under DDP, whose all-reduce buckets hold a second
+  copy of every gradient.
+* What no tensor shows on a GPU (CUDA context, allocator reserve, library workspaces): unknown
+  until calibrated on a GPU, so ``overhead_bytes`` is ``None`` and the prediction is of
+  tensor bytes (what ``max_memory_allocated`` and the CPU tracker count).
+
+The parts add up to the peak: model states are whole (what the proposer's straight line
+holds fixed), activations and temporaries are what was live at the peak moment, and the
+model states not yet allocated then (gradients the backward has not made) are their own
+negative part.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.errors import AutotuneError
+
+__all__ = ["MemoryEstimate", "estimate_memory", "predict_memory"]
+
+_OPTIMIZER_STEPS = 2   # the second step is the first with optimizer state, gradients and activations
+ZERO3_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_parameters (our configs keep it)
+_MICRO_STEPS = 2       # accumulation past the second micro-step adds nothing: gradients exist by then
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Predicted peak bytes of one rank, and where they go."""
+
+    config: TrialConfig
+    predicted_peak_bytes: int
+    parameters_bytes: int
+    gradients_bytes: int
+    optimizer_state_bytes: int
+    activations_bytes: int        # left by the forward for the backward, live at the peak
+    temporaries_bytes: int        # the rest live at the peak: workspaces, casts, the backward's transients
+    overhead_bytes: int | None    # what no tensor shows (GPU); None until calibrated
+    method: str
+    seconds: float
+    # Model states not allocated at the peak moment (gradients not made yet), <= 0: the parts add up.
+    not_live_at_peak_bytes: int = 0
+    traced_device: str = "cpu"      # whose kernels the step was traced with: "cpu" or "cuda"
+    device_note: str | None = None  # where those kernels differ from the workload's device
+
+    def fits(self, limit_bytes: int) -> bool:
+        return self.predicted_peak_bytes <= limit_bytes
+
+    def parts(self) -> dict[str, int]:
+        """The peak's parts by name; they sum to ``predicted_peak_bytes``."""
+        return {"parameters": self.parameters_bytes, "gradients": self.gradients_bytes,
+                "optimizer state": self.optimizer_state_bytes, "activations": self.activations_bytes,
+                "temporaries": self.temporaries_bytes, "not live at the peak": self.not_live_at_peak_bytes}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config.to_dict(), "describe": self.config.describe(),
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "parameters_bytes": self.parameters_bytes, "gradients_bytes": self.gradients_bytes,
+            "optimizer_state_bytes": self.optimizer_state_bytes, "activations_bytes": self.activations_bytes,
+            "temporaries_bytes": self.temporaries_bytes, "not_live_at_peak_bytes": self.not_live_at_peak_bytes,
+            "overhead_bytes": self.overhead_bytes, "traced_device": self.traced_device,
+            "device_note": self.device_note, "method": self.method, "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryEstimate:
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in data.items() if k in known}
+        if "not_live_at_peak_bytes" not in data:  # stored before the parts added up: name the remainder
+            listed = sum(data[k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
+                                           "activations_bytes", "temporaries_bytes"))
+            fields["not_live_at_peak_bytes"] = data["predicted_peak_bytes"] - listed
+        return cls(**{**fields, "config": TrialConfig.from_dict(data["config"])})
+
+
+def predict_memory(workload: Workload, config: TrialConfig, *, task: str | None = None,
+                   timeout_s: float = 300) -> MemoryEstimate:
+    """:func:`estimate_memory` in a fresh process, like a trial: the caller's process stays clean.
+
+    Fake tensors, PEFT and Transformers' model code leave state behind that can crash a later
+    estimate in the same process, so each runs in its own process, forked by a server that has
+    the libraries imported already (:mod:`autotune.estimate.worker`, started on first use and
+    kept for the caller's lifetime). Raises EstimateError when the estimate fails or takes
+    longer than ``timeout_s``.
+    """
+    request = {"workload": workload.to_dict(), "config": config.to_dict(), "task": task}
+    reply = _SERVER.ask(request, timeout_s)
+    if "error" in reply:
+        raise EstimateError(f"the estimate failed: {reply['error']}")
+    return MemoryEstimate.from_dict(reply["ok"])
+
+
+class _EstimateServer:
+    """The caller's handle on one ``python -m autotune.estimate.worker`` process."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[str] | None = None
+        self._lock = threading.Lock()
+
+    def ask(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        with self._lock:
+            process = self._running()
+            assert process.stdin is not None and process.stdout is not None
+            process.stdin.write(json.dumps(request) + "\n")
+            process.stdin.flush()
+            ready, _, _ = select.select([process.stdout], [], [], timeout_s)
+            line = process.stdout.readline() if ready else ""
+            if not line:
+                self.close()  # a late answer must not be read as the next request's
+                if not ready:
+                    raise EstimateError(f"the estimate took more than {timeout_s:g} s")
+                raise EstimateError("the estimate server exited")
+            return json.loads(line)
+
+    def _running(self) -> subprocess.Popen[str]:
+        if self._process is None or self._process.poll() is not None:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "autotune.estimate.worker"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        return self._process
+
+    def close(self) -> None:
+        if self._process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)  # the server and an estimate it forked
+            self._process.wait()
+            self._process = None
+
+
+_SERVER = _EstimateServer()
+atexit.register(_SERVER.close)
+
+
+class EstimateError(AutotuneError):
+    """The estimator could not trace this model or config."""
+
+
+def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None = None) -> MemoryEstimate:
+    """Predict the peak tensor memory of one rank training ``workload`` with ``config`` (in this process)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autotune.models.sources import resolve_task
+    from autotune.trial.engine import build_engine
+
+    started = time.perf_counter()
+    task = task or resolve_task(workload)
+    # DeepSpeed cannot run on fake tensors: measure the plain step, then apply ZeRO's arithmetic.
+    plain = config.replace(zero_stage=None, offload="none")
+    if plain.precision == "tf32":
+        plain = plain.replace(precision="fp32")  # same tensors; tf32 only changes the matmul kernels
+    target, traced, note = _devices(workload)
+    device = torch.device(traced)
+    attention = _cuda_fused_attention() if target != traced else contextlib.nullcontext()
+    tracker = _peak_parts_tracker()
+    with warnings.catch_warnings(), _adapters_stay_put(traced), _unpacked_batches(), attention:
+        warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
+        # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
+        # model code allocates without naming a device is born on the traced one (PEFT's adapters).
+        with FakeTensorMode(allow_non_fake_inputs=True), _grouped_mm_in_any_dtype(), tracker, device:
+            engine = build_engine(workload=workload.replace(nproc=1), config=plain, task=task,
+                                  device=device, world_size=1)
+            if config.uses_deepspeed and engine.autocast_dtype is not None:
+                # DeepSpeed's fp16/bf16 modes train a 16-bit model (no autocast): 16-bit activations.
+                _to_16_bit(engine)
+            whole = _fake_steps(engine, tracker)
+    peak, at_peak = tracker.peak_bytes, _States(**{k: tracker.at_peak[k] for k in _STATES})
+    activations = tracker.at_peak["activations"]
+    method = "fake-tensor training step"
+    if config.uses_deepspeed:
+        p, g, o, step_extra = _zero_states(engine, config, workload.nproc, offload_stays=target == "cpu")
+        zero_whole = _States(p, g, o)
+        # ZeRO-2/3 keep a gradient partition through the backward; ZeRO-1 keeps the gradients as made.
+        zero_at_peak = _States(p, g if (config.zero_stage or 0) >= 2 else at_peak.gradients, o)
+        backward_peak = peak - at_peak.total + zero_at_peak.total + _zero3_gathered(engine, config)
+        step_peak = zero_whole.total + step_extra  # after the backward: no activation is live
+        peak, whole = max(backward_peak, step_peak), zero_whole
+        at_peak, activations = (zero_at_peak, activations) if backward_peak >= step_peak else (zero_whole, 0)
+        method += " + ZeRO model-state arithmetic"
+    elif workload.nproc > 1:
+        # DDP copies every gradient into its all-reduce buckets (gradient_as_bucket_view is off),
+        # allocated when DDP wraps the model: live all along.
+        buckets = whole.gradients
+        peak += buckets
+        whole = dataclasses.replace(whole, gradients=whole.gradients + buckets)
+        at_peak = dataclasses.replace(at_peak, gradients=at_peak.gradients + buckets)
+        method += " + DDP gradient buckets"
+    return MemoryEstimate(config=config, predicted_peak_bytes=peak, parameters_bytes=whole.parameters,
+                          gradients_bytes=whole.gradients, optimizer_state_bytes=whole.optimizer_state,
+                          activations_bytes=activations,
+                          temporaries_bytes=peak - at_peak.total - activations,
+                          not_live_at_peak_bytes=at_peak.total - whole.total, overhead_bytes=None,
+                          traced_device=traced, device_note=note, method=method,
+                          seconds=time.perf_counter() - started)
+
+
+def _devices(workload: Workload) -> tuple[str, str, str | None]:
+    """(the workload's device type, the device type to trace on, what the output should say about it).
+
+    Kernels decide what is kept for the backward: with dropout, the CPU's attention keeps the
+    whole s x s scores (in fp32 under bf16) where CUDA's fused kernels keep a row statistic, so
+    a CUDA workload is traced on fake CUDA tensors. Those need a GPU: without one, PyTorch's
+    CUDA builds pick the math attention and cannot run the backward, and its CPU builds abort
+    the process; there the trace runs on the CPU with attention as CUDA's fused kernels keep it.
+    """
+    import torch
+
+    cuda_here = torch.cuda.is_available() and not torch.cuda._is_in_bad_fork()
+    if workload.device == "cpu" or (workload.device == "auto" and not cuda_here):
+        return "cpu", "cpu", None
+    if cuda_here:
+        return "cuda", "cuda", None
+    return "cuda", "cpu", ("no CUDA GPU here: traced with CPU kernels and attention as CUDA's fused kernels "
+                           "keep it; CUDA's other kernels may keep a little more or less")
+
+
+@contextlib.contextmanager
+def _cuda_fused_attention() -> Iterator[None]:
+    """Within a CPU trace, ``scaled_dot_product_attention`` keeps what CUDA's kernels keep.
+
+    CUDA picks flash attention for 16-bit inputs without a mask and memory-efficient attention
+    for fp32 or a mask: both keep the output and a log-sum-exp per row (their dropout is
+    regenerated, not stored). Their fake kernels run on any device. Grouped-query attention
+    with a mask or in fp32 is math attention on CUDA too: it stays as it is.
+    """
+    import torch
+
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def fused(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+              is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
+        if torch.is_autocast_enabled(query.device.type):  # as autocast casts SDPA's inputs, on CUDA too
+            dtype = torch.get_autocast_dtype(query.device.type)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+            if attn_mask is not None and attn_mask.is_floating_point():
+                attn_mask = attn_mask.to(dtype)
+        grouped = enable_gqa and key.size(-3) != query.size(-3)
+        if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16):
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, scale=scale)[0]
+        if grouped:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA turns it into a bias
+            bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+            attn_mask = bias.masked_fill(~attn_mask, float("-inf"))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+
+    torch.nn.functional.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+_STATES = ("parameters", "gradients", "optimizer_state")
+
+
+@dataclass(frozen=True)
+class _States:
+    """Model-state bytes: whole, or the part of them live at one moment."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+
+def _grouped_mm_in_any_dtype() -> Any:
+    """A dispatch mode under which fake ``_grouped_mm`` takes what the CPU's kernel takes.
+
+    Its fake kernel checks the bf16-only rule of CUDA's fast kernel, so mixture-of-experts layers
+    (Transformers' grouped experts: fp32 weights, inputs cast to them, autocast or not) failed
+    to trace, where the CPU's kernel takes fp32: same output shape, in the inputs' dtype. The
+    bf16 stand-ins live below the tracker, which counts only the result.
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class GroupedMMInAnyDtype(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+                dtype = kwargs.get("out_dtype") or args[0].dtype
+                stand_ins = [arg.to(torch.bfloat16) if isinstance(arg, torch.Tensor) and arg.is_floating_point()
+                             else arg for arg in args]
+                return func(*stand_ins, **kwargs).to(dtype)
+            return func(*args, **kwargs)
+
+    return GroupedMMInAnyDtype()
+
+
+def _peak_parts_tracker() -> Any:
+    return _peak_parts_tracker_class()()
+
+
+@functools.cache
+def _peak_parts_tracker_class() -> type:
+    """The CPU trials' live-bytes tracker, on every device, that also says whose bytes made its peak.
+
+    Storages are tagged when they become parameters, gradients or optimizer state, and as
+    activations when the forward allocates them (what it leaves behind is what the backward
+    needs); each new peak copies the live bytes of every tag, so the parts of the peak are what
+    was live at that moment and the untagged rest is the temporaries.
+    """
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    from autotune.trial.memory import LiveBytesTracker
+
+    class PeakPartsTracker(LiveBytesTracker):
+        def __init__(self) -> None:
+            super().__init__(None)
+            self.live = dict.fromkeys((*_STATES, "activations"), 0)
+            self.at_peak = dict(self.live)
+            self.in_forward = False
+            self._tags: dict[int, str] = {}  # id of the per-storage counter -> tag
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self._count(leaf.untyped_storage())
+            return out
+
+        def tag(self, tensors: Any, tag: str) -> None:
+            for tensor in tensors:
+                counter = self._counted.get(tensor.untyped_storage())
+                old = None if counter is None else self._tags.get(id(counter))
+                if counter is None or old == tag:
+                    continue  # not allocated under the tracker, or tagged already
+                if old is not None:
+                    self.live[old] -= counter[0]
+                self._tags[id(counter)] = tag
+                self.live[tag] += counter[0]
+
+        def reset_peak(self) -> None:
+            self.peak_bytes = self.live_bytes
+            self.at_peak = dict(self.live)
+
+        def _count(self, storage: Any) -> None:
+            counter = self._counted.get(storage)
+            new, before, peak = counter is None, 0 if counter is None else counter[0], self.peak_bytes
+            super()._count(storage)
+            counter = self._counted[storage]
+            if new and self.in_forward:
+                self._tags[id(counter)] = "activations"
+            tag = self._tags.get(id(counter))
+            if tag is not None:
+                self.live[tag] += counter[0] - before
+            if self.peak_bytes > peak:
+                self.at_peak = dict(self.live)
+
+        def _release(self, counter: list[int]) -> None:
+            tag = self._tags.pop(id(counter), None)
+            if tag is not None:
+                self.live[tag] -= counter[0]
+            super()._release(counter)
+
+    return PeakPartsTracker
+
+
+@contextlib.contextmanager
+def _unpacked_batches() -> Iterator[None]:
+    """Transformers' masks treat the batch as the real step sees it: one sequence per row.
+
+    Given position ids, Transformers looks for several sequences packed in one row; on fake
+    tensors it cannot read them, so it assumes packing and builds an explicit mask (and its
+    copies) that the real step, whose synthetic rows are never packed, skips for SDPA's causal
+    flag. Checkpointed layers keep that mask to the end of the backward: +0.8% on a small Llama,
+    +7% on a small Mixtral.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def _adapters_stay_put(device_type: str) -> Iterator[None]:
+    """PEFT moves each new adapter to its base layer's device (and, for an adapted parameter such as
+    fused experts, dtype), which fake parameters cannot do (``Module._apply`` cannot swap them).
+    Under fake tensors both are on the traced device already."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        yield
+        return
+    import torch
+
+    original_move = BaseTunerLayer._move_adapter_to_device_of_base_layer
+    original_to = torch.nn.Module.to
+
+    def to_unless_a_no_op(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
+        if (device is None or device.type == device_type) and (dtype is None or all(t.dtype == dtype for t in tensors)):
+            return module  # everything is on the traced device, in that dtype, already
+        return original_to(module, *args, **kwargs)
+
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *args, **kwargs: None
+    torch.nn.Module.to = to_unless_a_no_op
+    try:
+        yield
+    finally:
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = original_move
+        torch.nn.Module.to = original_to
+
+
+def _to_16_bit(engine: Any) -> None:
+    """Cast the model to the autocast dtype and train it without autocast, as DeepSpeed does.
+
+    Fake parameters cannot be cast in place (``Module._apply`` cannot swap them), so each one is
+    replaced by a 16-bit copy (tied weights stay tied) and the optimizer is rebuilt over them.
+    """
+    import torch
+
+    dtype = engine.autocast_dtype
+    copies: dict[int, torch.nn.Parameter] = {}
+    for module in engine.model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_floating_point():
+                if id(param) not in copies:
+                    copies[id(param)] = torch.nn.Parameter(param.detach().to(dtype),
+                                                           requires_grad=param.requires_grad)
+                module._parameters[name] = copies[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_floating_point():
+                module._buffers[name] = buffer.to(dtype)
+    # Its state is replaced by DeepSpeed's arithmetic; only its temporaries matter here.
+    engine.optimizer = torch.optim.AdamW([p for p in engine.model.parameters() if p.requires_grad],
+                                         lr=engine.optimizer.defaults["lr"])
+    engine.autocast_dtype = None
+
+
+def _fake_steps(engine: Any, tracker: Any) -> _States:
+    """The trial's step on fake tensors; returns the whole model states.
+
+    Like the trial's step except that nothing reads a value back (``.item()`` has no data here)
+    and fp16's loss scaler is left out (its unscale checks values; its state is a few scalars).
+    The tracker's peak is the second optimizer step's: the first with optimizer state from the
+    start, as every later step (the first one creates the state midway, at the same peak).
+    """
+    import torch
+
+    from autotune.models.batches import loss_of
+
+    parameters = [*engine.model.parameters(), *engine.model.buffers()]
+    tracker.tag(parameters, "parameters")
+    trainable = [p for p in engine.model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.register_post_accumulate_grad_hook(lambda p: tracker.tag([p.grad], "gradients"))
+    gradients = state = 0
+    micro_steps = min(engine.accum, _MICRO_STEPS)
+    for step in range(_OPTIMIZER_STEPS):
+        if step == _OPTIMIZER_STEPS - 1:
+            tracker.reset_peak()
+        for _ in range(micro_steps):
+            tracker.in_forward = True
+            with torch.autocast(engine.device.type, dtype=engine.autocast_dtype,
+                                enabled=engine.autocast_dtype is not None):
+                loss = loss_of(engine.forward_model(**engine.batch)) / engine.accum
+            tracker.in_forward = False
+            loss.backward()
+            del loss
+        gradients = _bytes(p.grad for p in trainable if p.grad is not None)
+        engine.optimizer.step()
+        states = [v for s in engine.optimizer.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor) and v.numel() > 1]
+        tracker.tag(states, "optimizer_state")
+        state = _bytes(states)
+        engine.optimizer.zero_grad(set_to_none=True)
+    return _States(_bytes(parameters), gradients, state)
+
+
+def _zero_states(engine: Any, config: TrialConfig, ranks: int, *,
+                 offload_stays: bool) -> tuple[int, int, int, int]:
+    """Per-rank (parameters, gradients, optimizer state, step-time extra) bytes under DeepSpeed ZeRO.
+
+    ``offload_stays``: the device is the host (a CPU trial), so offloaded states stay in the
+    memory measured, joined by the offload path's host buffers (a staging copy of the weight
+    partition and an fp32 gradient partition).
+
+    The step-time extra is the gradient partition cast to fp32 for the optimizer in fp16/bf16:
+    it lives only during ``step()``, after the activations are gone (counted by DeepSpeed's
+    estimator as part of its 18 bytes per parameter, which would overstate a peak set by activations).
+    """
+    total = engine.total_params
+    trainable = engine.trainable_params
+    mixed = config.precision in ("fp16", "bf16")
+    # The model's own weights and gradients: 16-bit in DeepSpeed's fp16/bf16 modes.
+    parameters = (2 if mixed else 4) * total
+    gradients = (2 if mixed else 4) * trainable
+    # The optimizer's partition: an fp32 master copy of the weights (a clone even in fp32) and Adam's m, v.
+    optimizer_state = 12 * trainable
+    step_extra = 4 * trainable if mixed else 0  # in fp32, .to(fp32) returns the gradient itself
+    stage = config.zero_stage or 0
+    if stage >= 1:
+        optimizer_state //= ranks
+        step_extra //= ranks
+    if stage >= 2:
+        gradients //= ranks
+    if stage == 3:
+        parameters //= ranks
+    if config.offload != "none" and offload_stays:
+        optimizer_state += ((2 if mixed else 4) + 4) * trainable // ranks
+    elif config.offload != "none":
+        optimizer_state = step_extra = 0
+        if config.offload == "optimizer+params":
+            parameters = 0
+    return parameters, gradients, optimizer_state, step_extra
+
+
+def _zero3_gathered(engine: Any, config: TrialConfig) -> int:
+    """Bytes of whole weights ZeRO-3 gathers for the forward and backward and keeps until the step.
+
+    DeepSpeed keeps up to ``stage3_max_live_parameters`` gathered (and reuses them in the
+    backward), so below that many parameters the whole model is live as in ZeRO-1. They are
+    counted as temporaries: the rank's own shard is its ``parameters``.
+    """
+    if config.zero_stage != 3:
+        return 0
+    return (2 if config.precision in ("fp16", "bf16") else 4) * min(engine.total_params, ZERO3_MAX_LIVE_PARAMETERS)
+
+
+def _bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (tied weights and views counted once)."""
+    storages: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[storage._cdata] = storage.nbytes()  # the C storage's address: one entry per storage
+    return sum(storages.values())

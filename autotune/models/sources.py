@@ -1,0 +1,233 @@
+"""Model sources: where a workload's model comes from, and how a trial builds it.
+
+``--model`` takes one of:
+
+* ``builtin:NAME``: a preset from :mod:`autotune.models.presets` (random weights);
+* a path to a config file (``config.json`` or any other name: that file is read) or to a
+  model directory holding a ``config.json``;
+* a Hugging Face Hub id, whose config is read from the local cache;
+* ``module:function``: a factory, called as ``function(task=..., seq_len=...)`` (it may
+  declare only the arguments it wants) and returning a ``torch.nn.Module`` (see README).
+
+Only configs are read: weights change neither speed nor memory, so models are randomly
+initialised, directly on the trial's device.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autotune.errors import WorkloadError
+from autotune.models.presets import PRESETS
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+    from autotune.config.workload import Workload
+
+__all__ = ["ModelSource", "parse_model_source", "load_hf_config", "infer_task", "resolve_task", "build_model",
+           "meta_model", "model_type", "call_factory"]
+
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str   # builtin | config | hub | factory
+    ref: str    # preset name, path, hub id or module:function
+
+
+def parse_model_source(spec: str) -> ModelSource:
+    """Classify ``--model``; raise WorkloadError with the accepted forms when it fits none."""
+    if spec.startswith("builtin:"):
+        name = spec.removeprefix("builtin:")
+        if name not in PRESETS:
+            raise WorkloadError(f"--model {spec}: no such built-in model; use one of "
+                                + ", ".join(f"builtin:{n}" for n in PRESETS))
+        return ModelSource("builtin", name)
+    if os.path.exists(spec):
+        return ModelSource("config", spec)
+    if _FACTORY.match(spec):
+        return ModelSource("factory", spec)
+    if _HUB_ID.match(spec) and not spec.startswith((".", "/")) and "/" in spec:
+        return ModelSource("hub", spec)
+    raise WorkloadError(
+        f"--model {spec!r} is neither builtin:NAME, an existing config.json or model directory, "
+        "a Hub id like org/name, nor module:function")
+
+
+def load_hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The Hugging Face config of a builtin, path or Hub source (not of a factory)."""
+    from transformers import AutoConfig
+
+    if source.kind == "builtin":
+        preset = PRESETS[source.ref]
+        return AutoConfig.for_model(preset.model_type, **preset.config)
+    if source.kind == "config":
+        path = Path(source.ref)
+        if path.is_file():  # this very file, whatever its name: never a config.json beside it
+            _check_json(path, source.ref)
+        elif not (path / "config.json").is_file():
+            raise WorkloadError(f"--model {source.ref}: no config.json there; point at a model's config file "
+                                "or a directory that holds a config.json")
+        try:
+            return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (ValueError, OSError) as exc:
+            _refuse_custom_code(source.ref, exc)
+            raise WorkloadError(f"--model {source.ref}: cannot read its config: {_one_line(exc)}") from exc
+    if source.kind == "hub":
+        return _hub_config(source.ref, trust_remote_code=trust_remote_code)
+    raise WorkloadError(f"--model {source.ref}: a factory has no Hugging Face config")
+
+
+def _check_json(path: Path, ref: str) -> None:
+    """Refuse a file that is not a JSON object in one line, before transformers says it its own way."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise WorkloadError(f"--model {ref} is not JSON (not even text); point --model at a model's config "
+                            "file (JSON, like config.json) or the directory holding it") from None
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"--model {ref} is not JSON (line {exc.lineno}: {exc.msg}); point --model at a "
+                            "model's config file (JSON, like config.json) or the directory holding it") from None
+    if not isinstance(data, dict):
+        raise WorkloadError(f"--model {ref} is JSON but not a model config (an object with a model_type key); "
+                            "point --model at a model's config.json or the directory holding it")
+
+
+def _refuse_custom_code(ref: str, exc: Exception) -> None:
+    if "custom code" in str(exc):
+        raise WorkloadError(f"--model {ref}: its config needs Python code shipped with the model; read it, "
+                            "then pass --trust-remote-code to run it") from exc
+
+
+def _hub_config(hub_id: str, *, trust_remote_code: bool) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(hub_id, local_files_only=True, trust_remote_code=trust_remote_code)
+    except ValueError as exc:  # e.g. custom code without --trust-remote-code
+        _refuse_custom_code(hub_id, exc)
+        raise WorkloadError(f"--model {hub_id}: {_one_line(exc)}") from exc
+    except OSError:
+        pass  # not cached: try the Hub itself unless the user said we are offline
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("1", "true", "yes"):
+        try:
+            return AutoConfig.from_pretrained(hub_id, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):
+            pass
+    raise WorkloadError(
+        f"--model {hub_id}: its config is not in the local Hugging Face cache and the Hub cannot be "
+        f"reached; on a connected machine run `hf download {hub_id} config.json`, or pass the path "
+        "of a config.json")
+
+
+def infer_task(config: PretrainedConfig) -> str:
+    """seq-cls for classifier architectures and encoder-only models; causal-lm otherwise."""
+    architectures = getattr(config, "architectures", None) or []
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        return "seq-cls"
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+        return "causal-lm"
+    if getattr(config, "is_encoder_decoder", False):
+        raise WorkloadError(f"model type {config.model_type!r} is encoder-decoder; autotune trains "
+                            "causal-lm and seq-cls models")
+    encoder_only = {"bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
+                    "xlm-roberta", "modernbert"}
+    return "seq-cls" if config.model_type in encoder_only else "causal-lm"
+
+
+def resolve_task(workload: Workload) -> str:
+    """Check the workload against its model (before any trial starts) and return its task:
+    given, or from the preset / config; factories default to causal-lm."""
+    source = parse_model_source(workload.model)
+    if source.kind == "factory":  # its module is imported only inside the trial process
+        return workload.task or "causal-lm"
+    config = load_hf_config(source, trust_remote_code=workload.trust_remote_code)
+    _check_seq_len(config, workload.seq_len)
+    if workload.task is not None:
+        return workload.task
+    if source.kind == "builtin":
+        return PRESETS[source.ref].task
+    return infer_task(config)
+
+
+def build_model(workload: Workload, *, task: str, device: torch.device) -> torch.nn.Module:
+    """Build the workload's model with random weights directly on ``device``."""
+    import torch
+
+    source = parse_model_source(workload.model)
+    if source.kind == "factory":
+        model = call_factory(source.ref, task=task, seq_len=workload.seq_len)
+        return model.to(device)
+    config = load_hf_config(source, trust_remote_code=workload.trust_remote_code)
+    _check_seq_len(config, workload.seq_len)
+    if task == "seq-cls" and getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = 0  # HF classifiers need one to find the last token of each row
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+    with torch.device(device):
+        try:
+            return auto.from_config(config, trust_remote_code=workload.trust_remote_code)
+        except ValueError as exc:
+            raise WorkloadError(f"--model {workload.model} cannot be built for --task {task}: "
+                                f"{_one_line(exc)}") from exc
+
+
+def _check_seq_len(config: Any, seq_len: int) -> None:
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and seq_len > limit:
+        raise WorkloadError(f"--seq-len {seq_len} is longer than the model's {limit} positions; "
+                            f"use --seq-len {limit} or less")
+
+
+def call_factory(ref: str, *, task: str, seq_len: int) -> torch.nn.Module:
+    import torch
+
+    module_name, function_name = ref.split(":")
+    module = importlib.import_module(module_name)  # an ImportError here is the user's module's own
+    factory = getattr(module, function_name, None)
+    if not callable(factory):
+        raise WorkloadError(f"--model {ref}: {module_name} has no callable {function_name!r}")
+    offered = {"task": task, "seq_len": seq_len}
+    params = inspect.signature(factory).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    model = factory(**{k: v for k, v in offered.items() if takes_any or k in params})
+    if not isinstance(model, torch.nn.Module):
+        raise WorkloadError(f"--model {ref} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def meta_model(workload: Workload, task: str) -> torch.nn.Module:
+    """The model with no memory behind its tensors: its structure, in a second or so."""
+    import torch
+
+    source = parse_model_source(workload.model)
+    if source.kind == "factory":
+        with torch.device("meta"):
+            return call_factory(source.ref, task=task, seq_len=workload.seq_len)
+    return build_model(workload, task=task, device=torch.device("meta"))
+
+
+def model_type(workload: Workload) -> str | None:
+    source = parse_model_source(workload.model)
+    if source.kind == "factory":
+        return None
+    if source.kind == "builtin":
+        return PRESETS[source.ref].model_type
+    return load_hf_config(source, trust_remote_code=workload.trust_remote_code).model_type

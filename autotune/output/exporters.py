@@ -1,0 +1,250 @@
+"""Exporters: a tuned TrialConfig as a file that the target library itself loads.
+
+One small function per format, each returning the file's text. Every export says which
+precision is used and whether LoRA is trained (DESIGN: never hand over LoRA silently): as a
+``trains`` key in JSON/YAML and as comment lines in the YAML formats. DeepSpeed and
+TrainingArguments JSON can hold neither comments nor extra keys: their precision keys say it,
+and LoRA travels in the peft export (adapter_config.json). The model's facts these need (hidden
+size, LoRA's targets) come from the study when it stored them (:mod:`autotune.study.stored_facts`):
+then no format imports torch, transformers or PEFT.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from autotune.config.deepspeed_config import deepspeed_config
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.errors import ConfigError
+from autotune.study.stored_facts import adapter_config, hidden_size
+from autotune.study.summary import what_is_trained
+
+__all__ = ["FORMATS", "DEFAULT_FILENAMES", "export_config"]
+
+FORMATS = ("json", "yaml", "deepspeed", "hf", "accelerate", "lightning", "peft")
+DEFAULT_FILENAMES = {
+    "json": "autotune.json",
+    "yaml": "autotune.yaml",
+    "deepspeed": "ds_config.json",
+    "hf": "training_args.json",
+    "accelerate": "accelerate_config.yaml",
+    "lightning": "lightning_trainer.yaml",
+    "peft": "adapter_config.json",
+}
+
+# TrainingArguments fills these from its own arguments; "auto" means the two cannot disagree
+# (a concrete value that differs, e.g. DeepSpeed's lr vs learning_rate, makes HF raise).
+_HF_AUTO_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_HF_AUTO_OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay")
+_TF32_HINT = 'tf32: call torch.set_float32_matmul_precision("high") before training'
+
+
+def export_config(config: TrialConfig, workload: Workload, *, fmt: str, device_type: str = "cuda",
+                  summary: dict[str, Any] | None = None) -> str:
+    """The text of the file in format ``fmt`` for training ``workload`` with ``config``.
+
+    ``summary`` (study name, tokens/s, peak memory, ...) is context: keys in json/yaml and
+    header comments in the YAML formats; the formats other libraries load ignore it.
+    """
+    exporter = _EXPORTERS.get(fmt)
+    if exporter is None:
+        raise ConfigError(f"--format {fmt} is not known; use one of {', '.join(FORMATS)}")
+    return exporter(config, workload, device_type=device_type, summary=summary or {})
+
+
+# -- plain records --------------------------------------------------------------------------
+def _record(config: TrialConfig, workload: Workload, summary: dict[str, Any]) -> dict[str, Any]:
+    from autotune.version import __version__
+
+    data = {"autotune": __version__, "workload": workload.to_dict(), "config": config.to_dict(),
+            "grad_accum_steps": config.grad_accum_steps(workload), "trains": what_is_trained(config, workload)}
+    clash = sorted(set(data) & set(summary))
+    if clash:
+        raise ValueError(f"summary keys {clash} would overwrite the exported config")
+    return {**data, **summary}
+
+
+def _json(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
+    return _dump_json(_record(config, workload, summary))
+
+
+def _yaml(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
+    return _header(config, workload, summary) + _dump_yaml(_record(config, workload, summary))
+
+
+# -- DeepSpeed and Hugging Face TrainingArguments -------------------------------------------
+def _deepspeed(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
+    return _dump_json(deepspeed_config(config, workload, device_type=device_type,
+                                       hidden_size=hidden_size(workload)))
+
+
+def _hf(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
+    """Keyword arguments of ``transformers.TrainingArguments``; LoRA lives in the peft export."""
+    kwargs: dict[str, Any] = {
+        "per_device_train_batch_size": config.micro_batch,
+        "gradient_accumulation_steps": config.grad_accum_steps(workload),
+        "bf16": config.precision == "bf16",
+        "fp16": config.precision == "fp16",
+        "gradient_checkpointing": config.checkpointing,
+    }
+    if config.precision == "tf32":
+        kwargs["tf32"] = True
+    if config.checkpointing:  # what the trials measured: works with LoRA and DeepSpeed
+        kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    if config.uses_deepspeed:
+        kwargs["deepspeed"] = _hf_deepspeed(config, workload, device_type=device_type)
+    if device_type == "cpu":
+        kwargs["use_cpu"] = True
+    return _dump_json(kwargs)
+
+
+def _hf_deepspeed(config: TrialConfig, workload: Workload, *, device_type: str) -> dict[str, Any]:
+    ds = deepspeed_config(config, workload, device_type=device_type, hidden_size=hidden_size(workload))
+    ds.update(dict.fromkeys(_HF_AUTO_KEYS, "auto"))
+    ds["optimizer"]["params"].update(dict.fromkeys(_HF_AUTO_OPTIMIZER_KEYS, "auto"))
+    return ds
+
+
+# -- Accelerate -----------------------------------------------------------------------------
+def _accelerate(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
+    """A config as ``accelerate config`` writes it (see accelerate's ``ClusterConfig``)."""
+    cpu = device_type == "cpu"
+    if config.uses_deepspeed:
+        distributed = "DEEPSPEED"
+    elif workload.nproc > 1:
+        distributed = "MULTI_CPU" if cpu else "MULTI_GPU"
+    else:
+        distributed = "NO"
+    data: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "distributed_type": distributed,
+        "downcast_bf16": "no",
+        "enable_cpu_affinity": False,
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "mixed_precision": {"fp16": "fp16", "bf16": "bf16"}.get(config.precision, "no"),
+        "num_machines": 1,
+        "num_processes": workload.nproc,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": cpu,
+    }
+    if not cpu:
+        data["gpu_ids"] = "all"
+    if config.uses_deepspeed:
+        data["deepspeed_config"] = _accelerate_deepspeed(config, workload)
+    return _header(config, workload, summary) + _dump_yaml(data)
+
+
+def _accelerate_deepspeed(config: TrialConfig, workload: Workload) -> dict[str, Any]:
+    offload = config.offload
+    return {
+        "gradient_accumulation_steps": config.grad_accum_steps(workload),
+        "offload_optimizer_device": "cpu" if offload in ("optimizer", "optimizer+params") else "none",
+        "offload_param_device": "cpu" if offload == "optimizer+params" else "none",
+        "zero3_init_flag": config.zero_stage == 3,
+        "zero_stage": config.zero_stage,
+    }
+
+
+# -- Lightning ------------------------------------------------------------------------------
+# Lightning's registered DeepSpeed strategy names, by (stage, offload).
+_LIGHTNING_DEEPSPEED = {
+    (1, "none"): "deepspeed_stage_1",
+    (2, "none"): "deepspeed_stage_2",
+    (2, "optimizer"): "deepspeed_stage_2_offload",
+    (3, "none"): "deepspeed_stage_3",
+    (3, "optimizer+params"): "deepspeed_stage_3_offload",
+}
+
+
+def _lightning(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
+    """``trainer:`` arguments of ``lightning.pytorch.Trainer``, as LightningCLI reads them."""
+    if config.uses_deepspeed and device_type != "cuda":
+        # Trainer(...) accepts it, but fit() raises: Lightning's DeepSpeed strategy needs CUDA.
+        raise ConfigError(f"--format lightning: this config uses --zero-stage {config.zero_stage} on a "
+                          f"{device_type}, and Lightning runs DeepSpeed only on CUDA GPUs; export "
+                          "--format accelerate or hf instead, or pick a config without ZeRO")
+    trainer = {
+        "accelerator": "cpu" if device_type == "cpu" else "gpu",
+        "devices": workload.nproc,
+        "precision": {"fp16": "16-mixed", "bf16": "bf16-mixed"}.get(config.precision, "32-true"),
+        "accumulate_grad_batches": config.grad_accum_steps(workload),
+        "strategy": _lightning_strategy(config, workload),
+    }
+    return _header(config, workload, summary) + _dump_yaml({"trainer": trainer})
+
+
+def _lightning_strategy(config: TrialConfig, workload: Workload) -> str | dict[str, Any]:
+    if not config.uses_deepspeed:
+        return "ddp" if workload.nproc > 1 else "auto"
+    name = _LIGHTNING_DEEPSPEED.get((config.zero_stage, config.offload))
+    if name is not None:
+        return name
+    # No registered name (stage 0, stage 1 + offload, stage 3 + optimizer offload only):
+    # LightningCLI's class_path form builds the strategy with these knobs.
+    return {"class_path": "lightning.pytorch.strategies.DeepSpeedStrategy", "init_args": {
+        "stage": config.zero_stage,
+        "offload_optimizer": config.offload != "none",
+        "offload_parameters": config.offload == "optimizer+params",
+    }}
+
+
+# -- PEFT -----------------------------------------------------------------------------------
+def _peft(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
+    """adapter_config.json as ``LoraConfig.save_pretrained`` writes it."""
+    if not config.uses_lora:
+        raise ConfigError("--format peft: this config trains all weights (no LoRA), so there is no "
+                          "adapter config; tune with --space lora to search LoRA configs")
+    # The same LoraConfig the trials applied, as the study stored it at tune time (else worked out now).
+    return json.dumps(adapter_config(config, workload), indent=2, sort_keys=True, default=str) + "\n"
+
+
+# -- shared helpers -------------------------------------------------------------------------
+def _header(config: TrialConfig, workload: Workload, summary: dict[str, Any]) -> str:
+    """Comment lines for YAML formats: what is trained, and the knobs no YAML key carries."""
+    trains = what_is_trained(config, workload)
+    lines = [
+        f"autotune export: {workload.model}, {config.describe()}",
+        f"trains: {trains['note']}",
+        f"micro batch: {config.micro_batch} per rank (the DataLoader's batch_size), "
+        f"gradient accumulation: {config.grad_accum_steps(workload)}, global batch: {workload.global_batch}",
+        "activation checkpointing: " + ("on: model.gradient_checkpointing_enable("
+                                        'gradient_checkpointing_kwargs={"use_reentrant": False})'
+                                        if config.checkpointing else "off"),
+    ]
+    if config.uses_lora:
+        lora = trains["lora"]
+        targets = lora.get("targets_note") or (",".join(lora["targets"]) if lora["targets"] else "default")
+        lines.append(f"LoRA: rank {lora['rank']}, alpha {lora['alpha']}, targets {targets} "
+                     "(adapter config: autotune export --format peft)")
+    else:
+        lines.append("LoRA: off (all weights trained)")
+    if config.precision == "tf32":
+        lines.append(_TF32_HINT)
+    lines += [f"{key}: {value}" for key, value in summary.items()]
+    return "".join(f"# {' '.join(str(line).split())}\n" for line in lines)
+
+
+def _dump_json(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2) + "\n"
+
+
+def _dump_yaml(data: dict[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+_EXPORTERS: dict[str, Callable[..., str]] = {
+    "json": _json,
+    "yaml": _yaml,
+    "deepspeed": _deepspeed,
+    "hf": _hf,
+    "accelerate": _accelerate,
+    "lightning": _lightning,
+    "peft": _peft,
+}

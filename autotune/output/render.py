@@ -1,0 +1,230 @@
+"""Human-readable output (Rich tables); the JSON forms come from the result types themselves."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.sizes import format_size
+from autotune.study.summary import StudySummary, TrialRecord, what_is_trained
+from autotune.trial.measure import unsettled
+from autotune.trial.result import TrialResult
+
+__all__ = ["print_trial", "print_summary", "nothing_fits", "ConsoleProgress"]
+
+
+def _num(value: float | None, fmt: str = "{:,.1f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _figure(tokens_per_s: float | None, spread: float | None) -> str:
+    """tokens/s, with the step times' spread where they never settled (an uncertain figure)."""
+    if tokens_per_s is None or not unsettled(spread):
+        return _num(tokens_per_s)
+    return f"{_num(tokens_per_s)} ±{spread / 2:.0%}"
+
+
+def _unsettled_why(spread: float) -> str:
+    return f"its steps differed by {spread:.0%} of the median step even after extra steps; is something else running?"
+
+
+def print_trial(workload: Workload, result: TrialResult, *, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title=f"trial: {result.config.describe()}  on {workload.model}", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    phases = result.phases
+    rows = [
+        ("status", result.status.value),
+        ("tokens/s", _num(result.tokens_per_s)),
+        ("samples/s", _num(result.samples_per_s, "{:,.2f}")),
+        ("step time (median, IQR)", "-" if result.step_time_median_s is None else
+         f"{result.step_time_median_s * 1000:.1f} ms, IQR {result.step_time_iqr_s * 1000:.1f} ms"
+         + ("" if result.step_time_spread is None else f" ({result.step_time_spread:.0%} of the median)")),
+        ("disturbed steps", "-" if result.disturbed_steps is None else
+         f"{result.disturbed_steps} of {result.measured_steps} over 1.25x the median"),
+        ("measured steps", f"{result.measured_steps} x {result.grad_accum_steps or '-'} micro-steps"),
+        ("peak memory", format_size(result.peak_memory_bytes) + ("" if result.peak_reserved_bytes is None
+                                                                 else " (reserved)")),
+        ("peak allocated", format_size(result.peak_allocated_bytes)),
+        ("memory budget", format_size(result.memory_budget_bytes)),
+        ("optimizer state", format_size(result.optimizer_state_bytes)),
+        ("trainable / total params", f"{_num(result.trainable_params, '{:,}')} / {_num(result.total_params, '{:,}')}"),
+        ("device x ranks", f"{result.device or '-'} x {result.world_size}"),
+        ("start-up / build", f"{_num(phases.startup_s, '{:.2f}')} s / {_num(phases.build_s, '{:.2f}')} s"),
+        ("warm-up / measure", f"{_num(phases.warmup_s, '{:.2f}')} s / {_num(phases.measure_s, '{:.2f}')} s"),
+    ]
+    if result.peak_memory_per_rank:
+        rows.append(("peak per rank", ", ".join(format_size(p) for p in result.peak_memory_per_rank)))
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+    if unsettled(result.step_time_spread):
+        console.print(f"[yellow]tokens/s is uncertain[/]: {_unsettled_why(result.step_time_spread)}", highlight=False)
+    if result.error:
+        console.print(f"[bold red]{result.status.value}[/]: last lines of the error:", highlight=False)
+        console.print(result.error, markup=False, highlight=False)
+
+
+# -- studies -------------------------------------------------------------------------------------
+def _trains(config: TrialConfig, workload: Workload) -> str:
+    return what_is_trained(config, workload)["note"]
+
+
+def print_summary(summary: StudySummary, *, console: Console | None = None, all_trials: bool = True) -> None:
+    """Every trial of a study, then the best config and what it trains."""
+    console = console or Console(soft_wrap=True)  # long lines stay whole in logs and pipes
+    if not console.is_terminal:
+        console.width = max(console.width, 120)  # a log or pipe has no width: keep table rows on one line
+    w = summary.workload
+    console.print(f"study [bold]{summary.name}[/] in {summary.storage}", highlight=False)
+    console.print(f"  {w.model}, seq {w.seq_len}, global batch {w.global_batch}, {w.nproc} rank(s) on "
+                  f"{summary.device.get('name')} ({summary.device.get('type')}); budget "
+                  f"{format_size(summary.memory_budget_bytes)}, fits under {format_size(summary.memory_limit_bytes)}; "
+                  f"space {summary.space}", highlight=False)
+    if all_trials:
+        table = Table(show_edge=False)
+        for column in ("#", "config", "status", "tokens/s", "peak memory", "fits", "re-run"):
+            table.add_column(column, justify="right" if column in ("#", "tokens/s", "peak memory") else "left")
+        for t in summary.trials:
+            rerun = "-" if t.confirmed is None else (
+                f"{_num(t.confirmed_tokens_per_s)} tok/s" if t.confirmed else "refuted")
+            peak = format_size(t.peak_memory_bytes) if t.status != "skipped" else \
+                f"{format_size(t.predicted_peak_bytes)} (predicted)"
+            table.add_row(str(t.number), t.config.describe(), t.status, _figure(t.tokens_per_s, t.step_time_spread), peak,
+                          "yes" if t.fits else "no", rerun)
+        console.print(table)
+    if all_trials and any(t.status == "ok" and unsettled(t.step_time_spread) for t in summary.trials):
+        console.print("  ±: half the spread of a trial's step times where they never settled; such a "
+                      "figure is uncertain (a busy machine?)", highlight=False)
+    best = summary.best
+    if best is None:
+        for line in nothing_fits(summary):
+            console.print(line, highlight=False, markup=False)
+        return
+    console.print(f"[bold green]best[/]: {best.config.describe()}  (trial {best.number}, confirmed on a longer re-run)",
+                  highlight=False)
+    if summary.certainty:
+        console.print(f"  how sure: {summary.certainty}", highlight=False, markup=False)
+    console.print(f"  {_num(best.confirmed_tokens_per_s)} tokens/s, {_num(best.confirmed_samples_per_s, '{:,.2f}')} "
+                  f"samples/s, peak {format_size(best.confirmed_peak_memory_bytes)} of "
+                  f"{format_size(summary.memory_budget_bytes)}; accumulation "
+                  f"{best.config.grad_accum_steps(summary.workload)}", highlight=False)
+    console.print(f"  trains: {_trains(best.config, summary.workload)}", highlight=False)
+
+
+def nothing_fits(summary: StudySummary) -> list[str]:
+    """Why there is no answer: what was tried, the smallest peak against the limit, what to change."""
+    trials = summary.trials
+    if summary.n_trials == 0 and not any(t.status == "skipped" for t in trials):
+        return ["no confirmed config yet: no trial measured"]
+    counts: dict[str, int] = {}
+    for t in trials:
+        key = "over the memory limit" if t.status == "ok" and not t.fits else t.status
+        if t.status == "ok" and t.fits:
+            key = "fit, refuted on the re-run" if t.confirmed is False else "fit, not confirmed yet"
+        counts[key] = counts.get(key, 0) + 1
+    lines = [f"no config fits: {summary.n_trials} trials measured ("
+             + ", ".join(f"{n} {what}" for what, n in sorted(counts.items(), key=lambda kv: -kv[1])) + ")"]
+    peaks = [(t.peak_memory_bytes, t.config, "measured") for t in trials
+             if t.status == "ok" and t.peak_memory_bytes is not None]
+    peaks += [(t.predicted_peak_bytes, t.config, "predicted") for t in trials
+              if t.status == "skipped" and t.predicted_peak_bytes is not None]
+    limit = summary.memory_limit_bytes
+    if peaks:
+        peak, config, how = min(peaks, key=lambda p: p[0])
+        headroom = 1 - limit / summary.memory_budget_bytes
+        lines.append(f"  smallest peak seen: {format_size(peak)} ({how}, {config.describe()}) against the limit "
+                     f"{format_size(limit)} ({format_size(summary.memory_budget_bytes)} budget less "
+                     f"{headroom:.0%} headroom)")
+        if peak > limit:
+            lines.append(f"  to fit it: --memory-budget {format_size(int(peak / (1 - headroom)) + 1)} or more")
+    elif counts.get("oom"):
+        lines.append(f"  every measured config ran out of memory under the {format_size(summary.memory_budget_bytes)} "
+                     "budget: raise --memory-budget")
+    untried = [hint for used, hint in (
+        (any(t.config.checkpointing for t in trials), "activation checkpointing (checkpointing: [false, true])"),
+        (any(t.config.precision in ("bf16", "fp16") for t in trials), "a 16-bit precision (precision: [bf16])"),
+        (any(t.config.uses_lora for t in trials), "LoRA (--space lora)"),
+        (any(t.config.zero_stage is not None for t in trials) or summary.workload.nproc == 1,
+         "ZeRO sharding over the ranks (--space zero)"),
+    ) if not used]
+    if untried:
+        lines.append("  knobs that save memory and were not tried: " + "; ".join(untried))
+    if counts.get("fit, refuted on the re-run"):
+        lines.append("  configs that fit in their trial ran out of room on the longer re-run: "
+                     "a larger --memory-budget or a lower --headroom leaves them room")
+    return lines
+
+
+class ConsoleProgress:
+    """The tuner's progress as one line per event; on a terminal, a spinner with the trial's time too.
+
+    Plain lines when not on a terminal (logs, pipes). Use as a context manager so that the
+    spinner is gone however the tuning ends (Ctrl-C included).
+    """
+
+    def __init__(self, console: Console | None = None, *, prefix: str = "") -> None:
+        self.console = console or Console(stderr=True, soft_wrap=True)  # one line per event, even in a log
+        self.prefix = prefix  # a helper worker's lines say whose they are (and it draws no spinner)
+        self._spinner: Progress | None = None
+
+    def __enter__(self) -> ConsoleProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop_spinner()
+
+    def started(self, *, study: str, storage: str, measured: int, target: int, recovered: list[int]) -> None:
+        self._say(f"study {study} in {storage}: {measured} of {target} trials measured")
+        if recovered:
+            self._say(f"  trial(s) {', '.join(map(str, recovered))} were interrupted; retrying their configs")
+
+    def trial_started(self, *, index: int, target: int, config: TrialConfig, retry: bool) -> None:
+        text = f"trial {index}/{target}: {config.describe()}" + ("  (retry)" if retry else "")
+        self._say(text)
+        self._start_spinner(f"measuring {config.describe()}")
+
+    def trial_finished(self, *, record: TrialRecord, best: TrialRecord | None, elapsed_s: float) -> None:
+        self._stop_spinner()
+        figure = f"{_num(record.tokens_per_s)} tokens/s" if record.tokens_per_s is not None else "no figure"
+        fit = "" if record.status != "ok" else ("" if record.fits else ", over the memory limit")
+        best_text = f"{best.config.describe()} at {_num(best.tokens_per_s)} tokens/s" if best else "none fits yet"
+        warning = f" (uncertain: {_unsettled_why(record.step_time_spread)})" if unsettled(record.step_time_spread) else ""
+        self._say(f"  -> {record.status}: {figure}, peak {format_size(record.peak_memory_bytes)}{fit}; "
+                  f"best so far {best_text}; {elapsed_s:.0f} s elapsed{warning}")
+
+    def skipped(self, *, record: TrialRecord, limit_bytes: int) -> None:
+        self._say(f"skipped {record.config.describe()}: predicted peak "
+                  f"{format_size(record.predicted_peak_bytes)} is over the limit {format_size(limit_bytes)}")
+
+    def confirming(self, *, record: TrialRecord, steps: int) -> None:
+        self._stop_spinner()
+        self._say(f"re-running {record.config.describe()} with {steps} steps (close candidates take turns)")
+        self._start_spinner(f"re-running {record.config.describe()}")
+
+    def dropped(self, *, reasons: list[str]) -> None:
+        for reason in reasons:
+            self._say(f"not searched: {reason}")
+
+    def stopped(self, *, reason: str) -> None:
+        self._say(f"stopped: {reason}")
+
+    def _say(self, text: str) -> None:
+        self.console.print(self.prefix + text, highlight=False, markup=False)
+
+    def _start_spinner(self, text: str) -> None:
+        if not self.console.is_terminal or self.prefix:
+            return
+        self._spinner = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                                 console=self.console, transient=True)
+        self._spinner.add_task(text, total=None)
+        self._spinner.start()
+
+    def _stop_spinner(self) -> None:
+        if self._spinner is not None:
+            self._spinner.stop()
+            self._spinner = None

@@ -1,0 +1,341 @@
+"""Search spaces: which values of each knob the tuner may try, from a YAML preset or file.
+
+A space file has ``knobs`` (one entry per TrialConfig knob, a value or a list of values) and
+optional ``description``, ``n_trials`` and ``patience``. It is checked on load: an unknown
+key or a bad value is an error naming the file, the key and what is allowed.
+
+Knobs that change what is trained (precision, LoRA) take only the values the file lists; the
+presets keep LoRA off except ``lora``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autotune.config.knobs import OFFLOADS, PRECISIONS, ZERO_STAGES, TrialConfig
+from autotune.errors import ConfigError
+
+if TYPE_CHECKING:
+    from autotune.config.device import DeviceInfo
+    from autotune.config.workload import Workload
+
+__all__ = ["SearchSpace", "load_space", "preset_names", "KNOBS"]
+
+# Knob -> what the file may give it (said in errors).
+KNOBS = {
+    "micro_batch": "auto, or a list of whole numbers >= 1 that divide the per-rank batch",
+    "precision": f"a list of {', '.join(PRECISIONS)}",
+    "checkpointing": "a list of true/false",
+    "zero_stage": "a list of off, 0, 1, 2, 3",
+    "offload": f"a list of {', '.join(OFFLOADS)}",
+    "lora_rank": "a list of off and/or whole numbers >= 1",
+    "lora_alpha": "one whole number >= 1, or null for 2 x rank",
+    "lora_targets": "a list of default, all-linear or comma-separated module names",
+}
+_TOP_LEVEL = {"description", "knobs", "n_trials", "patience"}
+_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "micro_batch": ("auto",), "precision": ("fp32",), "checkpointing": (False,), "zero_stage": (None,),
+    "offload": ("none",), "lora_rank": (None,), "lora_targets": ("default",),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """The values each knob may take. ``zero_stage``/``lora_rank`` use ``None`` for off."""
+
+    name: str                                    # preset name, or the file's path
+    description: str = ""
+    micro_batch: tuple[int, ...] | None = None   # None: every divisor of the per-rank batch
+    precision: tuple[str, ...] = ("fp32",)
+    checkpointing: tuple[bool, ...] = (False,)
+    zero_stage: tuple[int | None, ...] = (None,)
+    offload: tuple[str, ...] = ("none",)
+    lora_rank: tuple[int | None, ...] = (None,)
+    lora_alpha: int | None = None
+    lora_targets: tuple[str, ...] = ("default",)  # "default", "all-linear" or "a,b,c"
+    n_trials: int = 30
+    patience: int | None = None
+
+    @property
+    def digest(self) -> str:
+        """Identifies what the space searches (not its name or description)."""
+        knobs = {k: v for k, v in self.to_dict().items() if k not in ("name", "description")}
+        return hashlib.sha256(json.dumps(knobs, sort_keys=True).encode()).hexdigest()[:12]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "description": self.description,
+            "micro_batch": list(self.micro_batch) if self.micro_batch is not None else "auto",
+            "precision": list(self.precision), "checkpointing": list(self.checkpointing),
+            "zero_stage": list(self.zero_stage), "offload": list(self.offload),
+            "lora_rank": list(self.lora_rank), "lora_alpha": self.lora_alpha,
+            "lora_targets": list(self.lora_targets), "n_trials": self.n_trials, "patience": self.patience,
+        }
+
+    # -- what can run here ---------------------------------------------------------------------
+    def choices(self, workload: Workload, device: DeviceInfo) -> dict[str, tuple[Any, ...]]:
+        """The tuner's parameters and their values for this workload and device.
+
+        ZeRO stage and offload form one parameter (``off``, ``2``, ``3+optimizer``, ...) holding
+        only the pairs that mean something for the rank count, and LoRA rank and targets another
+        (``off``, ``16``, ``16:all-linear``), so the sampler never proposes a pair that cannot run.
+        """
+        per_rank = workload.global_batch // workload.nproc
+        micro = self.micro_batch or tuple(d for d in range(1, per_rank + 1) if per_rank % d == 0)
+        bad = [m for m in micro if per_rank % m]
+        if bad:
+            raise ConfigError(f"{self.name}: knobs.micro_batch {bad} do not divide the per-rank batch "
+                              f"{per_rank} (--global-batch {workload.global_batch} / --nproc {workload.nproc})")
+        precision = tuple(p for p in self.precision if _trains_in(p, device))
+        if not precision:
+            raise ConfigError(f"{self.name}: knobs.precision {list(self.precision)}: none of them trains on "
+                              f"{device.name} ({device.type}); add fp32")
+        zero = tuple(_zero_label(stage, offload) for stage in self.zero_stage for offload in self.offload
+                     if _zero_pair_means_something(stage, offload, workload.nproc, device.type))
+        if not zero:
+            why = "on one rank ZeRO needs offload" + ("; on a CPU device offloading to the CPU changes nothing"
+                                                      if device.type == "cpu" else "")
+            raise ConfigError(f"{self.name}: knobs.zero_stage {list(self.zero_stage)} x offload {list(self.offload)}: "
+                              f"no pair means something on {workload.nproc} rank(s) of a {device.type} ({why}); "
+                              "add off to zero_stage")
+        checkpointing = self.checkpointing
+        missing = _missing_checkpointing(workload) if True in checkpointing else None
+        if missing is not None:
+            checkpointing = tuple(c for c in checkpointing if not c)
+            if not checkpointing:
+                raise ConfigError(f"{self.name}: knobs.checkpointing [true]: {missing}; add false")
+        lora = tuple(dict.fromkeys(_lora_label(rank, targets) for rank in self.lora_rank for targets in self.lora_targets))
+        return {"micro_batch": tuple(micro), "precision": precision, "checkpointing": checkpointing,
+                "zero": tuple(dict.fromkeys(zero)), "lora": lora}
+
+    def dropped_knobs(self, workload: Workload, device: DeviceInfo) -> list[str]:
+        """Knob values this space offers that :meth:`choices` leaves out for this model and device,
+        beyond the precisions the device lacks: one line each, said once by the tuner."""
+        dropped = []
+        if True in self.checkpointing:
+            missing = _missing_checkpointing(workload)
+            if missing is not None:
+                dropped.append(f"checkpointing on: {missing}")
+        offloads = [o for o in self.offload if o != "none"]
+        if device.type == "cpu" and offloads and any(stage is not None for stage in self.zero_stage):
+            dropped.append(f"offload {', '.join(offloads)}: the device is the CPU, and offloading from the CPU "
+                           "to the CPU changes nothing")
+        return dropped
+
+    def config_of(self, params: dict[str, Any]) -> TrialConfig:
+        """The TrialConfig of one value per parameter (see :meth:`choices`)."""
+        stage, _, offload = params["zero"].partition("+")
+        rank, _, targets = params["lora"].partition(":")
+        return TrialConfig(
+            micro_batch=params["micro_batch"], precision=params["precision"],
+            checkpointing=params["checkpointing"],
+            zero_stage=None if stage == "off" else int(stage), offload=offload or "none",
+            lora_rank=None if rank == "off" else int(rank),
+            lora_alpha=self.lora_alpha if rank != "off" else None,
+            lora_targets=tuple(targets.split(",")) if targets else None)
+
+    @staticmethod
+    def params_of(config: TrialConfig) -> dict[str, Any]:
+        """The inverse of :meth:`config_of`."""
+        lora = "off"
+        if config.uses_lora:
+            lora = str(config.lora_rank) + (":" + ",".join(config.lora_targets) if config.lora_targets else "")
+        return {"micro_batch": config.micro_batch, "precision": config.precision,
+                "checkpointing": config.checkpointing,
+                "zero": _zero_label(config.zero_stage, config.offload), "lora": lora}
+
+    def candidates(self, workload: Workload, device: DeviceInfo) -> list[TrialConfig]:
+        """Every config of the space that can run here, in a stable order."""
+        choices = self.choices(workload, device)
+        found, refused = [], []
+        for combo in itertools.product(*choices.values()):
+            config = self.config_of(dict(zip(choices, combo)))
+            try:
+                config.validate_for(workload, device)  # e.g. fp16 with ZeRO where DeepSpeed has no fp16
+            except ConfigError as exc:
+                refused.append(str(exc))
+                continue
+            found.append(config)
+        if not found and refused:
+            raise ConfigError(f"{self.name}: no config of this space can run here: {refused[0]}")
+        return found
+
+
+def _zero_pair_means_something(stage: int | None, offload: str, nproc: int, device_type: str) -> bool:
+    if stage is None:
+        return offload == "none"
+    if offload == "optimizer+params" and stage != 3 or offload == "optimizer" and stage == 0:
+        return False
+    if offload != "none" and device_type == "cpu":
+        return False  # offloading from the CPU to the CPU changes nothing
+    return nproc > 1 or offload != "none"  # sharding over one rank saves nothing; offload still does
+
+
+def _missing_checkpointing(workload: Workload) -> str | None:
+    from autotune.prepare.checkpointing import (
+        missing_checkpointing,  # imports transformers: only when asked
+    )
+
+    return missing_checkpointing(workload)
+
+
+def _zero_label(stage: int | None, offload: str) -> str:
+    if stage is None:
+        return "off"
+    return str(stage) if offload == "none" else f"{stage}+{offload}"
+
+
+def _lora_label(rank: int | None, targets: str) -> str:
+    if rank is None:
+        return "off"
+    return str(rank) if targets == "default" else f"{rank}:{targets}"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name.removesuffix(".yaml") for p in _preset_dir().iterdir() if p.name.endswith(".yaml"))
+
+
+def load_space(name_or_path: str | Path) -> SearchSpace:
+    """A preset by name (``default``, ``lora``, ``quick``, ``zero``) or a YAML file by path."""
+    import yaml
+
+    text_name = str(name_or_path)
+    path = Path(text_name)
+    if not text_name.endswith((".yaml", ".yml")) and "/" not in text_name:
+        path = _preset_dir() / f"{text_name}.yaml"
+        if not path.is_file():
+            raise ConfigError(f"--space {text_name}: no such preset; use one of {', '.join(preset_names())} "
+                              "or a path to a .yaml file")
+        label = text_name
+    else:
+        if not path.is_file():
+            raise ConfigError(f"--space {text_name}: no such file")
+        label = str(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"{label}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    return _parse(data, label)
+
+
+def _parse(data: Any, label: str) -> SearchSpace:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{label}: a search space is a mapping with keys {sorted(_TOP_LEVEL)}")
+    unknown = sorted(set(data) - _TOP_LEVEL)
+    if unknown:
+        raise ConfigError(f"{label}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(_TOP_LEVEL))}")
+    knobs = data.get("knobs")
+    if not isinstance(knobs, dict) or not knobs:
+        raise ConfigError(f"{label}: 'knobs' must map knob names to values; knobs: {', '.join(KNOBS)}")
+    unknown = sorted(set(knobs) - set(KNOBS))
+    if unknown:
+        raise ConfigError(f"{label}: unknown knob {unknown[0]!r}; knobs: {', '.join(KNOBS)}")
+    values = {name: _as_list(knobs.get(name, _DEFAULTS.get(name))) for name in KNOBS if name != "lora_alpha"}
+    return SearchSpace(
+        name=label,
+        description=str(data.get("description") or ""),
+        micro_batch=_micro_batch(values["micro_batch"], label),
+        precision=_each(values["precision"], label, "precision", lambda v: v if v in PRECISIONS else None),
+        checkpointing=_each(values["checkpointing"], label, "checkpointing",
+                            lambda v: v if isinstance(v, bool) else None),
+        zero_stage=_each(values["zero_stage"], label, "zero_stage", _zero_stage),
+        offload=_each(values["offload"], label, "offload", lambda v: v if v in OFFLOADS else None),
+        lora_rank=_each(values["lora_rank"], label, "lora_rank", _lora_rank),
+        lora_alpha=_lora_alpha(knobs.get("lora_alpha"), label),
+        lora_targets=_each(values["lora_targets"], label, "lora_targets", _lora_target),
+        n_trials=_count(data.get("n_trials", 30), label, "n_trials"),
+        patience=None if data.get("patience") is None else _count(data["patience"], label, "patience"),
+    )
+
+
+# -- one knob's values ---------------------------------------------------------------------------
+_OFF = object()  # marks a value the parser refused (None is a real value: "off")
+
+
+def _as_list(value: Any) -> list[Any]:
+    if isinstance(value, tuple):
+        return list(value)
+    return value if isinstance(value, list) else [value]
+
+
+def _each(values: list[Any], label: str, knob: str, parse: Any) -> tuple[Any, ...]:
+    if not values:
+        raise ConfigError(f"{label}: knobs.{knob} is empty; allowed: {KNOBS[knob]}")
+    parsed = []
+    for value in values:
+        result = parse(value)
+        if result is None and not _means_off(value, knob) or result is _OFF:
+            raise ConfigError(f"{label}: knobs.{knob}: {value!r} is not allowed; allowed: {KNOBS[knob]}")
+        if result not in parsed:
+            parsed.append(result)
+    return tuple(parsed)
+
+
+def _means_off(value: Any, knob: str) -> bool:
+    # YAML reads `off` as false; zero_stage and lora_rank use None for off.
+    return knob in ("zero_stage", "lora_rank") and (value is None or value is False or value == "off")
+
+
+def _micro_batch(values: list[Any], label: str) -> tuple[int, ...] | None:
+    if values == ["auto"]:
+        return None
+    for value in values:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{label}: knobs.micro_batch: {value!r} is not allowed; allowed: {KNOBS['micro_batch']}")
+    return tuple(sorted(set(values)))
+
+
+def _zero_stage(value: Any) -> Any:
+    if _means_off(value, "zero_stage"):
+        return None
+    return value if value in ZERO_STAGES and not isinstance(value, bool) else _OFF
+
+
+def _lora_rank(value: Any) -> Any:
+    if _means_off(value, "lora_rank"):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else _OFF
+
+
+def _lora_alpha(value: Any, label: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ConfigError(f"{label}: knobs.lora_alpha: {value!r} is not allowed; allowed: {KNOBS['lora_alpha']} "
+                      "(alpha changes neither speed nor memory, so it is not searched)")
+
+
+def _lora_target(value: Any) -> Any:
+    if value is None or value == "default":
+        return "default"
+    if isinstance(value, str) and value.strip() and all(part.strip() for part in value.split(",")):
+        return ",".join(part.strip() for part in value.split(","))
+    return _OFF
+
+
+def _count(value: Any, label: str, key: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{label}: {key}: {value!r} must be a whole number of at least 1")
+    return value
+
+
+def _trains_in(precision: str, device: DeviceInfo) -> bool:
+    if precision == "tf32":
+        return device.type == "cuda"
+    if precision == "bf16":
+        return device.bf16
+    return True
+
+
+def _preset_dir() -> Path:
+    # Shipped as package data (pyproject maps search_spaces/ to autotune.search_spaces).
+    return Path(str(resources.files("autotune.search_spaces")))

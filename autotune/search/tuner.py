@@ -1,0 +1,677 @@
+"""The driver: search the knobs in an Optuna study, learn from OOMs, confirm the winner.
+
+``tune`` owns one study and carries it on wherever it stopped (a finished trial is never
+measured again; one interrupted by Ctrl-C or ``kill -9`` is retried). ``find`` is ``tune``
+under a name derived from the question, so asking it again answers from the study.
+
+How a trial lands in the study (direction: maximise tokens/s):
+
+* ok -> COMPLETE with its tokens/s, and a ``memory`` constraint (peak / limit - 1; > 0 when it
+  does not fit with headroom), which Optuna's samplers and ``best_trial`` honour;
+* oom, timeout -> PRUNED (TPE ranks pruned trials among the worst; it ignores FAIL ones),
+  an oom with a violated ``memory`` constraint;
+* crashed, nan, error -> FAIL; interrupted -> FAIL with status ``interrupted``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import statistics
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
+
+from autotune.config.device import DeviceInfo, detect_device
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.errors import AutotuneError, ConfigError
+from autotune.search.space import SearchSpace, load_space
+from autotune.search.workers import (
+    cpu_turn,
+    gpu_slices,
+    proposal_lock,
+    start_helpers,
+    wait_helpers,
+)
+from autotune.study.records import (
+    ANSWER_ATTR,
+    ANSWER_CONSTRAINT,
+    CONFIRM_PREFIX,
+    DECISION_KEY,
+    measured,
+    memory_limit,
+    ranking,
+    records_of,
+    retire_answers,
+    summarize,
+)
+from autotune.study.summary import StudySummary, TrialRecord
+from autotune.trial.result import TrialResult, TrialStatus
+from autotune.trial.runner import DEFAULT_TRIAL_TIMEOUT_S, run_trial
+
+if TYPE_CHECKING:
+    import optuna
+
+    from autotune.estimate.estimator import MemoryEstimate
+    from autotune.search.proposer import Proposer
+
+__all__ = ["tune", "find", "Progress", "TrialBackend", "LocalBackend", "DEFAULT_HEADROOM"]
+
+DEFAULT_HEADROOM = 0.10     # a config fits when its peak stays 10% under the budget
+CONFIRM_STEPS_FACTOR = 3    # a candidate's re-run measures 3x as many steps
+CONFIRM_ROUNDS = 2          # interleaved re-runs per contender (A B A B): paired under the same conditions
+MAX_CONFIRM_ROUNDS = 3      # one more round when the first ones disagree on who leads
+CONTENDER_BAND = 0.3        # candidates whose first figure is within 30% of the top one's are compared
+MAX_CONTENDERS = 2          # ... at most this many (plus the answer decided before, if any)
+CONFIRM_NOISE = 0.03        # a lead under 3% in some round is "within noise"
+MAX_CONFIRMATIONS = 3       # decisions per tune call (a new one when every contender of the last was refuted)
+PROBE_KEY = "device_probe"  # study user attribute: matmul speed per precision relative to fp32
+SKIP_MARGIN = 0.05          # skip a config predicted more than 5% over the limit; closer ones still run
+_BROKEN_AFTER = 2           # stop when this many trials, and every one so far, errored or crashed
+
+
+class Progress(Protocol):
+    """What the driver tells its caller while it works (the CLI prints it; the API ignores it)."""
+
+    def started(self, *, study: str, storage: str, measured: int, target: int, recovered: list[int]) -> None: ...
+    def trial_started(self, *, index: int, target: int, config: TrialConfig, retry: bool) -> None: ...
+    def trial_finished(self, *, record: TrialRecord, best: TrialRecord | None, elapsed_s: float) -> None: ...
+    def skipped(self, *, record: TrialRecord, limit_bytes: int) -> None: ...
+    def dropped(self, *, reasons: list[str]) -> None: ...
+    def confirming(self, *, record: TrialRecord, steps: int) -> None: ...
+    def stopped(self, *, reason: str) -> None: ...
+
+
+class _Silent:
+    def __getattr__(self, name: str) -> Any:
+        return lambda **_: None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Measure:
+    memory_budget_bytes: int
+    trial_timeout_s: float
+    warmup_steps: int
+    measure_steps: int
+
+
+def tune(*, study: str, workload: Workload | None = None, space: str | Path | SearchSpace = "default",
+         memory_budget_bytes: int | None = None, n_trials: int | None = None, timeout_s: float | None = None,
+         trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S, patience: int | None = None,
+         headroom: float = DEFAULT_HEADROOM, storage: str | None = None, warmup_steps: int = 1,
+         measure_steps: int = 3, estimate: bool = True, workers: int = 1, confirm: bool = True,
+         progress: Progress | None = None, backend: TrialBackend | None = None) -> StudySummary:
+    """Search ``space`` for the fastest config of ``workload`` that fits; return the study read back.
+
+    ``n_trials`` is the study's total of measured trials (default: the space's), so running
+    the same call again carries an unfinished study on to it. It stops early on ``timeout_s``
+    (this call's wall time), ``patience`` measured trials without a faster fit, or an
+    exhausted space; then re-runs the winner longer to confirm it. With ``estimate``, a config
+    the memory estimator predicts over the limit by more than 5% is not run but recorded as
+    ``skipped`` with its prediction.
+
+    ``workers`` > 1 runs that many processes on the study (this one and helpers, each on its own
+    GPUs where there are several); the winner is confirmed once all are done. Workers elsewhere
+    join by tuning the same study on the same storage URL, with ``confirm`` off but for one.
+
+    ``backend`` runs the trials and estimates (default: real ones, :class:`LocalBackend`); the
+    search benchmarks pass one that replays a measured grid through this same driver.
+    """
+    from autotune.search.proposer import Proposer
+    from autotune.study.storage import create_study, open_storage, recover_stale_trials
+    from autotune.study.stored_facts import record as record_model_facts
+
+    workload = workload or Workload()
+    progress = progress or _Silent()
+    _check_numbers(n_trials=n_trials, timeout_s=timeout_s, trial_timeout_s=trial_timeout_s,
+                   patience=patience, headroom=headroom, warmup_steps=warmup_steps, measure_steps=measure_steps,
+                   workers=workers)
+    device = detect_device(workload.device)
+    space = space if isinstance(space, SearchSpace) else load_space(space)
+    budget = _budget(memory_budget_bytes, device)
+    backend = backend or LocalBackend(device.type)
+    _check_workload(workload, device)
+    gpus = gpu_slices(workers, workload.nproc, device)
+    meta = question(workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom)
+    the_study = create_study(open_storage(storage), study, meta)
+    recovered = recover_stale_trials(the_study)
+    limit = memory_limit(the_study.user_attrs["autotune"])
+    oracle = _Oracle(backend, workload) if estimate else None
+    proposer = Proposer(space, workload, device, estimator=oracle.lookup if oracle else None,
+                        limit_bytes=limit, margin=SKIP_MARGIN)
+    proposer.precision_speed = _precision_speed(the_study, backend, proposer.choices.get("precision", ()))
+    # What show and export need about the model (LoRA's targets, hidden size), resolved as the trials resolve it.
+    record_model_facts(the_study, workload, proposer.choices.get("lora", ()))
+    target = n_trials or space.n_trials
+    patience = patience if patience is not None else space.patience
+    measure = _Measure(memory_budget_bytes=budget, trial_timeout_s=trial_timeout_s,
+                       warmup_steps=warmup_steps, measure_steps=measure_steps)
+    from autotune.study.storage import DEFAULT_STORAGE, display_url
+
+    progress.started(study=study, storage=display_url(storage), measured=len(measured(records_of(the_study))),
+                     target=target, recovered=recovered)
+    progress.dropped(reasons=space.dropped_knobs(workload, device))
+    helpers = start_helpers(dict(
+        study=study, workload=workload.to_dict(), space=space.name, memory_budget_bytes=budget, n_trials=target,
+        timeout_s=timeout_s, trial_timeout_s=trial_timeout_s, patience=patience, headroom=headroom,
+        storage=storage, warmup_steps=warmup_steps, measure_steps=measure_steps, estimate=estimate,
+    ), gpus[1:])
+    started = time.monotonic()
+    try:
+        with _visible_gpus(gpus[0]):
+            while True:
+                with proposal_lock(storage or DEFAULT_STORAGE, study):  # choose and take a config atomically
+                    records = records_of(the_study)
+                    # Patience ends a search only once every knob value has been measured (or ruled out).
+                    owed = bool(proposer.unmeasured_values(records)) and _patience_spent(records, patience)
+                    reason = _stop_reason(records, target=target, patience=None if owed else patience,
+                                          timeout_s=timeout_s, elapsed_s=time.monotonic() - started)
+                    config = None if reason else proposer.next_config(records, unmeasured_only=owed)
+                    if owed and config is None:
+                        reason = _stop_reason(records, target=target, patience=patience, timeout_s=None,
+                                              elapsed_s=0.0)
+                    _record_ruled_out(the_study, proposer, oracle, records, progress)
+                    if reason is None and config is None:
+                        reason = "every config of the space is measured, being measured or implied to run out of memory"
+                    if not reason:
+                        trial, config = _ask(the_study, proposer, config)
+                if reason:
+                    progress.stopped(reason=reason)
+                    break
+                prediction = oracle.estimate(config, records) if oracle else None
+                if prediction is not None and _skip_if_too_big(the_study, trial, prediction, progress):
+                    continue
+                retry = any(r.status == "interrupted" and r.config == config for r in records)
+                progress.trial_started(index=len(measured(records)) + 1, target=target, config=config, retry=retry)
+                record = _measure_in_study(the_study, trial, config, workload, measure, prediction, backend)
+                progress.trial_finished(record=record, best=next(iter(ranking(records_of(the_study))), None),
+                                        elapsed_s=time.monotonic() - started)
+            wait_helpers(helpers)
+    except KeyboardInterrupt:
+        for helper in helpers:  # a terminal's Ctrl-C reached them too; a signal to this process alone did not
+            helper.send_signal(signal.SIGINT)
+        wait_helpers(helpers)
+        raise
+    finally:
+        for helper in helpers:
+            if helper.poll() is None:
+                helper.kill()
+                helper.wait()
+    if confirm:
+        _confirm_winner(the_study, proposer, workload, measure, progress, backend)
+    return summarize(the_study, url=storage)
+
+
+@contextlib.contextmanager
+def _visible_gpus(visible: str | None) -> Iterator[None]:
+    """This worker's GPUs for the trials it starts (its helpers were given theirs)."""
+    if visible is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+def find(*, workload: Workload | None = None, space: str | Path | SearchSpace = "default",
+         memory_budget_bytes: int | None = None, n_trials: int | None = None, timeout_s: float | None = None,
+         trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S, headroom: float = DEFAULT_HEADROOM,
+         storage: str | None = None, estimate: bool = True, progress: Progress | None = None) -> StudySummary:
+    """One question, one answer: ``tune`` under a study name derived from workload, device, budget, space."""
+    from autotune.study.storage import find_study_name
+
+    workload = workload or Workload()
+    device = detect_device(workload.device)
+    space = space if isinstance(space, SearchSpace) else load_space(space)
+    budget = _budget(memory_budget_bytes, device)
+    meta = question(workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom)
+    return tune(study=find_study_name(meta, space.name), workload=workload, space=space,
+                memory_budget_bytes=budget, n_trials=n_trials, timeout_s=timeout_s,
+                trial_timeout_s=trial_timeout_s, headroom=headroom, storage=storage, estimate=estimate,
+                progress=progress)
+
+
+def question(*, workload: Workload, space: SearchSpace, device: DeviceInfo, memory_budget_bytes: int,
+             headroom: float) -> dict[str, Any]:
+    """What a study answers; a study is only resumed for the same question."""
+    return {
+        "version": 1,
+        "workload": workload.to_dict(),
+        "space": space.to_dict(),
+        "space_digest": space.digest,
+        "device": {"type": device.type, "name": device.name, "count": device.count,
+                   "total_memory_bytes": device.total_memory_bytes},
+        "memory_budget_bytes": memory_budget_bytes,
+        "headroom": headroom,
+    }
+
+
+# -- one trial in the study ----------------------------------------------------------------------
+def _measure_in_study(study: optuna.Study, trial: optuna.Trial, config: TrialConfig, workload: Workload,
+                      measure: _Measure, prediction: MemoryEstimate | None, backend: TrialBackend) -> TrialRecord:
+    from optuna.trial import TrialState
+
+    if prediction is not None:
+        trial.set_user_attr("estimate", prediction.to_dict())  # predicted next to measured, for show
+    try:
+        with _heartbeat(study, trial):
+            result = backend.run(workload, config, memory_budget_bytes=measure.memory_budget_bytes,
+                                 timeout_s=measure.trial_timeout_s, warmup_steps=measure.warmup_steps,
+                                 measure_steps=measure.measure_steps)
+    except KeyboardInterrupt:
+        trial.set_user_attr("status", "interrupted")
+        study.tell(trial, state=TrialState.FAIL)
+        raise
+    except AutotuneError as exc:  # refused before it started (the space let through what cannot run)
+        result = TrialResult(config=config, status=TrialStatus.ERROR, error=str(exc))
+    limit = memory_limit(study.user_attrs["autotune"])
+    trial.set_user_attr("status", result.status.value)
+    trial.set_user_attr("result", _stored(result))
+    peak = result.peak_memory_bytes
+    if result.ok:
+        trial.set_constraint("memory", (peak / limit - 1) if peak is not None else 0.0)
+        trial.set_constraint(ANSWER_CONSTRAINT, 1.0)  # a measurement; only a confirmed answer is feasible
+        study.tell(trial, result.tokens_per_s)
+    elif result.status in (TrialStatus.OOM, TrialStatus.TIMEOUT):
+        if result.status is TrialStatus.OOM:
+            trial.set_constraint("memory", max(peak or 0, measure.memory_budget_bytes) / limit - 1)
+        study.tell(trial, state=TrialState.PRUNED)
+    else:
+        study.tell(trial, state=TrialState.FAIL)
+    return next(r for r in records_of(study) if r.number == trial.number)
+
+
+class TrialBackend(Protocol):
+    """Where trials and memory estimates come from."""
+
+    def run(self, workload: Workload, config: TrialConfig, *, memory_budget_bytes: int, timeout_s: float,
+            warmup_steps: int, measure_steps: int) -> TrialResult: ...
+
+    def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None: ...
+
+
+class LocalBackend:
+    """Real trials in fresh processes; real estimates (None where the estimator cannot trace the model).
+
+    On a CPU both take turns with every other trial and estimate of this machine (see
+    :func:`autotune.search.workers.cpu_turn`): they compute on the cores a trial is being timed on.
+    """
+
+    def __init__(self, device_type: str) -> None:
+        self._device_type = device_type
+
+    def run(self, workload: Workload, config: TrialConfig, **measure: Any) -> TrialResult:
+        with cpu_turn(self._device_type):
+            return run_trial(workload, config, **measure)
+
+    def probe(self, precisions: list[str]) -> dict[str, float] | None:
+        from autotune.trial.device_probe import probe_precisions
+
+        with cpu_turn(self._device_type):
+            return probe_precisions(self._device_type, precisions)
+
+    def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None:
+        from autotune.estimate.estimator import EstimateError, predict_memory
+
+        try:
+            with cpu_turn(self._device_type):
+                return predict_memory(workload, config)
+        except EstimateError:  # a model the estimator cannot trace is simply measured
+            return None
+
+
+def _precision_speed(study: optuna.Study, backend: TrialBackend, precisions: tuple[str, ...]) -> dict[str, float] | None:
+    """The device's matmul speed per precision the space offers, probed once per study (stored)."""
+    if len(precisions) < 2:
+        return None
+    stored = study.user_attrs.get(PROBE_KEY) or {}
+    if stored.get("asked") != sorted(precisions):
+        probe = getattr(backend, "probe", None)
+        stored = {"asked": sorted(precisions), "speed": probe(list(precisions)) if probe is not None else None}
+        study.set_user_attr(PROBE_KEY, stored)
+    return stored["speed"] or None
+
+
+class _Oracle:
+    """The estimator's predictions, each asked once per tune call: the proposer bisects with them,
+    and a trial stores its config's next to what it measured."""
+
+    def __init__(self, backend: TrialBackend, workload: Workload) -> None:
+        self._backend = backend
+        self._workload = workload
+        self._cache: dict[TrialConfig, MemoryEstimate | None] = {}
+
+    def estimate(self, config: TrialConfig, records: list[TrialRecord]) -> MemoryEstimate | None:
+        """The prediction for a trial, unless a larger micro batch with the same knobs already fit."""
+        from autotune.search.proposer import implied_fits
+
+        if config not in self._cache and implied_fits(config, [r.config for r in records if r.fits]):
+            return None
+        return self.lookup(config)
+
+    def lookup(self, config: TrialConfig) -> MemoryEstimate | None:
+        if config not in self._cache:
+            self._cache[config] = self._backend.estimate(self._workload, config)
+        return self._cache[config]
+
+
+def _record_ruled_out(study: optuna.Study, proposer: Proposer, oracle: _Oracle | None,
+                      records: list[TrialRecord], progress: Progress) -> None:
+    """Record the configs the proposer's estimates put over the limit as skipped trials, so the
+    study shows why they never ran (and a resumed or parallel search does not estimate them again)."""
+    known = {r.config for r in records}
+    for config in proposer.take_ruled_out():
+        prediction = oracle.estimate(config, records) if oracle else None
+        if config in known or prediction is None or not _too_big(study, prediction):
+            continue  # within the margin: it stays a candidate, never a trial asked for and left open
+        known.add(config)
+        trial, config = _ask(study, proposer, config)
+        _skip_if_too_big(study, trial, prediction, progress)
+
+
+def _skip_if_too_big(study: optuna.Study, trial: optuna.Trial, prediction: MemoryEstimate,
+                     progress: Progress) -> bool:
+    """Record a config predicted well over the limit as skipped, unrun; borderline ones still run."""
+    from optuna.trial import TrialState
+
+    if not _too_big(study, prediction):
+        return False
+    limit = memory_limit(study.user_attrs["autotune"])
+    trial.set_user_attr("status", "skipped")
+    trial.set_user_attr("estimate", prediction.to_dict())
+    trial.set_user_attr("reason", f"not run: predicted peak {prediction.predicted_peak_bytes} B is more than "
+                                  f"{SKIP_MARGIN:.0%} over the memory limit {limit} B")
+    trial.set_constraint("memory", prediction.predicted_peak_bytes / limit - 1)
+    study.tell(trial, state=TrialState.PRUNED)  # the sampler learns from it as from an OOM
+    record = next(r for r in records_of(study) if r.number == trial.number)
+    progress.skipped(record=record, limit_bytes=limit)
+    return True
+
+
+def _too_big(study: optuna.Study, prediction: MemoryEstimate) -> bool:
+    return prediction.predicted_peak_bytes > memory_limit(study.user_attrs["autotune"]) * (1 + SKIP_MARGIN)
+
+
+def _ask(study: optuna.Study, proposer: Proposer, config: TrialConfig) -> tuple[optuna.Trial, TrialConfig]:
+    """A new trial of the study holding ``config`` (enqueued, so the sampler is not consulted),
+    and the config it really holds."""
+    from autotune.study.storage import worker_id
+
+    study.enqueue_trial(proposer.params_of(config))
+    with warnings.catch_warnings():
+        # Optuna warns that heartbeats are meant for Study.optimize; _heartbeat records them here.
+        warnings.filterwarnings("ignore", message="Heartbeat of storage")
+        trial = study.ask()
+    config = proposer.suggest(trial)  # the enqueued params (another worker may have taken ours)
+    trial.set_user_attr("config", config.to_dict())
+    trial.set_user_attr("worker", worker_id())
+    return trial, config
+
+
+class _heartbeat:
+    """Record Optuna heartbeats while a trial runs, so other workers can tell it is alive."""
+
+    def __init__(self, study: optuna.Study, trial: optuna.Trial) -> None:
+        from autotune.study.storage import HEARTBEAT_S
+
+        self._storage = study._storage
+        self._trial_id = trial._trial_id
+        self._stop = threading.Event()
+        self._interval = HEARTBEAT_S
+        self._thread = threading.Thread(target=self._beat, name="autotune-heartbeat", daemon=True)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._storage.record_heartbeat(self._trial_id)
+            except Exception:  # a missed beat is not worth failing the trial for
+                pass
+
+    def __enter__(self) -> _heartbeat:
+        self._storage.record_heartbeat(self._trial_id)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _stored(result: TrialResult) -> dict[str, Any]:
+    data = result.to_dict()
+    del data["config"]  # stored once, as the trial's "config"
+    return data
+
+
+# -- confirming the winner -----------------------------------------------------------------------
+def _confirm_winner(study: optuna.Study, proposer: Proposer, workload: Workload, measure: _Measure,
+                    progress: Progress, backend: TrialBackend) -> None:
+    """Re-run the top candidates longer, interleaved, until a decided answer fits (or re-runs are spent).
+
+    The contenders are the candidates whose first figure is within ``CONTENDER_BAND`` of the top
+    one (at most ``MAX_CONTENDERS``), with the answer decided before, if any. Each runs
+    ``CONFIRM_ROUNDS`` times in turn (A B C A B C; a third round when the rounds disagree on who
+    leads), so every round sees them under the same
+    conditions, and they are ranked by their paired figures: a candidate's figure over the
+    round's mean, the median over rounds. A re-run that does not train or does not fit refutes
+    its candidate (``confirmed`` False); a slower one only ranks it lower: a refuted speed
+    demotes, it never turns "fits" into "nothing".
+    """
+    limit = memory_limit(study.user_attrs["autotune"])
+    steps = measure.measure_steps * CONFIRM_STEPS_FACTOR
+    for _ in range(MAX_CONFIRMATIONS):
+        records = records_of(study)
+        contenders = _contenders(records)
+        decided = set((study.user_attrs.get(DECISION_KEY) or {}).get("contenders", []))
+        if not contenders or {r.number for r in contenders} <= decided:
+            return
+        runs: dict[int, list[TrialResult]] = {r.number: [] for r in contenders}
+        for round_index in range(MAX_CONFIRM_ROUNDS if len(contenders) > 1 else 1):
+            if round_index >= CONFIRM_ROUNDS and _rounds_agree(contenders, runs, limit):
+                break
+            for record in contenders:
+                if any(not _holds(result, limit) for result in runs[record.number]):
+                    continue  # refuted already: no need to time it again
+                progress.confirming(record=record, steps=steps)
+                # It measures CONFIRM_STEPS_FACTOR x the steps, so it gets as many times the trial's time.
+                runs[record.number].append(backend.run(
+                    workload, record.config, memory_budget_bytes=measure.memory_budget_bytes,
+                    timeout_s=measure.trial_timeout_s * CONFIRM_STEPS_FACTOR,
+                    warmup_steps=measure.warmup_steps + 1, measure_steps=steps))
+        _store_decision(study, proposer, contenders, runs, limit)
+
+
+def _rounds_agree(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], limit: int) -> bool:
+    """Whether the leader by paired figures was ahead of every other contender in every round."""
+    held = _held(contenders, runs, limit)
+    scores, rounds = _paired_scores(held, runs)
+    if len(scores) < 2:
+        return True
+    leader = max(scores, key=scores.__getitem__)
+    return all((runs[leader][i].tokens_per_s or 0.0) > (runs[n][i].tokens_per_s or 0.0)
+               for n in scores if n != leader for i in range(rounds))
+
+
+def _held(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], limit: int) -> list[TrialRecord]:
+    """The contenders every re-run of which trained and fit."""
+    return [r for r in contenders if runs[r.number] and all(_holds(x, limit) for x in runs[r.number])]
+
+
+def _paired_scores(held: list[TrialRecord], runs: dict[int, list[TrialResult]]) -> tuple[dict[int, float], int]:
+    """Each contender's figure over the round's geometric mean, the median over the rounds all ran."""
+    rounds = min((len(runs[r.number]) for r in held), default=0)
+    scores: dict[int, float] = {}
+    for record in held:
+        paired = []
+        for i in range(rounds):
+            round_mean = statistics.geometric_mean([runs[r.number][i].tokens_per_s or 1e-9 for r in held])
+            paired.append((runs[record.number][i].tokens_per_s or 0.0) / round_mean)
+        scores[record.number] = statistics.median(paired) if paired else 0.0
+    return scores, rounds
+
+
+def _contenders(records: list[TrialRecord]) -> list[TrialRecord]:
+    """The candidates a re-run should compare: the decided answer and the close runners-up."""
+    ranked = ranking(records)
+    if not ranked:
+        return []
+    by_first = sorted(ranked, key=lambda r: -(r.tokens_per_s or 0.0))
+    top = by_first[0].tokens_per_s or 0.0
+    close = [r for r in by_first if (r.tokens_per_s or 0.0) >= (1 - CONTENDER_BAND) * top][:MAX_CONTENDERS]
+    answer = [r for r in ranked[:1] if r.decided_rank == 0 and r not in close]
+    return answer + close
+
+
+def _holds(result: TrialResult, limit: int) -> bool:
+    return result.ok and result.peak_memory_bytes is not None and result.peak_memory_bytes <= limit
+
+
+def _store_decision(study: optuna.Study, proposer: Proposer, contenders: list[TrialRecord],
+                    runs: dict[int, list[TrialResult]], limit: int) -> None:
+    """Record each contender's re-runs, the order their paired figures decide, and the answer trial."""
+    scores, rounds = _paired_scores(_held(contenders, runs, limit), runs)
+    order = sorted(scores, key=lambda n: -scores[n])
+    confirmations = {}
+    for record in contenders:
+        results = runs[record.number]
+        figures = [x.tokens_per_s for x in results if x.tokens_per_s]
+        samples = [x.samples_per_s for x in results if x.samples_per_s]
+        peaks = [x.peak_memory_bytes for x in results if x.peak_memory_bytes is not None]
+        failed = next((x for x in results if not _holds(x, limit)), None)
+        confirmations[record.number] = {
+            "confirmed": record.number in scores,
+            "status": (failed or results[-1]).status.value if results else "not run",
+            "tokens_per_s": statistics.median(figures) if figures else None,
+            "samples_per_s": statistics.median(samples) if samples else None,
+            "peak_memory_bytes": max(peaks) if peaks else None,
+            "measured_steps": sum(x.measured_steps for x in results),
+            "runs_tokens_per_s": [x.tokens_per_s for x in results],
+            "error": failed.error if failed is not None else None,
+        }
+        study.set_user_attr(f"{CONFIRM_PREFIX}{record.number}", confirmations[record.number])
+    study.set_user_attr(DECISION_KEY, {
+        "order": order, "contenders": [r.number for r in contenders], "rounds": rounds,
+        "scores": {str(n): v for n, v in scores.items()},
+        "certainty": _certainty(order, runs, rounds, {r.number: r for r in contenders}),
+    })
+    if order:
+        winner = next(r for r in contenders if r.number == order[0])
+        _record_answer(study, proposer, winner, confirmations[winner.number], limit)
+
+
+def _certainty(order: list[int], runs: dict[int, list[TrialResult]], rounds: int,
+               by_number: dict[int, TrialRecord]) -> str | None:
+    """How sure the answer is, in words: its lead over the runner-up in the paired rounds."""
+    if not order:
+        return None
+    if len(order) == 1:
+        return "the only candidate that held up on its re-run" if len(by_number) > 1 else \
+            "the one candidate; re-run to check it fits, no runner-up close enough to compare"
+    winner, runner_up = order[0], order[1]
+    leads = [(runs[winner][i].tokens_per_s or 0.0) / (runs[runner_up][i].tokens_per_s or 1e-9) - 1
+             for i in range(rounds)]
+    wins = sum(lead > 0 for lead in leads)
+    spread = f"{min(leads):+.0%} to {max(leads):+.0%}" if len(leads) > 1 else f"{leads[0]:+.0%}"
+    verdict = "clearly faster than" if wins == rounds and min(leads) > CONFIRM_NOISE else "within noise of"
+    return (f"{verdict} the runner-up {by_number[runner_up].config.describe()} in interleaved re-runs: "
+            f"ahead in {wins} of {rounds} rounds ({spread})")
+
+
+def _record_answer(study: optuna.Study, proposer: Proposer, record: TrialRecord, confirmation: dict[str, Any],
+                   limit: int) -> None:
+    """The answer as a trial of its own, the only one feasible for Optuna (see :mod:`autotune.study.records`),
+    with the figures its confirmation stored."""
+    from optuna.trial import TrialState
+
+    retire_answers(study)  # an earlier decision's answer is feasible no more
+    trial, _ = _ask(study, proposer, record.config)
+    trial.set_user_attr(ANSWER_ATTR, record.number)
+    trial.set_user_attr("status", "answer")
+    trial.set_constraint("memory", confirmation["peak_memory_bytes"] / limit - 1)
+    trial.set_constraint(ANSWER_CONSTRAINT, 0.0)
+    study.tell(trial, confirmation["tokens_per_s"], state=TrialState.COMPLETE)
+
+
+# -- checks --------------------------------------------------------------------------------------
+def _stop_reason(records: list[TrialRecord], *, target: int, patience: int | None, timeout_s: float | None,
+                 elapsed_s: float) -> str | None:
+    done = measured(records)
+    broken = [r for r in done if r.status in ("error", "crashed")]
+    if len(done) >= _BROKEN_AFTER and len(broken) == len(done):
+        last = (broken[-1].error or "").strip().splitlines()[-1:] or ["no message"]
+        return (f"every trial so far ended in {broken[-1].status} ({last[0]}); the workload itself fails: "
+                f"autotune trial with the same --model shows the whole error")
+    running = sum(r.status == "running" for r in records)  # other workers' trials: taken
+    if len(done) + running >= target:
+        elsewhere = f", {running} more being measured by other workers" if running else ""
+        return f"{len(done)} trials measured{elsewhere} (--n-trials {target})"
+    if timeout_s is not None and elapsed_s >= timeout_s:
+        return f"--timeout {timeout_s:g} s reached"
+    if patience is not None and _since_improvement(done) >= patience:
+        return f"no faster config that fits in the last {patience} trials (--patience {patience})"
+    return None
+
+
+def _patience_spent(records: list[TrialRecord], patience: int | None) -> bool:
+    return patience is not None and _since_improvement(measured(records)) >= patience
+
+
+def _since_improvement(done: list[TrialRecord]) -> int:
+    best, since = 0.0, 0
+    for record in sorted(done, key=lambda r: r.number):
+        if record.fits and (record.tokens_per_s or 0.0) > best:
+            best, since = record.tokens_per_s or 0.0, 0
+        else:
+            since += 1
+    return since
+
+
+def _budget(memory_budget_bytes: int | None, device: DeviceInfo) -> int:
+    if memory_budget_bytes is not None:
+        if memory_budget_bytes <= 0:
+            raise ConfigError("--memory-budget must be more than 0, e.g. 24GiB")
+        if device.total_memory_bytes is not None and memory_budget_bytes > device.total_memory_bytes:
+            raise ConfigError(f"--memory-budget {memory_budget_bytes} B is more than {device.name} has "
+                              f"({device.total_memory_bytes} B); use at most that")
+        return memory_budget_bytes
+    if device.total_memory_bytes is None:
+        raise ConfigError("--memory-budget is needed: this device does not say how much memory it has")
+    return device.total_memory_bytes
+
+
+def _check_workload(workload: Workload, device: DeviceInfo) -> None:
+    """Refuse a workload that no trial could run, before a study is created for it."""
+    from autotune.errors import WorkloadError
+    from autotune.models.sources import resolve_task
+
+    if device.type == "cuda" and workload.nproc > device.count:
+        raise WorkloadError(f"--nproc {workload.nproc} needs {workload.nproc} GPUs; {device.count} visible here")
+    resolve_task(workload)
+
+
+def _check_numbers(**values: Any) -> None:
+    flags = {"n_trials": "--n-trials", "timeout_s": "--timeout", "trial_timeout_s": "--trial-timeout",
+             "patience": "--patience", "warmup_steps": "--warmup-steps", "measure_steps": "--steps",
+             "workers": "--workers"}
+    for key, flag in flags.items():
+        value = values[key]
+        minimum = 0 if key == "warmup_steps" else 1
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum or (
+                key in ("timeout_s", "trial_timeout_s") and value <= 0):
+            raise ConfigError(f"{flag} {value!r} must be a number of at least {minimum}")
+    headroom = values["headroom"]
+    if not isinstance(headroom, (int, float)) or not 0 <= headroom < 0.9:
+        raise ConfigError(f"--headroom {headroom!r} must be a fraction from 0 to 0.9, e.g. 0.1 for 10%")

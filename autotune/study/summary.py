@@ -1,0 +1,138 @@
+"""A study read back as plain values: what ``show``, ``report``, ``export`` and ``--json`` print.
+
+Built from the Optuna study by :mod:`autotune.study.records`; nothing here imports Optuna or torch,
+so the types are cheap to build in tests and to render (saying which layers a LoRA config
+adapts takes what the study stored, or reads the model's config and PEFT's table for a study
+that stored nothing: see :mod:`autotune.study.stored_facts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.study.stored_facts import lora_where
+
+__all__ = ["TrialRecord", "StudySummary", "what_is_trained"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialRecord:
+    """One trial of a study. ``status`` is a TrialStatus value, or ``interrupted``, ``running``, or
+    ``skipped`` (not run: the estimator predicted it over the memory limit)."""
+
+    number: int
+    config: TrialConfig
+    status: str
+    tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+    peak_memory_bytes: int | None = None
+    fits: bool = False                          # ok and its peak is under the memory limit
+    duration_s: float | None = None             # wall time of the whole trial (start-up included)
+    error: str | None = None
+    predicted_peak_bytes: int | None = None     # the estimator's prediction, when it was asked
+    # The re-run of a winner candidate: None when not re-run; else whether it held up.
+    confirmed: bool | None = None
+    confirmed_tokens_per_s: float | None = None
+    confirmed_samples_per_s: float | None = None
+    confirmed_peak_memory_bytes: int | None = None
+    decided_rank: int | None = None             # place in the interleaved confirmation (0: the answer)
+    step_time_spread: float | None = None       # IQR / median of its step times (0.1 = within 10%)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "number": self.number,
+            "config": self.config.to_dict(),
+            "describe": self.config.describe(),
+            "status": self.status,
+            "tokens_per_s": self.tokens_per_s,
+            "samples_per_s": self.samples_per_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "fits": self.fits,
+            "duration_s": self.duration_s,
+            "error": self.error,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "confirmed": self.confirmed,
+            "confirmed_tokens_per_s": self.confirmed_tokens_per_s,
+            "confirmed_samples_per_s": self.confirmed_samples_per_s,
+            "confirmed_peak_memory_bytes": self.confirmed_peak_memory_bytes,
+            "decided_rank": self.decided_rank,
+            "step_time_spread": self.step_time_spread,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class StudySummary:
+    """A whole study: its question (workload, device, budget, space) and every trial."""
+
+    name: str
+    storage: str                                # URL with any password masked
+    workload: Workload
+    space: str                                  # preset name or file the study was created with
+    device: dict[str, Any]                      # type, name, count, total_memory_bytes
+    memory_budget_bytes: int
+    memory_limit_bytes: int                     # budget minus headroom: a config fits below it
+    trials: list[TrialRecord] = field(default_factory=list)
+    best: TrialRecord | None = None             # the confirmed winner, if any
+    importances: dict[str, float] | None = None  # knob -> share of tokens/s variance (Optuna fANOVA)
+    certainty: str | None = None                # how sure the answer is, in words (from the confirmation)
+
+    @property
+    def n_trials(self) -> int:
+        """Trials that measured something (interrupted, running and skipped ones are not counted)."""
+        return sum(t.status not in ("interrupted", "running", "skipped") for t in self.trials)
+
+    def to_dict(self) -> dict[str, Any]:
+        best = None
+        if self.best is not None:
+            best = {
+                "number": self.best.number,
+                "config": self.best.config.to_dict(),
+                "describe": self.best.config.describe(),
+                "status": self.best.status,
+                "tokens_per_s": self.best.confirmed_tokens_per_s,
+                "samples_per_s": self.best.confirmed_samples_per_s,
+                "peak_memory_bytes": self.best.confirmed_peak_memory_bytes,
+                "first_measured_tokens_per_s": self.best.tokens_per_s,
+                "trains": what_is_trained(self.best.config, self.workload),
+                "certainty": self.certainty,
+            }
+        return {
+            "study": self.name,
+            "storage": self.storage,
+            "workload": self.workload.to_dict(),
+            "space": self.space,
+            "device": self.device,
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "n_trials": self.n_trials,
+            "best": best,
+            "importances": self.importances,
+            "trials": [t.to_dict() for t in self.trials],
+        }
+
+
+def what_is_trained(config: TrialConfig, workload: Workload | None = None) -> dict[str, Any]:
+    """The two knobs that change the maths, said plainly: every output carries this.
+
+    With the workload, LoRA's note also says which layers it adapts (PEFT's default targets for
+    the architecture, or every linear layer but the task head) and that a classifier's head
+    trains in full: as the study stored it at tune time, else from the model's config (and
+    PEFT's table, only for default targets).
+    """
+    precision = {"fp32": "fp32", "tf32": "fp32 with tf32 matmuls", "fp16": "fp16 mixed precision",
+                 "bf16": "bf16 mixed precision"}[config.precision]
+    lora: dict[str, Any] | None = None
+    note = f"all weights trained in {precision}"
+    if config.uses_lora:
+        lora = {"rank": config.lora_rank, "alpha": config.effective_lora_alpha,
+                "targets": list(config.lora_targets) if config.lora_targets else None}
+        note = f"LoRA adapters only trained in {precision}"
+        where = lora_where(config, workload) if workload is not None else None
+        if where is not None:
+            lora["targets_note"], head = where
+            note = (f"LoRA r={config.lora_rank} adapters" + ("" if head else " only") + f", on {lora['targets_note']}"
+                    + (", plus the classification head in full" if head else "") + f", trained in {precision}")
+    return {"precision": config.precision, "lora": lora, "note": note}

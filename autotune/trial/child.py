@@ -1,0 +1,208 @@
+"""The trial process: ``python -m autotune.trial.child SPEC.json OUT_DIR`` (one per rank under torchrun).
+
+It builds the workload's model with the trial's knobs, runs untimed warm-up steps and timed
+optimizer steps, and writes ``OUT_DIR/rank<R>.json``: a TrialResult as JSON, whatever happened.
+Its status comes from the exception's type (see :mod:`autotune.trial.failures`); when the process
+dies without writing, the runner classifies it from the exit signal instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+LAUNCH_TIME_ENV = "AUTOTUNE_LAUNCH_TIME"
+ERROR_TAIL_LINES = 12
+
+
+def main(argv: list[str]) -> int:
+    from autotune.trial.lifeline import die_with_parent, expected_parent
+
+    # A single rank is the runner's child; a rank under torchrun is torchrun's.
+    die_with_parent(expected_parent() if "LOCAL_RANK" not in os.environ else None)
+    spec_path, out_dir = Path(argv[0]), Path(argv[1])
+    spec = json.loads(spec_path.read_text())
+    rank = int(os.environ.get("RANK", "0"))
+    record: dict[str, Any] = {"config": spec["config"], "status": "error", "phases": {}}
+    try:
+        _run(spec, record)
+        record["status"] = "ok"
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - every way a trial ends is recorded
+        from autotune.trial.failures import classify_exception
+
+        record["status"] = classify_exception(exc).value
+        record["error"] = _error_tail(exc)
+        code = 1
+    _write_atomically(out_dir / f"rank{rank}.json", record)
+    return code
+
+
+def _run(spec: dict[str, Any], record: dict[str, Any]) -> None:
+    import torch
+
+    from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
+
+    started = time.time()
+    launched = float(os.environ.get(LAUNCH_TIME_ENV, started))
+    record["phases"]["startup_s"] = started - launched
+    workload = Workload.from_dict(spec["workload"])
+    config = TrialConfig.from_dict(spec["config"])
+    budget = spec.get("memory_budget_bytes")
+    device = _init_device(spec["device_type"])
+    if spec.get("cpu_cores"):  # before any thread starts: they inherit the pinning
+        from autotune.trial.cpu_cores import rank_cores, use_cores
+
+        cores, threads = rank_cores(spec["cpu_cores"], int(os.environ.get("LOCAL_RANK", "0")), workload.nproc)
+        use_cores(cores, threads, torch)
+        record.update(cpu_cores=sorted(os.sched_getaffinity(0)), cpu_threads=torch.get_num_threads())  # in effect
+    world_size = _init_distributed(workload, config, device)
+    record.update(device=str(device), world_size=world_size, memory_budget_bytes=budget,
+                  grad_accum_steps=config.grad_accum_steps(workload))
+
+    tracker = None
+    if device.type == "cuda":
+        from autotune.trial.memory import limit_cuda_memory
+
+        if budget is not None:
+            limit_cuda_memory(budget, device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        from autotune.trial.memory import LiveBytesTracker
+
+        tracker = LiveBytesTracker(budget)
+    if config.uses_deepspeed:
+        import deepspeed  # noqa: F401 - imported before the tracker starts counting
+
+    try:
+        with tracker if tracker is not None else contextlib.nullcontext():
+            _train(spec, record, workload=workload, config=config, device=device, world_size=world_size,
+                   peak_so_far=lambda: _peak_allocated(device, tracker))
+    finally:
+        _record_peaks(record, device, tracker)
+
+
+def _train(spec: dict[str, Any], record: dict[str, Any], *, workload: Any, config: Any,
+           device: Any, world_size: int, peak_so_far: Any) -> None:
+    from autotune.trial.engine import build_engine
+    from autotune.trial.measure import time_steps
+
+    begin = time.perf_counter()
+    engine = build_engine(workload=workload, config=config, task=spec["task"], device=device,
+                          world_size=world_size)
+    record.update(trainable_params=engine.trainable_params, total_params=engine.total_params)
+    record["phases"]["build_s"] = time.perf_counter() - begin
+    record["build_peak_bytes"] = peak_so_far()  # tells a build-time peak from a training-step one
+
+    def sync() -> None:
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
+
+    times = time_steps(engine.step, sync, warmup=spec["warmup_steps"], steps=spec["measure_steps"],
+                       max_steps=spec.get("max_measure_steps"), agree=_agreed(world_size, device))
+    # Per optimizer step, from the median step: a few steps slowed by another process move a
+    # mean, not a median (the spread says how much they disagreed).
+    record["phases"].update(warmup_s=times.warmup_s, measure_s=times.total_s)
+    record.update(
+        samples_per_s=workload.global_batch / times.median_s,
+        tokens_per_s=workload.global_batch * workload.seq_len / times.median_s,
+        step_time_median_s=times.median_s,
+        step_time_iqr_s=times.iqr_s,
+        step_time_spread=times.spread,
+        disturbed_steps=times.disturbed_steps,
+        measured_steps=len(times.seconds),
+        final_loss=times.last_loss,
+        optimizer_state_bytes=engine.optimizer_state_bytes(),
+    )
+
+
+def _agreed(world_size: int, device: Any) -> Any:
+    """One more timed step only if any rank wants one: every rank must run the same steps."""
+    if world_size == 1:
+        return lambda more: more
+
+    def agree(more: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        wish = torch.tensor([int(more)], device=device)
+        dist.all_reduce(wish, op=dist.ReduceOp.MAX)
+        return bool(wish.item())
+
+    return agree
+
+
+def _init_device(device_type: str) -> Any:
+    import torch
+
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def _init_distributed(workload: Any, config: Any, device: Any) -> int:
+    """Join the torchrun group; DeepSpeed needs a (one-rank) group even without torchrun."""
+    if workload.nproc == 1 and not config.uses_deepspeed:
+        return 1
+    if "WORLD_SIZE" not in os.environ:  # a single-rank DeepSpeed trial
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    return dist.get_world_size()
+
+
+def _peak_allocated(device: Any, tracker: Any) -> int:
+    if device.type == "cuda":
+        from autotune.trial.memory import cuda_peaks
+
+        return cuda_peaks(device)[0]
+    return tracker.peak_bytes
+
+
+def _record_peaks(record: dict[str, Any], device: Any, tracker: Any) -> None:
+    if device.type == "cuda":
+        from autotune.trial.memory import cuda_peaks
+
+        allocated, reserved = cuda_peaks(device)
+        record.update(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
+                      peak_memory_bytes=reserved)
+    elif tracker is not None:
+        record.update(peak_allocated_bytes=tracker.peak_bytes, peak_memory_bytes=tracker.peak_bytes)
+
+
+def _error_tail(exc: BaseException) -> str:
+    lines = "".join(traceback.format_exception(exc)).rstrip().splitlines()
+    return "\n".join(lines[-ERROR_TAIL_LINES:])
+
+
+def _write_atomically(path: Path, record: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,96 @@
+"""How fast this device multiplies in each precision: a second or two of GEMMs, measured here.
+
+The throughput model's precision prior comes from this, not from a table: on a CPU with
+bfloat16 units (avx512_bf16, AMX) 16-bit matmuls run as fast as fp32 or faster, on one without
+them they emulate and crawl, and on a GPU tensor cores decide; only measuring tells which. It
+runs in a process of its own (``python -m autotune.trial.device_probe cpu fp32,bf16``), so the driver
+never imports torch or holds a CUDA context, and prints one JSON object: precision -> matmul
+speed relative to fp32 (precisions the device cannot run are left out). On a CPU it computes only
+on the cores free when it starts, as a trial does.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+__all__ = ["probe_precisions", "relative_matmul_speed"]
+
+PROBE_TIMEOUT_S = 120.0
+_SIZE = {"cpu": 512, "cuda": 4096}   # big enough to be compute bound, small enough for a second
+_ROUNDS = 3                          # interleaved, the best of each kept: other processes only slow a run down
+_RUN_S = 0.1                         # seconds of matmuls per precision per round
+
+
+def probe_precisions(device_type: str, precisions: list[str]) -> dict[str, float] | None:
+    """Matmul speed of each precision relative to fp32 on ``device_type``; None when the probe fails."""
+    command = [sys.executable, "-m", "autotune.trial.device_probe", device_type, ",".join(precisions)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
+        speeds = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+    if not isinstance(speeds, dict):
+        return None
+    return {str(k): float(v) for k, v in speeds.items() if isinstance(v, (int, float)) and v > 0}
+
+
+def relative_matmul_speed(device_type: str, precisions: list[str]) -> dict[str, float]:
+    """In this process: best-of-rounds matmul throughput of each precision over fp32's."""
+    import torch
+
+    device = torch.device("cuda" if device_type == "cuda" else "cpu")
+    size = _SIZE.get(device.type, 512)
+    wanted = sorted(set(precisions) | {"fp32"}, key=lambda p: p != "fp32")
+    best: dict[str, float] = {}
+    for _ in range(_ROUNDS):
+        for precision in wanted:
+            try:
+                rate = _matmul_rate(torch, device, precision, size)
+            except (RuntimeError, TypeError):  # the device has no such kernel: say nothing of it
+                continue
+            best[precision] = max(best.get(precision, 0.0), rate)
+    base = best.get("fp32")
+    return {p: rate / base for p, rate in best.items() if base and p in precisions}
+
+
+def _matmul_rate(torch: Any, device: Any, precision: str, size: int) -> float:
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    if precision == "tf32" and device.type != "cuda":
+        raise RuntimeError("tf32 is a CUDA mode")
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    try:
+        a @ b  # first call: kernel selection, packing
+        sync()
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < _RUN_S:
+            a @ b
+            count += 1
+        sync()
+        return count / (time.perf_counter() - start)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def _use_free_cores(device_type: str) -> None:
+    """In the probe's own process: compute on the cores a trial would run on now (see autotune.trial.cpu_cores)."""
+    from autotune.trial.cpu_cores import free_cores, use_cores
+
+    cores = free_cores() if device_type == "cpu" else None
+    if cores:
+        import torch
+
+        use_cores(cores, len(cores), torch)
+
+
+if __name__ == "__main__":
+    _use_free_cores(sys.argv[1])
+    print(json.dumps(relative_matmul_speed(sys.argv[1], sys.argv[2].split(","))))

@@ -1,0 +1,148 @@
+"""The training step a trial measures: model, LoRA, checkpointing, precision, optimizer, ZeRO.
+
+Two engines, one interface: plain PyTorch (autocast, GradScaler for fp16, DDP across ranks)
+when ZeRO is off, and DeepSpeed's engine when a ZeRO stage is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+
+from autotune.config.deepspeed_config import LEARNING_RATE, deepspeed_config
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.models.batches import loss_of, model_attr, synthetic_batch
+from autotune.models.sources import build_model
+from autotune.prepare.checkpointing import enable_checkpointing
+from autotune.prepare.lora import apply_lora
+
+__all__ = ["TrainingEngine", "build_engine"]
+
+_AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class TrainingEngine:
+    """Runs one optimizer step (all accumulation micro-steps) and reports model facts."""
+
+    def __init__(self, *, model: torch.nn.Module, config: TrialConfig, workload: Workload, task: str,
+                 device: torch.device) -> None:
+        self.model = model
+        self.config = config
+        self.accum = config.grad_accum_steps(workload)
+        self.device = device
+        self.batch = synthetic_batch(model, task=task, micro_batch=config.micro_batch,
+                                      seq_len=workload.seq_len, device=device)
+        self.total_params = sum(p.numel() for p in model.parameters())
+        self.trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    def step(self) -> float:
+        raise NotImplementedError
+
+    def optimizer_state_bytes(self) -> int:
+        raise NotImplementedError
+
+
+class TorchEngine(TrainingEngine):
+    def __init__(self, *, world_size: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.0)
+        self.autocast_dtype = _AUTOCAST_DTYPES.get(self.config.precision)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.config.precision == "fp16" else None
+        self.forward_model = self.model
+        if world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.forward_model = DistributedDataParallel(self.model, device_ids=ids)
+
+    def step(self) -> float:
+        total = torch.zeros((), device=self.device)
+        for micro in range(self.accum):
+            last = micro == self.accum - 1
+            sync = contextlib.nullcontext() if last or self.forward_model is self.model else self.forward_model.no_sync()
+            with sync:
+                with torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                                    enabled=self.autocast_dtype is not None):
+                    loss = loss_of(self.forward_model(**self.batch)) / self.accum
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += loss.detach().float()
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total.item()
+
+    def optimizer_state_bytes(self) -> int:
+        return _state_bytes(self.optimizer)
+
+
+class DeepSpeedEngine(TrainingEngine):
+    def __init__(self, *, workload: Workload, **kwargs: Any) -> None:
+        super().__init__(workload=workload, **kwargs)
+        import deepspeed
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        ds_config = deepspeed_config(self.config, workload, device_type=self.device.type,
+                                     hidden_size=model_attr(self.model, "hidden_size"))
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=self.model, model_parameters=params, config=ds_config)
+
+    def step(self) -> float:
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.accum):
+            loss = loss_of(self.engine(**self.batch))
+            self.engine.backward(loss)
+            self.engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+            total += loss.detach().float() / self.accum
+        return total.item()
+
+    def optimizer_state_bytes(self) -> int:
+        return _state_bytes(self.optimizer)
+
+
+def build_engine(*, workload: Workload, config: TrialConfig, task: str, device: torch.device,
+                 world_size: int) -> TrainingEngine:
+    if config.precision == "tf32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    model = build_model(workload, task=task, device=device)
+    if config.checkpointing:
+        enable_checkpointing(model, workload.model)
+    if config.uses_lora:
+        model = apply_lora(model, config, workload, task=task)
+    model.train()
+    common = dict(model=model, config=config, task=task, device=device)
+    if config.uses_deepspeed:
+        return DeepSpeedEngine(workload=workload, **common)
+    return TorchEngine(workload=workload, world_size=world_size, **common)
+
+
+
+
+
+
+def _state_bytes(optimizer: Any) -> int:
+    """Bytes of optimizer state tensors (Adam moments), unwrapping DeepSpeed's optimizer wrappers."""
+    seen: set[int] = set()
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer") \
+            and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        optimizer = optimizer.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return 0
+    storages: dict[int, int] = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.numel() > 1:  # skip scalar step counters
+                storage = value.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+

@@ -1,0 +1,96 @@
+"""What one trial measured: a frozen ``TrialResult`` with a status that says what happened.
+
+No sentinels: a figure that was not measured is ``None``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotune.config.knobs import TrialConfig
+
+__all__ = ["TrialStatus", "PhaseTimings", "TrialResult"]
+
+
+class TrialStatus(str, enum.Enum):
+    OK = "ok"                # trained and measured
+    OOM = "oom"              # ran out of device memory (or of the --memory-budget)
+    TIMEOUT = "timeout"      # killed after --trial-timeout seconds
+    CRASHED = "crashed"      # the process died without a result (signal, hard exit)
+    NAN = "nan"              # the loss became NaN or infinite
+    ERROR = "error"          # any other exception: bad model, bad config, library error
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseTimings:
+    """Wall seconds of each phase of a trial, from the launch of its process."""
+
+    startup_s: float | None = None   # process launch to the trial code starting (interpreter + imports)
+    build_s: float | None = None     # model, LoRA, optimizer and engine
+    warmup_s: float | None = None    # untimed steps
+    measure_s: float | None = None   # timed steps
+
+    @property
+    def fixed_cost_s(self) -> float | None:
+        """Launch to the first timed step: what every trial pays before it measures anything."""
+        parts = (self.startup_s, self.build_s, self.warmup_s)
+        return None if any(p is None for p in parts) else sum(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialResult:
+    config: TrialConfig
+    status: TrialStatus
+    tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+    step_time_median_s: float | None = None
+    step_time_iqr_s: float | None = None       # spread: interquartile range of step times
+    step_time_spread: float | None = None      # that range over the median: 0.1 = the middle half within 10%
+    disturbed_steps: int | None = None         # steps 25% slower than the median (another process, ...)
+    measured_steps: int = 0
+    grad_accum_steps: int | None = None
+    peak_memory_bytes: int | None = None       # reserved on CUDA, tracked tensor bytes on CPU; max over ranks
+    peak_allocated_bytes: int | None = None    # CUDA allocated (tracked bytes on CPU); max over ranks
+    peak_reserved_bytes: int | None = None     # CUDA only
+    build_peak_bytes: int | None = None        # allocated/tracked peak before the first step (model + engine build)
+    peak_memory_per_rank: list[int] | None = None
+    optimizer_state_bytes: int | None = None   # per rank, max over ranks
+    trainable_params: int | None = None
+    total_params: int | None = None
+    final_loss: float | None = None
+    device: str | None = None
+    cpu_cores: list[int] | None = None         # CPU: the cores the trial ran on (the free ones; all ranks')
+    cpu_threads: int | None = None             # CPU: torch threads per rank
+    world_size: int = 1
+    memory_budget_bytes: int | None = None
+    phases: PhaseTimings = field(default_factory=PhaseTimings)
+    error: str | None = None                   # the error's last lines, for anything but ok
+    exit_code: int | None = None               # the process's exit status; negative: killed by that signal
+
+    @property
+    def ok(self) -> bool:
+        return self.status is TrialStatus.OK
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["config"] = self.config.to_dict()
+        data["status"] = self.status.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrialResult:
+        data = dict(data)
+        data["config"] = TrialConfig.from_dict(data["config"])
+        data["status"] = TrialStatus(data["status"])
+        data["phases"] = PhaseTimings(**(data.get("phases") or {}))
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def replace(self, **changes: Any) -> TrialResult:
+        return dataclasses.replace(self, **changes)

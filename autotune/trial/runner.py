@@ -1,0 +1,320 @@
+"""Running one trial in a fresh process (torchrun for several ranks) with a real timeout.
+
+A fresh process per trial means nothing leaks from one trial into the next: no cached
+allocator blocks, no half-freed optimizer, no CUDA context in a bad state after an OOM.
+A trial's ranks are forked from a server that has imported the libraries already
+(:mod:`autotune.trial.server`), so they skip the interpreter's start and the imports;
+``AUTOTUNE_TRIAL_SERVER=off`` starts each in a new interpreter instead (several ranks: torchrun).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from autotune.config.device import DeviceInfo, detect_device
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.errors import WorkloadError
+from autotune.models.sources import resolve_task
+from autotune.trial.child import LAUNCH_TIME_ENV
+from autotune.trial.cpu_cores import free_cores
+from autotune.trial.failures import classify_exit, describe_exit
+from autotune.trial.lifeline import PARENT_PID_ENV
+from autotune.trial.result import PhaseTimings, TrialResult, TrialStatus
+
+__all__ = ["run_trial", "DEFAULT_TRIAL_TIMEOUT_S"]
+
+DEFAULT_TRIAL_TIMEOUT_S = 600.0
+_STDERR_TAIL_LINES = 12
+_STATUS_PRECEDENCE = [TrialStatus.OOM, TrialStatus.NAN, TrialStatus.ERROR, TrialStatus.CRASHED,
+                      TrialStatus.TIMEOUT, TrialStatus.OK]
+
+
+def run_trial(workload: Workload, config: TrialConfig, *, memory_budget_bytes: int | None = None,
+              timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S, warmup_steps: int = 1, measure_steps: int = 3,
+              device: DeviceInfo | None = None, env: dict[str, str] | None = None) -> TrialResult:
+    """Measure ``config`` on ``workload`` in a fresh process and say what happened.
+
+    Raises ConfigError/WorkloadError (before starting anything) for a config that cannot run;
+    every failure after the start is a TrialResult with its status instead.
+    """
+    device = device or detect_device(workload.device)
+    if device.type == "cuda" and workload.nproc > device.count:  # CPU ranks share the host's cores
+        raise WorkloadError(f"--nproc {workload.nproc} needs {workload.nproc} GPUs; {device.count} visible here "
+                            f"(use --nproc {device.count} or less, or --device cpu)")
+    config.validate_for(workload, device)
+    task = resolve_task(workload)
+    spec = {
+        "workload": workload.to_dict(),
+        "config": config.to_dict(),
+        "task": task,
+        "device_type": device.type,
+        "memory_budget_bytes": memory_budget_bytes,
+        "warmup_steps": warmup_steps,
+        "measure_steps": measure_steps,
+        # Measured here, under the caller's CPU turn: the trial's ranks run only on the cores free now.
+        "cpu_cores": free_cores() if device.type == "cpu" else None,
+    }
+    with tempfile.TemporaryDirectory(prefix="autotune-trial-") as tmp:
+        work = Path(tmp)
+        (work / "spec.json").write_text(json.dumps(spec))
+        outcome = None
+        if _SERVER.enabled():
+            outcome = _SERVER.run(spec, work, timeout_s=timeout_s, env=_trial_env(env))
+        if outcome is None:  # the server turned off, refusing or not starting: new interpreters (torchrun)
+            outcome = _run_process_group(_command(workload.nproc, work / "spec.json", work), work,
+                                         timeout_s=timeout_s, env=env)
+        returncode, timed_out = outcome
+        records = _read_rank_records(work, workload.nproc)
+        stderr_tail = _tail(work / "stderr.log")
+    return _combine(config, records, returncode=returncode, timed_out=timed_out, timeout_s=timeout_s,
+                    stderr_tail=stderr_tail, world_size=workload.nproc,
+                    memory_budget_bytes=memory_budget_bytes)
+
+
+def _command(nproc: int, spec: Path, out_dir: Path) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "autotune.trial.child", str(spec), str(out_dir)]
+    return [sys.executable, "-m", "autotune.trial.lifeline", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}",
+            "--max-restarts=0", "--module", "autotune.trial.child", str(spec), str(out_dir)]
+
+
+def _trial_env(env: dict[str, str] | None) -> dict[str, str]:
+    child_env = dict(os.environ if env is None else env)
+    child_env[LAUNCH_TIME_ENV] = repr(time.time())
+    child_env[PARENT_PID_ENV] = str(os.getpid())  # the trial dies with us, even on kill -9
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    return child_env
+
+
+def _run_process_group(command: list[str], work: Path, *, timeout_s: float,
+                       env: dict[str, str] | None) -> tuple[int, bool]:
+    """Run ``command`` in its own session; on timeout (or Ctrl-C) kill it and all its descendants."""
+    child_env = _trial_env(env)
+    with open(work / "stdout.log", "wb") as out, open(work / "stderr.log", "wb") as err:
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                env=child_env, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s), False
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+            return proc.wait(), True
+        except BaseException:
+            _kill_tree(proc.pid)
+            proc.wait()
+            raise
+        finally:
+            _kill_group(proc.pid)  # anything the trial left behind in its group
+
+
+class _TrialServer:
+    """The runner's handle on one ``python -m autotune.trial.server`` process, started on first use."""
+
+    START_TIMEOUT_S = 120.0   # its imports, on a slow disk
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[str] | None = None
+        self._refused = False   # it said it cannot fork safely (CUDA initialised): not asked again
+
+    def enabled(self) -> bool:
+        return not self._refused and \
+            os.environ.get("AUTOTUNE_TRIAL_SERVER", "on").lower() not in ("off", "0", "false", "no")
+
+    def run(self, spec: dict[str, Any], work: Path, *, timeout_s: float,
+            env: dict[str, str]) -> tuple[int, bool] | None:
+        """Fork the trial of ``work/spec.json``: its exit code, and whether it was killed on ``timeout_s``;
+        None when the server is not there to fork it."""
+        process = self._running()
+        assert process.stdin is not None and process.stdout is not None
+        request = {"spec": str(work / "spec.json"), "out": str(work), "env": env, "cwd": os.getcwd(),
+                   "workload": spec["workload"], "nproc": spec["workload"]["nproc"]}
+        started = time.monotonic()
+        try:
+            process.stdin.write(json.dumps(request) + "\n")
+            process.stdin.flush()
+            pid = self._read(process, "pid", self.START_TIMEOUT_S)
+        except _Refused:
+            self._refused = True
+            self.close()
+            return None
+        except (BrokenPipeError, _ServerGone):
+            self.close()
+            return None
+        except BaseException:
+            self.close()  # it cannot be trusted with the next trial
+            raise
+        try:
+            code = self._read(process, "exit_code", timeout_s - (time.monotonic() - started))
+            _kill_group(pid)  # anything the trial left behind in its group
+            return code, False
+        except TimeoutError:
+            _kill_tree(pid)
+            return self._read(process, "exit_code", 30.0), True
+        except _ServerGone:  # killed from outside mid-trial: so was the trial (it dies with the server)
+            return -signal.SIGKILL, False
+        except BaseException:  # Ctrl-C: the trial goes, reaped by the server, which stays for the next
+            _kill_tree(pid)
+            try:
+                self._read(process, "exit_code", 30.0)
+            except (TimeoutError, _ServerGone):
+                self.close()
+            raise
+
+    def _read(self, process: subprocess.Popen[str], key: str, timeout_s: float) -> int:
+        import select
+
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], max(timeout_s, 0.0))
+        if not ready:
+            raise TimeoutError(key)
+        line = process.stdout.readline()
+        if not line:
+            self.close()
+            raise _ServerGone()
+        reply = json.loads(line)
+        if "error" in reply:
+            raise _Refused(reply["error"])
+        return int(reply[key])
+
+    def _running(self) -> subprocess.Popen[str]:
+        if self._process is None or self._process.poll() is not None:
+            env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "autotune.trial.server"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=env)
+        return self._process
+
+    def close(self) -> None:
+        if self._process is not None:
+            _kill_group(self._process.pid)
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+
+
+class _ServerGone(RuntimeError):
+    """The trial server exited (killed from outside): the trial's own end is unknown."""
+
+
+class _Refused(RuntimeError):
+    """The trial server cannot fork safely here (see :mod:`autotune.trial.server`)."""
+
+
+_SERVER = _TrialServer()
+atexit.register(_SERVER.close)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a trial: its process group (every rank of a forked trial), the process itself (a fork
+    may not have joined its group yet) and every descendant (torchrun's ranks have groups of their own)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    _kill_group(pid)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for child in descendants:
+        _kill_group(child.pid)
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(descendants, timeout=5)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _read_rank_records(work: Path, nproc: int) -> list[dict[str, Any] | None]:
+    records: list[dict[str, Any] | None] = []
+    for rank in range(nproc):
+        path = work / f"rank{rank}.json"
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            record = None
+        if not _is_record(record):  # garbage in the result file counts as no result at all
+            record = None
+        records.append(record)
+    return records
+
+
+def _is_record(record: Any) -> bool:
+    return isinstance(record, dict) and record.get("status") in {s.value for s in TrialStatus} \
+        and isinstance(record.get("config"), dict)
+
+
+def _combine(config: TrialConfig, records: list[dict[str, Any] | None], *, returncode: int, timed_out: bool,
+             timeout_s: float, stderr_tail: str, world_size: int,
+             memory_budget_bytes: int | None) -> TrialResult:
+    """One TrialResult from every rank's record: the worst status, rank 0's timings, the largest peaks."""
+    written = [r for r in records if r is not None]
+    statuses = [TrialStatus(r["status"]) for r in written]
+    if timed_out:
+        status = TrialStatus.TIMEOUT
+        error = f"killed after --trial-timeout {timeout_s:g} s\n{stderr_tail}".rstrip()
+    elif len(written) < len(records) and not any(s is not TrialStatus.OK for s in statuses):
+        # A rank died without a word: classify from the signal it (or torchrun) exited with.
+        status = classify_exit(returncode, timed_out=False)
+        error = f"trial process {describe_exit(returncode)}\n{stderr_tail}".rstrip()
+    else:  # every rank wrote, or one that wrote failed first and torchrun stopped the others
+        status = min(statuses, key=_STATUS_PRECEDENCE.index)
+        failed = next(r for r in written if r["status"] == status.value)
+        error = failed.get("error") if status is not TrialStatus.OK else None
+    base = records[0] or (written[0] if written else {})
+    peaks = [r.get("peak_memory_bytes") for r in written if r.get("peak_memory_bytes") is not None]
+    fields: dict[str, Any] = {k: base.get(k) for k in (
+        "tokens_per_s", "samples_per_s", "step_time_median_s", "step_time_iqr_s", "step_time_spread",
+        "disturbed_steps", "grad_accum_steps",
+        "trainable_params", "total_params", "final_loss", "device", "cpu_threads")}
+    cores = sorted({c for r in written for c in r.get("cpu_cores") or []})
+    return TrialResult(
+        config=config,
+        status=status,
+        measured_steps=base.get("measured_steps") or 0,
+        peak_memory_bytes=max(peaks) if peaks else None,
+        peak_allocated_bytes=_max_of(written, "peak_allocated_bytes"),
+        build_peak_bytes=_max_of(written, "build_peak_bytes"),
+        peak_reserved_bytes=_max_of(written, "peak_reserved_bytes"),
+        peak_memory_per_rank=[r.get("peak_memory_bytes") if r else None for r in records] if world_size > 1 else None,
+        optimizer_state_bytes=_max_of(written, "optimizer_state_bytes"),
+        world_size=world_size,
+        cpu_cores=cores or None,
+        memory_budget_bytes=memory_budget_bytes,
+        phases=PhaseTimings(**(base.get("phases") or {})),
+        error=error,
+        exit_code=returncode,
+        **fields,
+    )
+
+
+def _max_of(records: list[dict[str, Any]], key: str) -> int | None:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return max(values) if values else None
+
+
+def _tail(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").rstrip().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-_STDERR_TAIL_LINES:])

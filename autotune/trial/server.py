@@ -1,0 +1,192 @@
+"""Where trials start: a server that imports the heavy libraries once and forks each trial's ranks.
+
+A trial in a fresh interpreter pays ``import torch``, Transformers' model module and PEFT every
+time: over 4 seconds before a tiny model's first step on this project's CPU, against a
+quarter of a second forked (``bench/fixed_cost.py``). This server (``python -m autotune.trial.server``)
+imports them once, then for each request line on stdin forks the trial's ranks, each running
+exactly as ``python -m autotune.trial.child`` would (stdout and stderr to the trial's files, the
+request's environment, and for several ranks what torchrun's agent would set: RANK, WORLD_SIZE,
+MASTER_ADDR/PORT...), all in one new process group, and exiting without teardown; when one rank
+fails the others are stopped, as torchrun stops them. The trial is still a process of
+its own: its memory, its allocator, its CUDA context and its crash are its own, and the server,
+which never touches CUDA or runs a step, stays clean for the next fork.
+
+Protocol, one JSON line each way: ``{"spec", "out", "env", "cwd", "workload", "nproc"}`` in;
+``{"pid"}`` (the ranks' process group) out as soon as they exist (so the runner can kill the
+group on a timeout), then
+``{"exit_code"}`` once it is reaped (negative: the signal that ended it); or ``{"error"}`` when
+it cannot fork safely, and the runner starts trials in new interpreters from then on. It dies
+with the process that started it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+from typing import IO, Any
+
+__all__ = ["serve"]
+
+
+def serve() -> None:
+    # A CUDA context does not survive fork: nothing here may create one. torch.cuda.is_available(),
+    # which some imports call, then asks NVML instead of initialising the CUDA driver.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    import peft  # noqa: F401 - imported once here, inherited by every forked trial
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import autotune.trial.child  # noqa: F401
+    import autotune.trial.engine  # noqa: F401
+    import autotune.trial.measure  # noqa: F401
+    import autotune.trial.memory  # noqa: F401
+
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # stray prints must not land in the replies
+    for line in sys.stdin:
+        if line.strip():
+            _serve_one(json.loads(line), replies)
+
+
+def _serve_one(request: dict[str, Any], replies: IO[str]) -> None:
+    import torch
+
+    _preload_model_module(request["workload"])
+    if torch.cuda.is_initialized():  # some import did it anyway: a fork would inherit a dead context
+        _reply(replies, {"error": "CUDA was initialised in the trial server; trials start in new interpreters"})
+        return
+    nproc = int(request.get("nproc", 1))
+    ranks = _rank_envs(nproc)
+    leader = 0
+    pids = []
+    for rank_env in ranks:
+        pid = os.fork()
+        if pid == 0:
+            _run_trial_child(request, rank_env, group=leader)  # never returns
+        leader = leader or pid
+        with contextlib.suppress(PermissionError, ProcessLookupError):  # the child may have done it already
+            os.setpgid(pid, leader)  # every rank in one new process group: killed whole on a timeout
+        pids.append(pid)
+    _reply(replies, {"pid": leader})
+    _reply(replies, {"exit_code": _reap(pids, leader)})
+
+
+def _rank_envs(nproc: int) -> list[dict[str, str]]:
+    """What torchrun's agent tells each rank of a one-node group (none for a single rank)."""
+    if nproc == 1:
+        return [{}]
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    return [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+             "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for r in range(nproc)]
+
+
+def _reap(pids: list[int], group: int) -> int:
+    """Wait for every rank; once one fails, stop the others (as torchrun does). The first failure's code."""
+    first_failure = 0
+    for _ in pids:
+        _, status = os.waitpid(-1, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and first_failure == 0:
+            first_failure = code
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)  # the others would wait in a collective forever
+    return first_failure
+
+
+def _preload_model_module(workload: dict[str, Any]) -> None:
+    """Import the model's Transformers module here, once, instead of in every trial.
+
+    Only for configs Transformers ships code for: a factory or remote code could do anything
+    at import time (touch CUDA, for one), so those are imported by the trial itself.
+    """
+    from autotune.models.sources import load_hf_config, parse_model_source
+
+    try:
+        source = parse_model_source(workload["model"])
+        if source.kind == "factory" or workload.get("trust_remote_code"):
+            return
+        config = load_hf_config(source)
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoModelForSequenceClassification,
+        )
+
+        for auto in (AutoModelForCausalLM, AutoModelForSequenceClassification):
+            if type(config) in auto._model_mapping:
+                auto._model_mapping[type(config)]  # noqa: B018 - the lookup imports the module
+    except Exception:  # noqa: BLE001 - the trial itself will report what is wrong with the model
+        return
+
+
+def _run_trial_child(request: dict[str, Any], rank_env: dict[str, str], group: int) -> None:
+    """In the forked child: become a trial process (one rank), run it, exit with its code."""
+    code = 1
+    try:
+        from autotune.trial.lifeline import (
+            PARENT_PID_ENV,
+            TRIAL_PROCESS_NAME,
+            name_process,
+        )
+
+        os.setpgid(0, group)  # the first rank leads a new group, the others join it
+        name_process(TRIAL_PROCESS_NAME)
+        out = request["out"]
+        for fd, name, flags in ((0, os.devnull, os.O_RDONLY),
+                                (1, os.path.join(out, "stdout.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+                                (2, os.path.join(out, "stderr.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)):
+            target = os.open(name, flags, 0o600)
+            os.dup2(target, fd)
+            os.close(target)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # the server's stream objects are not ours
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.environ.update(rank_env)
+        os.environ[PARENT_PID_ENV] = str(os.getppid())  # the trial dies with the server
+        _look_like_a_new_interpreter(request["cwd"])
+        sys.argv = ["autotune.trial.child", request["spec"], out]
+
+        from autotune.trial.child import main
+
+        code = main([request["spec"], out])
+    except BaseException:  # noqa: BLE001 - whatever happened, this process must not return to the server loop
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)  # no teardown: the trial's finalisers are not worth waiting (or crashing) for
+
+
+def _look_like_a_new_interpreter(cwd: str) -> None:
+    """The runner's working directory and import path, as ``python -m autotune.trial.child`` started there
+    would have them: a factory ``module:function`` is imported from the current directory or
+    PYTHONPATH, and both may differ from the server's (a test's ``monkeypatch.setenv``, for one)."""
+    import importlib
+
+    os.chdir(cwd)
+    extra = [cwd] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [p for p in extra if p not in sys.path]
+    importlib.invalidate_caches()  # directories the server listed may have changed since
+
+
+def _reply(replies: IO[str], message: dict[str, Any]) -> None:
+    replies.write(json.dumps(message) + "\n")
+    replies.flush()
+
+
+if __name__ == "__main__":
+    from autotune.trial.lifeline import die_with_parent
+
+    die_with_parent()
+    serve()

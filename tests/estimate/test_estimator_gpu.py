@@ -1,0 +1,51 @@
+"""The estimator for a CUDA workload on a GPU: the step traced on fake CUDA tensors, against real CUDA trials.
+
+Marked ``gpu``: skipped on machines without CUDA, run on the GPU machine (see README).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.estimate.estimator import predict_memory
+from autotune.trial.runner import run_trial
+
+pytestmark = pytest.mark.gpu
+
+# Attention dropout on: the CPU's math attention would keep the s x s scores, CUDA's fused kernels do not.
+CASES = [
+    ("builtin:gpt2", TrialConfig(micro_batch=4, precision="bf16")),
+    ("builtin:gpt2", TrialConfig(micro_batch=4)),
+    ("builtin:bert-base", TrialConfig(micro_batch=8, precision="bf16")),
+]
+
+
+@pytest.mark.parametrize("model, config", CASES, ids=[f"{m}-{c.describe()}" for m, c in CASES])
+def test_a_cuda_estimate_traces_cuda_kernels_and_is_within_10_percent_of_the_trial(model, config):
+    workload = Workload(model=model, seq_len=512, global_batch=config.micro_batch, device="cuda")
+    predicted = predict_memory(workload, config)
+    assert predicted.traced_device == "cuda" and predicted.device_note is None
+    assert sum(predicted.parts().values()) == predicted.predicted_peak_bytes
+    measured = run_trial(workload, config, warmup_steps=1, measure_steps=2)
+    assert measured.ok, measured.error
+    error = predicted.predicted_peak_bytes / measured.peak_allocated_bytes - 1
+    assert abs(error) <= 0.10, (predicted.to_dict(), measured.peak_allocated_bytes)
+
+
+def test_without_a_gpu_the_cpu_trace_with_cuda_attention_is_close_to_the_cuda_trace():
+    args = [sys.executable, "-m", "autotune", "estimate", "--model", "builtin:gpt2", "--seq-len", "512",
+            "--global-batch", "4", "--micro-batch", "4", "--precision", "bf16", "--device", "cuda", "--json"]
+    on_gpu = json.loads(subprocess.run(args, capture_output=True, text=True, timeout=300, check=True).stdout)
+    hidden = subprocess.run(args, capture_output=True, text=True, timeout=300, check=True,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    without = json.loads(hidden.stdout)
+    assert on_gpu["traced_device"] == "cuda" and without["traced_device"] == "cpu"
+    assert "no CUDA GPU here" in without["device_note"]
+    assert abs(without["predicted_peak_bytes"] / on_gpu["predicted_peak_bytes"] - 1) <= 0.10, (on_gpu, without)

@@ -1,0 +1,107 @@
+import json
+
+import pytest
+
+from autotune.config.workload import Workload
+from autotune.errors import WorkloadError
+from autotune.models.presets import PRESETS
+from autotune.models.sources import (
+    ModelSource,
+    infer_task,
+    load_hf_config,
+    parse_model_source,
+    resolve_task,
+)
+
+
+@pytest.mark.parametrize("spec, kind", [
+    ("builtin:gpt2-tiny", "builtin"), ("factories:tiny", "factory"), ("pkg.mod:make_model", "factory"),
+    ("meta-llama/Llama-2-7b-hf", "hub"),
+])
+def test_parse_model_source(spec, kind):
+    assert parse_model_source(spec).kind == kind
+
+
+def test_a_path_is_a_config_source(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2}))
+    assert parse_model_source(str(tmp_path)) == ModelSource("config", str(tmp_path))
+    config = load_hf_config(parse_model_source(str(tmp_path / "config.json")))
+    assert config.model_type == "gpt2" and config.n_layer == 1
+
+
+def test_every_preset_loads_with_its_task():
+    for name, preset in PRESETS.items():
+        config = load_hf_config(ModelSource("builtin", name))
+        assert config.model_type == preset.model_type
+        assert resolve_task(Workload(model=f"builtin:{name}")) == preset.task
+
+
+def test_task_is_inferred_from_architectures(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]}))
+    assert resolve_task(Workload(model=str(tmp_path))) == "seq-cls"
+    config = load_hf_config(ModelSource("builtin", "bert-tiny"))
+    assert infer_task(config) == "seq-cls"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("builtin:nope", "no such built-in model"),
+    ("./missing/config.json", "is neither builtin:NAME"),
+    ("not a model", "is neither builtin:NAME"),
+])
+def test_bad_sources_are_refused(spec, message):
+    with pytest.raises(WorkloadError, match=message):
+        parse_model_source(spec)
+
+
+def test_uncached_hub_id_offline_says_what_to_do():
+    with pytest.raises(WorkloadError, match=r"not in the local Hugging Face cache.*hf download"):
+        resolve_task(Workload(model="no-such-org/no-such-model"))
+
+
+def test_directory_without_config_is_refused(tmp_path):
+    with pytest.raises(WorkloadError, match="no config.json"):
+        resolve_task(Workload(model=str(tmp_path)))
+
+
+# -- a config file is read as given ---------------------------------------------------------------
+MINE = {"model_type": "gpt2", "n_layer": 3, "n_embd": 48, "n_head": 2, "n_positions": 256, "vocab_size": 300,
+        "bos_token_id": 0, "eos_token_id": 0}
+DECOY = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 256, "vocab_size": 100}
+
+
+def _decoy_beside(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(DECOY))
+    mine = tmp_path / "my-model.json"
+    mine.write_text(json.dumps(MINE))
+    return mine
+
+
+def test_a_config_file_not_named_config_json_is_the_one_built(tmp_path):
+    import torch
+
+    from autotune.models.sources import build_model
+
+    mine = _decoy_beside(tmp_path)
+    config = load_hf_config(parse_model_source(str(mine)))
+    assert (config.n_layer, config.n_embd, config.vocab_size) == (3, 48, 300)
+    model = build_model(Workload(model=str(mine), seq_len=16), task="causal-lm", device=torch.device("meta"))
+    assert len(model.transformer.h) == 3 and model.lm_head.weight.shape == (300, 48)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("hidden: 64\nlayers: 2\n", r"is not JSON \(line 1: Expecting value\)"),
+    ("[1, 2, 3]", "is JSON but not a model config"),
+])
+def test_a_config_file_that_is_not_a_json_object_is_refused(tmp_path, text, message):
+    path = tmp_path / "model.yaml"
+    path.write_text(text)
+    with pytest.raises(WorkloadError, match=f"--model {path} {message}"):
+        resolve_task(Workload(model=str(path)))
+
+
+def test_a_binary_file_is_refused_as_not_json(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(range(256)))
+    with pytest.raises(WorkloadError, match=r"is not JSON \(not even text\)"):
+        resolve_task(Workload(model=str(path)))

@@ -1,0 +1,92 @@
+"""Where `autotune export -o` writes: a directory gets the format's usual file name inside it, PEFT's
+adapter config lands where `LoraConfig.from_pretrained(dir)` reads it, a path that cannot be written
+is one line naming -o (exit 2), and no temporary file is ever left behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# One study whose confirmed answer is a LoRA config, stored as the tuner stores it.
+_SEED = """
+from autotune.config.device import detect_device
+from autotune.config.knobs import TrialConfig
+from autotune.search.space import load_space
+from autotune.study.storage import create_study, open_storage
+from autotune.study.records import CONFIRM_PREFIX
+from autotune.search.tuner import question
+from autotune.config.workload import Workload
+device = detect_device("cpu")
+meta = question(workload=Workload(model="builtin:gpt2-tiny"), space=load_space("lora"), device=device,
+                memory_budget_bytes=2**30, headroom=0.1)
+study = create_study(open_storage(None), "done", meta)
+trial = study.ask()
+trial.set_user_attr("config", TrialConfig(micro_batch=4, lora_rank=8).to_dict())
+trial.set_user_attr("status", "ok")
+trial.set_user_attr("result", {"tokens_per_s": 1000.0, "samples_per_s": 7.8, "peak_memory_bytes": 2**20})
+study.tell(trial, 1000.0)
+study.set_user_attr(CONFIRM_PREFIX + str(trial.number), {"confirmed": True, "tokens_per_s": 990.0,
+                    "samples_per_s": 7.7, "peak_memory_bytes": 2**20})
+"""
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("export-output")
+    proc = subprocess.run([sys.executable, "-c", _SEED], cwd=work, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return work
+
+
+def export(work: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "autotune", "export", "--study", "done", *args],
+                          capture_output=True, text=True, timeout=300, cwd=work)
+
+
+def _no_temp_files(folder: Path) -> bool:
+    return not [p for p in folder.rglob(".*") if p.name != ".gitignore"]
+
+
+def test_an_existing_directory_gets_the_formats_file_name_inside_it(work):
+    (work / "configs").mkdir()
+    proc = export(work, "--format", "deepspeed", "-o", "configs")
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {Path('configs') / 'ds_config.json'} " in proc.stderr
+    assert (work / "configs" / "ds_config.json").is_file() and _no_temp_files(work / "configs")
+
+
+@pytest.mark.parametrize("output", ["adapter/", "lora-adapter"])
+def test_peft_writes_adapter_config_json_in_the_directory_peft_loads(work, output):
+    from peft import LoraConfig
+
+    proc = export(work, "--format", "peft", "-o", output)
+    assert proc.returncode == 0, proc.stderr
+    folder = work / output.rstrip("/")
+    assert folder.is_dir() and (folder / "adapter_config.json").is_file() and _no_temp_files(folder)
+    loaded = LoraConfig.from_pretrained(str(folder))  # what the README shows
+    assert loaded.r == 8 and loaded.target_modules == {"c_attn"}
+
+
+def test_peft_to_a_json_name_writes_that_file(work):
+    proc = export(work, "--format", "peft", "-o", "mine.json")
+    assert proc.returncode == 0, proc.stderr
+    assert (work / "mine.json").is_file()
+
+
+@pytest.mark.parametrize("setup, output, message", [
+    ("taken", "taken/", "-o taken/: taken/autotune.json is a directory; name a file to write"),
+    ("a-file", "a-file/x.json", "-o a-file/x.json: cannot write a-file/x.json: "),
+], ids=["target-is-a-directory", "parent-is-a-file"])
+def test_a_place_that_cannot_be_written_is_one_line_exit_2(work, setup, output, message):
+    if setup == "taken":
+        (work / "taken" / "autotune.json").mkdir(parents=True)
+    else:
+        (work / "a-file").write_text("not a directory")
+    proc = export(work, "--format", "json", "-o", output)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"autotune: error: {message}"), proc.stderr
+    assert _no_temp_files(work)

@@ -1,0 +1,314 @@
+"""Every export is loaded by the library it is for: DeepSpeed, transformers, PEFT, Accelerate, Lightning."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.errors import ConfigError
+from autotune.output.exporters import DEFAULT_FILENAMES, FORMATS, export_config
+
+WORKLOAD = Workload(model="builtin:gpt2-tiny", global_batch=16)
+GPT2_TINY_WIDTH = 128
+FULL_BF16 = TrialConfig(micro_batch=4, precision="bf16", checkpointing=True)
+ZERO2_OFFLOAD = TrialConfig(micro_batch=2, zero_stage=2, offload="optimizer")
+ZERO3_OFFLOAD_ALL = TrialConfig(micro_batch=8, zero_stage=3, offload="optimizer+params")
+LORA = TrialConfig(micro_batch=4, lora_rank=8)
+
+
+def _write(tmp_path: Path, config: TrialConfig, fmt: str, *, workload: Workload = WORKLOAD,
+           device_type: str = "cpu") -> Path:
+    path = tmp_path / DEFAULT_FILENAMES[fmt]
+    path.write_text(export_config(config, workload, fmt=fmt, device_type=device_type))
+    return path
+
+
+# -- dispatch ---------------------------------------------------------------------------------
+def test_every_format_has_a_default_filename() -> None:
+    assert set(DEFAULT_FILENAMES) == set(FORMATS)
+
+
+def test_unknown_format_names_the_flag_and_the_choices() -> None:
+    with pytest.raises(ConfigError, match=r"--format toml is not known; use one of json, yaml, deepspeed"):
+        export_config(FULL_BF16, WORKLOAD, fmt="toml")
+
+
+# -- json / yaml ------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["json", "yaml"])
+@pytest.mark.parametrize("config", [FULL_BF16, ZERO2_OFFLOAD, LORA.replace(lora_targets=("c_attn",))],
+                         ids=["bf16", "zero2", "lora"])
+def test_json_and_yaml_round_trip(fmt: str, config: TrialConfig) -> None:
+    summary = {"study": "demo", "tokens_per_s": 1234.5}
+    text = export_config(config, WORKLOAD, fmt=fmt, summary=summary)
+    loaded = json.loads(text) if fmt == "json" else yaml.safe_load(text)
+    assert TrialConfig.from_dict(loaded["config"]) == config
+    assert Workload.from_dict(loaded["workload"]) == WORKLOAD
+    assert loaded["grad_accum_steps"] == config.grad_accum_steps(WORKLOAD)
+    assert loaded["trains"]["precision"] == config.precision
+    assert (loaded["trains"]["lora"] is not None) == config.uses_lora
+    assert loaded["study"] == "demo" and loaded["tokens_per_s"] == 1234.5
+
+
+def test_summary_cannot_overwrite_the_config() -> None:
+    with pytest.raises(ValueError, match="config"):
+        export_config(FULL_BF16, WORKLOAD, fmt="json", summary={"config": {}})
+
+
+@pytest.mark.parametrize("fmt", ["yaml", "accelerate", "lightning"])
+def test_yaml_formats_say_what_is_trained_in_their_header(fmt: str) -> None:
+    text = export_config(LORA, WORKLOAD, fmt=fmt, summary={"study": "demo"})
+    header = [line for line in text.splitlines() if line.startswith("#")]
+    assert "# trains: LoRA r=8 adapters only, on c_attn (PEFT's default targets for gpt2), trained in fp32" in header
+    assert any(line.startswith("# LoRA: rank 8, alpha 16") for line in header)
+    assert any("micro batch: 4 per rank" in line for line in header)
+    assert "# study: demo" in header
+    full = export_config(FULL_BF16, WORKLOAD, fmt=fmt)
+    assert "# trains: all weights trained in bf16 mixed precision" in full.splitlines()
+    assert "# LoRA: off (all weights trained)" in full.splitlines()
+
+
+# -- DeepSpeed --------------------------------------------------------------------------------
+# deepspeed.initialize in a fresh process: it joins a process group and sets global state.
+_DEEPSPEED_INIT = textwrap.dedent("""
+    import json, sys
+    import deepspeed, torch
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    seen = []
+    for path in sys.argv[1:]:
+        model = torch.nn.Linear(8, 8)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=path)
+        dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+        batch = torch.randn(engine.train_micro_batch_size_per_gpu(), 8, dtype=dtype)
+        engine.backward(engine(batch).float().square().mean())
+        engine.step()
+        seen.append({"micro": engine.train_micro_batch_size_per_gpu(),
+                     "accum": engine.gradient_accumulation_steps(),
+                     "stage": engine.zero_optimization_stage(), "bf16": engine.bfloat16_enabled(),
+                     "offload_optimizer": engine.zero_offload_optimizer() is not None,
+                     "offload_params": engine.zero_offload_param() is not None})
+    print("RESULT " + json.dumps(seen))
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_deepspeed_export_initialises_a_deepspeed_engine(tmp_path: Path) -> None:
+    configs = [FULL_BF16, ZERO2_OFFLOAD, ZERO3_OFFLOAD_ALL]
+    paths = []
+    for i, config in enumerate(configs):
+        (tmp_path / str(i)).mkdir()
+        paths.append(str(_write(tmp_path / str(i), config, "deepspeed")))
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    proc = subprocess.run([sys.executable, "-c", _DEEPSPEED_INIT, *paths], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    seen = json.loads(result.removeprefix("RESULT "))
+    assert seen == [
+        {"micro": c.micro_batch, "accum": c.grad_accum_steps(WORKLOAD), "stage": c.zero_stage or 0,
+         "bf16": c.precision == "bf16", "offload_optimizer": c.offload != "none",
+         "offload_params": c.offload == "optimizer+params"}
+        for c in configs]
+
+
+def test_deepspeed_buckets_follow_the_model_width_when_its_config_is_readable() -> None:
+    zero = json.loads(export_config(ZERO2_OFFLOAD, WORKLOAD, fmt="deepspeed"))["zero_optimization"]
+    assert zero["reduce_bucket_size"] == GPT2_TINY_WIDTH ** 2
+    factory = WORKLOAD.replace(model="factories:tiny")  # not imported: its width is unknown
+    zero = json.loads(export_config(ZERO2_OFFLOAD, factory, fmt="deepspeed"))["zero_optimization"]
+    assert "reduce_bucket_size" not in zero and zero["stage"] == 2
+
+
+# -- Hugging Face TrainingArguments -----------------------------------------------------------
+@pytest.fixture
+def _fresh_accelerate_state() -> Any:
+    """TrainingArguments sets Accelerate's process-wide state; leave none behind for other tests."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.usefixtures("_fresh_accelerate_state")
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing:FutureWarning")
+@pytest.mark.parametrize("config", [FULL_BF16, ZERO2_OFFLOAD, LORA], ids=["bf16", "zero2", "lora"])
+def test_hf_export_builds_training_arguments(tmp_path: Path, config: TrialConfig) -> None:
+    from transformers import TrainingArguments
+
+    kwargs = json.loads(export_config(config, WORKLOAD, fmt="hf", device_type="cpu"))
+    args = TrainingArguments(output_dir=str(tmp_path), **kwargs)
+    assert args.per_device_train_batch_size == config.micro_batch
+    assert args.gradient_accumulation_steps == config.grad_accum_steps(WORKLOAD)
+    assert args.gradient_checkpointing is config.checkpointing
+    assert args.bf16 is (config.precision == "bf16")
+    assert args.use_cpu is True
+    if not config.uses_deepspeed:
+        assert args.deepspeed is None
+        return
+    ds = args.hf_deepspeed_config.config  # the "auto" values, filled in by TrainingArguments
+    assert ds["zero_optimization"]["stage"] == config.zero_stage
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["train_micro_batch_size_per_gpu"] == config.micro_batch
+    assert ds["train_batch_size"] == WORKLOAD.global_batch
+    assert ds["optimizer"]["params"]["lr"] == args.learning_rate
+    assert args.deepspeed_plugin.zero_stage == config.zero_stage
+
+
+# -- PEFT -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("config", "workload", "targets", "task_type"), [
+    (LORA, WORKLOAD, {"c_attn"}, "CAUSAL_LM"),  # PEFT's default for gpt2, named: what the trials adapted
+    (LORA.replace(lora_alpha=4, lora_targets=("c_attn", "c_proj")), WORKLOAD, {"c_attn", "c_proj"},
+     "CAUSAL_LM"),
+    (LORA.replace(lora_targets=("all-linear",)), Workload(model="builtin:bert-tiny"), "all-linear",
+     "SEQ_CLS"),
+], ids=["default-targets", "named-targets", "all-linear-seq-cls"])
+def test_peft_export_loads_as_lora_config(tmp_path: Path, config: TrialConfig, workload: Workload,
+                                          targets: Any, task_type: str) -> None:
+    from peft import LoraConfig
+
+    _write(tmp_path, config, "peft", workload=workload)
+    lora = LoraConfig.from_pretrained(str(tmp_path))
+    assert (lora.r, lora.lora_alpha) == (config.lora_rank, config.effective_lora_alpha)
+    assert lora.target_modules == targets
+    assert lora.task_type == task_type
+
+
+def test_peft_export_applies_to_the_workload_model(tmp_path: Path) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from autotune.models.sources import build_model
+
+    _write(tmp_path, LORA, "peft")
+    model = get_peft_model(build_model(WORKLOAD, task="causal-lm", device=torch.device("cpu")),
+                           LoraConfig.from_pretrained(str(tmp_path)))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+
+
+def test_peft_export_refuses_a_config_without_lora() -> None:
+    with pytest.raises(ConfigError, match=r"--format peft: .*no LoRA.*--space lora"):
+        export_config(FULL_BF16, WORKLOAD, fmt="peft")
+
+
+# -- Accelerate -------------------------------------------------------------------------------
+@pytest.mark.parametrize(("config", "workload", "device_type", "distributed", "precision"), [
+    (FULL_BF16, WORKLOAD, "cpu", "NO", "bf16"),
+    (FULL_BF16, WORKLOAD.replace(nproc=2), "cpu", "MULTI_CPU", "bf16"),
+    (LORA.replace(micro_batch=2, precision="fp16"), WORKLOAD.replace(nproc=2), "cuda", "MULTI_GPU", "fp16"),
+    (ZERO3_OFFLOAD_ALL.replace(micro_batch=4), WORKLOAD.replace(nproc=2), "cuda", "DEEPSPEED", "no"),
+], ids=["single-cpu", "multi-cpu", "multi-gpu", "zero3"])
+def test_accelerate_export_loads_as_accelerate_config(tmp_path: Path, config: TrialConfig,
+                                                      workload: Workload, device_type: str, distributed: str,
+                                                      precision: str) -> None:
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DeepSpeedPlugin
+
+    loaded = load_config_from_file(str(_write(tmp_path, config, "accelerate", workload=workload,
+                                              device_type=device_type)))
+    assert loaded.distributed_type.value == distributed
+    assert loaded.mixed_precision == precision
+    assert loaded.num_processes == workload.nproc
+    assert loaded.use_cpu is (device_type == "cpu")
+    if not config.uses_deepspeed:
+        assert loaded.deepspeed_config == {}
+        return
+    # `accelerate launch` hands these keys to DeepSpeedPlugin; it must accept every one.
+    plugin = DeepSpeedPlugin(**loaded.deepspeed_config)
+    zero = plugin.deepspeed_config["zero_optimization"]
+    assert zero["stage"] == config.zero_stage == 3
+    assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
+    assert plugin.deepspeed_config["gradient_accumulation_steps"] == config.grad_accum_steps(workload)
+    assert plugin.zero3_init_flag is True
+
+
+# -- Lightning --------------------------------------------------------------------------------
+def _lightning_kwargs(config: TrialConfig, *, device_type: str,
+                      workload: Workload = WORKLOAD) -> dict[str, Any]:
+    text = export_config(config, workload, fmt="lightning", device_type=device_type)
+    return yaml.safe_load(text)["trainer"]
+
+
+def _trainer(tmp_path: Path, **kwargs: Any) -> Any:
+    import lightning.pytorch as pl
+
+    return pl.Trainer(**kwargs, default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False)
+
+
+def test_lightning_export_builds_a_trainer(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, **_lightning_kwargs(FULL_BF16, device_type="cpu"))
+    assert trainer.accumulate_grad_batches == FULL_BF16.grad_accum_steps(WORKLOAD)
+    assert trainer.precision == "bf16-mixed"
+    assert type(trainer.strategy).__name__ == "SingleDeviceStrategy"
+
+
+def test_lightning_deepspeed_export_builds_a_trainer(tmp_path: Path) -> None:
+    kwargs = _lightning_kwargs(ZERO2_OFFLOAD, device_type="cuda")
+    assert kwargs.pop("accelerator") == "gpu"
+    trainer = _trainer(tmp_path, accelerator="cpu", **kwargs)  # builds on a CPU; only fit() needs CUDA
+    assert trainer.accumulate_grad_batches == ZERO2_OFFLOAD.grad_accum_steps(WORKLOAD)
+    assert trainer.precision == "32-true"
+    zero = trainer.strategy.config["zero_optimization"]
+    assert zero["stage"] == 2 and zero["offload_optimizer"]["device"] == "cpu"
+
+
+def test_lightning_deepspeed_on_a_cpu_is_refused() -> None:
+    # Lightning builds such a Trainer but fit() raises "only supported on CUDA GPUs".
+    with pytest.raises(ConfigError, match=r"--format lightning: .*--zero-stage 2 .*CUDA.*accelerate"):
+        export_config(ZERO2_OFFLOAD, WORKLOAD, fmt="lightning", device_type="cpu")
+
+
+@pytest.mark.parametrize(("config", "strategy"), [
+    (TrialConfig(micro_batch=2, zero_stage=1), "deepspeed_stage_1"),
+    (ZERO3_OFFLOAD_ALL, "deepspeed_stage_3_offload"),
+    (FULL_BF16, "ddp"),
+])
+def test_lightning_strategy_names_are_registered(config: TrialConfig, strategy: str) -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    kwargs = _lightning_kwargs(config, device_type="cuda", workload=WORKLOAD.replace(nproc=2))
+    assert kwargs["strategy"] == strategy and kwargs["devices"] == 2
+    assert strategy in StrategyRegistry
+
+
+@pytest.mark.parametrize("config", [
+    TrialConfig(micro_batch=2, zero_stage=0),
+    TrialConfig(micro_batch=2, zero_stage=3, offload="optimizer"),
+], ids=["stage0", "zero3-optimizer-offload"])
+def test_lightning_deepspeed_without_a_registered_name_uses_class_path(tmp_path: Path,
+                                                                       config: TrialConfig) -> None:
+    import importlib
+
+    kwargs = _lightning_kwargs(config, device_type="cuda")
+    spec = kwargs.pop("strategy")
+    module, _, name = spec["class_path"].rpartition(".")
+    strategy = getattr(importlib.import_module(module), name)(**spec["init_args"])  # what LightningCLI does
+    trainer = _trainer(tmp_path, **{**kwargs, "accelerator": "cpu"}, strategy=strategy)
+    zero = trainer.strategy.config["zero_optimization"]
+    assert zero["stage"] == config.zero_stage
+    assert ("offload_optimizer" in zero) == (config.offload != "none")
+    assert "offload_param" not in zero
+
+
+def test_lightning_tf32_stays_32_true_and_says_how_to_enable_tf32() -> None:
+    text = export_config(TrialConfig(micro_batch=4, precision="tf32"), WORKLOAD, fmt="lightning")
+    assert yaml.safe_load(text)["trainer"]["precision"] == "32-true"
+    assert 'torch.set_float32_matmul_precision("high")' in text

@@ -1,0 +1,256 @@
+"""Search spaces: every preset loads, the schema refuses bad files by name, and the proposer's rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.config.device import DeviceInfo
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.errors import ConfigError
+from autotune.estimate.estimator import MemoryEstimate
+from autotune.search.proposer import Proposer, implied_too_big
+from autotune.search.space import load_space, preset_names
+from autotune.study.summary import TrialRecord
+
+CPU = DeviceInfo("cpu", "test-cpu", 1, 16 * 2**30, bf16=True, fp16_deepspeed=False)
+GPU = DeviceInfo("cuda", "test-gpu", 2, 80 * 2**30, bf16=True, fp16_deepspeed=True)
+
+
+@pytest.mark.parametrize("name", ["default", "lora", "quick", "zero"])
+def test_every_preset_loads_and_round_trips_its_configs(name):
+    assert name in preset_names()
+    space = load_space(name)
+    # zero on one CPU rank: sharding over one rank saves nothing, offloading to the CPU neither
+    for device, nproc in ((CPU, 1), (CPU, 2), (GPU, 2)) if name != "zero" else ((CPU, 2), (GPU, 1), (GPU, 2)):
+        workload = Workload(global_batch=16, nproc=nproc)
+        configs = space.candidates(workload, device)
+        assert configs, f"{name} has nothing to run on {device.type}"
+        assert len(set(configs)) == len(configs)
+        for config in configs:
+            config.validate_for(workload, device)
+            assert space.config_of(space.params_of(config)) == config
+
+
+def test_presets_move_precision_and_lora_only_where_they_say():
+    default, lora, quick = (load_space(n).candidates(Workload(), GPU) for n in ("default", "lora", "quick"))
+    assert not any(c.uses_lora for c in default + quick)
+    assert all(c.uses_lora for c in lora)
+    assert {c.precision for c in default} == {"fp32", "tf32", "bf16", "fp16"}
+    assert len(quick) < len(default) and load_space("quick").n_trials < load_space("default").n_trials
+
+
+def test_precisions_the_device_lacks_are_dropped():
+    precisions = {c.precision for c in load_space("default").candidates(Workload(), CPU)}
+    assert "tf32" not in precisions and "fp32" in precisions
+    # DeepSpeed's CPU accelerator has no fp16 here: no fp16 + ZeRO pair survives.
+    assert not any(c.precision == "fp16" and c.uses_deepspeed for c in load_space("default").candidates(Workload(), CPU))
+
+
+def test_zero_only_where_it_means_something_for_the_rank_count():
+    space = load_space("default")
+    one_rank = space.candidates(Workload(nproc=1), GPU)
+    two_ranks = space.candidates(Workload(nproc=2), GPU)
+    assert all(c.offload != "none" for c in one_rank if c.uses_deepspeed)  # sharding over one rank saves nothing
+    assert any(c.zero_stage == 2 and c.offload == "none" for c in two_ranks)
+    assert {c.micro_batch for c in two_ranks} == {1, 2, 4, 8}  # divisors of 16 / 2 ranks
+
+
+def test_offload_means_nothing_when_the_device_is_the_cpu():
+    space = load_space("default")
+    on_cpu = space.candidates(Workload(nproc=2), CPU)
+    assert {c.offload for c in on_cpu} == {"none"} and any(c.zero_stage == 3 for c in on_cpu)
+    assert {c.offload for c in space.candidates(Workload(nproc=2), GPU)} == {"none", "optimizer", "optimizer+params"}
+    assert all(not c.uses_deepspeed for c in space.candidates(Workload(nproc=1), CPU))  # nothing left to shard
+    assert space.dropped_knobs(Workload(nproc=2), CPU) == [
+        "offload optimizer, optimizer+params: the device is the CPU, and offloading from the CPU to the CPU changes nothing"]
+    assert space.dropped_knobs(Workload(nproc=2), GPU) == []
+    with pytest.raises(ConfigError, match=r"zero: .*no pair means something on 1 rank\(s\) of a cpu .*offloading to the "
+                                          r"CPU changes nothing\); add off to zero_stage"):
+        load_space("zero").candidates(Workload(nproc=1), CPU)
+
+
+def test_checkpointing_is_dropped_for_a_factory_model_without_it():
+    space = load_space("quick")
+    plain = Workload(model="factories:tiny", global_batch=4, seq_len=8)  # TinyLM: no gradient_checkpointing_enable()
+    assert {c.checkpointing for c in space.candidates(plain, CPU)} == {False}
+    assert space.choices(plain, CPU)["checkpointing"] == (False,)
+    assert space.dropped_knobs(plain, CPU) == [
+        "checkpointing on: the model from --model factories:tiny has no gradient_checkpointing_enable()"]
+    able = plain.replace(model="factories:checkpointable")
+    assert {c.checkpointing for c in space.candidates(able, CPU)} == {False, True}
+    assert space.dropped_knobs(able, CPU) == []
+    assert {c.checkpointing for c in space.candidates(Workload(), CPU)} == {False, True}  # a Hugging Face model
+
+
+def test_a_space_of_checkpointing_only_is_refused_for_a_model_without_it(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text("knobs:\n  checkpointing: [true]\n")
+    with pytest.raises(ConfigError, match=r"knobs.checkpointing \[true\]: the model from --model factories:tiny has "
+                                          r"no gradient_checkpointing_enable\(\); add false"):
+        load_space(str(path)).candidates(Workload(model="factories:tiny", global_batch=4, seq_len=8), CPU)
+
+
+def test_missing_checkpointing_reads_the_model_class_without_building_a_model():
+    from autotune.prepare.checkpointing import missing_checkpointing
+
+    assert missing_checkpointing(Workload(model="builtin:llama2-7b")) is None  # a 7B model: no time to build it
+    assert missing_checkpointing(Workload(model="factories:mlp", seq_len=8)) == (
+        "the model from --model factories:mlp has no gradient_checkpointing_enable()")
+    assert missing_checkpointing(Workload(model="factories:broken", seq_len=8)) is None  # unknown: its trials say
+
+
+def test_a_users_file(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("n_trials: 4\nknobs:\n  micro_batch: [2, 4]\n  checkpointing: [on, off]\n"
+                    "  lora_rank: [off, 8]\n  lora_targets: ['q_proj,v_proj']\n")
+    space = load_space(str(path))
+    configs = space.candidates(Workload(model="builtin:llama-tiny"), CPU)
+    assert space.n_trials == 4 and len(configs) == 8
+    assert {c.lora_targets for c in configs if c.uses_lora} == {("q_proj", "v_proj")}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("knobs:\n  micro_batchs: [1]\n", "unknown knob 'micro_batchs'; knobs: micro_batch, precision"),
+    ("knobs:\n  precision: [fp8]\n", "knobs.precision: 'fp8' is not allowed; allowed: a list of fp32, tf32, fp16, bf16"),
+    ("knobs:\n  micro_batch: [0]\n", "knobs.micro_batch: 0 is not allowed"),
+    ("knobs:\n  zero_stage: [4]\n", "knobs.zero_stage: 4 is not allowed; allowed: a list of off, 0, 1, 2, 3"),
+    ("knobs:\n  checkpointing: [maybe]\n", "knobs.checkpointing: 'maybe' is not allowed"),
+    ("knobs:\n  lora_rank: [8]\n  lora_alpha: [16, 32]\n", "knobs.lora_alpha: [16, 32] is not allowed"),
+    ("knobs:\n  offload: []\n", "knobs.offload is empty"),
+    ("knob:\n  precision: [fp32]\n", "unknown key 'knob'; allowed: description, knobs, n_trials, patience"),
+    ("n_trials: 0\nknobs:\n  precision: [fp32]\n", "n_trials: 0 must be a whole number of at least 1"),
+    ("- fp32\n", "a search space is a mapping"),
+    ("knobs: [\n", "not valid YAML (line"),
+])
+def test_bad_files_are_refused_naming_the_file_and_the_key(tmp_path, text, message):
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_space(str(path))
+    assert str(path) in str(info.value) and message in str(info.value)
+
+
+def test_values_that_cannot_run_here_are_refused_when_the_workload_is_known(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text("knobs:\n  micro_batch: [3]\n")
+    with pytest.raises(ConfigError, match=r"micro_batch \[3\] do not divide the per-rank batch 16"):
+        load_space(str(path)).candidates(Workload(global_batch=16), CPU)
+    path.write_text("knobs:\n  precision: [tf32]\n")
+    with pytest.raises(ConfigError, match="none of them trains on test-cpu"):
+        load_space(str(path)).candidates(Workload(), CPU)
+
+
+def test_unknown_preset_and_missing_file():
+    with pytest.raises(ConfigError, match="--space nope: no such preset; use one of default, lora, quick, zero"):
+        load_space("nope")
+    with pytest.raises(ConfigError, match="--space missing.yaml: no such file"):
+        load_space("missing.yaml")
+
+
+# -- the proposer ----------------------------------------------------------------------------------
+def _record(number: int, config: TrialConfig, status: str, *, tokens: float | None = None,
+            fits: bool = False) -> TrialRecord:
+    return TrialRecord(number=number, config=config, status=status, tokens_per_s=tokens, fits=fits)
+
+
+def test_implied_out_of_memory():
+    oom = TrialConfig(micro_batch=4)
+    assert implied_too_big(TrialConfig(micro_batch=8), [oom])
+    assert not implied_too_big(TrialConfig(micro_batch=2), [oom])
+    assert not implied_too_big(TrialConfig(micro_batch=8, checkpointing=True), [oom])  # other knobs differ
+
+
+def _proposer(tmp_path, text: str, **kwargs) -> Proposer:
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    return Proposer(load_space(str(path)), Workload(global_batch=16), CPU, **kwargs)
+
+
+TWO_KNOBS = "knobs:\n  micro_batch: [2, 4, 8, 16]\n  checkpointing: [false, true]\n"
+
+
+def test_without_an_estimator_the_proposer_bisects_micro_batches_retries_and_never_repeats(tmp_path):
+    proposer = _proposer(tmp_path, TWO_KNOBS)
+    # Nothing known: the family ranked first (no checkpointing) is bisected: the middle size first.
+    assert proposer.next_config([]) == TrialConfig(micro_batch=4)
+
+    interrupted = TrialConfig(micro_batch=8)
+    records = [_record(0, TrialConfig(micro_batch=4), "ok", tokens=10, fits=True), _record(1, interrupted, "interrupted")]
+    assert proposer.next_config(records) == interrupted
+
+    # mb=4 fit, so the bisection goes up: mb=8 (between the fit and the unknown top).
+    records = [_record(0, TrialConfig(micro_batch=4), "ok", tokens=10, fits=True)]
+    assert proposer.next_config(records) == TrialConfig(micro_batch=8)
+    # mb=8 ran out of memory: mb=16 is implied, never proposed; the frontier of no-ckpt is known.
+    records.append(_record(1, TrialConfig(micro_batch=8), "oom"))
+    seen = {r.config for r in records}
+    while (config := proposer.next_config(records)) is not None:
+        assert config not in seen and config != TrialConfig(micro_batch=16)
+        seen.add(config)
+        fits = config.micro_batch <= 8
+        records.append(_record(len(records), config, "ok" if fits else "oom", tokens=config.micro_batch, fits=fits))
+    assert TrialConfig(micro_batch=16, checkpointing=True) in seen
+
+
+def test_with_an_estimator_the_first_proposal_is_the_frontier_of_the_fastest_family(tmp_path):
+    MiB = 2**20
+    asked = []
+
+    def estimate(config: TrialConfig) -> MemoryEstimate:  # 4 MiB of states; a sample: 10 MiB, 4 with ckpt
+        asked.append(config)
+        per_sample = (4 if config.checkpointing else 10) * MiB
+        return MemoryEstimate(config=config, predicted_peak_bytes=4 * MiB + config.micro_batch * per_sample,
+                              parameters_bytes=MiB, gradients_bytes=MiB, optimizer_state_bytes=2 * MiB,
+                              activations_bytes=config.micro_batch * per_sample, temporaries_bytes=0,
+                              overhead_bytes=None, method="test", seconds=0.0)
+
+    proposer = _proposer(tmp_path, TWO_KNOBS, estimator=estimate, limit_bytes=50 * MiB, margin=0.05)
+    # no ckpt: mb=4 (44 MiB) fits, mb=8 (84) does not. Ranked against ckpt's frontier mb=8 (36 MiB),
+    # the prior puts no-ckpt mb=4 first (checkpointing costs ~30% of the throughput).
+    assert proposer.next_config([]) == TrialConfig(micro_batch=4)
+    # One estimate: the middle (mb=4) fits, and the straight line through it puts mb=8 (84 MiB)
+    # clearly over the limit, so it is not estimated; nor is the family ranked second.
+    assert asked == [TrialConfig(micro_batch=4)]
+    # It ran out of memory anyway (an under-estimate): the estimator's frontier gives way to the trial.
+    records = [_record(0, TrialConfig(micro_batch=4), "oom")]
+    assert proposer.next_config(records) == TrialConfig(micro_batch=8, checkpointing=True)
+    # Measured: checkpointing ran 3x faster than the prior expects; its family goes first from now on.
+    records.append(_record(1, TrialConfig(micro_batch=8, checkpointing=True), "ok", tokens=300, fits=True))
+    records.append(_record(2, TrialConfig(micro_batch=2), "ok", tokens=50, fits=True))
+    assert proposer.next_config(records) == TrialConfig(micro_batch=4, checkpointing=True)
+    calls = len(asked)
+    proposer.next_config(records)
+    assert len(asked) == calls  # each estimate is asked once
+
+
+def test_the_throughput_model_starts_from_its_priors_and_follows_the_measurements(tmp_path):
+    from autotune.search.throughput import ThroughputModel
+
+    space = _proposer(tmp_path, TWO_KNOBS).space
+    model = ThroughputModel(space.params_of, {"fp32": 1.0, "bf16": 4.0})  # probed: bf16 matmuls 4x fp32's
+    plain, ckpt = TrialConfig(micro_batch=4), TrialConfig(micro_batch=4, checkpointing=True)
+    bf16 = TrialConfig(micro_batch=4, precision="bf16")
+    assert model.predict(plain) > model.predict(ckpt)                        # recompute costs
+    assert model.predict(TrialConfig(micro_batch=8)) > model.predict(plain)  # a larger micro batch fills the device
+    assert model.predict(bf16) > model.predict(plain)                        # what the probe measured
+    assert ThroughputModel(space.params_of, {"fp32": 1.0, "bf16": 0.2}).predict(bf16) \
+        < ThroughputModel(space.params_of, {"fp32": 1.0, "bf16": 0.2}).predict(plain)  # emulated, slowly
+    unprobed = ThroughputModel(space.params_of)                              # no probe: nothing assumed
+    assert unprobed.predict(bf16) == unprobed.predict(plain)
+    # Measured: checkpointing ran faster than the plain step at every size (some models do).
+    model.fit([(TrialConfig(micro_batch=2), 100.0), (TrialConfig(micro_batch=2, checkpointing=True), 300.0),
+               (TrialConfig(micro_batch=8), 150.0), (TrialConfig(micro_batch=8, checkpointing=True), 450.0)])
+    assert model.predict(ckpt) > model.predict(plain)
+
+
+def test_a_space_none_of_whose_configs_can_run_here_says_why(tmp_path):
+    from autotune.config.workload import Workload
+    from autotune.errors import ConfigError
+    from autotune.search.space import load_space
+
+    (tmp_path / "fp16_zero.yaml").write_text("knobs:\n  micro_batch: [2]\n  precision: [fp16]\n  zero_stage: [2]\n")
+    space = load_space(tmp_path / "fp16_zero.yaml")
+    with pytest.raises(ConfigError, match="no config of this space can run here: --precision fp16 with --zero-stage"):
+        space.candidates(Workload(model="builtin:gpt2-tiny", nproc=2), CPU)
+    assert space.candidates(Workload(model="builtin:gpt2-tiny", nproc=2), GPU)  # where DeepSpeed trains fp16

@@ -1,0 +1,201 @@
+"""The driver's rules without running trials: when to stop, what ranks first, what is best."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.config.knobs import TrialConfig
+from autotune.search.tuner import _stop_reason, tune
+from autotune.study.records import ranking
+from autotune.study.summary import TrialRecord
+
+
+def _ok(number: int, micro_batch: int, tokens: float, *, fits: bool = True, **confirm) -> TrialRecord:
+    return TrialRecord(number=number, config=TrialConfig(micro_batch=micro_batch), status="ok",
+                       tokens_per_s=tokens, fits=fits, **confirm)
+
+
+def _failed(number: int, status: str, error: str = "boom") -> TrialRecord:
+    return TrialRecord(number=number, config=TrialConfig(micro_batch=number + 1), status=status, error=error)
+
+
+def test_stop_on_trial_count_counting_only_measured_trials():
+    records = [_ok(0, 1, 10), TrialRecord(number=1, config=TrialConfig(micro_batch=2), status="interrupted"),
+               _ok(2, 4, 20)]
+    assert _stop_reason(records, target=3, patience=None, timeout_s=None, elapsed_s=0) is None
+    assert "2 trials measured (--n-trials 2)" in _stop_reason(records, target=2, patience=None, timeout_s=None,
+                                                             elapsed_s=0)
+
+
+def test_stop_on_time():
+    assert _stop_reason([], target=5, patience=None, timeout_s=60, elapsed_s=59) is None
+    assert _stop_reason([], target=5, patience=None, timeout_s=60, elapsed_s=60) == "--timeout 60 s reached"
+
+
+def test_stop_on_patience_counts_trials_since_the_last_faster_fit():
+    records = [_ok(0, 1, 10), _ok(1, 2, 30), _failed(2, "oom"), _ok(3, 4, 50, fits=False), _ok(4, 8, 20)]
+    # Since the best fit (trial 1): an OOM, one over the limit (faster but does not fit), a slower one.
+    assert _stop_reason(records, target=99, patience=4, timeout_s=None, elapsed_s=0) is None
+    assert "in the last 3 trials (--patience 3)" in _stop_reason(records, target=99, patience=3, timeout_s=None,
+                                                                 elapsed_s=0)
+
+
+def test_stop_when_every_trial_fails_with_the_same_workload_error():
+    one = [_failed(0, "error", "Traceback\nValueError: factory exploded")]
+    assert _stop_reason(one, target=9, patience=None, timeout_s=None, elapsed_s=0) is None
+    two = one + [_failed(1, "crashed", "trial process killed by SIGSEGV")]
+    reason = _stop_reason(two, target=9, patience=None, timeout_s=None, elapsed_s=0)
+    assert "every trial so far ended in crashed (trial process killed by SIGSEGV)" in reason
+    # An OOM says something about the config, not the workload: keep searching.
+    assert _stop_reason(one + [_failed(1, "oom")], target=9, patience=None, timeout_s=None, elapsed_s=0) is None
+
+
+def test_ranking_compares_first_figures_and_drops_refuted_configs():
+    # A re-run measures 3x the steps and reads lower on a busy machine: first figures rank, alike.
+    confirmed = _ok(0, 16, 100, confirmed=True, confirmed_tokens_per_s=85)
+    steady = _ok(1, 8, 90)
+    refuted = _ok(2, 4, 120, confirmed=False)
+    too_big = _ok(3, 2, 150, fits=False)
+    assert [r.number for r in ranking([confirmed, steady, refuted, too_big])] == [0, 1]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n_trials": 0}, "--n-trials 0 must be a number of at least 1"),
+    ({"timeout_s": 0}, "--timeout 0 must be a number of at least 1"),
+    ({"trial_timeout_s": -1}, "--trial-timeout -1"),
+    ({"patience": 0}, "--patience 0"),
+    ({"headroom": 0.95}, "--headroom 0.95 must be a fraction from 0 to 0.9"),
+    ({"measure_steps": 0}, "--steps 0"),
+])
+def test_bad_numbers_are_refused_before_anything_starts(tmp_path, kwargs, message):
+    from autotune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        tune(study="s", storage=f"sqlite:///{tmp_path}/db.sqlite", **kwargs)
+    assert not (tmp_path / "db.sqlite").exists()  # nothing half-written
+
+
+class ScriptedBackend:
+    """Trials answered from a table: first figures per micro batch, then each re-run's figure in turn
+    (a list per micro batch: noisy conditions scripted run by run), or a status for a failing re-run."""
+
+    def __init__(self, first: dict[int, float], reruns: dict[int, list], probe: dict | None = None,
+                 precision_factor: dict[str, float] | None = None) -> None:
+        self.first, self.reruns, self.runs = first, {k: list(v) for k, v in reruns.items()}, []
+        self.probed, self._probe, self._factor = [], probe, precision_factor or {}
+
+    def run(self, workload, config, *, measure_steps, **_):
+        from autotune.trial.result import TrialResult, TrialStatus
+
+        confirming = measure_steps > 3
+        self.runs.append((config.micro_batch, confirming) if not self._factor else (config, confirming))
+        tokens = self.reruns[config.micro_batch].pop(0) if confirming else self.first[config.micro_batch]
+        if tokens == "oom":
+            return TrialResult(config=config, status=TrialStatus.OOM, peak_memory_bytes=2**31)
+        tokens *= self._factor.get(config.precision, 1.0)
+        return TrialResult(config=config, status=TrialStatus.OK, tokens_per_s=tokens, peak_memory_bytes=2**20,
+                           measured_steps=measure_steps)
+
+    def estimate(self, workload, config):
+        return None
+
+    def probe(self, precisions):
+        self.probed.append(precisions)
+        return self._probe
+
+
+def _tune(tmp_path, backend, knobs="  micro_batch: [1, 2, 4]\n  precision: [fp32]\n", **kwargs):
+    from autotune.config.workload import Workload
+    from autotune.search.space import load_space
+
+    (tmp_path / "space.yaml").write_text("knobs:\n" + knobs + "  checkpointing: [false]\n")
+    return tune(study="s", workload=Workload(model="builtin:gpt2-tiny"), space=load_space(tmp_path / "space.yaml"),
+                memory_budget_bytes=2**30, storage=f"sqlite:///{tmp_path}/db.sqlite", estimate=False,
+                backend=backend, **kwargs)
+
+
+def _confirming(backend):
+    return [size for size, confirming in backend.runs if confirming]
+
+
+def test_close_candidates_are_re_run_interleaved_and_ranked_by_paired_figures(tmp_path):
+    # First figures: mb=4 100, mb=2 90 (within 30%: both contend), mb=1 50 (not). The machine gets
+    # twice as busy for the second round; mb=2 is ahead of mb=4 in each round all the same.
+    backend = ScriptedBackend(first={1: 50.0, 2: 90.0, 4: 100.0}, reruns={4: [60.0, 30.0], 2: [75.0, 36.0]})
+    summary = _tune(tmp_path, backend)
+    assert _confirming(backend) == [4, 2, 4, 2]  # A B A B: each round under the same conditions
+    assert summary.best.config.micro_batch == 2
+    assert "clearly faster than the runner-up mb=4 fp32" in summary.certainty
+    assert "ahead in 2 of 2 rounds" in summary.certainty
+    four = next(t for t in summary.trials if t.config.micro_batch == 4)
+    assert four.confirmed is True and four.decided_rank == 1  # slower, still fits: demoted, not refuted
+
+
+def test_a_machine_that_slows_down_between_rounds_does_not_flip_the_answer(tmp_path):
+    # Round 2 reads half of round 1 for both: mb=4's round-2 figure (50) is below everything mb=2
+    # ever read, yet paired with mb=2's (45) it is still ahead.
+    backend = ScriptedBackend(first={1: 50.0, 2: 90.0, 4: 100.0}, reruns={4: [100.0, 50.0], 2: [90.0, 45.0]})
+    summary = _tune(tmp_path, backend)
+    assert summary.best.config.micro_batch == 4
+
+
+def test_a_slow_re_run_never_turns_a_config_that_fits_into_no_answer(tmp_path):
+    # A busy machine: the only candidate re-runs at a tenth of its first figure. It still fits.
+    backend = ScriptedBackend(first={1: 100.0}, reruns={1: [10.0]})
+    summary = _tune(tmp_path, backend, knobs="  micro_batch: [1]\n  precision: [fp32]\n")
+    assert summary.best is not None and summary.best.config.micro_batch == 1
+    assert summary.best.confirmed_tokens_per_s == 10.0   # reported as re-measured, not hidden
+
+
+def test_a_re_run_that_runs_out_of_memory_refutes_its_candidate(tmp_path):
+    backend = ScriptedBackend(first={1: 50.0, 2: 90.0, 4: 100.0}, reruns={4: ["oom"], 2: [80.0, 82.0]})
+    summary = _tune(tmp_path, backend)
+    assert _confirming(backend) == [4, 2, 2]  # refuted mb=4 is not timed again
+    assert summary.best.config.micro_batch == 2
+    four = next(t for t in summary.trials if t.config.micro_batch == 4)
+    assert four.confirmed is False
+
+
+def test_optuna_best_trial_names_the_answer_and_follows_a_new_decision(tmp_path):
+    import optuna
+
+    # mb=4 reads fastest first but loses the paired re-runs: Optuna's best_trial must not name it.
+    backend = ScriptedBackend(first={1: 50.0, 2: 90.0, 4: 100.0}, reruns={4: [60.0, 30.0], 2: [75.0, 36.0]})
+    summary = _tune(tmp_path, backend, n_trials=2)
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path}/db.sqlite")
+    best = study.best_trial
+    assert best.params["micro_batch"] == summary.best.config.micro_batch == 2
+    assert best.value == summary.best.confirmed_tokens_per_s
+    assert summary.n_trials == 2  # the answer's own trial is not a measurement
+    # Resumed with one more trial: mb=1 is measured, far slower, so mb=2 stays; then mb=1 is made
+    # the fastest by a new decision: best_trial follows.
+    backend.first[1] = 120.0
+    backend.reruns.update({1: [200.0, 200.0], 2: [70.0, 70.0], 4: [60.0, 60.0]})
+    summary = _tune(tmp_path, backend, n_trials=3)
+    assert summary.best.config.micro_batch == 1
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path}/db.sqlite")
+    assert study.best_trial.params["micro_batch"] == 1
+
+
+def test_patience_waits_until_every_precision_was_measured_once(tmp_path):
+    # The probe says bf16 matmuls crawl here (0.1x), so the model ranks every bf16 config last;
+    # yet bf16 trains 1.5x faster on this (scripted) device. Patience 1 would stop after the first
+    # slower fp32 trial: a bf16 config is measured first, then the model follows it.
+    backend = ScriptedBackend(first={1: 50.0, 2: 90.0, 4: 100.0}, reruns={4: [150.0] * 2, 2: [135.0] * 2},
+                              probe={"fp32": 1.0, "bf16": 0.1}, precision_factor={"bf16": 1.5})
+    summary = _tune(tmp_path, backend, knobs="  micro_batch: [1, 2, 4]\n  precision: [fp32, bf16]\n", patience=1)
+    measured = [config.precision for config, confirming in backend.runs if not confirming]
+    assert "bf16" in measured
+    assert backend.probed == [["fp32", "bf16"]] or backend.probed == [["bf16", "fp32"]]
+    assert summary.best.config.precision == "bf16"
+    _tune(tmp_path, backend, knobs="  micro_batch: [1, 2, 4]\n  precision: [fp32, bf16]\n", patience=1)
+    assert len(backend.probed) == 1  # stored in the study: probed once
+
+
+def test_rounds_that_disagree_on_the_leader_get_a_third_round(tmp_path):
+    # Round 1: mb=4 ahead; round 2 (a burst of load on mb=4's run): mb=2 ahead; round 3 decides.
+    backend = ScriptedBackend(first={1: 50.0, 2: 90.0, 4: 100.0}, reruns={4: [100.0, 50.0, 100.0], 2: [90.0, 80.0, 90.0]})
+    summary = _tune(tmp_path, backend)
+    assert _confirming(backend) == [4, 2, 4, 2, 4, 2]
+    assert summary.best.config.micro_batch == 4
+    assert "within noise of the runner-up mb=2 fp32" in summary.certainty and "ahead in 2 of 3 rounds" in summary.certainty

@@ -1,0 +1,121 @@
+"""Many workers on one study: `autotune tune --workers 3` on the local SQLite default and on a
+real PostgreSQL server (started by .ci/run; its URL in AUTOTUNE_TEST_POSTGRES_URL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from autotune.study.records import ANSWER_ATTR
+from autotune.study.storage import open_storage
+
+# gpt2-tiny, seq 32, fp32: mb=1 ~15 MiB, mb=4 ~19 MiB, mb=16 ~38 MiB (over a 28 MiB budget: OOM).
+# mb=4 runs about 4x faster than mb=1, a gap no contention between three workers on two cores hides.
+SPACE = """\
+description: three micro batches, one of them too big
+n_trials: 3
+knobs:
+  micro_batch: [1, 4, 16]
+  precision: [fp32]
+  checkpointing: [false]
+"""
+ARGS = ("--model", "builtin:gpt2-tiny", "--seq-len", "32", "--memory-budget", "28MiB", "--space", "space.yaml",
+        "--no-estimate", "--steps", "2", "--json")
+POSTGRES_URL = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
+
+
+def tune(work: Path, study: str, storage: str | None, workers: int) -> subprocess.CompletedProcess[str]:
+    (work / "space.yaml").write_text(SPACE)
+    extra = ("--storage", storage) if storage else ()
+    return subprocess.run([sys.executable, "-m", "autotune", "tune", "--study", study, *ARGS, *extra,
+                           "--workers", str(workers)], capture_output=True, text=True, timeout=600, cwd=work)
+
+
+def check_each_config_measured_once(storage: str, study: str, proc: subprocess.CompletedProcess[str]) -> dict:
+    assert proc.returncode == 0, proc.stderr
+    assert "locked" not in proc.stderr.lower() and "Traceback" not in proc.stderr, proc.stderr
+    every = optuna.load_study(study_name=study, storage=open_storage(storage)).trials
+    trials = [t for t in every if ANSWER_ATTR not in t.user_attrs]    # measurements; the answer's copy aside
+    answers = [t for t in every if ANSWER_ATTR in t.user_attrs]
+    best = json.loads(proc.stdout)["best"]
+    assert [t.user_attrs["config"] for t in answers] == [best["config"]]  # the one confirmation, once
+    configs = [t.user_attrs["config"]["micro_batch"] for t in trials]
+    assert sorted(configs) == [1, 4, 16], configs                      # each config once, none lost
+    assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}  # nothing left running
+    assert {t.user_attrs["status"] for t in trials} == {"ok", "oom"}
+    assert len({t.user_attrs["worker"]["pid"] for t in trials}) >= 2   # really shared between workers
+    return json.loads(proc.stdout)
+
+
+def test_three_workers_on_local_sqlite_find_what_one_worker_finds(tmp_path):
+    storage = f"sqlite:///{tmp_path}/storage/autotune.db"  # the default storage, under the working directory
+    three = check_each_config_measured_once(storage, "three", tune(tmp_path, "three", None, workers=3))
+    alone = tune(tmp_path, "alone", None, workers=1)
+    assert alone.returncode == 0, alone.stderr
+    one = json.loads(alone.stdout)
+    assert three["best"]["config"] == one["best"]["config"]
+    assert three["best"]["config"]["micro_batch"] == 4
+
+
+@pytest.mark.skipif(not POSTGRES_URL and not os.environ.get("CI"),
+                    reason="no PostgreSQL server: .ci/run starts one and sets AUTOTUNE_TEST_POSTGRES_URL")
+def test_three_workers_on_a_postgresql_server(tmp_path):
+    assert POSTGRES_URL, "CI must start PostgreSQL (.ci/postgres.sh) and set AUTOTUNE_TEST_POSTGRES_URL"
+    study = f"workers-{uuid.uuid4().hex[:8]}"
+    result = check_each_config_measured_once(POSTGRES_URL, study, tune(tmp_path, study, POSTGRES_URL, workers=3))
+    assert result["best"]["config"]["micro_batch"] == 4
+
+
+MULTI_RANK_SPACE = """\
+description: ZeRO-2 and ZeRO-3 on two ranks
+n_trials: 2
+knobs:
+  micro_batch: [2]
+  precision: [fp32]
+  checkpointing: [false]
+  zero_stage: [2, 3]
+  offload: [none]
+"""
+
+
+def test_two_rank_zero_trials_in_a_study_report_the_largest_rank_peak(tmp_path):
+    (tmp_path / "space.yaml").write_text(MULTI_RANK_SPACE)
+    proc = subprocess.run([sys.executable, "-m", "autotune", "tune", "--study", "ranks", "--model",
+                           "builtin:gpt2-tiny", "--seq-len", "32", "--global-batch", "8", "--nproc", "2",
+                           "--memory-budget", "1GiB", "--space", "space.yaml", "--no-estimate", "--steps", "2",
+                           "--no-confirm", "--json"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    storage = open_storage(f"sqlite:///{tmp_path}/storage/autotune.db")
+    trials = optuna.load_study(study_name="ranks", storage=storage).trials
+    assert sorted(t.user_attrs["config"]["zero_stage"] for t in trials) == [2, 3]
+    for trial in trials:
+        result = trial.user_attrs["result"]
+        assert trial.user_attrs["status"] == "ok" and result["world_size"] == 2, result
+        per_rank = result["peak_memory_per_rank"]
+        assert len(per_rank) == 2 and all(p > 0 for p in per_rank)
+        assert result["peak_memory_bytes"] == max(per_rank)
+
+
+def test_each_worker_gets_its_own_slice_of_the_visible_gpus(monkeypatch):
+    from types import SimpleNamespace
+
+    from autotune.errors import ConfigError
+    from autotune.search.workers import gpu_slices
+
+    gpus = SimpleNamespace(type="cuda", count=4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # indices count from the visible GPUs
+    assert gpu_slices(2, 2, gpus) == ["4,5", "6,7"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert gpu_slices(4, 1, gpus) == ["0", "1", "2", "3"]
+    assert gpu_slices(1, 2, gpus) == [None]  # one worker: the environment stays as the user set it
+    assert gpu_slices(3, 1, SimpleNamespace(type="cpu", count=1)) == [None] * 3
+    with pytest.raises(ConfigError, match="--workers 3 x --nproc 2 needs 6 GPUs"):
+        gpu_slices(3, 2, gpus)

@@ -1,0 +1,54 @@
+"""Trials on a real CUDA device: real OOMs under a budget, allocated vs reserved peaks.
+
+Marked ``gpu``: skipped on machines without CUDA, run on the GPU machine (see README).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.trial.result import TrialStatus
+from autotune.trial.runner import run_trial
+
+pytestmark = pytest.mark.gpu
+
+GPT2 = Workload(model="builtin:gpt2", seq_len=512, global_batch=16, device="cuda")
+
+
+def test_cuda_trial_reports_allocated_and_reserved_peaks():
+    r = run_trial(GPT2, TrialConfig(micro_batch=4, precision="bf16"), measure_steps=3)
+    assert r.status is TrialStatus.OK, r.error
+    assert r.device.startswith("cuda")
+    assert r.peak_reserved_bytes >= r.peak_allocated_bytes > 0
+    assert r.peak_memory_bytes == r.peak_reserved_bytes
+
+
+def test_a_budget_smaller_than_the_config_is_a_real_cuda_oom():
+    r = run_trial(GPT2, TrialConfig(micro_batch=16), memory_budget_bytes=2 * 2**30)
+    assert r.status is TrialStatus.OOM, r.error
+    assert "OutOfMemoryError" in r.error
+
+
+def test_the_same_config_fits_without_the_budget_and_tf32_runs():
+    r = run_trial(GPT2, TrialConfig(micro_batch=16, precision="tf32"))
+    assert r.status is TrialStatus.OK, r.error
+    assert r.peak_reserved_bytes > 2 * 2**30  # so the budgeted OOM above was the budget's doing
+
+
+def test_zero2_with_optimizer_offload_on_cuda():
+    r = run_trial(GPT2, TrialConfig(micro_batch=4, precision="bf16", zero_stage=2, offload="optimizer"))
+    assert r.status is TrialStatus.OK, r.error
+
+
+def test_a_cuda_trial_forked_from_the_trial_server_measures_what_a_new_interpreter_measures(monkeypatch):
+    small = Workload(model="builtin:gpt2-tiny", seq_len=128, global_batch=8, device="cuda")
+    monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", "off")
+    fresh = run_trial(small, TrialConfig(micro_batch=4), measure_steps=2)
+    monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", "on")
+    forked = [run_trial(small, TrialConfig(micro_batch=4), measure_steps=2) for _ in range(2)]
+    for r in (fresh, *forked):
+        assert r.status is TrialStatus.OK, r.error  # the server never made a CUDA context to inherit
+    assert forked[1].peak_allocated_bytes == fresh.peak_allocated_bytes
+    assert forked[1].phases.startup_s < fresh.phases.startup_s

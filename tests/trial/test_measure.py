@@ -1,0 +1,57 @@
+"""Timing steps until they settle: scripted step times, real clocks (sleeps of tens of ms)."""
+
+from __future__ import annotations
+
+import time
+
+from autotune.trial.measure import StepTimes, time_steps
+
+
+def _steps(durations: list[float]):
+    queue = list(durations)
+
+    def step() -> float:
+        time.sleep(queue.pop(0) if queue else durations[-1])
+        return 1.0
+
+    return step
+
+
+def test_steps_that_disagree_are_measured_again_until_they_settle():
+    # The first steps disagree (a disturbed one), then the step settles at 50 ms.
+    times = time_steps(_steps([0.05, 0.15, 0.05, 0.05, 0.05, 0.05]), lambda: None, warmup=0, steps=2)
+    assert 3 <= len(times.seconds) <= 6
+    assert times.settled and times.spread <= 0.1
+    assert abs(times.median_s - 0.05) < 0.02   # the median ignores the disturbed step
+    assert times.disturbed_steps >= 1
+
+
+def test_a_settled_measurement_takes_only_the_steps_asked_for():
+    times = time_steps(_steps([0.05] * 10), lambda: None, warmup=1, steps=3)
+    assert len(times.seconds) == 3 and times.settled
+
+
+def test_a_measurement_that_never_settles_stops_at_its_bounds_and_says_so():
+    times = time_steps(_steps([0.02, 0.08] * 20), lambda: None, warmup=0, steps=2, max_steps=3)
+    assert len(times.seconds) == 3 and not times.settled   # the step bound
+    times = time_steps(_steps([0.02, 0.08] * 20), lambda: None, warmup=0, steps=2)
+    # The time bound: extra steps start only within as much time as the first steps took.
+    first, extra = sum(times.seconds[:2]), times.seconds[2:]
+    assert sum(extra[:-1]) < first and len(times.seconds) < 6 and not times.settled
+
+
+def test_every_rank_takes_the_same_decision():
+    asked = []
+
+    def agree(more: bool) -> bool:  # another rank settled: nobody measures more
+        asked.append(more)
+        return False
+
+    times = time_steps(_steps([0.02, 0.08] * 5), lambda: None, warmup=0, steps=2, agree=agree)
+    assert asked == [True] and len(times.seconds) == 2
+
+
+def test_spread_is_the_interquartile_range_over_the_median():
+    times = StepTimes([1.0, 1.0, 2.0, 2.0, 3.0], warmup_s=0.0, last_loss=1.0)
+    assert times.median_s == 2.0 and times.iqr_s == 1.0 and times.spread == 0.5
+    assert times.disturbed_steps == 1 and not times.settled

@@ -1,0 +1,109 @@
+"""One-rank trials forked from the trial server: the same measurement as a new interpreter, the
+same isolation, and a server that dies takes its trial with it without losing the next one."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.trial.lifeline import TRIAL_PROCESS_NAME
+from autotune.trial.result import TrialStatus
+from autotune.trial.runner import run_trial
+
+GPT2 = Workload(model="builtin:gpt2-tiny", seq_len=32, global_batch=4)
+
+
+def _run(monkeypatch, server: str, workload: Workload = GPT2, **kwargs):
+    monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", server)
+    return run_trial(workload, TrialConfig(micro_batch=2), warmup_steps=1, measure_steps=1, **kwargs)
+
+
+def test_a_forked_trial_measures_what_a_new_interpreter_measures(monkeypatch):
+    fresh = _run(monkeypatch, "off")
+    forked = _run(monkeypatch, "on")
+    forked_again = _run(monkeypatch, "on")
+    for r in (fresh, forked, forked_again):
+        assert r.status is TrialStatus.OK, r.error
+    # The CPU's live-tensor tracker counts the same tensors whichever way the process started.
+    assert forked.peak_memory_bytes == fresh.peak_memory_bytes == forked_again.peak_memory_bytes
+    assert forked.trainable_params == fresh.trainable_params
+    # The fork skipped the interpreter's start and the imports the new interpreter paid.
+    assert forked_again.phases.startup_s + forked_again.phases.build_s < fresh.phases.startup_s + fresh.phases.build_s
+
+
+def test_two_forked_ranks_measure_what_torchrun_s_ranks_measure(monkeypatch):
+    two_ranks = Workload(model="builtin:gpt2-tiny", seq_len=32, global_batch=8, nproc=2)
+    monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", "off")
+    torchrun = run_trial(two_ranks, TrialConfig(micro_batch=2, zero_stage=2), warmup_steps=1, measure_steps=1)
+    monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", "on")
+    forked = run_trial(two_ranks, TrialConfig(micro_batch=2, zero_stage=2), warmup_steps=1, measure_steps=1)
+    for r in (torchrun, forked):
+        assert r.status is TrialStatus.OK, r.error
+        assert r.world_size == 2 and len(r.peak_memory_per_rank) == 2
+    # Real DeepSpeed ZeRO-2 over a real gloo group either way: the same partitioned states per rank.
+    assert forked.optimizer_state_bytes == torchrun.optimizer_state_bytes
+    assert forked.peak_memory_per_rank == torchrun.peak_memory_per_rank
+
+
+def _servers() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children() if "autotune.trial.server" in " ".join(p.cmdline())]
+
+
+def test_a_killed_server_takes_its_trial_along_and_the_next_trial_starts_a_new_one(monkeypatch):
+    _run(monkeypatch, "on")  # the server is up
+    (server,) = _servers()
+
+    def kill_server_once_the_trial_runs() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any(p.name() == TRIAL_PROCESS_NAME for p in server.children()):
+                server.kill()
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_server_once_the_trial_runs)
+    killer.start()
+    hung = _run(monkeypatch, "on", workload=Workload(model="factories:hang", seq_len=16, global_batch=4),
+                timeout_s=120)
+    killer.join()
+    assert hung.status is TrialStatus.CRASHED, hung.error
+    deadline = time.monotonic() + 10  # PR_SET_PDEATHSIG delivers the trial's SIGKILL
+    while any(p.info["name"] == TRIAL_PROCESS_NAME for p in psutil.process_iter(["name"])) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(p.info["name"] == TRIAL_PROCESS_NAME for p in psutil.process_iter(["name"]))
+    after = _run(monkeypatch, "on")
+    assert after.status is TrialStatus.OK, after.error
+    assert [p.pid for p in _servers()] != [server.pid]
+
+
+def test_trials_on_a_cpu_take_turns_across_processes():
+    from autotune.search.workers import cpu_turn
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom autotune.search.workers import cpu_turn\n"
+        "with cpu_turn('cpu'):\n    print('holding', flush=True)\n    time.sleep(30)\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        lock = Path(tempfile.gettempdir()) / f"autotune-{os.getuid()}-cpu.turn.lock"
+        with open(lock, "a") as handle, pytest.raises(BlockingIOError):
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another process's turn: ours must wait
+        with cpu_turn("cuda"):
+            pass  # workers on GPUs of their own never wait
+    finally:
+        holder.kill()
+        holder.wait()
+    with cpu_turn("cpu"):
+        pass  # released with the process that held it
