@@ -67,6 +67,7 @@ KNOB_OPTIONS = {
     "micro_batch": Option(int, 1, ("--micro-batch",), _help(TrialConfig, "micro_batch")),
     "precision": Option(str, "fp32", ("--precision",), _help(TrialConfig, "precision")),
     "checkpointing": Option(str, "off", ("--checkpointing",), "off or on. " + _help(TrialConfig, "checkpointing")),
+    "loss": Option(str, "standard", ("--loss",), _help(TrialConfig, "loss")),
     "lora_rank": Option(Optional[int], None, ("--lora-rank",), _help(TrialConfig, "lora_rank")),
     "lora_alpha": Option(Optional[int], None, ("--lora-alpha",), _help(TrialConfig, "lora_alpha")),
     "lora_targets": Option(Optional[str], None, ("--lora-targets",), _help(TrialConfig, "lora_targets")),
@@ -84,7 +85,7 @@ OPTIONS = {
     "as_json": Option(bool, False, ("--json",), "Print one JSON object instead of a table."),
     # tuning
     "space": Option(str, "default", ("--space",),
-                    "Search space: a preset (default, lora, quick, zero) or a YAML file."),
+                    "Search space: a preset (default, full, lora, quick, zero) or a YAML file."),
     "n_trials": Option(Optional[int], None, ("--n-trials",), "Measured trials the study should hold (default: the "
                        "space's); an unfinished study carries on to it."),
     "timeout": Option(Optional[float], None, ("--timeout",), "Stop starting trials after this many seconds."),
@@ -124,10 +125,11 @@ def _zero_stage(value: str) -> int | None:
     raise ConfigError(f"--zero-stage {value!r} is not known; use off, 0, 1, 2 or 3")
 
 
-def _knobs(micro_batch: int, precision: str, checkpointing: str, lora_rank: int | None, lora_alpha: int | None,
-           lora_targets: str | None, zero_stage: str, offload: str) -> TrialConfig:
+def _knobs(micro_batch: int, precision: str, checkpointing: str, loss: str, lora_rank: int | None,
+           lora_alpha: int | None, lora_targets: str | None, zero_stage: str, offload: str) -> TrialConfig:
     return TrialConfig(
         micro_batch=micro_batch, precision=precision, checkpointing=_on_off(checkpointing, "--checkpointing"),
+        loss=loss,
         lora_rank=lora_rank, lora_alpha=lora_alpha,
         lora_targets=tuple(t.strip() for t in lora_targets.split(",")) if lora_targets is not None else None,
         zero_stage=_zero_stage(zero_stage), offload=offload)
@@ -347,10 +349,12 @@ def _trains_line(config: TrialConfig, fmt: str, workload: Workload | None = None
     also which layers LoRA adapts)."""
     from autotune.study.summary import what_is_trained
 
+    from autotune.output.exporters import in_code
+
     line = f"trains: {what_is_trained(config, workload)['note']}"
     if config.uses_lora and fmt != "peft":
         line += " (the adapters: autotune export --format peft)"
-    return line
+    return "\n".join([line, *in_code(config)])
 
 
 @command

@@ -16,9 +16,11 @@ from autotune.errors import ConfigError
 if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
 
-__all__ = ["TrialConfig", "PRECISIONS", "OFFLOADS", "ZERO_STAGES"]
+__all__ = ["TrialConfig", "PRECISIONS", "OFFLOADS", "ZERO_STAGES", "LOSSES", "DEFAULT_LOSS_CHUNKS", "is_loss"]
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+LOSSES = ("standard", "chunked")   # chunked also as chunked:K
+DEFAULT_LOSS_CHUNKS = 8
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -38,6 +40,12 @@ class TrialConfig:
     )
     checkpointing: bool = field(
         default=False, metadata={"help": "Activation checkpointing: recompute activations in backward."},
+    )
+    loss: str = field(
+        default="standard",
+        metadata={"help": "standard (the model's own), or chunked (chunked:K): a causal LM's head and "
+                          f"cross-entropy over K slices of the tokens (default {DEFAULT_LOSS_CHUNKS}), each "
+                          "recomputed in backward, so the full logits never exist. Same loss, less memory."},
     )
     lora_rank: int | None = field(
         default=None, metadata={"help": "Train LoRA adapters of this rank (PEFT) instead of all weights."},
@@ -75,6 +83,14 @@ class TrialConfig:
         return self.zero_stage is not None
 
     @property
+    def loss_chunks(self) -> int | None:
+        """Slices of tokens the chunked loss works on; None for the standard loss."""
+        if self.loss == "standard":
+            return None
+        _, _, chunks = self.loss.partition(":")
+        return int(chunks) if chunks else DEFAULT_LOSS_CHUNKS
+
+    @property
     def effective_lora_alpha(self) -> int | None:
         if not self.uses_lora:
             return None
@@ -99,6 +115,9 @@ class TrialConfig:
             raise ConfigError(f"--precision {self.precision!r} is not known; use one of {', '.join(PRECISIONS)}")
         if not isinstance(self.checkpointing, bool):
             raise ConfigError(f"--checkpointing {self.checkpointing!r} must be on or off")
+        if not is_loss(self.loss):
+            raise ConfigError(f"--loss {self.loss!r} is not known; use standard, chunked, or chunked:K "
+                              "with K slices of 2 or more (e.g. chunked:16)")
         if self.lora_rank is not None and not _is_count(self.lora_rank):
             raise ConfigError(f"--lora-rank {self.lora_rank!r} must be a whole number of at least 1")
         if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets is not None):
@@ -152,11 +171,21 @@ class TrialConfig:
         parts = [f"mb={self.micro_batch}", self.precision]
         if self.checkpointing:
             parts.append("ckpt")
+        if self.loss != "standard":
+            parts.append("chunked-loss" + ("" if self.loss == "chunked" else f":{self.loss_chunks}"))
         if self.uses_lora:
             parts.append(f"lora{self.lora_rank}" + (":" + ",".join(self.lora_targets) if self.lora_targets else ""))
         if self.uses_deepspeed:
             parts.append(f"zero{self.zero_stage}" + ("" if self.offload == "none" else f"+{self.offload}"))
         return " ".join(parts)
+
+
+def is_loss(value: Any) -> bool:
+    """standard, chunked or chunked:K with K >= 2."""
+    if value in LOSSES:
+        return True
+    kind, _, chunks = value.partition(":") if isinstance(value, str) else ("", "", "")
+    return kind == "chunked" and chunks.isdigit() and int(chunks) >= 2
 
 
 def _is_count(value: Any) -> bool:

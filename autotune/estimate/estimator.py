@@ -52,7 +52,7 @@ from typing import Any, Iterator
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.errors import AutotuneError
+from autotune.errors import AutotuneError, ConfigError
 
 __all__ = ["MemoryEstimate", "estimate_memory", "predict_memory"]
 
@@ -121,6 +121,13 @@ def predict_memory(workload: Workload, config: TrialConfig, *, task: str | None 
     kept for the caller's lifetime). Raises EstimateError when the estimate fails or takes
     longer than ``timeout_s``.
     """
+    if config.loss_chunks is not None:  # refused here, in words, as a trial refuses it
+        from autotune.models.sources import resolve_task
+        from autotune.prepare.loss import chunked_loss_refusal
+
+        refusal = chunked_loss_refusal(workload, task or resolve_task(workload))
+        if refusal is not None:
+            raise ConfigError(refusal)
     request = {"workload": workload.to_dict(), "config": config.to_dict(), "task": task}
     reply = _SERVER.ask(request, timeout_s)
     if "error" in reply:

@@ -33,6 +33,11 @@ PRESETS: dict[str, Preset] = {
         hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, vocab_size=_TINY_VOCAB,
         bos_token_id=0, eos_token_id=0, pad_token_id=0)),
+    "llama-tiny-32k": Preset("llama", "causal-lm", "llama-tiny with Llama-2's 32k vocabulary: its logits dominate "
+                             "its memory, as a 128k vocabulary's do in Llama-3 training", dict(
+        hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, vocab_size=32000,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)),
     "bert-tiny": Preset("bert", "seq-cls", "BERT encoder + classification head, 2 layers, 128 wide", dict(
         hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
         max_position_embeddings=512, vocab_size=_TINY_VOCAB, num_labels=2, pad_token_id=0)),

@@ -21,7 +21,7 @@ from autotune.errors import ConfigError
 from autotune.study.stored_facts import adapter_config, hidden_size
 from autotune.study.summary import what_is_trained
 
-__all__ = ["FORMATS", "DEFAULT_FILENAMES", "export_config"]
+__all__ = ["FORMATS", "DEFAULT_FILENAMES", "export_config", "in_code"]
 
 FORMATS = ("json", "yaml", "deepspeed", "hf", "accelerate", "lightning", "peft")
 DEFAULT_FILENAMES = {
@@ -225,8 +225,18 @@ def _header(config: TrialConfig, workload: Workload, summary: dict[str, Any]) ->
         lines.append("LoRA: off (all weights trained)")
     if config.precision == "tf32":
         lines.append(_TF32_HINT)
+    lines += in_code(config)
     lines += [f"{key}: {value}" for key, value in summary.items()]
     return "".join(f"# {' '.join(str(line).split())}\n" for line in lines)
+
+
+def in_code(config: TrialConfig) -> list[str]:
+    """What the job must apply in its own code because no library's config carries it, a line each."""
+    if config.loss_chunks is None:
+        return []
+    return [f"loss: chunked in {config.loss_chunks} slices, which no library flag sets: after building the model, "
+            f"`from autotune.prepare.loss import chunk_loss; chunk_loss(model, {config.loss_chunks})` "
+            "(same loss; outputs.logits then hold the hidden states)"]
 
 
 def _dump_json(data: dict[str, Any]) -> str:

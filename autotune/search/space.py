@@ -18,7 +18,13 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune.config.knobs import OFFLOADS, PRECISIONS, ZERO_STAGES, TrialConfig
+from autotune.config.knobs import (
+    OFFLOADS,
+    PRECISIONS,
+    ZERO_STAGES,
+    TrialConfig,
+    is_loss,
+)
 from autotune.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -32,6 +38,7 @@ KNOBS = {
     "micro_batch": "auto, or a list of whole numbers >= 1 that divide the per-rank batch",
     "precision": f"a list of {', '.join(PRECISIONS)}",
     "checkpointing": "a list of true/false",
+    "loss": "a list of standard, chunked or chunked:K (K slices of 2 or more)",
     "zero_stage": "a list of off, 0, 1, 2, 3",
     "offload": f"a list of {', '.join(OFFLOADS)}",
     "lora_rank": "a list of off and/or whole numbers >= 1",
@@ -40,7 +47,8 @@ KNOBS = {
 }
 _TOP_LEVEL = {"description", "knobs", "n_trials", "patience"}
 _DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "micro_batch": ("auto",), "precision": ("fp32",), "checkpointing": (False,), "zero_stage": (None,),
+    "micro_batch": ("auto",), "precision": ("fp32",), "checkpointing": (False,), "loss": ("standard",),
+    "zero_stage": (None,),
     "offload": ("none",), "lora_rank": (None,), "lora_targets": ("default",),
 }
 
@@ -54,6 +62,7 @@ class SearchSpace:
     micro_batch: tuple[int, ...] | None = None   # None: every divisor of the per-rank batch
     precision: tuple[str, ...] = ("fp32",)
     checkpointing: tuple[bool, ...] = (False,)
+    loss: tuple[str, ...] = ("standard",)
     zero_stage: tuple[int | None, ...] = (None,)
     offload: tuple[str, ...] = ("none",)
     lora_rank: tuple[int | None, ...] = (None,)
@@ -66,13 +75,15 @@ class SearchSpace:
     def digest(self) -> str:
         """Identifies what the space searches (not its name or description)."""
         knobs = {k: v for k, v in self.to_dict().items() if k not in ("name", "description")}
+        if knobs["loss"] == ["standard"]:
+            del knobs["loss"]  # a knob added later, at its old behaviour: studies made before it still resume
         return hashlib.sha256(json.dumps(knobs, sort_keys=True).encode()).hexdigest()[:12]
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name, "description": self.description,
             "micro_batch": list(self.micro_batch) if self.micro_batch is not None else "auto",
-            "precision": list(self.precision), "checkpointing": list(self.checkpointing),
+            "precision": list(self.precision), "checkpointing": list(self.checkpointing), "loss": list(self.loss),
             "zero_stage": list(self.zero_stage), "offload": list(self.offload),
             "lora_rank": list(self.lora_rank), "lora_alpha": self.lora_alpha,
             "lora_targets": list(self.lora_targets), "n_trials": self.n_trials, "patience": self.patience,
@@ -110,8 +121,14 @@ class SearchSpace:
             checkpointing = tuple(c for c in checkpointing if not c)
             if not checkpointing:
                 raise ConfigError(f"{self.name}: knobs.checkpointing [true]: {missing}; add false")
+        loss = self.loss
+        refusal = _chunked_loss_refusal(workload) if any(v != "standard" for v in loss) else None
+        if refusal is not None:
+            loss = tuple(v for v in loss if v == "standard")
+            if not loss:
+                raise ConfigError(f"{self.name}: knobs.loss {list(self.loss)}: {refusal}; add standard")
         lora = tuple(dict.fromkeys(_lora_label(rank, targets) for rank in self.lora_rank for targets in self.lora_targets))
-        return {"micro_batch": tuple(micro), "precision": precision, "checkpointing": checkpointing,
+        return {"micro_batch": tuple(micro), "precision": precision, "checkpointing": checkpointing, "loss": loss,
                 "zero": tuple(dict.fromkeys(zero)), "lora": lora}
 
     def dropped_knobs(self, workload: Workload, device: DeviceInfo) -> list[str]:
@@ -122,6 +139,10 @@ class SearchSpace:
             missing = _missing_checkpointing(workload)
             if missing is not None:
                 dropped.append(f"checkpointing on: {missing}")
+        chunked = [v for v in self.loss if v != "standard"]
+        refusal = _chunked_loss_refusal(workload) if chunked else None
+        if refusal is not None:
+            dropped.append(f"loss {', '.join(chunked)}: {refusal}")
         offloads = [o for o in self.offload if o != "none"]
         if device.type == "cpu" and offloads and any(stage is not None for stage in self.zero_stage):
             dropped.append(f"offload {', '.join(offloads)}: the device is the CPU, and offloading from the CPU "
@@ -134,7 +155,7 @@ class SearchSpace:
         rank, _, targets = params["lora"].partition(":")
         return TrialConfig(
             micro_batch=params["micro_batch"], precision=params["precision"],
-            checkpointing=params["checkpointing"],
+            checkpointing=params["checkpointing"], loss=params.get("loss", "standard"),
             zero_stage=None if stage == "off" else int(stage), offload=offload or "none",
             lora_rank=None if rank == "off" else int(rank),
             lora_alpha=self.lora_alpha if rank != "off" else None,
@@ -147,7 +168,7 @@ class SearchSpace:
         if config.uses_lora:
             lora = str(config.lora_rank) + (":" + ",".join(config.lora_targets) if config.lora_targets else "")
         return {"micro_batch": config.micro_batch, "precision": config.precision,
-                "checkpointing": config.checkpointing,
+                "checkpointing": config.checkpointing, "loss": config.loss,
                 "zero": _zero_label(config.zero_stage, config.offload), "lora": lora}
 
     def candidates(self, workload: Workload, device: DeviceInfo) -> list[TrialConfig]:
@@ -183,6 +204,15 @@ def _missing_checkpointing(workload: Workload) -> str | None:
     )
 
     return missing_checkpointing(workload)
+
+
+def _chunked_loss_refusal(workload: Workload) -> str | None:
+    from autotune.models.sources import (
+        resolve_task,  # imports transformers: only when asked
+    )
+    from autotune.prepare.loss import chunked_loss_refusal
+
+    return chunked_loss_refusal(workload, resolve_task(workload))
 
 
 def _zero_label(stage: int | None, offload: str) -> str:
@@ -246,6 +276,7 @@ def _parse(data: Any, label: str) -> SearchSpace:
         precision=_each(values["precision"], label, "precision", lambda v: v if v in PRECISIONS else None),
         checkpointing=_each(values["checkpointing"], label, "checkpointing",
                             lambda v: v if isinstance(v, bool) else None),
+        loss=_each(values["loss"], label, "loss", lambda v: v if is_loss(v) else None),
         zero_stage=_each(values["zero_stage"], label, "zero_stage", _zero_stage),
         offload=_each(values["offload"], label, "offload", lambda v: v if v in OFFLOADS else None),
         lora_rank=_each(values["lora_rank"], label, "lora_rank", _lora_rank),

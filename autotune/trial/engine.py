@@ -19,6 +19,7 @@ from autotune.models.batches import loss_of, model_attr, synthetic_batch
 from autotune.models.sources import build_model
 from autotune.prepare.checkpointing import enable_checkpointing
 from autotune.prepare.lora import apply_lora
+from autotune.prepare.loss import chunk_loss
 
 __all__ = ["TrainingEngine", "build_engine"]
 
@@ -118,15 +119,13 @@ def build_engine(*, workload: Workload, config: TrialConfig, task: str, device: 
         enable_checkpointing(model, workload.model)
     if config.uses_lora:
         model = apply_lora(model, config, workload, task=task)
+    if config.loss_chunks is not None:
+        chunk_loss(model, config.loss_chunks, source=f"the model from --model {workload.model}")
     model.train()
     common = dict(model=model, config=config, task=task, device=device)
     if config.uses_deepspeed:
         return DeepSpeedEngine(workload=workload, **common)
     return TorchEngine(workload=workload, world_size=world_size, **common)
-
-
-
-
 
 
 def _state_bytes(optimizer: Any) -> int:

@@ -23,8 +23,9 @@ from typing import Any
 from autotune.config.device import DeviceInfo, detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.errors import WorkloadError
+from autotune.errors import ConfigError, WorkloadError
 from autotune.models.sources import resolve_task
+from autotune.prepare.loss import chunked_loss_refusal
 from autotune.trial.child import LAUNCH_TIME_ENV
 from autotune.trial.cpu_cores import free_cores
 from autotune.trial.failures import classify_exit, describe_exit
@@ -53,6 +54,9 @@ def run_trial(workload: Workload, config: TrialConfig, *, memory_budget_bytes: i
                             f"(use --nproc {device.count} or less, or --device cpu)")
     config.validate_for(workload, device)
     task = resolve_task(workload)
+    refusal = chunked_loss_refusal(workload, task) if config.loss_chunks is not None else None
+    if refusal is not None:
+        raise ConfigError(refusal)
     spec = {
         "workload": workload.to_dict(),
         "config": config.to_dict(),

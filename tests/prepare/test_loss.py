@@ -1,0 +1,113 @@
+"""The chunked loss: the same loss and gradients as the model's own, without the full logits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.errors import ConfigError
+from autotune.estimate.estimator import predict_memory
+from autotune.models.sources import build_model
+from autotune.prepare.lora import apply_lora
+from autotune.prepare.loss import chunk_loss, chunked_loss_refusal
+from autotune.search.space import load_space
+from autotune.trial.runner import run_trial
+
+VOCAB_32K = Workload(model="builtin:llama-tiny-32k", seq_len=128, global_batch=8)
+
+
+def _loss_and_grads(model_name: str, loss: str, *, lora: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
+    workload = Workload(model=model_name, seq_len=32, global_batch=4)
+    torch.manual_seed(0)
+    model = build_model(workload, task="causal-lm", device=torch.device("cpu"))
+    if lora:
+        model = apply_lora(model, TrialConfig(lora_rank=4), workload, task="causal-lm")
+    config = TrialConfig(micro_batch=4, loss=loss)
+    if config.loss_chunks is not None:
+        chunk_loss(model, config.loss_chunks)
+    ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(1))
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_name,lora", [("builtin:llama-tiny", False), ("builtin:gpt2-tiny", False),
+                                             ("builtin:gpt2-tiny", True)])
+def test_the_chunked_loss_and_its_gradients_are_the_models_own(model_name, lora):
+    # GPT-2 ties its LM head to the embeddings; under LoRA the head sits inside PEFT's wrapper.
+    standard, grads = _loss_and_grads(model_name, "standard", lora=lora)
+    for loss in ("chunked", "chunked:3"):  # 3 slices do not divide the 128 tokens evenly
+        chunked, chunked_grads = _loss_and_grads(model_name, loss, lora=lora)
+        assert chunked == pytest.approx(standard, abs=5e-4)
+        assert chunked_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow  # two real trials and two estimates: ~30 s on a busy 2-core machine
+def test_chunked_loss_cuts_the_measured_peak_of_a_32k_vocabulary_and_the_estimator_predicts_both():
+    peaks = {}
+    for loss in ("standard", "chunked"):
+        config = TrialConfig(micro_batch=8, loss=loss)
+        result = run_trial(VOCAB_32K, config, measure_steps=1)
+        assert result.ok, result.error
+        estimate = predict_memory(VOCAB_32K, config)
+        assert estimate.predicted_peak_bytes == pytest.approx(result.peak_memory_bytes, rel=0.05)
+        peaks[loss] = result.peak_memory_bytes
+    assert peaks["chunked"] <= 0.6 * peaks["standard"]  # the logits (8 x 128 x 32k, fp32) and their gradient
+
+
+def test_the_chunked_loss_is_refused_where_it_means_nothing():
+    bert = Workload(model="builtin:bert-tiny")
+    assert "causal LM" in chunked_loss_refusal(bert, "seq-cls")
+    assert "factory" in chunked_loss_refusal(Workload(model="factories:tiny"), "causal-lm")
+    assert chunked_loss_refusal(VOCAB_32K, "causal-lm") is None
+    with pytest.raises(ConfigError, match="--loss chunked is a causal LM's loss"):
+        run_trial(bert, TrialConfig(loss="chunked"))
+    with pytest.raises(ConfigError, match="no lm_head and loss_function"):
+        chunk_loss(torch.nn.Linear(2, 2))
+    for bad in ("chunky", "chunked:1", "chunked:x", 8):
+        with pytest.raises(ConfigError, match="--loss"):
+            TrialConfig(loss=bad)
+
+
+def test_a_space_searches_the_loss_where_it_applies_and_says_where_not(tmp_path):
+    from autotune.config.device import detect_device
+
+    cpu = detect_device("cpu")
+    full = load_space("full")
+    assert set(full.choices(VOCAB_32K, cpu)["loss"]) == {"standard", "chunked"}
+    bert = Workload(model="builtin:bert-tiny")
+    assert full.choices(bert, cpu)["loss"] == ("standard",)
+    assert any(line.startswith("loss chunked: --loss chunked is a causal LM's loss") for line in
+               full.dropped_knobs(bert, cpu))
+    # A space without the knob is the space it was before the knob existed: its studies still resume.
+    (tmp_path / "old.yaml").write_text("knobs:\n  micro_batch: [1, 2]\n")
+    (tmp_path / "same.yaml").write_text("knobs:\n  micro_batch: [1, 2]\n  loss: [standard]\n")
+    assert load_space(tmp_path / "old.yaml").digest == load_space(tmp_path / "same.yaml").digest
+    old_config = TrialConfig(micro_batch=2).to_dict()
+    del old_config["loss"]  # as stored before the knob
+    assert TrialConfig.from_dict(old_config) == TrialConfig(micro_batch=2)
+
+
+def test_exports_say_how_to_apply_the_chunked_loss(tmp_path):
+    from autotune.output.exporters import export_config
+
+    config = TrialConfig(micro_batch=8, loss="chunked:16")
+    assert config.describe() == "mb=8 fp32 chunked-loss:16"
+    header = export_config(config, VOCAB_32K, fmt="yaml", device_type="cpu")
+    assert "chunk_loss(model, 16)" in header
+    assert '"loss": "chunked:16"' in export_config(config, VOCAB_32K, fmt="json", device_type="cpu")
+    # The line in the header is code a job can run: it trains the model the trials measured.
+    code = ("import torch; from autotune.config.workload import Workload; from autotune.models.sources import "
+            "build_model; from autotune.prepare.loss import chunk_loss\n"
+            "model = build_model(Workload(model='builtin:llama-tiny-32k'), task='causal-lm', device=torch.device('cpu'))\n"
+            "chunk_loss(model, 16); ids = torch.randint(0, 32000, (2, 16)); model(input_ids=ids, labels=ids).loss.backward()\n"
+            "print('trained')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "trained", proc.stderr[-1000:]
