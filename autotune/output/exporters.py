@@ -87,17 +87,30 @@ def _hf(config: TrialConfig, workload: Workload, *, device_type: str, summary: d
         "gradient_accumulation_steps": config.grad_accum_steps(workload),
         "bf16": config.precision == "bf16",
         "fp16": config.precision == "fp16",
-        "gradient_checkpointing": config.checkpointing,
     }
+    checkpointing = _hf_checkpointing_name()
+    kwargs[checkpointing] = config.checkpointing
     if config.precision == "tf32":
         kwargs["tf32"] = True
     if config.checkpointing:  # what the trials measured: works with LoRA and DeepSpeed
-        kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+        kwargs[f"{checkpointing}_kwargs"] = {"use_reentrant": False}
     if config.uses_deepspeed:
         kwargs["deepspeed"] = _hf_deepspeed(config, workload, device_type=device_type)
     if device_type == "cpu":
         kwargs["use_cpu"] = True
     return _dump_json(kwargs)
+
+
+def _hf_checkpointing_name() -> str:
+    """Transformers 5.23 renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (the old name
+    goes in v6): the name the installed version reads, found without importing transformers."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(part) for part in version("transformers").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return "activation_checkpointing"
+    return "activation_checkpointing" if (major, minor) >= (5, 23) else "gradient_checkpointing"
 
 
 def _hf_deepspeed(config: TrialConfig, workload: Workload, *, device_type: str) -> dict[str, Any]:

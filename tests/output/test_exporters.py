@@ -147,7 +147,7 @@ def _fresh_accelerate_state() -> Any:
 
 
 @pytest.mark.usefixtures("_fresh_accelerate_state")
-@pytest.mark.filterwarnings("ignore:`gradient_checkpointing:FutureWarning")
+@pytest.mark.filterwarnings("error:`gradient_checkpointing:FutureWarning")  # the deprecated name is not written
 @pytest.mark.parametrize("config", [FULL_BF16, ZERO2_OFFLOAD, LORA], ids=["bf16", "zero2", "lora"])
 def test_hf_export_builds_training_arguments(tmp_path: Path, config: TrialConfig) -> None:
     from transformers import TrainingArguments
@@ -156,7 +156,8 @@ def test_hf_export_builds_training_arguments(tmp_path: Path, config: TrialConfig
     args = TrainingArguments(output_dir=str(tmp_path), **kwargs)
     assert args.per_device_train_batch_size == config.micro_batch
     assert args.gradient_accumulation_steps == config.grad_accum_steps(WORKLOAD)
-    assert args.gradient_checkpointing is config.checkpointing
+    assert args.activation_checkpointing is config.checkpointing
+    assert "gradient_checkpointing" not in kwargs and "gradient_checkpointing_kwargs" not in kwargs
     assert args.bf16 is (config.precision == "bf16")
     assert args.use_cpu is True
     if not config.uses_deepspeed:
