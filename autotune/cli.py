@@ -68,6 +68,7 @@ KNOB_OPTIONS = {
     "precision": Option(str, "fp32", ("--precision",), _help(TrialConfig, "precision")),
     "checkpointing": Option(str, "off", ("--checkpointing",), "off or on. " + _help(TrialConfig, "checkpointing")),
     "loss": Option(str, "standard", ("--loss",), _help(TrialConfig, "loss")),
+    "fused_optimizer": Option(str, "off", ("--fused-optimizer",), "off or on. " + _help(TrialConfig, "fused_optimizer")),
     "lora_rank": Option(Optional[int], None, ("--lora-rank",), _help(TrialConfig, "lora_rank")),
     "lora_alpha": Option(Optional[int], None, ("--lora-alpha",), _help(TrialConfig, "lora_alpha")),
     "lora_targets": Option(Optional[str], None, ("--lora-targets",), _help(TrialConfig, "lora_targets")),
@@ -125,11 +126,12 @@ def _zero_stage(value: str) -> int | None:
     raise ConfigError(f"--zero-stage {value!r} is not known; use off, 0, 1, 2 or 3")
 
 
-def _knobs(micro_batch: int, precision: str, checkpointing: str, loss: str, lora_rank: int | None,
-           lora_alpha: int | None, lora_targets: str | None, zero_stage: str, offload: str) -> TrialConfig:
+def _knobs(micro_batch: int, precision: str, checkpointing: str, loss: str, fused_optimizer: str,
+           lora_rank: int | None, lora_alpha: int | None, lora_targets: str | None, zero_stage: str,
+           offload: str) -> TrialConfig:
     return TrialConfig(
         micro_batch=micro_batch, precision=precision, checkpointing=_on_off(checkpointing, "--checkpointing"),
-        loss=loss,
+        loss=loss, fused_optimizer=_on_off(fused_optimizer, "--fused-optimizer"),
         lora_rank=lora_rank, lora_alpha=lora_alpha,
         lora_targets=tuple(t.strip() for t in lora_targets.split(",")) if lora_targets is not None else None,
         zero_stage=_zero_stage(zero_stage), offload=offload)
@@ -347,9 +349,8 @@ def export(
 def _trains_line(config: TrialConfig, fmt: str, workload: Workload | None = None) -> str:
     """Precision and LoRA change what is trained: say so beside every export (with the workload,
     also which layers LoRA adapts)."""
-    from autotune.study.summary import what_is_trained
-
     from autotune.output.exporters import in_code
+    from autotune.study.summary import what_is_trained
 
     line = f"trains: {what_is_trained(config, workload)['note']}"
     if config.uses_lora and fmt != "peft":

@@ -47,6 +47,11 @@ class TrialConfig:
                           f"cross-entropy over K slices of the tokens (default {DEFAULT_LOSS_CHUNKS}), each "
                           "recomputed in backward, so the full logits never exist. Same loss, less memory."},
     )
+    fused_optimizer: bool = field(
+        default=False,
+        metadata={"help": "AdamW with fused=True (one kernel over all parameters) instead of PyTorch's default "
+                          "(foreach on CUDA, a loop over the tensors on a CPU). Same maths."},
+    )
     lora_rank: int | None = field(
         default=None, metadata={"help": "Train LoRA adapters of this rank (PEFT) instead of all weights."},
     )
@@ -115,6 +120,8 @@ class TrialConfig:
             raise ConfigError(f"--precision {self.precision!r} is not known; use one of {', '.join(PRECISIONS)}")
         if not isinstance(self.checkpointing, bool):
             raise ConfigError(f"--checkpointing {self.checkpointing!r} must be on or off")
+        if not isinstance(self.fused_optimizer, bool):
+            raise ConfigError(f"--fused-optimizer {self.fused_optimizer!r} must be on or off")
         if not is_loss(self.loss):
             raise ConfigError(f"--loss {self.loss!r} is not known; use standard, chunked, or chunked:K "
                               "with K slices of 2 or more (e.g. chunked:16)")
@@ -139,6 +146,9 @@ class TrialConfig:
     def validate_for(self, workload: Workload, device: DeviceInfo) -> None:
         """Refuse combinations that cannot run for this workload on this device."""
         self.grad_accum_steps(workload)  # also refuses a micro batch larger than the per-rank batch
+        if self.fused_optimizer and self.uses_deepspeed:
+            raise ConfigError("--fused-optimizer on with --zero-stage: DeepSpeed picks its own Adam kernel (fused on "
+                              "CUDA); use --fused-optimizer off with ZeRO")
         if self.precision == "tf32" and device.type != "cuda":
             raise ConfigError("--precision tf32 only exists on CUDA tensor cores; use fp32 or bf16 on a CPU")
         if self.precision == "bf16" and not device.bf16:
@@ -173,6 +183,8 @@ class TrialConfig:
             parts.append("ckpt")
         if self.loss != "standard":
             parts.append("chunked-loss" + ("" if self.loss == "chunked" else f":{self.loss_chunks}"))
+        if self.fused_optimizer:
+            parts.append("fused-adam")
         if self.uses_lora:
             parts.append(f"lora{self.lora_rank}" + (":" + ",".join(self.lora_targets) if self.lora_targets else ""))
         if self.uses_deepspeed:

@@ -88,6 +88,8 @@ def _hf(config: TrialConfig, workload: Workload, *, device_type: str, summary: d
         "bf16": config.precision == "bf16",
         "fp16": config.precision == "fp16",
     }
+    if not config.uses_deepspeed:  # what the trials ran (Transformers 5's default is the fused one)
+        kwargs["optim"] = "adamw_torch_fused" if config.fused_optimizer else "adamw_torch"
     checkpointing = _hf_checkpointing_name()
     kwargs[checkpointing] = config.checkpointing
     if config.precision == "tf32":
@@ -245,9 +247,12 @@ def _header(config: TrialConfig, workload: Workload, summary: dict[str, Any]) ->
 
 def in_code(config: TrialConfig) -> list[str]:
     """What the job must apply in its own code because no library's config carries it, a line each."""
+    lines = []
+    if config.fused_optimizer:
+        lines.append("optimizer: torch.optim.AdamW(..., fused=True) (the hf export sets optim adamw_torch_fused)")
     if config.loss_chunks is None:
-        return []
-    return [f"loss: chunked in {config.loss_chunks} slices, which no library flag sets: after building the model, "
+        return lines
+    return lines + [f"loss: chunked in {config.loss_chunks} slices, which no library flag sets: after building the model, "
             f"`from autotune.prepare.loss import chunk_loss; chunk_loss(model, {config.loss_chunks})` "
             "(same loss; outputs.logits then hold the hidden states)"]
 

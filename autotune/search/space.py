@@ -39,6 +39,7 @@ KNOBS = {
     "precision": f"a list of {', '.join(PRECISIONS)}",
     "checkpointing": "a list of true/false",
     "loss": "a list of standard, chunked or chunked:K (K slices of 2 or more)",
+    "fused_optimizer": "a list of true/false",
     "zero_stage": "a list of off, 0, 1, 2, 3",
     "offload": f"a list of {', '.join(OFFLOADS)}",
     "lora_rank": "a list of off and/or whole numbers >= 1",
@@ -48,6 +49,7 @@ KNOBS = {
 _TOP_LEVEL = {"description", "knobs", "n_trials", "patience"}
 _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "micro_batch": ("auto",), "precision": ("fp32",), "checkpointing": (False,), "loss": ("standard",),
+    "fused_optimizer": (False,),
     "zero_stage": (None,),
     "offload": ("none",), "lora_rank": (None,), "lora_targets": ("default",),
 }
@@ -63,6 +65,7 @@ class SearchSpace:
     precision: tuple[str, ...] = ("fp32",)
     checkpointing: tuple[bool, ...] = (False,)
     loss: tuple[str, ...] = ("standard",)
+    fused_optimizer: tuple[bool, ...] = (False,)
     zero_stage: tuple[int | None, ...] = (None,)
     offload: tuple[str, ...] = ("none",)
     lora_rank: tuple[int | None, ...] = (None,)
@@ -75,8 +78,9 @@ class SearchSpace:
     def digest(self) -> str:
         """Identifies what the space searches (not its name or description)."""
         knobs = {k: v for k, v in self.to_dict().items() if k not in ("name", "description")}
-        if knobs["loss"] == ["standard"]:
-            del knobs["loss"]  # a knob added later, at its old behaviour: studies made before it still resume
+        for knob, old in (("loss", ["standard"]), ("fused_optimizer", [False])):
+            if knobs[knob] == old:
+                del knobs[knob]  # a knob added later, at its old behaviour: studies made before it still resume
         return hashlib.sha256(json.dumps(knobs, sort_keys=True).encode()).hexdigest()[:12]
 
     def to_dict(self) -> dict[str, Any]:
@@ -84,6 +88,7 @@ class SearchSpace:
             "name": self.name, "description": self.description,
             "micro_batch": list(self.micro_batch) if self.micro_batch is not None else "auto",
             "precision": list(self.precision), "checkpointing": list(self.checkpointing), "loss": list(self.loss),
+            "fused_optimizer": list(self.fused_optimizer),
             "zero_stage": list(self.zero_stage), "offload": list(self.offload),
             "lora_rank": list(self.lora_rank), "lora_alpha": self.lora_alpha,
             "lora_targets": list(self.lora_targets), "n_trials": self.n_trials, "patience": self.patience,
@@ -129,7 +134,7 @@ class SearchSpace:
                 raise ConfigError(f"{self.name}: knobs.loss {list(self.loss)}: {refusal}; add standard")
         lora = tuple(dict.fromkeys(_lora_label(rank, targets) for rank in self.lora_rank for targets in self.lora_targets))
         return {"micro_batch": tuple(micro), "precision": precision, "checkpointing": checkpointing, "loss": loss,
-                "zero": tuple(dict.fromkeys(zero)), "lora": lora}
+                "fused_optimizer": self.fused_optimizer, "zero": tuple(dict.fromkeys(zero)), "lora": lora}
 
     def dropped_knobs(self, workload: Workload, device: DeviceInfo) -> list[str]:
         """Knob values this space offers that :meth:`choices` leaves out for this model and device,
@@ -156,6 +161,7 @@ class SearchSpace:
         return TrialConfig(
             micro_batch=params["micro_batch"], precision=params["precision"],
             checkpointing=params["checkpointing"], loss=params.get("loss", "standard"),
+            fused_optimizer=params.get("fused_optimizer", False),
             zero_stage=None if stage == "off" else int(stage), offload=offload or "none",
             lora_rank=None if rank == "off" else int(rank),
             lora_alpha=self.lora_alpha if rank != "off" else None,
@@ -169,6 +175,7 @@ class SearchSpace:
             lora = str(config.lora_rank) + (":" + ",".join(config.lora_targets) if config.lora_targets else "")
         return {"micro_batch": config.micro_batch, "precision": config.precision,
                 "checkpointing": config.checkpointing, "loss": config.loss,
+                "fused_optimizer": config.fused_optimizer,
                 "zero": _zero_label(config.zero_stage, config.offload), "lora": lora}
 
     def candidates(self, workload: Workload, device: DeviceInfo) -> list[TrialConfig]:
@@ -277,6 +284,8 @@ def _parse(data: Any, label: str) -> SearchSpace:
         checkpointing=_each(values["checkpointing"], label, "checkpointing",
                             lambda v: v if isinstance(v, bool) else None),
         loss=_each(values["loss"], label, "loss", lambda v: v if is_loss(v) else None),
+        fused_optimizer=_each(values["fused_optimizer"], label, "fused_optimizer",
+                              lambda v: v if isinstance(v, bool) else None),
         zero_stage=_each(values["zero_stage"], label, "zero_stage", _zero_stage),
         offload=_each(values["offload"], label, "offload", lambda v: v if v in OFFLOADS else None),
         lora_rank=_each(values["lora_rank"], label, "lora_rank", _lora_rank),

@@ -51,7 +51,9 @@ class TorchEngine(TrainingEngine):
     def __init__(self, *, world_size: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.0)
+        # fused=None leaves PyTorch's default (foreach on CUDA, a per-tensor loop on a CPU)
+        self.optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.0,
+                                           fused=True if self.config.fused_optimizer else None)
         self.autocast_dtype = _AUTOCAST_DTYPES.get(self.config.precision)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.config.precision == "fp16" else None
         self.forward_model = self.model

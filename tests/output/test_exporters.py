@@ -25,6 +25,7 @@ FULL_BF16 = TrialConfig(micro_batch=4, precision="bf16", checkpointing=True)
 ZERO2_OFFLOAD = TrialConfig(micro_batch=2, zero_stage=2, offload="optimizer")
 ZERO3_OFFLOAD_ALL = TrialConfig(micro_batch=8, zero_stage=3, offload="optimizer+params")
 LORA = TrialConfig(micro_batch=4, lora_rank=8)
+FUSED = TrialConfig(micro_batch=4, fused_optimizer=True)
 
 
 def _write(tmp_path: Path, config: TrialConfig, fmt: str, *, workload: Workload = WORKLOAD,
@@ -148,7 +149,7 @@ def _fresh_accelerate_state() -> Any:
 
 @pytest.mark.usefixtures("_fresh_accelerate_state")
 @pytest.mark.filterwarnings("error:`gradient_checkpointing:FutureWarning")  # the deprecated name is not written
-@pytest.mark.parametrize("config", [FULL_BF16, ZERO2_OFFLOAD, LORA], ids=["bf16", "zero2", "lora"])
+@pytest.mark.parametrize("config", [FULL_BF16, ZERO2_OFFLOAD, LORA, FUSED], ids=["bf16", "zero2", "lora", "fused"])
 def test_hf_export_builds_training_arguments(tmp_path: Path, config: TrialConfig) -> None:
     from transformers import TrainingArguments
 
@@ -160,6 +161,8 @@ def test_hf_export_builds_training_arguments(tmp_path: Path, config: TrialConfig
     assert "gradient_checkpointing" not in kwargs and "gradient_checkpointing_kwargs" not in kwargs
     assert args.bf16 is (config.precision == "bf16")
     assert args.use_cpu is True
+    if not config.uses_deepspeed:  # the AdamW the trials ran, not Transformers' default (the fused one)
+        assert args.optim == ("adamw_torch_fused" if config.fused_optimizer else "adamw_torch")
     if not config.uses_deepspeed:
         assert args.deepspeed is None
         return
