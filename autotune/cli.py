@@ -66,7 +66,8 @@ WORKLOAD_OPTIONS = {
 KNOB_OPTIONS = {
     "micro_batch": Option(int, 1, ("--micro-batch",), _help(TrialConfig, "micro_batch")),
     "precision": Option(str, "fp32", ("--precision",), _help(TrialConfig, "precision")),
-    "checkpointing": Option(str, "off", ("--checkpointing",), "off or on. " + _help(TrialConfig, "checkpointing")),
+    "checkpointing": Option(str, "off", ("--checkpointing",), "off, on, or every-N (every N-th decoder layer). "
+                            + _help(TrialConfig, "checkpointing")),
     "loss": Option(str, "standard", ("--loss",), _help(TrialConfig, "loss")),
     "fused_optimizer": Option(str, "off", ("--fused-optimizer",), "off or on. " + _help(TrialConfig, "fused_optimizer")),
     "lora_rank": Option(Optional[int], None, ("--lora-rank",), _help(TrialConfig, "lora_rank")),
@@ -118,6 +119,19 @@ def _on_off(value: str, flag: str) -> bool:
     raise ConfigError(f"{flag} {value!r} must be on or off")
 
 
+def _checkpointing(value: str) -> dict[str, Any]:
+    kind, _, every = value.lower().partition("-")
+    if kind == "every":
+        if not every.isdigit() or int(every) < 2:
+            raise ConfigError(f"--checkpointing {value!r}: write every-N with N a whole number of 2 or more, "
+                              "e.g. every-2")
+        return {"checkpointing": True, "checkpoint_every": int(every)}
+    try:
+        return {"checkpointing": _on_off(value, "--checkpointing")}
+    except ConfigError:
+        raise ConfigError(f"--checkpointing {value!r} must be on, off or every-N (e.g. every-2)") from None
+
+
 def _zero_stage(value: str) -> int | None:
     if value.lower() in ("off", "none"):
         return None
@@ -130,7 +144,7 @@ def _knobs(micro_batch: int, precision: str, checkpointing: str, loss: str, fuse
            lora_rank: int | None, lora_alpha: int | None, lora_targets: str | None, zero_stage: str,
            offload: str) -> TrialConfig:
     return TrialConfig(
-        micro_batch=micro_batch, precision=precision, checkpointing=_on_off(checkpointing, "--checkpointing"),
+        micro_batch=micro_batch, precision=precision, **_checkpointing(checkpointing),
         loss=loss, fused_optimizer=_on_off(fused_optimizer, "--fused-optimizer"),
         lora_rank=lora_rank, lora_alpha=lora_alpha,
         lora_targets=tuple(t.strip() for t in lora_targets.split(",")) if lora_targets is not None else None,

@@ -3,8 +3,8 @@ estimator's prediction of the peak.
 
     python bench/levers.py [--rounds 3] [--out bench/results/levers_cpu.json]
 
-Levers so far: the chunked loss (``--loss chunked`` against ``standard``) and the fused AdamW
-(``--fused-optimizer on`` against PyTorch's default). Each pair runs as real
+Levers so far: the chunked loss (``--loss chunked`` against ``standard``), checkpointing every N-th
+layer (``--checkpointing every-2``, beside ``on``) and the fused AdamW (``--fused-optimizer on``). Each pair runs as real
 trials, interleaved (baseline, lever, baseline, lever, ...) so a busy machine slows both alike;
 tokens/s is the median over the rounds with the range beside it, the peak that of the first
 round (peaks do not vary between runs on a CPU: the live-bytes tracker counts tensors).
@@ -30,6 +30,10 @@ PAIRS = [
      TrialConfig(micro_batch=8, precision="bf16", checkpointing=True, loss="chunked")),
     ("chunked loss", "builtin:gpt2-deep-tiny", TrialConfig(micro_batch=8), TrialConfig(micro_batch=8, loss="chunked")),
     ("chunked loss", "builtin:llama-tiny", TrialConfig(micro_batch=8), TrialConfig(micro_batch=8, loss="chunked")),
+    ("checkpointing every 2nd layer", "builtin:gpt2-deep-tiny", TrialConfig(micro_batch=8),
+     TrialConfig(micro_batch=8, checkpointing=True, checkpoint_every=2)),
+    ("checkpointing every layer", "builtin:gpt2-deep-tiny", TrialConfig(micro_batch=8),
+     TrialConfig(micro_batch=8, checkpointing=True)),
     ("fused AdamW", "builtin:llama-tiny", TrialConfig(micro_batch=8), TrialConfig(micro_batch=8, fused_optimizer=True)),
     ("fused AdamW", "builtin:gpt2-deep-tiny", TrialConfig(micro_batch=8),
      TrialConfig(micro_batch=8, fused_optimizer=True)),

@@ -19,7 +19,10 @@ BAD_INPUTS = [
     # flags and values
     (["trial", "--no-such-flag"], "No such option: --no-such-flag"),
     (["trial", "--micro-batch", "three"], "--micro-batch"),
-    (["trial", "--checkpointing", "maybe"], "--checkpointing 'maybe' must be on or off"),
+    (["trial", "--checkpointing", "maybe"], "--checkpointing 'maybe' must be on, off or every-N"),
+    (["trial", "--checkpointing", "every-1"], "--checkpointing 'every-1': write every-N with N a whole number of 2"),
+    (["trial", "--model", "factories:tiny", "--checkpointing", "every-2"],
+     "--checkpointing every-N: the model from --model factories:tiny is a factory's"),
     (["trial", "--zero-stage", "two"], "--zero-stage 'two' is not known"),
     (["trial", "--offload", "optimizer"], "--offload optimizer needs ZeRO"),
     (["trial", "--lora-alpha", "16"], "--lora-alpha is set but LoRA is off"),

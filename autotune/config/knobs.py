@@ -41,6 +41,11 @@ class TrialConfig:
     checkpointing: bool = field(
         default=False, metadata={"help": "Activation checkpointing: recompute activations in backward."},
     )
+    checkpoint_every: int = field(
+        default=1,
+        metadata={"help": "With checkpointing on: recompute only every N-th decoder layer (Transformers' "
+                          "every_n_layers); 1 is every layer."},
+    )
     loss: str = field(
         default="standard",
         metadata={"help": "standard (the model's own), or chunked (chunked:K): a causal LM's head and "
@@ -120,6 +125,10 @@ class TrialConfig:
             raise ConfigError(f"--precision {self.precision!r} is not known; use one of {', '.join(PRECISIONS)}")
         if not isinstance(self.checkpointing, bool):
             raise ConfigError(f"--checkpointing {self.checkpointing!r} must be on or off")
+        if not _is_count(self.checkpoint_every):
+            raise ConfigError(f"--checkpointing every-{self.checkpoint_every!r}: N must be a whole number of 2 or more")
+        if self.checkpoint_every > 1 and not self.checkpointing:
+            raise ConfigError(f"--checkpointing every-{self.checkpoint_every} needs checkpointing on")
         if not isinstance(self.fused_optimizer, bool):
             raise ConfigError(f"--fused-optimizer {self.fused_optimizer!r} must be on or off")
         if not is_loss(self.loss):
@@ -180,7 +189,7 @@ class TrialConfig:
         """A short human label, e.g. ``mb=4 bf16 ckpt lora16 zero2+offload``."""
         parts = [f"mb={self.micro_batch}", self.precision]
         if self.checkpointing:
-            parts.append("ckpt")
+            parts.append("ckpt" if self.checkpoint_every == 1 else f"ckpt/{self.checkpoint_every}")
         if self.loss != "standard":
             parts.append("chunked-loss" + ("" if self.loss == "chunked" else f":{self.loss_chunks}"))
         if self.fused_optimizer:

@@ -96,6 +96,8 @@ def _hf(config: TrialConfig, workload: Workload, *, device_type: str, summary: d
         kwargs["tf32"] = True
     if config.checkpointing:  # what the trials measured: works with LoRA and DeepSpeed
         kwargs[f"{checkpointing}_kwargs"] = {"use_reentrant": False}
+        if config.checkpoint_every > 1:  # read by the Trainer (Transformers >= 5.23) out of these kwargs
+            kwargs[f"{checkpointing}_kwargs"]["every_n_layers"] = config.checkpoint_every
     if config.uses_deepspeed:
         kwargs["deepspeed"] = _hf_deepspeed(config, workload, device_type=device_type)
     if device_type == "cpu":
@@ -228,7 +230,9 @@ def _header(config: TrialConfig, workload: Workload, summary: dict[str, Any]) ->
         f"micro batch: {config.micro_batch} per rank (the DataLoader's batch_size), "
         f"gradient accumulation: {config.grad_accum_steps(workload)}, global batch: {workload.global_batch}",
         "activation checkpointing: " + ("on: model.gradient_checkpointing_enable("
-                                        'gradient_checkpointing_kwargs={"use_reentrant": False})'
+                                        'gradient_checkpointing_kwargs={"use_reentrant": False}'
+                                        + (f", every_n_layers={config.checkpoint_every}"
+                                           if config.checkpoint_every > 1 else "") + ")"
                                         if config.checkpointing else "off"),
     ]
     if config.uses_lora:

@@ -20,18 +20,42 @@ if TYPE_CHECKING:
 
     from autotune.config.workload import Workload
 
-__all__ = ["enable_checkpointing", "missing_checkpointing"]
+__all__ = ["enable_checkpointing", "missing_checkpointing", "every_n_refusal"]
+
+EVERY_N_SINCE = (5, 23)  # the Transformers release whose checkpointing takes every_n_layers
 
 
-def enable_checkpointing(model: torch.nn.Module, source: str) -> None:
+def enable_checkpointing(model: torch.nn.Module, source: str, every: int = 1) -> None:
+    """Non-reentrant activation checkpointing of every layer, or of every ``every``-th decoder layer."""
     enable = getattr(model, "gradient_checkpointing_enable", None)
     if enable is None:
         raise ConfigError(f"--checkpointing on: the model from --model {source} has no "
                           "gradient_checkpointing_enable(); add one or use --checkpointing off")
     # Non-reentrant checkpointing works with frozen inputs (LoRA) and with DeepSpeed.
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if every == 1:
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        try:
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every)
+        except TypeError as exc:
+            raise ConfigError(f"--checkpointing every-{every}: the model from --model {source} cannot checkpoint "
+                              f"every n-th layer ({exc}); use --checkpointing on or off") from None
     if hasattr(getattr(model, "config", None), "use_cache"):
         model.config.use_cache = False
+
+
+def every_n_refusal(workload: Workload) -> str | None:
+    """Why ``--checkpointing every-N`` cannot apply here, or None (known before a trial)."""
+    from importlib.metadata import version
+
+    if parse_model_source(workload.model).kind == "factory":
+        return (f"--checkpointing every-N: the model from --model {workload.model} is a factory's, whose layers "
+                "autotune does not know; it applies to Hugging Face models (on or off work for factories)")
+    installed = tuple(int(part) for part in version("transformers").split(".")[:2])
+    if installed < EVERY_N_SINCE:
+        return (f"--checkpointing every-N needs transformers >= {'.'.join(map(str, EVERY_N_SINCE))} "
+                f"(every_n_layers); {version('transformers')} is installed")
+    return None
 
 
 def missing_checkpointing(workload: Workload) -> str | None:

@@ -37,7 +37,7 @@ __all__ = ["SearchSpace", "load_space", "preset_names", "KNOBS"]
 KNOBS = {
     "micro_batch": "auto, or a list of whole numbers >= 1 that divide the per-rank batch",
     "precision": f"a list of {', '.join(PRECISIONS)}",
-    "checkpointing": "a list of true/false",
+    "checkpointing": "a list of true/false, or every-N (every N-th decoder layer, N >= 2)",
     "loss": "a list of standard, chunked or chunked:K (K slices of 2 or more)",
     "fused_optimizer": "a list of true/false",
     "zero_stage": "a list of off, 0, 1, 2, 3",
@@ -63,7 +63,7 @@ class SearchSpace:
     description: str = ""
     micro_batch: tuple[int, ...] | None = None   # None: every divisor of the per-rank batch
     precision: tuple[str, ...] = ("fp32",)
-    checkpointing: tuple[bool, ...] = (False,)
+    checkpointing: tuple[bool | str, ...] = (False,)   # False, True (every layer) or "every-N"
     loss: tuple[str, ...] = ("standard",)
     fused_optimizer: tuple[bool, ...] = (False,)
     zero_stage: tuple[int | None, ...] = (None,)
@@ -121,11 +121,16 @@ class SearchSpace:
                               f"no pair means something on {workload.nproc} rank(s) of a {device.type} ({why}); "
                               "add off to zero_stage")
         checkpointing = self.checkpointing
-        missing = _missing_checkpointing(workload) if True in checkpointing else None
+        missing = _missing_checkpointing(workload) if any(checkpointing) else None
         if missing is not None:
             checkpointing = tuple(c for c in checkpointing if not c)
             if not checkpointing:
-                raise ConfigError(f"{self.name}: knobs.checkpointing [true]: {missing}; add false")
+                raise ConfigError(f"{self.name}: knobs.checkpointing {list(self.checkpointing)}: {missing}; add false")
+        if any(isinstance(c, str) for c in checkpointing) and _every_n_refusal(workload) is not None:
+            checkpointing = tuple(c for c in checkpointing if not isinstance(c, str))
+            if not checkpointing:
+                raise ConfigError(f"{self.name}: knobs.checkpointing {list(self.checkpointing)}: "
+                                  f"{_every_n_refusal(workload)}; add true or false")
         loss = self.loss
         refusal = _chunked_loss_refusal(workload) if any(v != "standard" for v in loss) else None
         if refusal is not None:
@@ -140,10 +145,13 @@ class SearchSpace:
         """Knob values this space offers that :meth:`choices` leaves out for this model and device,
         beyond the precisions the device lacks: one line each, said once by the tuner."""
         dropped = []
-        if True in self.checkpointing:
-            missing = _missing_checkpointing(workload)
-            if missing is not None:
-                dropped.append(f"checkpointing on: {missing}")
+        missing = _missing_checkpointing(workload) if any(self.checkpointing) else None
+        if missing is not None:
+            dropped.append(f"checkpointing on: {missing}")
+        every_n = [c for c in self.checkpointing if isinstance(c, str)]
+        refusal = _every_n_refusal(workload) if every_n and missing is None else None
+        if refusal is not None:
+            dropped.append(f"checkpointing {', '.join(every_n)}: {refusal}")
         chunked = [v for v in self.loss if v != "standard"]
         refusal = _chunked_loss_refusal(workload) if chunked else None
         if refusal is not None:
@@ -158,9 +166,11 @@ class SearchSpace:
         """The TrialConfig of one value per parameter (see :meth:`choices`)."""
         stage, _, offload = params["zero"].partition("+")
         rank, _, targets = params["lora"].partition(":")
+        checkpointing = params["checkpointing"]
+        every = int(checkpointing.removeprefix("every-")) if isinstance(checkpointing, str) else 1
         return TrialConfig(
             micro_batch=params["micro_batch"], precision=params["precision"],
-            checkpointing=params["checkpointing"], loss=params.get("loss", "standard"),
+            checkpointing=bool(checkpointing), checkpoint_every=every, loss=params.get("loss", "standard"),
             fused_optimizer=params.get("fused_optimizer", False),
             zero_stage=None if stage == "off" else int(stage), offload=offload or "none",
             lora_rank=None if rank == "off" else int(rank),
@@ -174,7 +184,8 @@ class SearchSpace:
         if config.uses_lora:
             lora = str(config.lora_rank) + (":" + ",".join(config.lora_targets) if config.lora_targets else "")
         return {"micro_batch": config.micro_batch, "precision": config.precision,
-                "checkpointing": config.checkpointing, "loss": config.loss,
+                "checkpointing": config.checkpointing if config.checkpoint_every == 1 else f"every-{config.checkpoint_every}",
+                "loss": config.loss,
                 "fused_optimizer": config.fused_optimizer,
                 "zero": _zero_label(config.zero_stage, config.offload), "lora": lora}
 
@@ -211,6 +222,12 @@ def _missing_checkpointing(workload: Workload) -> str | None:
     )
 
     return missing_checkpointing(workload)
+
+
+def _every_n_refusal(workload: Workload) -> str | None:
+    from autotune.prepare.checkpointing import every_n_refusal
+
+    return every_n_refusal(workload)
 
 
 def _chunked_loss_refusal(workload: Workload) -> str | None:
@@ -281,8 +298,7 @@ def _parse(data: Any, label: str) -> SearchSpace:
         description=str(data.get("description") or ""),
         micro_batch=_micro_batch(values["micro_batch"], label),
         precision=_each(values["precision"], label, "precision", lambda v: v if v in PRECISIONS else None),
-        checkpointing=_each(values["checkpointing"], label, "checkpointing",
-                            lambda v: v if isinstance(v, bool) else None),
+        checkpointing=_each(values["checkpointing"], label, "checkpointing", _checkpointing),
         loss=_each(values["loss"], label, "loss", lambda v: v if is_loss(v) else None),
         fused_optimizer=_each(values["fused_optimizer"], label, "fused_optimizer",
                               lambda v: v if isinstance(v, bool) else None),
@@ -331,6 +347,13 @@ def _micro_batch(values: list[Any], label: str) -> tuple[int, ...] | None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{label}: knobs.micro_batch: {value!r} is not allowed; allowed: {KNOBS['micro_batch']}")
     return tuple(sorted(set(values)))
+
+
+def _checkpointing(value: Any) -> Any:
+    if isinstance(value, bool):
+        return value
+    kind, _, every = value.partition("-") if isinstance(value, str) else ("", "", "")
+    return f"every-{int(every)}" if kind == "every" and every.isdigit() and int(every) >= 2 else _OFF
 
 
 def _zero_stage(value: Any) -> Any:

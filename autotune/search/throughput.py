@@ -51,8 +51,8 @@ class ThroughputModel:
 
     def prior(self, config: TrialConfig) -> float:
         factor = self._precision.get(config.precision, 1.0) * _OFFLOAD.get(config.offload, 1.0)
-        if config.checkpointing:
-            factor *= _CHECKPOINTING
+        if config.checkpointing:  # every N-th layer recomputes 1/N of what checkpointing every layer does
+            factor *= 1 - (1 - _CHECKPOINTING) / config.checkpoint_every
         if config.loss_chunks is not None:
             factor *= _CHUNKED_LOSS
         if config.fused_optimizer:

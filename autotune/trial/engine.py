@@ -118,7 +118,7 @@ def build_engine(*, workload: Workload, config: TrialConfig, task: str, device: 
         torch.backends.cudnn.allow_tf32 = True
     model = build_model(workload, task=task, device=device)
     if config.checkpointing:
-        enable_checkpointing(model, workload.model)
+        enable_checkpointing(model, workload.model, config.checkpoint_every)
     if config.uses_lora:
         model = apply_lora(model, config, workload, task=task)
     if config.loss_chunks is not None:

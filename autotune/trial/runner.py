@@ -25,7 +25,7 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError, WorkloadError
 from autotune.models.sources import resolve_task
-from autotune.prepare.loss import chunked_loss_refusal
+from autotune.prepare import refusal_before_trial
 from autotune.trial.child import LAUNCH_TIME_ENV
 from autotune.trial.cpu_cores import free_cores
 from autotune.trial.failures import classify_exit, describe_exit
@@ -54,7 +54,7 @@ def run_trial(workload: Workload, config: TrialConfig, *, memory_budget_bytes: i
                             f"(use --nproc {device.count} or less, or --device cpu)")
     config.validate_for(workload, device)
     task = resolve_task(workload)
-    refusal = chunked_loss_refusal(workload, task) if config.loss_chunks is not None else None
+    refusal = refusal_before_trial(workload, config, task)
     if refusal is not None:
         raise ConfigError(refusal)
     spec = {
