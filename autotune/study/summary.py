@@ -135,4 +135,6 @@ def what_is_trained(config: TrialConfig, workload: Workload | None = None) -> di
             lora["targets_note"], head = where
             note = (f"LoRA r={config.lora_rank} adapters" + ("" if head else " only") + f", on {lora['targets_note']}"
                     + (", plus the classification head in full" if head else "") + f", trained in {precision}")
+        if config.precision in ("fp16", "bf16"):  # as PEFT recipes load it: torch_dtype=the 16-bit type
+            note += f"; the frozen base held in {config.precision}"
     return {"precision": config.precision, "lora": lora, "note": note}

@@ -18,7 +18,7 @@ from autotune.config.workload import Workload
 from autotune.models.batches import loss_of, model_attr, synthetic_batch
 from autotune.models.sources import build_model
 from autotune.prepare.checkpointing import enable_checkpointing
-from autotune.prepare.lora import apply_lora
+from autotune.prepare.lora import apply_lora, freeze_base_in_16_bit
 from autotune.prepare.loss import chunk_loss
 
 __all__ = ["TrainingEngine", "build_engine"]
@@ -121,6 +121,8 @@ def build_engine(*, workload: Workload, config: TrialConfig, task: str, device: 
         enable_checkpointing(model, workload.model, config.checkpoint_every)
     if config.uses_lora:
         model = apply_lora(model, config, workload, task=task)
+        if not config.uses_deepspeed:
+            freeze_base_in_16_bit(model, config.precision)
     if config.loss_chunks is not None:
         chunk_loss(model, config.loss_chunks, source=f"the model from --model {workload.model}")
     model.train()

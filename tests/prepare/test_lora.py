@@ -106,3 +106,26 @@ def test_a_factory_model_gets_its_linear_layers_but_the_vocabulary_projection():
     r = run_trial(workload, TrialConfig(micro_batch=2, lora_rank=4), warmup_steps=0, measure_steps=1, timeout_s=300)
     assert r.status is TrialStatus.OK, r.error
     assert r.trainable_params == 4 * (32 + 32)
+
+
+def test_under_16_bit_precision_the_frozen_base_is_held_in_16_bits_and_the_estimator_counts_it():
+    """What LoRA recipes run (PEFT with torch_dtype=bfloat16): the frozen weights' bytes halve."""
+    import torch
+
+    from autotune.estimate.estimator import predict_memory
+    from autotune.study.summary import what_is_trained
+    from autotune.trial.engine import build_engine
+    from autotune.trial.runner import run_trial
+
+    workload = Workload(model="builtin:llama-tiny", seq_len=32, global_batch=4)
+    fp32, bf16 = TrialConfig(micro_batch=4, lora_rank=8), TrialConfig(micro_batch=4, lora_rank=8, precision="bf16")
+    engine = build_engine(workload=workload, config=bf16, task="causal-lm", device=torch.device("cpu"), world_size=1)
+    dtypes = {(p.requires_grad, p.dtype) for p in engine.model.parameters()}
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}  # adapters stay fp32
+    full, half = (predict_memory(workload, c) for c in (fp32, bf16))
+    assert half.parameters_bytes == pytest.approx(full.parameters_bytes / 2, rel=0.01)
+    measured = run_trial(workload, bf16, measure_steps=1)
+    assert measured.ok, measured.error
+    assert half.predicted_peak_bytes == pytest.approx(measured.peak_memory_bytes, rel=0.05)
+    assert measured.peak_memory_bytes < run_trial(workload, fp32, measure_steps=1).peak_memory_bytes
+    assert what_is_trained(bf16)["note"].endswith("; the frozen base held in bf16")
