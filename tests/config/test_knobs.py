@@ -75,8 +75,8 @@ def test_bad_workloads_name_the_flag(kwargs, flag):
 
 
 def test_more_ranks_than_gpus_are_refused_before_anything_starts():
-    from autotune.trial import runner
     from autotune.errors import WorkloadError as Refused
+    from autotune.trial import runner
 
     with pytest.raises(Refused, match="--nproc 2 needs 2 GPUs; 1 visible"):
         runner.run_trial(Workload(nproc=2, global_batch=4), TrialConfig(micro_batch=2), device=GPU)

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from autotune.output import report
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
+from autotune.output import report
 from autotune.output.report import render_report, write_report
 from autotune.study.summary import StudySummary, TrialRecord
 
