@@ -121,13 +121,11 @@ def predict_memory(workload: Workload, config: TrialConfig, *, task: str | None 
     kept for the caller's lifetime). Raises EstimateError when the estimate fails or takes
     longer than ``timeout_s``.
     """
-    if config.loss_chunks is not None or config.checkpoint_every > 1:  # refused in words, as a trial refuses it
-        from autotune.models.sources import resolve_task
-        from autotune.prepare import refusal_before_trial
+    from autotune.prepare import refusal_before_trial
 
-        refusal = refusal_before_trial(workload, config, task or resolve_task(workload))
-        if refusal is not None:
-            raise ConfigError(refusal)
+    refusal = refusal_before_trial(workload, config, task)  # refused in words, as a trial refuses it
+    if refusal is not None:
+        raise ConfigError(refusal)
     request = {"workload": workload.to_dict(), "config": config.to_dict(), "task": task}
     reply = _SERVER.ask(request, timeout_s)
     if "error" in reply:

@@ -108,13 +108,10 @@ def _hf(config: TrialConfig, workload: Workload, *, device_type: str, summary: d
 def _hf_checkpointing_name() -> str:
     """Transformers 5.23 renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (the old name
     goes in v6): the name the installed version reads, found without importing transformers."""
-    from importlib.metadata import PackageNotFoundError, version
+    from autotune.prepare.checkpointing import EVERY_N_SINCE, transformers_release
 
-    try:
-        major, minor = (int(part) for part in version("transformers").split(".")[:2])
-    except (PackageNotFoundError, ValueError):
-        return "activation_checkpointing"
-    return "activation_checkpointing" if (major, minor) >= (5, 23) else "gradient_checkpointing"
+    release = transformers_release()
+    return "activation_checkpointing" if release is None or release >= EVERY_N_SINCE else "gradient_checkpointing"
 
 
 def _hf_deepspeed(config: TrialConfig, workload: Workload, *, device_type: str) -> dict[str, Any]:

@@ -14,12 +14,14 @@ if TYPE_CHECKING:
     from autotune.config.workload import Workload
 
 
-def refusal_before_trial(workload: Workload, config: TrialConfig, task: str) -> str | None:
-    """Why this config cannot be prepared for this workload's model, said before any trial; or None."""
+def refusal_before_trial(workload: Workload, config: TrialConfig, task: str | None = None) -> str | None:
+    """Why this config cannot be prepared for this workload's model, said before any trial; or None.
+    ``task``: the workload's, resolved here only when a knob needs it."""
     if config.loss_chunks is not None:
+        from autotune.models.sources import resolve_task
         from autotune.prepare.loss import chunked_loss_refusal
 
-        refusal = chunked_loss_refusal(workload, task)
+        refusal = chunked_loss_refusal(workload, task or resolve_task(workload))
         if refusal is not None:
             return refusal
     if config.checkpoint_every > 1:

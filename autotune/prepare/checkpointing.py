@@ -20,9 +20,22 @@ if TYPE_CHECKING:
 
     from autotune.config.workload import Workload
 
-__all__ = ["enable_checkpointing", "missing_checkpointing", "every_n_refusal"]
+__all__ = ["enable_checkpointing", "missing_checkpointing", "every_n_refusal", "transformers_release", "EVERY_N_SINCE"]
 
-EVERY_N_SINCE = (5, 23)  # the Transformers release whose checkpointing takes every_n_layers
+# The Transformers release whose checkpointing takes every_n_layers, and that renamed TrainingArguments'
+# gradient_checkpointing to activation_checkpointing.
+EVERY_N_SINCE = (5, 23)
+
+
+def transformers_release() -> tuple[int, int] | None:
+    """(major, minor) of the installed transformers, read without importing it; None if unknown."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(part) for part in version("transformers").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return None
+    return major, minor
 
 
 def enable_checkpointing(model: torch.nn.Module, source: str, every: int = 1) -> None:
@@ -46,15 +59,13 @@ def enable_checkpointing(model: torch.nn.Module, source: str, every: int = 1) ->
 
 def every_n_refusal(workload: Workload) -> str | None:
     """Why ``--checkpointing every-N`` cannot apply here, or None (known before a trial)."""
-    from importlib.metadata import version
-
     if parse_model_source(workload.model).kind == "factory":
         return (f"--checkpointing every-N: the model from --model {workload.model} is a factory's, whose layers "
                 "autotune does not know; it applies to Hugging Face models (on or off work for factories)")
-    installed = tuple(int(part) for part in version("transformers").split(".")[:2])
-    if installed < EVERY_N_SINCE:
+    installed = transformers_release()
+    if installed is not None and installed < EVERY_N_SINCE:
         return (f"--checkpointing every-N needs transformers >= {'.'.join(map(str, EVERY_N_SINCE))} "
-                f"(every_n_layers); {version('transformers')} is installed")
+                f"(every_n_layers); {'.'.join(map(str, installed))} is installed")
     return None
 
 

@@ -127,12 +127,12 @@ class SearchSpace:
             if not checkpointing:
                 on = ", ".join("true" if c is True else str(c) for c in self.checkpointing if c)
                 raise ConfigError(f"{self.name}: knobs.checkpointing [{on}]: {missing}; add false")
-        if any(isinstance(c, str) for c in checkpointing) and _every_n_refusal(workload) is not None:
+        refusal = _every_n_refusal(workload) if any(isinstance(c, str) for c in checkpointing) else None
+        if refusal is not None:
             checkpointing = tuple(c for c in checkpointing if not isinstance(c, str))
             if not checkpointing:
                 every = ", ".join(str(c) for c in self.checkpointing)
-                raise ConfigError(f"{self.name}: knobs.checkpointing [{every}]: {_every_n_refusal(workload)}; "
-                                  "add true or false")
+                raise ConfigError(f"{self.name}: knobs.checkpointing [{every}]: {refusal}; add true or false")
         loss = self.loss
         refusal = _chunked_loss_refusal(workload) if any(v != "standard" for v in loss) else None
         if refusal is not None:
