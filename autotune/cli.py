@@ -270,6 +270,8 @@ def grid(
     output: Annotated[str, typer.Option("-o", "--output", help="The .jsonl file to write (appended to).")],
     workload: Workload, memory_budget: Optional[str], space: str, trial_timeout: float, warmup_steps: int, steps: int,
     estimate: bool,
+    re_estimate: Annotated[bool, typer.Option("--re-estimate", help="Estimate every line again, not only "
+                                              "those without an estimate (after the estimator changed).")] = False,
 ) -> int:
     """Measure every config of a space, one `autotune trial --json` line each (for replaying searches).
 
@@ -284,6 +286,8 @@ def grid(
 
     if trial_timeout <= 0:
         raise ConfigError(f"--trial-timeout {trial_timeout:g} must be more than 0 seconds")
+    if re_estimate and not estimate:
+        raise ConfigError("--re-estimate and --no-estimate contradict each other: drop one")
 
     def report(index: int, total: int, line: dict[str, Any]) -> None:
         figure = f"{line['tokens_per_s']:,.1f} tokens/s" if line.get("tokens_per_s") else "no figure"
@@ -301,7 +305,7 @@ def grid(
                             on_trial=report)
     print(f"{output}: {measured} config(s) measured now", file=sys.stderr)
     if estimate:
-        estimated = estimate_grid(Path(output), on_estimate=report_estimate)
+        estimated = estimate_grid(Path(output), on_estimate=report_estimate, again=re_estimate)
         print(f"{output}: {estimated} config(s) estimated now", file=sys.stderr)
     return 0
 

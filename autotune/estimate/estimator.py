@@ -56,7 +56,6 @@ from autotune.errors import AutotuneError, ConfigError
 
 __all__ = ["MemoryEstimate", "estimate_memory", "predict_memory"]
 
-_OPTIMIZER_STEPS = 2   # the second step is the first with optimizer state, gradients and activations
 ZERO3_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_parameters (our configs keep it)
 _MICRO_STEPS = 2       # accumulation past the second micro-step adds nothing: gradients exist by then
 
@@ -495,8 +494,10 @@ def _fake_steps(engine: Any, tracker: Any) -> _States:
 
     Like the trial's step except that nothing reads a value back (``.item()`` has no data here)
     and fp16's loss scaler is left out (its unscale checks values; its state is a few scalars).
-    The tracker's peak is the second optimizer step's: the first with optimizer state from the
-    start, as every later step (the first one creates the state midway, at the same peak).
+    The optimizer makes its state on its first step: it makes it here from zero gradients, so
+    the one step traced has the state from its start, as every step after the first (the first
+    creates it midway, at the same peak). A whole first step traced only to create the state
+    cost as long as the step itself.
     """
     import torch
 
@@ -506,28 +507,27 @@ def _fake_steps(engine: Any, tracker: Any) -> _States:
     tracker.tag(parameters, "parameters")
     trainable = [p for p in engine.model.parameters() if p.requires_grad]
     for p in trainable:
+        p.grad = torch.zeros_like(p)
+    engine.optimizer.step()
+    engine.optimizer.zero_grad(set_to_none=True)
+    states = [v for s in engine.optimizer.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor) and v.numel() > 1]
+    tracker.tag(states, "optimizer_state")
+    for p in trainable:
         p.register_post_accumulate_grad_hook(lambda p: tracker.tag([p.grad], "gradients"))
-    gradients = state = 0
-    micro_steps = min(engine.accum, _MICRO_STEPS)
-    for step in range(_OPTIMIZER_STEPS):
-        if step == _OPTIMIZER_STEPS - 1:
-            tracker.reset_peak()
-        for _ in range(micro_steps):
-            tracker.in_forward = True
-            with torch.autocast(engine.device.type, dtype=engine.autocast_dtype,
-                                enabled=engine.autocast_dtype is not None):
-                loss = loss_of(engine.forward_model(**engine.batch)) / engine.accum
-            tracker.in_forward = False
-            loss.backward()
-            del loss
-        gradients = _bytes(p.grad for p in trainable if p.grad is not None)
-        engine.optimizer.step()
-        states = [v for s in engine.optimizer.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor) and v.numel() > 1]
-        tracker.tag(states, "optimizer_state")
-        state = _bytes(states)
-        engine.optimizer.zero_grad(set_to_none=True)
-    return _States(_bytes(parameters), gradients, state)
+    tracker.reset_peak()
+    for _ in range(min(engine.accum, _MICRO_STEPS)):
+        tracker.in_forward = True
+        with torch.autocast(engine.device.type, dtype=engine.autocast_dtype,
+                            enabled=engine.autocast_dtype is not None):
+            loss = loss_of(engine.forward_model(**engine.batch)) / engine.accum
+        tracker.in_forward = False
+        loss.backward()
+        del loss
+    gradients = _bytes(p.grad for p in trainable if p.grad is not None)
+    engine.optimizer.step()
+    engine.optimizer.zero_grad(set_to_none=True)
+    return _States(_bytes(parameters), gradients, _bytes(states))
 
 
 def _zero_states(engine: Any, config: TrialConfig, ranks: int, *,

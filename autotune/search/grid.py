@@ -8,7 +8,8 @@ again measures only the configs missing from the file.
 Then each line gets the memory estimator's prediction for its config (``estimate``: the
 estimate, with ``estimate_seconds``, its round trip through a warm estimate server, and
 ``estimator_start_s``, what starting that server cost once), so a replayed driver can bisect
-with the estimator and pay what it would have paid. Lines that have one keep it.
+with the estimator and pay what it would have paid. Lines that have one keep it, unless the
+estimates are made again (after the estimator changed: its figures and its seconds both move).
 """
 
 from __future__ import annotations
@@ -50,15 +51,17 @@ def measure_grid(workload: Workload, space: SearchSpace, out: Path, *, memory_bu
     return len(todo)
 
 
-def estimate_grid(path: Path, on_estimate: Callable[[int, int, dict[str, Any]], None] | None = None) -> int:
-    """Add the estimator's prediction to every line of ``path`` lacking one; return how many were added.
+def estimate_grid(path: Path, on_estimate: Callable[[int, int, dict[str, Any]], None] | None = None, *,
+                  again: bool = False) -> int:
+    """Add the estimator's prediction to every line of ``path`` lacking one (``again``: to every
+    line); return how many were added.
 
     The file is rewritten whole (to a temporary file, then renamed), so a stop leaves it as it was.
     """
     from autotune.estimate.estimator import EstimateError, predict_memory
 
     lines = list(read_grid(path))
-    todo = [line for line in lines if "estimate" not in line]
+    todo = [line for line in lines if again or "estimate" not in line]
     if not todo:
         return 0
     workload = Workload.from_dict(todo[0]["workload"])

@@ -45,6 +45,19 @@ def test_grid_measures_each_config_once_and_resumes(tmp_path):
     estimate = lines[0]["estimate"]
     assert abs(estimate["predicted_peak_bytes"] - lines[0]["peak_memory_bytes"]) <= 0.1 * lines[0]["peak_memory_bytes"]
     assert lines[0]["estimate_seconds"] > 0 and lines[0]["estimator_start_s"] >= 0
+    # After the estimator changed: every line estimated again, nothing measured again.
+    predicted = estimate["predicted_peak_bytes"]
+    lines[0]["estimate"] = {**estimate, "predicted_peak_bytes": 1}
+    (tmp_path / "g.jsonl").write_text(json.dumps(lines[0]) + "\n")
+    refreshed = subprocess.run([*command, "--re-estimate"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert refreshed.returncode == 0 and "0 config(s) measured now" in refreshed.stderr
+    assert "1 config(s) estimated now" in refreshed.stderr
+    line = json.loads((tmp_path / "g.jsonl").read_text())
+    assert line["estimate"]["predicted_peak_bytes"] == predicted
+    assert line["trial_seconds"] == lines[0]["trial_seconds"]
+    contradiction = subprocess.run([*command, "--re-estimate", "--no-estimate"], cwd=tmp_path,
+                                   capture_output=True, text=True, timeout=300)
+    assert contradiction.returncode == 2 and "--re-estimate" in contradiction.stderr
 
 
 def _line(micro_batch: int, ckpt: bool, tokens: float, peak_mib: float, seconds: float,
