@@ -4,7 +4,8 @@ estimator's prediction of the peak.
     python bench/levers.py [--rounds 3] [--out bench/results/levers_cpu.json]
 
 Levers so far: the chunked loss (``--loss chunked`` against ``standard``), checkpointing every N-th
-layer (``--checkpointing every-2``, beside ``on``) and the fused AdamW (``--fused-optimizer on``). Each pair runs as real
+layer (``--checkpointing every-2``, beside ``on``), the fused AdamW (``--fused-optimizer on``) and true bf16
+(``--precision bf16-true`` against mixed ``bf16``, with and without LoRA). Each pair runs as real
 trials, interleaved (baseline, lever, baseline, lever, ...) so a busy machine slows both alike;
 tokens/s is the median over the rounds with the range beside it, the peak that of the first
 round (peaks do not vary between runs on a CPU: the live-bytes tracker counts tensors).
@@ -37,6 +38,12 @@ PAIRS = [
     ("fused AdamW", "builtin:llama-tiny", TrialConfig(micro_batch=8), TrialConfig(micro_batch=8, fused_optimizer=True)),
     ("fused AdamW", "builtin:gpt2-deep-tiny", TrialConfig(micro_batch=8),
      TrialConfig(micro_batch=8, fused_optimizer=True)),
+    ("bf16-true", "builtin:llama-tiny", TrialConfig(micro_batch=8, precision="bf16"),
+     TrialConfig(micro_batch=8, precision="bf16-true")),
+    ("bf16-true", "builtin:gpt2-deep-tiny", TrialConfig(micro_batch=8, precision="bf16"),
+     TrialConfig(micro_batch=8, precision="bf16-true")),
+    ("bf16-true", "builtin:llama-tiny", TrialConfig(micro_batch=8, precision="bf16", lora_rank=8),
+     TrialConfig(micro_batch=8, precision="bf16-true", lora_rank=8)),
 ]
 SEQ_LEN, GLOBAL_BATCH = 128, 16
 

@@ -16,9 +16,15 @@ from autotune.errors import ConfigError
 if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
 
-__all__ = ["TrialConfig", "PRECISIONS", "OFFLOADS", "ZERO_STAGES", "LOSSES", "DEFAULT_LOSS_CHUNKS", "is_loss"]
+__all__ = ["TrialConfig", "PRECISIONS", "OFFLOADS", "ZERO_STAGES", "LOSSES", "DEFAULT_LOSS_CHUNKS", "is_loss",
+           "sixteen_bit_type"]
 
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "bf16-true")
+# The 16-bit type each precision computes in (torch's name). fp16 and bf16 are mixed precision:
+# fp32 weights, gradients and Adam states, matmuls under autocast. bf16-true holds all of them in
+# bf16 (Lightning's "bf16-true"). No fp16-true: Adam's eps (1e-8) and small second moments
+# underflow in fp16, so it does not train without an fp32 copy.
+_SIXTEEN_BIT_TYPES = {"fp16": "float16", "bf16": "bfloat16", "bf16-true": "bfloat16"}
 LOSSES = ("standard", "chunked")   # chunked also as chunked:K
 DEFAULT_LOSS_CHUNKS = 8
 OFFLOADS = ("none", "optimizer", "optimizer+params")
@@ -36,7 +42,8 @@ class TrialConfig:
     )
     precision: str = field(
         default="fp32",
-        metadata={"help": "fp32, tf32 (CUDA only), fp16 (with loss scaling) or bf16."},
+        metadata={"help": "fp32, tf32 (CUDA only), fp16 (mixed, with loss scaling), bf16 (mixed) or bf16-true "
+                          "(weights, gradients and Adam states all in bf16: half the model states, less exact)."},
     )
     checkpointing: bool = field(
         default=False, metadata={"help": "Activation checkpointing: recompute activations in backward."},
@@ -91,6 +98,16 @@ class TrialConfig:
     @property
     def uses_deepspeed(self) -> bool:
         return self.zero_stage is not None
+
+    @property
+    def sixteen_bit(self) -> str | None:
+        """torch's name of the 16-bit type this config computes in (float16, bfloat16), or None."""
+        return sixteen_bit_type(self.precision)
+
+    @property
+    def true_16_bit(self) -> bool:
+        """Weights, gradients and optimizer state held in 16 bits (no fp32 copy, no autocast)."""
+        return self.precision == "bf16-true"
 
     @property
     def loss_chunks(self) -> int | None:
@@ -160,8 +177,11 @@ class TrialConfig:
                               "CUDA); use --fused-optimizer off with ZeRO")
         if self.precision == "tf32" and device.type != "cuda":
             raise ConfigError("--precision tf32 only exists on CUDA tensor cores; use fp32 or bf16 on a CPU")
-        if self.precision == "bf16" and not device.bf16:
-            raise ConfigError(f"--precision bf16: {device.name} has no bfloat16; use fp16 or fp32")
+        if self.sixteen_bit == "bfloat16" and not device.bf16:
+            raise ConfigError(f"--precision {self.precision}: {device.name} has no bfloat16; use fp16 or fp32")
+        if self.true_16_bit and self.uses_deepspeed:
+            raise ConfigError(f"--precision {self.precision} with --zero-stage: DeepSpeed's bf16 mode keeps fp32 master "
+                              "weights in its optimizer, which is --precision bf16; use that with ZeRO")
         if self.precision == "fp16" and self.uses_deepspeed and not device.fp16_deepspeed:
             raise ConfigError(
                 "--precision fp16 with --zero-stage: DeepSpeed's accelerator on this device has no fp16 "
@@ -199,6 +219,11 @@ class TrialConfig:
         if self.uses_deepspeed:
             parts.append(f"zero{self.zero_stage}" + ("" if self.offload == "none" else f"+{self.offload}"))
         return " ".join(parts)
+
+
+def sixteen_bit_type(precision: str) -> str | None:
+    """torch's name of the 16-bit type ``precision`` computes in, or None for fp32/tf32."""
+    return _SIXTEEN_BIT_TYPES.get(precision)
 
 
 def is_loss(value: Any) -> bool:

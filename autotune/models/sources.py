@@ -161,8 +161,11 @@ def resolve_task(workload: Workload) -> str:
     return infer_task(config)
 
 
-def build_model(workload: Workload, *, task: str, device: torch.device) -> torch.nn.Module:
-    """Build the workload's model with random weights directly on ``device``."""
+def build_model(workload: Workload, *, task: str, device: torch.device,
+                dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Build the workload's model with random weights directly on ``device``; a Transformers model
+    with its weights in ``dtype`` when given, as ``from_pretrained(dtype=...)`` loads them (a
+    factory's model comes as its factory builds it: the caller casts it)."""
     import torch
 
     source = parse_model_source(workload.model)
@@ -178,7 +181,8 @@ def build_model(workload: Workload, *, task: str, device: torch.device) -> torch
     auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
     with torch.device(device):
         try:
-            return auto.from_config(config, trust_remote_code=workload.trust_remote_code)
+            return auto.from_config(config, trust_remote_code=workload.trust_remote_code,
+                                    **({} if dtype is None else {"dtype": dtype}))
         except ValueError as exc:
             raise WorkloadError(f"--model {workload.model} cannot be built for --task {task}: "
                                 f"{_one_line(exc)}") from exc

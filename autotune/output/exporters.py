@@ -76,6 +76,10 @@ def _yaml(config: TrialConfig, workload: Workload, *, device_type: str, summary:
 
 # -- DeepSpeed and Hugging Face TrainingArguments -------------------------------------------
 def _deepspeed(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
+    if config.true_16_bit:
+        raise ConfigError(f"--format deepspeed: this config trains in {config.precision}, and DeepSpeed's bf16 mode "
+                          "keeps fp32 master weights (that is --precision bf16); export --format hf, lightning "
+                          "or accelerate instead")
     return _dump_json(deepspeed_config(config, workload, device_type=device_type,
                                        hidden_size=hidden_size(workload)))
 
@@ -85,7 +89,7 @@ def _hf(config: TrialConfig, workload: Workload, *, device_type: str, summary: d
     kwargs: dict[str, Any] = {
         "per_device_train_batch_size": config.micro_batch,
         "gradient_accumulation_steps": config.grad_accum_steps(workload),
-        "bf16": config.precision == "bf16",
+        "bf16": config.sixteen_bit == "bfloat16",  # bf16-true: autocast on a bf16 model changes nothing
         "fp16": config.precision == "fp16",
     }
     if not config.uses_deepspeed:  # what the trials ran (Transformers 5's default is the fused one)
@@ -139,7 +143,7 @@ def _accelerate(config: TrialConfig, workload: Workload, *, device_type: str, su
         "enable_cpu_affinity": False,
         "machine_rank": 0,
         "main_training_function": "main",
-        "mixed_precision": {"fp16": "fp16", "bf16": "bf16"}.get(config.precision, "no"),
+        "mixed_precision": {"float16": "fp16", "bfloat16": "bf16"}.get(config.sixteen_bit or "", "no"),
         "num_machines": 1,
         "num_processes": workload.nproc,
         "rdzv_backend": "static",
@@ -185,7 +189,7 @@ def _lightning(config: TrialConfig, workload: Workload, *, device_type: str, sum
     trainer = {
         "accelerator": "cpu" if device_type == "cpu" else "gpu",
         "devices": workload.nproc,
-        "precision": {"fp16": "16-mixed", "bf16": "bf16-mixed"}.get(config.precision, "32-true"),
+        "precision": {"fp16": "16-mixed", "bf16": "bf16-mixed", "bf16-true": "bf16-true"}.get(config.precision, "32-true"),
         "accumulate_grad_batches": config.grad_accum_steps(workload),
         "strategy": _lightning_strategy(config, workload),
     }
@@ -249,6 +253,9 @@ def _header(config: TrialConfig, workload: Workload, summary: dict[str, Any]) ->
 def in_code(config: TrialConfig) -> list[str]:
     """What the job must apply in its own code because no library's config carries it, a line each."""
     lines = []
+    if config.true_16_bit:
+        lines.append("bf16-true: load the model in bf16 (from_pretrained(..., dtype=torch.bfloat16), or model.to(torch.bfloat16)) "
+                     "and build the optimizer over its bf16 parameters; Lightning's precision: bf16-true does both")
     if config.fused_optimizer:
         lines.append("optimizer: torch.optim.AdamW(..., fused=True) (the hf export sets optim adamw_torch_fused)")
     if config.loss_chunks is None:

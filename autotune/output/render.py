@@ -147,7 +147,7 @@ def nothing_fits(summary: StudySummary) -> list[str]:
                      "budget: raise --memory-budget")
     untried = [hint for used, hint in (
         (any(t.config.checkpointing for t in trials), "activation checkpointing (checkpointing: [false, true])"),
-        (any(t.config.precision in ("bf16", "fp16") for t in trials), "a 16-bit precision (precision: [bf16])"),
+        (any(t.config.sixteen_bit for t in trials), "a 16-bit precision (precision: [bf16])"),
         (any(t.config.uses_lora for t in trials), "LoRA (--space lora)"),
         (any(t.config.zero_stage is not None for t in trials) or summary.workload.nproc == 1,
          "ZeRO sharding over the ranks (--space zero)"),

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
 
-__all__ = ["LoraTargets", "lora_targets", "lora_targets_note", "apply_lora", "freeze_base_in_16_bit"]
+__all__ = ["LoraTargets", "lora_targets", "lora_targets_note", "apply_lora"]
 
 
 @dataclass(frozen=True)
@@ -105,21 +105,6 @@ def apply_lora(model: torch.nn.Module, config: TrialConfig, workload: Workload, 
     except (ValueError, TypeError) as exc:  # TypeError: e.g. a target inside a head PEFT trains in full
         raise ConfigError(f"--lora-targets: {str(exc).splitlines()[0]}; name the modules to adapt, "
                           "e.g. --lora-targets q_proj,v_proj, or --lora-targets all-linear") from exc
-
-
-def freeze_base_in_16_bit(model: torch.nn.Module, precision: str) -> None:
-    """Hold LoRA's frozen base in the 16-bit type of a mixed-precision config, adapters in fp32: what
-    every LoRA recipe runs (PEFT with ``torch_dtype=torch.bfloat16``, Lightning's ``bf16-true``
-    base). Keeping the base in fp32 would count bytes no user pays. DeepSpeed's own fp16/bf16 holds
-    every weight in 16 bits already."""
-    import torch
-
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
-    if dtype is None:
-        return
-    for param in model.parameters():
-        if not param.requires_grad and param.is_floating_point():
-            param.data = param.data.to(dtype)
 
 
 def _peft_default_targets(model_type: str | None) -> tuple[str, ...] | None:

@@ -24,6 +24,7 @@ from autotune.config.knobs import (
     ZERO_STAGES,
     TrialConfig,
     is_loss,
+    sixteen_bit_type,
 )
 from autotune.errors import ConfigError
 
@@ -396,7 +397,7 @@ def _count(value: Any, label: str, key: str) -> int:
 def _trains_in(precision: str, device: DeviceInfo) -> bool:
     if precision == "tf32":
         return device.type == "cuda"
-    if precision == "bf16":
+    if sixteen_bit_type(precision) == "bfloat16":
         return device.bf16
     return True
 

@@ -123,7 +123,8 @@ def what_is_trained(config: TrialConfig, workload: Workload | None = None) -> di
     PEFT's table, only for default targets).
     """
     precision = {"fp32": "fp32", "tf32": "fp32 with tf32 matmuls", "fp16": "fp16 mixed precision",
-                 "bf16": "bf16 mixed precision"}[config.precision]
+                 "bf16": "bf16 mixed precision",
+                 "bf16-true": "bf16 throughout (weights, gradients and Adam states; no fp32 copy)"}[config.precision]
     lora: dict[str, Any] | None = None
     note = f"all weights trained in {precision}"
     if config.uses_lora:
@@ -135,6 +136,6 @@ def what_is_trained(config: TrialConfig, workload: Workload | None = None) -> di
             lora["targets_note"], head = where
             note = (f"LoRA r={config.lora_rank} adapters" + ("" if head else " only") + f", on {lora['targets_note']}"
                     + (", plus the classification head in full" if head else "") + f", trained in {precision}")
-        if config.precision in ("fp16", "bf16"):  # as PEFT recipes load it: torch_dtype=the 16-bit type
+        if config.precision in ("fp16", "bf16"):  # as PEFT recipes load it: dtype=the 16-bit type
             note += f"; the frozen base held in {config.precision}"
     return {"precision": config.precision, "lora": lora, "note": note}

@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Any
 
+from autotune.config.knobs import sixteen_bit_type
+
 __all__ = ["probe_precisions", "relative_matmul_speed"]
 
 PROBE_TIMEOUT_S = 120.0
@@ -59,7 +61,7 @@ def relative_matmul_speed(device_type: str, precisions: list[str]) -> dict[str, 
 
 
 def _matmul_rate(torch: Any, device: Any, precision: str, size: int) -> float:
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    dtype = getattr(torch, sixteen_bit_type(precision) or "float32")  # bf16-true multiplies as bf16 does
     if precision == "tf32" and device.type != "cuda":
         raise RuntimeError("tf32 is a CUDA mode")
     a = torch.randn(size, size, device=device, dtype=dtype)
