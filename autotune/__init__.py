@@ -35,7 +35,7 @@ _EXPORTS = {
     "write_report": "autotune.output.report",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "prepare"])
 
 if TYPE_CHECKING:
     from autotune.config.deepspeed_config import deepspeed_config
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from autotune.errors import AutotuneError, ConfigError, StorageError, WorkloadError
     from autotune.output.exporters import export_config
     from autotune.output.report import write_report
+    from autotune.prepare.apply import prepare
     from autotune.search.space import SearchSpace, load_space
     from autotune.search.tuner import find, tune
     from autotune.sizes import parse_size
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "prepare":  # the folder autotune/prepare, which is callable: autotune.prepare(model, config)
+        return importlib.import_module("autotune.prepare")
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'autotune' has no attribute {name!r}")

@@ -261,7 +261,7 @@ def in_code(config: TrialConfig) -> list[str]:
     if config.loss_chunks is None:
         return lines
     return lines + [f"loss: chunked in {config.loss_chunks} slices, which no library flag sets: after building the model, "
-            f"`from autotune.prepare.loss import chunk_loss; chunk_loss(model, {config.loss_chunks})` "
+            f"`model = autotune.prepare(model, loss=\"chunked:{config.loss_chunks}\")` "
             "(same loss; outputs.logits then hold the hidden states)"]
 
 

@@ -1,17 +1,43 @@
-"""What a config does to a model: LoRA adapters, activation checkpointing, the chunked loss (and,
-next, attention and compile), applied the same way in trials and in users' jobs, and the facts about a
-model that say which of them it can take, found before any trial.
+"""What a config does to a model: LoRA adapters, activation checkpointing, the chunked loss, where
+weights are held per precision (next, attention and compile), applied the same way in trials and in
+users' jobs, and the facts about a model that say which of them it can take, found before any trial.
 
+This folder is also the public function: ``autotune.prepare(model, config)`` (:mod:`.apply`).
 May import ``config`` and ``models``; trials and the estimator use it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
+
+
+class _CallableFolder(types.ModuleType):
+    """``autotune.prepare`` is both this folder and, called, :func:`autotune.prepare.apply.prepare`:
+    importing a submodule sets the package's attribute to the folder, so the folder must be the callable."""
+
+    def __call__(self, model: torch.nn.Module, config: Any = None, **kwargs: Any) -> torch.nn.Module:
+        from autotune.prepare.apply import prepare
+
+        return prepare(model, config, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableFolder
+
+
+def __getattr__(name: str) -> Any:
+    if name == "prepare":  # from autotune.prepare import prepare
+        from autotune.prepare.apply import prepare
+
+        return prepare
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def refusal_before_trial(workload: Workload, config: TrialConfig, task: str | None = None) -> str | None:

@@ -38,11 +38,12 @@ def transformers_release() -> tuple[int, int] | None:
     return major, minor
 
 
-def enable_checkpointing(model: torch.nn.Module, source: str, every: int = 1) -> None:
-    """Non-reentrant activation checkpointing of every layer, or of every ``every``-th decoder layer."""
+def enable_checkpointing(model: torch.nn.Module, every: int = 1, *, source: str = "the model") -> None:
+    """Non-reentrant activation checkpointing of every layer, or of every ``every``-th decoder layer.
+    ``source``: the model in words, for errors (e.g. "the model from --model builtin:llama-tiny")."""
     enable = getattr(model, "gradient_checkpointing_enable", None)
     if enable is None:
-        raise ConfigError(f"--checkpointing on: the model from --model {source} has no "
+        raise ConfigError(f"--checkpointing on: {source} has no "
                           "gradient_checkpointing_enable(); add one or use --checkpointing off")
     # Non-reentrant checkpointing works with frozen inputs (LoRA) and with DeepSpeed.
     if every == 1:
@@ -51,7 +52,7 @@ def enable_checkpointing(model: torch.nn.Module, source: str, every: int = 1) ->
         try:
             enable(gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every)
         except TypeError as exc:
-            raise ConfigError(f"--checkpointing every-{every}: the model from --model {source} cannot checkpoint "
+            raise ConfigError(f"--checkpointing every-{every}: {source} cannot checkpoint "
                               f"every n-th layer ({exc}); use --checkpointing on or off") from None
     if hasattr(getattr(model, "config", None), "use_cache"):
         model.config.use_cache = False

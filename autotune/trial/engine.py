@@ -17,10 +17,7 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.models.batches import loss_of, model_attr, synthetic_batch
 from autotune.models.sources import build_model
-from autotune.prepare.checkpointing import enable_checkpointing
-from autotune.prepare.lora import apply_lora
-from autotune.prepare.loss import chunk_loss
-from autotune.prepare.precision import hold_weights
+from autotune.prepare.apply import prepare
 
 __all__ = ["TrainingEngine", "build_engine"]
 
@@ -120,13 +117,7 @@ def build_engine(*, workload: Workload, config: TrialConfig, task: str, device: 
     # bf16-true builds in bf16: the build's peak is then the 16-bit model's, not an fp32 copy's.
     model = build_model(workload, task=task, device=device,
                         dtype=getattr(torch, config.sixteen_bit) if config.true_16_bit else None)
-    if config.checkpointing:
-        enable_checkpointing(model, workload.model, config.checkpoint_every)
-    if config.uses_lora:
-        model = apply_lora(model, config, workload, task=task)
-    hold_weights(model, config)  # after LoRA: PEFT makes its adapters fp32
-    if config.loss_chunks is not None:
-        chunk_loss(model, config.loss_chunks, source=f"the model from --model {workload.model}")
+    model = prepare(model, config, workload=workload, task=task)  # what a user's job applies the same way
     model.train()
     common = dict(model=model, config=config, task=task, device=device)
     if config.uses_deepspeed:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -101,13 +102,16 @@ def test_exports_say_how_to_apply_the_chunked_loss(tmp_path):
     config = TrialConfig(micro_batch=8, loss="chunked:16")
     assert config.describe() == "mb=8 fp32 chunked-loss:16"
     header = export_config(config, VOCAB_32K, fmt="yaml", device_type="cpu")
-    assert "chunk_loss(model, 16)" in header
+    line = re.search(r"`(model = autotune\.prepare\(.*?\))`", header)
+    assert line is not None, header
     assert '"loss": "chunked:16"' in export_config(config, VOCAB_32K, fmt="json", device_type="cpu")
     # The line in the header is code a job can run: it trains the model the trials measured.
-    code = ("import torch; from autotune.config.workload import Workload; from autotune.models.sources import "
-            "build_model; from autotune.prepare.loss import chunk_loss\n"
+    code = ("import torch, autotune; from autotune.config.workload import Workload; from autotune.models.sources import "
+            "build_model\n"
             "model = build_model(Workload(model='builtin:llama-tiny-32k'), task='causal-lm', device=torch.device('cpu'))\n"
-            "chunk_loss(model, 16); ids = torch.randint(0, 32000, (2, 16)); model(input_ids=ids, labels=ids).loss.backward()\n"
+            f"{line.group(1)}\n"
+            "assert type(model.loss_function).__name__ == '_ChunkedCrossEntropy'\n"
+            "ids = torch.randint(0, 32000, (2, 16)); model(input_ids=ids, labels=ids).loss.backward()\n"
             "print('trained')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "trained", proc.stderr[-1000:]
@@ -129,4 +133,4 @@ def test_find_picks_the_chunked_loss_where_the_standard_loss_does_not_fit(tmp_pa
     best = json.loads(proc.stdout)["best"]
     assert best["config"]["loss"] == "chunked"
     assert best["peak_memory_bytes"] <= 207 * 2**20  # what the confirmation measured
-    assert "chunk_loss(model, 8)" in (tmp_path / "job.yaml").read_text()
+    assert 'autotune.prepare(model, loss="chunked:8")' in (tmp_path / "job.yaml").read_text()
