@@ -1,0 +1,89 @@
+"""``autotune.prepare(model, config)``: apply to a built model what a trial applied to its own.
+
+The trial's engine calls this same function, so what was measured is what the user's job runs:
+activation checkpointing (every N-th layer too), LoRA adapters, where each weight is held for
+the precision (a 16-bit frozen base, bf16-true), and the chunked loss. What a training loop does
+itself is not here: the optimizer, autocast and the loss scaler, the micro batch and the
+accumulation (the exports carry those, in the target library's own keys).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["prepare"]
+
+
+def prepare(model: torch.nn.Module, config: TrialConfig | dict[str, Any] | str | Path | None = None, *,
+            workload: Workload | None = None, task: str | None = None, **knobs: Any) -> torch.nn.Module:
+    """Apply ``config``'s knobs to ``model`` and return the model to train (PEFT's wrapper with LoRA).
+
+    ``config``: a TrialConfig, its dict, or the path of an ``autotune export --format json|yaml``
+    file (which also carries the workload); ``knobs``: knob values instead, or over the config's,
+    e.g. ``prepare(model, loss="chunked:8")`` for only what no library flag sets. ``workload``
+    (the export's when it has one) names the model for LoRA's default targets and messages.
+    """
+    config, workload = _resolve(config, workload, knobs)
+    source = f"the model from --model {workload.model}" if workload is not None else "the model"
+    if config.checkpointing:
+        from autotune.prepare.checkpointing import enable_checkpointing
+
+        enable_checkpointing(model, config.checkpoint_every, source=source)
+    if config.uses_lora:
+        from autotune.models.sources import resolve_task
+        from autotune.prepare.lora import apply_lora
+
+        if workload is None:
+            raise ConfigError("prepare(): LoRA's targets depend on the model; pass workload=Workload(model=...), "
+                              "or the path of the autotune export, which carries it")
+        model = apply_lora(model, config, workload, task=task or resolve_task(workload))
+    from autotune.prepare.precision import hold_weights
+
+    hold_weights(model, config)  # after LoRA: PEFT makes its adapters fp32
+    if config.loss_chunks is not None:
+        from autotune.prepare.loss import chunk_loss
+
+        chunk_loss(model, config.loss_chunks, source=source)
+    return model
+
+
+def _resolve(config: TrialConfig | dict[str, Any] | str | Path | None, workload: Workload | None,
+             knobs: dict[str, Any]) -> tuple[TrialConfig, Workload | None]:
+    if isinstance(config, (str, Path)):
+        config, exported = _read_export(Path(config))
+        workload = workload or exported
+    if config is None:
+        config = TrialConfig()
+    elif isinstance(config, dict):
+        config = TrialConfig.from_dict(config)
+    elif not isinstance(config, TrialConfig):
+        raise ConfigError(f"prepare(): config must be a TrialConfig, its dict or an export's path, not {type(config).__name__}")
+    return (TrialConfig.from_dict({**config.to_dict(), **knobs}) if knobs else config), workload
+
+
+def _read_export(path: Path) -> tuple[dict[str, Any], Workload | None]:
+    """The config (and workload) of an ``autotune export --format json`` or ``yaml`` file."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"prepare(): cannot read {path}: {exc.strerror}") from None
+    import yaml
+
+    try:
+        data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"prepare(): {path} is not an autotune export ({first})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("config"), dict):
+        raise ConfigError(f"prepare(): {path} has no config; write one with autotune export --format json (or yaml)")
+    workload = Workload.from_dict(data["workload"]) if isinstance(data.get("workload"), dict) else None
+    return data["config"], workload
