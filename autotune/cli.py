@@ -69,6 +69,7 @@ KNOB_OPTIONS = {
     "checkpointing": Option(str, "off", ("--checkpointing",), "off, on, or every-N (every N-th decoder layer). "
                             + _help(TrialConfig, "checkpointing")),
     "loss": Option(str, "standard", ("--loss",), _help(TrialConfig, "loss")),
+    "attention": Option(str, "auto", ("--attention",), _help(TrialConfig, "attention")),
     "fused_optimizer": Option(str, "off", ("--fused-optimizer",), "off or on. " + _help(TrialConfig, "fused_optimizer")),
     "lora_rank": Option(Optional[int], None, ("--lora-rank",), _help(TrialConfig, "lora_rank")),
     "lora_alpha": Option(Optional[int], None, ("--lora-alpha",), _help(TrialConfig, "lora_alpha")),
@@ -140,12 +141,12 @@ def _zero_stage(value: str) -> int | None:
     raise ConfigError(f"--zero-stage {value!r} is not known; use off, 0, 1, 2 or 3")
 
 
-def _knobs(micro_batch: int, precision: str, checkpointing: str, loss: str, fused_optimizer: str,
+def _knobs(micro_batch: int, precision: str, checkpointing: str, loss: str, attention: str, fused_optimizer: str,
            lora_rank: int | None, lora_alpha: int | None, lora_targets: str | None, zero_stage: str,
            offload: str) -> TrialConfig:
     return TrialConfig(
         micro_batch=micro_batch, precision=precision, **_checkpointing(checkpointing),
-        loss=loss, fused_optimizer=_on_off(fused_optimizer, "--fused-optimizer"),
+        loss=loss, attention=attention, fused_optimizer=_on_off(fused_optimizer, "--fused-optimizer"),
         lora_rank=lora_rank, lora_alpha=lora_alpha,
         lora_targets=tuple(t.strip() for t in lora_targets.split(",")) if lora_targets is not None else None,
         zero_stage=_zero_stage(zero_stage), offload=offload)

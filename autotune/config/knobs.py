@@ -7,6 +7,7 @@ precision and LoRA do, and are only moved where the user's search space allows t
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -16,8 +17,8 @@ from autotune.errors import ConfigError
 if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
 
-__all__ = ["TrialConfig", "PRECISIONS", "OFFLOADS", "ZERO_STAGES", "LOSSES", "DEFAULT_LOSS_CHUNKS", "is_loss",
-           "sixteen_bit_type"]
+__all__ = ["TrialConfig", "PRECISIONS", "ATTENTIONS", "OFFLOADS", "ZERO_STAGES", "LOSSES", "DEFAULT_LOSS_CHUNKS",
+           "is_loss", "sixteen_bit_type", "attention_device_refusal"]
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "bf16-true")
 # The 16-bit type each precision computes in (torch's name). fp16 and bf16 are mixed precision:
@@ -25,6 +26,7 @@ PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "bf16-true")
 # bf16 (Lightning's "bf16-true"). No fp16-true: Adam's eps (1e-8) and small second moments
 # underflow in fp16, so it does not train without an fp32 copy.
 _SIXTEEN_BIT_TYPES = {"fp16": "float16", "bf16": "bfloat16", "bf16-true": "bfloat16"}
+ATTENTIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flex_attention")  # Transformers' attn_implementation
 LOSSES = ("standard", "chunked")   # chunked also as chunked:K
 DEFAULT_LOSS_CHUNKS = 8
 OFFLOADS = ("none", "optimizer", "optimizer+params")
@@ -58,6 +60,11 @@ class TrialConfig:
         metadata={"help": "standard (the model's own), or chunked (chunked:K): a causal LM's head and "
                           f"cross-entropy over K slices of the tokens (default {DEFAULT_LOSS_CHUNKS}), each "
                           "recomputed in backward, so the full logits never exist. Same loss, less memory."},
+    )
+    attention: str = field(
+        default="auto",
+        metadata={"help": "The attention kernel (Transformers' attn_implementation): auto (the model's default), "
+                          "eager, sdpa, flash_attention_2 or flex_attention (CUDA only)."},
     )
     fused_optimizer: bool = field(
         default=False,
@@ -146,6 +153,8 @@ class TrialConfig:
             raise ConfigError(f"--checkpointing every-{self.checkpoint_every!r}: N must be a whole number of 2 or more")
         if self.checkpoint_every > 1 and not self.checkpointing:
             raise ConfigError(f"--checkpointing every-{self.checkpoint_every} needs checkpointing on")
+        if self.attention not in ATTENTIONS:
+            raise ConfigError(f"--attention {self.attention!r} is not known; use one of {', '.join(ATTENTIONS)}")
         if not isinstance(self.fused_optimizer, bool):
             raise ConfigError(f"--fused-optimizer {self.fused_optimizer!r} must be on or off")
         if not is_loss(self.loss):
@@ -175,6 +184,9 @@ class TrialConfig:
         if self.fused_optimizer and self.uses_deepspeed:
             raise ConfigError("--fused-optimizer on with --zero-stage: DeepSpeed picks its own Adam kernel (fused on "
                               "CUDA); use --fused-optimizer off with ZeRO")
+        refusal = attention_device_refusal(self.attention, device.type)
+        if refusal is not None:
+            raise ConfigError(refusal)
         if self.precision == "tf32" and device.type != "cuda":
             raise ConfigError("--precision tf32 only exists on CUDA tensor cores; use fp32 or bf16 on a CPU")
         if self.sixteen_bit == "bfloat16" and not device.bf16:
@@ -210,6 +222,8 @@ class TrialConfig:
         parts = [f"mb={self.micro_batch}", self.precision]
         if self.checkpointing:
             parts.append("ckpt" if self.checkpoint_every == 1 else f"ckpt/{self.checkpoint_every}")
+        if self.attention != "auto":
+            parts.append(f"attn={self.attention}")
         if self.loss != "standard":
             parts.append("chunked-loss" + ("" if self.loss == "chunked" else f":{self.loss_chunks}"))
         if self.fused_optimizer:
@@ -219,6 +233,18 @@ class TrialConfig:
         if self.uses_deepspeed:
             parts.append(f"zero{self.zero_stage}" + ("" if self.offload == "none" else f"+{self.offload}"))
         return " ".join(parts)
+
+
+def attention_device_refusal(attention: str, device_type: str) -> str | None:
+    """Why a device of ``device_type``, with what is installed, cannot train with ``attention`` (None: it can)."""
+    if attention == "flash_attention_2" and device_type != "cuda":
+        return ("--attention flash_attention_2 runs on CUDA GPUs only (the flash-attn package's kernels); "
+                "use sdpa or eager on a CPU")
+    if attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        return "--attention flash_attention_2 needs the flash-attn package, which is not installed; or use sdpa"
+    if attention == "flex_attention" and device_type != "cuda":
+        return "--attention flex_attention has no backward on a CPU in PyTorch; use sdpa or eager"
+    return None
 
 
 def sixteen_bit_type(precision: str) -> str | None:

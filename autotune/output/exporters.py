@@ -256,6 +256,10 @@ def in_code(config: TrialConfig) -> list[str]:
     if config.true_16_bit:
         lines.append("bf16-true: load the model in bf16 (from_pretrained(..., dtype=torch.bfloat16), or model.to(torch.bfloat16)) "
                      "and build the optimizer over its bf16 parameters; Lightning's precision: bf16-true does both")
+    if config.attention != "auto":
+        lines.append(f'attention: load the model with attn_implementation="{config.attention}" '
+                     f'(from_pretrained(..., attn_implementation="{config.attention}")), or '
+                     f'`model = autotune.prepare(model, attention="{config.attention}")`')
     if config.fused_optimizer:
         lines.append("optimizer: torch.optim.AdamW(..., fused=True) (the hf export sets optim adamw_torch_fused)")
     if config.loss_chunks is None:

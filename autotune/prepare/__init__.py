@@ -50,6 +50,13 @@ def refusal_before_trial(workload: Workload, config: TrialConfig, task: str | No
         refusal = chunked_loss_refusal(workload, task or resolve_task(workload))
         if refusal is not None:
             return refusal
+    if config.attention != "auto":
+        from autotune.models.sources import resolve_task
+        from autotune.prepare.attention import attention_refusal
+
+        refusal = attention_refusal(workload, config.attention, task or resolve_task(workload))
+        if refusal is not None:
+            return refusal
     if config.checkpoint_every > 1:
         from autotune.prepare.checkpointing import every_n_refusal
 

@@ -1,7 +1,7 @@
 """``autotune.prepare(model, config)``: apply to a built model what a trial applied to its own.
 
 The trial's engine calls this same function, so what was measured is what the user's job runs:
-activation checkpointing (every N-th layer too), LoRA adapters, where each weight is held for
+the attention kernel, activation checkpointing (every N-th layer too), LoRA adapters, where each weight is held for
 the precision (a 16-bit frozen base, bf16-true), and the chunked loss. What a training loop does
 itself is not here: the optimizer, autocast and the loss scaler, the micro batch and the
 accumulation (the exports carry those, in the target library's own keys).
@@ -34,6 +34,10 @@ def prepare(model: torch.nn.Module, config: TrialConfig | dict[str, Any] | str |
     """
     config, workload = _resolve(config, workload, knobs)
     source = f"the model from --model {workload.model}" if workload is not None else "the model"
+    if config.attention != "auto":
+        from autotune.prepare.attention import set_attention
+
+        set_attention(model, config.attention, source=source)
     if config.checkpointing:
         from autotune.prepare.checkpointing import enable_checkpointing
 

@@ -8,12 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.errors import ConfigError
 from autotune.models.sources import (
-    load_hf_config,
     meta_model,
     parse_model_source,
     resolve_task,
 )
-from autotune.prepare.model_facts import checkpointing_gap, factory_facts
+from autotune.prepare.model_facts import (
+    checkpointing_gap,
+    factory_facts,
+    hf_model_class,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -85,7 +88,7 @@ def missing_checkpointing(workload: Workload) -> str | None:
             facts = factory_facts(workload, task)
             missing = None if facts is None else facts["missing_checkpointing"]
         else:
-            model_class = _hf_model_class(workload, task)
+            model_class = hf_model_class(workload, task)
             if model_class is None:
                 missing = checkpointing_gap(meta_model(workload, task), workload.model)
             elif not getattr(model_class, "supports_gradient_checkpointing", False):
@@ -97,18 +100,3 @@ def missing_checkpointing(workload: Workload) -> str | None:
 
 
 _MISSING_CHECKPOINTING: dict[tuple[Any, ...], str | None] = {}
-
-
-def _hf_model_class(workload: Workload, task: str) -> type | None:
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    config = load_hf_config(parse_model_source(workload.model), trust_remote_code=workload.trust_remote_code)
-    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
-    try:
-        from transformers.models.auto.auto_factory import (
-            _get_model_class,  # private: a fallback follows
-        )
-
-        return _get_model_class(config, auto._model_mapping)
-    except (ImportError, KeyError, ValueError, AttributeError):
-        return None  # remote code, or a transformers without it: build on the meta device instead

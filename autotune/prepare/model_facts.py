@@ -9,14 +9,14 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from autotune.models.sources import meta_model
+from autotune.models.sources import load_hf_config, meta_model, parse_model_source
 
 if TYPE_CHECKING:
     import torch
 
     from autotune.config.workload import Workload
 
-__all__ = ["factory_facts", "checkpointing_gap", "linear_layers_but_heads"]
+__all__ = ["factory_facts", "checkpointing_gap", "linear_layers_but_heads", "hf_model_class"]
 
 # A head is a direct child by one of these names (PEFT's classifier names, causal LMs' lm_head,
 # common names in factories), or the output embeddings; heads are never adapted.
@@ -109,3 +109,20 @@ def _head_names(model: torch.nn.Module, *, task: str) -> list[str]:
         heads += [m for m in model.modules() if getattr(m, "out_features", None) == vocab]
     ids = {id(m) for m in heads}
     return [name for name, module in model.named_modules() if id(module) in ids and name]
+
+
+def hf_model_class(workload: Workload, task: str) -> type | None:
+    """The Transformers class a Hugging Face workload builds, found from its config alone; None when
+    that cannot be told without building (remote code): build on the meta device instead."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = load_hf_config(parse_model_source(workload.model), trust_remote_code=workload.trust_remote_code)
+    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+    try:
+        from transformers.models.auto.auto_factory import (
+            _get_model_class,  # private: a fallback follows
+        )
+
+        return _get_model_class(config, auto._model_mapping)
+    except (ImportError, KeyError, ValueError, AttributeError):
+        return None

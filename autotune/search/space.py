@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.config.knobs import (
+    ATTENTIONS,
     OFFLOADS,
     PRECISIONS,
     ZERO_STAGES,
     TrialConfig,
+    attention_device_refusal,
     is_loss,
     sixteen_bit_type,
 )
@@ -40,6 +42,7 @@ KNOBS = {
     "precision": f"a list of {', '.join(PRECISIONS)}",
     "checkpointing": "a list of true/false, or every-N (every N-th decoder layer, N >= 2)",
     "loss": "a list of standard, chunked or chunked:K (K slices of 2 or more)",
+    "attention": f"a list of {', '.join(ATTENTIONS)}",
     "fused_optimizer": "a list of true/false",
     "zero_stage": "a list of off, 0, 1, 2, 3",
     "offload": f"a list of {', '.join(OFFLOADS)}",
@@ -50,7 +53,7 @@ KNOBS = {
 _TOP_LEVEL = {"description", "knobs", "n_trials", "patience"}
 _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "micro_batch": ("auto",), "precision": ("fp32",), "checkpointing": (False,), "loss": ("standard",),
-    "fused_optimizer": (False,),
+    "attention": ("auto",), "fused_optimizer": (False,),
     "zero_stage": (None,),
     "offload": ("none",), "lora_rank": (None,), "lora_targets": ("default",),
 }
@@ -66,6 +69,7 @@ class SearchSpace:
     precision: tuple[str, ...] = ("fp32",)
     checkpointing: tuple[bool | str, ...] = (False,)   # False, True (every layer) or "every-N"
     loss: tuple[str, ...] = ("standard",)
+    attention: tuple[str, ...] = ("auto",)
     fused_optimizer: tuple[bool, ...] = (False,)
     zero_stage: tuple[int | None, ...] = (None,)
     offload: tuple[str, ...] = ("none",)
@@ -79,7 +83,7 @@ class SearchSpace:
     def digest(self) -> str:
         """Identifies what the space searches (not its name or description)."""
         knobs = {k: v for k, v in self.to_dict().items() if k not in ("name", "description")}
-        for knob, old in (("loss", ["standard"]), ("fused_optimizer", [False])):
+        for knob, old in (("loss", ["standard"]), ("attention", ["auto"]), ("fused_optimizer", [False])):
             if knobs[knob] == old:
                 del knobs[knob]  # a knob added later, at its old behaviour: studies made before it still resume
         return hashlib.sha256(json.dumps(knobs, sort_keys=True).encode()).hexdigest()[:12]
@@ -89,7 +93,7 @@ class SearchSpace:
             "name": self.name, "description": self.description,
             "micro_batch": list(self.micro_batch) if self.micro_batch is not None else "auto",
             "precision": list(self.precision), "checkpointing": list(self.checkpointing), "loss": list(self.loss),
-            "fused_optimizer": list(self.fused_optimizer),
+            "attention": list(self.attention), "fused_optimizer": list(self.fused_optimizer),
             "zero_stage": list(self.zero_stage), "offload": list(self.offload),
             "lora_rank": list(self.lora_rank), "lora_alpha": self.lora_alpha,
             "lora_targets": list(self.lora_targets), "n_trials": self.n_trials, "patience": self.patience,
@@ -140,9 +144,13 @@ class SearchSpace:
             loss = tuple(v for v in loss if v == "standard")
             if not loss:
                 raise ConfigError(f"{self.name}: knobs.loss {list(self.loss)}: {refusal}; add standard")
+        attention = tuple(a for a in self.attention if _attention_refusal(workload, a, device) is None)
+        if not attention:
+            raise ConfigError(f"{self.name}: knobs.attention {list(self.attention)}: "
+                              f"{_attention_refusal(workload, self.attention[0], device)}; add auto")
         lora = tuple(dict.fromkeys(_lora_label(rank, targets) for rank in self.lora_rank for targets in self.lora_targets))
         return {"micro_batch": tuple(micro), "precision": precision, "checkpointing": checkpointing, "loss": loss,
-                "fused_optimizer": self.fused_optimizer, "zero": tuple(dict.fromkeys(zero)), "lora": lora}
+                "attention": attention, "fused_optimizer": self.fused_optimizer, "zero": tuple(dict.fromkeys(zero)), "lora": lora}
 
     def dropped_knobs(self, workload: Workload, device: DeviceInfo) -> list[str]:
         """Knob values this space offers that :meth:`choices` leaves out for this model and device,
@@ -159,6 +167,10 @@ class SearchSpace:
         refusal = _chunked_loss_refusal(workload) if chunked else None
         if refusal is not None:
             dropped.append(f"loss {', '.join(chunked)}: {refusal}")
+        for attention in self.attention:
+            refusal = _attention_refusal(workload, attention, device)
+            if refusal is not None:
+                dropped.append(refusal)  # it names the flag and the value
         offloads = [o for o in self.offload if o != "none"]
         if device.type == "cpu" and offloads and any(stage is not None for stage in self.zero_stage):
             dropped.append(f"offload {', '.join(offloads)}: the device is the CPU, and offloading from the CPU "
@@ -174,6 +186,7 @@ class SearchSpace:
         return TrialConfig(
             micro_batch=params["micro_batch"], precision=params["precision"],
             checkpointing=bool(checkpointing), checkpoint_every=every, loss=params.get("loss", "standard"),
+            attention=params.get("attention", "auto"),
             fused_optimizer=params.get("fused_optimizer", False),
             zero_stage=None if stage == "off" else int(stage), offload=offload or "none",
             lora_rank=None if rank == "off" else int(rank),
@@ -188,7 +201,7 @@ class SearchSpace:
             lora = str(config.lora_rank) + (":" + ",".join(config.lora_targets) if config.lora_targets else "")
         return {"micro_batch": config.micro_batch, "precision": config.precision,
                 "checkpointing": config.checkpointing if config.checkpoint_every == 1 else f"every-{config.checkpoint_every}",
-                "loss": config.loss,
+                "loss": config.loss, "attention": config.attention,
                 "fused_optimizer": config.fused_optimizer,
                 "zero": _zero_label(config.zero_stage, config.offload), "lora": lora}
 
@@ -240,6 +253,21 @@ def _chunked_loss_refusal(workload: Workload) -> str | None:
     from autotune.prepare.loss import chunked_loss_refusal
 
     return chunked_loss_refusal(workload, resolve_task(workload))
+
+
+def _attention_refusal(workload: Workload, attention: str, device: DeviceInfo) -> str | None:
+    """Why ``attention`` cannot run for this model, device or install (None: it can)."""
+    if attention == "auto":
+        return None
+    refusal = attention_device_refusal(attention, device.type)
+    if refusal is not None:
+        return refusal
+    from autotune.models.sources import (
+        resolve_task,  # imports transformers: only when asked
+    )
+    from autotune.prepare.attention import attention_refusal
+
+    return attention_refusal(workload, attention, resolve_task(workload))
 
 
 def _zero_label(stage: int | None, offload: str) -> str:
@@ -303,6 +331,7 @@ def _parse(data: Any, label: str) -> SearchSpace:
         precision=_each(values["precision"], label, "precision", lambda v: v if v in PRECISIONS else None),
         checkpointing=_each(values["checkpointing"], label, "checkpointing", _checkpointing),
         loss=_each(values["loss"], label, "loss", lambda v: v if is_loss(v) else None),
+        attention=_each(values["attention"], label, "attention", lambda v: v if v in ATTENTIONS else None),
         fused_optimizer=_each(values["fused_optimizer"], label, "fused_optimizer",
                               lambda v: v if isinstance(v, bool) else None),
         zero_stage=_each(values["zero_stage"], label, "zero_stage", _zero_stage),

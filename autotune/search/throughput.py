@@ -26,6 +26,7 @@ RIDGE = 0.5              # pull of the prior: a correction is shrunk by RIDGE / 
 _CHECKPOINTING = 0.7     # the forward runs again inside the backward: about a third more compute
 _CHUNKED_LOSS = 0.95     # the LM head's matmul runs again inside the backward
 _FUSED_OPTIMIZER = 1.03  # one kernel over all parameters: the optimizer step is a small part of a step
+_ATTENTION = {"eager": 0.9, "flash_attention_2": 1.1}  # eager materialises the s x s scores; auto, sdpa, flex: 1
 _LORA = 1.1              # no gradients for the frozen weights, a tiny optimizer
 _ZERO = {0: 0.98, 1: 0.97, 2: 0.93, 3: 0.8}       # more communication per step (on several ranks)
 _OFFLOAD = {"none": 1.0, "optimizer": 0.5, "optimizer+params": 0.3}  # the step runs on the host
@@ -57,6 +58,7 @@ class ThroughputModel:
             factor *= _CHUNKED_LOSS
         if config.fused_optimizer:
             factor *= _FUSED_OPTIMIZER
+        factor *= _ATTENTION.get(config.attention, 1.0)
         if config.uses_lora:
             factor *= _LORA
         if config.zero_stage is not None:
