@@ -219,7 +219,7 @@ def trial(workload: Workload, config: TrialConfig, memory_budget: Optional[str],
 @command
 def find(
     workload: Workload, memory_budget: Optional[str], space: str, n_trials: Optional[int], timeout: Optional[float],
-    trial_timeout: float, headroom: float, storage: Optional[str], estimate: bool,
+    trial_timeout: float, headroom: float, storage: Optional[str], estimate: bool, warmup_steps: int, steps: int,
     export: Annotated[Optional[str], typer.Option(
         "--export", help="Also write the best config in this format (see autotune export).")] = None,
     output: Annotated[Optional[str], typer.Option(
@@ -239,7 +239,8 @@ def find(
     with _progress(quiet=as_json) as progress:
         summary = find_config(workload=workload, space=space, memory_budget_bytes=_size(memory_budget),
                               n_trials=n_trials, timeout_s=timeout, trial_timeout_s=trial_timeout,
-                              headroom=headroom, storage=storage, estimate=estimate, progress=progress)
+                              headroom=headroom, storage=storage, estimate=estimate, warmup_steps=warmup_steps,
+                              measure_steps=steps, progress=progress)
     written = _export_best(summary, export, output) if export is not None and summary.best else None
     return _finish(summary, as_json=as_json, exported=written, wanted_export=export)
 

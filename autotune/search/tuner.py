@@ -227,8 +227,10 @@ def _visible_gpus(visible: str | None) -> Iterator[None]:
 def find(*, workload: Workload | None = None, space: str | Path | SearchSpace = "default",
          memory_budget_bytes: int | None = None, n_trials: int | None = None, timeout_s: float | None = None,
          trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S, headroom: float = DEFAULT_HEADROOM,
-         storage: str | None = None, estimate: bool = True, progress: Progress | None = None) -> StudySummary:
-    """One question, one answer: ``tune`` under a study name derived from workload, device, budget, space."""
+         storage: str | None = None, estimate: bool = True, warmup_steps: int = 1, measure_steps: int = 3,
+         progress: Progress | None = None) -> StudySummary:
+    """One question, one answer: ``tune`` under a study name derived from workload, device, budget, space.
+    (How many steps a trial measures is how the question is answered, not part of it.)"""
     from autotune.study.storage import find_study_name
 
     workload = workload or Workload()
@@ -239,7 +241,7 @@ def find(*, workload: Workload | None = None, space: str | Path | SearchSpace = 
     return tune(study=find_study_name(meta, space.name), workload=workload, space=space,
                 memory_budget_bytes=budget, n_trials=n_trials, timeout_s=timeout_s,
                 trial_timeout_s=trial_timeout_s, headroom=headroom, storage=storage, estimate=estimate,
-                progress=progress)
+                warmup_steps=warmup_steps, measure_steps=measure_steps, progress=progress)
 
 
 def question(*, workload: Workload, space: SearchSpace, device: DeviceInfo, memory_budget_bytes: int,
