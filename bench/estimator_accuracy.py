@@ -1,6 +1,11 @@
 """Accuracy of the memory estimator: predicted peak against the measured one, across the knobs.
 
     python bench/estimator_accuracy.py [--out bench/results/estimator_accuracy_cpu.json]
+    python bench/estimator_accuracy.py --set levers   # results/estimator_accuracy_levers_cpu.json
+
+``--set levers``: the knobs of 2026 (true bf16, LoRA's 16-bit base, checkpointing every 2nd layer,
+the chunked loss, eager attention, the fused AdamW), one rank, on the same models; a config a
+model cannot take (the chunked loss on a classifier) is left out with the reason.
 
 Each config is measured by a real trial (on a CPU: the live-bytes tracker's peak, i.e. tensor
 bytes, which is what the estimator predicts; on CUDA: max_memory_allocated, with reserved
@@ -21,6 +26,7 @@ from pathlib import Path
 from autotune.config.device import detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
+from autotune.errors import ConfigError
 from autotune.estimate.estimator import predict_memory
 from autotune.trial.runner import run_trial
 
@@ -39,20 +45,38 @@ CONFIGS = [  # (ranks, config)
     (2, TrialConfig(micro_batch=4, precision="bf16", zero_stage=3)),
     (1, TrialConfig(micro_batch=4, precision="bf16", zero_stage=2, offload="optimizer")),
 ]
+LEVER_CONFIGS = [
+    (1, TrialConfig(micro_batch=4, precision="bf16-true")),
+    (1, TrialConfig(micro_batch=8, precision="bf16-true", lora_rank=8, checkpointing=True)),
+    (1, TrialConfig(micro_batch=4, precision="bf16", lora_rank=8)),   # the frozen base in bf16
+    (1, TrialConfig(micro_batch=8, checkpointing=True, checkpoint_every=2)),
+    (1, TrialConfig(micro_batch=8, loss="chunked")),
+    (1, TrialConfig(micro_batch=8, precision="bf16", checkpointing=True, loss="chunked:4")),
+    (1, TrialConfig(micro_batch=4, attention="eager")),
+    (1, TrialConfig(micro_batch=4, fused_optimizer=True)),
+]
+SETS = {"base": CONFIGS, "levers": LEVER_CONFIGS}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/estimator_accuracy_cpu.json"))
+    parser.add_argument("--set", choices=sorted(SETS), default="base")
+    parser.add_argument("--out", type=Path, help="default: bench/results/estimator_accuracy[_levers]_cpu.json")
     parser.add_argument("--seq-len", type=int, default=128)
     args = parser.parse_args()
+    suffix = "" if args.set == "base" else f"_{args.set}"
+    args.out = args.out or Path(f"bench/results/estimator_accuracy{suffix}_cpu.json")
 
     device = detect_device("auto")
     rows = []
     for model in MODELS:
-        for ranks, config in CONFIGS:
+        for ranks, config in SETS[args.set]:
             workload = Workload(model=model, seq_len=args.seq_len, global_batch=16, nproc=ranks)
-            predicted = predict_memory(workload, config)
+            try:
+                predicted = predict_memory(workload, config)
+            except ConfigError as exc:  # refused before any trial, as autotune trial refuses it
+                print(f"{model} {config.describe()}: {exc}, left out")
+                continue
             measured = run_trial(workload, config, warmup_steps=1, measure_steps=1)
             if not measured.ok:
                 print(f"{model} {config.describe()}: trial {measured.status.value}, left out")
@@ -72,7 +96,7 @@ def main() -> None:
           f"over {len(rows)} configs ({device.type}: {device.name})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "command": "python bench/estimator_accuracy.py", "device": device.type, "device_name": device.name,
+        "command": "python bench/estimator_accuracy.py" + ("" if args.set == "base" else f" --set {args.set}"), "device": device.type, "device_name": device.name,
         "host": platform.node(), "seq_len": args.seq_len, "summary": summary, "rows": rows}, indent=2) + "\n")
 
 

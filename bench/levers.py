@@ -5,7 +5,8 @@ estimator's prediction of the peak.
 
 Levers so far: the chunked loss (``--loss chunked`` against ``standard``), checkpointing every N-th
 layer (``--checkpointing every-2``, beside ``on``), the fused AdamW (``--fused-optimizer on``) and true bf16
-(``--precision bf16-true`` against mixed ``bf16``, with and without LoRA). Each pair runs as real
+(``--precision bf16-true`` against mixed ``bf16``, with and without LoRA) and the attention kernel
+(``--attention eager`` against ``sdpa``). Each pair runs as real
 trials, interleaved (baseline, lever, baseline, lever, ...) so a busy machine slows both alike;
 tokens/s is the median over the rounds with the range beside it, the peak that of the first
 round (peaks do not vary between runs on a CPU: the live-bytes tracker counts tensors).
@@ -44,6 +45,10 @@ PAIRS = [
      TrialConfig(micro_batch=8, precision="bf16-true")),
     ("bf16-true", "builtin:llama-tiny", TrialConfig(micro_batch=8, precision="bf16", lora_rank=8),
      TrialConfig(micro_batch=8, precision="bf16-true", lora_rank=8)),
+    ("eager attention", "builtin:llama-tiny", TrialConfig(micro_batch=8, attention="sdpa"),
+     TrialConfig(micro_batch=8, attention="eager")),
+    ("eager attention", "builtin:gpt2-deep-tiny", TrialConfig(micro_batch=8, attention="sdpa"),
+     TrialConfig(micro_batch=8, attention="eager")),
 ]
 SEQ_LEN, GLOBAL_BATCH = 128, 16
 
