@@ -71,6 +71,7 @@ KNOB_OPTIONS = {
     "loss": Option(str, "standard", ("--loss",), _help(TrialConfig, "loss")),
     "attention": Option(str, "auto", ("--attention",), _help(TrialConfig, "attention")),
     "fused_optimizer": Option(str, "off", ("--fused-optimizer",), "off or on. " + _help(TrialConfig, "fused_optimizer")),
+    "compile": Option(str, "off", ("--compile",), "off or on. " + _help(TrialConfig, "compile")),
     "lora_rank": Option(Optional[int], None, ("--lora-rank",), _help(TrialConfig, "lora_rank")),
     "lora_alpha": Option(Optional[int], None, ("--lora-alpha",), _help(TrialConfig, "lora_alpha")),
     "lora_targets": Option(Optional[str], None, ("--lora-targets",), _help(TrialConfig, "lora_targets")),
@@ -142,11 +143,12 @@ def _zero_stage(value: str) -> int | None:
 
 
 def _knobs(micro_batch: int, precision: str, checkpointing: str, loss: str, attention: str, fused_optimizer: str,
-           lora_rank: int | None, lora_alpha: int | None, lora_targets: str | None, zero_stage: str,
+           compile: str, lora_rank: int | None, lora_alpha: int | None, lora_targets: str | None, zero_stage: str,
            offload: str) -> TrialConfig:
     return TrialConfig(
         micro_batch=micro_batch, precision=precision, **_checkpointing(checkpointing),
         loss=loss, attention=attention, fused_optimizer=_on_off(fused_optimizer, "--fused-optimizer"),
+        compile=_on_off(compile, "--compile"),
         lora_rank=lora_rank, lora_alpha=lora_alpha,
         lora_targets=tuple(t.strip() for t in lora_targets.split(",")) if lora_targets is not None else None,
         zero_stage=_zero_stage(zero_stage), offload=offload)

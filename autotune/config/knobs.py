@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
 
 __all__ = ["TrialConfig", "PRECISIONS", "ATTENTIONS", "OFFLOADS", "ZERO_STAGES", "LOSSES", "DEFAULT_LOSS_CHUNKS",
-           "is_loss", "sixteen_bit_type", "attention_device_refusal"]
+           "is_loss", "sixteen_bit_type", "attention_device_refusal", "compile_device_refusal"]
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "bf16-true")
 # The 16-bit type each precision computes in (torch's name). fp16 and bf16 are mixed precision:
@@ -70,6 +70,11 @@ class TrialConfig:
         default=False,
         metadata={"help": "AdamW with fused=True (one kernel over all parameters) instead of PyTorch's default "
                           "(foreach on CUDA, a loop over the tensors on a CPU). Same maths."},
+    )
+    compile: bool = field(
+        default=False,
+        metadata={"help": "torch.compile the model (CUDA trials): its compile time is a phase of its own, never in "
+                          "tokens/s, and the trial reports how many steps a run needs before compiling pays off."},
     )
     lora_rank: int | None = field(
         default=None, metadata={"help": "Train LoRA adapters of this rank (PEFT) instead of all weights."},
@@ -155,6 +160,8 @@ class TrialConfig:
             raise ConfigError(f"--checkpointing every-{self.checkpoint_every} needs checkpointing on")
         if self.attention not in ATTENTIONS:
             raise ConfigError(f"--attention {self.attention!r} is not known; use one of {', '.join(ATTENTIONS)}")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"--compile {self.compile!r} must be on or off")
         if not isinstance(self.fused_optimizer, bool):
             raise ConfigError(f"--fused-optimizer {self.fused_optimizer!r} must be on or off")
         if not is_loss(self.loss):
@@ -187,6 +194,12 @@ class TrialConfig:
         refusal = attention_device_refusal(self.attention, device.type)
         if refusal is not None:
             raise ConfigError(refusal)
+        refusal = compile_device_refusal(device.type) if self.compile else None
+        if refusal is not None:
+            raise ConfigError(refusal)
+        if self.compile and self.uses_deepspeed:
+            raise ConfigError("--compile on with --zero-stage: autotune does not compile DeepSpeed's engine yet; "
+                              "use --compile off with ZeRO")
         if self.precision == "tf32" and device.type != "cuda":
             raise ConfigError("--precision tf32 only exists on CUDA tensor cores; use fp32 or bf16 on a CPU")
         if self.sixteen_bit == "bfloat16" and not device.bf16:
@@ -228,6 +241,8 @@ class TrialConfig:
             parts.append("chunked-loss" + ("" if self.loss == "chunked" else f":{self.loss_chunks}"))
         if self.fused_optimizer:
             parts.append("fused-adam")
+        if self.compile:
+            parts.append("compiled")
         if self.uses_lora:
             parts.append(f"lora{self.lora_rank}" + (":" + ",".join(self.lora_targets) if self.lora_targets else ""))
         if self.uses_deepspeed:
@@ -244,6 +259,17 @@ def attention_device_refusal(attention: str, device_type: str) -> str | None:
         return "--attention flash_attention_2 needs the flash-attn package, which is not installed; or use sdpa"
     if attention == "flex_attention" and device_type != "cuda":
         return "--attention flex_attention has no backward on a CPU in PyTorch; use sdpa or eager"
+    return None
+
+
+def compile_device_refusal(device_type: str) -> str | None:
+    """Why ``--compile on`` cannot be measured on a device of ``device_type`` (None: it can)."""
+    if device_type != "cuda":
+        # The CPU trial counts tensor bytes with a dispatch-mode tracker: TorchDynamo does not compile
+        # under an active dispatch mode (measured: the "compiled" step ran eager), and the kernels it
+        # compiles allocate where the tracker cannot see. A figure from it would not be compile's.
+        return ("--compile on is measured on CUDA GPUs only: a CPU trial counts memory with a tracker under which "
+                "torch.compile does not compile; use --compile off on a CPU")
     return None
 
 

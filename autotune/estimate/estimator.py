@@ -188,7 +188,7 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
     started = time.perf_counter()
     task = task or resolve_task(workload)
     # DeepSpeed cannot run on fake tensors: measure the plain step, then apply ZeRO's arithmetic.
-    plain = config.replace(zero_stage=None, offload="none")
+    plain = config.replace(zero_stage=None, offload="none", compile=False)  # compile: traced as eager
     if plain.precision == "tf32":
         plain = plain.replace(precision="fp32")  # same tensors; tf32 only changes the matmul kernels
     target, traced, note = _devices(workload)
@@ -208,7 +208,8 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
             whole = _fake_steps(engine, tracker)
     peak, at_peak = tracker.peak_bytes, _States(**{k: tracker.at_peak[k] for k in _STATES})
     activations = tracker.at_peak["activations"]
-    method = "fake-tensor training step"
+    method = "fake-tensor training step" + (" (compile predicted as eager: its fused kernels may hold less)"
+                                            if config.compile else "")
     if config.uses_deepspeed:
         p, g, o, step_extra = _zero_states(engine, config, workload.nproc, offload_stays=target == "cpu")
         zero_whole = _States(p, g, o)

@@ -94,6 +94,8 @@ def _hf(config: TrialConfig, workload: Workload, *, device_type: str, summary: d
     }
     if not config.uses_deepspeed:  # what the trials ran (Transformers 5's default is the fused one)
         kwargs["optim"] = "adamw_torch_fused" if config.fused_optimizer else "adamw_torch"
+    if config.compile:
+        kwargs["torch_compile"] = True
     checkpointing = _hf_checkpointing_name()
     kwargs[checkpointing] = config.checkpointing
     if config.precision == "tf32":
@@ -152,6 +154,8 @@ def _accelerate(config: TrialConfig, workload: Workload, *, device_type: str, su
     }
     if not cpu:
         data["gpu_ids"] = "all"
+    if config.compile:  # Accelerator(dynamo_backend=...) compiles the prepared model
+        data["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
     if config.uses_deepspeed:
         data["deepspeed_config"] = _accelerate_deepspeed(config, workload)
     return _header(config, workload, summary) + _dump_yaml(data)
@@ -260,6 +264,9 @@ def in_code(config: TrialConfig) -> list[str]:
         lines.append(f'attention: load the model with attn_implementation="{config.attention}" '
                      f'(from_pretrained(..., attn_implementation="{config.attention}")), or '
                      f'`model = autotune.prepare(model, attention="{config.attention}")`')
+    if config.compile:
+        lines.append("compile: model = torch.compile(model) before training (the hf export sets torch_compile, "
+                     "the accelerate export dynamo_backend INDUCTOR); the first steps compile")
     if config.fused_optimizer:
         lines.append("optimizer: torch.optim.AdamW(..., fused=True) (the hf export sets optim adamw_torch_fused)")
     if config.loss_chunks is None:

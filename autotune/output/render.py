@@ -57,6 +57,11 @@ def print_trial(workload: Workload, result: TrialResult, *, console: Console | N
         ("start-up / build", f"{_num(phases.startup_s, '{:.2f}')} s / {_num(phases.build_s, '{:.2f}')} s"),
         ("warm-up / measure", f"{_num(phases.warmup_s, '{:.2f}')} s / {_num(phases.measure_s, '{:.2f}')} s"),
     ]
+    if phases.compile_s is not None:
+        payoff = ("never: a compiled step is no faster" if result.compile_payoff_steps is None
+                  else f"after {result.compile_payoff_steps:,} steps")
+        rows.append(("compile (not in tokens/s)", f"{phases.compile_s:.2f} s; eager step "
+                     f"{_num(result.eager_step_s, '{:.3f}')} s; pays off {payoff}"))
     if result.peak_memory_per_rank:
         rows.append(("peak per rank", ", ".join(format_size(p) for p in result.peak_memory_per_rank)))
     for name, value in rows:

@@ -25,6 +25,7 @@ from autotune.config.knobs import (
     ZERO_STAGES,
     TrialConfig,
     attention_device_refusal,
+    compile_device_refusal,
     is_loss,
     sixteen_bit_type,
 )
@@ -44,6 +45,7 @@ KNOBS = {
     "loss": "a list of standard, chunked or chunked:K (K slices of 2 or more)",
     "attention": f"a list of {', '.join(ATTENTIONS)}",
     "fused_optimizer": "a list of true/false",
+    "compile": "a list of true/false (true: CUDA only)",
     "zero_stage": "a list of off, 0, 1, 2, 3",
     "offload": f"a list of {', '.join(OFFLOADS)}",
     "lora_rank": "a list of off and/or whole numbers >= 1",
@@ -53,7 +55,7 @@ KNOBS = {
 _TOP_LEVEL = {"description", "knobs", "n_trials", "patience"}
 _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "micro_batch": ("auto",), "precision": ("fp32",), "checkpointing": (False,), "loss": ("standard",),
-    "attention": ("auto",), "fused_optimizer": (False,),
+    "attention": ("auto",), "fused_optimizer": (False,), "compile": (False,),
     "zero_stage": (None,),
     "offload": ("none",), "lora_rank": (None,), "lora_targets": ("default",),
 }
@@ -71,6 +73,7 @@ class SearchSpace:
     loss: tuple[str, ...] = ("standard",)
     attention: tuple[str, ...] = ("auto",)
     fused_optimizer: tuple[bool, ...] = (False,)
+    compile: tuple[bool, ...] = (False,)
     zero_stage: tuple[int | None, ...] = (None,)
     offload: tuple[str, ...] = ("none",)
     lora_rank: tuple[int | None, ...] = (None,)
@@ -83,7 +86,8 @@ class SearchSpace:
     def digest(self) -> str:
         """Identifies what the space searches (not its name or description)."""
         knobs = {k: v for k, v in self.to_dict().items() if k not in ("name", "description")}
-        for knob, old in (("loss", ["standard"]), ("attention", ["auto"]), ("fused_optimizer", [False])):
+        for knob, old in (("loss", ["standard"]), ("attention", ["auto"]), ("fused_optimizer", [False]),
+                          ("compile", [False])):
             if knobs[knob] == old:
                 del knobs[knob]  # a knob added later, at its old behaviour: studies made before it still resume
         return hashlib.sha256(json.dumps(knobs, sort_keys=True).encode()).hexdigest()[:12]
@@ -94,6 +98,7 @@ class SearchSpace:
             "micro_batch": list(self.micro_batch) if self.micro_batch is not None else "auto",
             "precision": list(self.precision), "checkpointing": list(self.checkpointing), "loss": list(self.loss),
             "attention": list(self.attention), "fused_optimizer": list(self.fused_optimizer),
+            "compile": list(self.compile),
             "zero_stage": list(self.zero_stage), "offload": list(self.offload),
             "lora_rank": list(self.lora_rank), "lora_alpha": self.lora_alpha,
             "lora_targets": list(self.lora_targets), "n_trials": self.n_trials, "patience": self.patience,
@@ -148,9 +153,12 @@ class SearchSpace:
         if not attention:
             raise ConfigError(f"{self.name}: knobs.attention {list(self.attention)}: "
                               f"{_attention_refusal(workload, self.attention[0], device)}; add auto")
+        compile_ = tuple(c for c in self.compile if not c or compile_device_refusal(device.type) is None)
+        if not compile_:
+            raise ConfigError(f"{self.name}: knobs.compile [true]: {compile_device_refusal(device.type)}; add false")
         lora = tuple(dict.fromkeys(_lora_label(rank, targets) for rank in self.lora_rank for targets in self.lora_targets))
         return {"micro_batch": tuple(micro), "precision": precision, "checkpointing": checkpointing, "loss": loss,
-                "attention": attention, "fused_optimizer": self.fused_optimizer, "zero": tuple(dict.fromkeys(zero)), "lora": lora}
+                "attention": attention, "fused_optimizer": self.fused_optimizer, "compile": compile_, "zero": tuple(dict.fromkeys(zero)), "lora": lora}
 
     def dropped_knobs(self, workload: Workload, device: DeviceInfo) -> list[str]:
         """Knob values this space offers that :meth:`choices` leaves out for this model and device,
@@ -171,6 +179,9 @@ class SearchSpace:
             refusal = _attention_refusal(workload, attention, device)
             if refusal is not None:
                 dropped.append(refusal)  # it names the flag and the value
+        refusal = compile_device_refusal(device.type) if True in self.compile else None
+        if refusal is not None:
+            dropped.append(refusal)
         offloads = [o for o in self.offload if o != "none"]
         if device.type == "cpu" and offloads and any(stage is not None for stage in self.zero_stage):
             dropped.append(f"offload {', '.join(offloads)}: the device is the CPU, and offloading from the CPU "
@@ -187,7 +198,7 @@ class SearchSpace:
             micro_batch=params["micro_batch"], precision=params["precision"],
             checkpointing=bool(checkpointing), checkpoint_every=every, loss=params.get("loss", "standard"),
             attention=params.get("attention", "auto"),
-            fused_optimizer=params.get("fused_optimizer", False),
+            fused_optimizer=params.get("fused_optimizer", False), compile=params.get("compile", False),
             zero_stage=None if stage == "off" else int(stage), offload=offload or "none",
             lora_rank=None if rank == "off" else int(rank),
             lora_alpha=self.lora_alpha if rank != "off" else None,
@@ -202,7 +213,7 @@ class SearchSpace:
         return {"micro_batch": config.micro_batch, "precision": config.precision,
                 "checkpointing": config.checkpointing if config.checkpoint_every == 1 else f"every-{config.checkpoint_every}",
                 "loss": config.loss, "attention": config.attention,
-                "fused_optimizer": config.fused_optimizer,
+                "fused_optimizer": config.fused_optimizer, "compile": config.compile,
                 "zero": _zero_label(config.zero_stage, config.offload), "lora": lora}
 
     def candidates(self, workload: Workload, device: DeviceInfo) -> list[TrialConfig]:
@@ -334,6 +345,7 @@ def _parse(data: Any, label: str) -> SearchSpace:
         attention=_each(values["attention"], label, "attention", lambda v: v if v in ATTENTIONS else None),
         fused_optimizer=_each(values["fused_optimizer"], label, "fused_optimizer",
                               lambda v: v if isinstance(v, bool) else None),
+        compile=_each(values["compile"], label, "compile", lambda v: v if isinstance(v, bool) else None),
         zero_stage=_each(values["zero_stage"], label, "zero_stage", _zero_stage),
         offload=_each(values["offload"], label, "offload", lambda v: v if v in OFFLOADS else None),
         lora_rank=_each(values["lora_rank"], label, "lora_rank", _lora_rank),

@@ -107,6 +107,8 @@ def _train(spec: dict[str, Any], record: dict[str, Any], *, workload: Any, confi
 
             torch.cuda.synchronize(device)
 
+    if config.compile:
+        record["eager_step_s"], record["phases"]["compile_s"] = _compile(engine, sync)
     times = time_steps(engine.step, sync, warmup=spec["warmup_steps"], steps=spec["measure_steps"],
                        max_steps=spec.get("max_measure_steps"), agree=_agreed(world_size, device))
     # Per optimizer step, from the median step: a few steps slowed by another process move a
@@ -123,6 +125,27 @@ def _train(spec: dict[str, Any], record: dict[str, Any], *, workload: Any, confi
         final_loss=times.last_loss,
         optimizer_state_bytes=engine.optimizer_state_bytes(),
     )
+    if config.compile:
+        from autotune.trial.measure import compile_payoff_steps
+
+        record["compile_payoff_steps"] = compile_payoff_steps(record["phases"]["compile_s"], record["eager_step_s"],
+                                                              times.median_s)
+
+
+def _compile(engine: Any, sync: Any) -> tuple[float, float]:
+    """Time one eager step (after one that makes the optimizer's state), then compile and time the
+    first compiled step: (eager step seconds, compile seconds). Neither is in tokens/s."""
+    engine.step()
+    sync()
+    begin = time.perf_counter()
+    engine.step()
+    sync()
+    eager_s = time.perf_counter() - begin
+    engine.compile()
+    begin = time.perf_counter()
+    engine.step()
+    sync()
+    return eager_s, time.perf_counter() - begin
 
 
 def _agreed(world_size: int, device: Any) -> Any:

@@ -83,6 +83,10 @@ class TorchEngine(TrainingEngine):
     def optimizer_state_bytes(self) -> int:
         return _state_bytes(self.optimizer)
 
+    def compile(self) -> None:
+        """From the next step on, the forward (and, through AOTAutograd, the backward) runs compiled."""
+        self.forward_model = torch.compile(self.forward_model)
+
 
 class DeepSpeedEngine(TrainingEngine):
     def __init__(self, *, workload: Workload, **kwargs: Any) -> None:

@@ -17,7 +17,8 @@ from typing import Callable
 
 from autotune.trial.failures import NonFiniteLossError
 
-__all__ = ["StepTimes", "time_steps", "unsettled", "SETTLED_SPREAD", "DISTURBED_FACTOR", "MAX_STEPS_FACTOR"]
+__all__ = ["StepTimes", "time_steps", "unsettled", "compile_payoff_steps", "SETTLED_SPREAD", "DISTURBED_FACTOR",
+           "MAX_STEPS_FACTOR"]
 
 SETTLED_SPREAD = 0.10      # steps have settled when their IQR is within 10% of their median
 DISTURBED_FACTOR = 1.25    # a step 25% slower than the median was disturbed (by another process, a GC, ...)
@@ -108,3 +109,12 @@ def _checked(loss: float) -> float:
     if not math.isfinite(loss):
         raise NonFiniteLossError(f"the training loss is {loss}")
     return loss
+
+
+def compile_payoff_steps(compile_s: float, eager_step_s: float, compiled_step_s: float) -> int | None:
+    """Steps a run needs before compiling has paid for itself: what compiling cost beyond a compiled
+    step, over what each compiled step saves; None when a compiled step saves nothing."""
+    saved = eager_step_s - compiled_step_s
+    if saved <= 0:
+        return None
+    return max(1, math.ceil(round(max(0.0, compile_s - compiled_step_s) / saved, 6)))  # round: float fuzz

@@ -33,6 +33,7 @@ class PhaseTimings:
 
     startup_s: float | None = None   # process launch to the trial code starting (interpreter + imports)
     build_s: float | None = None     # model, LoRA, optimizer and engine
+    compile_s: float | None = None   # --compile: the first compiled step, compilation included
     warmup_s: float | None = None    # untimed steps
     measure_s: float | None = None   # timed steps
 
@@ -40,7 +41,7 @@ class PhaseTimings:
     def fixed_cost_s(self) -> float | None:
         """Launch to the first timed step: what every trial pays before it measures anything."""
         parts = (self.startup_s, self.build_s, self.warmup_s)
-        return None if any(p is None for p in parts) else sum(parts)
+        return None if any(p is None for p in parts) else sum(parts) + (self.compile_s or 0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +65,8 @@ class TrialResult:
     trainable_params: int | None = None
     total_params: int | None = None
     final_loss: float | None = None
+    eager_step_s: float | None = None          # --compile: one step of the same model uncompiled, for the payoff
+    compile_payoff_steps: int | None = None    # --compile: steps before compiling has paid for itself; None: never
     device: str | None = None
     cpu_cores: list[int] | None = None         # CPU: the cores the trial ran on (the free ones; all ranks')
     cpu_threads: int | None = None             # CPU: torch threads per rank

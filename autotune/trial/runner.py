@@ -289,7 +289,8 @@ def _combine(config: TrialConfig, records: list[dict[str, Any] | None], *, retur
     fields: dict[str, Any] = {k: base.get(k) for k in (
         "tokens_per_s", "samples_per_s", "step_time_median_s", "step_time_iqr_s", "step_time_spread",
         "disturbed_steps", "grad_accum_steps",
-        "trainable_params", "total_params", "final_loss", "device", "cpu_threads")}
+        "trainable_params", "total_params", "final_loss", "device", "cpu_threads", "eager_step_s",
+        "compile_payoff_steps")}
     cores = sorted({c for r in written for c in r.get("cpu_cores") or []})
     return TrialResult(
         config=config,

@@ -52,3 +52,23 @@ def test_a_cuda_trial_forked_from_the_trial_server_measures_what_a_new_interpret
         assert r.status is TrialStatus.OK, r.error  # the server never made a CUDA context to inherit
     assert forked[1].peak_allocated_bytes == fresh.peak_allocated_bytes
     assert forked[1].phases.startup_s < fresh.phases.startup_s
+
+
+def test_a_compiled_trial_keeps_compile_time_out_of_tokens_per_s_and_says_when_it_pays_off():
+    eager = run_trial(GPT2, TrialConfig(micro_batch=4, precision="bf16"), measure_steps=5)
+    compiled = run_trial(GPT2, TrialConfig(micro_batch=4, precision="bf16", compile=True), measure_steps=5)
+    assert eager.ok and compiled.ok, (eager.error, compiled.error)
+    assert compiled.phases.compile_s > 5 * compiled.step_time_median_s  # compiling took longer than steps
+    assert compiled.eager_step_s > 0
+    # tokens/s is from the timed steps only: a compile phase in it would read far below the eager trial.
+    assert compiled.tokens_per_s > 0.5 * eager.tokens_per_s
+    if compiled.step_time_median_s < compiled.eager_step_s:
+        assert compiled.compile_payoff_steps >= 1
+    else:
+        assert compiled.compile_payoff_steps is None
+
+
+def test_attention_kernels_on_cuda():
+    for attention in ("eager", "sdpa"):
+        r = run_trial(GPT2, TrialConfig(micro_batch=4, precision="bf16", attention=attention), measure_steps=2)
+        assert r.ok, (attention, r.error)
