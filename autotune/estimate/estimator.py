@@ -78,6 +78,9 @@ class MemoryEstimate:
     not_live_at_peak_bytes: int = 0
     traced_device: str = "cpu"      # whose kernels the step was traced with: "cpu" or "cuda"
     device_note: str | None = None  # where those kernels differ from the workload's device
+    # Matmul-class FLOPs of one sample's forward and backward, recomputation included, counted on
+    # the traced step (torch.utils.flop_counter): what checkpointing costs, in compute, on this model.
+    flops_per_sample: int | None = None
 
     def fits(self, limit_bytes: int) -> bool:
         return self.predicted_peak_bytes <= limit_bytes
@@ -97,6 +100,7 @@ class MemoryEstimate:
             "temporaries_bytes": self.temporaries_bytes, "not_live_at_peak_bytes": self.not_live_at_peak_bytes,
             "overhead_bytes": self.overhead_bytes, "traced_device": self.traced_device,
             "device_note": self.device_note, "method": self.method, "seconds": self.seconds,
+            "flops_per_sample": self.flops_per_sample,
         }
 
     @classmethod
@@ -205,7 +209,7 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
             if config.uses_deepspeed and engine.autocast_dtype is not None:
                 # DeepSpeed's fp16/bf16 modes train a 16-bit model (no autocast): 16-bit activations.
                 _to_16_bit(engine)
-            whole = _fake_steps(engine, tracker)
+            whole, flops_per_sample = _fake_steps(engine, tracker)
     peak, at_peak = tracker.peak_bytes, _States(**{k: tracker.at_peak[k] for k in _STATES})
     activations = tracker.at_peak["activations"]
     method = "fake-tensor training step" + (" (compile predicted as eager: its fused kernels may hold less)"
@@ -233,7 +237,7 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
                           activations_bytes=activations,
                           temporaries_bytes=peak - at_peak.total - activations,
                           not_live_at_peak_bytes=at_peak.total - whole.total, overhead_bytes=None,
-                          traced_device=traced, device_note=note, method=method,
+                          traced_device=traced, device_note=note, method=method, flops_per_sample=flops_per_sample,
                           seconds=time.perf_counter() - started)
 
 
@@ -352,6 +356,7 @@ def _peak_parts_tracker_class() -> type:
     """
     import torch
     from torch.utils._pytree import tree_leaves
+    from torch.utils.flop_counter import flop_registry
 
     from autotune.trial.memory import LiveBytesTracker
 
@@ -362,9 +367,17 @@ def _peak_parts_tracker_class() -> type:
             self.at_peak = dict(self.live)
             self.in_forward = False
             self._tags: dict[int, str] = {}  # id of the per-storage counter -> tag
+            # FLOPs of the matmul-class ops PyTorch's flop counter knows, while asked. Counted here,
+            # not under FlopCounterMode: its module hooks change what checkpointing keeps (measured:
+            # a checkpointed GPT-2 then traced twice its real peak).
+            self.count_flops = False
+            self.flops = 0
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
+            count = flop_registry.get(func.overloadpacket) if self.count_flops else None
+            if count is not None:
+                self.flops += count(*args, **(kwargs or {}), out_val=out)
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
                     self._count(leaf.untyped_storage())
@@ -490,8 +503,9 @@ def _to_16_bit(engine: Any) -> None:
     engine.autocast_dtype = None
 
 
-def _fake_steps(engine: Any, tracker: Any) -> _States:
-    """The trial's step on fake tensors; returns the whole model states.
+def _fake_steps(engine: Any, tracker: Any) -> tuple[_States, int]:
+    """The trial's step on fake tensors; returns the whole model states and the FLOPs per sample
+    of its forwards and backwards.
 
     Like the trial's step except that nothing reads a value back (``.item()`` has no data here)
     and fp16's loss scaler is left out (its unscale checks values; its state is a few scalars).
@@ -517,7 +531,9 @@ def _fake_steps(engine: Any, tracker: Any) -> _States:
     for p in trainable:
         p.register_post_accumulate_grad_hook(lambda p: tracker.tag([p.grad], "gradients"))
     tracker.reset_peak()
-    for _ in range(min(engine.accum, _MICRO_STEPS)):
+    micro_steps = min(engine.accum, _MICRO_STEPS)
+    tracker.count_flops = True
+    for _ in range(micro_steps):
         tracker.in_forward = True
         with torch.autocast(engine.device.type, dtype=engine.autocast_dtype,
                             enabled=engine.autocast_dtype is not None):
@@ -525,10 +541,12 @@ def _fake_steps(engine: Any, tracker: Any) -> _States:
         tracker.in_forward = False
         loss.backward()
         del loss
+    tracker.count_flops = False
     gradients = _bytes(p.grad for p in trainable if p.grad is not None)
     engine.optimizer.step()
     engine.optimizer.zero_grad(set_to_none=True)
-    return _States(_bytes(parameters), gradients, _bytes(states))
+    samples = micro_steps * engine.config.micro_batch
+    return _States(_bytes(parameters), gradients, _bytes(states)), tracker.flops // samples
 
 
 def _zero_states(engine: Any, config: TrialConfig, ranks: int, *,

@@ -52,6 +52,7 @@ class Proposer:
         self._limit = limit_bytes
         self._margin = margin
         self._estimates: dict[TrialConfig, MemoryEstimate | None] = {}
+        self._family_flops: dict[TrialConfig, int] = {}   # a family (micro batch 1) -> its FLOPs per sample
         self._ruled_out: list[TrialConfig] = []
 
     def suggest(self, trial: optuna.Trial) -> TrialConfig:
@@ -79,7 +80,15 @@ class Proposer:
         retry = next((r.config for r in records if r.status == "interrupted" and r.config in open_configs), None)
         if retry is not None:
             return retry
-        model = ThroughputModel(self.params_of, self.precision_speed).fit(
+        while True:  # again when the estimates made on the way counted a family's recompute: the ranking moved
+            counted = len(self._family_flops)
+            proposal = self._ranked_proposal(records, open_configs, fitting, too_big)
+            if len(self._family_flops) == counted:
+                return proposal
+
+    def _ranked_proposal(self, records: list[TrialRecord], open_configs: list[TrialConfig],
+                         fitting: list[TrialConfig], too_big: list[TrialConfig]) -> TrialConfig | None:
+        model = ThroughputModel(self.params_of, self.precision_speed, self._recompute_factor).fit(
             [(r.config, r.tokens_per_s) for r in records if r.status == "ok" and r.tokens_per_s])
         order = {c: i for i, c in enumerate(self.candidates)}
         ranked = sorted(open_configs, key=lambda c: (-model.predict(c), order[c]))
@@ -120,6 +129,16 @@ class Proposer:
         done |= {r.config for r in records if r.status in ("running", "skipped")}
         too_big = _too_big(records)
         return [c for c in self.candidates if c not in done and not implied_too_big(c, too_big)]
+
+    def _recompute_factor(self, config: TrialConfig) -> float | None:
+        """FLOPs per sample of ``config`` without checkpointing over with it, from two estimates of
+        their families (any micro batch: FLOPs per sample do not depend on it); None if either is missing."""
+        with_it = self._flops_per_sample(config)
+        without = self._flops_per_sample(config.replace(checkpointing=False, checkpoint_every=1))
+        return without / with_it if with_it and without else None
+
+    def _flops_per_sample(self, config: TrialConfig) -> int | None:
+        return self._family_flops.get(config.replace(micro_batch=1))
 
     def take_ruled_out(self) -> list[TrialConfig]:
         """Configs the estimator put over the limit since the last call (for the study to record)."""
@@ -198,7 +217,9 @@ class Proposer:
         if self._estimator is None or self._limit is None:
             return None
         if config not in self._estimates:
-            self._estimates[config] = self._estimator(config)
+            estimate = self._estimates[config] = self._estimator(config)
+            if estimate is not None and estimate.flops_per_sample:
+                self._family_flops[config.replace(micro_batch=1)] = estimate.flops_per_sample
         return self._estimates[config]
 
     def _bisecting_trial(self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig],

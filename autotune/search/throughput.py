@@ -23,7 +23,7 @@ SATURATION_BATCH = 2.0   # per-rank micro batch at which throughput reaches half
 RIDGE = 0.5              # pull of the prior: a correction is shrunk by RIDGE / (RIDGE + evidence)
 
 # Prior factors. They only order the first proposals; measured trials override them.
-_CHECKPOINTING = 0.7     # the forward runs again inside the backward: about a third more compute
+_CHECKPOINTING = 0.7     # the forward runs again inside the backward; used where no traced step counted it
 _CHUNKED_LOSS = 0.95     # the LM head's matmul runs again inside the backward
 _COMPILE = 1.1          # fused kernels, fewer launches; its compile time is never in tokens/s
 _FUSED_OPTIMIZER = 1.03  # one kernel over all parameters: the optimizer step is a small part of a step
@@ -42,8 +42,12 @@ class ThroughputModel:
     """Predicted log tokens/s of configs, from the prior and the measured trials."""
 
     def __init__(self, params_of: Callable[[TrialConfig], dict[str, Any]],
-                 precision_speed: dict[str, float] | None = None) -> None:
+                 precision_speed: dict[str, float] | None = None,
+                 recompute_factor: Callable[[TrialConfig], float | None] | None = None) -> None:
+        """``recompute_factor``: a checkpointing config's compute without recomputation over its
+        compute with it, counted on traced steps (None where not counted: the constant prior)."""
         self._params_of = params_of
+        self._recompute_factor = recompute_factor
         low, high = _PRECISION_RANGE
         self._precision = {p: min(max(speed, low), high) ** _PRECISION_WEIGHT
                            for p, speed in (precision_speed or {}).items()}
@@ -53,7 +57,10 @@ class ThroughputModel:
 
     def prior(self, config: TrialConfig) -> float:
         factor = self._precision.get(config.precision, 1.0) * _OFFLOAD.get(config.offload, 1.0)
-        if config.checkpointing:  # every N-th layer recomputes 1/N of what checkpointing every layer does
+        counted = self._recompute_factor(config) if config.checkpointing and self._recompute_factor else None
+        if counted is not None:
+            factor *= counted
+        elif config.checkpointing:  # every N-th layer recomputes 1/N of what checkpointing every layer does
             factor *= 1 - (1 - _CHECKPOINTING) / config.checkpoint_every
         if config.loss_chunks is not None:
             factor *= _CHUNKED_LOSS

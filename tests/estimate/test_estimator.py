@@ -189,3 +189,17 @@ def test_estimate_command_table_adds_up():
     assert header.split()[-7:] == ["params", "grads", "optimizer", "activations", "temporaries", "not", "live"]
     assert row.split()[5] == "=" and row.split()[-2].startswith("-")  # the negative part, shown
     assert proc.stdout.splitlines()[-1] == "traced with CPU kernels"
+
+
+def test_the_traced_step_counts_its_flops_and_checkpointing_s_recompute():
+    """FLOPs per sample: 6 x matmul weights x tokens plus attention's 2 x 6 x layers x s^2 x d,
+    the textbook count, exactly; checkpointing every layer adds one more forward of the layers."""
+
+    workload = Workload(model="builtin:gpt2-deep-tiny", seq_len=128, global_batch=8)
+    plain = predict_memory(workload, TrialConfig(micro_batch=2)).flops_per_sample
+    layers, d, s, vocab = 6, 128, 128, 512  # the preset's shape
+    weights = layers * 12 * d * d + vocab * d  # attention (4 d^2) and MLP (8 d^2) per layer, and the LM head
+    assert plain == 6 * weights * s + 12 * layers * s * s * d
+    assert predict_memory(workload, TrialConfig(micro_batch=4)).flops_per_sample == plain  # per sample
+    recompute = predict_memory(workload, TrialConfig(micro_batch=2, checkpointing=True)).flops_per_sample - plain
+    assert recompute == 2 * layers * (12 * d * d * s + 2 * s * s * d)  # one forward of every layer again

@@ -15,8 +15,10 @@ CPU = DeviceInfo("cpu", "test-cpu", 1, 16 * 2**30, bf16=True, fp16_deepspeed=Fal
 MiB = 2**20
 
 
-def _proposer(tmp_path, sizes: str, per_sample_mib: dict[bool, float], asked: list[TrialConfig]) -> Proposer:
-    """Checkpointing off/on; an exact estimator: 4 MiB of states and ``per_sample_mib[checkpointing]`` a sample."""
+def _proposer(tmp_path, sizes: str, per_sample_mib: dict[bool, float], asked: list[TrialConfig],
+              flops: dict[bool, int] | None = None) -> Proposer:
+    """Checkpointing off/on; an exact estimator: 4 MiB of states and ``per_sample_mib[checkpointing]`` a sample
+    (and ``flops[checkpointing]`` FLOPs a sample, when given)."""
     (tmp_path / "space.yaml").write_text(f"knobs:\n  micro_batch: {sizes}\n  checkpointing: [false, true]\n")
 
     def estimate(config: TrialConfig) -> MemoryEstimate:
@@ -24,7 +26,8 @@ def _proposer(tmp_path, sizes: str, per_sample_mib: dict[bool, float], asked: li
         activations = int(config.micro_batch * per_sample_mib[config.checkpointing] * MiB)
         return MemoryEstimate(config=config, predicted_peak_bytes=4 * MiB + activations, parameters_bytes=MiB,
                               gradients_bytes=MiB, optimizer_state_bytes=2 * MiB, activations_bytes=activations,
-                              temporaries_bytes=0, overhead_bytes=None, method="test", seconds=0.0)
+                              temporaries_bytes=0, overhead_bytes=None, method="test", seconds=0.0,
+                              flops_per_sample=(flops or {}).get(config.checkpointing))
 
     return Proposer(load_space(str(tmp_path / "space.yaml")), Workload(global_batch=16), CPU, estimator=estimate,
                     limit_bytes=50 * MiB, margin=0.05)
@@ -97,3 +100,15 @@ def test_the_study_records_as_skipped_only_what_is_over_the_skip_margin(tmp_path
     trials = study.get_trials(deepcopy=False)
     assert [(t.state.name, t.user_attrs.get("status"), t.user_attrs["config"]["micro_batch"]) for t in trials] \
         == [("PRUNED", "skipped", 8)]
+
+
+def test_checkpointing_is_ranked_by_the_recompute_the_traced_steps_counted(tmp_path):
+    # The families of the test above: no checkpointing fits up to mb=2, checkpointing up to mb=8. The
+    # constant prior (0.7) puts checkpointing mb=8 first (0.7 x 8/10 against 2/4).
+    for flops, first in (({False: 100, True: 110}, TrialConfig(micro_batch=8, checkpointing=True)),
+                         ({False: 100, True: 250}, TrialConfig(micro_batch=2))):
+        (tmp_path / str(flops[True])).mkdir()
+        proposer = _proposer(tmp_path / str(flops[True]), "[1, 2, 4, 8, 16]", {False: 20, True: 4}, [], flops)
+        assert proposer.next_config([]) == first, flops
+        # Counted on the traced steps: 100 FLOPs a sample without recompute over 110 (or 250) with it.
+        assert proposer._recompute_factor(first.replace(checkpointing=True)) == 100 / flops[True]
