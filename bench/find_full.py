@@ -63,7 +63,7 @@ def _train_the_export(export: Path) -> dict:
     model = autotune.prepare(build_model(workload, task="causal-lm", device=torch.device("cpu")), export)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
                                   fused=config.fused_optimizer or None)
-    dtype = getattr(torch, config.sixteen_bit) if config.sixteen_bit and not config.true_16_bit else None
+    dtype = getattr(torch, config.autocast_type) if config.autocast_type else None
     losses = []
     for _ in range(3):
         for _ in range(data["grad_accum_steps"]):

@@ -117,6 +117,12 @@ class TrialConfig:
         return sixteen_bit_type(self.precision)
 
     @property
+    def autocast_type(self) -> str | None:
+        """torch's name of the type autocast computes in: the mixed precisions' 16-bit type; None for
+        fp32, tf32 and bf16-true (whose weights are bf16 already)."""
+        return None if self.true_16_bit else self.sixteen_bit
+
+    @property
     def true_16_bit(self) -> bool:
         """Weights, gradients and optimizer state held in 16 bits (no fp32 copy, no autocast)."""
         return self.precision == "bf16-true"

@@ -43,18 +43,22 @@ def __getattr__(name: str) -> Any:
 def refusal_before_trial(workload: Workload, config: TrialConfig, task: str | None = None) -> str | None:
     """Why this config cannot be prepared for this workload's model, said before any trial; or None.
     ``task``: the workload's, resolved here only when a knob needs it."""
+    if task is None and (config.loss_chunks is not None or config.attention != "auto"):
+        from autotune.models.sources import (
+            resolve_task,  # reads the model's config: only when asked
+        )
+
+        task = resolve_task(workload)
     if config.loss_chunks is not None:
-        from autotune.models.sources import resolve_task
         from autotune.prepare.loss import chunked_loss_refusal
 
-        refusal = chunked_loss_refusal(workload, task or resolve_task(workload))
+        refusal = chunked_loss_refusal(workload, task)
         if refusal is not None:
             return refusal
     if config.attention != "auto":
-        from autotune.models.sources import resolve_task
         from autotune.prepare.attention import attention_refusal
 
-        refusal = attention_refusal(workload, config.attention, task or resolve_task(workload))
+        refusal = attention_refusal(workload, config.attention, task)
         if refusal is not None:
             return refusal
     if config.checkpoint_every > 1:

@@ -158,7 +158,8 @@ class SearchSpace:
             raise ConfigError(f"{self.name}: knobs.compile [true]: {compile_device_refusal(device.type)}; add false")
         lora = tuple(dict.fromkeys(_lora_label(rank, targets) for rank in self.lora_rank for targets in self.lora_targets))
         return {"micro_batch": tuple(micro), "precision": precision, "checkpointing": checkpointing, "loss": loss,
-                "attention": attention, "fused_optimizer": self.fused_optimizer, "compile": compile_, "zero": tuple(dict.fromkeys(zero)), "lora": lora}
+                "attention": attention, "fused_optimizer": self.fused_optimizer, "compile": compile_,
+                "zero": tuple(dict.fromkeys(zero)), "lora": lora}
 
     def dropped_knobs(self, workload: Workload, device: DeviceInfo) -> list[str]:
         """Knob values this space offers that :meth:`choices` leaves out for this model and device,

@@ -21,7 +21,6 @@ from autotune.prepare.apply import prepare
 
 __all__ = ["TrainingEngine", "build_engine"]
 
-_AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class TrainingEngine:
@@ -52,7 +51,7 @@ class TorchEngine(TrainingEngine):
         # fused=None leaves PyTorch's default (foreach on CUDA, a per-tensor loop on a CPU)
         self.optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.0,
                                            fused=True if self.config.fused_optimizer else None)
-        self.autocast_dtype = _AUTOCAST_DTYPES.get(self.config.precision)
+        self.autocast_dtype = getattr(torch, self.config.autocast_type) if self.config.autocast_type else None
         self.scaler = torch.amp.GradScaler(self.device.type) if self.config.precision == "fp16" else None
         self.forward_model = self.model
         if world_size > 1:
