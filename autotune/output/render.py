@@ -215,6 +215,11 @@ class ConsoleProgress:
         for reason in reasons:
             self._say(f"not searched: {reason}")
 
+    def space_kept(self, *, name: str, added: list[str]) -> None:
+        grown = f" (it now also searches {', '.join(added)})" if added else ""
+        self._say(f"space {name}: this study goes on with the {name} space it was started with{grown}; "
+                  "a new --study searches the grown space")
+
     def stopped(self, *, reason: str) -> None:
         self._say(f"stopped: {reason}")
 

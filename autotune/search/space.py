@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
     from autotune.config.workload import Workload
 
-__all__ = ["SearchSpace", "load_space", "preset_names", "KNOBS"]
+__all__ = ["SearchSpace", "load_space", "preset_names", "is_preset", "KNOBS"]
 
 # Knob -> what the file may give it (said in errors).
 KNOBS = {
@@ -103,6 +103,24 @@ class SearchSpace:
             "lora_rank": list(self.lora_rank), "lora_alpha": self.lora_alpha,
             "lora_targets": list(self.lora_targets), "n_trials": self.n_trials, "patience": self.patience,
         }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SearchSpace:
+        """The inverse of :meth:`to_dict` (a study's stored space); knobs added since default to off."""
+        knobs = {k: v for k, v in data.items() if k in KNOBS}
+        top = {k: data[k] for k in ("description", "n_trials", "patience") if k in data}
+        return _parse({**top, "knobs": knobs}, str(data["name"]))
+
+    def added_since(self, older: SearchSpace) -> list[str]:
+        """``knob value`` for each value this space searches that ``older`` did not."""
+        mine, theirs = self.to_dict(), older.to_dict()
+        added = []
+        for knob in KNOBS:
+            if knob == "lora_alpha" or mine[knob] == theirs[knob]:
+                continue
+            new = [v for v in _as_list(mine[knob]) if v not in _as_list(theirs[knob])]
+            added += [f"{knob} {_yaml_word(v)}" for v in new]
+        return added
 
     # -- what can run here ---------------------------------------------------------------------
     def choices(self, workload: Workload, device: DeviceInfo) -> dict[str, tuple[Any, ...]]:
@@ -298,6 +316,11 @@ def preset_names() -> list[str]:
     return sorted(p.name.removesuffix(".yaml") for p in _preset_dir().iterdir() if p.name.endswith(".yaml"))
 
 
+def is_preset(name: str) -> bool:
+    """Whether a space's name is a preset's (a file's name is its path)."""
+    return name in preset_names()
+
+
 def load_space(name_or_path: str | Path) -> SearchSpace:
     """A preset by name (``default``, ``lora``, ``quick``, ``zero``) or a YAML file by path."""
     import yaml
@@ -378,6 +401,10 @@ def _each(values: list[Any], label: str, knob: str, parse: Any) -> tuple[Any, ..
         if result not in parsed:
             parsed.append(result)
     return tuple(parsed)
+
+
+def _yaml_word(value: Any) -> str:
+    return "off" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _means_off(value: Any, knob: str) -> bool:

@@ -30,7 +30,7 @@ from autotune.config.device import DeviceInfo, detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import AutotuneError, ConfigError
-from autotune.search.space import SearchSpace, load_space
+from autotune.search.space import SearchSpace, is_preset, load_space
 from autotune.search.workers import (
     cpu_turn,
     gpu_slices,
@@ -83,6 +83,7 @@ class Progress(Protocol):
     def trial_finished(self, *, record: TrialRecord, best: TrialRecord | None, elapsed_s: float) -> None: ...
     def skipped(self, *, record: TrialRecord, limit_bytes: int) -> None: ...
     def dropped(self, *, reasons: list[str]) -> None: ...
+    def space_kept(self, *, name: str, added: list[str]) -> None: ...
     def confirming(self, *, record: TrialRecord, steps: int) -> None: ...
     def stopped(self, *, reason: str) -> None: ...
 
@@ -137,8 +138,10 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     backend = backend or LocalBackend(device.type)
     _check_workload(workload, device)
     gpus = gpu_slices(workers, workload.nproc, device)
+    opened = open_storage(storage)
+    space = _space_to_resume(opened, study, space, progress)
     meta = question(workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom)
-    the_study = create_study(open_storage(storage), study, meta)
+    the_study = create_study(opened, study, meta)
     recovered = recover_stale_trials(the_study)
     limit = memory_limit(the_study.user_attrs["autotune"])
     oracle = _Oracle(backend, workload) if estimate else None
@@ -242,6 +245,23 @@ def find(*, workload: Workload | None = None, space: str | Path | SearchSpace = 
                 memory_budget_bytes=budget, n_trials=n_trials, timeout_s=timeout_s,
                 trial_timeout_s=trial_timeout_s, headroom=headroom, storage=storage, estimate=estimate,
                 warmup_steps=warmup_steps, measure_steps=measure_steps, progress=progress)
+
+
+def _space_to_resume(storage: optuna.storages.RDBStorage, study: str, space: SearchSpace,
+                     progress: Progress) -> SearchSpace:
+    """The space a study goes on with: a preset that grew since the study began resumes as the
+    study stored it (its trials answer that question; the new values are a new study's)."""
+    from autotune.study.storage import stored_question
+
+    stored = stored_question(storage, study)
+    if stored is None or stored.get("space_digest") == space.digest or not is_preset(space.name) \
+            or stored.get("space", {}).get("name") != space.name:
+        return space
+    kept = SearchSpace.from_dict(stored["space"])
+    if kept.digest != stored["space_digest"]:
+        return space  # stored by a version whose space this one cannot rebuild: the study is refused as before
+    progress.space_kept(name=space.name, added=space.added_since(kept))
+    return kept
 
 
 def question(*, workload: Workload, space: SearchSpace, device: DeviceInfo, memory_budget_bytes: int,

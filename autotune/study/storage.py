@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import optuna
 
 __all__ = ["DEFAULT_STORAGE", "open_storage", "display_url", "create_study", "load_study", "study_names",
-           "recover_stale_trials", "find_study_name", "META_KEY", "HEARTBEAT_S"]
+           "recover_stale_trials", "find_study_name", "stored_question", "META_KEY", "HEARTBEAT_S"]
 
 DEFAULT_STORAGE = "sqlite:///storage/autotune.db"
 META_KEY = "autotune"            # study user attribute: the question the study answers
@@ -146,6 +146,15 @@ def create_study(storage: optuna.storages.RDBStorage, name: str, meta: dict[str,
                 f"--study {name} answers another question ({key} differs: stored {_short(stored.get(key))}, "
                 f"now {_short(meta.get(key))}); use a new --study name, or the same flags as before")
     return study
+
+
+def stored_question(storage: optuna.storages.RDBStorage, name: str) -> dict[str, Any] | None:
+    """The question study ``name`` was made for (None: no such study, or not autotune's)."""
+    try:
+        study_id = storage.get_study_id_from_name(name)
+    except KeyError:
+        return None
+    return storage.get_study_user_attrs(study_id).get(META_KEY)
 
 
 def load_study(storage: optuna.storages.RDBStorage, name: str, url: str | None) -> optuna.Study:

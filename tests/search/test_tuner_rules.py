@@ -199,3 +199,43 @@ def test_rounds_that_disagree_on_the_leader_get_a_third_round(tmp_path):
     assert _confirming(backend) == [4, 2, 4, 2, 4, 2]
     assert summary.best.config.micro_batch == 4
     assert "within noise of the runner-up mb=2 fp32" in summary.certainty and "ahead in 2 of 3 rounds" in summary.certainty
+
+
+class _Said:
+    def __init__(self) -> None:
+        self.kept: list[dict] = []
+
+    def space_kept(self, **kwargs):
+        self.kept.append(kwargs)
+
+    def __getattr__(self, name):
+        return lambda **_: None
+
+
+def test_a_study_of_a_preset_that_grew_since_resumes_with_the_space_it_was_started_with(tmp_path):
+    import dataclasses
+
+    from autotune.config.workload import Workload
+    from autotune.search.space import load_space
+
+    # The `quick` preset as an older autotune shipped it: fewer micro batches, no checkpointing.
+    older = dataclasses.replace(load_space("quick"), micro_batch=(1, 2), checkpointing=(False,))
+    assert older.digest != load_space("quick").digest
+    backend = ScriptedBackend(first={1: 50.0, 2: 60.0, 4: 70.0}, reruns={1: [50.0] * 4, 2: [60.0] * 4})
+    common = dict(study="s", workload=Workload(model="builtin:gpt2-tiny", global_batch=4), memory_budget_bytes=2**30,
+                  storage=f"sqlite:///{tmp_path}/db.sqlite", estimate=False, backend=backend, confirm=False)
+    tune(space=older, n_trials=1, **common)
+    said = _Said()
+    summary = tune(space="quick", n_trials=3, progress=said, **common)
+    assert said.kept == [{"name": "quick", "added": ["micro_batch auto", "checkpointing true"]}]
+    assert len(summary.trials) == 3  # resumed: the first trial is still there
+    assert {(t.config.micro_batch, t.config.checkpointing) for t in summary.trials} <= {(1, False), (2, False)}
+
+
+def test_a_space_file_that_changed_still_refuses_the_study(tmp_path):
+    from autotune.errors import StorageError
+
+    backend = ScriptedBackend(first={1: 50.0, 2: 60.0, 4: 70.0}, reruns={})
+    _tune(tmp_path, backend, n_trials=1, confirm=False)
+    with pytest.raises(StorageError, match="space_digest differs"):
+        _tune(tmp_path, backend, knobs="  micro_batch: [1, 2]\n  precision: [fp32]\n", n_trials=2, confirm=False)
