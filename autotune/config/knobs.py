@@ -203,9 +203,6 @@ class TrialConfig:
         refusal = compile_device_refusal(device.type) if self.compile else None
         if refusal is not None:
             raise ConfigError(refusal)
-        if self.compile and self.uses_deepspeed:
-            raise ConfigError("--compile on with --zero-stage: autotune does not compile DeepSpeed's engine yet; "
-                              "use --compile off with ZeRO")
         if self.precision == "tf32" and device.type != "cuda":
             raise ConfigError("--precision tf32 only exists on CUDA tensor cores; use fp32 or bf16 on a CPU")
         if self.sixteen_bit == "bfloat16" and not device.bf16:

@@ -264,7 +264,11 @@ def in_code(config: TrialConfig) -> list[str]:
         lines.append(f'attention: load the model with attn_implementation="{config.attention}" '
                      f'(from_pretrained(..., attn_implementation="{config.attention}")), or '
                      f'`model = autotune.prepare(model, attention="{config.attention}")`')
-    if config.compile:
+    if config.compile and config.uses_deepspeed:
+        lines.append("compile: engine.compile() after deepspeed.initialize (DeepSpeed's JSON has no switch for it; "
+                     "the hf export sets torch_compile, the accelerate export dynamo_backend INDUCTOR); "
+                     "the first steps compile")
+    elif config.compile:
         lines.append("compile: model = torch.compile(model) before training (the hf export sets torch_compile, "
                      "the accelerate export dynamo_backend INDUCTOR); the first steps compile")
     if config.fused_optimizer:

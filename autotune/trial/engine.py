@@ -43,6 +43,9 @@ class TrainingEngine:
     def optimizer_state_bytes(self) -> int:
         raise NotImplementedError
 
+    def compile(self, backend: str = "inductor") -> None:
+        raise NotImplementedError
+
 
 class TorchEngine(TrainingEngine):
     def __init__(self, *, world_size: int, **kwargs: Any) -> None:
@@ -82,9 +85,9 @@ class TorchEngine(TrainingEngine):
     def optimizer_state_bytes(self) -> int:
         return _state_bytes(self.optimizer)
 
-    def compile(self) -> None:
+    def compile(self, backend: str = "inductor") -> None:
         """From the next step on, the forward (and, through AOTAutograd, the backward) runs compiled."""
-        self.forward_model = torch.compile(self.forward_model)
+        self.forward_model = torch.compile(self.forward_model, backend=backend)
 
 
 class DeepSpeedEngine(TrainingEngine):
@@ -110,6 +113,11 @@ class DeepSpeedEngine(TrainingEngine):
 
     def optimizer_state_bytes(self) -> int:
         return _state_bytes(self.optimizer)
+
+    def compile(self, backend: str = "inductor") -> None:
+        """DeepSpeed's own ``engine.compile()``: it compiles the wrapped module and keeps ZeRO's hooks
+        (partitioned parameters' gather and release) outside the graph."""
+        self.engine.compile(backend=backend)
 
 
 def build_engine(*, workload: Workload, config: TrialConfig, task: str, device: torch.device,

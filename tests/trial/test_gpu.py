@@ -72,3 +72,10 @@ def test_attention_kernels_on_cuda():
     for attention in ("eager", "sdpa"):
         r = run_trial(GPT2, TrialConfig(micro_batch=4, precision="bf16", attention=attention), measure_steps=2)
         assert r.ok, (attention, r.error)
+
+
+def test_a_zero_trial_compiles_through_deepspeed_and_keeps_compile_time_out_of_tokens_per_s():
+    config = TrialConfig(micro_batch=4, precision="bf16", zero_stage=2, offload="optimizer", compile=True)
+    r = run_trial(GPT2, config, measure_steps=5)
+    assert r.status is TrialStatus.OK, r.error
+    assert r.phases.compile_s > 5 * r.step_time_median_s and r.eager_step_s > 0
