@@ -76,6 +76,7 @@ KNOB_OPTIONS = {
     "lora_alpha": Option(Optional[int], None, ("--lora-alpha",), _help(TrialConfig, "lora_alpha")),
     "lora_targets": Option(Optional[str], None, ("--lora-targets",), _help(TrialConfig, "lora_targets")),
     "zero_stage": Option(str, "off", ("--zero-stage",), _help(TrialConfig, "zero_stage")),
+    "fsdp": Option(str, "off", ("--fsdp",), _help(TrialConfig, "fsdp")),
     "offload": Option(str, "none", ("--offload",), _help(TrialConfig, "offload")),
 }
 # -- every other option shared by commands: a command takes one by naming its parameter so --------
@@ -144,14 +145,15 @@ def _zero_stage(value: str) -> int | None:
 
 def _knobs(micro_batch: int, precision: str, checkpointing: str, loss: str, attention: str, fused_optimizer: str,
            compile: str, lora_rank: int | None, lora_alpha: int | None, lora_targets: str | None, zero_stage: str,
-           offload: str) -> TrialConfig:
+           fsdp: str, offload: str) -> TrialConfig:
     return TrialConfig(
         micro_batch=micro_batch, precision=precision, **_checkpointing(checkpointing),
         loss=loss, attention=attention, fused_optimizer=_on_off(fused_optimizer, "--fused-optimizer"),
         compile=_on_off(compile, "--compile"),
         lora_rank=lora_rank, lora_alpha=lora_alpha,
         lora_targets=tuple(t.strip() for t in lora_targets.split(",")) if lora_targets is not None else None,
-        zero_stage=_zero_stage(zero_stage), offload=offload)
+        zero_stage=_zero_stage(zero_stage), fsdp=None if fsdp.lower() in ("off", "none") else fsdp.lower(),
+        offload=offload)
 
 
 # A command's parameter by one of these names takes the whole group, built into one object.
@@ -377,7 +379,7 @@ def _trains_line(config: TrialConfig, fmt: str, workload: Workload | None = None
     line = f"trains: {what_is_trained(config, workload)['note']}"
     if config.uses_lora and fmt != "peft":
         line += " (the adapters: autotune export --format peft)"
-    return "\n".join([line, *in_code(config)])
+    return "\n".join([line, *in_code(config, workload)])
 
 
 @command

@@ -17,7 +17,7 @@ from autotune.errors import ConfigError
 if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
 
-__all__ = ["TrialConfig", "PRECISIONS", "ATTENTIONS", "OFFLOADS", "ZERO_STAGES", "LOSSES", "DEFAULT_LOSS_CHUNKS",
+__all__ = ["TrialConfig", "PRECISIONS", "ATTENTIONS", "OFFLOADS", "ZERO_STAGES", "FSDP_MODES", "LOSSES", "DEFAULT_LOSS_CHUNKS",
            "is_loss", "sixteen_bit_type", "attention_device_refusal", "compile_device_refusal"]
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "bf16-true")
@@ -31,6 +31,9 @@ LOSSES = ("standard", "chunked")   # chunked also as chunked:K
 DEFAULT_LOSS_CHUNKS = 8
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 ZERO_STAGES = (0, 1, 2, 3)
+# FSDP2 (torch.distributed.fsdp.fully_shard): "full" reshards each unit's parameters after its
+# forward (like ZeRO-3); "grad-op" keeps them gathered from forward to backward (like ZeRO-2).
+FSDP_MODES = ("full", "grad-op")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,9 +94,16 @@ class TrialConfig:
         default=None,
         metadata={"help": "DeepSpeed ZeRO stage 0-3; off trains with plain PyTorch (DDP across ranks)."},
     )
+    fsdp: str | None = field(
+        default=None,
+        metadata={"help": "PyTorch FSDP2 sharding instead of ZeRO: full (parameters resharded after each layer's "
+                          "forward, like ZeRO-3) or grad-op (kept gathered until the backward, like ZeRO-2); "
+                          "off trains with plain PyTorch (DDP across ranks)."},
+    )
     offload: str = field(
         default="none",
-        metadata={"help": "none, optimizer (ZeRO 1-3) or optimizer+params (ZeRO 3): move states to CPU RAM."},
+        metadata={"help": "none, optimizer (ZeRO 1-3) or optimizer+params (ZeRO 3, or FSDP: parameters, gradients "
+                          "and the optimizer step on the CPU): move states to CPU RAM."},
     )
 
     def __post_init__(self) -> None:
@@ -110,6 +120,10 @@ class TrialConfig:
     @property
     def uses_deepspeed(self) -> bool:
         return self.zero_stage is not None
+
+    @property
+    def uses_fsdp(self) -> bool:
+        return self.fsdp is not None
 
     @property
     def sixteen_bit(self) -> str | None:
@@ -186,14 +200,25 @@ class TrialConfig:
             raise ConfigError(f"--zero-stage {self.zero_stage!r} is not known; use off, 0, 1, 2 or 3")
         if self.offload not in OFFLOADS:
             raise ConfigError(f"--offload {self.offload!r} is not known; use one of {', '.join(OFFLOADS)}")
+        if self.fsdp is not None and self.fsdp not in FSDP_MODES:
+            raise ConfigError(f"--fsdp {self.fsdp!r} is not known; use off, {' or '.join(FSDP_MODES)}")
+        if self.fsdp is not None and self.zero_stage is not None:
+            raise ConfigError(f"--fsdp {self.fsdp} with --zero-stage {self.zero_stage}: one sharding per config; "
+                              "use --fsdp off or --zero-stage off")
+        if self.offload == "optimizer" and self.uses_fsdp:
+            raise ConfigError("--offload optimizer with --fsdp: FSDP2 offloads parameters, gradients and the "
+                              "optimizer step together; use --offload optimizer+params")
         if self.offload == "optimizer" and self.zero_stage not in (1, 2, 3):
             raise ConfigError("--offload optimizer needs ZeRO; add --zero-stage 1, 2 or 3")
-        if self.offload == "optimizer+params" and self.zero_stage != 3:
-            raise ConfigError("--offload optimizer+params needs --zero-stage 3 (only ZeRO-3 partitions parameters)")
+        if self.offload == "optimizer+params" and self.zero_stage != 3 and not self.uses_fsdp:
+            raise ConfigError("--offload optimizer+params needs --zero-stage 3 or --fsdp (only they shard parameters)")
 
     def validate_for(self, workload: Workload, device: DeviceInfo) -> None:
         """Refuse combinations that cannot run for this workload on this device."""
         self.grad_accum_steps(workload)  # also refuses a micro batch larger than the per-rank batch
+        if self.uses_fsdp and workload.nproc == 1 and self.offload == "none":
+            raise ConfigError(f"--fsdp {self.fsdp} on one rank shards nothing; add --nproc 2 or more, "
+                              "or --offload optimizer+params")
         if self.fused_optimizer and self.uses_deepspeed:
             raise ConfigError("--fused-optimizer on with --zero-stage: DeepSpeed picks its own Adam kernel (fused on "
                               "CUDA); use --fused-optimizer off with ZeRO")
@@ -250,6 +275,8 @@ class TrialConfig:
             parts.append(f"lora{self.lora_rank}" + (":" + ",".join(self.lora_targets) if self.lora_targets else ""))
         if self.uses_deepspeed:
             parts.append(f"zero{self.zero_stage}" + ("" if self.offload == "none" else f"+{self.offload}"))
+        if self.uses_fsdp:
+            parts.append(f"fsdp-{self.fsdp}" + ("" if self.offload == "none" else "+offload"))
         return " ".join(parts)
 
 

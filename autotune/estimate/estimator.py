@@ -129,6 +129,10 @@ def predict_memory(workload: Workload, config: TrialConfig, *, task: str | None 
     refusal = refusal_before_trial(workload, config, task)  # refused in words, as a trial refuses it
     if refusal is not None:
         raise ConfigError(refusal)
+    if config.uses_fsdp:
+        # Not predicted yet: the search then measures every FSDP config, never rules one out.
+        raise EstimateError(f"--fsdp {config.fsdp}: the estimator does not predict FSDP's per-rank memory yet; "
+                            "a trial measures it")
     request = {"workload": workload.to_dict(), "config": config.to_dict(), "task": task}
     reply = _SERVER.ask(request, timeout_s)
     if "error" in reply:
@@ -189,6 +193,8 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
     from autotune.models.sources import resolve_task
     from autotune.trial.engine import build_engine
 
+    if config.uses_fsdp:
+        raise EstimateError(f"--fsdp {config.fsdp}: the estimator does not predict FSDP's per-rank memory yet")
     started = time.perf_counter()
     task = task or resolve_task(workload)
     # DeepSpeed cannot run on fake tensors: measure the plain step, then apply ZeRO's arithmetic.

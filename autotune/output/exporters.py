@@ -18,6 +18,7 @@ from autotune.config.deepspeed_config import deepspeed_config
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
+from autotune.prepare.model_facts import layer_classes
 from autotune.study.stored_facts import adapter_config, hidden_size
 from autotune.study.summary import what_is_trained
 
@@ -106,6 +107,14 @@ def _hf(config: TrialConfig, workload: Workload, *, device_type: str, summary: d
             kwargs[f"{checkpointing}_kwargs"]["every_n_layers"] = config.checkpoint_every
     if config.uses_deepspeed:
         kwargs["deepspeed"] = _hf_deepspeed(config, workload, device_type=device_type)
+    if config.uses_fsdp:  # Transformers 5's FSDP2 settings, read by its Accelerate plugin
+        kwargs["fsdp"] = True
+        kwargs["fsdp_config"] = {
+            "version": 2, "reshard_after_forward": config.fsdp == "full",
+            "cpu_offload": config.offload == "optimizer+params", "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "transformer_layer_cls_to_wrap": layer_classes(workload), "state_dict_type": "SHARDED_STATE_DICT",
+            "cpu_ram_efficient_loading": True,
+        }
     if device_type == "cpu":
         kwargs["use_cpu"] = True
     return _dump_json(kwargs)
@@ -133,6 +142,8 @@ def _accelerate(config: TrialConfig, workload: Workload, *, device_type: str, su
     cpu = device_type == "cpu"
     if config.uses_deepspeed:
         distributed = "DEEPSPEED"
+    elif config.uses_fsdp:
+        distributed = "FSDP"
     elif workload.nproc > 1:
         distributed = "MULTI_CPU" if cpu else "MULTI_GPU"
     else:
@@ -158,7 +169,22 @@ def _accelerate(config: TrialConfig, workload: Workload, *, device_type: str, su
         data["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
     if config.uses_deepspeed:
         data["deepspeed_config"] = _accelerate_deepspeed(config, workload)
+    if config.uses_fsdp:
+        data["fsdp_config"] = _accelerate_fsdp(config, workload)
     return _header(config, workload, summary) + _dump_yaml(data)
+
+
+def _accelerate_fsdp(config: TrialConfig, workload: Workload) -> dict[str, Any]:
+    """FSDP2 as ``accelerate config`` writes it: one unit per decoder layer, as the trial wrapped."""
+    return {
+        "fsdp_version": 2,
+        "fsdp_reshard_after_forward": config.fsdp == "full",
+        "fsdp_offload_params": config.offload == "optimizer+params",
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": ",".join(layer_classes(workload)),
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_cpu_ram_efficient_loading": True,
+    }
 
 
 def _accelerate_deepspeed(config: TrialConfig, workload: Workload) -> dict[str, Any]:
@@ -201,6 +227,12 @@ def _lightning(config: TrialConfig, workload: Workload, *, device_type: str, sum
 
 
 def _lightning_strategy(config: TrialConfig, workload: Workload) -> str | dict[str, Any]:
+    if config.uses_fsdp:  # the same sharding; Lightning's FSDPStrategy wraps with FSDP's first API
+        return {"class_path": "lightning.pytorch.strategies.FSDPStrategy", "init_args": {
+            "sharding_strategy": "FULL_SHARD" if config.fsdp == "full" else "SHARD_GRAD_OP",
+            "cpu_offload": config.offload == "optimizer+params",
+            "state_dict_type": "sharded",
+        }}
     if not config.uses_deepspeed:
         return "ddp" if workload.nproc > 1 else "auto"
     name = _LIGHTNING_DEEPSPEED.get((config.zero_stage, config.offload))
@@ -249,12 +281,12 @@ def _header(config: TrialConfig, workload: Workload, summary: dict[str, Any]) ->
         lines.append("LoRA: off (all weights trained)")
     if config.precision == "tf32":
         lines.append(_TF32_HINT)
-    lines += in_code(config)
+    lines += in_code(config, workload)
     lines += [f"{key}: {value}" for key, value in summary.items()]
     return "".join(f"# {' '.join(str(line).split())}\n" for line in lines)
 
 
-def in_code(config: TrialConfig) -> list[str]:
+def in_code(config: TrialConfig, workload: Workload | None = None) -> list[str]:
     """What the job must apply in its own code because no library's config carries it, a line each."""
     lines = []
     if config.true_16_bit:
@@ -271,6 +303,10 @@ def in_code(config: TrialConfig) -> list[str]:
     elif config.compile:
         lines.append("compile: model = torch.compile(model) before training (the hf export sets torch_compile, "
                      "the accelerate export dynamo_backend INDUCTOR); the first steps compile")
+    if config.uses_fsdp:
+        units = (", ".join(layer_classes(workload)) if workload is not None else "") or "decoder layer"
+        lines.append(f"fsdp: one unit per {units}, then the root (the hf and accelerate exports say so; "
+                     "in Lightning: FSDPStrategy(auto_wrap_policy={those classes}))")
     if config.fused_optimizer:
         lines.append("optimizer: torch.optim.AdamW(..., fused=True) (the hf export sets optim adamw_torch_fused)")
     if config.loss_chunks is None:

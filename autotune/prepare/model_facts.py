@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from autotune.config.workload import Workload
 
-__all__ = ["factory_facts", "checkpointing_gap", "linear_layers_but_heads", "hf_model_class"]
+__all__ = ["factory_facts", "checkpointing_gap", "linear_layers_but_heads", "hf_model_class", "layer_classes"]
 
 # A head is a direct child by one of these names (PEFT's classifier names, causal LMs' lm_head,
 # common names in factories), or the output embeddings; heads are never adapted.
@@ -126,3 +126,13 @@ def hf_model_class(workload: Workload, task: str) -> type | None:
         return _get_model_class(config, auto._model_mapping)
     except (ImportError, KeyError, ValueError, AttributeError):
         return None
+
+
+def layer_classes(workload: Workload) -> list[str]:
+    """The class names of the layers FSDP wraps one unit each (the model's ``_no_split_modules``, what
+    the auto-wrap of Transformers and Accelerate reads); empty for a factory's model."""
+    from autotune.models.sources import resolve_task
+
+    if parse_model_source(workload.model).kind == "factory":
+        return []
+    return sorted(getattr(meta_model(workload, resolve_task(workload)), "_no_split_modules", None) or [])

@@ -175,10 +175,10 @@ def _init_device(device_type: str) -> Any:
 
 
 def _init_distributed(workload: Any, config: Any, device: Any) -> int:
-    """Join the torchrun group; DeepSpeed needs a (one-rank) group even without torchrun."""
-    if workload.nproc == 1 and not config.uses_deepspeed:
+    """Join the torchrun group; DeepSpeed and FSDP need a (one-rank) group even without torchrun."""
+    if workload.nproc == 1 and not config.uses_deepspeed and not config.uses_fsdp:
         return 1
-    if "WORLD_SIZE" not in os.environ:  # a single-rank DeepSpeed trial
+    if "WORLD_SIZE" not in os.environ:  # a single-rank DeepSpeed or FSDP trial
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     import torch.distributed as dist

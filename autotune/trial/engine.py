@@ -1,7 +1,7 @@
-"""The training step a trial measures: model, LoRA, checkpointing, precision, optimizer, ZeRO.
+"""The training step a trial measures: model, LoRA, checkpointing, precision, optimizer, ZeRO, FSDP.
 
-Two engines, one interface: plain PyTorch (autocast, GradScaler for fp16, DDP across ranks)
-when ZeRO is off, and DeepSpeed's engine when a ZeRO stage is set.
+Two engines, one interface: plain PyTorch (autocast, GradScaler for fp16, DDP across ranks, or
+FSDP2's sharded model) when ZeRO is off, and DeepSpeed's engine when a ZeRO stage is set.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from autotune.config.deepspeed_config import LEARNING_RATE, deepspeed_config
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.models.batches import loss_of, model_attr, synthetic_batch
-from autotune.models.sources import build_model
+from autotune.models.sources import build_model, parse_model_source
 from autotune.prepare.apply import prepare
+from autotune.trial.sharding import parameters_on_meta, shard_model
 
 __all__ = ["TrainingEngine", "build_engine"]
 
@@ -57,7 +58,7 @@ class TorchEngine(TrainingEngine):
         self.autocast_dtype = getattr(torch, self.config.autocast_type) if self.config.autocast_type else None
         self.scaler = torch.amp.GradScaler(self.device.type) if self.config.precision == "fp16" else None
         self.forward_model = self.model
-        if world_size > 1:
+        if world_size > 1 and not self.config.uses_fsdp:  # FSDP reduces the gradients itself
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -126,9 +127,14 @@ def build_engine(*, workload: Workload, config: TrialConfig, task: str, device: 
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     # bf16-true builds in bf16: the build's peak is then the 16-bit model's, not an fp32 copy's.
-    model = build_model(workload, task=task, device=device,
-                        dtype=getattr(torch, config.sixteen_bit) if config.true_16_bit else None)
+    dtype = getattr(torch, config.sixteen_bit) if config.true_16_bit else None
+    # FSDP builds a Hugging Face model's parameters on the meta device: each rank then makes its shard only.
+    on_meta = config.uses_fsdp and parse_model_source(workload.model).kind != "factory" and device.type != "meta"
+    with parameters_on_meta() if on_meta else contextlib.nullcontext():
+        model = build_model(workload, task=task, device=device, dtype=dtype)
     model = prepare(model, config, workload=workload, task=task)  # what a user's job applies the same way
+    if config.uses_fsdp:
+        model = shard_model(model, config, device)
     model.train()
     common = dict(model=model, config=config, task=task, device=device)
     if config.uses_deepspeed:
@@ -149,6 +155,7 @@ def _state_bytes(optimizer: Any) -> int:
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor) and value.numel() > 1:  # skip scalar step counters
+                value = value.to_local() if hasattr(value, "to_local") else value  # FSDP: this rank's shard
                 storage = value.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

@@ -13,10 +13,13 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+)
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytesTracker", "limit_cuda_memory", "cuda_peaks"]
+__all__ = ["LiveBytesTracker", "cpu_storages", "limit_cuda_memory", "cuda_peaks"]
 
 
 class LiveBytesTracker(TorchDispatchMode):
@@ -37,9 +40,30 @@ class LiveBytesTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
-                self._count(leaf.untyped_storage())
+            if isinstance(leaf, torch.Tensor):
+                for storage in cpu_storages(leaf):
+                    self._count(storage)
         return out
+
+    def __enter__(self) -> LiveBytesTracker:
+        # FSDP frees a gathered parameter by resizing its storage to 0 bytes and re-grows it for the
+        # next gather: storage methods, which no dispatch mode sees. Counted here, or every layer
+        # once gathered would read as live until the end.
+        tracker, resize = self, torch.UntypedStorage.resize_
+
+        def counted_resize(storage: torch.UntypedStorage, size: int) -> Any:
+            out = resize(storage, size)
+            if storage.device.type == "cpu" and (size or storage in tracker._counted):
+                tracker._count(storage)
+            return out
+
+        self._resize = resize
+        torch.UntypedStorage.resize_ = counted_resize  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
 
     def _count(self, storage: torch.UntypedStorage) -> None:
         size = storage.nbytes()
@@ -67,6 +91,17 @@ class LiveBytesTracker(TorchDispatchMode):
     def _release(self, counted: list[int]) -> None:
         self.live_bytes -= counted[0]
         counted[0] = 0
+
+
+def cpu_storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The CPU storages that hold ``tensor``'s bytes. A wrapper subclass (FSDP's DTensor) owns no
+    bytes of its own: its inner tensors (a rank's shard) do, and the wrapper's storage would read
+    as the whole unsharded tensor."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        inner = [getattr(tensor, name) for name in names]
+        return [storage for t in inner if isinstance(t, torch.Tensor) for storage in cpu_storages(t)]
+    return [tensor.untyped_storage()] if tensor.device.type == "cpu" else []
 
 
 def _budget_exceeded_message(requested: int, *, live_bytes: int, budget_bytes: int) -> str:

@@ -316,3 +316,35 @@ def test_lightning_tf32_stays_32_true_and_says_how_to_enable_tf32() -> None:
     text = export_config(TrialConfig(micro_batch=4, precision="tf32"), WORKLOAD, fmt="lightning")
     assert yaml.safe_load(text)["trainer"]["precision"] == "32-true"
     assert 'torch.set_float32_matmul_precision("high")' in text
+
+
+# -- FSDP ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode, reshard", [("full", True), ("grad-op", False)])
+def test_fsdp_exports_load_in_their_libraries_with_the_trials_sharding(tmp_path, mode, reshard):
+    import yaml
+    from accelerate.commands.config.config_args import ClusterConfig
+    from lightning.pytorch.strategies import FSDPStrategy
+    from transformers import TrainingArguments
+
+    workload = Workload(model="builtin:llama-tiny", nproc=2, global_batch=8)
+    config = TrialConfig(micro_batch=2, precision="bf16", fsdp=mode, offload="optimizer+params")
+    kwargs = json.loads(export_config(config, workload, fmt="hf", device_type="cuda"))
+    assert kwargs["fsdp_config"]["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+    args = TrainingArguments(output_dir=str(tmp_path), **{**kwargs, "use_cpu": True})
+    plugin = args._process_fsdp_args()
+    assert plugin["fsdp_version"] == 2 and plugin["reshard_after_forward"] is reshard and plugin["cpu_offload"]
+    assert plugin["transformer_cls_names_to_wrap"] == "LlamaDecoderLayer"
+
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(export_config(config, workload, fmt="accelerate", device_type="cuda"))
+    cluster = ClusterConfig.from_yaml_file(path)
+    assert cluster.distributed_type == "FSDP" and cluster.num_processes == 2
+    assert cluster.fsdp_config["fsdp_version"] == 2 and cluster.fsdp_config["fsdp_reshard_after_forward"] is reshard
+    assert cluster.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+
+    text = export_config(config, workload, fmt="lightning", device_type="cuda")
+    assert "# fsdp: one unit per LlamaDecoderLayer, then the root" in text
+    strategy = yaml.safe_load(text)["trainer"]["strategy"]
+    built = FSDPStrategy(**strategy["init_args"])
+    assert built.sharding_strategy.name == ("FULL_SHARD" if reshard else "SHARD_GRAD_OP")
+    assert built.cpu_offload.offload_params

@@ -7,12 +7,9 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from autotune.config.device import detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.errors import ConfigError
 from autotune.output.exporters import export_config
 from autotune.search.space import load_space
 from autotune.trial.measure import compile_payoff_steps

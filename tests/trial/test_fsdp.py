@@ -1,0 +1,74 @@
+"""FSDP2 trials on 2 CPU ranks (gloo): real ``fully_shard`` per decoder layer, built on the meta
+device so each rank makes only its shard, measured by the same tracker as every CPU trial."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.errors import ConfigError
+from autotune.trial.result import TrialStatus
+from autotune.trial.runner import run_trial
+
+# Model states dominate: 8.6M parameters (fp32 Adam: 137 MB of states) against a few MB of
+# activations at 32 tokens per micro batch.
+WIDE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 384, "intermediate_size": 1024,
+        "num_hidden_layers": 4, "num_attention_heads": 6, "num_key_value_heads": 6, "vocab_size": 4000,
+        "max_position_embeddings": 64, "tie_word_embeddings": False}
+# Many thin layers: a gathered layer is small beside the half of the model each rank keeps.
+DEEP = {**WIDE, "num_hidden_layers": 16, "vocab_size": 1000, "tie_word_embeddings": True}
+
+
+def _workload(tmp_path, config: dict, **kwargs) -> Workload:
+    path = tmp_path / f"{config['num_hidden_layers']}-layers.json"
+    path.write_text(json.dumps(config))
+    return Workload(model=str(path), nproc=2, **kwargs)
+
+
+def test_fsdp_full_and_grad_op_run_on_two_ranks_and_full_keeps_less_than_ddp(tmp_path):
+    workload = _workload(tmp_path, WIDE, seq_len=32, global_batch=4)
+    runs = {label: run_trial(workload, TrialConfig(micro_batch=1, **knobs), measure_steps=2) for label, knobs in {
+        "ddp": {}, "full": {"fsdp": "full"}, "grad-op": {"fsdp": "grad-op"},
+        "full-bf16": {"fsdp": "full", "precision": "bf16"},
+        "full-offload": {"fsdp": "full", "offload": "optimizer+params"}}.items()}
+    for label, result in runs.items():
+        assert result.status is TrialStatus.OK, (label, result.error)
+        assert math.isfinite(result.final_loss) and result.tokens_per_s > 0
+    full_model = runs["ddp"].total_params * 4
+    # Sharded parameters, gradients and Adam states: each rank holds half of them.
+    assert runs["full"].optimizer_state_bytes == pytest.approx(runs["ddp"].optimizer_state_bytes / 2, rel=0.01)
+    assert runs["full"].peak_memory_bytes < 0.75 * runs["ddp"].peak_memory_bytes
+    # grad-op keeps each layer's gathered parameters from its forward to its backward.
+    assert runs["full"].peak_memory_bytes < runs["grad-op"].peak_memory_bytes
+    assert runs["full-bf16"].peak_memory_bytes < runs["full"].peak_memory_bytes
+    for label in ("full", "grad-op", "full-bf16", "full-offload"):
+        assert runs[label].build_peak_bytes < 0.6 * full_model, label  # its shard, never the whole model
+
+
+def test_a_model_whose_weights_exceed_the_budget_trains_sharded_where_ddp_runs_out_while_building(tmp_path):
+    workload = _workload(tmp_path, DEEP, seq_len=16, global_batch=2)
+    budget = 96 * 2**20
+    sharded = run_trial(workload, TrialConfig(micro_batch=1, fsdp="full", lora_rank=8), memory_budget_bytes=budget,
+                        measure_steps=2)
+    assert sharded.status is TrialStatus.OK, sharded.error
+    full_weights = sharded.total_params * 4
+    assert full_weights > budget  # the whole model alone would not fit on a rank
+    assert sharded.build_peak_bytes < 0.6 * full_weights and sharded.peak_memory_bytes <= budget  # about a shard
+    whole = run_trial(workload, TrialConfig(micro_batch=1, lora_rank=8), memory_budget_bytes=budget)
+    assert whole.status is TrialStatus.OOM and whole.phases.build_s is None, whole.error  # while building
+
+
+@pytest.mark.parametrize("knobs, nproc, message", [
+    ({"fsdp": "banana"}, 2, "--fsdp 'banana' is not known; use off, full or grad-op"),
+    ({"fsdp": "full", "zero_stage": 3}, 2, "--fsdp full with --zero-stage 3: one sharding per config"),
+    ({"fsdp": "full", "offload": "optimizer"}, 2, "--offload optimizer with --fsdp"),
+    ({"fsdp": "full"}, 1, "--fsdp full on one rank shards nothing; add --nproc 2 or more, or --offload optimizer+params"),
+])
+def test_fsdp_that_means_nothing_is_refused_before_a_trial(knobs, nproc, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
+        run_trial(Workload(model="builtin:llama-tiny", nproc=nproc, global_batch=4),
+                  TrialConfig(micro_batch=1, **knobs))
