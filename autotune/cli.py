@@ -90,7 +90,7 @@ OPTIONS = {
     "as_json": Option(bool, False, ("--json",), "Print one JSON object instead of a table."),
     # tuning
     "space": Option(str, "default", ("--space",),
-                    "Search space: a preset (default, full, lora, quick, zero) or a YAML file."),
+                    "Search space: a preset (default, full, lora, quick, sharding) or a YAML file."),
     "n_trials": Option(Optional[int], None, ("--n-trials",), "Measured trials the study should hold (default: the "
                        "space's); an unfinished study carries on to it."),
     "timeout": Option(Optional[float], None, ("--timeout",), "Stop starting trials after this many seconds."),

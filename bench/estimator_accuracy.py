@@ -2,10 +2,15 @@
 
     python bench/estimator_accuracy.py [--out bench/results/estimator_accuracy_cpu.json]
     python bench/estimator_accuracy.py --set levers   # results/estimator_accuracy_levers_cpu.json
+    python bench/estimator_accuracy.py --set fsdp     # results/estimator_accuracy_fsdp_cpu.json
 
 ``--set levers``: the knobs of 2026 (true bf16, LoRA's 16-bit base, checkpointing every 2nd layer,
 the chunked loss, eager attention, the fused AdamW), one rank, on the same models; a config a
 model cannot take (the chunked loss on a classifier) is left out with the reason.
+
+``--set fsdp``: FSDP2 (``--fsdp full|grad-op``) on 2 ranks under torchrun, fp32 and bf16, with
+checkpointing, CPU offload and LoRA, and one rank with offload. The estimator runs FSDP's own
+step on fake tensors over a fake process group of the same ranks.
 
 Each config is measured by a real trial (on a CPU: the live-bytes tracker's peak, i.e. tensor
 bytes, which is what the estimator predicts; on CUDA: max_memory_allocated, with reserved
@@ -55,7 +60,17 @@ LEVER_CONFIGS = [
     (1, TrialConfig(micro_batch=4, attention="eager")),
     (1, TrialConfig(micro_batch=4, fused_optimizer=True)),
 ]
-SETS = {"base": CONFIGS, "levers": LEVER_CONFIGS}
+FSDP_CONFIGS = [
+    (2, TrialConfig(micro_batch=4, fsdp="full")),
+    (2, TrialConfig(micro_batch=4, fsdp="grad-op")),
+    (2, TrialConfig(micro_batch=4, precision="bf16", fsdp="full")),
+    (2, TrialConfig(micro_batch=4, precision="bf16", fsdp="grad-op")),
+    (2, TrialConfig(micro_batch=8, precision="bf16", fsdp="full", checkpointing=True)),
+    (2, TrialConfig(micro_batch=4, fsdp="full", offload="optimizer+params")),
+    (2, TrialConfig(micro_batch=4, precision="bf16", fsdp="full", lora_rank=8)),
+    (1, TrialConfig(micro_batch=4, precision="bf16", fsdp="full", offload="optimizer+params")),
+]
+SETS = {"base": CONFIGS, "levers": LEVER_CONFIGS, "fsdp": FSDP_CONFIGS}
 
 
 def main() -> None:

@@ -129,10 +129,6 @@ def predict_memory(workload: Workload, config: TrialConfig, *, task: str | None 
     refusal = refusal_before_trial(workload, config, task)  # refused in words, as a trial refuses it
     if refusal is not None:
         raise ConfigError(refusal)
-    if config.uses_fsdp:
-        # Not predicted yet: the search then measures every FSDP config, never rules one out.
-        raise EstimateError(f"--fsdp {config.fsdp}: the estimator does not predict FSDP's per-rank memory yet; "
-                            "a trial measures it")
     request = {"workload": workload.to_dict(), "config": config.to_dict(), "task": task}
     reply = _SERVER.ask(request, timeout_s)
     if "error" in reply:
@@ -193,25 +189,31 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
     from autotune.models.sources import resolve_task
     from autotune.trial.engine import build_engine
 
-    if config.uses_fsdp:
-        raise EstimateError(f"--fsdp {config.fsdp}: the estimator does not predict FSDP's per-rank memory yet")
     started = time.perf_counter()
     task = task or resolve_task(workload)
+    target, traced, note = _devices(workload)
+    sharded = config.uses_fsdp
+    if sharded and config.offload != "none" and target != "cpu":
+        raise EstimateError(f"--fsdp {config.fsdp} --offload {config.offload}: the estimator does not predict what "
+                            "FSDP's CPU offload keeps on a GPU yet; a trial measures it")
     # DeepSpeed cannot run on fake tensors: measure the plain step, then apply ZeRO's arithmetic.
-    plain = config.replace(zero_stage=None, offload="none", compile=False)  # compile: traced as eager
+    # FSDP2 can: its real step runs on a fake process group of the workload's ranks (as rank 0).
+    plain = config.replace(zero_stage=None, compile=False,  # compile: traced as eager
+                           **({} if sharded else {"offload": "none"}))
     if plain.precision == "tf32":
         plain = plain.replace(precision="fp32")  # same tensors; tf32 only changes the matmul kernels
-    target, traced, note = _devices(workload)
     device = torch.device(traced)
     attention = _cuda_fused_attention() if target != traced else contextlib.nullcontext()
     tracker = _peak_parts_tracker()
-    with warnings.catch_warnings(), _adapters_stay_put(traced), _unpacked_batches(), attention:
+    ranks = workload.nproc if sharded else 1
+    with warnings.catch_warnings(), _adapters_stay_put(traced), _unpacked_batches(), attention, \
+            _fake_process_group(ranks, traced, gloo=target == "cpu") if sharded else contextlib.nullcontext() as mesh:
         warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
         # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
         # model code allocates without naming a device is born on the traced one (PEFT's adapters).
         with FakeTensorMode(allow_non_fake_inputs=True), _grouped_mm_in_any_dtype(), tracker, device:
-            engine = build_engine(workload=workload.replace(nproc=1), config=plain, task=task,
-                                  device=device, world_size=1)
+            engine = build_engine(workload=workload.replace(nproc=ranks), config=plain, task=task,
+                                  device=device, world_size=ranks, mesh=mesh)
             if config.uses_deepspeed and engine.autocast_dtype is not None:
                 # DeepSpeed's fp16/bf16 modes train a 16-bit model (no autocast): 16-bit activations.
                 _to_16_bit(engine)
@@ -220,6 +222,8 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
     activations = tracker.at_peak["activations"]
     method = "fake-tensor training step" + (" (compile predicted as eager: its fused kernels may hold less)"
                                             if config.compile else "")
+    if sharded:
+        method += f" of FSDP2 on a fake process group of {ranks} ranks"
     if config.uses_deepspeed:
         p, g, o, step_extra = _zero_states(engine, config, workload.nproc, offload_stays=target == "cpu")
         zero_whole = _States(p, g, o)
@@ -230,7 +234,7 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
         peak, whole = max(backward_peak, step_peak), zero_whole
         at_peak, activations = (zero_at_peak, activations) if backward_peak >= step_peak else (zero_whole, 0)
         method += " + ZeRO model-state arithmetic"
-    elif workload.nproc > 1:
+    elif workload.nproc > 1 and not sharded:
         # DDP copies every gradient into its all-reduce buckets (gradient_as_bucket_view is off),
         # allocated when DDP wraps the model: live all along.
         buckets = whole.gradients
@@ -245,6 +249,37 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
                           not_live_at_peak_bytes=at_peak.total - whole.total, overhead_bytes=None,
                           traced_device=traced, device_note=note, method=method, flops_per_sample=flops_per_sample,
                           seconds=time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def _fake_process_group(ranks: int, device_type: str, *, gloo: bool) -> Iterator[Any]:
+    """A process group of ``ranks`` whose collectives move nothing (PyTorch's "fake" backend), this
+    process as rank 0, and its device mesh, made before fake tensors (the mesh reads real values).
+
+    ``gloo``: the trials' CPU backend. Its reduce-scatter reduces a copy of its whole input
+    (measured: a 50 MB input takes 50 MB more while it runs), which NCCL does not.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise EstimateError("FSDP is traced on a process group of its own; this process has one already")
+    dist.init_process_group("fake", rank=0, world_size=ranks, store=FakeStore())
+    reduce_scatter = dist.reduce_scatter_single
+
+    def gloo_reduce_scatter(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+        scratch = torch.empty_like(input)  # noqa: F841 - held while the collective runs, as gloo's copy
+        return reduce_scatter(output, input, *args, **kwargs)
+
+    if gloo:
+        dist.reduce_scatter_single = gloo_reduce_scatter
+    try:
+        yield init_device_mesh(device_type, (ranks,))
+    finally:
+        dist.reduce_scatter_single = reduce_scatter
+        dist.destroy_process_group()
 
 
 def _devices(workload: Workload) -> tuple[str, str, str | None]:
@@ -364,7 +399,7 @@ def _peak_parts_tracker_class() -> type:
     from torch.utils._pytree import tree_leaves
     from torch.utils.flop_counter import flop_registry
 
-    from autotune.trial.memory import LiveBytesTracker
+    from autotune.trial.memory import LiveBytesTracker, storages_of
 
     class PeakPartsTracker(LiveBytesTracker):
         def __init__(self) -> None:
@@ -386,12 +421,13 @@ def _peak_parts_tracker_class() -> type:
                 self.flops += count(*args, **(kwargs or {}), out_val=out)
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
-                    self._count(leaf.untyped_storage())
+                    for storage in storages_of(leaf):
+                        self._count(storage)
             return out
 
         def tag(self, tensors: Any, tag: str) -> None:
-            for tensor in tensors:
-                counter = self._counted.get(tensor.untyped_storage())
+            for storage in (storage for tensor in tensors for storage in storages_of(tensor)):
+                counter = self._counted.get(storage)
                 old = None if counter is None else self._tags.get(id(counter))
                 if counter is None or old == tag:
                     continue  # not allocated under the tracker, or tagged already
@@ -607,8 +643,9 @@ def _zero3_gathered(engine: Any, config: TrialConfig) -> int:
 
 def _bytes(tensors: Any) -> int:
     """Bytes of the distinct storages behind ``tensors`` (tied weights and views counted once)."""
+    from autotune.trial.memory import storages_of
+
     storages: dict[int, int] = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
+    for storage in (storage for tensor in tensors for storage in storages_of(tensor)):
         storages[storage._cdata] = storage.nbytes()  # the C storage's address: one entry per storage
     return sum(storages.values())

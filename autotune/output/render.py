@@ -154,8 +154,8 @@ def nothing_fits(summary: StudySummary) -> list[str]:
         (any(t.config.checkpointing for t in trials), "activation checkpointing (checkpointing: [false, true])"),
         (any(t.config.sixteen_bit for t in trials), "a 16-bit precision (precision: [bf16])"),
         (any(t.config.uses_lora for t in trials), "LoRA (--space lora)"),
-        (any(t.config.zero_stage is not None for t in trials) or summary.workload.nproc == 1,
-         "ZeRO sharding over the ranks (--space zero)"),
+        (any(t.config.zero_stage is not None or t.config.uses_fsdp for t in trials) or summary.workload.nproc == 1,
+         "ZeRO or FSDP sharding over the ranks (--space sharding)"),
     ) if not used]
     if untried:
         lines.append("  knobs that save memory and were not tried: " + "; ".join(untried))

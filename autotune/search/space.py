@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.config.knobs import (
     ATTENTIONS,
+    FSDP_MODES,
     OFFLOADS,
     PRECISIONS,
     ZERO_STAGES,
@@ -47,6 +48,7 @@ KNOBS = {
     "fused_optimizer": "a list of true/false",
     "compile": "a list of true/false (true: CUDA only)",
     "zero_stage": "a list of off, 0, 1, 2, 3",
+    "fsdp": "a list of off, full, grad-op (FSDP2 instead of ZeRO)",
     "offload": f"a list of {', '.join(OFFLOADS)}",
     "lora_rank": "a list of off and/or whole numbers >= 1",
     "lora_alpha": "one whole number >= 1, or null for 2 x rank",
@@ -56,7 +58,7 @@ _TOP_LEVEL = {"description", "knobs", "n_trials", "patience"}
 _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "micro_batch": ("auto",), "precision": ("fp32",), "checkpointing": (False,), "loss": ("standard",),
     "attention": ("auto",), "fused_optimizer": (False,), "compile": (False,),
-    "zero_stage": (None,),
+    "zero_stage": (None,), "fsdp": (None,),
     "offload": ("none",), "lora_rank": (None,), "lora_targets": ("default",),
 }
 
@@ -75,6 +77,7 @@ class SearchSpace:
     fused_optimizer: tuple[bool, ...] = (False,)
     compile: tuple[bool, ...] = (False,)
     zero_stage: tuple[int | None, ...] = (None,)
+    fsdp: tuple[str | None, ...] = (None,)       # None: off; else an FSDP2 mode (full, grad-op)
     offload: tuple[str, ...] = ("none",)
     lora_rank: tuple[int | None, ...] = (None,)
     lora_alpha: int | None = None
@@ -87,7 +90,7 @@ class SearchSpace:
         """Identifies what the space searches (not its name or description)."""
         knobs = {k: v for k, v in self.to_dict().items() if k not in ("name", "description")}
         for knob, old in (("loss", ["standard"]), ("attention", ["auto"]), ("fused_optimizer", [False]),
-                          ("compile", [False])):
+                          ("compile", [False]), ("fsdp", [None])):
             if knobs[knob] == old:
                 del knobs[knob]  # a knob added later, at its old behaviour: studies made before it still resume
         return hashlib.sha256(json.dumps(knobs, sort_keys=True).encode()).hexdigest()[:12]
@@ -99,7 +102,7 @@ class SearchSpace:
             "precision": list(self.precision), "checkpointing": list(self.checkpointing), "loss": list(self.loss),
             "attention": list(self.attention), "fused_optimizer": list(self.fused_optimizer),
             "compile": list(self.compile),
-            "zero_stage": list(self.zero_stage), "offload": list(self.offload),
+            "zero_stage": list(self.zero_stage), "fsdp": list(self.fsdp), "offload": list(self.offload),
             "lora_rank": list(self.lora_rank), "lora_alpha": self.lora_alpha,
             "lora_targets": list(self.lora_targets), "n_trials": self.n_trials, "patience": self.patience,
         }
@@ -142,10 +145,14 @@ class SearchSpace:
                               f"{device.name} ({device.type}); add fp32")
         zero = tuple(_zero_label(stage, offload) for stage in self.zero_stage for offload in self.offload
                      if _zero_pair_means_something(stage, offload, workload.nproc, device.type))
+        # FSDP shares ZeRO's parameter: one sharding per config, each value a (mode, offload) pair.
+        zero += tuple(_fsdp_label(mode, offload) for mode in self.fsdp if mode for offload in self.offload
+                      if _fsdp_pair_means_something(offload, workload.nproc, device.type))
         if not zero:
-            why = "on one rank ZeRO needs offload" + ("; on a CPU device offloading to the CPU changes nothing"
-                                                      if device.type == "cpu" else "")
-            raise ConfigError(f"{self.name}: knobs.zero_stage {list(self.zero_stage)} x offload {list(self.offload)}: "
+            why = "on one rank ZeRO and FSDP need offload" + (
+                "; on a CPU device offloading to the CPU changes nothing" if device.type == "cpu" else "")
+            raise ConfigError(f"{self.name}: knobs.zero_stage {list(self.zero_stage)}, fsdp "
+                              f"{['off' if m is None else m for m in self.fsdp]} x offload {list(self.offload)}: "
                               f"no pair means something on {workload.nproc} rank(s) of a {device.type} ({why}); "
                               "add off to zero_stage")
         checkpointing = self.checkpointing
@@ -202,6 +209,10 @@ class SearchSpace:
         if refusal is not None:
             dropped.append(refusal)
         offloads = [o for o in self.offload if o != "none"]
+        modes = [m for m in self.fsdp if m]
+        if modes and workload.nproc == 1 and (device.type == "cpu" or "optimizer+params" not in self.offload):
+            dropped.append(f"fsdp {', '.join(modes)}: on one rank FSDP shards nothing, and its offload "
+                           + ("changes nothing on a CPU device" if device.type == "cpu" else "is not in the space"))
         if device.type == "cpu" and offloads and any(stage is not None for stage in self.zero_stage):
             dropped.append(f"offload {', '.join(offloads)}: the device is the CPU, and offloading from the CPU "
                            "to the CPU changes nothing")
@@ -209,7 +220,9 @@ class SearchSpace:
 
     def config_of(self, params: dict[str, Any]) -> TrialConfig:
         """The TrialConfig of one value per parameter (see :meth:`choices`)."""
-        stage, _, offload = params["zero"].partition("+")
+        sharding, _, offload = params["zero"].partition("+")
+        fsdp = sharding.removeprefix("fsdp-") if sharding.startswith("fsdp-") else None
+        stage = "off" if fsdp else sharding
         rank, _, targets = params["lora"].partition(":")
         checkpointing = params["checkpointing"]
         every = int(checkpointing.removeprefix("every-")) if isinstance(checkpointing, str) else 1
@@ -218,7 +231,7 @@ class SearchSpace:
             checkpointing=bool(checkpointing), checkpoint_every=every, loss=params.get("loss", "standard"),
             attention=params.get("attention", "auto"),
             fused_optimizer=params.get("fused_optimizer", False), compile=params.get("compile", False),
-            zero_stage=None if stage == "off" else int(stage), offload=offload or "none",
+            zero_stage=None if stage == "off" else int(stage), fsdp=fsdp, offload=offload or "none",
             lora_rank=None if rank == "off" else int(rank),
             lora_alpha=self.lora_alpha if rank != "off" else None,
             lora_targets=tuple(targets.split(",")) if targets else None)
@@ -233,7 +246,8 @@ class SearchSpace:
                 "checkpointing": config.checkpointing if config.checkpoint_every == 1 else f"every-{config.checkpoint_every}",
                 "loss": config.loss, "attention": config.attention,
                 "fused_optimizer": config.fused_optimizer, "compile": config.compile,
-                "zero": _zero_label(config.zero_stage, config.offload), "lora": lora}
+                "zero": _fsdp_label(config.fsdp, config.offload) if config.uses_fsdp
+                else _zero_label(config.zero_stage, config.offload), "lora": lora}
 
     def candidates(self, workload: Workload, device: DeviceInfo) -> list[TrialConfig]:
         """Every config of the space that can run here, in a stable order."""
@@ -300,6 +314,18 @@ def _attention_refusal(workload: Workload, attention: str, device: DeviceInfo) -
     return attention_refusal(workload, attention, resolve_task(workload))
 
 
+def _fsdp_pair_means_something(offload: str, nproc: int, device_type: str) -> bool:
+    if offload == "optimizer":
+        return False  # FSDP2 offloads parameters, gradients and the optimizer step together
+    if offload != "none" and device_type == "cpu":
+        return False  # offloading from the CPU to the CPU changes nothing
+    return nproc > 1 or offload != "none"
+
+
+def _fsdp_label(mode: str, offload: str) -> str:
+    return f"fsdp-{mode}" + ("" if offload == "none" else f"+{offload}")
+
+
 def _zero_label(stage: int | None, offload: str) -> str:
     if stage is None:
         return "off"
@@ -312,8 +338,13 @@ def _lora_label(rank: int | None, targets: str) -> str:
     return str(rank) if targets == "default" else f"{rank}:{targets}"
 
 
+# A preset's former name -> the preset it became (studies made under the old name still resume).
+_ALIASES = {"zero": "sharding"}
+
+
 def preset_names() -> list[str]:
-    return sorted(p.name.removesuffix(".yaml") for p in _preset_dir().iterdir() if p.name.endswith(".yaml"))
+    files = [p.name.removesuffix(".yaml") for p in _preset_dir().iterdir() if p.name.endswith(".yaml")]
+    return sorted([*files, *_ALIASES])
 
 
 def is_preset(name: str) -> bool:
@@ -322,13 +353,14 @@ def is_preset(name: str) -> bool:
 
 
 def load_space(name_or_path: str | Path) -> SearchSpace:
-    """A preset by name (``default``, ``lora``, ``quick``, ``zero``) or a YAML file by path."""
+    """A preset by name (``default``, ``full``, ``lora``, ``quick``, ``sharding`` or its old name ``zero``)
+    or a YAML file by path."""
     import yaml
 
     text_name = str(name_or_path)
     path = Path(text_name)
     if not text_name.endswith((".yaml", ".yml")) and "/" not in text_name:
-        path = _preset_dir() / f"{text_name}.yaml"
+        path = _preset_dir() / f"{_ALIASES.get(text_name, text_name)}.yaml"
         if not path.is_file():
             raise ConfigError(f"--space {text_name}: no such preset; use one of {', '.join(preset_names())} "
                               "or a path to a .yaml file")
@@ -371,6 +403,7 @@ def _parse(data: Any, label: str) -> SearchSpace:
                               lambda v: v if isinstance(v, bool) else None),
         compile=_each(values["compile"], label, "compile", lambda v: v if isinstance(v, bool) else None),
         zero_stage=_each(values["zero_stage"], label, "zero_stage", _zero_stage),
+        fsdp=_each(values["fsdp"], label, "fsdp", lambda v: v if v in FSDP_MODES else None),
         offload=_each(values["offload"], label, "offload", lambda v: v if v in OFFLOADS else None),
         lora_rank=_each(values["lora_rank"], label, "lora_rank", _lora_rank),
         lora_alpha=_lora_alpha(knobs.get("lora_alpha"), label),
@@ -409,7 +442,7 @@ def _yaml_word(value: Any) -> str:
 
 def _means_off(value: Any, knob: str) -> bool:
     # YAML reads `off` as false; zero_stage and lora_rank use None for off.
-    return knob in ("zero_stage", "lora_rank") and (value is None or value is False or value == "off")
+    return knob in ("zero_stage", "lora_rank", "fsdp") and (value is None or value is False or value == "off")
 
 
 def _micro_batch(values: list[Any], label: str) -> tuple[int, ...] | None:

@@ -35,8 +35,9 @@ class TrainingEngine:
         self.device = device
         self.batch = synthetic_batch(model, task=task, micro_batch=config.micro_batch,
                                       seq_len=workload.seq_len, device=device)
-        self.total_params = sum(p.numel() for p in model.parameters())
-        self.trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # ZeRO-3 partitions from the build on: a parameter's own numel is then 0, its ds_numel the whole.
+        self.total_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        self.trainable_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
 
     def step(self) -> float:
         raise NotImplementedError
@@ -122,24 +123,57 @@ class DeepSpeedEngine(TrainingEngine):
 
 
 def build_engine(*, workload: Workload, config: TrialConfig, task: str, device: torch.device,
-                 world_size: int) -> TrainingEngine:
+                 world_size: int, mesh: Any = None) -> TrainingEngine:
+    """The trial's model, prepared and wrapped, and its optimizer. ``mesh``: FSDP's device mesh
+    (default: every rank of the process group)."""
     if config.precision == "tf32":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     # bf16-true builds in bf16: the build's peak is then the 16-bit model's, not an fp32 copy's.
     dtype = getattr(torch, config.sixteen_bit) if config.true_16_bit else None
-    # FSDP builds a Hugging Face model's parameters on the meta device: each rank then makes its shard only.
-    on_meta = config.uses_fsdp and parse_model_source(workload.model).kind != "factory" and device.type != "meta"
-    with parameters_on_meta() if on_meta else contextlib.nullcontext():
+    with _built_where_it_lives(workload, config, device):
         model = build_model(workload, task=task, device=device, dtype=dtype)
+    _random_partitions(model)
     model = prepare(model, config, workload=workload, task=task)  # what a user's job applies the same way
     if config.uses_fsdp:
-        model = shard_model(model, config, device)
+        model = shard_model(model, config, device, mesh)
     model.train()
     common = dict(model=model, config=config, task=task, device=device)
     if config.uses_deepspeed:
         return DeepSpeedEngine(workload=workload, **common)
     return TorchEngine(workload=workload, world_size=world_size, **common)
+
+
+def _built_where_it_lives(workload: Workload, config: TrialConfig, device: torch.device) -> Any:
+    """Where a sharded model's parameters are made, so that no rank ever holds the whole model.
+
+    FSDP: a Hugging Face model's parameters on the meta device, each rank then makes its shard
+    (:mod:`autotune.trial.sharding`; a factory's model is built whole). ZeRO-3: inside
+    ``deepspeed.zero.Init``, which partitions each layer's parameters as soon as it is built.
+    Fake tensors (the estimator's) hold no memory to save: built as they are.
+    """
+    if device.type == "meta" or torch._guards.active_fake_mode() is not None:
+        return contextlib.nullcontext()
+    if config.uses_fsdp and parse_model_source(workload.model).kind != "factory":
+        return parameters_on_meta()
+    if config.zero_stage == 3:
+        import deepspeed
+
+        # DeepSpeed's view of the process group the trial joined: Init partitions over its ranks.
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+        return deepspeed.zero.Init(config_dict_or_path=deepspeed_config(config, workload, device_type=device.type))
+    return contextlib.nullcontext()
+
+
+def _random_partitions(model: torch.nn.Module) -> None:
+    """Weights built under ``deepspeed.zero.Init`` missed Transformers' init (it ran on empty,
+    partitioned tensors): each rank's partition gets the same random weights a trial's model
+    has elsewhere (their values change neither speed nor memory; they keep the loss sane)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            partition = getattr(param, "ds_tensor", None)
+            if partition is not None and partition.is_floating_point():
+                partition.normal_(0.0, 0.02)
 
 
 def _state_bytes(optimizer: Any) -> int:

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytesTracker", "cpu_storages", "limit_cuda_memory", "cuda_peaks"]
+__all__ = ["LiveBytesTracker", "storages_of", "limit_cuda_memory", "cuda_peaks"]
 
 
 class LiveBytesTracker(TorchDispatchMode):
@@ -40,8 +40,8 @@ class LiveBytesTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                for storage in cpu_storages(leaf):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
+                for storage in storages_of(leaf):
                     self._count(storage)
         return out
 
@@ -53,7 +53,7 @@ class LiveBytesTracker(TorchDispatchMode):
 
         def counted_resize(storage: torch.UntypedStorage, size: int) -> Any:
             out = resize(storage, size)
-            if storage.device.type == "cpu" and (size or storage in tracker._counted):
+            if storage in tracker._counted:  # one a counted tensor owns (a fake tensor's is on meta)
                 tracker._count(storage)
             return out
 
@@ -93,15 +93,15 @@ class LiveBytesTracker(TorchDispatchMode):
         counted[0] = 0
 
 
-def cpu_storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
-    """The CPU storages that hold ``tensor``'s bytes. A wrapper subclass (FSDP's DTensor) owns no
-    bytes of its own: its inner tensors (a rank's shard) do, and the wrapper's storage would read
-    as the whole unsharded tensor."""
+def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages that hold ``tensor``'s bytes. A wrapper subclass (FSDP's DTensor) owns no bytes
+    of its own: its inner tensors (a rank's shard) do, and the wrapper's storage would read as the
+    whole unsharded tensor."""
     if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
         inner = [getattr(tensor, name) for name in names]
-        return [storage for t in inner if isinstance(t, torch.Tensor) for storage in cpu_storages(t)]
-    return [tensor.untyped_storage()] if tensor.device.type == "cpu" else []
+        return [storage for t in inner if isinstance(t, torch.Tensor) for storage in storages_of(t)]
+    return [tensor.untyped_storage()]
 
 
 def _budget_exceeded_message(requested: int, *, live_bytes: int, budget_bytes: int) -> str:

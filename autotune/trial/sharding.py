@@ -35,7 +35,7 @@ def parameters_on_meta() -> Iterator[None]:
         register(module, name, param)
         if param is not None and param.device.type != "meta":
             kept = module._parameters[name]
-            module._parameters[name] = type(kept)(kept.to("meta"), requires_grad=kept.requires_grad)
+            module._parameters[name] = torch.nn.Parameter(kept.to("meta"), requires_grad=kept.requires_grad)
 
     torch.nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
     try:
@@ -57,7 +57,8 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def shard_model(model: torch.nn.Module, config: TrialConfig, device: torch.device) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, config: TrialConfig, device: torch.device,
+                mesh: Any = None) -> torch.nn.Module:
     """``fully_shard`` each unit, then the root, with the config's reshard, precision and offload
     policies; then give each rank its shard of the parameters (meta ones made, random)."""
     from torch.distributed.fsdp import (
@@ -67,7 +68,7 @@ def shard_model(model: torch.nn.Module, config: TrialConfig, device: torch.devic
         fully_shard,
     )
 
-    options: dict[str, Any] = {"reshard_after_forward": config.fsdp == "full"}
+    options: dict[str, Any] = {"reshard_after_forward": config.fsdp == "full", "mesh": mesh}
     if config.autocast_type is not None:  # mixed precision: 16-bit compute copies, fp32 gradient reduction
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, config.autocast_type),
                                                     reduce_dtype=torch.float32)

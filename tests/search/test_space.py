@@ -19,12 +19,13 @@ CPU = DeviceInfo("cpu", "test-cpu", 1, 16 * 2**30, bf16=True, fp16_deepspeed=Fal
 GPU = DeviceInfo("cuda", "test-gpu", 2, 80 * 2**30, bf16=True, fp16_deepspeed=True)
 
 
-@pytest.mark.parametrize("name", ["default", "lora", "quick", "zero"])
+@pytest.mark.parametrize("name", ["default", "full", "lora", "quick", "sharding", "zero"])
 def test_every_preset_loads_and_round_trips_its_configs(name):
     assert name in preset_names()
     space = load_space(name)
-    # zero on one CPU rank: sharding over one rank saves nothing, offloading to the CPU neither
-    for device, nproc in ((CPU, 1), (CPU, 2), (GPU, 2)) if name != "zero" else ((CPU, 2), (GPU, 1), (GPU, 2)):
+    # sharding on one CPU rank: sharding over one rank saves nothing, offloading to the CPU neither
+    sharding = name in ("sharding", "zero")
+    for device, nproc in ((CPU, 1), (CPU, 2), (GPU, 2)) if not sharding else ((CPU, 2), (GPU, 1), (GPU, 2)):
         workload = Workload(global_batch=16, nproc=nproc)
         configs = space.candidates(workload, device)
         assert configs, f"{name} has nothing to run on {device.type}"
@@ -145,7 +146,7 @@ def test_values_that_cannot_run_here_are_refused_when_the_workload_is_known(tmp_
 
 
 def test_unknown_preset_and_missing_file():
-    with pytest.raises(ConfigError, match="--space nope: no such preset; use one of default, full, lora, quick, zero"):
+    with pytest.raises(ConfigError, match="--space nope: no such preset; use one of default, full, lora, quick, sharding, zero"):
         load_space("nope")
     with pytest.raises(ConfigError, match="--space missing.yaml: no such file"):
         load_space("missing.yaml")
@@ -264,3 +265,18 @@ def test_a_stored_space_rebuilds_to_the_same_search(name):
     space = load_space(name)
     again = SearchSpace.from_dict(json.loads(json.dumps(space.to_dict())))  # as a study stores it
     assert again == space and again.digest == space.digest
+
+
+def test_the_sharding_space_offers_zero_and_fsdp_side_by_side_and_zero_is_its_old_name():
+    space = load_space("sharding")
+    assert load_space("zero").digest == space.digest and load_space("zero").name == "zero"
+    two_cpu_ranks = space.candidates(Workload(nproc=2), CPU)
+    assert {c.fsdp for c in two_cpu_ranks} == {None, "full", "grad-op"}
+    assert not any(c.uses_fsdp and c.uses_deepspeed for c in two_cpu_ranks)
+    assert {c.offload for c in two_cpu_ranks if c.uses_fsdp} == {"none"}  # on a CPU, offload changes nothing
+    one_gpu = space.candidates(Workload(nproc=1), GPU)
+    assert {c.offload for c in one_gpu if c.uses_fsdp} == {"optimizer+params"}  # one rank: only with offload
+    # The default space on several ranks includes FSDP; on one CPU rank it says why not.
+    assert any(c.uses_fsdp for c in load_space("default").candidates(Workload(nproc=2), CPU))
+    assert any(line.startswith("fsdp full, grad-op: on one rank FSDP shards nothing")
+               for line in load_space("default").dropped_knobs(Workload(nproc=1), CPU))

@@ -11,6 +11,7 @@ import pytest
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
+from autotune.estimate.estimator import predict_memory
 from autotune.trial.result import TrialStatus
 from autotune.trial.runner import run_trial
 
@@ -47,6 +48,10 @@ def test_fsdp_full_and_grad_op_run_on_two_ranks_and_full_keeps_less_than_ddp(tmp
     assert runs["full-bf16"].peak_memory_bytes < runs["full"].peak_memory_bytes
     for label in ("full", "grad-op", "full-bf16", "full-offload"):
         assert runs[label].build_peak_bytes < 0.6 * full_model, label  # its shard, never the whole model
+    # The estimator runs FSDP's own step on fake tensors over a fake group of 2 ranks.
+    for label in ("full", "grad-op"):
+        predicted = predict_memory(workload, runs[label].config).predicted_peak_bytes
+        assert predicted == pytest.approx(runs[label].peak_memory_bytes, rel=0.05), label
 
 
 def test_a_model_whose_weights_exceed_the_budget_trains_sharded_where_ddp_runs_out_while_building(tmp_path):
@@ -60,6 +65,11 @@ def test_a_model_whose_weights_exceed_the_budget_trains_sharded_where_ddp_runs_o
     assert sharded.build_peak_bytes < 0.6 * full_weights and sharded.peak_memory_bytes <= budget  # about a shard
     whole = run_trial(workload, TrialConfig(micro_batch=1, lora_rank=8), memory_budget_bytes=budget)
     assert whole.status is TrialStatus.OOM and whole.phases.build_s is None, whole.error  # while building
+    # ZeRO-3 builds inside deepspeed.zero.Init: each layer is partitioned as it is made.
+    zero3 = run_trial(workload, TrialConfig(micro_batch=1, zero_stage=3, lora_rank=8), measure_steps=2)
+    assert zero3.status is TrialStatus.OK, zero3.error
+    assert zero3.total_params == sharded.total_params and math.isfinite(zero3.final_loss)
+    assert zero3.build_peak_bytes < 0.6 * full_weights
 
 
 @pytest.mark.parametrize("knobs, nproc, message", [
