@@ -52,6 +52,13 @@ def export_config(config: TrialConfig, workload: Workload, *, fmt: str, device_t
     exporter = _EXPORTERS.get(fmt)
     if exporter is None:
         raise ConfigError(f"--format {fmt} is not known; use one of {', '.join(FORMATS)}")
+    if config.uses_fsdp and device_type != "cuda" and fmt in ("hf", "accelerate", "lightning"):
+        # Accelerate (so the Trainer) turns FSDP on for GPU process groups only, and on a CPU wraps the
+        # model in DDP, each rank holding it whole; Lightning's FSDPStrategy refuses a CPU accelerator.
+        raise ConfigError(f"--format {fmt}: this config shards with --fsdp {config.fsdp} on a {device_type}, where "
+                          f"{'Lightning' if fmt == 'lightning' else 'Accelerate'} does not run FSDP (it needs GPUs); "
+                          "export --format json and apply it with autotune.prepare(model, 'config.json') in a "
+                          "torchrun job, or pick a config without FSDP")
     return exporter(config, workload, device_type=device_type, summary=summary or {})
 
 

@@ -2,7 +2,7 @@
 
 The trial's engine calls this same function, so what was measured is what the user's job runs:
 the attention kernel, activation checkpointing (every N-th layer too), LoRA adapters, where each weight is held for
-the precision (a 16-bit frozen base, bf16-true), and the chunked loss. What a training loop does
+the precision (a 16-bit frozen base, bf16-true), the chunked loss and FSDP's sharding. What a training loop does
 itself is not here: the optimizer, autocast and the loss scaler, the micro batch and the
 accumulation (the exports carry those, in the target library's own keys).
 """
@@ -24,13 +24,16 @@ __all__ = ["prepare"]
 
 
 def prepare(model: torch.nn.Module, config: TrialConfig | dict[str, Any] | str | Path | None = None, *,
-            workload: Workload | None = None, task: str | None = None, **knobs: Any) -> torch.nn.Module:
+            workload: Workload | None = None, task: str | None = None, device: torch.device | None = None,
+            mesh: Any = None, **knobs: Any) -> torch.nn.Module:
     """Apply ``config``'s knobs to ``model`` and return the model to train (PEFT's wrapper with LoRA).
 
     ``config``: a TrialConfig, its dict, or the path of an ``autotune export --format json|yaml``
     file (which also carries the workload); ``knobs``: knob values instead, or over the config's,
     e.g. ``prepare(model, loss="chunked:8")`` for only what no library flag sets. ``workload``
     (the export's when it has one) names the model for LoRA's default targets and messages.
+    With ``fsdp`` set the model is sharded last, over ``mesh`` (default: every rank of the process
+    group, which must exist), on ``device`` (default: where its parameters are).
     """
     config, workload = _resolve(config, workload, knobs)
     source = f"the model from --model {workload.model}" if workload is not None else "the model"
@@ -57,6 +60,10 @@ def prepare(model: torch.nn.Module, config: TrialConfig | dict[str, Any] | str |
         from autotune.prepare.loss import chunk_loss
 
         chunk_loss(model, config.loss_chunks, source=source)
+    if config.uses_fsdp:
+        from autotune.prepare.sharding import shard_model
+
+        model = shard_model(model, config, device, mesh)
     return model
 
 

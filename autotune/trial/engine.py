@@ -18,7 +18,7 @@ from autotune.config.workload import Workload
 from autotune.models.batches import loss_of, model_attr, synthetic_batch
 from autotune.models.sources import build_model, parse_model_source
 from autotune.prepare.apply import prepare
-from autotune.trial.sharding import parameters_on_meta, shard_model
+from autotune.prepare.sharding import parameters_on_meta
 
 __all__ = ["TrainingEngine", "build_engine"]
 
@@ -134,9 +134,8 @@ def build_engine(*, workload: Workload, config: TrialConfig, task: str, device: 
     with _built_where_it_lives(workload, config, device):
         model = build_model(workload, task=task, device=device, dtype=dtype)
     _random_partitions(model)
-    model = prepare(model, config, workload=workload, task=task)  # what a user's job applies the same way
-    if config.uses_fsdp:
-        model = shard_model(model, config, device, mesh)
+    # What a user's job applies the same way (FSDP's sharding last).
+    model = prepare(model, config, workload=workload, task=task, device=device, mesh=mesh)
     model.train()
     common = dict(model=model, config=config, task=task, device=device)
     if config.uses_deepspeed:
@@ -148,7 +147,7 @@ def _built_where_it_lives(workload: Workload, config: TrialConfig, device: torch
     """Where a sharded model's parameters are made, so that no rank ever holds the whole model.
 
     FSDP: a Hugging Face model's parameters on the meta device, each rank then makes its shard
-    (:mod:`autotune.trial.sharding`; a factory's model is built whole). ZeRO-3: inside
+    (:mod:`autotune.prepare.sharding`; a factory's model is built whole). ZeRO-3: inside
     ``deepspeed.zero.Init``, which partitions each layer's parameters as soon as it is built.
     Fake tensors (the estimator's) hold no memory to save: built as they are.
     """

@@ -1,10 +1,11 @@
-"""FSDP2 for a trial: the model built where it will live, one ``fully_shard`` unit per layer.
+"""FSDP2: one ``fully_shard`` unit per layer, then the root, and a model built where it will live.
 
-A Hugging Face model is built with its parameters on the meta device (its buffers, such as
-rotary frequencies, stay real: they are small and computed at build), prepared as a user's job
-prepares it (checkpointing, LoRA, precision, loss), sharded per decoder layer and then at the
-root (what Transformers' and Accelerate's auto-wrap do), and only then materialised: each rank
-allocates its own shard, never the whole model. A factory's model is built whole, then sharded.
+:func:`shard_model` is ``prepare``'s last step, in a trial and in a user's job alike: each
+decoder layer one unit, then the root (what Transformers' and Accelerate's auto-wrap do). A
+trial builds a Hugging Face model inside :func:`parameters_on_meta` (its buffers, such as rotary
+frequencies, stay real: they are small and computed at build), so only the sharded parameters
+are ever made: each rank allocates its own shard, never the whole model. A factory's model is
+built whole, then sharded.
 """
 
 from __future__ import annotations
@@ -57,16 +58,25 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def shard_model(model: torch.nn.Module, config: TrialConfig, device: torch.device,
+def shard_model(model: torch.nn.Module, config: TrialConfig, device: torch.device | None = None,
                 mesh: Any = None) -> torch.nn.Module:
     """``fully_shard`` each unit, then the root, with the config's reshard, precision and offload
     policies; then give each rank its shard of the parameters (meta ones made, random)."""
+    import torch.distributed as dist
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         MixedPrecisionPolicy,
         OffloadPolicy,
         fully_shard,
     )
+
+    from autotune.errors import ConfigError
+
+    if mesh is None and not dist.is_initialized():
+        raise ConfigError(f"--fsdp {config.fsdp} shards over the ranks of a process group: run the job under "
+                          "torchrun and call torch.distributed.init_process_group() before autotune.prepare")
+    if device is None:  # where the user's model is (a GPU job moves it there before preparing)
+        device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
 
     options: dict[str, Any] = {"reshard_after_forward": config.fsdp == "full", "mesh": mesh}
     if config.autocast_type is not None:  # mixed precision: 16-bit compute copies, fp32 gradient reduction
