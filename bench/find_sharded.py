@@ -113,7 +113,7 @@ def _fp32_weights_bytes() -> int:
     from autotune.config.workload import Workload
     from autotune.models.sources import meta_model
 
-    return 4 * sum(p.numel() for p in meta_model(Workload(model=MODEL), "causal-lm").parameters())
+    return 4 * sum(p.numel() for p in meta_model(Workload(model=MODEL, seq_len=16), "causal-lm").parameters())
 
 
 def _train(export: Path, work: Path) -> dict:
