@@ -71,3 +71,38 @@ def test_library_exports_of_fsdp_on_a_cpu_are_refused_with_the_way_that_works(fm
                                           r"does not run FSDP \(it needs GPUs\); export --format json"):
         export_config(CONFIG, WORKLOAD, fmt=fmt, device_type="cpu")
     assert json.loads(export_config(CONFIG, WORKLOAD, fmt="json", device_type="cpu"))["config"]["fsdp"] == "full"
+
+
+# Accelerate runs FSDP on GPUs only: its export, launched as a user launches it, on one GPU with
+# FSDP's CPU offload (one rank shards nothing without it).
+_ACCELERATE_JOB = textwrap.dedent("""
+    import math, torch
+    from accelerate import Accelerator
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    accelerator = Accelerator()
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, vocab_size=500))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ids = torch.randint(0, 500, (2, 32), device=accelerator.device)
+    losses = []
+    for _ in range(3):
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    print("RESULT", accelerator.distributed_type, type(model).__name__, all(map(math.isfinite, losses)))
+""")
+
+
+@pytest.mark.gpu
+def test_the_accelerate_export_of_an_fsdp_config_trains_fsdp_on_a_gpu(tmp_path):
+    config = TrialConfig(micro_batch=2, precision="bf16", fsdp="full", offload="optimizer+params")
+    workload = Workload(model="builtin:llama-tiny", seq_len=32, global_batch=2, nproc=1)
+    (tmp_path / "accelerate.yaml").write_text(export_config(config, workload, fmt="accelerate", device_type="cuda"))
+    (tmp_path / "job.py").write_text(_ACCELERATE_JOB)
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate.yaml",
+                           "job.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert "RESULT DistributedType.FSDP FSDPLlamaForCausalLM True" in proc.stdout, proc.stderr[-3000:]
