@@ -22,6 +22,8 @@ _EXPORTS = {
     "TrialStatus": "autotune.trial.result",
     "PhaseTimings": "autotune.trial.result",
     "run_trial": "autotune.trial.runner",
+    "run_script_trial": "autotune.scripts.runner",
+    "current_config": "autotune.scripts.current",
     "parse_size": "autotune.sizes",
     "deepspeed_config": "autotune.config.deepspeed_config",
     "find": "autotune.search.tuner",
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
     from autotune.output.exporters import export_config
     from autotune.output.report import write_report
     from autotune.prepare.apply import prepare
+    from autotune.scripts.current import current_config
+    from autotune.scripts.runner import run_script_trial
     from autotune.search.space import SearchSpace, load_space
     from autotune.search.tuner import find, tune
     from autotune.sizes import parse_size

@@ -196,27 +196,38 @@ def _own_option(parameter: inspect.Parameter) -> bool:
 
 @command
 def trial(workload: Workload, config: TrialConfig, memory_budget: Optional[str], trial_timeout: float,
-          warmup_steps: int, steps: int, as_json: bool) -> int:
-    """Measure one training configuration in a fresh process.
+          warmup_steps: int, steps: int, as_json: bool,
+          script: Annotated[Optional[list[str]], typer.Argument(
+              metavar="[-- COMMAND...]", help="Your own training command, after --: each optimizer step it takes is "
+              "timed, the config is in AUTOTUNE_CONFIG (autotune.current_config()), the workload options say what "
+              "one step trains.", show_default=False)] = None) -> int:
+    """Measure one training configuration in a fresh process: autotune's own step on the model, or your command.
 
     Exit status: 0 when the trial trained (ok), 1 when it ended otherwise (oom, timeout, crashed, nan, error), 2 when the input was refused before running.
     """
     from autotune.sizes import parse_size
-    from autotune.trial.runner import run_trial
 
     if trial_timeout <= 0:
         raise ConfigError(f"--trial-timeout {trial_timeout:g} must be more than 0 seconds")
     if warmup_steps < 0 or steps < 1:
         raise ConfigError("--warmup-steps must be 0 or more and --steps at least 1")
     budget = parse_size(memory_budget) if memory_budget is not None else None
-    result = run_trial(workload, config, memory_budget_bytes=budget, timeout_s=trial_timeout,
-                       warmup_steps=warmup_steps, measure_steps=steps)
+    if script:
+        from autotune.scripts.runner import run_script_trial
+
+        result = run_script_trial(list(script), workload, config, memory_budget_bytes=budget, timeout_s=trial_timeout,
+                                  warmup_steps=warmup_steps, measure_steps=steps)
+    else:
+        from autotune.trial.runner import run_trial
+
+        result = run_trial(workload, config, memory_budget_bytes=budget, timeout_s=trial_timeout,
+                           warmup_steps=warmup_steps, measure_steps=steps)
     if as_json:
         print(json.dumps(result.to_dict()))
     else:
         from autotune.output.render import print_trial
 
-        print_trial(workload, result)
+        print_trial(workload, result, command=list(script) if script else None)
     return 0 if result.ok else 1
 
 

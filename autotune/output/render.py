@@ -31,9 +31,12 @@ def _unsettled_why(spread: float) -> str:
     return f"its steps differed by {spread:.0%} of the median step even after extra steps; is something else running?"
 
 
-def print_trial(workload: Workload, result: TrialResult, *, console: Console | None = None) -> None:
+def print_trial(workload: Workload, result: TrialResult, *, console: Console | None = None,
+                command: list[str] | None = None) -> None:
+    """The table of one trial; ``command``: the user's own command, in script mode."""
     console = console or Console()
-    table = Table(title=f"trial: {result.config.describe()}  on {workload.model}", show_header=False)
+    what = " ".join(command) if command else workload.model
+    table = Table(title=f"trial: {result.config.describe()}  on {what}", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value")
     phases = result.phases

@@ -32,7 +32,8 @@ from autotune.trial.failures import classify_exit, describe_exit
 from autotune.trial.lifeline import PARENT_PID_ENV
 from autotune.trial.result import PhaseTimings, TrialResult, TrialStatus
 
-__all__ = ["run_trial", "DEFAULT_TRIAL_TIMEOUT_S"]
+__all__ = ["run_trial", "DEFAULT_TRIAL_TIMEOUT_S", "run_process_group", "read_rank_records", "combine_records",
+           "stderr_tail_of"]
 
 DEFAULT_TRIAL_TIMEOUT_S = 600.0
 _STDERR_TAIL_LINES = 12
@@ -75,12 +76,12 @@ def run_trial(workload: Workload, config: TrialConfig, *, memory_budget_bytes: i
         if _SERVER.enabled():
             outcome = _SERVER.run(spec, work, timeout_s=timeout_s, env=_trial_env(env))
         if outcome is None:  # the server turned off, refusing or not starting: new interpreters (torchrun)
-            outcome = _run_process_group(_command(workload.nproc, work / "spec.json", work), work,
+            outcome = run_process_group(_command(workload.nproc, work / "spec.json", work), work,
                                          timeout_s=timeout_s, env=env)
         returncode, timed_out = outcome
-        records = _read_rank_records(work, workload.nproc)
-        stderr_tail = _tail(work / "stderr.log")
-    return _combine(config, records, returncode=returncode, timed_out=timed_out, timeout_s=timeout_s,
+        records = read_rank_records(work, workload.nproc)
+        stderr_tail = stderr_tail_of(work / "stderr.log")
+    return combine_records(config, records, returncode=returncode, timed_out=timed_out, timeout_s=timeout_s,
                     stderr_tail=stderr_tail, world_size=workload.nproc,
                     memory_budget_bytes=memory_budget_bytes)
 
@@ -101,7 +102,7 @@ def _trial_env(env: dict[str, str] | None) -> dict[str, str]:
     return child_env
 
 
-def _run_process_group(command: list[str], work: Path, *, timeout_s: float,
+def run_process_group(command: list[str], work: Path, *, timeout_s: float,
                        env: dict[str, str] | None) -> tuple[int, bool]:
     """Run ``command`` in its own session; on timeout (or Ctrl-C) kill it and all its descendants."""
     child_env = _trial_env(env)
@@ -248,7 +249,7 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _read_rank_records(work: Path, nproc: int) -> list[dict[str, Any] | None]:
+def read_rank_records(work: Path, nproc: int) -> list[dict[str, Any] | None]:
     records: list[dict[str, Any] | None] = []
     for rank in range(nproc):
         path = work / f"rank{rank}.json"
@@ -267,7 +268,7 @@ def _is_record(record: Any) -> bool:
         and isinstance(record.get("config"), dict)
 
 
-def _combine(config: TrialConfig, records: list[dict[str, Any] | None], *, returncode: int, timed_out: bool,
+def combine_records(config: TrialConfig, records: list[dict[str, Any] | None], *, returncode: int, timed_out: bool,
              timeout_s: float, stderr_tail: str, world_size: int,
              memory_budget_bytes: int | None) -> TrialResult:
     """One TrialResult from every rank's record: the worst status, rank 0's timings, the largest peaks."""
@@ -317,7 +318,7 @@ def _max_of(records: list[dict[str, Any]], key: str) -> int | None:
     return max(values) if values else None
 
 
-def _tail(path: Path) -> str:
+def stderr_tail_of(path: Path) -> str:
     try:
         lines = path.read_text(errors="replace").rstrip().splitlines()
     except OSError:

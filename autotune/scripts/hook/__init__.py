@@ -1,0 +1,1 @@
+"""The folder a script trial puts first on ``PYTHONPATH``: its ``sitecustomize`` loads the measurement."""

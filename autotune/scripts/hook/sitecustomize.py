@@ -1,0 +1,25 @@
+"""Python imports this at the start of every process of a script trial (its folder leads
+``PYTHONPATH``): it installs autotune's measurement, then runs the ``sitecustomize`` this one
+shadows, if the environment has one."""
+
+import os
+import sys
+
+
+def _load() -> None:
+    spec = os.environ.get("AUTOTUNE_SCRIPT_SPEC")
+    if spec:
+        from autotune.scripts.measure import install
+
+        install(spec)
+    here = os.path.dirname(os.path.abspath(__file__))
+    from importlib.machinery import PathFinder
+
+    shadowed = PathFinder.find_spec("sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != here])
+    if shadowed is not None and shadowed.loader is not None:
+        from importlib.util import module_from_spec
+
+        shadowed.loader.exec_module(module_from_spec(shadowed))
+
+
+_load()

@@ -1,0 +1,168 @@
+"""Inside each process of a script trial: the budget enforced, whole optimizer steps timed, the
+result written, the process ended after warm-up plus the measured steps.
+
+Every framework's optimizer step passes through ``torch.optim.Optimizer``'s global step hook
+(Trainer, Lightning, Accelerate, DeepSpeed's inner optimizer, a plain loop), so the time between
+two of them is one whole training step as the user's job runs it: data, forward and backward of
+every micro batch, the optimizer. A process writes a record only once it has stepped or failed,
+so a launcher (torchrun's own process) writes none.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+__all__ = ["install", "SPEC_ENV"]
+
+SPEC_ENV = "AUTOTUNE_SCRIPT_SPEC"
+_ERROR_TAIL_LINES = 12
+
+
+def install(spec_path: str) -> None:
+    _Measurement(json.loads(Path(spec_path).read_text())).start()
+
+
+class _Measurement:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.warmup = max(1, spec["warmup_steps"])  # the first step's end starts the clock
+        self.ends: list[float] = []
+        self.optimizer_id: int | None = None
+        self.tracker: Any = None
+        self.device: Any = None
+        self.written = False
+        self.prepared = False
+
+    def start(self) -> None:
+        import torch
+
+        budget = self.spec.get("memory_budget_bytes")
+        local_rank = os.environ.get("LOCAL_RANK")
+        if self.spec["device_type"] == "cuda" and local_rank is not None or \
+                self.spec["device_type"] == "cuda" and "RANK" not in os.environ:
+            from autotune.trial.memory import limit_cuda_memory
+
+            self.device = torch.device("cuda", int(local_rank or 0))
+            if budget is not None:
+                limit_cuda_memory(budget, self.device)
+        else:
+            from autotune.trial.memory import LiveBytesTracker
+
+            self.tracker = LiveBytesTracker(budget)
+            self.tracker.__enter__()  # for the whole process: the script's own allocations are the peak
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(self._after_step)
+        self._watch_prepare()
+        previous = sys.excepthook
+
+        def on_exception(kind: Any, exc: BaseException, tb: Any) -> None:
+            self._failed(exc)
+            previous(kind, exc, tb)
+
+        sys.excepthook = on_exception
+        atexit.register(self._at_exit)
+
+    def _watch_prepare(self) -> None:
+        """Knobs only ``autotune.prepare`` applies to a plain loop's model (LoRA, checkpointing, the
+        chunked loss, ...): a script that never calls it would be measured without them."""
+        from autotune.prepare import apply
+
+        original = apply.prepare
+
+        def prepare(*args: Any, **kwargs: Any) -> Any:
+            self.prepared = True
+            return original(*args, **kwargs)
+
+        apply.prepare = prepare  # autotune.prepare(...) looks it up when called
+
+    # -- the hooks ------------------------------------------------------------------------
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.optimizer_id is None:
+            self.optimizer_id = id(optimizer)
+        if id(optimizer) != self.optimizer_id:
+            return  # a second optimizer (a GAN's) steps within the same training step
+        if self.device is not None:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+        self.ends.append(time.perf_counter())
+        if len(self.ends) >= self.warmup + self.spec["measure_steps"]:
+            self._write("ok")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)  # the measurement is done: the rest of the script is not
+
+    def _failed(self, exc: BaseException) -> None:
+        from autotune.trial.failures import classify_exception
+
+        lines = "".join(traceback.format_exception(exc)).rstrip().splitlines()
+        self._write(classify_exception(exc).value, error="\n".join(lines[-_ERROR_TAIL_LINES:]))
+
+    def _at_exit(self) -> None:
+        if self.ends and not self.written:  # it stepped, then ended before the measured steps were done
+            self._write("error", error=f"the script ended after {len(self.ends)} optimizer step(s); the trial "
+                                       f"measures {self.warmup} warm-up and {self.spec['measure_steps']} timed steps "
+                                       "(train for more steps, or lower --steps)")
+
+    # -- the record ---------------------------------------------------------------------------
+    def _write(self, status: str, error: str | None = None) -> None:
+        if self.written:
+            return
+        self.written = True
+        workload = self.spec["workload"]
+        record: dict[str, Any] = {"config": self.spec["config"], "status": status, "error": error,
+                                  "phases": {}, "measured_steps": 0, "device": str(self.device or "cpu"),
+                                  "memory_budget_bytes": self.spec.get("memory_budget_bytes"),
+                                  "grad_accum_steps": self.spec["grad_accum_steps"]}
+        if status == "ok" and not self.prepared and _needs_prepare(self.spec["config"]):
+            status, error = "error", (f"the script did not call autotune.prepare(model, autotune.current_config()): "
+                                      f"{_needs_prepare(self.spec['config'])} would not be applied")
+            record.update(status=status, error=error)
+        seconds = [b - a for a, b in zip(self.ends[self.warmup - 1:], self.ends[self.warmup:])]
+        if status == "ok" and seconds:
+            from autotune.trial.measure import StepTimes
+
+            times = StepTimes(seconds=seconds, warmup_s=self.ends[self.warmup - 1] - self.spec["launched"],
+                              last_loss=float("nan"))
+            record.update(step_time_median_s=times.median_s, step_time_iqr_s=times.iqr_s,
+                          step_time_spread=times.spread, disturbed_steps=times.disturbed_steps,
+                          samples_per_s=workload["global_batch"] / times.median_s,
+                          tokens_per_s=workload["global_batch"] * workload["seq_len"] / times.median_s,
+                          measured_steps=len(seconds))
+            record["phases"] = {"warmup_s": times.warmup_s, "measure_s": times.total_s}
+        if self.device is not None:
+            from autotune.trial.memory import cuda_peaks
+
+            allocated, reserved = cuda_peaks(self.device)
+            record.update(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved, peak_memory_bytes=reserved)
+        elif self.tracker is not None:
+            record.update(peak_allocated_bytes=self.tracker.peak_bytes, peak_memory_bytes=self.tracker.peak_bytes)
+        out = Path(self.spec["out_dir"]) / f"rank{self.rank}.json"
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, out)
+
+
+def _needs_prepare(config: dict[str, Any]) -> str | None:
+    """The flags of ``config`` (a TrialConfig's dict) that only ``autotune.prepare`` applies, in words."""
+    from autotune.config.knobs import TrialConfig
+
+    knobs = TrialConfig.from_dict(config)
+    flags = [flag for flag, on in (
+        (f"--lora-rank {knobs.lora_rank}", knobs.uses_lora),
+        ("--checkpointing " + ("on" if knobs.checkpoint_every == 1 else f"every-{knobs.checkpoint_every}"),
+         knobs.checkpointing),
+        (f"--loss {knobs.loss}", knobs.loss != "standard"),
+        (f"--attention {knobs.attention}", knobs.attention != "auto"),
+        (f"--precision {knobs.precision}", knobs.true_16_bit),
+        (f"--fsdp {knobs.fsdp}", knobs.uses_fsdp)) if on]
+    return ", ".join(flags) or None

@@ -1,0 +1,80 @@
+"""One script trial: the user's command run unchanged in its own process group, the config in
+``AUTOTUNE_CONFIG`` and the measurement hook on ``PYTHONPATH``, with a real timeout.
+
+The result is the same TrialResult as a synthetic trial's, combined from each rank's record
+(:mod:`autotune.scripts.measure`); a command that ends without any record says why in words.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from autotune.config.device import DeviceInfo, detect_device
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.errors import ConfigError
+from autotune.scripts.current import CONFIG_ENV
+from autotune.scripts.measure import SPEC_ENV
+from autotune.trial.result import TrialResult, TrialStatus
+from autotune.trial.runner import (
+    DEFAULT_TRIAL_TIMEOUT_S,
+    combine_records,
+    read_rank_records,
+    run_process_group,
+    stderr_tail_of,
+)
+
+__all__ = ["run_script_trial"]
+
+_HOOK_DIR = Path(__file__).parent / "hook"
+
+
+def run_script_trial(command: list[str], workload: Workload, config: TrialConfig, *,
+                     memory_budget_bytes: int | None = None, timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S,
+                     warmup_steps: int = 1, measure_steps: int = 3, device: DeviceInfo | None = None) -> TrialResult:
+    """Run ``command`` (e.g. ``["python", "train.py", "--epochs", "1"]``) as a trial of ``config``.
+
+    The workload says what the command trains: its global batch, sequence length and ranks give
+    the samples and tokens of one optimizer step. Raises ConfigError before starting anything for
+    a command that does not exist or a config that cannot run here.
+    """
+    if not command:
+        raise ConfigError("no command to run: write it after --, e.g. autotune trial ... -- python train.py")
+    if shutil.which(command[0]) is None:
+        raise ConfigError(f"the command {command[0]!r} does not exist (not a file, and not on PATH)")
+    device = device or detect_device(workload.device)
+    config.validate_for(workload, device)
+    with tempfile.TemporaryDirectory(prefix="autotune-script-") as tmp:
+        work = Path(tmp)
+        (work / "config.json").write_text(json.dumps({
+            "config": config.to_dict(), "workload": workload.to_dict(),
+            "grad_accum_steps": config.grad_accum_steps(workload)}))
+        (work / "spec.json").write_text(json.dumps({
+            "config": config.to_dict(), "workload": workload.to_dict(), "device_type": device.type,
+            "grad_accum_steps": config.grad_accum_steps(workload), "memory_budget_bytes": memory_budget_bytes,
+            "warmup_steps": warmup_steps, "measure_steps": measure_steps, "out_dir": str(work),
+            "launched": time.perf_counter()}))
+        env = dict(os.environ)
+        env[CONFIG_ENV] = str(work / "config.json")
+        env[SPEC_ENV] = str(work / "spec.json")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_HOOK_DIR), env.get("PYTHONPATH")) if p)
+        started = time.monotonic()
+        returncode, timed_out = run_process_group(command, work, timeout_s=timeout_s, env=env)
+        elapsed = time.monotonic() - started
+        records = read_rank_records(work, workload.nproc)
+        stderr_tail = stderr_tail_of(work / "stderr.log")
+    if not any(records) and not timed_out:
+        # Nothing stepped and nothing raised in Python: the command ended on its own.
+        why = (f"no optimizer step in {elapsed:.0f} s: the command exited with status {returncode} before "
+               "its first optimizer step" if returncode == 0 else
+               f"the command exited with status {returncode} before its first optimizer step")
+        return TrialResult(config=config, status=TrialStatus.ERROR, exit_code=returncode, world_size=workload.nproc,
+                           memory_budget_bytes=memory_budget_bytes,
+                           error=f"{why}\n{stderr_tail}".rstrip())
+    return combine_records(config, records, returncode=returncode, timed_out=timed_out, timeout_s=timeout_s,
+                    stderr_tail=stderr_tail, world_size=workload.nproc, memory_budget_bytes=memory_budget_bytes)

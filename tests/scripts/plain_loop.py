@@ -1,0 +1,29 @@
+"""A plain PyTorch training loop: it never imports autotune, and reads the trial's config from the
+JSON file AUTOTUNE_CONFIG names (micro batch, accumulation, precision). Argument: optimizer steps."""
+
+import json
+import os
+import sys
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+settings = json.load(open(os.environ["AUTOTUNE_CONFIG"]))
+micro, accum = settings["config"]["micro_batch"], settings["grad_accum_steps"]
+seq_len = settings["workload"]["seq_len"]
+dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(settings["config"]["precision"])
+model = LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=4, vocab_size=1000))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+print(f"pid {os.getpid()}", flush=True)
+for step in range(int(sys.argv[1])):
+    for _ in range(accum):
+        ids = torch.randint(0, 1000, (micro, seq_len))
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = model(input_ids=ids, labels=ids).loss / accum
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    if os.environ.get("HANG_AFTER_FIRST_STEP"):
+        time.sleep(3600)

@@ -1,0 +1,81 @@
+"""Script mode: the user's own training command, unchanged, measured by the step hook."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.errors import ConfigError
+from autotune.scripts.runner import run_script_trial
+from autotune.trial.result import TrialStatus
+
+HERE = Path(__file__).parent
+LOOP = [sys.executable, str(HERE / "plain_loop.py")]
+WORKLOAD = Workload(seq_len=64, global_batch=8)
+
+
+def test_a_plain_loop_is_measured_in_its_own_steps_and_its_peak_grows_with_the_injected_micro_batch():
+    small, large = (run_script_trial([*LOOP, "20"], WORKLOAD, TrialConfig(micro_batch=mb, precision="bf16"),
+                                     measure_steps=2) for mb in (1, 8))
+    for result in (small, large):
+        assert result.status is TrialStatus.OK, result.error
+        assert result.measured_steps == 2 and result.grad_accum_steps in (8, 1)
+        # A step trains the global batch: 8 samples of 64 tokens, however it is split.
+        assert result.tokens_per_s == pytest.approx(8 * 64 / result.step_time_median_s)
+    assert large.peak_memory_bytes > small.peak_memory_bytes  # the script took the injected micro batch
+
+
+def test_a_budget_below_the_largest_micro_batch_is_an_oom_from_the_scripts_own_allocations():
+    result = run_script_trial([*LOOP, "20"], WORKLOAD, TrialConfig(micro_batch=8), memory_budget_bytes=16 * 2**20)
+    assert result.status is TrialStatus.OOM, result.error
+    assert "autotune's CPU memory budget exceeded" in result.error
+
+
+@pytest.mark.parametrize("steps, expected", [
+    ("2", "the script ended after 2 optimizer step(s); the trial measures 1 warm-up and 3 timed steps"),
+    ("0", "no optimizer step in"),
+])
+def test_a_script_that_stops_short_says_so(steps, expected):
+    result = run_script_trial([*LOOP, steps], WORKLOAD, TrialConfig(micro_batch=8))
+    assert result.status is TrialStatus.ERROR and expected in result.error, result.error
+
+
+def test_knobs_only_prepare_applies_need_the_script_to_call_it():
+    config = TrialConfig(micro_batch=8, checkpointing=True)
+    refused = run_script_trial([*LOOP, "20"], WORKLOAD, config, measure_steps=2)
+    assert refused.status is TrialStatus.ERROR
+    assert "did not call autotune.prepare(model, autotune.current_config()): --checkpointing on" in refused.error
+    prepared = run_script_trial([sys.executable, str(HERE / "prepared_loop.py"), "20"],
+                                Workload(seq_len=64, global_batch=8), config, measure_steps=2)
+    assert prepared.status is TrialStatus.OK, prepared.error
+
+
+def test_a_timeout_kills_the_whole_command_and_leaves_no_process(monkeypatch):
+    monkeypatch.setenv("HANG_AFTER_FIRST_STEP", "1")
+    result = run_script_trial([*LOOP, "20"], WORKLOAD, TrialConfig(micro_batch=8), timeout_s=10)
+    assert result.status is TrialStatus.TIMEOUT
+    time.sleep(0.5)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "plain_loop.py" in " ".join(p.info["cmdline"] or [])]
+
+
+def test_the_command_line_takes_the_script_after_a_double_dash_and_refuses_one_that_does_not_exist(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "autotune", "trial", "--seq-len", "64", "--global-batch", "8",
+                         "--micro-batch", "4", "--steps", "2", "--json", "--", *LOOP, "20"],
+                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["status"] == "ok"
+    missing = subprocess.run([sys.executable, "-m", "autotune", "trial", "--", "no-such-command-xyz"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == ("autotune: error: the command 'no-such-command-xyz' does not exist "
+                                      "(not a file, and not on PATH)")
+    with pytest.raises(ConfigError, match="no command to run"):
+        run_script_trial([], WORKLOAD, TrialConfig())
