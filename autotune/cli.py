@@ -194,13 +194,17 @@ def _own_option(parameter: inspect.Parameter) -> bool:
     return any(isinstance(meta, typer.models.OptionInfo) for meta in getattr(parameter.annotation, "__metadata__", ()))
 
 
+# A user's own training command, after --: script mode (trial, find, tune).
+_Script = Annotated[Optional[list[str]], typer.Argument(
+    metavar="[-- COMMAND...]", show_default=False,
+    help="Your own training command, after --, run unchanged for each trial: its optimizer steps are timed, the "
+         "config is in AUTOTUNE_CONFIG (autotune.current_config()), the workload options say what one step trains.")]
+
+
 @command
 def trial(workload: Workload, config: TrialConfig, memory_budget: Optional[str], trial_timeout: float,
           warmup_steps: int, steps: int, as_json: bool,
-          script: Annotated[Optional[list[str]], typer.Argument(
-              metavar="[-- COMMAND...]", help="Your own training command, after --: each optimizer step it takes is "
-              "timed, the config is in AUTOTUNE_CONFIG (autotune.current_config()), the workload options say what "
-              "one step trains.", show_default=False)] = None) -> int:
+          script: _Script = None) -> int:
     """Measure one training configuration in a fresh process: autotune's own step on the model, or your command.
 
     Exit status: 0 when the trial trained (ok), 1 when it ended otherwise (oom, timeout, crashed, nan, error), 2 when the input was refused before running.
@@ -240,6 +244,7 @@ def find(
     output: Annotated[Optional[str], typer.Option(
         "-o", "--output", help="File for --export; " + _OUTPUT_HELP)] = None,
     as_json: bool = False,
+    script: _Script = None,
 ) -> int:
     """Find the fastest config that fits: asking the same question again answers from its study.
 
@@ -255,7 +260,7 @@ def find(
         summary = find_config(workload=workload, space=space, memory_budget_bytes=_size(memory_budget),
                               n_trials=n_trials, timeout_s=timeout, trial_timeout_s=trial_timeout,
                               headroom=headroom, storage=storage, estimate=estimate, warmup_steps=warmup_steps,
-                              measure_steps=steps, progress=progress)
+                              measure_steps=steps, progress=progress, command=list(script) if script else None)
     written = _export_best(summary, export, output) if export is not None and summary.best else None
     return _finish(summary, as_json=as_json, exported=written, wanted_export=export)
 
@@ -265,6 +270,7 @@ def tune(
     study: str, workload: Workload, memory_budget: Optional[str], space: str, n_trials: Optional[int],
     timeout: Optional[float], trial_timeout: float, patience: Optional[int], headroom: float, storage: Optional[str],
     estimate: bool, warmup_steps: int, steps: int, workers: int, confirm: bool, as_json: bool,
+    script: _Script = None,
 ) -> int:
     """Tune a named study; stop it any time (Ctrl-C) and run the same command to carry on.
 
@@ -278,7 +284,8 @@ def tune(
                              memory_budget_bytes=_size(memory_budget), n_trials=n_trials, timeout_s=timeout,
                              trial_timeout_s=trial_timeout, patience=patience, headroom=headroom,
                              storage=storage, warmup_steps=warmup_steps, measure_steps=steps,
-                             estimate=estimate, workers=workers, confirm=confirm, progress=progress)
+                             estimate=estimate, workers=workers, confirm=confirm, progress=progress,
+                             command=list(script) if script else None)
     return _finish(summary, as_json=as_json, confirmed=confirm)
 
 

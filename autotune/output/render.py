@@ -89,7 +89,8 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
         console.width = max(console.width, 120)  # a log or pipe has no width: keep table rows on one line
     w = summary.workload
     console.print(f"study [bold]{summary.name}[/] in {summary.storage}", highlight=False)
-    console.print(f"  {w.model}, seq {w.seq_len}, global batch {w.global_batch}, {w.nproc} rank(s) on "
+    what = f"the command `{' '.join(summary.command)}`" if summary.command else w.model
+    console.print(f"  {what}, seq {w.seq_len}, global batch {w.global_batch}, {w.nproc} rank(s) on "
                   f"{summary.device.get('name')} ({summary.device.get('type')}); budget "
                   f"{format_size(summary.memory_budget_bytes)}, fits under {format_size(summary.memory_limit_bytes)}; "
                   f"space {summary.space}", highlight=False)

@@ -106,7 +106,8 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
          trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S, patience: int | None = None,
          headroom: float = DEFAULT_HEADROOM, storage: str | None = None, warmup_steps: int = 1,
          measure_steps: int = 3, estimate: bool = True, workers: int = 1, confirm: bool = True,
-         progress: Progress | None = None, backend: TrialBackend | None = None) -> StudySummary:
+         progress: Progress | None = None, backend: TrialBackend | None = None,
+         command: list[str] | None = None) -> StudySummary:
     """Search ``space`` for the fastest config of ``workload`` that fits; return the study read back.
 
     ``n_trials`` is the study's total of measured trials (default: the space's), so running
@@ -135,12 +136,17 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     device = detect_device(workload.device)
     space = space if isinstance(space, SearchSpace) else load_space(space)
     budget = _budget(memory_budget_bytes, device)
-    backend = backend or LocalBackend(device.type)
+    if command and workers > 1:
+        raise ConfigError("--workers with a command: a script study runs one worker for now; drop --workers")
+    # A user's command: its model is its own, so nothing is estimated and every config is measured.
+    estimate = estimate and not command
+    backend = backend or (ScriptBackend(device.type, command) if command else LocalBackend(device.type))
     _check_workload(workload, device)
     gpus = gpu_slices(workers, workload.nproc, device)
     opened = open_storage(storage)
     space = _space_to_resume(opened, study, space, progress)
-    meta = question(workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom)
+    meta = question(workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom,
+                    command=command)
     the_study = create_study(opened, study, meta)
     recovered = recover_stale_trials(the_study)
     limit = memory_limit(the_study.user_attrs["autotune"])
@@ -231,7 +237,7 @@ def find(*, workload: Workload | None = None, space: str | Path | SearchSpace = 
          memory_budget_bytes: int | None = None, n_trials: int | None = None, timeout_s: float | None = None,
          trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S, headroom: float = DEFAULT_HEADROOM,
          storage: str | None = None, estimate: bool = True, warmup_steps: int = 1, measure_steps: int = 3,
-         progress: Progress | None = None) -> StudySummary:
+         progress: Progress | None = None, command: list[str] | None = None) -> StudySummary:
     """One question, one answer: ``tune`` under a study name derived from workload, device, budget, space.
     (How many steps a trial measures is how the question is answered, not part of it.)"""
     from autotune.study.storage import find_study_name
@@ -240,11 +246,12 @@ def find(*, workload: Workload | None = None, space: str | Path | SearchSpace = 
     device = detect_device(workload.device)
     space = space if isinstance(space, SearchSpace) else load_space(space)
     budget = _budget(memory_budget_bytes, device)
-    meta = question(workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom)
+    meta = question(workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom,
+                    command=command)
     return tune(study=find_study_name(meta, space.name), workload=workload, space=space,
                 memory_budget_bytes=budget, n_trials=n_trials, timeout_s=timeout_s,
                 trial_timeout_s=trial_timeout_s, headroom=headroom, storage=storage, estimate=estimate,
-                warmup_steps=warmup_steps, measure_steps=measure_steps, progress=progress)
+                warmup_steps=warmup_steps, measure_steps=measure_steps, progress=progress, command=command)
 
 
 def _space_to_resume(storage: optuna.storages.RDBStorage, study: str, space: SearchSpace,
@@ -265,8 +272,9 @@ def _space_to_resume(storage: optuna.storages.RDBStorage, study: str, space: Sea
 
 
 def question(*, workload: Workload, space: SearchSpace, device: DeviceInfo, memory_budget_bytes: int,
-             headroom: float) -> dict[str, Any]:
-    """What a study answers; a study is only resumed for the same question."""
+             headroom: float, command: list[str] | None = None) -> dict[str, Any]:
+    """What a study answers; a study is only resumed for the same question (and, in script mode,
+    for the same command)."""
     return {
         "version": 1,
         "workload": workload.to_dict(),
@@ -276,6 +284,7 @@ def question(*, workload: Workload, space: SearchSpace, device: DeviceInfo, memo
                    "total_memory_bytes": device.total_memory_bytes},
         "memory_budget_bytes": memory_budget_bytes,
         "headroom": headroom,
+        "command": list(command) if command else None,
     }
 
 
@@ -351,6 +360,23 @@ class LocalBackend:
                 return predict_memory(workload, config)
         except EstimateError:  # a model the estimator cannot trace is simply measured
             return None
+
+
+class ScriptBackend(LocalBackend):
+    """Trials of the user's own command (:mod:`autotune.scripts`); no estimates: the model is the script's."""
+
+    def __init__(self, device_type: str, command: list[str]) -> None:
+        super().__init__(device_type)
+        self._command = list(command)
+
+    def run(self, workload: Workload, config: TrialConfig, **measure: Any) -> TrialResult:
+        from autotune.scripts.runner import run_script_trial
+
+        with cpu_turn(self._device_type):
+            return run_script_trial(self._command, workload, config, **measure)
+
+    def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None:
+        return None
 
 
 def _precision_speed(study: optuna.Study, backend: TrialBackend, precisions: tuple[str, ...]) -> dict[str, float] | None:

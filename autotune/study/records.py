@@ -104,6 +104,7 @@ def summarize(study: optuna.Study | StoredStudy, *, url: str | None, with_import
         best=best,
         importances=_importances(study) if with_importances else None,
         certainty=certainty,
+        command=meta.get("command"),
     )
 
 

@@ -35,7 +35,7 @@ _GRACE_S = 6 * HEARTBEAT_S
 _SQLITE_LOCK_TIMEOUT_S = 60      # wait this long for another worker's write instead of failing
 _SCHEMA_ATTEMPTS = 10            # processes creating one fresh schema at once: each try gets further
 # The parts of the question that must match for a study to be resumed.
-_IDENTITY = ("workload", "space_digest", "device", "memory_budget_bytes", "headroom")
+_IDENTITY = ("workload", "space_digest", "device", "memory_budget_bytes", "headroom", "command")
 
 
 def open_storage(url: str | None = None) -> optuna.storages.RDBStorage:
@@ -185,7 +185,8 @@ def study_names(storage: optuna.storages.RDBStorage) -> list[str]:
 def find_study_name(meta: dict[str, Any], space_name: str) -> str:
     """A stable name for ``autotune find``: the same question always finds the same study."""
     model = re.sub(r"[^A-Za-z0-9.-]+", "-", meta["workload"]["model"].removeprefix("builtin:")).strip("-")[-40:]
-    key = json.dumps({k: meta.get(k) for k in _IDENTITY}, sort_keys=True)
+    # Without a command the key is what it was before script mode, so earlier find studies are found.
+    key = json.dumps({k: meta.get(k) for k in _IDENTITY if k != "command" or meta.get(k)}, sort_keys=True)
     space = re.sub(r"[^A-Za-z0-9.-]+", "-", Path(space_name).stem)
     return f"find-{model}-{space}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 

@@ -78,6 +78,7 @@ class StudySummary:
     best: TrialRecord | None = None             # the confirmed winner, if any
     importances: dict[str, float] | None = None  # knob -> share of tokens/s variance (Optuna fANOVA)
     certainty: str | None = None                # how sure the answer is, in words (from the confirmation)
+    command: list[str] | None = None            # script mode: the user's training command each trial ran
 
     @property
     def n_trials(self) -> int:
@@ -103,6 +104,7 @@ class StudySummary:
             "study": self.name,
             "storage": self.storage,
             "workload": self.workload.to_dict(),
+            "command": self.command,
             "space": self.space,
             "device": self.device,
             "memory_budget_bytes": self.memory_budget_bytes,

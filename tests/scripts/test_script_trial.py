@@ -79,3 +79,11 @@ def test_the_command_line_takes_the_script_after_a_double_dash_and_refuses_one_t
                                       "(not a file, and not on PATH)")
     with pytest.raises(ConfigError, match="no command to run"):
         run_script_trial([], WORKLOAD, TrialConfig())
+
+
+def test_torchrun_as_the_command_measures_every_rank():
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(HERE / "ddp_loop.py"), "20"]
+    result = run_script_trial(command, Workload(seq_len=64, global_batch=8, nproc=2), TrialConfig(micro_batch=2),
+                              measure_steps=2)
+    assert result.status is TrialStatus.OK, result.error
+    assert result.world_size == 2 and all(result.peak_memory_per_rank) and result.grad_accum_steps == 2
