@@ -14,7 +14,7 @@ from autotune.errors import WorkloadError
 
 __all__ = ["Workload", "TASKS", "DEVICES", "DEFAULT_MODEL"]
 
-TASKS = ("causal-lm", "seq-cls")
+TASKS = ("causal-lm", "seq-cls", "masked-lm")
 DEVICES = ("auto", "cuda", "cpu")
 OPTIMIZERS = ("adamw",)
 DEFAULT_MODEL = "builtin:gpt2-tiny"
@@ -31,7 +31,7 @@ class Workload:
     )
     task: str | None = field(
         default=None,
-        metadata={"help": "causal-lm or seq-cls; inferred from the model config when left out."},
+        metadata={"help": "causal-lm, seq-cls or masked-lm; inferred from the model config when left out."},
     )
     seq_len: int = field(default=128, metadata={"help": "Tokens per sample."})
     global_batch: int = field(

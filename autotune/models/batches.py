@@ -10,7 +10,9 @@ import torch
 
 from autotune.errors import ConfigError
 
-__all__ = ["synthetic_batch", "loss_of", "model_attr"]
+__all__ = ["synthetic_batch", "loss_of", "model_attr", "MASKED_FRACTION"]
+
+MASKED_FRACTION = 0.15  # BERT's share of masked positions
 
 
 def synthetic_batch(model: torch.nn.Module, *, task: str, micro_batch: int, seq_len: int,
@@ -23,6 +25,9 @@ def synthetic_batch(model: torch.nn.Module, *, task: str, micro_batch: int, seq_
     input_ids = torch.randint(0, vocab, (micro_batch, seq_len), device=device)
     if task == "causal-lm":
         labels = input_ids
+    elif task == "masked-lm":  # 15% of positions are predicted, the rest ignored (-100)
+        masked = torch.rand((micro_batch, seq_len), device=device) < MASKED_FRACTION
+        labels = torch.where(masked, input_ids, torch.full_like(input_ids, -100))
     else:
         labels = torch.randint(0, model_attr(model, "num_labels") or 2, (micro_batch,), device=device)
     return {"input_ids": input_ids, "labels": labels}

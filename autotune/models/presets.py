@@ -41,6 +41,9 @@ PRESETS: dict[str, Preset] = {
     "bert-tiny": Preset("bert", "seq-cls", "BERT encoder + classification head, 2 layers, 128 wide", dict(
         hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
         max_position_embeddings=512, vocab_size=_TINY_VOCAB, num_labels=2, pad_token_id=0)),
+    "bert-mlm-tiny": Preset("bert", "masked-lm", "BERT encoder + masked-LM head, 2 layers, 128 wide", dict(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
+        max_position_embeddings=512, vocab_size=_TINY_VOCAB, pad_token_id=0)),
     "gpt2": Preset("gpt2", "causal-lm", "GPT-2 small (124M)", dict(
         n_layer=12, n_embd=768, n_head=12, bos_token_id=50256, eos_token_id=50256)),
     "gpt2-medium": Preset("gpt2", "causal-lm", "GPT-2 medium (355M)", dict(n_layer=24, n_embd=1024, n_head=16)),

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from autotune.config.workload import Workload
 
-__all__ = ["ModelSource", "parse_model_source", "load_hf_config", "infer_task", "resolve_task", "build_model",
+__all__ = ["ModelSource", "parse_model_source", "load_hf_config", "infer_task", "auto_class", "resolve_task", "build_model",
            "meta_model", "model_type", "call_factory"]
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -136,6 +136,8 @@ def infer_task(config: PretrainedConfig) -> str:
     architectures = getattr(config, "architectures", None) or []
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         return "seq-cls"
+    if any(a.endswith("ForMaskedLM") for a in architectures):
+        return "masked-lm"
     if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
         return "causal-lm"
     if getattr(config, "is_encoder_decoder", False):
@@ -176,9 +178,7 @@ def build_model(workload: Workload, *, task: str, device: torch.device,
     _check_seq_len(config, workload.seq_len)
     if task == "seq-cls" and getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = 0  # HF classifiers need one to find the last token of each row
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+    auto = auto_class(task)
     with torch.device(device):
         try:
             return auto.from_config(config, trust_remote_code=workload.trust_remote_code,
@@ -186,6 +186,14 @@ def build_model(workload: Workload, *, task: str, device: torch.device,
         except ValueError as exc:
             raise WorkloadError(f"--model {workload.model} cannot be built for --task {task}: "
                                 f"{_one_line(exc)}") from exc
+
+
+def auto_class(task: str) -> Any:
+    """The Transformers Auto class that builds a model for ``task``."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
+
+    return {"causal-lm": AutoModelForCausalLM, "masked-lm": AutoModelForMaskedLM}.get(
+        task, AutoModelForSequenceClassification)
 
 
 def _check_seq_len(config: Any, seq_len: int) -> None:

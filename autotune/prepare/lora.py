@@ -42,6 +42,9 @@ class LoraTargets:
         return {"target_modules": targets, "modules_to_save": extra or None, "task_type": self.task_type}
 
 
+_PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS"}  # PEFT has no masked-LM type
+
+
 def lora_targets(workload: Workload, targets: tuple[str, ...] | None, *, task: str,
                  model: torch.nn.Module | None = None) -> LoraTargets:
     """Resolve ``--lora-targets`` (None: the default) for the workload's model.
@@ -52,7 +55,7 @@ def lora_targets(workload: Workload, targets: tuple[str, ...] | None, *, task: s
     (a factory's in a separate process: its code may hang or crash).
     """
     source = parse_model_source(workload.model)
-    task_type = None if source.kind == "factory" else ("CAUSAL_LM" if task == "causal-lm" else "SEQ_CLS")
+    task_type = None if source.kind == "factory" else _PEFT_TASK_TYPES.get(task)
     note = lora_targets_note(workload, targets, task=task)
     if targets == ("all-linear",):
         return LoraTargets("all-linear", None, task_type, note)

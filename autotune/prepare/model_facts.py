@@ -9,7 +9,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from autotune.models.sources import load_hf_config, meta_model, parse_model_source
+from autotune.models.sources import auto_class, load_hf_config, meta_model, parse_model_source
 
 if TYPE_CHECKING:
     import torch
@@ -114,10 +114,8 @@ def _head_names(model: torch.nn.Module, *, task: str) -> list[str]:
 def hf_model_class(workload: Workload, task: str) -> type | None:
     """The Transformers class a Hugging Face workload builds, found from its config alone; None when
     that cannot be told without building (remote code): build on the meta device instead."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
     config = load_hf_config(parse_model_source(workload.model), trust_remote_code=workload.trust_remote_code)
-    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+    auto = auto_class(task)
     try:
         from transformers.models.auto.auto_factory import (
             _get_model_class,  # private: a fallback follows

@@ -27,6 +27,9 @@ CASES = [
     ("builtin:gpt2-deep-tiny", 1, TrialConfig(micro_batch=8, checkpointing=True)),
     ("builtin:llama-tiny", 1, TrialConfig(micro_batch=4, lora_rank=8)),
     ("builtin:llama-tiny", 1, TrialConfig(micro_batch=4, precision="bf16", checkpointing=True)),
+    ("builtin:bert-mlm-tiny", 1, TrialConfig(micro_batch=4)),
+    ("builtin:bert-mlm-tiny", 1, TrialConfig(micro_batch=4, checkpointing=True)),
+    ("builtin:bert-mlm-tiny", 1, TrialConfig(micro_batch=4, lora_rank=8)),
     # Two real ranks: DDP's buckets, and DeepSpeed's own ZeRO optimizer against the arithmetic.
     ("builtin:llama-tiny", 2, TrialConfig(micro_batch=2)),
     ("builtin:llama-tiny", 2, TrialConfig(micro_batch=2, precision="bf16", zero_stage=2)),

@@ -42,6 +42,9 @@ def test_task_is_inferred_from_architectures(tmp_path):
     assert resolve_task(Workload(model=str(tmp_path))) == "seq-cls"
     config = load_hf_config(ModelSource("builtin", "bert-tiny"))
     assert infer_task(config) == "seq-cls"
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "xlm-roberta", "architectures": ["XLMRobertaForMaskedLM"]}))
+    assert resolve_task(Workload(model=str(tmp_path))) == "masked-lm"
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -90,6 +90,15 @@ def test_sequence_classifier_trains():
     assert r.trainable_params < r.total_params
 
 
+@pytest.mark.parametrize("knobs", [dict(), dict(checkpointing=True), dict(lora_rank=4)],
+                         ids=["plain", "checkpointing", "lora"])
+def test_a_masked_lm_trains(knobs):
+    r = trial(Workload(model="builtin:bert-mlm-tiny", seq_len=32, global_batch=4), micro_batch=2, **knobs)
+    assert r.status is TrialStatus.OK, r.error
+    if "lora_rank" in knobs:
+        assert r.trainable_params < r.total_params
+
+
 def test_a_custom_factory_trains():
     r = trial(Workload(model="factories:tiny", seq_len=16, global_batch=4), micro_batch=2)
     assert r.status is TrialStatus.OK, r.error
