@@ -190,7 +190,11 @@ def build_model(workload: Workload, *, task: str, device: torch.device,
 
 def auto_class(task: str) -> Any:
     """The Transformers Auto class that builds a model for ``task``."""
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForMaskedLM,
+        AutoModelForSequenceClassification,
+    )
 
     return {"causal-lm": AutoModelForCausalLM, "masked-lm": AutoModelForMaskedLM}.get(
         task, AutoModelForSequenceClassification)

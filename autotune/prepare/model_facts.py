@@ -9,7 +9,12 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from autotune.models.sources import auto_class, load_hf_config, meta_model, parse_model_source
+from autotune.models.sources import (
+    auto_class,
+    load_hf_config,
+    meta_model,
+    parse_model_source,
+)
 
 if TYPE_CHECKING:
     import torch
