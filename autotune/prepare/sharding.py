@@ -18,9 +18,9 @@ import torch
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
 
-__all__ = ["parameters_on_meta", "shard_model", "shard_units"]
+__all__ = ["parameters_on_meta", "shard_model", "shard_units", "INIT_STD"]
 
-_INIT_STD = 0.02  # random weights: their values change neither speed nor memory, only stay finite
+INIT_STD = 0.02  # random weights: their values change neither speed nor memory, only stay finite
 
 
 @contextlib.contextmanager
@@ -105,4 +105,4 @@ def _materialise(model: torch.nn.Module, config: TrialConfig, device: torch.devi
     with torch.no_grad():
         for param in model.parameters():
             local = param.to_local() if hasattr(param, "to_local") else param
-            local.normal_(0.0, _INIT_STD)
+            local.normal_(0.0, INIT_STD)

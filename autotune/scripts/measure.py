@@ -15,14 +15,12 @@ import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 __all__ = ["install", "SPEC_ENV"]
 
 SPEC_ENV = "AUTOTUNE_SCRIPT_SPEC"
-_ERROR_TAIL_LINES = 12
 
 
 def install(spec_path: str) -> None:
@@ -46,8 +44,9 @@ class _Measurement:
 
         budget = self.spec.get("memory_budget_bytes")
         local_rank = os.environ.get("LOCAL_RANK")
-        if self.spec["device_type"] == "cuda" and local_rank is not None or \
-                self.spec["device_type"] == "cuda" and "RANK" not in os.environ:
+        # On a GPU, every rank (or the one process of a command without a launcher) has its own device;
+        # a launcher (RANK unset but ranks below it) and any CPU process count with the tracker.
+        if self.spec["device_type"] == "cuda" and (local_rank is not None or "RANK" not in os.environ):
             from autotune.trial.memory import limit_cuda_memory
 
             self.device = torch.device("cuda", int(local_rank or 0))
@@ -102,10 +101,10 @@ class _Measurement:
             os._exit(0)  # the measurement is done: the rest of the script is not
 
     def _failed(self, exc: BaseException) -> None:
+        from autotune.trial.child import error_tail
         from autotune.trial.failures import classify_exception
 
-        lines = "".join(traceback.format_exception(exc)).rstrip().splitlines()
-        self._write(classify_exception(exc).value, error="\n".join(lines[-_ERROR_TAIL_LINES:]))
+        self._write(classify_exception(exc).value, error=error_tail(exc))
 
     def _at_exit(self) -> None:
         if self.ends and not self.written:  # it stepped, then ended before the measured steps were done
@@ -123,9 +122,10 @@ class _Measurement:
                                   "phases": {}, "measured_steps": 0, "device": str(self.device or "cpu"),
                                   "memory_budget_bytes": self.spec.get("memory_budget_bytes"),
                                   "grad_accum_steps": self.spec["grad_accum_steps"]}
-        if status == "ok" and not self.prepared and _needs_prepare(self.spec["config"]):
+        unapplied = _needs_prepare(self.spec["config"]) if status == "ok" and not self.prepared else None
+        if unapplied:
             status, error = "error", (f"the script did not call autotune.prepare(model, autotune.current_config()): "
-                                      f"{_needs_prepare(self.spec['config'])} would not be applied")
+                                      f"{unapplied} would not be applied")
             record.update(status=status, error=error)
         seconds = [b - a for a, b in zip(self.ends[self.warmup - 1:], self.ends[self.warmup:])]
         if status == "ok" and seconds:
@@ -139,17 +139,12 @@ class _Measurement:
                           tokens_per_s=workload["global_batch"] * workload["seq_len"] / times.median_s,
                           measured_steps=len(seconds))
             record["phases"] = {"warmup_s": times.warmup_s, "measure_s": times.total_s}
-        if self.device is not None:
-            from autotune.trial.memory import cuda_peaks
+        import torch
 
-            allocated, reserved = cuda_peaks(self.device)
-            record.update(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved, peak_memory_bytes=reserved)
-        elif self.tracker is not None:
-            record.update(peak_allocated_bytes=self.tracker.peak_bytes, peak_memory_bytes=self.tracker.peak_bytes)
-        out = Path(self.spec["out_dir"]) / f"rank{self.rank}.json"
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, out)
+        from autotune.trial.child import record_peaks, write_record
+
+        record_peaks(record, self.device or torch.device("cpu"), self.tracker)
+        write_record(Path(self.spec["out_dir"]) / f"rank{self.rank}.json", record)
 
 
 def _needs_prepare(config: dict[str, Any]) -> str | None:

@@ -17,6 +17,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+__all__ = ["main", "record_peaks", "error_tail", "write_record", "LAUNCH_TIME_ENV"]
+
 LAUNCH_TIME_ENV = "AUTOTUNE_LAUNCH_TIME"
 ERROR_TAIL_LINES = 12
 
@@ -38,9 +40,9 @@ def main(argv: list[str]) -> int:
         from autotune.trial.failures import classify_exception
 
         record["status"] = classify_exception(exc).value
-        record["error"] = _error_tail(exc)
+        record["error"] = error_tail(exc)
         code = 1
-    _write_atomically(out_dir / f"rank{rank}.json", record)
+    write_record(out_dir / f"rank{rank}.json", record)
     return code
 
 
@@ -86,7 +88,7 @@ def _run(spec: dict[str, Any], record: dict[str, Any]) -> None:
             _train(spec, record, workload=workload, config=config, device=device, world_size=world_size,
                    peak_so_far=lambda: _peak_allocated(device, tracker))
     finally:
-        _record_peaks(record, device, tracker)
+        record_peaks(record, device, tracker)
 
 
 def _train(spec: dict[str, Any], record: dict[str, Any], *, workload: Any, config: Any,
@@ -197,7 +199,7 @@ def _peak_allocated(device: Any, tracker: Any) -> int:
     return tracker.peak_bytes
 
 
-def _record_peaks(record: dict[str, Any], device: Any, tracker: Any) -> None:
+def record_peaks(record: dict[str, Any], device: Any, tracker: Any) -> None:
     if device.type == "cuda":
         from autotune.trial.memory import cuda_peaks
 
@@ -208,12 +210,12 @@ def _record_peaks(record: dict[str, Any], device: Any, tracker: Any) -> None:
         record.update(peak_allocated_bytes=tracker.peak_bytes, peak_memory_bytes=tracker.peak_bytes)
 
 
-def _error_tail(exc: BaseException) -> str:
+def error_tail(exc: BaseException) -> str:
     lines = "".join(traceback.format_exception(exc)).rstrip().splitlines()
     return "\n".join(lines[-ERROR_TAIL_LINES:])
 
 
-def _write_atomically(path: Path, record: dict[str, Any]) -> None:
+def write_record(path: Path, record: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)

@@ -18,7 +18,8 @@ from autotune.config.workload import Workload
 from autotune.models.batches import loss_of, model_attr, synthetic_batch
 from autotune.models.sources import build_model, parse_model_source
 from autotune.prepare.apply import prepare
-from autotune.prepare.sharding import parameters_on_meta
+from autotune.prepare.sharding import INIT_STD, parameters_on_meta
+from autotune.trial.memory import storages_of
 
 __all__ = ["TrainingEngine", "build_engine"]
 
@@ -172,7 +173,7 @@ def _random_partitions(model: torch.nn.Module) -> None:
         for param in model.parameters():
             partition = getattr(param, "ds_tensor", None)
             if partition is not None and partition.is_floating_point():
-                partition.normal_(0.0, 0.02)
+                partition.normal_(0.0, INIT_STD)
 
 
 def _state_bytes(optimizer: Any) -> int:
@@ -188,8 +189,7 @@ def _state_bytes(optimizer: Any) -> int:
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor) and value.numel() > 1:  # skip scalar step counters
-                value = value.to_local() if hasattr(value, "to_local") else value  # FSDP: this rank's shard
-                storage = value.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
+                for storage in storages_of(value):  # FSDP's DTensor: this rank's shard
+                    storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
