@@ -62,10 +62,11 @@ def _serve_one(request: dict[str, Any], replies: IO[str]) -> None:
     ranks = _rank_envs(nproc)
     leader = 0
     pids = []
+    server = os.getpid()
     for rank_env in ranks:
         pid = os.fork()
         if pid == 0:
-            _run_trial_child(request, rank_env, group=leader)  # never returns
+            _run_trial_child(request, rank_env, group=leader, server=server)  # never returns
         leader = leader or pid
         with contextlib.suppress(PermissionError, ProcessLookupError):  # the child may have done it already
             os.setpgid(pid, leader)  # every rank in one new process group: killed whole on a timeout
@@ -125,16 +126,20 @@ def _preload_model_module(workload: dict[str, Any]) -> None:
         return
 
 
-def _run_trial_child(request: dict[str, Any], rank_env: dict[str, str], group: int) -> None:
+def _run_trial_child(request: dict[str, Any], rank_env: dict[str, str], group: int, server: int) -> None:
     """In the forked child: become a trial process (one rank), run it, exit with its code."""
     code = 1
     try:
         from autotune.trial.lifeline import (
             PARENT_PID_ENV,
             TRIAL_PROCESS_NAME,
+            die_with_parent,
             name_process,
         )
 
+        # First of all, and against the server's pid taken before the fork: a server killed from here
+        # on must take this trial along. Asked later, getppid() would name the reaper that adopted us.
+        die_with_parent(server)
         os.setpgid(0, group)  # the first rank leads a new group, the others join it
         name_process(TRIAL_PROCESS_NAME)
         out = request["out"]
@@ -149,7 +154,7 @@ def _run_trial_child(request: dict[str, Any], rank_env: dict[str, str], group: i
         os.environ.clear()
         os.environ.update(request["env"])
         os.environ.update(rank_env)
-        os.environ[PARENT_PID_ENV] = str(os.getppid())  # the trial dies with the server
+        os.environ[PARENT_PID_ENV] = str(server)  # the trial dies with the server
         _look_like_a_new_interpreter(request["cwd"])
         sys.argv = ["autotune.trial.child", request["spec"], out]
 

@@ -80,7 +80,7 @@ def test_a_killed_server_takes_its_trial_along_and_the_next_trial_starts_a_new_o
     killer.start()
     try:
         hung = _run(monkeypatch, "on", workload=Workload(model="factories:hang", seq_len=16, global_batch=4),
-                    timeout_s=300)
+                    timeout_s=120)
     finally:
         trial_over.set()
         killer.join()
@@ -94,6 +94,23 @@ def test_a_killed_server_takes_its_trial_along_and_the_next_trial_starts_a_new_o
     after = _run(monkeypatch, "on")
     assert after.status is TrialStatus.OK, after.error
     assert [p.pid for p in _servers()] != [server.pid]
+
+
+def test_a_process_whose_parent_died_before_it_asked_to_die_with_it_exits_at_once():
+    # The race a forked trial runs: its server is killed between fork() and die_with_parent(). Asked
+    # against the pid taken before the fork, the orphan notices (getppid() now names its reaper).
+    started = time.monotonic()
+    orphan = subprocess.run(["sh", "-c", (
+        f"{sys.executable} -c 'import sys, time; time.sleep(1); "
+        "from autotune.trial.lifeline import die_with_parent; die_with_parent(int(sys.argv[1])); "
+        "time.sleep(60); sys.exit(0)' $$ & echo $!")], capture_output=True, text=True, check=True)
+    pid = int(orphan.stdout.strip())
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert time.monotonic() - started < 30  # it did not sleep its 60 s
 
 
 def test_trials_on_a_cpu_take_turns_across_processes():
