@@ -57,6 +57,8 @@ WORKLOAD_OPTIONS = {
     "model": Option(str, DEFAULT_MODEL, ("--model",), _help(Workload, "model")),
     "task": Option(Optional[str], None, ("--task",), _help(Workload, "task")),
     "seq_len": Option(int, 128, ("--seq-len",), _help(Workload, "seq_len")),
+    "target_len": Option(Optional[int], None, ("--target-len",), _help(Workload, "target_len")),
+    "image_size": Option(Optional[int], None, ("--image-size",), _help(Workload, "image_size")),
     "global_batch": Option(int, 16, ("--global-batch",), _help(Workload, "global_batch")),
     "nproc": Option(int, 1, ("--nproc",), _help(Workload, "nproc")),
     "device": Option(str, "auto", ("--device",), _help(Workload, "device")),
@@ -224,6 +226,7 @@ def trial(workload: Workload, config: TrialConfig, memory_budget: Optional[str],
     else:
         from autotune.trial.runner import run_trial
 
+        _start_trial_server()  # its imports overlap the model and device checks run_trial starts with
         result = run_trial(workload, config, memory_budget_bytes=budget, timeout_s=trial_timeout,
                            warmup_steps=warmup_steps, measure_steps=steps)
     if as_json:
@@ -256,6 +259,8 @@ def find(
         _check_format(export)
     elif output is not None:
         raise ConfigError("-o/--output is the file for --export; add --export FORMAT")
+    if not script:
+        _start_trial_server()
     with _progress(quiet=as_json) as progress:
         summary = find_config(workload=workload, space=space, memory_budget_bytes=_size(memory_budget),
                               n_trials=n_trials, timeout_s=timeout, trial_timeout_s=trial_timeout,
@@ -279,6 +284,8 @@ def tune(
     """
     from autotune.search.tuner import tune as tune_study
 
+    if not script and workers == 1:  # several workers each start their own
+        _start_trial_server()
     with _progress(quiet=as_json) as progress:
         summary = tune_study(study=study, workload=workload, space=space,
                              memory_budget_bytes=_size(memory_budget), n_trials=n_trials, timeout_s=timeout,
@@ -307,6 +314,7 @@ def grid(
     from autotune.search.grid import estimate_grid, measure_grid
     from autotune.search.space import load_space
     from autotune.sizes import format_size
+    from autotune.trial.result import TrialResult
 
     if trial_timeout <= 0:
         raise ConfigError(f"--trial-timeout {trial_timeout:g} must be more than 0 seconds")
@@ -314,7 +322,8 @@ def grid(
         raise ConfigError("--re-estimate and --no-estimate contradict each other: drop one")
 
     def report(index: int, total: int, line: dict[str, Any]) -> None:
-        figure = f"{line['tokens_per_s']:,.1f} tokens/s" if line.get("tokens_per_s") else "no figure"
+        result = TrialResult.from_dict(line)
+        figure = f"{result.throughput:,.1f} {result.throughput_unit}" if result.throughput else "no figure"
         print(f"{index}/{total} {TrialConfig.from_dict(line['config']).describe()}: {line['status']}, {figure}, "
               f"{line['trial_seconds']:.1f} s", file=sys.stderr, flush=True)
 
@@ -344,12 +353,15 @@ def studies(storage: Optional[str], as_json: bool) -> int:
     if as_json:
         print(json.dumps([{"study": s.name, "model": s.workload.model, "n_trials": s.n_trials,
                            "best": s.best.config.describe() if s.best else None,
-                           "tokens_per_s": s.best.confirmed_tokens_per_s if s.best else None} for s in rows]))
+                           "tokens_per_s": s.best.confirmed_tokens_per_s if s.best else None,
+                           "throughput": s.best.confirmed_throughput if s.best else None,
+                           "throughput_unit": s.throughput_unit} for s in rows]))
         return 0
     if not rows:
         print("no autotune studies here yet; run autotune find")
     for s in rows:
-        best = f"{s.best.config.describe()} ({s.best.confirmed_tokens_per_s:,.1f} tokens/s)" if s.best else "no confirmed config"
+        best = (f"{s.best.config.describe()} ({s.best.confirmed_throughput:,.1f} {s.throughput_unit})" if s.best
+                else "no confirmed config")
         print(f"{s.name}  {s.workload.model}  {s.n_trials} trials  best: {best}")
     return 0
 
@@ -415,6 +427,13 @@ def report(
 
 
 # -- helpers of the commands ---------------------------------------------------------------------
+def _start_trial_server() -> None:
+    """Trials will run in this process: start their server now, its imports beside the checks before them."""
+    from autotune.trial.runner import start_trial_server
+
+    start_trial_server()
+
+
 def _refuse_what_cannot_run_here(config: TrialConfig, workload: Workload) -> None:
     """A config this device cannot run (tf32 or fp16 under ZeRO on a CPU) is refused as trial refuses it;
     a CUDA workload estimated on a machine without a GPU is checked for what it can be checked."""

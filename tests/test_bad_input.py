@@ -54,6 +54,16 @@ BAD_INPUTS = [
     (["trial", "--nproc", "3"], "--global-batch 16 does not split over --nproc 3"),
     (["tune", "--study", "kept", "--global-batch", "10", "--nproc", "4"], "--global-batch 10 does not split"),
     (["trial", "--seq-len", "4096"], "--seq-len 4096 is longer than the model's 1024 positions"),
+    # tasks
+    (["trial", "--task", "seq2seq-lm"], "--task seq2seq-lm: model type 'gpt2' (--model builtin:gpt2-tiny) has no decoder"),
+    (["trial", "--model", "builtin:t5-tiny", "--task", "causal-lm"], "is an encoder-decoder; use --task seq2seq-lm"),
+    (["estimate", "--target-len", "0", "--model", "builtin:t5-tiny"], "--target-len 0 must be a whole number"),
+    (["trial", "--target-len", "16"], "--target-len is the decoder's length of a seq2seq-lm task"),
+    (["trial", "--model", "builtin:t5-tiny", "--loss", "chunked"], "--loss chunked is a causal LM's loss"),
+    (["trial", "--task", "image-cls"], "--task image-cls: model type 'gpt2' (--model builtin:gpt2-tiny) takes token ids"),
+    (["trial", "--model", "builtin:vit-tiny", "--task", "seq-cls"], "takes images; use --task image-cls"),
+    (["estimate", "--model", "builtin:vit-tiny", "--image-size", "0"], "--image-size 0 must be a whole number of pixels"),
+    (["trial", "--image-size", "64"], "--image-size is the input of an image-cls task"),
     # budgets
     (["trial", "--memory-budget", "lots"], "--memory-budget 'lots' is not a size"),
     (["tune", "--study", "kept", "--memory-budget", "0"], "--memory-budget"),

@@ -12,12 +12,16 @@ from typing import Any
 
 from autotune.errors import WorkloadError
 
-__all__ = ["Workload", "TASKS", "DEVICES", "DEFAULT_MODEL"]
+__all__ = ["Workload", "TASKS", "TEXT_TASKS", "CLASSIFIER_TASKS", "DEVICES", "DEFAULT_MODEL", "DEFAULT_IMAGE_SIZE"]
 
-TASKS = ("causal-lm", "seq-cls", "masked-lm")
+TASKS = ("causal-lm", "seq-cls", "masked-lm", "seq2seq-lm", "image-cls")
+TEXT_TASKS = ("causal-lm", "seq-cls", "masked-lm", "seq2seq-lm")
+CLASSIFIER_TASKS = ("seq-cls", "image-cls")  # a new head: LoRA trains it in full (PEFT's modules_to_save)
 DEVICES = ("auto", "cuda", "cpu")
 OPTIMIZERS = ("adamw",)
 DEFAULT_MODEL = "builtin:gpt2-tiny"
+DEFAULT_IMAGE_SIZE = 224  # ImageNet training crops, when neither the flag nor the config says
+_ADDED_LATER = {"target_len": None, "image_size": None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,9 +35,17 @@ class Workload:
     )
     task: str | None = field(
         default=None,
-        metadata={"help": "causal-lm, seq-cls or masked-lm; inferred from the model config when left out."},
+        metadata={"help": "causal-lm, seq-cls, masked-lm, seq2seq-lm or image-cls; inferred from the model config when left out."},
     )
-    seq_len: int = field(default=128, metadata={"help": "Tokens per sample."})
+    seq_len: int = field(default=128, metadata={"help": "Tokens per sample (an encoder-decoder's source)."})
+    target_len: int | None = field(
+        default=None,
+        metadata={"help": "seq2seq-lm: decoder tokens per sample (default: --seq-len)."},
+    )
+    image_size: int | None = field(
+        default=None,
+        metadata={"help": "image-cls: pixels per side of each image (default: the model config's, else 224)."},
+    )
     global_batch: int = field(
         default=16,
         metadata={"help": "Samples per optimizer step over all ranks (micro batch x accumulation x ranks)."},
@@ -53,6 +65,18 @@ class Workload:
                             ("--nproc", self.nproc)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise WorkloadError(f"{flag} {value!r} must be a whole number of at least 1")
+        if self.target_len is not None and (
+                not isinstance(self.target_len, int) or isinstance(self.target_len, bool) or self.target_len < 1):
+            raise WorkloadError(f"--target-len {self.target_len!r} must be a whole number of at least 1")
+        if self.target_len is not None and self.task not in (None, "seq2seq-lm"):
+            raise WorkloadError(f"--target-len is the decoder's length of a seq2seq-lm task, not of --task "
+                                f"{self.task}; leave it out")
+        if self.image_size is not None and (
+                not isinstance(self.image_size, int) or isinstance(self.image_size, bool) or self.image_size < 1):
+            raise WorkloadError(f"--image-size {self.image_size!r} must be a whole number of pixels, at least 1")
+        if self.image_size is not None and self.task not in (None, "image-cls"):
+            raise WorkloadError(f"--image-size is the input of an image-cls task, not of --task {self.task}; "
+                                "leave it out")
         if self.device not in DEVICES:
             raise WorkloadError(f"--device {self.device!r} is not known; use one of {', '.join(DEVICES)}")
         if self.optimizer not in OPTIMIZERS:
@@ -65,11 +89,29 @@ class Workload:
         if not self.model:
             raise WorkloadError("--model is empty; use e.g. builtin:gpt2-tiny")
 
+    @property
+    def decoder_len(self) -> int:
+        """An encoder-decoder's target tokens per sample: --target-len, else --seq-len."""
+        return self.target_len or self.seq_len
+
+    def tokens_per_sample(self, task: str) -> int | None:
+        """The tokens one sample feeds the model, as tokens/s counts them: an encoder-decoder's
+        source and target tokens; a text model's sequence; None for images."""
+        if task not in TEXT_TASKS:
+            return None
+        return self.seq_len + self.decoder_len if task == "seq2seq-lm" else self.seq_len
+
     def replace(self, **changes: Any) -> Workload:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        # Fields added after studies were stored are left out at their default: a study stored
+        # before them still answers the same question (and find still finds it by name).
+        for name, default in _ADDED_LATER.items():
+            if data[name] == default:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Workload:

@@ -212,8 +212,9 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
         # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
         # model code allocates without naming a device is born on the traced one (PEFT's adapters).
         with FakeTensorMode(allow_non_fake_inputs=True), _grouped_mm_in_any_dtype(), tracker, device:
-            engine = build_engine(workload=workload.replace(nproc=ranks), config=plain, task=task,
-                                  device=device, world_size=ranks, mesh=mesh)
+            with _truncated_normal_without_resampling():
+                engine = build_engine(workload=workload.replace(nproc=ranks), config=plain, task=task,
+                                      device=device, world_size=ranks, mesh=mesh)
             if config.uses_deepspeed and engine.autocast_dtype is not None:
                 # DeepSpeed's fp16/bf16 modes train a 16-bit model (no autocast): 16-bit activations.
                 _to_16_bit(engine)
@@ -380,6 +381,37 @@ def _grouped_mm_in_any_dtype() -> Any:
             return func(*args, **kwargs)
 
     return GroupedMMInAnyDtype()
+
+
+@contextlib.contextmanager
+def _truncated_normal_without_resampling() -> Iterator[None]:
+    """torch's trunc_normal_ (ViT's init, for one) draws again until every value lies in range, which
+    asks fake weights for values they do not have: here it draws once and clamps (weights' values
+    change neither speed nor memory)."""
+    import torch
+
+    def draw_and_clamp(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0,
+                       b: float = 2.0, generator: Any = None) -> torch.Tensor:
+        with torch.no_grad():
+            return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
+
+    tables: list[tuple[Any, str]] = [(torch.nn.init.__dict__, "trunc_normal_")]
+    try:
+        from transformers.initialization import (
+            TORCH_INIT_FUNCTIONS,  # what Transformers' init calls
+        )
+
+        tables.append((TORCH_INIT_FUNCTIONS, "trunc_normal_"))
+    except ImportError:
+        pass
+    saved = [(table, key, table[key]) for table, key in tables if key in table]
+    try:
+        for table, key, _ in saved:
+            table[key] = draw_and_clamp
+        yield
+    finally:
+        for table, key, original in saved:
+            table[key] = original
 
 
 def _peak_parts_tracker() -> Any:

@@ -7,7 +7,9 @@
   model directory holding a ``config.json``;
 * a Hugging Face Hub id, whose config is read from the local cache;
 * ``module:function``: a factory, called as ``function(task=..., seq_len=...)`` (it may
-  declare only the arguments it wants) and returning a ``torch.nn.Module`` (see README).
+  declare only the arguments it wants) and returning a ``torch.nn.Module``, or
+  ``(model, make_batch)`` where ``make_batch(micro_batch, device)`` returns the keyword
+  arguments of the model's forward: any input, not only token ids (see README).
 
 Only configs are read: weights change neither speed nor memory, so models are randomly
 initialised, directly on the trial's device.
@@ -32,9 +34,10 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from autotune.config.workload import Workload
+    from autotune.models.batches import MakeBatch
 
 __all__ = ["ModelSource", "parse_model_source", "load_hf_config", "infer_task", "auto_class", "resolve_task", "build_model",
-           "meta_model", "model_type", "call_factory"]
+           "build_model_and_batch", "image_size", "meta_model", "model_type", "call_factory"]
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -134,18 +137,24 @@ def _hub_config(hub_id: str, *, trust_remote_code: bool) -> PretrainedConfig:
 def infer_task(config: PretrainedConfig) -> str:
     """seq-cls for classifier architectures and encoder-only models; causal-lm otherwise."""
     architectures = getattr(config, "architectures", None) or []
+    if any(a.endswith("ForImageClassification") for a in architectures) or _takes_images(config):
+        return "image-cls"
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         return "seq-cls"
     if any(a.endswith("ForMaskedLM") for a in architectures):
         return "masked-lm"
     if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
         return "causal-lm"
-    if getattr(config, "is_encoder_decoder", False):
-        raise WorkloadError(f"model type {config.model_type!r} is encoder-decoder; autotune trains "
-                            "causal-lm and seq-cls models")
+    if getattr(config, "is_encoder_decoder", False):  # T5, mT5, BART...: ForConditionalGeneration
+        return "seq2seq-lm"
     encoder_only = {"bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
                     "xlm-roberta", "modernbert"}
     return "seq-cls" if config.model_type in encoder_only else "causal-lm"
+
+
+def _takes_images(config: PretrainedConfig) -> bool:
+    """A vision model's config: channels of pixels in, no token vocabulary (ViT, ResNet, ConvNeXt...)."""
+    return getattr(config, "num_channels", None) is not None and getattr(config, "vocab_size", None) is None
 
 
 def resolve_task(workload: Workload) -> str:
@@ -157,10 +166,37 @@ def resolve_task(workload: Workload) -> str:
     config = load_hf_config(source, trust_remote_code=workload.trust_remote_code)
     _check_seq_len(config, workload.seq_len)
     if workload.task is not None:
-        return workload.task
-    if source.kind == "builtin":
-        return PRESETS[source.ref].task
-    return infer_task(config)
+        task = workload.task
+    elif source.kind == "builtin":
+        task = PRESETS[source.ref].task
+    else:
+        task = infer_task(config)
+    _check_task_fits(config, task, workload)
+    return task
+
+
+def _check_task_fits(config: PretrainedConfig, task: str, workload: Workload) -> None:
+    if (task == "image-cls") != _takes_images(config):
+        if task == "image-cls":
+            raise WorkloadError(f"--task image-cls: model type {config.model_type!r} (--model {workload.model}) "
+                                "takes token ids, not images; leave --task out or use a vision model")
+        raise WorkloadError(f"--task {task}: model type {config.model_type!r} (--model {workload.model}) takes "
+                            "images; use --task image-cls")
+    if workload.image_size is not None and task != "image-cls":
+        raise WorkloadError(f"--image-size is the input of an image-cls task, and --model {workload.model} "
+                            f"trains {task}; leave it out")
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    if task == "seq2seq-lm" and not encoder_decoder:
+        raise WorkloadError(f"--task seq2seq-lm: model type {config.model_type!r} (--model {workload.model}) has "
+                            "no decoder of its own; use --task causal-lm for a decoder-only model")
+    if task != "seq2seq-lm" and encoder_decoder and task != "seq-cls":
+        raise WorkloadError(f"--task {task}: model type {config.model_type!r} (--model {workload.model}) is an "
+                            "encoder-decoder; use --task seq2seq-lm")
+    if workload.target_len is not None and task != "seq2seq-lm":
+        raise WorkloadError(f"--target-len is the decoder's length of a seq2seq-lm task, and --model "
+                            f"{workload.model} trains {task}; leave it out")
+    if task == "seq2seq-lm":
+        _check_seq_len(config, workload.decoder_len, flag="--target-len")
 
 
 def build_model(workload: Workload, *, task: str, device: torch.device,
@@ -168,46 +204,69 @@ def build_model(workload: Workload, *, task: str, device: torch.device,
     """Build the workload's model with random weights directly on ``device``; a Transformers model
     with its weights in ``dtype`` when given, as ``from_pretrained(dtype=...)`` loads them (a
     factory's model comes as its factory builds it: the caller casts it)."""
+    return build_model_and_batch(workload, task=task, device=device, dtype=dtype)[0]
+
+
+def build_model_and_batch(workload: Workload, *, task: str, device: torch.device,
+                          dtype: torch.dtype | None = None) -> tuple[torch.nn.Module, MakeBatch | None]:
+    """:func:`build_model`, and the factory's ``make_batch`` when it gave one (else None: the
+    task's synthetic batch feeds the model)."""
     import torch
 
     source = parse_model_source(workload.model)
     if source.kind == "factory":
-        model = call_factory(source.ref, task=task, seq_len=workload.seq_len)
-        return model.to(device)
+        model, make_batch = call_factory(source.ref, task=task, seq_len=workload.seq_len)
+        return model.to(device), make_batch
     config = load_hf_config(source, trust_remote_code=workload.trust_remote_code)
     _check_seq_len(config, workload.seq_len)
     if task == "seq-cls" and getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = 0  # HF classifiers need one to find the last token of each row
+    if task == "image-cls" and workload.image_size is not None and hasattr(config, "image_size"):
+        config.image_size = workload.image_size  # ViT's position embeddings: one per patch of this size
     auto = auto_class(task)
     with torch.device(device):
         try:
             return auto.from_config(config, trust_remote_code=workload.trust_remote_code,
-                                    **({} if dtype is None else {"dtype": dtype}))
+                                    **({} if dtype is None else {"dtype": dtype})), None
         except ValueError as exc:
             raise WorkloadError(f"--model {workload.model} cannot be built for --task {task}: "
                                 f"{_one_line(exc)}") from exc
+
+
+def image_size(workload: Workload, model: torch.nn.Module) -> int:
+    """Pixels per side an image-cls trial feeds: --image-size, else the config's, else 224."""
+    from autotune.config.workload import DEFAULT_IMAGE_SIZE
+
+    configured = getattr(getattr(model, "config", None), "image_size", None)
+    if isinstance(configured, (list, tuple)):  # some configs give (height, width)
+        configured = configured[0]
+    return workload.image_size or (configured if isinstance(configured, int) else DEFAULT_IMAGE_SIZE)
 
 
 def auto_class(task: str) -> Any:
     """The Transformers Auto class that builds a model for ``task``."""
     from transformers import (
         AutoModelForCausalLM,
+        AutoModelForImageClassification,
         AutoModelForMaskedLM,
+        AutoModelForSeq2SeqLM,
         AutoModelForSequenceClassification,
     )
 
-    return {"causal-lm": AutoModelForCausalLM, "masked-lm": AutoModelForMaskedLM}.get(
+    return {"causal-lm": AutoModelForCausalLM, "masked-lm": AutoModelForMaskedLM,
+            "seq2seq-lm": AutoModelForSeq2SeqLM, "image-cls": AutoModelForImageClassification}.get(
         task, AutoModelForSequenceClassification)
 
 
-def _check_seq_len(config: Any, seq_len: int) -> None:
+def _check_seq_len(config: Any, seq_len: int, flag: str = "--seq-len") -> None:
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if limit is not None and seq_len > limit:
-        raise WorkloadError(f"--seq-len {seq_len} is longer than the model's {limit} positions; "
-                            f"use --seq-len {limit} or less")
+        raise WorkloadError(f"{flag} {seq_len} is longer than the model's {limit} positions; "
+                            f"use {flag} {limit} or less")
 
 
-def call_factory(ref: str, *, task: str, seq_len: int) -> torch.nn.Module:
+def call_factory(ref: str, *, task: str, seq_len: int) -> tuple[torch.nn.Module, MakeBatch | None]:
+    """The factory's model, and its ``make_batch`` when it returned ``(model, make_batch)``."""
     import torch
 
     module_name, function_name = ref.split(":")
@@ -218,10 +277,13 @@ def call_factory(ref: str, *, task: str, seq_len: int) -> torch.nn.Module:
     offered = {"task": task, "seq_len": seq_len}
     params = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    model = factory(**{k: v for k, v in offered.items() if takes_any or k in params})
-    if not isinstance(model, torch.nn.Module):
-        raise WorkloadError(f"--model {ref} returned {type(model).__name__}, not a torch.nn.Module")
-    return model
+    built = factory(**{k: v for k, v in offered.items() if takes_any or k in params})
+    if isinstance(built, torch.nn.Module):
+        return built, None
+    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], torch.nn.Module) and callable(built[1]):
+        return built
+    raise WorkloadError(f"--model {ref} returned {type(built).__name__}, not a torch.nn.Module or "
+                        "(model, make_batch)")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -236,7 +298,7 @@ def meta_model(workload: Workload, task: str) -> torch.nn.Module:
     source = parse_model_source(workload.model)
     if source.kind == "factory":
         with torch.device("meta"):
-            return call_factory(source.ref, task=task, seq_len=workload.seq_len)
+            return call_factory(source.ref, task=task, seq_len=workload.seq_len)[0]
     return build_model(workload, task=task, device=torch.device("meta"))
 
 

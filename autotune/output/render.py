@@ -20,11 +20,11 @@ def _num(value: float | None, fmt: str = "{:,.1f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def _figure(tokens_per_s: float | None, spread: float | None) -> str:
+def _figure(figure: float | None, spread: float | None) -> str:
     """tokens/s, with the step times' spread where they never settled (an uncertain figure)."""
-    if tokens_per_s is None or not unsettled(spread):
-        return _num(tokens_per_s)
-    return f"{_num(tokens_per_s)} ±{spread / 2:.0%}"
+    if figure is None or not unsettled(spread):
+        return _num(figure)
+    return f"{_num(figure)} ±{spread / 2:.0%}"
 
 
 def _unsettled_why(spread: float) -> str:
@@ -42,8 +42,8 @@ def print_trial(workload: Workload, result: TrialResult, *, console: Console | N
     phases = result.phases
     rows = [
         ("status", result.status.value),
-        ("tokens/s", _num(result.tokens_per_s)),
-        ("samples/s", _num(result.samples_per_s, "{:,.2f}")),
+        (result.throughput_unit, _num(result.throughput)),
+        *([("samples/s", _num(result.samples_per_s, "{:,.2f}"))] if result.throughput_unit == "tokens/s" else []),
         ("step time (median, IQR)", "-" if result.step_time_median_s is None else
          f"{result.step_time_median_s * 1000:.1f} ms, IQR {result.step_time_iqr_s * 1000:.1f} ms"
          + ("" if result.step_time_spread is None else f" ({result.step_time_spread:.0%} of the median)")),
@@ -90,20 +90,21 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
     w = summary.workload
     console.print(f"study [bold]{summary.name}[/] in {summary.storage}", highlight=False)
     what = f"the command `{' '.join(summary.command)}`" if summary.command else w.model
-    console.print(f"  {what}, seq {w.seq_len}, global batch {w.global_batch}, {w.nproc} rank(s) on "
+    console.print(f"  {what}, seq {w.seq_len}{f' -> {w.target_len}' if w.target_len else ''}, global batch {w.global_batch}, {w.nproc} rank(s) on "
                   f"{summary.device.get('name')} ({summary.device.get('type')}); budget "
                   f"{format_size(summary.memory_budget_bytes)}, fits under {format_size(summary.memory_limit_bytes)}; "
                   f"space {summary.space}", highlight=False)
     if all_trials:
         table = Table(show_edge=False)
-        for column in ("#", "config", "status", "tokens/s", "peak memory", "fits", "re-run"):
-            table.add_column(column, justify="right" if column in ("#", "tokens/s", "peak memory") else "left")
+        unit = summary.throughput_unit
+        for column in ("#", "config", "status", unit, "peak memory", "fits", "re-run"):
+            table.add_column(column, justify="right" if column in ("#", unit, "peak memory") else "left")
         for t in summary.trials:
             rerun = "-" if t.confirmed is None else (
-                f"{_num(t.confirmed_tokens_per_s)} tok/s" if t.confirmed else "refuted")
+                f"{_num(t.confirmed_throughput)} {unit}" if t.confirmed else "refuted")
             peak = format_size(t.peak_memory_bytes) if t.status != "skipped" else \
                 f"{format_size(t.predicted_peak_bytes)} (predicted)"
-            table.add_row(str(t.number), t.config.describe(), t.status, _figure(t.tokens_per_s, t.step_time_spread), peak,
+            table.add_row(str(t.number), t.config.describe(), t.status, _figure(t.throughput, t.step_time_spread), peak,
                           "yes" if t.fits else "no", rerun)
         console.print(table)
     if all_trials and any(t.status == "ok" and unsettled(t.step_time_spread) for t in summary.trials):
@@ -118,8 +119,9 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
                   highlight=False)
     if summary.certainty:
         console.print(f"  how sure: {summary.certainty}", highlight=False, markup=False)
-    console.print(f"  {_num(best.confirmed_tokens_per_s)} tokens/s, {_num(best.confirmed_samples_per_s, '{:,.2f}')} "
-                  f"samples/s, peak {format_size(best.confirmed_peak_memory_bytes)} of "
+    samples = f", {_num(best.confirmed_samples_per_s, '{:,.2f}')} samples/s" \
+        if best.throughput_unit == "tokens/s" else ""
+    console.print(f"  {_num(best.confirmed_throughput)} {best.throughput_unit}{samples}, peak {format_size(best.confirmed_peak_memory_bytes)} of "
                   f"{format_size(summary.memory_budget_bytes)}; accumulation "
                   f"{best.config.grad_accum_steps(summary.workload)}", highlight=False)
     console.print(f"  trains: {_trains(best.config, summary.workload)}", highlight=False)
@@ -199,9 +201,9 @@ class ConsoleProgress:
 
     def trial_finished(self, *, record: TrialRecord, best: TrialRecord | None, elapsed_s: float) -> None:
         self._stop_spinner()
-        figure = f"{_num(record.tokens_per_s)} tokens/s" if record.tokens_per_s is not None else "no figure"
+        figure = f"{_num(record.throughput)} {record.throughput_unit}" if record.throughput is not None else "no figure"
         fit = "" if record.status != "ok" else ("" if record.fits else ", over the memory limit")
-        best_text = f"{best.config.describe()} at {_num(best.tokens_per_s)} tokens/s" if best else "none fits yet"
+        best_text = f"{best.config.describe()} at {_num(best.throughput)} {best.throughput_unit}" if best else "none fits yet"
         warning = f" (uncertain: {_unsettled_why(record.step_time_spread)})" if unsettled(record.step_time_spread) else ""
         self._say(f"  -> {record.status}: {figure}, peak {format_size(record.peak_memory_bytes)}{fit}; "
                   f"best so far {best_text}; {elapsed_s:.0f} s elapsed{warning}")

@@ -120,7 +120,7 @@ def _header_html(summary: StudySummary) -> str:
     measured = summary.n_trials
     rows = [
         ("model", f"{w.model} ({w.task or 'task inferred from the model'})"),
-        ("workload", f"seq_len {w.seq_len}, global batch {w.global_batch}, {w.nproc} rank(s) per trial, "
+        ("workload", f"seq_len {w.seq_len}{f', target_len {w.target_len}' if w.target_len else ''}, global batch {w.global_batch}, {w.nproc} rank(s) per trial, "
                      f"{w.optimizer}"),
         ("device", _describe_device(summary.device)),
         ("memory", f"budget {format_size(summary.memory_budget_bytes)}, limit "
@@ -153,7 +153,7 @@ def _best_html(best: TrialRecord | None, workload: Workload) -> str:
     trains = what_is_trained(best.config, workload)
     return (
         f'<p class="best">Best: <strong>{_esc(best.config.describe())}</strong> (trial {best.number}): '
-        f"{_esc(_num(best.confirmed_tokens_per_s))} tokens/s confirmed, peak memory "
+        f"{_esc(_num(best.confirmed_throughput))} {best.throughput_unit} confirmed, peak memory "
         f"{_esc(format_size(best.confirmed_peak_memory_bytes))}. Trains: {_esc(trains['note'])}.</p>"
     )
 
@@ -170,7 +170,7 @@ def _memory_note(summary: StudySummary) -> str:
 def _trials_table(summary: StudySummary) -> str:
     if not summary.trials:
         return '<p class="note">No trials yet.</p>'
-    head = ("number", "config", "status", "tokens/s", "peak memory", "fits", "confirmed", "error (last line)")
+    head = ("number", "config", "status", summary.throughput_unit, "peak memory", "fits", "confirmed", "error (last line)")
     best_number = summary.best.number if summary.best is not None else None
     rows = []
     for t in _by_number(summary.trials):
@@ -178,7 +178,7 @@ def _trials_table(summary: StudySummary) -> str:
             f'<td class="num">{t.number}</td>',
             f"<td>{_esc(t.config.describe())}</td>",
             f"<td>{_esc(t.status)}</td>",
-            f'<td class="num">{_esc(_num(t.tokens_per_s))}</td>',
+            f'<td class="num">{_esc(_num(t.throughput))}</td>',
             f'<td class="num">{_esc(format_size(t.peak_memory_bytes))}</td>',
             f"<td>{'yes' if t.fits else 'no'}</td>",
             f"<td>{_esc(_confirmed(t))}</td>",
@@ -196,9 +196,9 @@ def _confirmed(t: TrialRecord) -> str:
     if not t.confirmed:
         if t.confirmed_peak_memory_bytes is None:
             return "refuted: the re-run did not train"
-        return (f"refuted: the re-run read {_num(t.confirmed_tokens_per_s)} tokens/s, "
+        return (f"refuted: the re-run read {_num(t.confirmed_throughput)} {t.throughput_unit}, "
                 f"{format_size(t.confirmed_peak_memory_bytes)}")
-    return f"yes: {_num(t.confirmed_tokens_per_s)} tokens/s, {format_size(t.confirmed_peak_memory_bytes)}"
+    return f"yes: {_num(t.confirmed_throughput)} {t.throughput_unit}, {format_size(t.confirmed_peak_memory_bytes)}"
 
 
 def _num(value: float | None) -> str:
@@ -233,7 +233,7 @@ def _plot_text(value: Any) -> str:
 
 def _hover(t: TrialRecord) -> str:
     lines = [f"trial {t.number}: {t.config.describe()}", f"status: {t.status}",
-             f"tokens/s: {_num(t.tokens_per_s)}", f"peak memory: {format_size(t.peak_memory_bytes)}",
+             f"{t.throughput_unit}: {_num(t.throughput)}", f"peak memory: {format_size(t.peak_memory_bytes)}",
              f"fits: {'yes' if t.fits else 'no'}"]
     if t.confirmed is not None:
         lines.append(f"confirmed: {_confirmed(t)}")
@@ -247,7 +247,7 @@ def _group(t: TrialRecord) -> tuple[str, tuple[str, str]]:
     colour, symbol = _STATUS_STYLE.get(t.status, _OTHER_STYLE)
     if t.confirmed is False:    # fitted once, then its re-run did not fit or did not train
         return REFUTED_LABEL, _REFUTED_STYLE
-    if t.tokens_per_s is not None and not t.fits:
+    if t.throughput is not None and not t.fits:
         return f"{t.status}, over the memory limit", (colour, _OVER_LIMIT_SYMBOL)
     return t.status, (colour, symbol)
 
@@ -309,20 +309,20 @@ def _best_in_trials(summary: StudySummary) -> TrialRecord | None:
 
 
 def _throughput_figure(summary: StudySummary) -> go.Figure:
-    """Tokens/s by trial number; trials without a figure sit on the x axis, never at an invented height."""
+    """Throughput (tokens/s, images/s...) by trial number; trials without a figure sit on the x axis, never at an invented height."""
     import plotly.graph_objects as go
 
-    measured = [t for t in summary.trials if t.tokens_per_s is not None]
-    failed = [t for t in summary.trials if t.tokens_per_s is None]
-    fig = go.Figure(layout=_base_layout(title=THROUGHPUT_TITLE, x_title="trial number", y_title="tokens/s"))
-    for trace in _scatter_traces(measured, x=lambda t: t.number, y=lambda t: t.tokens_per_s):
+    measured = [t for t in summary.trials if t.throughput is not None]
+    failed = [t for t in summary.trials if t.throughput is None]
+    fig = go.Figure(layout=_base_layout(title=THROUGHPUT_TITLE, x_title="trial number", y_title=summary.throughput_unit))
+    for trace in _scatter_traces(measured, x=lambda t: t.number, y=lambda t: t.throughput):
         fig.add_trace(trace)
     for trace in _scatter_traces(failed, x=lambda t: t.number, y=lambda t: 0, suffix=" (no throughput)"):
         fig.add_trace(trace)
     best = _best_in_trials(summary)
-    ys = [t.tokens_per_s for t in measured]
+    ys = [t.throughput for t in measured]
     if best is not None:
-        y = best.tokens_per_s if best.tokens_per_s is not None else best.confirmed_tokens_per_s
+        y = best.throughput if best.throughput is not None else best.confirmed_throughput
         if y is not None:
             fig.add_trace(_best_trace(best, x=best.number, y=y))
             ys.append(y)
@@ -334,16 +334,16 @@ def _throughput_figure(summary: StudySummary) -> go.Figure:
 
 
 def _memory_figure(summary: StudySummary) -> go.Figure:
-    """Tokens/s against peak MiB, with the budget and the limit drawn; OOM trials sit on the x axis."""
+    """Throughput against peak MiB, with the budget and the limit drawn; OOM trials sit on the x axis."""
     import plotly.graph_objects as go
 
     budget_mib = summary.memory_budget_bytes / _MIB
-    both = [t for t in summary.trials if t.tokens_per_s is not None and t.peak_memory_bytes is not None]
-    peak_only = [t for t in summary.trials if t.tokens_per_s is None and t.peak_memory_bytes is not None]
+    both = [t for t in summary.trials if t.throughput is not None and t.peak_memory_bytes is not None]
+    peak_only = [t for t in summary.trials if t.throughput is None and t.peak_memory_bytes is not None]
     oom_no_peak = [t for t in summary.trials
-                   if t.status == "oom" and t.tokens_per_s is None and t.peak_memory_bytes is None]
-    fig = go.Figure(layout=_base_layout(title=MEMORY_TITLE, x_title="peak memory (MiB)", y_title="tokens/s"))
-    for trace in _scatter_traces(both, x=lambda t: t.peak_memory_bytes / _MIB, y=lambda t: t.tokens_per_s):
+                   if t.status == "oom" and t.throughput is None and t.peak_memory_bytes is None]
+    fig = go.Figure(layout=_base_layout(title=MEMORY_TITLE, x_title="peak memory (MiB)", y_title=summary.throughput_unit))
+    for trace in _scatter_traces(both, x=lambda t: t.peak_memory_bytes / _MIB, y=lambda t: t.throughput):
         fig.add_trace(trace)
     for trace in _scatter_traces(peak_only, x=lambda t: t.peak_memory_bytes / _MIB, y=lambda t: 0,
                                  suffix=" (no throughput)"):
@@ -352,10 +352,10 @@ def _memory_figure(summary: StudySummary) -> go.Figure:
                                  suffix=" (no peak recorded: drawn at the budget)"):
         fig.add_trace(trace)
     best = _best_in_trials(summary)
-    if best is not None and best.tokens_per_s is not None and best.peak_memory_bytes is not None:
-        fig.add_trace(_best_trace(best, x=best.peak_memory_bytes / _MIB, y=best.tokens_per_s))
+    if best is not None and best.throughput is not None and best.peak_memory_bytes is not None:
+        fig.add_trace(_best_trace(best, x=best.peak_memory_bytes / _MIB, y=best.throughput))
     _add_memory_lines(fig, budget=summary.memory_budget_bytes, limit=summary.memory_limit_bytes)
-    fig.update_yaxes(range=_padded_y_range(t.tokens_per_s for t in both))
+    fig.update_yaxes(range=_padded_y_range(t.throughput for t in both))
     return fig
 
 
@@ -387,7 +387,7 @@ def _varied_importances(summary: StudySummary) -> tuple[dict[str, float] | None,
 
     values: dict[str, set[Any]] = {}
     for t in summary.trials:
-        if t.status == "ok" and t.tokens_per_s is not None:
+        if t.status == "ok" and t.throughput is not None:
             for name, value in SearchSpace.params_of(t.config).items():
                 values.setdefault(name, set()).add(value)
     # A name the trials do not show (not one of the tuner's parameters) is kept: nothing says it stayed put.
@@ -412,7 +412,7 @@ def _importance_figure(importances: dict[str, float] | None) -> go.Figure | None
                marker={"color": "#1f77b4"}, hovertemplate="%{y}: %{x:.1%}<extra></extra>"),
         layout={"title": {"text": IMPORTANCE_TITLE}, "template": "plotly_white",
                 "height": max(240, 60 + 40 * len(ranked)),
-                "xaxis": {"title": {"text": "share of tokens/s variance (fANOVA)"}, "tickformat": ".0%"}},
+                "xaxis": {"title": {"text": "share of throughput variance (fANOVA)"}, "tickformat": ".0%"}},
     )
     return fig
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from autotune.config.workload import CLASSIFIER_TASKS
 from autotune.errors import ConfigError, WorkloadError
 from autotune.models.sources import meta_model, model_type, parse_model_source
 from autotune.prepare.model_facts import factory_facts, linear_layers_but_heads
@@ -42,7 +43,8 @@ class LoraTargets:
         return {"target_modules": targets, "modules_to_save": extra or None, "task_type": self.task_type}
 
 
-_PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS"}  # PEFT has no masked-LM type
+# PEFT has no masked-LM type: a masked LM's LoRA is a plain PeftModel.
+_PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS", "seq2seq-lm": "SEQ_2_SEQ_LM"}
 
 
 def lora_targets(workload: Workload, targets: tuple[str, ...] | None, *, task: str,
@@ -63,7 +65,8 @@ def lora_targets(workload: Workload, targets: tuple[str, ...] | None, *, task: s
         return LoraTargets(tuple(targets), None, task_type, note)
     defaults = _peft_default_targets(model_type(workload))
     if defaults is not None:  # named here: PEFT's own lookup fails on some (Mixtral under transformers 5)
-        return LoraTargets(defaults, None, task_type, note)
+        # PEFT has no image task type: its recipe names the classifier to train in full.
+        return LoraTargets(defaults, ("classifier",) if task == "image-cls" else None, task_type, note)
     if model is not None:
         found, heads = linear_layers_but_heads(model, task=task)
     elif source.kind == "factory":
@@ -77,7 +80,7 @@ def lora_targets(workload: Workload, targets: tuple[str, ...] | None, *, task: s
     if not found:
         raise WorkloadError(f"--lora-rank: the model from --model {workload.model} has no linear layer besides "
                             "its task head to adapt; name the modules with --lora-targets")
-    return LoraTargets(found, heads if task == "seq-cls" and heads else None, task_type, note)
+    return LoraTargets(found, heads if task in CLASSIFIER_TASKS and heads else None, task_type, note)
 
 
 def lora_targets_note(workload: Workload, targets: tuple[str, ...] | None, *, task: str) -> str:

@@ -9,6 +9,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from autotune.config.workload import CLASSIFIER_TASKS
 from autotune.models.sources import (
     auto_class,
     load_hf_config,
@@ -94,7 +95,7 @@ def linear_layers_but_heads(model: torch.nn.Module, *, task: str) -> tuple[tuple
     leaves = {head.rpartition(".")[2] for head in head_names}
     # A classifier trains in full: PEFT wraps every module whose name *ends with* a modules_to_save
     # name (its SEQ_CLS adds classifier and score), DistilBERT's pre_classifier included.
-    saved = leaves | {"classifier", "score"} if task == "seq-cls" else set()
+    saved = leaves | {"classifier", "score"} if task in CLASSIFIER_TASKS else set()
     targets = set()
     for name, module in model.named_modules():
         in_head = any(name == head or name.startswith(head + ".") for head in head_names)

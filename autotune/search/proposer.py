@@ -89,11 +89,11 @@ class Proposer:
     def _ranked_proposal(self, records: list[TrialRecord], open_configs: list[TrialConfig],
                          fitting: list[TrialConfig], too_big: list[TrialConfig]) -> TrialConfig | None:
         model = ThroughputModel(self.params_of, self.precision_speed, self._recompute_factor).fit(
-            [(r.config, r.tokens_per_s) for r in records if r.status == "ok" and r.tokens_per_s])
+            [(r.config, r.throughput) for r in records if r.status == "ok" and r.throughput])
         order = {c: i for i, c in enumerate(self.candidates)}
         ranked = sorted(open_configs, key=lambda c: (-model.predict(c), order[c]))
         threshold = self._threshold(records)
-        best = max((r.tokens_per_s or 0.0 for r in records if r.fits), default=0.0)
+        best = max((r.throughput or 0.0 for r in records if r.fits), default=0.0)
         # The device probe measured each precision's speed here: that is evidence, not a prior.
         probed = {("precision", repr(p)) for p in self.precision_speed or {}}
         unmeasured = self.unmeasured_values(records) - probed

@@ -313,7 +313,7 @@ def _measure_in_study(study: optuna.Study, trial: optuna.Trial, config: TrialCon
     if result.ok:
         trial.set_constraint("memory", (peak / limit - 1) if peak is not None else 0.0)
         trial.set_constraint(ANSWER_CONSTRAINT, 1.0)  # a measurement; only a confirmed answer is feasible
-        study.tell(trial, result.tokens_per_s)
+        study.tell(trial, result.throughput)
     elif result.status in (TrialStatus.OOM, TrialStatus.TIMEOUT):
         if result.status is TrialStatus.OOM:
             trial.set_constraint("memory", max(peak or 0, measure.memory_budget_bytes) / limit - 1)
@@ -547,7 +547,7 @@ def _rounds_agree(contenders: list[TrialRecord], runs: dict[int, list[TrialResul
     if len(scores) < 2:
         return True
     leader = max(scores, key=scores.__getitem__)
-    return all((runs[leader][i].tokens_per_s or 0.0) > (runs[n][i].tokens_per_s or 0.0)
+    return all((runs[leader][i].throughput or 0.0) > (runs[n][i].throughput or 0.0)
                for n in scores if n != leader for i in range(rounds))
 
 
@@ -563,8 +563,8 @@ def _paired_scores(held: list[TrialRecord], runs: dict[int, list[TrialResult]]) 
     for record in held:
         paired = []
         for i in range(rounds):
-            round_mean = statistics.geometric_mean([runs[r.number][i].tokens_per_s or 1e-9 for r in held])
-            paired.append((runs[record.number][i].tokens_per_s or 0.0) / round_mean)
+            round_mean = statistics.geometric_mean([runs[r.number][i].throughput or 1e-9 for r in held])
+            paired.append((runs[record.number][i].throughput or 0.0) / round_mean)
         scores[record.number] = statistics.median(paired) if paired else 0.0
     return scores, rounds
 
@@ -574,9 +574,9 @@ def _contenders(records: list[TrialRecord]) -> list[TrialRecord]:
     ranked = ranking(records)
     if not ranked:
         return []
-    by_first = sorted(ranked, key=lambda r: -(r.tokens_per_s or 0.0))
-    top = by_first[0].tokens_per_s or 0.0
-    close = [r for r in by_first if (r.tokens_per_s or 0.0) >= (1 - CONTENDER_BAND) * top][:MAX_CONTENDERS]
+    by_first = sorted(ranked, key=lambda r: -(r.throughput or 0.0))
+    top = by_first[0].throughput or 0.0
+    close = [r for r in by_first if (r.throughput or 0.0) >= (1 - CONTENDER_BAND) * top][:MAX_CONTENDERS]
     answer = [r for r in ranked[:1] if r.decided_rank == 0 and r not in close]
     return answer + close
 
@@ -593,18 +593,20 @@ def _store_decision(study: optuna.Study, proposer: Proposer, contenders: list[Tr
     confirmations = {}
     for record in contenders:
         results = runs[record.number]
-        figures = [x.tokens_per_s for x in results if x.tokens_per_s]
+        tokens = [x.tokens_per_s for x in results if x.tokens_per_s]
         samples = [x.samples_per_s for x in results if x.samples_per_s]
+        figures = [x.throughput for x in results if x.throughput]
         peaks = [x.peak_memory_bytes for x in results if x.peak_memory_bytes is not None]
         failed = next((x for x in results if not _holds(x, limit)), None)
         confirmations[record.number] = {
             "confirmed": record.number in scores,
             "status": (failed or results[-1]).status.value if results else "not run",
-            "tokens_per_s": statistics.median(figures) if figures else None,
+            "tokens_per_s": statistics.median(tokens) if tokens else None,
             "samples_per_s": statistics.median(samples) if samples else None,
+            "throughput": statistics.median(figures) if figures else None,
             "peak_memory_bytes": max(peaks) if peaks else None,
             "measured_steps": sum(x.measured_steps for x in results),
-            "runs_tokens_per_s": [x.tokens_per_s for x in results],
+            "runs_throughput": [x.throughput for x in results],
             "error": failed.error if failed is not None else None,
         }
         study.set_user_attr(f"{CONFIRM_PREFIX}{record.number}", confirmations[record.number])
@@ -627,7 +629,7 @@ def _certainty(order: list[int], runs: dict[int, list[TrialResult]], rounds: int
         return "the only candidate that held up on its re-run" if len(by_number) > 1 else \
             "the one candidate; re-run to check it fits, no runner-up close enough to compare"
     winner, runner_up = order[0], order[1]
-    leads = [(runs[winner][i].tokens_per_s or 0.0) / (runs[runner_up][i].tokens_per_s or 1e-9) - 1
+    leads = [(runs[winner][i].throughput or 0.0) / (runs[runner_up][i].throughput or 1e-9) - 1
              for i in range(rounds)]
     wins = sum(lead > 0 for lead in leads)
     spread = f"{min(leads):+.0%} to {max(leads):+.0%}" if len(leads) > 1 else f"{leads[0]:+.0%}"
@@ -648,7 +650,7 @@ def _record_answer(study: optuna.Study, proposer: Proposer, record: TrialRecord,
     trial.set_user_attr("status", "answer")
     trial.set_constraint("memory", confirmation["peak_memory_bytes"] / limit - 1)
     trial.set_constraint(ANSWER_CONSTRAINT, 0.0)
-    study.tell(trial, confirmation["tokens_per_s"], state=TrialState.COMPLETE)
+    study.tell(trial, confirmation["throughput"], state=TrialState.COMPLETE)
 
 
 # -- checks --------------------------------------------------------------------------------------
@@ -678,8 +680,8 @@ def _patience_spent(records: list[TrialRecord], patience: int | None) -> bool:
 def _since_improvement(done: list[TrialRecord]) -> int:
     best, since = 0.0, 0
     for record in sorted(done, key=lambda r: r.number):
-        if record.fits and (record.tokens_per_s or 0.0) > best:
-            best, since = record.tokens_per_s or 0.0, 0
+        if record.fits and (record.throughput or 0.0) > best:
+            best, since = record.throughput or 0.0, 0
         else:
             since += 1
     return since

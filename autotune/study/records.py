@@ -27,6 +27,7 @@ from autotune.study.storage import (
 )
 from autotune.study.stored_facts import FACTS_KEY, remember
 from autotune.study.summary import StudySummary, TrialRecord
+from autotune.trial.result import TOKENS_PER_S
 
 if TYPE_CHECKING:
     import optuna
@@ -137,6 +138,7 @@ def records_of(study: optuna.Study | StoredStudy) -> list[TrialRecord]:
             status=status,
             tokens_per_s=result.get("tokens_per_s"),
             samples_per_s=result.get("samples_per_s"),
+            throughput_unit=result.get("throughput_unit") or TOKENS_PER_S,
             peak_memory_bytes=peak,
             fits=status == "ok" and peak is not None and peak <= limit,
             duration_s=(trial.datetime_complete - trial.datetime_start).total_seconds()
@@ -161,7 +163,7 @@ def ranking(records: list[TrialRecord]) -> list[TrialRecord]:
     (every trial measured the same way; a longer re-run on a busy machine reads lower).
     """
     candidates = [r for r in records if r.fits and r.confirmed is not False]
-    return sorted(candidates, key=lambda r: (r.decided_rank is None, r.decided_rank or 0, -(r.tokens_per_s or 0.0)))
+    return sorted(candidates, key=lambda r: (r.decided_rank is None, r.decided_rank or 0, -(r.throughput or 0.0)))
 
 
 def retire_answers(study: optuna.Study) -> None:

@@ -96,14 +96,16 @@ def _stored_lora(config: TrialConfig, workload: Workload) -> dict[str, Any] | No
 
 
 def _lora_where(targets: tuple[str, ...] | None, workload: Workload) -> tuple[str, bool] | None:
+    from autotune.config.workload import CLASSIFIER_TASKS
     from autotune.errors import AutotuneError
     from autotune.models.sources import parse_model_source, resolve_task
     from autotune.prepare.lora import lora_targets_note
 
     try:
         task = resolve_task(workload)
-        # PEFT's SEQ_CLS trains the classifier; a factory's plain module only on the default targets.
-        head = task == "seq-cls" and (targets is None or parse_model_source(workload.model).kind != "factory")
+        # A classifier's head trains in full (PEFT's SEQ_CLS, or modules_to_save for images); a
+        # factory's plain module only on the default targets.
+        head = task in CLASSIFIER_TASKS and (targets is None or parse_model_source(workload.model).kind != "factory")
         return lora_targets_note(workload, targets, task=task), head
     except AutotuneError:  # e.g. a Hub model no longer cached here: say less rather than fail
         return None

@@ -14,6 +14,7 @@ from typing import Any
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.study.stored_facts import lora_where
+from autotune.trial.result import TOKENS_PER_S, pick_throughput
 
 __all__ = ["TrialRecord", "StudySummary", "what_is_trained"]
 
@@ -28,6 +29,7 @@ class TrialRecord:
     status: str
     tokens_per_s: float | None = None
     samples_per_s: float | None = None
+    throughput_unit: str = TOKENS_PER_S         # of throughput: tokens/s, images/s or samples/s
     peak_memory_bytes: int | None = None
     fits: bool = False                          # ok and its peak is under the memory limit
     duration_s: float | None = None             # wall time of the whole trial (start-up included)
@@ -41,6 +43,15 @@ class TrialRecord:
     decided_rank: int | None = None             # place in the interleaved confirmation (0: the answer)
     step_time_spread: float | None = None       # IQR / median of its step times (0.1 = within 10%)
 
+    @property
+    def throughput(self) -> float | None:
+        """Its first measured figure, in ``throughput_unit``: what the tuner maximised."""
+        return pick_throughput(self.throughput_unit, self.tokens_per_s, self.samples_per_s)
+
+    @property
+    def confirmed_throughput(self) -> float | None:
+        return pick_throughput(self.throughput_unit, self.confirmed_tokens_per_s, self.confirmed_samples_per_s)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "number": self.number,
@@ -49,6 +60,7 @@ class TrialRecord:
             "status": self.status,
             "tokens_per_s": self.tokens_per_s,
             "samples_per_s": self.samples_per_s,
+            "throughput_unit": self.throughput_unit,
             "peak_memory_bytes": self.peak_memory_bytes,
             "fits": self.fits,
             "duration_s": self.duration_s,
@@ -81,6 +93,11 @@ class StudySummary:
     command: list[str] | None = None            # script mode: the user's training command each trial ran
 
     @property
+    def throughput_unit(self) -> str:
+        """What its trials measured: tokens/s, images/s or samples/s."""
+        return next((t.throughput_unit for t in self.trials if t.throughput is not None), TOKENS_PER_S)
+
+    @property
     def n_trials(self) -> int:
         """Trials that measured something (interrupted, running and skipped ones are not counted)."""
         return sum(t.status not in ("interrupted", "running", "skipped") for t in self.trials)
@@ -95,6 +112,7 @@ class StudySummary:
                 "status": self.best.status,
                 "tokens_per_s": self.best.confirmed_tokens_per_s,
                 "samples_per_s": self.best.confirmed_samples_per_s,
+                "throughput_unit": self.best.throughput_unit,
                 "peak_memory_bytes": self.best.confirmed_peak_memory_bytes,
                 "first_measured_tokens_per_s": self.best.tokens_per_s,
                 "trains": what_is_trained(self.best.config, self.workload),

@@ -95,6 +95,7 @@ def _train(spec: dict[str, Any], record: dict[str, Any], *, workload: Any, confi
            device: Any, world_size: int, peak_so_far: Any) -> None:
     from autotune.trial.engine import build_engine
     from autotune.trial.measure import time_steps
+    from autotune.trial.result import TOKENS_PER_S
 
     begin = time.perf_counter()
     engine = build_engine(workload=workload, config=config, task=spec["task"], device=device,
@@ -116,9 +117,11 @@ def _train(spec: dict[str, Any], record: dict[str, Any], *, workload: Any, confi
     # Per optimizer step, from the median step: a few steps slowed by another process move a
     # mean, not a median (the spread says how much they disagreed).
     record["phases"].update(warmup_s=times.warmup_s, measure_s=times.total_s)
+    tokens_per_sample = workload.tokens_per_sample(spec["task"]) if engine.throughput_unit == TOKENS_PER_S else None
     record.update(
         samples_per_s=workload.global_batch / times.median_s,
-        tokens_per_s=workload.global_batch * workload.seq_len / times.median_s,
+        tokens_per_s=None if tokens_per_sample is None else workload.global_batch * tokens_per_sample / times.median_s,
+        throughput_unit=engine.throughput_unit,
         step_time_median_s=times.median_s,
         step_time_iqr_s=times.iqr_s,
         step_time_spread=times.spread,

@@ -15,8 +15,18 @@ import torch
 from autotune.config.deepspeed_config import LEARNING_RATE, deepspeed_config
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.models.batches import loss_of, model_attr, synthetic_batch
-from autotune.models.sources import build_model, parse_model_source
+from autotune.models.batches import (
+    factory_batch,
+    loss_of,
+    model_attr,
+    synthetic_batch,
+    throughput_unit,
+)
+from autotune.models.sources import (
+    build_model_and_batch,
+    image_size,
+    parse_model_source,
+)
 from autotune.prepare.apply import prepare
 from autotune.prepare.sharding import INIT_STD, parameters_on_meta
 from autotune.trial.memory import storages_of
@@ -28,14 +38,14 @@ __all__ = ["TrainingEngine", "build_engine"]
 class TrainingEngine:
     """Runs one optimizer step (all accumulation micro-steps) and reports model facts."""
 
-    def __init__(self, *, model: torch.nn.Module, config: TrialConfig, workload: Workload, task: str,
-                 device: torch.device) -> None:
+    def __init__(self, *, model: torch.nn.Module, batch: dict[str, Any], unit: str, config: TrialConfig,
+                 workload: Workload, device: torch.device) -> None:
         self.model = model
+        self.batch = batch  # one micro batch, fed at every micro-step
+        self.throughput_unit = unit  # tokens/s, images/s or samples/s: what the trial's figure counts
         self.config = config
         self.accum = config.grad_accum_steps(workload)
         self.device = device
-        self.batch = synthetic_batch(model, task=task, micro_batch=config.micro_batch,
-                                      seq_len=workload.seq_len, device=device)
         # ZeRO-3 partitions from the build on: a parameter's own numel is then 0, its ds_numel the whole.
         self.total_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         self.trainable_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
@@ -133,12 +143,18 @@ def build_engine(*, workload: Workload, config: TrialConfig, task: str, device: 
     # bf16-true builds in bf16: the build's peak is then the 16-bit model's, not an fp32 copy's.
     dtype = getattr(torch, config.sixteen_bit) if config.true_16_bit else None
     with _built_where_it_lives(workload, config, device):
-        model = build_model(workload, task=task, device=device, dtype=dtype)
+        model, make_batch = build_model_and_batch(workload, task=task, device=device, dtype=dtype)
     _random_partitions(model)
+    if make_batch is not None:  # the factory's own inputs, checked against the model it built
+        batch = factory_batch(make_batch, model, micro_batch=config.micro_batch, device=device, source=workload.model)
+    else:
+        batch = synthetic_batch(model, task=task, micro_batch=config.micro_batch, seq_len=workload.seq_len,
+                                target_len=workload.decoder_len, image_size=image_size(workload, model), device=device)
     # What a user's job applies the same way (FSDP's sharding last).
     model = prepare(model, config, workload=workload, task=task, device=device, mesh=mesh)
     model.train()
-    common = dict(model=model, config=config, task=task, device=device)
+    common = dict(model=model, batch=batch, unit=throughput_unit(task, own_batch=make_batch is not None),
+                  config=config, device=device)
     if config.uses_deepspeed:
         return DeepSpeedEngine(workload=workload, **common)
     return TorchEngine(workload=workload, world_size=world_size, **common)

@@ -12,7 +12,14 @@ from typing import Any
 
 from autotune.config.knobs import TrialConfig
 
-__all__ = ["TrialStatus", "PhaseTimings", "TrialResult"]
+__all__ = ["TrialStatus", "PhaseTimings", "TrialResult", "pick_throughput", "TOKENS_PER_S"]
+
+TOKENS_PER_S = "tokens/s"
+
+
+def pick_throughput(unit: str, tokens_per_s: float | None, samples_per_s: float | None) -> float | None:
+    """Tokens/s for text; a sample's own count (images/s, or samples/s for a factory's batch) else."""
+    return tokens_per_s if unit == TOKENS_PER_S else samples_per_s
 
 
 class TrialStatus(str, enum.Enum):
@@ -48,8 +55,9 @@ class PhaseTimings:
 class TrialResult:
     config: TrialConfig
     status: TrialStatus
-    tokens_per_s: float | None = None
+    tokens_per_s: float | None = None         # None where a sample is no sequence of tokens (images)
     samples_per_s: float | None = None
+    throughput_unit: str = "tokens/s"          # what the tuner maximises: tokens/s, images/s or samples/s
     step_time_median_s: float | None = None
     step_time_iqr_s: float | None = None       # spread: interquartile range of step times
     step_time_spread: float | None = None      # that range over the median: 0.1 = the middle half within 10%
@@ -79,6 +87,11 @@ class TrialResult:
     @property
     def ok(self) -> bool:
         return self.status is TrialStatus.OK
+
+    @property
+    def throughput(self) -> float | None:
+        """The figure the tuner maximises, in ``throughput_unit``."""
+        return pick_throughput(self.throughput_unit, self.tokens_per_s, self.samples_per_s)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -30,9 +30,9 @@ from autotune.trial.child import LAUNCH_TIME_ENV
 from autotune.trial.cpu_cores import free_cores
 from autotune.trial.failures import classify_exit, describe_exit
 from autotune.trial.lifeline import PARENT_PID_ENV
-from autotune.trial.result import PhaseTimings, TrialResult, TrialStatus
+from autotune.trial.result import TOKENS_PER_S, PhaseTimings, TrialResult, TrialStatus
 
-__all__ = ["run_trial", "DEFAULT_TRIAL_TIMEOUT_S", "run_process_group", "read_rank_records", "combine_records",
+__all__ = ["run_trial", "start_trial_server", "DEFAULT_TRIAL_TIMEOUT_S", "run_process_group", "read_rank_records", "combine_records",
            "stderr_tail_of"]
 
 DEFAULT_TRIAL_TIMEOUT_S = 600.0
@@ -58,6 +58,8 @@ def run_trial(workload: Workload, config: TrialConfig, *, memory_budget_bytes: i
     refusal = refusal_before_trial(workload, config, task)
     if refusal is not None:
         raise ConfigError(refusal)
+    if _SERVER.enabled():
+        _SERVER.wait_until_ready()  # its imports done before the free cores are read below
     spec = {
         "workload": workload.to_dict(),
         "config": config.to_dict(),
@@ -129,6 +131,7 @@ class _TrialServer:
 
     def __init__(self) -> None:
         self._process: subprocess.Popen[str] | None = None
+        self._ready = False     # it said it has imported everything
         self._refused = False   # it said it cannot fork safely (CUDA initialised): not asked again
 
     def enabled(self) -> bool:
@@ -139,12 +142,13 @@ class _TrialServer:
             env: dict[str, str]) -> tuple[int, bool] | None:
         """Fork the trial of ``work/spec.json``: its exit code, and whether it was killed on ``timeout_s``;
         None when the server is not there to fork it."""
-        process = self._running()
+        process = self.start()
         assert process.stdin is not None and process.stdout is not None
         request = {"spec": str(work / "spec.json"), "out": str(work), "env": env, "cwd": os.getcwd(),
                    "workload": spec["workload"], "nproc": spec["workload"]["nproc"]}
         started = time.monotonic()
         try:
+            self._wait_ready(process)
             process.stdin.write(json.dumps(request) + "\n")
             process.stdin.flush()
             pid = self._read(process, "pid", self.START_TIMEOUT_S)
@@ -191,13 +195,28 @@ class _TrialServer:
             raise _Refused(reply["error"])
         return int(reply[key])
 
-    def _running(self) -> subprocess.Popen[str]:
+    def start(self) -> subprocess.Popen[str]:
+        """The server process, started now (without waiting for its imports) if it is not running."""
         if self._process is None or self._process.poll() is not None:
             env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "autotune.trial.server"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=env)
+            self._ready = False
         return self._process
+
+    def wait_until_ready(self) -> None:
+        """Start the server if needed and wait until it has imported everything (it says "ready").
+        A server that died or refused is left for :meth:`run` to find out."""
+        try:
+            self._wait_ready(self.start())
+        except (TimeoutError, _ServerGone, _Refused):
+            self.close()
+
+    def _wait_ready(self, process: subprocess.Popen[str]) -> None:
+        if not self._ready:
+            self._read(process, "ready", self.START_TIMEOUT_S)
+            self._ready = True
 
     def close(self) -> None:
         if self._process is not None:
@@ -217,6 +236,14 @@ class _Refused(RuntimeError):
 
 _SERVER = _TrialServer()
 atexit.register(_SERVER.close)
+
+
+def start_trial_server() -> None:
+    """Start the trial server in the background now, so that its imports overlap the caller's own
+    work (a command's model and device checks) instead of following it; the first trial then finds
+    it ready. A command that stops before any trial takes it along at exit."""
+    if _SERVER.enabled():
+        _SERVER.start()
 
 
 def _kill_tree(pid: int) -> None:
@@ -288,10 +315,11 @@ def combine_records(config: TrialConfig, records: list[dict[str, Any] | None], *
     base = records[0] or (written[0] if written else {})
     peaks = [r.get("peak_memory_bytes") for r in written if r.get("peak_memory_bytes") is not None]
     fields: dict[str, Any] = {k: base.get(k) for k in (
-        "tokens_per_s", "samples_per_s", "step_time_median_s", "step_time_iqr_s", "step_time_spread",
+        "tokens_per_s", "samples_per_s", "throughput_unit", "step_time_median_s", "step_time_iqr_s", "step_time_spread",
         "disturbed_steps", "grad_accum_steps",
         "trainable_params", "total_params", "final_loss", "device", "cpu_threads", "eager_step_s",
         "compile_payoff_steps")}
+    fields["throughput_unit"] = fields["throughput_unit"] or TOKENS_PER_S  # a trial that died before saying
     cores = sorted({c for r in written for c in r.get("cpu_cores") or []})
     return TrialResult(
         config=config,

@@ -46,6 +46,7 @@ def serve() -> None:
 
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # stray prints must not land in the replies
+    _reply(replies, {"ready": 1})  # the runner measures a trial's free cores once these imports are done
     for line in sys.stdin:
         if line.strip():
             _serve_one(json.loads(line), replies)
@@ -114,12 +115,10 @@ def _preload_model_module(workload: dict[str, Any]) -> None:
         if source.kind == "factory" or workload.get("trust_remote_code"):
             return
         config = load_hf_config(source)
-        from transformers import (
-            AutoModelForCausalLM,
-            AutoModelForSequenceClassification,
-        )
+        from autotune.config.workload import TASKS
+        from autotune.models.sources import auto_class
 
-        for auto in (AutoModelForCausalLM, AutoModelForSequenceClassification):
+        for auto in {auto_class(task) for task in TASKS}:
             if type(config) in auto._model_mapping:
                 auto._model_mapping[type(config)]  # noqa: B018 - the lookup imports the module
     except Exception:  # noqa: BLE001 - the trial itself will report what is wrong with the model

@@ -45,6 +45,16 @@ def test_task_is_inferred_from_architectures(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "xlm-roberta", "architectures": ["XLMRobertaForMaskedLM"]}))
     assert resolve_task(Workload(model=str(tmp_path))) == "masked-lm"
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "mt5", "architectures": ["MT5ForConditionalGeneration"]}))
+    assert resolve_task(Workload(model=str(tmp_path))) == "seq2seq-lm"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bart"}))  # no architectures: the config says
+    assert resolve_task(Workload(model=str(tmp_path))) == "seq2seq-lm"
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "vit", "architectures": ["ViTForImageClassification"]}))
+    assert resolve_task(Workload(model=str(tmp_path))) == "image-cls"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "convnext"}))  # pixels in, no vocabulary
+    assert resolve_task(Workload(model=str(tmp_path))) == "image-cls"
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -108,3 +118,25 @@ def test_a_binary_file_is_refused_as_not_json(tmp_path):
     path.write_bytes(bytes(range(256)))
     with pytest.raises(WorkloadError, match=r"is not JSON \(not even text\)"):
         resolve_task(Workload(model=str(path)))
+
+
+# Parameter counts of the published checkpoints (their model cards and config.json): the presets are
+# these models' shapes, built on the meta device here, not downloaded.
+PUBLISHED_PARAMS = {
+    "t5-base": 222.9e6, "mt5-base": 582.4e6, "xlm-roberta-base": 278.3e6, "xlm-roberta-large": 560.1e6,
+    "distilbert-base": 67.0e6, "vit-base": 86.6e6, "resnet-50": 25.6e6,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_a_real_shape_preset_has_its_models_published_size(name):
+    import torch
+
+    from autotune.models.sources import build_model
+
+    model = build_model(Workload(model=f"builtin:{name}"), task=PRESETS[name].task, device=torch.device("meta"))
+    params = sum(p.numel() for p in model.parameters())
+    expected = PUBLISHED_PARAMS[name]
+    if name == "mt5-base" and model.config.tie_word_embeddings:  # Transformers 5 ties mT5's published untied head
+        expected -= model.config.vocab_size * model.config.d_model
+    assert params == pytest.approx(expected, rel=0.01), params

@@ -6,7 +6,10 @@ Small shapes keep each trial to a few seconds; nothing is mocked.
 from __future__ import annotations
 
 import math
+import re
+import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -90,13 +93,37 @@ def test_sequence_classifier_trains():
     assert r.trainable_params < r.total_params
 
 
-@pytest.mark.parametrize("knobs", [dict(), dict(checkpointing=True), dict(lora_rank=4)],
-                         ids=["plain", "checkpointing", "lora"])
-def test_a_masked_lm_trains(knobs):
-    r = trial(Workload(model="builtin:bert-mlm-tiny", seq_len=32, global_batch=4), micro_batch=2, **knobs)
+# masked-lm and seq2seq-lm trials (plain, checkpointing, LoRA) run in tests/estimate/test_estimator.py.
+def test_an_encoder_decoder_trains_on_its_source_and_target_tokens():
+    r = trial(Workload(model="builtin:t5-tiny", seq_len=32, target_len=8, global_batch=4), micro_batch=2)
     assert r.status is TrialStatus.OK, r.error
-    if "lora_rank" in knobs:
-        assert r.trainable_params < r.total_params
+    assert math.isfinite(r.final_loss)
+    assert r.tokens_per_s == pytest.approx(r.samples_per_s * (32 + 8))  # what tokens/s counts for it
+
+
+def test_an_image_classifier_counts_images_and_trains_its_head_under_lora():
+    r = trial(Workload(model="builtin:vit-tiny", image_size=64, global_batch=4), micro_batch=2, lora_rank=4)
+    assert r.status is TrialStatus.OK, r.error
+    assert r.throughput_unit == "images/s" and r.tokens_per_s is None
+    assert r.throughput == r.samples_per_s > 0
+    # LoRA on query and value... and the classifier, which a new task's head needs, trained in full.
+    assert 0 < r.trainable_params < r.total_params
+
+
+def test_the_readmes_factory_with_its_own_batch_is_fed_that_batch(tmp_path, monkeypatch):
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    example = re.search(r"```python\n( *# my_vision\.py.*?)\n *```", readme, re.S).group(1)
+    (tmp_path / "my_vision.py").write_text(textwrap.dedent(example))
+    monkeypatch.chdir(tmp_path)
+    r = trial(Workload(model="my_vision:convnet", global_batch=4), micro_batch=2)
+    assert r.status is TrialStatus.OK, r.error
+    assert r.throughput_unit == "samples/s" and r.tokens_per_s is None and r.samples_per_s > 0
+
+
+def test_a_make_batch_the_forward_cannot_take_is_an_error_naming_the_factory():
+    r = trial(Workload(model="factories:convnet_fed_tokens", global_batch=4), micro_batch=2)
+    assert r.status is TrialStatus.ERROR
+    assert "--model factories:convnet_fed_tokens: the model's forward cannot take make_batch's ['input_ids']" in r.error
 
 
 def test_a_custom_factory_trains():
