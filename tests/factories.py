@@ -36,8 +36,8 @@ def tiny(seq_len: int) -> torch.nn.Module:
 
 
 def slow_tiny() -> torch.nn.Module:
-    """Takes 5 s to build (a trial of a real model does too), so a test can stop one midway."""
-    time.sleep(5)
+    """Takes 3 s to build (a trial of a real model takes longer), so a test can stop one midway."""
+    time.sleep(3)
     return TinyLM()
 
 

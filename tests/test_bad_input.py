@@ -64,6 +64,8 @@ BAD_INPUTS = [
     (["trial", "--model", "builtin:vit-tiny", "--task", "seq-cls"], "takes images; use --task image-cls"),
     (["estimate", "--model", "builtin:vit-tiny", "--image-size", "0"], "--image-size 0 must be a whole number of pixels"),
     (["trial", "--image-size", "64"], "--image-size is the input of an image-cls task"),
+    (["estimate", "--model", "builtin:resnet-tiny", "--checkpointing", "on"],
+     "--checkpointing on: ResNetForImageClassification (--model builtin:resnet-tiny) does not support gradient"),
     # budgets
     (["trial", "--memory-budget", "lots"], "--memory-budget 'lots' is not a size"),
     (["tune", "--study", "kept", "--memory-budget", "0"], "--memory-budget"),

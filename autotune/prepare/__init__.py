@@ -65,4 +65,12 @@ def refusal_before_trial(workload: Workload, config: TrialConfig, task: str | No
         from autotune.prepare.checkpointing import every_n_refusal
 
         return every_n_refusal(workload)
+    if config.checkpointing:
+        from autotune.models.sources import parse_model_source
+        from autotune.prepare.checkpointing import missing_checkpointing
+
+        # A Hugging Face model's class says so from its config; a factory's model is asked by its trial.
+        missing = None if parse_model_source(workload.model).kind == "factory" else missing_checkpointing(workload)
+        if missing is not None:
+            return f"--checkpointing on: {missing}; use --checkpointing off"
     return None

@@ -50,7 +50,11 @@ def enable_checkpointing(model: torch.nn.Module, every: int = 1, *, source: str 
                           "gradient_checkpointing_enable(); add one or use --checkpointing off")
     # Non-reentrant checkpointing works with frozen inputs (LoRA) and with DeepSpeed.
     if every == 1:
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        try:
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        except ValueError as exc:  # Transformers: "... does not support activation checkpointing"
+            raise ConfigError(f"--checkpointing on: {str(exc).splitlines()[0]} ({source}); "
+                              "use --checkpointing off") from None
     else:
         try:
             enable(gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every)

@@ -56,3 +56,19 @@ def test_an_unsettled_figure_shows_its_spread_and_the_answer_says_how_sure_it_is
     text = _printed(_summary([noisy, steady], best=steady, certainty="clearly faster than the runner-up"))
     assert "1,000.0 ±20%" in text and "1,200.0 ±" not in text
     assert "how sure: clearly faster than the runner-up" in text
+
+
+def test_an_image_study_counts_images_and_ranks_by_them():
+    from autotune.study.records import ranking
+
+    slow = TrialRecord(number=0, config=TrialConfig(micro_batch=2), status="ok", samples_per_s=50.0,
+                       throughput_unit="images/s", peak_memory_bytes=10 * MIB, fits=True)
+    fast = TrialRecord(number=1, config=TrialConfig(micro_batch=4), status="ok", samples_per_s=80.0,
+                       throughput_unit="images/s", peak_memory_bytes=20 * MIB, fits=True, confirmed=True,
+                       confirmed_samples_per_s=78.0, decided_rank=0)
+    assert slow.tokens_per_s is None and fast.throughput == 80.0 and fast.confirmed_throughput == 78.0
+    assert ranking([slow, fast]) == [fast, slow]
+    summary = _summary([slow, fast], best=fast)
+    text = _printed(summary)
+    assert summary.throughput_unit == "images/s"
+    assert "images/s" in text and "78.0 images/s" in text and "tokens/s" not in text

@@ -168,7 +168,7 @@ def _wait_for_running_trial(work: Path, number: int, proc: subprocess.Popen[str]
             except KeyError:
                 study = None
             if study is not None and any(t.number == number and t.state is TrialState.RUNNING for t in study.trials):
-                time.sleep(2)  # well inside the trial: its process is building the model (5 s)
+                time.sleep(1)  # well inside the trial: its process is building the model (3 s)
                 return
         time.sleep(0.3)
     pytest.fail(f"trial {number} never started")
@@ -222,13 +222,7 @@ def test_ctrl_c_stops_cleanly_and_marks_the_interrupted_trial(tmp_path):
     assert trial.state is TrialState.FAIL and trial.user_attrs["status"] == "interrupted"
 
 
-def test_a_workload_that_always_fails_stops_after_two_trials(tmp_path):
-    proc = autotune("tune", "--study", "broken", "--model", "factories:broken", "--space", "quick",
-                    "--memory-budget", "1GiB", "--no-estimate", cwd=tmp_path)
-    assert proc.returncode == 1, proc.stderr  # no config fits
-    assert "every trial so far ended in error" in proc.stderr and "autotune trial" in proc.stderr
-    statuses = [r.status for r in records_of(_study(tmp_path, "broken"))]
-    assert statuses == ["error", "error"]
+# A workload whose every trial fails stops after two: tests/trial/test_faults.py (a factory that raises).
 
 
 def test_the_estimator_skips_a_config_predicted_over_the_limit_and_show_lists_it(tmp_path):

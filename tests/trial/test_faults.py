@@ -69,7 +69,8 @@ def test_a_factory_that_raises_stops_the_study_cleanly_after_two_trials(tmp_path
     proc = tune(tmp_path, "broken", "factories:broken", "--space", "quick")
     assert proc.returncode == 1, proc.stderr  # no config fits: not an input error, not a crash
     assert "Traceback" not in proc.stderr
-    assert "the workload itself fails" in proc.stderr
+    assert "every trial so far ended in error" in proc.stderr and "the workload itself fails" in proc.stderr
+    assert "autotune trial with the same --model shows the whole error" in proc.stderr
     recorded = trials(tmp_path, "broken")
     assert [t.user_attrs["status"] for t in recorded] == ["error", "error"]
     assert all("factory exploded on purpose" in t.user_attrs["result"]["error"] for t in recorded)
