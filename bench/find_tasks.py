@@ -89,7 +89,7 @@ _CHECKS = {
              "w = Workload.from_dict(json.load(open({path!r}))['workload']); "
              "autotune.prepare(build_model(w, task=resolve_task(w), device=torch.device('cpu')), {path!r})"),
     "hf": ("import json; from transformers import TrainingArguments; "
-           "TrainingArguments(output_dir='out', use_cpu=True, **json.load(open({path!r})))"),
+           "TrainingArguments(**{{'output_dir': 'out', **json.load(open({path!r}))}})"),
     "peft": "from peft import LoraConfig; LoraConfig.from_pretrained({path!r})",
 }
 

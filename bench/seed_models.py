@@ -68,7 +68,7 @@ def main() -> None:
     worst = max(abs(r["model_states_relative_error"]) for r in rows if "refused" not in r)
     args.out.write_text(json.dumps({"command": "python bench/seed_models.py", "max_abs_model_states_error": worst,
                                     "rows": rows}, indent=2) + "\n")
-    print(f"{sum('refused' not in r for r in rows)} estimates; model states within {worst:.2%} of 16 bytes per published parameter")
+    print(f"{sum('refused' not in r for r in rows)} estimates; model states within {worst:.2%} of 16 bytes per parameter")
 
 
 def _parameters(preset: str) -> int:

@@ -10,6 +10,7 @@ presets keep LoRA off except ``lora``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -182,14 +183,27 @@ class SearchSpace:
         if not compile_:
             raise ConfigError(f"{self.name}: knobs.compile [true]: {compile_device_refusal(device.type)}; add false")
         lora = tuple(dict.fromkeys(_lora_label(rank, targets) for rank in self.lora_rank for targets in self.lora_targets))
+        refusal = _default_lora_refusal(workload) if self._default_lora() else None
+        if refusal is not None:  # the model has nothing PEFT's defaults (or our fallback) would adapt
+            lora = tuple(label for label in lora if label == "off" or ":" in label)
+            if not lora:
+                raise ConfigError(f"{self.name}: knobs.lora_rank {list(self.lora_rank)}: {refusal}; add null "
+                                  "(LoRA off), or name lora_targets")
         return {"micro_batch": tuple(micro), "precision": precision, "checkpointing": checkpointing, "loss": loss,
                 "attention": attention, "fused_optimizer": self.fused_optimizer, "compile": compile_,
                 "zero": tuple(dict.fromkeys(zero)), "lora": lora}
+
+    def _default_lora(self) -> bool:
+        """Whether the space offers LoRA on its default targets."""
+        return any(rank is not None for rank in self.lora_rank) and "default" in self.lora_targets
 
     def dropped_knobs(self, workload: Workload, device: DeviceInfo) -> list[str]:
         """Knob values this space offers that :meth:`choices` leaves out for this model and device,
         beyond the precisions the device lacks: one line each, said once by the tuner."""
         dropped = []
+        refusal = _default_lora_refusal(workload) if self._default_lora() else None
+        if refusal is not None:
+            dropped.append(f"lora on its default targets: {refusal}")
         missing = _missing_checkpointing(workload) if any(self.checkpointing) else None
         if missing is not None:
             dropped.append(f"checkpointing on: {missing}")
@@ -282,6 +296,21 @@ def _missing_checkpointing(workload: Workload) -> str | None:
     )
 
     return missing_checkpointing(workload)
+
+
+@functools.lru_cache(maxsize=16)  # the tuner asks for the choices before every trial
+def _default_lora_refusal(workload: Workload) -> str | None:
+    """Why LoRA on the default targets cannot adapt the workload's model (e.g. nothing but its head
+    is linear), or None. A factory's model is built on the meta device in a separate process."""
+    from autotune.errors import WorkloadError
+    from autotune.models.sources import resolve_task
+    from autotune.prepare.lora import lora_targets
+
+    try:
+        lora_targets(workload, None, task=resolve_task(workload))
+    except WorkloadError as exc:
+        return str(exc)
+    return None
 
 
 def _every_n_refusal(workload: Workload) -> str | None:

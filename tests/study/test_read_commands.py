@@ -238,25 +238,32 @@ def test_a_classifier_study_stores_that_its_head_trains_in_full(studies):
                                       "classification head in full, trained in fp32")
 
 
-def test_a_model_lora_cannot_adapt_still_tunes_and_its_export_says_why(tmp_path):
-    """facts are worked out before the first trial: one that cannot be (no linear layer but the head
-    to adapt) must not stop the tuning; its peft export refuses as it did before facts were stored."""
-    from autotune.errors import WorkloadError
+def test_a_model_lora_cannot_adapt_is_tuned_without_lora_and_says_why(tmp_path):
+    """A model with no linear layer but its head: the space drops LoRA on the default targets before
+    the first trial (said once), instead of measuring failures; a LoRA config's peft export refuses."""
+    from autotune.config.device import detect_device
+    from autotune.errors import ConfigError, WorkloadError
 
     url = f"sqlite:///{tmp_path}/head-only.db"
-    (tmp_path / "space.yaml").write_text("n_trials: 1\nknobs:\n  micro_batch: [8]\n  precision: [fp32]\n"
-                                         "  checkpointing: [false]\n  lora_rank: [8]\n")
+    (tmp_path / "space.yaml").write_text("n_trials: 2\nknobs:\n  micro_batch: [4, 8]\n  precision: [fp32]\n"
+                                         "  checkpointing: [false]\n  lora_rank: [null, 8]\n")
     space = load_space(tmp_path / "space.yaml")
     workload = Workload(model="factories:tiny", seq_len=32, global_batch=8)
-    config = space.config_of({"micro_batch": 8, "precision": "fp32", "checkpointing": False, "zero": "off",
-                              "lora": "8"})
+    assert space.choices(workload, detect_device("cpu"))["lora"] == ("off",)
+    assert any("no linear layer besides its task head" in line for line in space.dropped_knobs(workload, detect_device("cpu")))
+    configs = {space.config_of({"micro_batch": mb, "precision": "fp32", "checkpointing": False, "zero": "off",
+                                "lora": "off"}): 100.0 * mb for mb in (4, 8)}
     tune(study="s", workload=workload, space=space, memory_budget_bytes=2**30, storage=url, estimate=False,
-         backend=Scripted({config: 100.0}))
+         backend=Scripted(configs))
     summary = load_summary(study="s", storage=url)
-    assert summary.best.config == config
-    assert "every linear layer but the task head" in summary.to_dict()["best"]["trains"]["note"]
+    assert summary.trials and all(not t.config.uses_lora for t in summary.trials)
+    (tmp_path / "lora.yaml").write_text("knobs:\n  micro_batch: [8]\n  precision: [fp32]\n  lora_rank: [8]\n")
+    lora_only = load_space(tmp_path / "lora.yaml")
+    with pytest.raises(ConfigError, match="knobs.lora_rank \\[8\\]: .*no linear layer besides its task head"):
+        lora_only.choices(workload, detect_device("cpu"))
     with pytest.raises(WorkloadError, match="no linear layer besides its task head"):
-        export_config(config, workload, fmt="peft")
+        export_config(space.config_of({"micro_batch": 8, "precision": "fp32", "checkpointing": False,
+                                       "zero": "off", "lora": "8"}), workload, fmt="peft")
 
 
 def test_show_and_export_import_neither_torch_nor_optuna(studies):
