@@ -19,6 +19,11 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.prepare.model_facts import layer_classes
+from autotune.prepare.training_args import (
+    accelerate_arguments,
+    lightning_arguments,
+    trainer_arguments,
+)
 from autotune.study.stored_facts import adapter_config, hidden_size
 from autotune.study.summary import what_is_trained
 
@@ -35,10 +40,6 @@ DEFAULT_FILENAMES = {
     "peft": "adapter_config.json",
 }
 
-# TrainingArguments fills these from its own arguments; "auto" means the two cannot disagree
-# (a concrete value that differs, e.g. DeepSpeed's lr vs learning_rate, makes HF raise).
-_HF_AUTO_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-_HF_AUTO_OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay")
 _TF32_HINT = 'tf32: call torch.set_float32_matmul_precision("high") before training'
 
 
@@ -94,53 +95,8 @@ def _deepspeed(config: TrialConfig, workload: Workload, *, device_type: str, sum
 
 def _hf(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
     """Keyword arguments of ``transformers.TrainingArguments``; LoRA lives in the peft export."""
-    kwargs: dict[str, Any] = {
-        "per_device_train_batch_size": config.micro_batch,
-        "gradient_accumulation_steps": config.grad_accum_steps(workload),
-        "bf16": config.sixteen_bit == "bfloat16",  # bf16-true: autocast on a bf16 model changes nothing
-        "fp16": config.precision == "fp16",
-    }
-    if not config.uses_deepspeed:  # what the trials ran (Transformers 5's default is the fused one)
-        kwargs["optim"] = "adamw_torch_fused" if config.fused_optimizer else "adamw_torch"
-    if config.compile:
-        kwargs["torch_compile"] = True
-    checkpointing = _hf_checkpointing_name()
-    kwargs[checkpointing] = config.checkpointing
-    if config.precision == "tf32":
-        kwargs["tf32"] = True
-    if config.checkpointing:  # what the trials measured: works with LoRA and DeepSpeed
-        kwargs[f"{checkpointing}_kwargs"] = {"use_reentrant": False}
-        if config.checkpoint_every > 1:  # read by the Trainer (Transformers >= 5.23) out of these kwargs
-            kwargs[f"{checkpointing}_kwargs"]["every_n_layers"] = config.checkpoint_every
-    if config.uses_deepspeed:
-        kwargs["deepspeed"] = _hf_deepspeed(config, workload, device_type=device_type)
-    if config.uses_fsdp:  # Transformers 5's FSDP2 settings, read by its Accelerate plugin
-        kwargs["fsdp"] = True
-        kwargs["fsdp_config"] = {
-            "version": 2, "reshard_after_forward": config.fsdp == "full",
-            "cpu_offload": config.offload == "optimizer+params", "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "transformer_layer_cls_to_wrap": layer_classes(workload), "state_dict_type": "SHARDED_STATE_DICT",
-            "cpu_ram_efficient_loading": True,
-        }
-    if device_type == "cpu":
-        kwargs["use_cpu"] = True
-    return _dump_json(kwargs)
-
-
-def _hf_checkpointing_name() -> str:
-    """Transformers 5.23 renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (the old name
-    goes in v6): the name the installed version reads, found without importing transformers."""
-    from autotune.prepare.checkpointing import EVERY_N_SINCE, transformers_release
-
-    release = transformers_release()
-    return "activation_checkpointing" if release is None or release >= EVERY_N_SINCE else "gradient_checkpointing"
-
-
-def _hf_deepspeed(config: TrialConfig, workload: Workload, *, device_type: str) -> dict[str, Any]:
-    ds = deepspeed_config(config, workload, device_type=device_type, hidden_size=hidden_size(workload))
-    ds.update(dict.fromkeys(_HF_AUTO_KEYS, "auto"))
-    ds["optimizer"]["params"].update(dict.fromkeys(_HF_AUTO_OPTIMIZER_KEYS, "auto"))
-    return ds
+    return _dump_json(trainer_arguments(config, workload, device_type=device_type, hidden_size=hidden_size(workload),
+                                       wrap_classes=layer_classes(workload) if config.uses_fsdp else None))
 
 
 # -- Accelerate -----------------------------------------------------------------------------
@@ -163,7 +119,7 @@ def _accelerate(config: TrialConfig, workload: Workload, *, device_type: str, su
         "enable_cpu_affinity": False,
         "machine_rank": 0,
         "main_training_function": "main",
-        "mixed_precision": {"float16": "fp16", "bfloat16": "bf16"}.get(config.sixteen_bit or "", "no"),
+        "mixed_precision": accelerate_arguments(config, workload)["mixed_precision"],
         "num_machines": 1,
         "num_processes": workload.nproc,
         "rdzv_backend": "static",
@@ -226,8 +182,7 @@ def _lightning(config: TrialConfig, workload: Workload, *, device_type: str, sum
     trainer = {
         "accelerator": "cpu" if device_type == "cpu" else "gpu",
         "devices": workload.nproc,
-        "precision": {"fp16": "16-mixed", "bf16": "bf16-mixed", "bf16-true": "bf16-true"}.get(config.precision, "32-true"),
-        "accumulate_grad_batches": config.grad_accum_steps(workload),
+        **lightning_arguments(config, workload),
         "strategy": _lightning_strategy(config, workload),
     }
     return _header(config, workload, summary) + _dump_yaml({"trainer": trainer})

@@ -38,6 +38,10 @@ class _Measurement:
         self.device: Any = None
         self.written = False
         self.prepared = False
+        from autotune.scripts.frameworks import FrameworkHooks
+
+        self.frameworks = FrameworkHooks(spec.get("trainer_args") or {}, spec.get("lightning_args") or {},
+                                         spec.get("accelerate_args") or {})
 
     def start(self) -> None:
         import torch
@@ -61,6 +65,7 @@ class _Measurement:
 
         register_optimizer_step_post_hook(self._after_step)
         self._watch_prepare()
+        self.frameworks.install()
         previous = sys.excepthook
 
         def on_exception(kind: Any, exc: BaseException, tb: Any) -> None:
@@ -122,10 +127,15 @@ class _Measurement:
                                   "phases": {}, "measured_steps": 0, "device": str(self.device or "cpu"),
                                   "memory_budget_bytes": self.spec.get("memory_budget_bytes"),
                                   "grad_accum_steps": self.spec["grad_accum_steps"]}
-        unapplied = _needs_prepare(self.spec["config"]) if status == "ok" and not self.prepared else None
+        unapplied = _needs_prepare(self.spec["config"], trainer=self.frameworks.trainer_args_applied) \
+            if status == "ok" and not self.prepared else None
         if unapplied:
             status, error = "error", (f"the script did not call autotune.prepare(model, autotune.current_config()): "
                                       f"{unapplied} would not be applied")
+            record.update(status=status, error=error)
+        ignored = self.frameworks.ignored_micro_batch(self.spec["config"]["micro_batch"]) if status == "ok" else None
+        if ignored:
+            status, error = "error", ignored
             record.update(status=status, error=error)
         seconds = [b - a for a, b in zip(self.ends[self.warmup - 1:], self.ends[self.warmup:])]
         if status == "ok" and seconds:
@@ -147,15 +157,16 @@ class _Measurement:
         write_record(Path(self.spec["out_dir"]) / f"rank{self.rank}.json", record)
 
 
-def _needs_prepare(config: dict[str, Any]) -> str | None:
-    """The flags of ``config`` (a TrialConfig's dict) that only ``autotune.prepare`` applies, in words."""
+def _needs_prepare(config: dict[str, Any], *, trainer: bool) -> str | None:
+    """The flags of ``config`` (a TrialConfig's dict) that only ``autotune.prepare`` applies, in words.
+    ``trainer``: a Trainer got the config's TrainingArguments, which checkpoint activations themselves."""
     from autotune.config.knobs import TrialConfig
 
     knobs = TrialConfig.from_dict(config)
     flags = [flag for flag, on in (
         (f"--lora-rank {knobs.lora_rank}", knobs.uses_lora),
         ("--checkpointing " + ("on" if knobs.checkpoint_every == 1 else f"every-{knobs.checkpoint_every}"),
-         knobs.checkpointing),
+         knobs.checkpointing and not trainer),
         (f"--loss {knobs.loss}", knobs.loss != "standard"),
         (f"--attention {knobs.attention}", knobs.attention != "auto"),
         (f"--precision {knobs.precision}", knobs.true_16_bit),

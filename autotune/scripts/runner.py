@@ -18,6 +18,11 @@ from autotune.config.device import DeviceInfo, detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
+from autotune.prepare.training_args import (
+    accelerate_arguments,
+    lightning_arguments,
+    trainer_arguments,
+)
 from autotune.scripts.current import CONFIG_ENV
 from autotune.scripts.measure import SPEC_ENV
 from autotune.trial.result import TrialResult, TrialStatus
@@ -58,6 +63,10 @@ def run_script_trial(command: list[str], workload: Workload, config: TrialConfig
             "config": config.to_dict(), "workload": workload.to_dict(), "device_type": device.type,
             "grad_accum_steps": config.grad_accum_steps(workload), "memory_budget_bytes": memory_budget_bytes,
             "warmup_steps": warmup_steps, "measure_steps": measure_steps, "out_dir": str(work),
+            # What a Trainer script's TrainingArguments get (scripts/frameworks.py): the hf export's values.
+            "trainer_args": trainer_arguments(config, workload, device_type=device.type),
+            "lightning_args": lightning_arguments(config, workload),
+            "accelerate_args": accelerate_arguments(config, workload),
             "launched": time.perf_counter()}))
         env = dict(os.environ)
         env[CONFIG_ENV] = str(work / "config.json")

@@ -1,0 +1,92 @@
+"""The trial's config as Transformers' ``TrainingArguments``: what a ``Trainer`` job reads.
+
+One function for both of its readers: the ``hf`` export (a JSON file of keyword arguments) and a
+script trial of a Trainer script, whose own ``TrainingArguments`` get these values before the
+script's trainer is built (:mod:`autotune.scripts.frameworks`). LoRA is not among them: the peft
+export (or ``autotune.prepare``) applies it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autotune.config.deepspeed_config import deepspeed_config
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.prepare.checkpointing import EVERY_N_SINCE, transformers_release
+
+__all__ = ["trainer_arguments", "lightning_arguments", "accelerate_arguments", "checkpointing_argument"]
+
+# Lightning's precision strings: mixed precision is autocast, -true holds the model in 16 bits.
+_LIGHTNING_PRECISION = {"fp16": "16-mixed", "bf16": "bf16-mixed", "bf16-true": "bf16-true"}
+
+# TrainingArguments fills these from its own arguments; "auto" means the two cannot disagree
+# (a concrete value that differs, e.g. DeepSpeed's lr vs learning_rate, makes HF raise).
+_AUTO_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_AUTO_OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def trainer_arguments(config: TrialConfig, workload: Workload, *, device_type: str, hidden_size: int | None = None,
+                      wrap_classes: list[str] | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``transformers.TrainingArguments`` that train ``config``.
+
+    ``hidden_size``: the model's, for DeepSpeed's bucket sizes (None: DeepSpeed's defaults).
+    ``wrap_classes``: FSDP's unit classes (None: the model's own ``_no_split_modules``, which is
+    what Accelerate's transformer-based wrap reads when it is given none).
+    """
+    kwargs: dict[str, Any] = {
+        "per_device_train_batch_size": config.micro_batch,
+        "gradient_accumulation_steps": config.grad_accum_steps(workload),
+        "bf16": config.sixteen_bit == "bfloat16",  # bf16-true: autocast on a bf16 model changes nothing
+        "fp16": config.precision == "fp16",
+    }
+    if not config.uses_deepspeed:  # what the trials ran (Transformers 5's default is the fused one)
+        kwargs["optim"] = "adamw_torch_fused" if config.fused_optimizer else "adamw_torch"
+    if config.compile:
+        kwargs["torch_compile"] = True
+    checkpointing = checkpointing_argument()
+    kwargs[checkpointing] = config.checkpointing
+    if config.precision == "tf32":
+        kwargs["tf32"] = True
+    if config.checkpointing:  # what the trials measured: works with LoRA and DeepSpeed
+        kwargs[f"{checkpointing}_kwargs"] = {"use_reentrant": False}
+        if config.checkpoint_every > 1:  # read by the Trainer (Transformers >= 5.23) out of these kwargs
+            kwargs[f"{checkpointing}_kwargs"]["every_n_layers"] = config.checkpoint_every
+    if config.uses_deepspeed:
+        ds = deepspeed_config(config, workload, device_type=device_type, hidden_size=hidden_size)
+        ds.update(dict.fromkeys(_AUTO_KEYS, "auto"))
+        ds["optimizer"]["params"].update(dict.fromkeys(_AUTO_OPTIMIZER_KEYS, "auto"))
+        kwargs["deepspeed"] = ds
+    if config.uses_fsdp:  # Transformers 5's FSDP2 settings, read by its Accelerate plugin
+        kwargs["fsdp"] = True
+        kwargs["fsdp_config"] = {
+            "version": 2, "reshard_after_forward": config.fsdp == "full",
+            "cpu_offload": config.offload == "optimizer+params", "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            **({} if wrap_classes is None else {"transformer_layer_cls_to_wrap": wrap_classes}),
+            "state_dict_type": "SHARDED_STATE_DICT", "cpu_ram_efficient_loading": True,
+        }
+    if device_type == "cpu":
+        kwargs["use_cpu"] = True
+    return kwargs
+
+
+def lightning_arguments(config: TrialConfig, workload: Workload) -> dict[str, Any]:
+    """The knobs among ``lightning.pytorch.Trainer``'s arguments: precision and accumulation (the micro
+    batch is the DataLoader's; checkpointing and LoRA are the model's, applied by ``autotune.prepare``)."""
+    return {"precision": _LIGHTNING_PRECISION.get(config.precision, "32-true"),
+            "accumulate_grad_batches": config.grad_accum_steps(workload)}
+
+
+def accelerate_arguments(config: TrialConfig, workload: Workload) -> dict[str, Any]:
+    """The knobs among ``accelerate.Accelerator``'s arguments: mixed precision and accumulation (the
+    micro batch is the DataLoader's; the rest is the model's, applied by ``autotune.prepare``)."""
+    # bf16-true: autocast on the bf16 model autotune.prepare made changes nothing, as in the Trainer's
+    return {"mixed_precision": {"float16": "fp16", "bfloat16": "bf16"}.get(config.sixteen_bit or "", "no"),
+            "gradient_accumulation_steps": config.grad_accum_steps(workload)}
+
+
+def checkpointing_argument() -> str:
+    """Transformers 5.23 renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (the old name
+    goes in v6): the name the installed version reads, found without importing transformers."""
+    release = transformers_release()
+    return "activation_checkpointing" if release is None or release >= EVERY_N_SINCE else "gradient_checkpointing"

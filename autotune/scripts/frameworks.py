@@ -1,0 +1,149 @@
+"""Inside each process of a script trial: the trial's config handed to the script's framework
+through what that framework already reads, so the script runs unchanged.
+
+- Transformers' ``Trainer``: every ``TrainingArguments`` the script builds gets the trial's values
+  (micro batch, accumulation, bf16/fp16, activation checkpointing, optim, torch_compile, DeepSpeed)
+  before its own checks run: the keyword arguments the ``hf`` export writes
+  (:func:`autotune.prepare.training_args.trainer_arguments`). The script's own values are kept
+  for the record.
+- Lightning: every ``Trainer`` the script builds gets the trial's precision and gradient
+  accumulation (:func:`autotune.prepare.training_args.lightning_arguments`) over the script's own.
+  Its micro batch is the script's DataLoader's: the script reads it from ``AUTOTUNE_CONFIG``.
+- Accelerate: every ``Accelerator`` gets the trial's mixed precision and gradient accumulation
+  (:func:`autotune.prepare.training_args.accelerate_arguments`) over the script's own and its
+  ``ACCELERATE_*`` environment; the micro batch is the script's DataLoader's, as for Lightning.
+- Any loop: each ``DataLoader``'s batch size is noted, so that a script that batches otherwise
+  than the injected micro batch is reported instead of measured as the wrong config.
+
+Nothing is imported early: each hook waits for the script to import its framework.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from typing import Any, Callable
+
+__all__ = ["FrameworkHooks"]
+
+
+class FrameworkHooks:
+    """What the script's frameworks were given and what the script asked of them."""
+
+    def __init__(self, trainer_args: dict[str, Any], lightning_args: dict[str, Any],
+                 accelerate_args: dict[str, Any]) -> None:
+        self.trainer_args = trainer_args
+        self.lightning_args = lightning_args
+        self.accelerate_args = accelerate_args
+        self.trainer_args_applied = False           # a TrainingArguments was built with them
+        self.lightning_args_applied = False         # a Lightning Trainer was built with them
+        self.scripts_trainer_batch: int | None = None  # what the script's TrainingArguments asked
+        self.loader_batches: list[int] = []         # DataLoader batch sizes, in order of creation
+
+    def install(self) -> None:
+        after_import("transformers.training_args", self._patch_training_arguments)
+        for package in ("lightning.pytorch", "pytorch_lightning"):  # the unified package and the old name
+            after_import(f"{package}.trainer.trainer", self._patch_lightning_trainer)
+        after_import("accelerate.accelerator", self._patch_accelerator)
+        after_import("torch.utils.data.dataloader", self._patch_data_loader)
+
+    # -- Transformers ------------------------------------------------------------------------
+    def _patch_training_arguments(self, module: Any) -> None:
+        arguments = module.TrainingArguments
+        original = arguments.__post_init__
+        hooks = self
+
+        def __post_init__(self: Any) -> None:
+            hooks.scripts_trainer_batch = getattr(self, "per_device_train_batch_size", None)
+            for name, value in hooks.trainer_args.items():
+                setattr(self, name, value)
+            hooks.trainer_args_applied = True
+            original(self)
+
+        arguments.__post_init__ = __post_init__
+
+    # -- Lightning -----------------------------------------------------------------------------
+    def _patch_lightning_trainer(self, module: Any) -> None:
+        trainer = module.Trainer
+        original = trainer.__init__
+        hooks = self
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            kwargs.update(hooks.lightning_args)  # over the script's own and PL_TRAINER_* defaults
+            hooks.lightning_args_applied = True
+            original(self, *args, **kwargs)
+
+        trainer.__init__ = __init__
+
+    # -- Accelerate ----------------------------------------------------------------------------
+    def _patch_accelerator(self, module: Any) -> None:
+        accelerator = module.Accelerator
+        original = accelerator.__init__
+        hooks = self
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            # A Trainer (or Lightning) builds its own Accelerator from the arguments it was given.
+            if not (hooks.trainer_args_applied or hooks.lightning_args_applied):
+                overrides = dict(hooks.accelerate_args)
+                if "gradient_accumulation_plugin" in kwargs:  # Accelerate takes one or the other
+                    kwargs["gradient_accumulation_plugin"].num_steps = overrides.pop("gradient_accumulation_steps")
+                kwargs.update(overrides)
+            original(self, *args, **kwargs)
+
+        accelerator.__init__ = __init__
+
+    # -- any loop ------------------------------------------------------------------------------
+    def _patch_data_loader(self, module: Any) -> None:
+        loader = module.DataLoader
+        original = loader.__init__
+        hooks = self
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            if self.batch_size is not None:  # None: the script batches with its own sampler
+                hooks.loader_batches.append(self.batch_size)
+
+        loader.__init__ = __init__
+
+    def ignored_micro_batch(self, micro_batch: int) -> str | None:
+        """Why the measured steps were not of ``micro_batch`` samples per micro-step, or None."""
+        if self.loader_batches and micro_batch not in self.loader_batches:
+            sizes = ", ".join(str(size) for size in dict.fromkeys(self.loader_batches))
+            return (f"the script ignored the injected micro batch: its DataLoader batches {sizes} samples, the "
+                    f"config's micro batch is {micro_batch}; read it from AUTOTUNE_CONFIG "
+                    "(autotune.current_config().micro_batch) or let the Trainer batch")
+        return None
+
+
+def after_import(name: str, callback: Callable[[Any], None]) -> None:
+    """Call ``callback(module)`` once module ``name`` has been imported (now, if it already is)."""
+    if name in sys.modules:
+        callback(sys.modules[name])
+        return
+    sys.meta_path.insert(0, _AfterImport(name, callback))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: it wraps the loader of one module to run a callback after it executes."""
+
+    def __init__(self, name: str, callback: Callable[[Any], None]) -> None:
+        self.name = name
+        self.callback = callback
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader, callback = spec.loader, self.callback
+        original = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            original(module)
+            callback(module)
+
+        loader.exec_module = exec_module  # this spec's own loader object: no other module is touched
+        return spec

@@ -1,0 +1,25 @@
+"""An Accelerate script, as people write them: it never imports autotune. Its Accelerator asks for no
+mixed precision and no accumulation (a script trial overrides both); its DataLoader takes the micro
+batch from the JSON file AUTOTUNE_CONFIG names. Argument: optimizer steps."""
+
+import json
+import os
+import sys
+
+import torch
+from accelerate import Accelerator
+from transformers import GPT2Config, GPT2LMHeadModel
+
+micro = json.load(open(os.environ["AUTOTUNE_CONFIG"]))["config"]["micro_batch"]
+accelerator = Accelerator(mixed_precision="no", gradient_accumulation_steps=1, cpu=True)
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=64))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+data = torch.utils.data.DataLoader(torch.randint(0, 1000, (4096, 64)), batch_size=micro)
+model, optimizer, data = accelerator.prepare(model, optimizer, data)
+for index, batch in enumerate(data):
+    with accelerator.accumulate(model):
+        accelerator.backward(model(input_ids=batch, labels=batch).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    if index + 1 >= int(sys.argv[1]) * accelerator.gradient_accumulation_steps:
+        break

@@ -1,0 +1,73 @@
+"""Script mode with a framework: the trial's config reaches a Transformers Trainer script through its
+own TrainingArguments, and a loop that batches otherwise than the config says is reported."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.scripts.runner import run_script_trial
+from autotune.trial.result import TrialStatus
+
+HERE = Path(__file__).parent
+TRAINER = [sys.executable, str(HERE / "trainer_script.py"), "30"]
+WORKLOAD = Workload(seq_len=64, global_batch=8)
+
+
+def test_a_trainer_script_trains_the_injected_micro_batch_and_checkpoints_through_its_arguments(tmp_path,
+                                                                                                monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the script writes its output_dir here
+    small, large, checkpointed = (
+        run_script_trial(TRAINER, WORKLOAD, config, measure_steps=2) for config in (
+            TrialConfig(micro_batch=1), TrialConfig(micro_batch=8), TrialConfig(micro_batch=8, checkpointing=True)))
+    for result in (small, large, checkpointed):
+        assert result.status is TrialStatus.OK, result.error
+        assert result.measured_steps == 2
+    # The script asks for 8 per device and no accumulation: mb=1 is the trial's, with 8 accumulated steps.
+    assert small.peak_memory_bytes < large.peak_memory_bytes
+    # Checkpointing came through TrainingArguments (the script never calls autotune.prepare): less kept.
+    assert checkpointed.peak_memory_bytes < large.peak_memory_bytes
+
+
+def test_a_trainer_script_runs_out_of_the_budget_with_its_own_allocations():
+    result = run_script_trial(TRAINER, WORKLOAD, TrialConfig(micro_batch=8), memory_budget_bytes=12 * 2**20,
+                              measure_steps=2)
+    assert result.status is TrialStatus.OOM, result.error
+
+
+def test_a_loop_that_ignores_the_injected_micro_batch_is_reported_not_measured():
+    result = run_script_trial([sys.executable, str(HERE / "fixed_batch_loop.py"), "20"], WORKLOAD,
+                              TrialConfig(micro_batch=2), measure_steps=2)
+    assert result.status is TrialStatus.ERROR
+    assert result.error.splitlines()[0] == (
+        "the script ignored the injected micro batch: its DataLoader batches 4 samples, the config's micro "
+        "batch is 2; read it from AUTOTUNE_CONFIG (autotune.current_config().micro_batch) or let the Trainer batch")
+
+
+def test_a_lightning_script_trains_the_trials_precision_and_accumulation(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = [sys.executable, str(HERE / "lightning_script.py"), "30"]
+    fp32, bf16 = (run_script_trial(script, WORKLOAD, TrialConfig(micro_batch=2, precision=p), measure_steps=2)
+                  for p in ("fp32", "bf16"))
+    one_step = run_script_trial(script, Workload(seq_len=64, global_batch=2), TrialConfig(micro_batch=2),
+                                measure_steps=2)
+    for result in (fp32, bf16, one_step):
+        assert result.status is TrialStatus.OK, result.error
+    # The script asks for 32-true: bf16-mixed came from the trial (autocast keeps bf16 activations).
+    assert bf16.peak_memory_bytes < fp32.peak_memory_bytes
+    # The script asks for no accumulation: a step of the trial's 4 micro batches takes about 4 of one.
+    assert fp32.step_time_median_s > 2 * one_step.step_time_median_s
+
+
+def test_an_accelerate_script_trains_the_trials_precision_and_accumulation():
+    script = [sys.executable, str(HERE / "accelerate_script.py"), "30"]
+    fp32, bf16 = (run_script_trial(script, WORKLOAD, TrialConfig(micro_batch=2, precision=p), measure_steps=2)
+                  for p in ("fp32", "bf16"))
+    one_step = run_script_trial(script, Workload(seq_len=64, global_batch=2), TrialConfig(micro_batch=2),
+                                measure_steps=2)
+    for result in (fp32, bf16, one_step):
+        assert result.status is TrialStatus.OK, result.error
+    assert bf16.peak_memory_bytes < fp32.peak_memory_bytes  # the script asks for "no": bf16 came from the trial
+    assert fp32.step_time_median_s > 2 * one_step.step_time_median_s  # 4 accumulated micro batches a step
