@@ -189,7 +189,7 @@ def command(fn: Callable[..., int]) -> Callable[..., int]:
     wanted = inspect.signature(fn).parameters
     parsed.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]  # what Typer reads
     parsed.__annotations__ = {p.name: p.annotation for p in parameters}
-    return app.command(name=fn.__name__)(parsed)
+    return app.command(name=fn.__name__.rstrip("_"))(parsed)  # run_: the command run
 
 
 def _own_option(parameter: inspect.Parameter) -> bool:
@@ -397,7 +397,43 @@ def export(
         print(f"wrote {_export_best(summary, fmt, output)} ({fmt}: {summary.best.config.describe()})",
               file=sys.stderr)
     print(_trains_line(summary.best.config, fmt, summary.workload), file=sys.stderr)
+    if fmt in ("json", "yaml") and output is not None and summary.command:
+        print(f"train with it: {_train_with(summary, output)}", file=sys.stderr)
     return 0
+
+
+@command
+def run_(
+    config_file: Annotated[str, typer.Option(
+        "--config", help="An autotune export (--format json or yaml): the config and the workload it was tuned for.")],
+    script: Annotated[Optional[list[str]], typer.Argument(
+        metavar="-- COMMAND...", show_default=False,
+        help="Your training command, after --: run to its end with the config handed to it as the trials did.")] = None,
+) -> int:
+    """Train with a tuned config: run your command with it, as its script-mode trials ran it, unmeasured.
+
+    The config reaches the command the way it reached each trial: AUTOTUNE_CONFIG for a plain loop
+    (autotune.current_config()), and a Trainer's TrainingArguments, a Lightning Trainer's and an
+    Accelerator's arguments set for it. Exit status: the command's own; 2 when the input was refused.
+    """
+    from pathlib import Path
+
+    from autotune.prepare.apply import read_export
+    from autotune.scripts.runner import run_with_config
+
+    data, workload = read_export(Path(config_file), reader="--config")
+    if workload is None:
+        raise ConfigError(f"--config {config_file} has no workload; write it with autotune export --format json")
+    return run_with_config(list(script or []), TrialConfig.from_dict(data), workload)
+
+
+def _train_with(summary: Any, export: str | None) -> str | None:
+    """For a study of the user's command: the line that trains it with the answer (given its export)."""
+    if not summary.command:
+        return None
+    from autotune.scripts.runner import command_with_config
+
+    return command_with_config(summary.command, export or "autotune.json")
 
 
 def _trains_line(config: TrialConfig, fmt: str, workload: Workload | None = None) -> str:
@@ -530,6 +566,8 @@ def _finish(summary: Any, *, as_json: bool, exported: str | None = None, wanted_
         data = summary.to_dict()
         if wanted_export is not None:
             data["export"] = exported
+        if summary.best is not None and summary.command and exported and wanted_export in ("json", "yaml"):
+            data["train_command"] = _train_with(summary, exported)
         print(json.dumps(data))
     else:
         from autotune.output.render import print_summary
@@ -539,6 +577,10 @@ def _finish(summary: Any, *, as_json: bool, exported: str | None = None, wanted_
             print(f"wrote {exported} ({wanted_export}); {_trains_line(summary.best.config, wanted_export, summary.workload)}")
         elif wanted_export:
             print("nothing exported: no config fits yet", file=sys.stderr)
+        if summary.best is not None and summary.command:
+            given = exported if exported and wanted_export in ("json", "yaml") else None
+            how = "" if given else f" (after autotune export --study {summary.name} --format json -o autotune.json)"
+            print(f"train with it: {_train_with(summary, given)}{how}")
     if not confirmed:  # --no-confirm: another worker confirms; a measured fit is this one's success
         return 0 if any(t.fits for t in summary.trials) else 1
     return 0 if summary.best is not None else 1
@@ -558,10 +600,11 @@ def estimate(
     visible, else with the CPU's (attention as CUDA's fused kernels keep it), as the output says.
     Tensor bytes only: what a GPU adds on top (CUDA context, allocator reserve) is not calibrated yet.
     """
-    from autotune.estimate.estimator import EstimateError, predict_memory
+    from autotune.estimate.estimator import EstimateError, predict_memory, start_estimate_server
     from autotune.models.sources import resolve_task
     from autotune.sizes import format_size
 
+    start_estimate_server()  # its imports beside the device and model checks below
     if space is not None:
         from autotune.config.device import detect_device
         from autotune.search.space import load_space

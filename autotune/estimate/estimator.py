@@ -54,7 +54,7 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import AutotuneError, ConfigError
 
-__all__ = ["MemoryEstimate", "estimate_memory", "predict_memory"]
+__all__ = ["MemoryEstimate", "estimate_memory", "predict_memory", "start_estimate_server"]
 
 ZERO3_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_parameters (our configs keep it)
 _MICRO_STEPS = 2       # accumulation past the second micro-step adds nothing: gradients exist by then
@@ -175,6 +175,14 @@ class _EstimateServer:
 
 _SERVER = _EstimateServer()
 atexit.register(_SERVER.close)
+
+
+def start_estimate_server() -> None:
+    """Start the estimate server in the background now, its imports beside the caller's own checks;
+    the first estimate's request waits in its pipe until it reads it. Not beside trials: its imports
+    would take a core the trial's free cores are read from."""
+    with _SERVER._lock:
+        _SERVER._running()
 
 
 class EstimateError(AutotuneError):

@@ -20,7 +20,7 @@ from autotune.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["prepare"]
+__all__ = ["prepare", "read_export"]
 
 
 def prepare(model: torch.nn.Module, config: TrialConfig | dict[str, Any] | str | Path | None = None, *,
@@ -70,7 +70,7 @@ def prepare(model: torch.nn.Module, config: TrialConfig | dict[str, Any] | str |
 def _resolve(config: TrialConfig | dict[str, Any] | str | Path | None, workload: Workload | None,
              knobs: dict[str, Any]) -> tuple[TrialConfig, Workload | None]:
     if isinstance(config, (str, Path)):
-        config, exported = _read_export(Path(config))
+        config, exported = read_export(Path(config))
         workload = workload or exported
     if config is None:
         config = TrialConfig()
@@ -81,20 +81,21 @@ def _resolve(config: TrialConfig | dict[str, Any] | str | Path | None, workload:
     return (TrialConfig.from_dict({**config.to_dict(), **knobs}) if knobs else config), workload
 
 
-def _read_export(path: Path) -> tuple[dict[str, Any], Workload | None]:
-    """The config (and workload) of an ``autotune export --format json`` or ``yaml`` file."""
+def read_export(path: Path, *, reader: str = "prepare()") -> tuple[dict[str, Any], Workload | None]:
+    """The config (and workload) of an ``autotune export --format json`` or ``yaml`` file.
+    ``reader``: who asks, for the errors (a function, or a flag such as ``--config``)."""
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError(f"prepare(): cannot read {path}: {exc.strerror}") from None
+        raise ConfigError(f"{reader}: cannot read {path}: {exc.strerror}") from None
     import yaml
 
     try:
         data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
     except (ValueError, yaml.YAMLError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"prepare(): {path} is not an autotune export ({first})") from None
+        raise ConfigError(f"{reader}: {path} is not an autotune export ({first})") from None
     if not isinstance(data, dict) or not isinstance(data.get("config"), dict):
-        raise ConfigError(f"prepare(): {path} has no config; write one with autotune export --format json (or yaml)")
+        raise ConfigError(f"{reader}: {path} has no config; write one with autotune export --format json (or yaml)")
     workload = Workload.from_dict(data["workload"]) if isinstance(data.get("workload"), dict) else None
     return data["config"], workload

@@ -4,14 +4,34 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
 
-__all__ = ["current_config", "CONFIG_ENV"]
+__all__ = ["current_config", "write_config_file", "CONFIG_ENV"]
 
-CONFIG_ENV = "AUTOTUNE_CONFIG"  # the path of a JSON file: config, workload, grad_accum_steps
+CONFIG_ENV = "AUTOTUNE_CONFIG"  # the path of a JSON file: config, workload, grad_accum_steps, frameworks
+
+
+def write_config_file(path: Path, config: TrialConfig, workload: Workload, *, device_type: str) -> None:
+    """The file ``AUTOTUNE_CONFIG`` names: the config for a plain loop to read, and what each framework
+    is handed (:mod:`autotune.scripts.frameworks`): the hf export's TrainingArguments values, Lightning's
+    and Accelerate's precision and accumulation."""
+    from autotune.prepare.training_args import (
+        accelerate_arguments,
+        lightning_arguments,
+        trainer_arguments,
+    )
+
+    path.write_text(json.dumps({
+        "config": config.to_dict(), "workload": workload.to_dict(),
+        "grad_accum_steps": config.grad_accum_steps(workload),
+        "frameworks": {"transformers": trainer_arguments(config, workload, device_type=device_type),
+                       "lightning": lightning_arguments(config, workload),
+                       "accelerate": accelerate_arguments(config, workload)}}))
 
 
 def current_config() -> TrialConfig | None:

@@ -25,7 +25,28 @@ import importlib.machinery
 import sys
 from typing import Any, Callable
 
-__all__ = ["FrameworkHooks"]
+__all__ = ["FrameworkHooks", "install_from", "installed"]
+
+_INSTALLED: FrameworkHooks | None = None
+
+
+def install_from(config_path: str) -> FrameworkHooks:
+    """Hand the frameworks what the ``AUTOTUNE_CONFIG`` file at ``config_path`` says (once a process)."""
+    import json
+
+    global _INSTALLED
+    if _INSTALLED is None:
+        with open(config_path) as file:
+            given = json.load(file).get("frameworks") or {}
+        _INSTALLED = FrameworkHooks(given.get("transformers") or {}, given.get("lightning") or {},
+                                    given.get("accelerate") or {})
+        _INSTALLED.install()
+    return _INSTALLED
+
+
+def installed() -> FrameworkHooks | None:
+    """The hooks this process installed, if any."""
+    return _INSTALLED
 
 
 class FrameworkHooks:

@@ -38,10 +38,10 @@ class _Measurement:
         self.device: Any = None
         self.written = False
         self.prepared = False
-        from autotune.scripts.frameworks import FrameworkHooks
+        from autotune.scripts.frameworks import FrameworkHooks, installed
 
-        self.frameworks = FrameworkHooks(spec.get("trainer_args") or {}, spec.get("lightning_args") or {},
-                                         spec.get("accelerate_args") or {})
+        # Installed before the measurement from AUTOTUNE_CONFIG (hook/sitecustomize.py); none: given nothing.
+        self.frameworks = installed() or FrameworkHooks({}, {}, {})
 
     def start(self) -> None:
         import torch
@@ -65,7 +65,6 @@ class _Measurement:
 
         register_optimizer_step_post_hook(self._after_step)
         self._watch_prepare()
-        self.frameworks.install()
         previous = sys.excepthook
 
         def on_exception(kind: Any, exc: BaseException, tb: Any) -> None:

@@ -18,12 +18,7 @@ from autotune.config.device import DeviceInfo, detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.prepare.training_args import (
-    accelerate_arguments,
-    lightning_arguments,
-    trainer_arguments,
-)
-from autotune.scripts.current import CONFIG_ENV
+from autotune.scripts.current import CONFIG_ENV, write_config_file
 from autotune.scripts.measure import SPEC_ENV
 from autotune.trial.result import TrialResult, TrialStatus
 from autotune.trial.runner import (
@@ -34,7 +29,7 @@ from autotune.trial.runner import (
     stderr_tail_of,
 )
 
-__all__ = ["run_script_trial"]
+__all__ = ["run_script_trial", "run_with_config", "command_with_config"]
 
 _HOOK_DIR = Path(__file__).parent / "hook"
 
@@ -56,17 +51,11 @@ def run_script_trial(command: list[str], workload: Workload, config: TrialConfig
     config.validate_for(workload, device)
     with tempfile.TemporaryDirectory(prefix="autotune-script-") as tmp:
         work = Path(tmp)
-        (work / "config.json").write_text(json.dumps({
-            "config": config.to_dict(), "workload": workload.to_dict(),
-            "grad_accum_steps": config.grad_accum_steps(workload)}))
+        write_config_file(work / "config.json", config, workload, device_type=device.type)
         (work / "spec.json").write_text(json.dumps({
             "config": config.to_dict(), "workload": workload.to_dict(), "device_type": device.type,
             "grad_accum_steps": config.grad_accum_steps(workload), "memory_budget_bytes": memory_budget_bytes,
             "warmup_steps": warmup_steps, "measure_steps": measure_steps, "out_dir": str(work),
-            # What a Trainer script's TrainingArguments get (scripts/frameworks.py): the hf export's values.
-            "trainer_args": trainer_arguments(config, workload, device_type=device.type),
-            "lightning_args": lightning_arguments(config, workload),
-            "accelerate_args": accelerate_arguments(config, workload),
             "launched": time.perf_counter()}))
         env = dict(os.environ)
         env[CONFIG_ENV] = str(work / "config.json")
@@ -87,3 +76,33 @@ def run_script_trial(command: list[str], workload: Workload, config: TrialConfig
                            error=f"{why}\n{stderr_tail}".rstrip())
     return combine_records(config, records, returncode=returncode, timed_out=timed_out, timeout_s=timeout_s,
                     stderr_tail=stderr_tail, world_size=workload.nproc, memory_budget_bytes=memory_budget_bytes)
+
+
+def run_with_config(command: list[str], config: TrialConfig, workload: Workload, *,
+                    device: DeviceInfo | None = None) -> int:
+    """Run ``command`` to the end with ``config`` handed to it as a script trial hands it (the
+    ``AUTOTUNE_CONFIG`` file, and the framework hooks on ``PYTHONPATH``), nothing measured or stopped:
+    the user's job, trained with the config its trials measured. Returns the command's exit status."""
+    import subprocess
+
+    if not command:
+        raise ConfigError("no command to run: write it after --, e.g. autotune run --config autotune.json "
+                          "-- python train.py")
+    if shutil.which(command[0]) is None:
+        raise ConfigError(f"the command {command[0]!r} does not exist (not a file, and not on PATH)")
+    device = device or detect_device(workload.device)
+    config.validate_for(workload, device)
+    with tempfile.TemporaryDirectory(prefix="autotune-run-") as tmp:
+        path = Path(tmp) / "config.json"
+        write_config_file(path, config, workload, device_type=device.type)
+        env = dict(os.environ, **{CONFIG_ENV: str(path)})
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_HOOK_DIR), env.get("PYTHONPATH")) if p)
+        return subprocess.run(command, env=env).returncode  # Ctrl-C reaches it too: same process group
+
+
+def command_with_config(command: list[str], export: str) -> str:
+    """The command line that trains ``command`` with the config exported to ``export`` (a json or
+    yaml export): what a script-mode study hands its user."""
+    import shlex
+
+    return shlex.join(["autotune", "run", "--config", export, "--", *command])

@@ -3,6 +3,9 @@ own TrainingArguments, and a loop that batches otherwise than the config says is
 
 from __future__ import annotations
 
+import json
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -71,3 +74,30 @@ def test_an_accelerate_script_trains_the_trials_precision_and_accumulation():
         assert result.status is TrialStatus.OK, result.error
     assert bf16.peak_memory_bytes < fp32.peak_memory_bytes  # the script asks for "no": bf16 came from the trial
     assert fp32.step_time_median_s > 2 * one_step.step_time_median_s  # 4 accumulated micro batches a step
+
+
+def test_find_on_a_trainer_script_hands_over_a_command_that_trains_it_with_the_answer(tmp_path):
+    (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2]\n  precision: [bf16]\n")
+    found = subprocess.run([sys.executable, "-m", "autotune", "find", "--seq-len", "64", "--global-batch", "8",
+                            "--space", "space.yaml", "--memory-budget", "1GiB", "--steps", "2", "--export", "json",
+                            "-o", "autotune.json", "--json", "--", *TRAINER],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert found.returncode == 0, found.stderr[-3000:]
+    answer = json.loads(found.stdout)
+    assert answer["best"]["config"]["micro_batch"] == 2
+    assert answer["train_command"] == shlex.join(["autotune", "run", "--config", "autotune.json", "--", *TRAINER])
+    # The user's job, trained to its end with the answer (3 steps here): the script says what it got.
+    trained = subprocess.run([sys.executable, "-m", "autotune", "run", "--config", "autotune.json", "--",
+                              TRAINER[0], TRAINER[1], "3"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "trained with per_device_train_batch_size=2 gradient_accumulation_steps=4 bf16=True" in trained.stdout
+
+
+def test_run_refuses_a_config_file_that_is_not_an_export(tmp_path):
+    (tmp_path / "notes.json").write_text('{"micro_batch": 2}')
+    proc = subprocess.run([sys.executable, "-m", "autotune", "run", "--config", "notes.json", "--", "true"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"autotune: error: --config: {Path('notes.json')} has no config; write one with autotune export --format "
+        "json (or yaml)"]

@@ -1,5 +1,6 @@
-"""Python imports this at the start of every process of a script trial (its folder leads
-``PYTHONPATH``): it installs autotune's measurement, then runs the ``sitecustomize`` this one
+"""Python imports this at the start of every process of a script trial, or of ``autotune run``
+(its folder leads ``PYTHONPATH``): it hands the config in ``AUTOTUNE_CONFIG`` to the script's
+frameworks, installs autotune's measurement in a trial, then runs the ``sitecustomize`` this one
 shadows, if the environment has one."""
 
 import os
@@ -7,6 +8,11 @@ import sys
 
 
 def _load() -> None:
+    config = os.environ.get("AUTOTUNE_CONFIG")
+    if config:
+        from autotune.scripts.frameworks import install_from
+
+        install_from(config)
     spec = os.environ.get("AUTOTUNE_SCRIPT_SPEC")
     if spec:
         from autotune.scripts.measure import install
