@@ -600,7 +600,11 @@ def estimate(
     visible, else with the CPU's (attention as CUDA's fused kernels keep it), as the output says.
     Tensor bytes only: what a GPU adds on top (CUDA context, allocator reserve) is not calibrated yet.
     """
-    from autotune.estimate.estimator import EstimateError, predict_memory, start_estimate_server
+    from autotune.estimate.estimator import (
+        EstimateError,
+        predict_memory,
+        start_estimate_server,
+    )
     from autotune.models.sources import resolve_task
     from autotune.sizes import format_size
 
