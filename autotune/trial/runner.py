@@ -29,7 +29,7 @@ from autotune.prepare import refusal_before_trial
 from autotune.trial.child import LAUNCH_TIME_ENV
 from autotune.trial.cpu_cores import free_cores
 from autotune.trial.failures import classify_exit, describe_exit
-from autotune.trial.lifeline import PARENT_PID_ENV
+from autotune.trial.lifeline import PARENT_PID_ENV, die_with_parent
 from autotune.trial.result import TOKENS_PER_S, PhaseTimings, TrialResult, TrialStatus
 
 __all__ = ["run_trial", "start_trial_server", "DEFAULT_TRIAL_TIMEOUT_S", "run_process_group", "read_rank_records", "combine_records",
@@ -108,9 +108,11 @@ def run_process_group(command: list[str], work: Path, *, timeout_s: float,
                        env: dict[str, str] | None) -> tuple[int, bool]:
     """Run ``command`` in its own session; on timeout (or Ctrl-C) kill it and all its descendants."""
     child_env = _trial_env(env)
+    us = os.getpid()
     with open(work / "stdout.log", "wb") as out, open(work / "stderr.log", "wb") as err:
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                env=child_env, start_new_session=True)
+        # Asked between fork and exec, and kept across exec: any command (a user's own) dies with us.
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=child_env,
+                                start_new_session=True, preexec_fn=lambda: die_with_parent(us))
         try:
             return proc.wait(timeout=timeout_s), False
         except subprocess.TimeoutExpired:

@@ -27,3 +27,43 @@ def test_a_study_of_a_command_measures_it_and_is_resumed_only_for_that_command(t
     assert summary.command == LOOP and json.loads(json.dumps(summary.to_dict()))["command"] == LOOP
     with pytest.raises(StorageError, match="answers another question \\(command differs"):
         tune(command=[sys.executable, "other.py"], **common)
+
+
+def _loops() -> list:
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline"]) if any("plain_loop.py" in part for part in p.info["cmdline"] or [])]
+
+
+@pytest.mark.parametrize("stop", ["kill -9", "ctrl-c"])
+def test_stopping_a_script_tune_leaves_none_of_the_command_behind(tmp_path, stop):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2, 4]\n  precision: [fp32]\n")
+    tuner = subprocess.Popen([sys.executable, "-m", "autotune", "tune", "--study", "stop", "--seq-len", "64",
+                              "--global-batch", "8", "--space", "space.yaml", "--memory-budget", "1GiB",
+                              "--no-confirm", "--", *LOOP[:2], "1000"], cwd=tmp_path,
+                             env={**os.environ, "HANG_AFTER_FIRST_STEP": "1"},  # the trial's command hangs
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _loops() and time.monotonic() < deadline:
+            assert tuner.poll() is None, tuner.communicate()
+            time.sleep(0.2)
+        assert _loops(), "the command never started"
+        time.sleep(1)  # inside its first step or its hang
+        tuner.send_signal(signal.SIGKILL if stop == "kill -9" else signal.SIGINT)
+        _, stderr = tuner.communicate(timeout=60)
+        if stop == "ctrl-c":
+            assert tuner.returncode == 130 and "run the same command again" in stderr, stderr
+        deadline = time.monotonic() + 10  # the kernel's SIGKILL on the tuner's death, or the tuner's own kill
+        while _loops() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _loops(), "the user's command outlived the tuner"
+    finally:
+        tuner.kill()
+        for process in _loops():
+            process.kill()

@@ -8,6 +8,13 @@ import sys
 
 
 def _load() -> None:
+    tuner = os.environ.get("AUTOTUNE_PARENT_PID")
+    if tuner and tuner.isdigit() and os.getppid() != int(tuner):
+        # A process the command started (torchrun's ranks): it dies with the one that started it, as
+        # the command itself dies with the tuner (set before its exec: autotune.trial.runner).
+        from autotune.trial.lifeline import die_with_parent
+
+        die_with_parent()
     config = os.environ.get("AUTOTUNE_CONFIG")
     if config:
         from autotune.scripts.frameworks import install_from
