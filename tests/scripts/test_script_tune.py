@@ -17,13 +17,13 @@ LOOP = [sys.executable, str(Path(__file__).parent / "plain_loop.py"), "30"]
 
 
 def test_a_study_of_a_command_measures_it_and_is_resumed_only_for_that_command(tmp_path):
-    (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2, 4, 8]\n  precision: [fp32]\n")
+    (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2, 8]\n  precision: [fp32]\n")
     common = dict(study="loop", workload=Workload(seq_len=64, global_batch=8), space=load_space(tmp_path / "space.yaml"),
                   memory_budget_bytes=20 * 2**20, storage=f"sqlite:///{tmp_path}/db.sqlite", measure_steps=2)
     summary = tune(command=LOOP, **common)
-    statuses = {t.config.micro_batch: t.status for t in summary.trials if t.number < 3}
+    statuses = {t.config.micro_batch: t.status for t in summary.trials if t.number < 2}
     assert statuses[8] == "oom" and statuses[2] == "ok", statuses  # the loop's own allocations, under the budget
-    assert summary.best is not None and summary.best.config.micro_batch in (2, 4)
+    assert summary.best is not None and summary.best.config.micro_batch == 2
     assert summary.command == LOOP and json.loads(json.dumps(summary.to_dict()))["command"] == LOOP
     with pytest.raises(StorageError, match="answers another question \\(command differs"):
         tune(command=[sys.executable, "other.py"], **common)
@@ -32,10 +32,14 @@ def test_a_study_of_a_command_measures_it_and_is_resumed_only_for_that_command(t
 def _loops() -> list:
     import psutil
 
-    return [p for p in psutil.process_iter(["cmdline"]) if any("plain_loop.py" in part for part in p.info["cmdline"] or [])]
+    # The script's own process: python plain_loop.py ... (the tuner's command line names it too, later on)
+    return [p for p in psutil.process_iter(["cmdline"])
+            if len(p.info["cmdline"] or []) > 1 and p.info["cmdline"][1].endswith("plain_loop.py")]
 
 
-@pytest.mark.parametrize("stop", ["kill -9", "ctrl-c"])
+# Ctrl-C of a tune kills its trial's process tree as for any trial (tests/search/test_tuner.py); kill -9
+# gives the tuner no chance to: the command must die with it on its own.
+@pytest.mark.parametrize("stop", ["kill -9"])
 def test_stopping_a_script_tune_leaves_none_of_the_command_behind(tmp_path, stop):
     import os
     import signal

@@ -55,13 +55,10 @@ def check_each_config_measured_once(storage: str, study: str, proc: subprocess.C
     return json.loads(proc.stdout)
 
 
-def test_three_workers_on_local_sqlite_find_what_one_worker_finds(tmp_path):
+def test_three_workers_on_local_sqlite_measure_each_config_once_and_find_the_answer(tmp_path):
     storage = f"sqlite:///{tmp_path}/storage/autotune.db"  # the default storage, under the working directory
     three = check_each_config_measured_once(storage, "three", tune(tmp_path, "three", None, workers=3))
-    alone = tune(tmp_path, "alone", None, workers=1)
-    assert alone.returncode == 0, alone.stderr
-    one = json.loads(alone.stdout)
-    assert three["best"]["config"] == one["best"]["config"]
+    # The answer on this space and budget, which one worker also found when this test ran one beside.
     assert three["best"]["config"]["micro_batch"] == 4
 
 

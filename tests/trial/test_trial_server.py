@@ -53,7 +53,10 @@ def test_two_forked_ranks_measure_what_torchrun_s_ranks_measure(monkeypatch):
         assert r.world_size == 2 and len(r.peak_memory_per_rank) == 2
     # Real DeepSpeed ZeRO-2 over a real gloo group either way: the same partitioned states per rank.
     assert forked.optimizer_state_bytes == torchrun.optimizer_state_bytes
-    assert forked.peak_memory_per_rank == torchrun.peak_memory_per_rank
+    # The same peaks, but for the gradient buckets a rank still holds while the other catches up: on a
+    # busy machine one CI run saw 3 more 64 KiB buckets (1.3%) live at rank 0's peak under torchrun.
+    for forked_peak, torchrun_peak in zip(forked.peak_memory_per_rank, torchrun.peak_memory_per_rank):
+        assert forked_peak == pytest.approx(torchrun_peak, rel=0.02)
 
 
 def _servers() -> list[psutil.Process]:
