@@ -158,6 +158,11 @@ class _EstimateServer:
                 raise EstimateError("the estimate server exited")
             return json.loads(line)
 
+    def start(self) -> None:
+        """Start the server now, if it is not running, without waiting for its imports."""
+        with self._lock:
+            self._running()
+
     def _running(self) -> subprocess.Popen[str]:
         if self._process is None or self._process.poll() is not None:
             self._process = subprocess.Popen(
@@ -181,8 +186,7 @@ def start_estimate_server() -> None:
     """Start the estimate server in the background now, its imports beside the caller's own checks;
     the first estimate's request waits in its pipe until it reads it. Not beside trials: its imports
     would take a core the trial's free cores are read from."""
-    with _SERVER._lock:
-        _SERVER._running()
+    _SERVER.start()
 
 
 class EstimateError(AutotuneError):

@@ -11,7 +11,7 @@ from autotune.config.workload import Workload
 from autotune.sizes import format_size
 from autotune.study.summary import StudySummary, TrialRecord, what_is_trained
 from autotune.trial.measure import unsettled
-from autotune.trial.result import TrialResult
+from autotune.trial.result import TOKENS_PER_S, TrialResult
 
 __all__ = ["print_trial", "print_summary", "nothing_fits", "ConsoleProgress"]
 
@@ -43,7 +43,7 @@ def print_trial(workload: Workload, result: TrialResult, *, console: Console | N
     rows = [
         ("status", result.status.value),
         (result.throughput_unit, _num(result.throughput)),
-        *([("samples/s", _num(result.samples_per_s, "{:,.2f}"))] if result.throughput_unit == "tokens/s" else []),
+        *([("samples/s", _num(result.samples_per_s, "{:,.2f}"))] if result.throughput_unit == TOKENS_PER_S else []),
         ("step time (median, IQR)", "-" if result.step_time_median_s is None else
          f"{result.step_time_median_s * 1000:.1f} ms, IQR {result.step_time_iqr_s * 1000:.1f} ms"
          + ("" if result.step_time_spread is None else f" ({result.step_time_spread:.0%} of the median)")),
@@ -120,7 +120,7 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
     if summary.certainty:
         console.print(f"  how sure: {summary.certainty}", highlight=False, markup=False)
     samples = f", {_num(best.confirmed_samples_per_s, '{:,.2f}')} samples/s" \
-        if best.throughput_unit == "tokens/s" else ""
+        if best.throughput_unit == TOKENS_PER_S else ""
     console.print(f"  {_num(best.confirmed_throughput)} {best.throughput_unit}{samples}, peak {format_size(best.confirmed_peak_memory_bytes)} of "
                   f"{format_size(summary.memory_budget_bytes)}; accumulation "
                   f"{best.config.grad_accum_steps(summary.workload)}", highlight=False)

@@ -4,8 +4,7 @@ through what that framework already reads, so the script runs unchanged.
 - Transformers' ``Trainer``: every ``TrainingArguments`` the script builds gets the trial's values
   (micro batch, accumulation, bf16/fp16, activation checkpointing, optim, torch_compile, DeepSpeed)
   before its own checks run: the keyword arguments the ``hf`` export writes
-  (:func:`autotune.prepare.training_args.trainer_arguments`). The script's own values are kept
-  for the record.
+  (:func:`autotune.prepare.training_args.trainer_arguments`).
 - Lightning: every ``Trainer`` the script builds gets the trial's precision and gradient
   accumulation (:func:`autotune.prepare.training_args.lightning_arguments`) over the script's own.
   Its micro batch is the script's DataLoader's: the script reads it from ``AUTOTUNE_CONFIG``.
@@ -21,7 +20,6 @@ Nothing is imported early: each hook waits for the script to import its framewor
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import sys
 from typing import Any, Callable
 
@@ -59,73 +57,39 @@ class FrameworkHooks:
         self.accelerate_args = accelerate_args
         self.trainer_args_applied = False           # a TrainingArguments was built with them
         self.lightning_args_applied = False         # a Lightning Trainer was built with them
-        self.scripts_trainer_batch: int | None = None  # what the script's TrainingArguments asked
         self.loader_batches: list[int] = []         # DataLoader batch sizes, in order of creation
 
     def install(self) -> None:
-        after_import("transformers.training_args", self._patch_training_arguments)
+        after_import("transformers.training_args",
+                     lambda module: _wrap(module.TrainingArguments, "__post_init__", before=self._training_arguments))
         for package in ("lightning.pytorch", "pytorch_lightning"):  # the unified package and the old name
-            after_import(f"{package}.trainer.trainer", self._patch_lightning_trainer)
-        after_import("accelerate.accelerator", self._patch_accelerator)
-        after_import("torch.utils.data.dataloader", self._patch_data_loader)
+            after_import(f"{package}.trainer.trainer",
+                         lambda module: _wrap(module.Trainer, "__init__", before=self._lightning_trainer))
+        after_import("accelerate.accelerator",
+                     lambda module: _wrap(module.Accelerator, "__init__", before=self._accelerator))
+        after_import("torch.utils.data.dataloader",
+                     lambda module: _wrap(module.DataLoader, "__init__", after=self._data_loader))
 
-    # -- Transformers ------------------------------------------------------------------------
-    def _patch_training_arguments(self, module: Any) -> None:
-        arguments = module.TrainingArguments
-        original = arguments.__post_init__
-        hooks = self
+    def _training_arguments(self, arguments: Any, kwargs: dict[str, Any]) -> None:
+        for name, value in self.trainer_args.items():  # before TrainingArguments checks its own values
+            setattr(arguments, name, value)
+        self.trainer_args_applied = True
 
-        def __post_init__(self: Any) -> None:
-            hooks.scripts_trainer_batch = getattr(self, "per_device_train_batch_size", None)
-            for name, value in hooks.trainer_args.items():
-                setattr(self, name, value)
-            hooks.trainer_args_applied = True
-            original(self)
+    def _lightning_trainer(self, trainer: Any, kwargs: dict[str, Any]) -> None:
+        kwargs.update(self.lightning_args)  # over the script's own and PL_TRAINER_* defaults
+        self.lightning_args_applied = True
 
-        arguments.__post_init__ = __post_init__
+    def _accelerator(self, accelerator: Any, kwargs: dict[str, Any]) -> None:
+        if self.trainer_args_applied or self.lightning_args_applied:
+            return  # a Trainer (or Lightning) builds its own Accelerator from the arguments it was given
+        overrides = dict(self.accelerate_args)
+        if "gradient_accumulation_plugin" in kwargs:  # Accelerate takes one or the other
+            kwargs["gradient_accumulation_plugin"].num_steps = overrides.pop("gradient_accumulation_steps")
+        kwargs.update(overrides)
 
-    # -- Lightning -----------------------------------------------------------------------------
-    def _patch_lightning_trainer(self, module: Any) -> None:
-        trainer = module.Trainer
-        original = trainer.__init__
-        hooks = self
-
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            kwargs.update(hooks.lightning_args)  # over the script's own and PL_TRAINER_* defaults
-            hooks.lightning_args_applied = True
-            original(self, *args, **kwargs)
-
-        trainer.__init__ = __init__
-
-    # -- Accelerate ----------------------------------------------------------------------------
-    def _patch_accelerator(self, module: Any) -> None:
-        accelerator = module.Accelerator
-        original = accelerator.__init__
-        hooks = self
-
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            # A Trainer (or Lightning) builds its own Accelerator from the arguments it was given.
-            if not (hooks.trainer_args_applied or hooks.lightning_args_applied):
-                overrides = dict(hooks.accelerate_args)
-                if "gradient_accumulation_plugin" in kwargs:  # Accelerate takes one or the other
-                    kwargs["gradient_accumulation_plugin"].num_steps = overrides.pop("gradient_accumulation_steps")
-                kwargs.update(overrides)
-            original(self, *args, **kwargs)
-
-        accelerator.__init__ = __init__
-
-    # -- any loop ------------------------------------------------------------------------------
-    def _patch_data_loader(self, module: Any) -> None:
-        loader = module.DataLoader
-        original = loader.__init__
-        hooks = self
-
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            original(self, *args, **kwargs)
-            if self.batch_size is not None:  # None: the script batches with its own sampler
-                hooks.loader_batches.append(self.batch_size)
-
-        loader.__init__ = __init__
+    def _data_loader(self, loader: Any) -> None:
+        if loader.batch_size is not None:  # None: the script batches with its own sampler
+            self.loader_batches.append(loader.batch_size)
 
     def ignored_micro_batch(self, micro_batch: int) -> str | None:
         """Why the measured steps were not of ``micro_batch`` samples per micro-step, or None."""
@@ -135,6 +99,27 @@ class FrameworkHooks:
                     f"config's micro batch is {micro_batch}; read it from AUTOTUNE_CONFIG "
                     "(autotune.current_config().micro_batch) or let the Trainer batch")
         return None
+
+
+def _wrap(cls: type, method: str, *, before: Callable[[Any, dict[str, Any]], None] | None = None,
+          after: Callable[[Any], None] | None = None) -> None:
+    """Replace ``cls.method`` with one that calls ``before(instance, kwargs)`` (which may change the
+    keyword arguments) and ``after(instance)`` around the original. ``functools.wraps`` keeps the
+    original's signature visible: Lightning reads its Trainer's to apply PL_TRAINER_* defaults."""
+    import functools
+
+    original = getattr(cls, method)
+
+    @functools.wraps(original)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            before(self, kwargs)
+        result = original(self, *args, **kwargs)
+        if after is not None:
+            after(self)
+        return result
+
+    setattr(cls, method, wrapped)
 
 
 def after_import(name: str, callback: Callable[[Any], None]) -> None:
@@ -156,7 +141,12 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)  # once
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        spec = None
+        for finder in sys.meta_path:  # as the import system asks them (an editable install has its own)
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader, callback = spec.loader, self.callback

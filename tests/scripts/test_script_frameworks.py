@@ -4,10 +4,13 @@ own TrainingArguments, and a loop that batches otherwise than the config says is
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
@@ -49,31 +52,34 @@ def test_a_loop_that_ignores_the_injected_micro_batch_is_reported_not_measured()
         "batch is 2; read it from AUTOTUNE_CONFIG (autotune.current_config().micro_batch) or let the Trainer batch")
 
 
-def test_a_lightning_script_trains_the_trials_precision_and_accumulation(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    script = [sys.executable, str(HERE / "lightning_script.py"), "30"]
-    fp32, bf16 = (run_script_trial(script, WORKLOAD, TrialConfig(micro_batch=2, precision=p), measure_steps=2)
+@pytest.mark.parametrize("script", ["lightning_script.py", "accelerate_script.py"])
+def test_a_lightning_or_accelerate_script_trains_the_trials_precision_and_accumulation(script, tmp_path,
+                                                                                      monkeypatch):
+    monkeypatch.chdir(tmp_path)  # Lightning writes its logs where it runs
+    command = [sys.executable, str(HERE / script), "30"]
+    fp32, bf16 = (run_script_trial(command, WORKLOAD, TrialConfig(micro_batch=2, precision=p), measure_steps=2)
                   for p in ("fp32", "bf16"))
-    one_step = run_script_trial(script, Workload(seq_len=64, global_batch=2), TrialConfig(micro_batch=2),
+    one_step = run_script_trial(command, Workload(seq_len=64, global_batch=2), TrialConfig(micro_batch=2),
                                 measure_steps=2)
     for result in (fp32, bf16, one_step):
         assert result.status is TrialStatus.OK, result.error
-    # The script asks for 32-true: bf16-mixed came from the trial (autocast keeps bf16 activations).
+    # Each script asks for 32-bit (32-true, "no"): bf16 came from the trial (autocast keeps bf16 activations).
     assert bf16.peak_memory_bytes < fp32.peak_memory_bytes
-    # The script asks for no accumulation: a step of the trial's 4 micro batches takes about 4 of one.
+    # Each script asks for no accumulation: a step of the trial's 4 micro batches takes about 4 of one.
     assert fp32.step_time_median_s > 2 * one_step.step_time_median_s
 
 
-def test_an_accelerate_script_trains_the_trials_precision_and_accumulation():
-    script = [sys.executable, str(HERE / "accelerate_script.py"), "30"]
-    fp32, bf16 = (run_script_trial(script, WORKLOAD, TrialConfig(micro_batch=2, precision=p), measure_steps=2)
-                  for p in ("fp32", "bf16"))
-    one_step = run_script_trial(script, Workload(seq_len=64, global_batch=2), TrialConfig(micro_batch=2),
-                                measure_steps=2)
-    for result in (fp32, bf16, one_step):
-        assert result.status is TrialStatus.OK, result.error
-    assert bf16.peak_memory_bytes < fp32.peak_memory_bytes  # the script asks for "no": bf16 came from the trial
-    assert fp32.step_time_median_s > 2 * one_step.step_time_median_s  # 4 accumulated micro batches a step
+def test_the_patched_lightning_trainer_keeps_its_signature_for_pl_trainer_defaults():
+    # Lightning applies PL_TRAINER_* by reading its Trainer's signature: the patched __init__ must show it.
+    code = ("import inspect\n"
+            "from autotune.scripts.frameworks import FrameworkHooks\n"
+            "FrameworkHooks({}, {'precision': 'bf16-mixed'}, {}).install()\n"
+            "import lightning.pytorch as pl\n"
+            "from lightning.pytorch.utilities.argparse import _parse_env_variables\n"
+            "print('precision' in inspect.signature(pl.Trainer).parameters, vars(_parse_env_variables(pl.Trainer)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PL_TRAINER_MAX_STEPS": "7"}, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "True {'max_steps': 7}"
 
 
 def test_find_on_a_trainer_script_hands_over_a_command_that_trains_it_with_the_answer(tmp_path):
