@@ -390,7 +390,9 @@ def export(
     _check_format(fmt)
     summary = _summary(study, storage)
     if summary.best is None:
-        raise ConfigError(f"--study {study} has no confirmed config yet; run autotune tune --study {study} first")
+        unconfirmed = any(t.status == "ok" and t.fits and t.confirmed is None for t in summary.trials)
+        raise ConfigError(f"--study {study} has no confirmed config yet; run autotune tune --study {study} "
+                          + ("(without --no-confirm) to confirm its fastest fitting config" if unconfirmed else "first"))
     if output is None:
         print(_export_text(summary, fmt), end="")
     else:

@@ -104,15 +104,21 @@ class FrameworkHooks:
 def _wrap(cls: type, method: str, *, before: Callable[[Any, dict[str, Any]], None] | None = None,
           after: Callable[[Any], None] | None = None) -> None:
     """Replace ``cls.method`` with one that calls ``before(instance, kwargs)`` (which may change the
-    keyword arguments) and ``after(instance)`` around the original. ``functools.wraps`` keeps the
-    original's signature visible: Lightning reads its Trainer's to apply PL_TRAINER_* defaults."""
+    keyword arguments) and ``after(instance)`` around the original. Arguments the script passed by
+    position are handed over by name, so ``before`` overrides them too (``Accelerator(True, False,
+    "no")``). ``functools.wraps`` keeps the original's signature visible: Lightning reads its
+    Trainer's to apply PL_TRAINER_* defaults."""
     import functools
+    import inspect
 
     original = getattr(cls, method)
+    signature = inspect.signature(original)
 
     @functools.wraps(original)
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         if before is not None:
+            if args:
+                args, kwargs = _by_name(signature, self, args, kwargs)
             before(self, kwargs)
         result = original(self, *args, **kwargs)
         if after is not None:
@@ -120,6 +126,25 @@ def _wrap(cls: type, method: str, *, before: Callable[[Any, dict[str, Any]], Non
         return result
 
     setattr(cls, method, wrapped)
+
+
+def _by_name(signature: Any, instance: Any, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` with every positional argument moved to ``kwargs`` by its name; left
+    as they are where a parameter cannot be named (positional-only, ``*args``)."""
+    import inspect
+
+    kinds = [parameter.kind for parameter in list(signature.parameters.values())[1:]]  # after the instance
+    if inspect.Parameter.POSITIONAL_ONLY in kinds or inspect.Parameter.VAR_POSITIONAL in kinds:
+        return args, kwargs
+    bound = signature.bind(instance, *args, **kwargs)
+    named: dict[str, Any] = {}
+    for name, value in list(bound.arguments.items())[1:]:
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    return (), named
 
 
 def after_import(name: str, callback: Callable[[Any], None]) -> None:

@@ -138,15 +138,21 @@ class _Measurement:
             record.update(status=status, error=error)
         seconds = [b - a for a, b in zip(self.ends[self.warmup - 1:], self.ends[self.warmup:])]
         if status == "ok" and seconds:
+            from autotune.config.workload import Workload
+            from autotune.models.batches import throughput_unit
             from autotune.trial.measure import StepTimes
 
             times = StepTimes(seconds=seconds, warmup_s=self.ends[self.warmup - 1] - self.spec["launched"],
                               last_loss=float("nan"))
             record.update(step_time_median_s=times.median_s, step_time_iqr_s=times.iqr_s,
                           step_time_spread=times.spread, disturbed_steps=times.disturbed_steps,
-                          samples_per_s=workload["global_batch"] / times.median_s,
-                          tokens_per_s=workload["global_batch"] * workload["seq_len"] / times.median_s,
                           measured_steps=len(seconds))
+            # What one sample holds is what --task and the lengths say (a script's model is its own).
+            task = workload.get("task") or "causal-lm"
+            tokens = Workload.from_dict(workload).tokens_per_sample(task)
+            samples_per_s = workload["global_batch"] / times.median_s
+            record.update(samples_per_s=samples_per_s, throughput_unit=throughput_unit(task, own_batch=False),
+                          tokens_per_s=samples_per_s * tokens if tokens else None)
             record["phases"] = {"warmup_s": times.warmup_s, "measure_s": times.total_s}
         import torch
 

@@ -1,6 +1,6 @@
 """A Lightning script, as people write them: it never imports autotune. Its Trainer asks for 32-bit
 precision and no accumulation (a script trial overrides both); its DataLoader takes the micro batch
-from the JSON file AUTOTUNE_CONFIG names. Argument: optimizer steps."""
+from the JSON file AUTOTUNE_CONFIG names. Argument: optimizer steps. It says at its end what it trained with."""
 
 import json
 import os
@@ -30,3 +30,5 @@ trainer = pl.Trainer(max_steps=int(sys.argv[1]), accelerator="cpu", devices=1, p
                      accumulate_grad_batches=1, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False)
 trainer.fit(LanguageModel(), data)
+print(f"trained with micro_batch={micro} precision={trainer.precision} "
+      f"accumulate_grad_batches={trainer.accumulate_grad_batches} steps={trainer.global_step}")

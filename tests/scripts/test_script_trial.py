@@ -23,13 +23,16 @@ WORKLOAD = Workload(seq_len=64, global_batch=8)
 
 
 def test_a_plain_loop_is_measured_in_its_own_steps_and_its_peak_grows_with_the_injected_micro_batch():
-    small, large = (run_script_trial([*LOOP, "20"], WORKLOAD, TrialConfig(micro_batch=mb, precision="bf16"),
-                                     measure_steps=2) for mb in (1, 8))
-    for result in (small, large):
+    # The second as if the script trained an encoder-decoder: a sample is --seq-len plus --target-len tokens.
+    seq2seq = Workload(task="seq2seq-lm", seq_len=64, target_len=16, global_batch=8)
+    small, large = (run_script_trial([*LOOP, "20"], workload, TrialConfig(micro_batch=mb, precision="bf16"),
+                                     measure_steps=2) for mb, workload in ((1, WORKLOAD), (8, seq2seq)))
+    for result, tokens_per_sample in ((small, 64), (large, 64 + 16)):
         assert result.status is TrialStatus.OK, result.error
         assert result.measured_steps == 2 and result.grad_accum_steps in (8, 1)
-        # A step trains the global batch: 8 samples of 64 tokens, however it is split.
-        assert result.tokens_per_s == pytest.approx(8 * 64 / result.step_time_median_s)
+        # A step trains the global batch: 8 samples, however it is split.
+        assert result.samples_per_s == pytest.approx(8 / result.step_time_median_s)
+        assert result.tokens_per_s == pytest.approx(8 * tokens_per_sample / result.step_time_median_s)
     assert large.peak_memory_bytes > small.peak_memory_bytes  # the script took the injected micro batch
 
 

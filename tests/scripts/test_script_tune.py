@@ -29,6 +29,33 @@ def test_a_study_of_a_command_measures_it_and_is_resumed_only_for_that_command(t
         tune(command=[sys.executable, "other.py"], **common)
 
 
+@pytest.mark.parametrize("script, trained", [
+    ("lightning_script.py", "trained with micro_batch=2 precision=bf16-mixed accumulate_grad_batches=4 steps=3"),
+    ("accelerate_script.py", "trained with micro_batch=2 mixed_precision=bf16 gradient_accumulation_steps=4")])
+def test_a_framework_script_is_tuned_under_a_budget_and_its_answer_trains_it(tmp_path, script, trained):
+    import subprocess
+
+    (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2, 8]\n  precision: [bf16]\n")
+    command = [sys.executable, str(Path(__file__).parent / script)]
+
+    def autotune(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "autotune", *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600)
+
+    # The script's own peaks here: about 16 MiB at micro batch 2 and 29 MiB at 8 (bf16).
+    tuned = autotune("tune", "--study", "s", "--seq-len", "64", "--global-batch", "8", "--space", "space.yaml",
+                     "--memory-budget", "24MiB", "--steps", "2", "--json", "--", *command, "30")
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    trials = {t["config"]["micro_batch"]: t for t in json.loads(tuned.stdout)["trials"]}
+    assert trials[8]["status"] == "oom" and trials[2]["status"] == "ok", trials
+    assert trials[2]["tokens_per_s"] > 0 and 0 < trials[2]["peak_memory_bytes"] < 24 * 2**20
+    exported = autotune("export", "--study", "s", "--format", "json", "-o", "autotune.json")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    ran = autotune("run", "--config", "autotune.json", "--", *command, "3")
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert trained in ran.stdout
+
+
 def _loops() -> list:
     import psutil
 
@@ -37,9 +64,9 @@ def _loops() -> list:
             if len(p.info["cmdline"] or []) > 1 and p.info["cmdline"][1].endswith("plain_loop.py")]
 
 
-# Ctrl-C of a tune kills its trial's process tree as for any trial (tests/search/test_tuner.py); kill -9
-# gives the tuner no chance to: the command must die with it on its own.
-@pytest.mark.parametrize("stop", ["kill -9"])
+# Ctrl-C: the tuner kills its trial's process tree. Kill -9 gives it no chance to: the command must die
+# with it on its own.
+@pytest.mark.parametrize("stop", ["kill -9", "ctrl-c"])
 def test_stopping_a_script_tune_leaves_none_of_the_command_behind(tmp_path, stop):
     import os
     import signal

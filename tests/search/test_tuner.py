@@ -241,3 +241,8 @@ def test_the_estimator_skips_a_config_predicted_over_the_limit_and_show_lists_it
     assert [(t["status"], t["config"]["micro_batch"]) for t in shown["trials"]] == [("ok", 2), ("skipped", 4)]
     assert "not run: predicted peak" in shown["trials"][1]["error"]
     assert "(predicted)" in autotune("show", "--study", "est", cwd=tmp_path).stdout
+    # --no-confirm left its fit unconfirmed: export says how to confirm it, and writes nothing.
+    refused = autotune("export", "--study", "est", "--format", "json", "-o", "best.json", cwd=tmp_path)
+    assert refused.returncode == 2 and not (tmp_path / "best.json").exists()
+    assert refused.stderr.strip() == ("autotune: error: --study est has no confirmed config yet; run autotune tune "
+                                      "--study est (without --no-confirm) to confirm its fastest fitting config")
