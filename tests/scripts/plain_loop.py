@@ -1,5 +1,6 @@
 """A plain PyTorch training loop: it never imports autotune, and reads the trial's config from the
-JSON file AUTOTUNE_CONFIG names (micro batch, accumulation, precision). Argument: optimizer steps."""
+JSON file AUTOTUNE_CONFIG names (micro batch, accumulation, precision). Argument: optimizer steps. It says at its end what it
+trained with."""
 
 import json
 import os
@@ -27,3 +28,4 @@ for step in range(int(sys.argv[1])):
     optimizer.zero_grad()
     if os.environ.get("HANG_AFTER_FIRST_STEP"):
         time.sleep(3600)
+print(f"trained with micro_batch={micro} grad_accum_steps={accum} precision={settings['config']['precision']}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,14 +28,18 @@ def test_a_study_of_a_command_measures_it_and_is_resumed_only_for_that_command(t
     assert summary.command == LOOP and json.loads(json.dumps(summary.to_dict()))["command"] == LOOP
     with pytest.raises(StorageError, match="answers another question \\(command differs"):
         tune(command=[sys.executable, "other.py"], **common)
+    # The answer, exported, trains the loop: it says what it got.
+    subprocess.run([sys.executable, "-m", "autotune", "export", "--study", "loop", "--storage", common["storage"],
+                    "--format", "json", "-o", "autotune.json"], cwd=tmp_path, check=True, timeout=300)
+    ran = subprocess.run([sys.executable, "-m", "autotune", "run", "--config", "autotune.json", "--", *LOOP[:2], "2"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "trained with micro_batch=2 grad_accum_steps=4 precision=fp32" in ran.stdout, ran.stderr[-3000:]
 
 
 @pytest.mark.parametrize("script, trained", [
     ("lightning_script.py", "trained with micro_batch=2 precision=bf16-mixed accumulate_grad_batches=4 steps=3"),
     ("accelerate_script.py", "trained with micro_batch=2 mixed_precision=bf16 gradient_accumulation_steps=4")])
 def test_a_framework_script_is_tuned_under_a_budget_and_its_answer_trains_it(tmp_path, script, trained):
-    import subprocess
-
     (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2, 8]\n  precision: [bf16]\n")
     command = [sys.executable, str(Path(__file__).parent / script)]
 
@@ -70,7 +75,6 @@ def _loops() -> list:
 def test_stopping_a_script_tune_leaves_none_of_the_command_behind(tmp_path, stop):
     import os
     import signal
-    import subprocess
     import time
 
     (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2, 4]\n  precision: [fp32]\n")
