@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from autotune.config.knobs import TrialConfig
@@ -61,12 +60,12 @@ def test_knobs_only_prepare_applies_need_the_script_to_call_it():
     assert prepared.status is TrialStatus.OK, prepared.error
 
 
-def test_a_timeout_kills_the_whole_command_and_leaves_no_process(monkeypatch):
+def test_a_timeout_kills_the_whole_command_and_leaves_no_process(monkeypatch, own_processes):
     monkeypatch.setenv("HANG_AFTER_FIRST_STEP", "1")
     result = run_script_trial([*LOOP, "20"], WORKLOAD, TrialConfig(micro_batch=8), timeout_s=10)
     assert result.status is TrialStatus.TIMEOUT
     time.sleep(0.5)
-    assert not [p for p in psutil.process_iter(["cmdline"]) if "plain_loop.py" in " ".join(p.info["cmdline"] or [])]
+    assert not own_processes("plain_loop.py")
 
 
 def test_the_command_line_takes_the_script_after_a_double_dash_and_refuses_one_that_does_not_exist(tmp_path):

@@ -61,18 +61,10 @@ def test_a_framework_script_is_tuned_under_a_budget_and_its_answer_trains_it(tmp
     assert trained in ran.stdout
 
 
-def _loops() -> list:
-    import psutil
-
-    # The script's own process: python plain_loop.py ... (the tuner's command line names it too, later on)
-    return [p for p in psutil.process_iter(["cmdline"])
-            if len(p.info["cmdline"] or []) > 1 and p.info["cmdline"][1].endswith("plain_loop.py")]
-
-
 # Ctrl-C: the tuner kills its trial's process tree. Kill -9 gives it no chance to: the command must die
 # with it on its own.
 @pytest.mark.parametrize("stop", ["kill -9", "ctrl-c"])
-def test_stopping_a_script_tune_leaves_none_of_the_command_behind(tmp_path, stop):
+def test_stopping_a_script_tune_leaves_none_of_the_command_behind(tmp_path, stop, own_processes):
     import os
     import signal
     import time
@@ -85,20 +77,20 @@ def test_stopping_a_script_tune_leaves_none_of_the_command_behind(tmp_path, stop
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not _loops() and time.monotonic() < deadline:
+        while not own_processes("plain_loop.py") and time.monotonic() < deadline:
             assert tuner.poll() is None, tuner.communicate()
             time.sleep(0.2)
-        assert _loops(), "the command never started"
+        assert own_processes("plain_loop.py"), "the command never started"
         time.sleep(1)  # inside its first step or its hang
         tuner.send_signal(signal.SIGKILL if stop == "kill -9" else signal.SIGINT)
         _, stderr = tuner.communicate(timeout=60)
         if stop == "ctrl-c":
             assert tuner.returncode == 130 and "run the same command again" in stderr, stderr
         deadline = time.monotonic() + 10  # the kernel's SIGKILL on the tuner's death, or the tuner's own kill
-        while _loops() and time.monotonic() < deadline:
+        while own_processes("plain_loop.py") and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _loops(), "the user's command outlived the tuner"
+        assert not own_processes("plain_loop.py"), "the user's command outlived the tuner"
     finally:
         tuner.kill()
-        for process in _loops():
+        for process in own_processes("plain_loop.py"):
             process.kill()
