@@ -24,6 +24,10 @@ _LIGHTNING_PRECISION = {"fp16": "16-mixed", "bf16": "bf16-mixed", "bf16-true": "
 # (a concrete value that differs, e.g. DeepSpeed's lr vs learning_rate, makes HF raise).
 _AUTO_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _AUTO_OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay")
+# The bucket sizes the Trainer fills from its model's hidden size (DeepSpeed's own defaults, 5e8
+# elements, allocate a 2 GB gradient buffer whatever the model): per "is ZeRO-3".
+_AUTO_BUCKET_KEYS = {False: ("reduce_bucket_size",),
+                     True: ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")}
 
 
 def trainer_arguments(config: TrialConfig, workload: Workload, *, device_type: str, hidden_size: int | None = None,
@@ -55,6 +59,8 @@ def trainer_arguments(config: TrialConfig, workload: Workload, *, device_type: s
     if config.uses_deepspeed:
         ds = deepspeed_config(config, workload, device_type=device_type, hidden_size=hidden_size)
         ds.update(dict.fromkeys(_AUTO_KEYS, "auto"))
+        if hidden_size is None:  # the Trainer sizes the buckets from its model, as the trials did (hidden²)
+            ds["zero_optimization"].update(dict.fromkeys(_AUTO_BUCKET_KEYS[config.zero_stage == 3], "auto"))
         ds["optimizer"]["params"].update(dict.fromkeys(_AUTO_OPTIMIZER_KEYS, "auto"))
         kwargs["deepspeed"] = ds
     if config.uses_fsdp:  # Transformers 5's FSDP2 settings, read by its Accelerate plugin

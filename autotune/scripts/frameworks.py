@@ -13,6 +13,8 @@ through what that framework already reads, so the script runs unchanged.
   ``ACCELERATE_*`` environment; the micro batch is the script's DataLoader's, as for Lightning.
 - Any loop: each ``DataLoader``'s batch size is noted, so that a script that batches otherwise
   than the injected micro batch is reported instead of measured as the wrong config.
+- DeepSpeed: each engine the script builds (itself, or through its framework) is counted, so that
+  a ZeRO config trained without DeepSpeed is reported instead of measured as ZeRO.
 
 Nothing is imported early: each hook waits for the script to import its framework.
 """
@@ -58,6 +60,7 @@ class FrameworkHooks:
         self.trainer_args_applied = False           # a TrainingArguments was built with them
         self.lightning_args_applied = False         # a Lightning Trainer was built with them
         self.loader_batches: list[int] = []         # DataLoader batch sizes, in order of creation
+        self.deepspeed_engines = 0                  # DeepSpeed engines built (a ZeRO config needs one)
 
     def install(self) -> None:
         after_import("transformers.training_args",
@@ -69,6 +72,8 @@ class FrameworkHooks:
                      lambda module: _wrap(module.Accelerator, "__init__", before=self._accelerator))
         after_import("torch.utils.data.dataloader",
                      lambda module: _wrap(module.DataLoader, "__init__", after=self._data_loader))
+        after_import("deepspeed.runtime.engine",
+                     lambda module: _wrap(module.DeepSpeedEngine, "__init__", after=self._deepspeed_engine))
 
     def _training_arguments(self, arguments: Any, kwargs: dict[str, Any]) -> None:
         for name, value in self.trainer_args.items():  # before TrainingArguments checks its own values
@@ -90,6 +95,17 @@ class FrameworkHooks:
     def _data_loader(self, loader: Any) -> None:
         if loader.batch_size is not None:  # None: the script batches with its own sampler
             self.loader_batches.append(loader.batch_size)
+
+    def _deepspeed_engine(self, engine: Any) -> None:
+        self.deepspeed_engines += 1
+
+    def ignored_zero(self, zero_stage: int | None) -> str | None:
+        """Why a ZeRO config was not what the measured steps trained, or None."""
+        if zero_stage is not None and not self.deepspeed_engines:
+            return (f"the script trained without DeepSpeed: --zero-stage {zero_stage} was not applied; let a "
+                    "Transformers Trainer take it from its arguments, or build the engine with "
+                    "deepspeed.initialize at the stage autotune.current_config().zero_stage names")
+        return None
 
     def ignored_micro_batch(self, micro_batch: int) -> str | None:
         """Why the measured steps were not of ``micro_batch`` samples per micro-step, or None."""

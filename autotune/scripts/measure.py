@@ -132,7 +132,8 @@ class _Measurement:
             status, error = "error", (f"the script did not call autotune.prepare(model, autotune.current_config()): "
                                       f"{unapplied} would not be applied")
             record.update(status=status, error=error)
-        ignored = self.frameworks.ignored_micro_batch(self.spec["config"]["micro_batch"]) if status == "ok" else None
+        ignored = (self.frameworks.ignored_micro_batch(self.spec["config"]["micro_batch"])
+                   or self.frameworks.ignored_zero(self.spec["config"].get("zero_stage"))) if status == "ok" else None
         if ignored:
             status, error = "error", ignored
             record.update(status=status, error=error)

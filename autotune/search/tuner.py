@@ -136,8 +136,6 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     device = detect_device(workload.device)
     space = space if isinstance(space, SearchSpace) else load_space(space)
     budget = _budget(memory_budget_bytes, device)
-    if command and workers > 1:
-        raise ConfigError("--workers with a command: a script study runs one worker for now; drop --workers")
     # A user's command: its model is its own, so nothing is estimated and every config is measured.
     estimate = estimate and not command
     backend = backend or (ScriptBackend(device.type, command) if command else LocalBackend(device.type))
@@ -155,7 +153,7 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
                         limit_bytes=limit, margin=SKIP_MARGIN)
     proposer.precision_speed = _precision_speed(the_study, backend, proposer.choices.get("precision", ()))
     # What show and export need about the model (LoRA's targets, hidden size), resolved as the trials resolve it.
-    record_model_facts(the_study, workload, proposer.choices.get("lora", ()))
+    record_model_facts(the_study, workload, proposer.choices.get("lora", ()), script=bool(command))
     target = n_trials or space.n_trials
     patience = patience if patience is not None else space.patience
     measure = _Measure(memory_budget_bytes=budget, trial_timeout_s=trial_timeout_s,
@@ -169,6 +167,7 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
         study=study, workload=workload.to_dict(), space=space.name, memory_budget_bytes=budget, n_trials=target,
         timeout_s=timeout_s, trial_timeout_s=trial_timeout_s, patience=patience, headroom=headroom,
         storage=storage, warmup_steps=warmup_steps, measure_steps=measure_steps, estimate=estimate,
+        command=command,
     ), gpus[1:])
     started = time.monotonic()
     try:

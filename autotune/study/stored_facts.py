@@ -26,10 +26,16 @@ FACTS_KEY = "model_facts"   # study user attribute: {"hidden_size": int|None, "l
 _KNOWN: dict[Workload, dict[str, Any]] = {}
 
 
-def record(study: optuna.Study, workload: Workload, lora_choices: Iterable[str]) -> None:
+def record(study: optuna.Study, workload: Workload, lora_choices: Iterable[str], *, script: bool = False) -> None:
     """Store the facts for ``workload`` and the space's LoRA choices (``off``, ``16``, ``16:all-linear``,
-    as :meth:`autotune.search.space.SearchSpace.choices` names them), once per study."""
-    if FACTS_KEY not in study.user_attrs:
+    as :meth:`autotune.search.space.SearchSpace.choices` names them), once per study. ``script``: the
+    trials run the user's command, whose model is its own: nothing is known of it (the workload's
+    model is not the one trained), and readers say no more than the config."""
+    if FACTS_KEY in study.user_attrs:
+        return
+    if script:
+        study.set_user_attr(FACTS_KEY, {"hidden_size": None, "lora": {}, "script": True})
+    else:
         targets = {None if not rest else tuple(rest.split(","))
                    for rank, _, rest in (choice.partition(":") for choice in lora_choices) if rank != "off"}
         study.set_user_attr(FACTS_KEY, collect(workload, sorted(targets, key=_setting)))
@@ -62,6 +68,8 @@ def remember(workload: Workload, facts: Any) -> None:
 def lora_where(config: TrialConfig, workload: Workload) -> tuple[str, bool] | None:
     """Which layers LoRA adapts, in words, and whether a classifier head trains in full; None if the
     model cannot be reached."""
+    if _of_a_script(workload):
+        return None  # the script's model: its layers are not known here
     stored = _stored_lora(config, workload)
     if stored is not None and isinstance(stored.get("note"), str):
         return stored["note"], bool(stored.get("head"))
@@ -78,6 +86,9 @@ def hidden_size(workload: Workload) -> int | None:
 
 def adapter_config(config: TrialConfig, workload: Workload) -> dict[str, Any]:
     """adapter_config.json's content, as ``LoraConfig.save_pretrained`` writes it for ``config``."""
+    if _of_a_script(workload):  # PEFT picks its default targets for the script's model when it applies them
+        return _adapter_config_without_model(config.lora_targets, rank=config.lora_rank,
+                                             alpha=config.effective_lora_alpha)
     stored = _stored_lora(config, workload)
     template = stored.get("adapter_config") if stored is not None else None
     if isinstance(template, dict):  # r and lora_alpha are the only fields that follow the rank and alpha
@@ -88,6 +99,10 @@ def adapter_config(config: TrialConfig, workload: Workload) -> dict[str, Any]:
 # -- worked out: what a study stores, and what readers of older studies get --------------------------
 def _setting(targets: tuple[str, ...] | None) -> str:
     return "default" if targets is None else ",".join(targets)
+
+
+def _of_a_script(workload: Workload) -> bool:
+    return bool(_KNOWN.get(workload, {}).get("script"))
 
 
 def _stored_lora(config: TrialConfig, workload: Workload) -> dict[str, Any] | None:
@@ -119,6 +134,14 @@ def _hidden_size(workload: Workload) -> int | None:
         return None
     hf_config = load_hf_config(source, trust_remote_code=workload.trust_remote_code)
     return getattr(hf_config, "hidden_size", None)
+
+
+def _adapter_config_without_model(targets: tuple[str, ...] | None, *, rank: int, alpha: int) -> dict[str, Any]:
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets) if targets else None)
+    data = {key: sorted(value) if isinstance(value, set) else value for key, value in lora.to_dict().items()}
+    return json.loads(json.dumps(data, default=str))
 
 
 def _adapter_config(targets: tuple[str, ...] | None, workload: Workload, *, rank: int, alpha: int) -> dict[str, Any]:

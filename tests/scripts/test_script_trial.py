@@ -60,6 +60,17 @@ def test_knobs_only_prepare_applies_need_the_script_to_call_it():
     assert prepared.status is TrialStatus.OK, prepared.error
 
 
+def test_a_zero_config_is_measured_only_where_the_script_built_a_deepspeed_engine():
+    config = TrialConfig(micro_batch=4, zero_stage=2)
+    plain = run_script_trial([*LOOP, "20"], WORKLOAD, config, measure_steps=2)
+    assert plain.status is TrialStatus.ERROR
+    assert plain.error.splitlines()[0].startswith("the script trained without DeepSpeed: --zero-stage 2 was not "
+                                                  "applied"), plain.error
+    built = run_script_trial([sys.executable, str(HERE / "deepspeed_loop.py"), "20"], WORKLOAD, config,
+                             measure_steps=2)
+    assert built.status is TrialStatus.OK, built.error
+
+
 def test_a_timeout_kills_the_whole_command_and_leaves_no_process(monkeypatch, own_processes):
     monkeypatch.setenv("HANG_AFTER_FIRST_STEP", "1")
     result = run_script_trial([*LOOP, "20"], WORKLOAD, TrialConfig(micro_batch=8), timeout_s=10)

@@ -7,23 +7,30 @@ import subprocess
 import sys
 from pathlib import Path
 
+import optuna
 import pytest
 
 from autotune.config.workload import Workload
 from autotune.errors import StorageError
 from autotune.search.space import load_space
 from autotune.search.tuner import tune
+from autotune.study.records import ANSWER_ATTR
 
 LOOP = [sys.executable, str(Path(__file__).parent / "plain_loop.py"), "30"]
 
 
-def test_a_study_of_a_command_measures_it_and_is_resumed_only_for_that_command(tmp_path):
+def test_a_study_of_a_command_measures_it_and_is_resumed_only_for_that_command(tmp_path, capfd):
     (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2, 8]\n  precision: [fp32]\n")
     common = dict(study="loop", workload=Workload(seq_len=64, global_batch=8), space=load_space(tmp_path / "space.yaml"),
                   memory_budget_bytes=20 * 2**20, storage=f"sqlite:///{tmp_path}/db.sqlite", measure_steps=2)
-    summary = tune(command=LOOP, **common)
+    summary = tune(command=LOOP, workers=2, **common)  # two workers share the study (on a CPU, taking turns)
     statuses = {t.config.micro_batch: t.status for t in summary.trials if t.number < 2}
     assert statuses[8] == "oom" and statuses[2] == "ok", statuses  # the loop's own allocations, under the budget
+    study = optuna.load_study(study_name="loop", storage=common["storage"])
+    assert len([t for t in study.trials if ANSWER_ATTR not in t.user_attrs]) == 2  # each config once
+    # The helper joined the same question, command included (which of the two measures what is a race).
+    helper = capfd.readouterr().err
+    assert "[worker 2] " in helper and "worker 2: error" not in helper, helper
     assert summary.best is not None and summary.best.config.micro_batch == 2
     assert summary.command == LOOP and json.loads(json.dumps(summary.to_dict()))["command"] == LOOP
     with pytest.raises(StorageError, match="answers another question \\(command differs"):

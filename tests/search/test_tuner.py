@@ -48,9 +48,9 @@ def found(tmp_path_factory):
     work = tmp_path_factory.mktemp("find")
     (work / "space.yaml").write_text(SPACE)
     # Without the estimator, so that the configs that do not fit really run and OOM.
-    # Two timed steps a trial (six on a re-run): what is tested here is the search, not a speed.
+    # One timed step a trial (three on a re-run): what is tested here is the search, not a speed.
     args = ("find", "--model", MODEL, "--memory-budget", BUDGET, "--space", "space.yaml", "--no-estimate",
-            "--steps", "2", "--json")
+            "--steps", "1", "--json")
     first = autotune(*args, cwd=work)
     assert first.returncode == 0, first.stderr
     return work, args, json.loads(first.stdout), first

@@ -28,7 +28,7 @@ knobs:
   checkpointing: [false]
 """
 ARGS = ("--model", "builtin:gpt2-tiny", "--seq-len", "32", "--memory-budget", "28MiB", "--space", "space.yaml",
-        "--no-estimate", "--steps", "2", "--json")
+        "--no-estimate", "--steps", "1", "--json")
 POSTGRES_URL = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
 
 

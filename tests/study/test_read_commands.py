@@ -308,3 +308,21 @@ def test_a_real_tune_reads_the_same_through_either_path(tmp_path):
     fast = load_summary(study="real", storage=url)
     assert fast == _through_optuna(url, "real") == summary
     assert fast.to_dict() == _through_optuna(url, "real").to_dict()
+
+
+def test_a_script_study_says_nothing_of_a_model_it_did_not_train(tmp_path):
+    # Its trials ran the user's command: the workload's model (the default) is not what trained, so
+    # neither its layers nor its hidden size may reach the notes and exports.
+    url = f"sqlite:///{tmp_path}/db.sqlite"
+    space = _space(tmp_path, "script", "  lora_rank: [8]\n")
+    figures = {space.config_of({"micro_batch": mb, "precision": "fp32", "checkpointing": False, "zero": "off",
+                                "lora": "8"}): 100.0 * mb for mb in (2, 4, 8)}
+    tune(study="script", workload=Workload(seq_len=32, global_batch=8), space=space, memory_budget_bytes=2**30,
+         storage=url, backend=Scripted(figures), command=["python", "train.py"])
+    summary = load_summary(study="script", storage=url)
+    assert summary.to_dict()["best"]["trains"]["note"] == "LoRA adapters only trained in fp32"
+    peft = json.loads(export_config(summary.best.config, summary.workload, fmt="peft", device_type="cpu"))
+    assert peft["target_modules"] is None and peft["r"] == 8  # PEFT's defaults for the script's own model
+    zero = TrialConfig(micro_batch=2, zero_stage=2)
+    hf = json.loads(export_config(zero, summary.workload, fmt="hf", device_type="cpu"))
+    assert hf["deepspeed"]["zero_optimization"] == {"stage": 2, "reduce_bucket_size": "auto"}  # the Trainer sizes it
