@@ -74,8 +74,17 @@ def run_script_trial(command: list[str], workload: Workload, config: TrialConfig
         return TrialResult(config=config, status=TrialStatus.ERROR, exit_code=returncode, world_size=workload.nproc,
                            memory_budget_bytes=memory_budget_bytes,
                            error=f"{why}\n{stderr_tail}".rstrip())
+    stepped = [record for record in records if record is not None]
+    if returncode == 0 and not timed_out and len(stepped) < workload.nproc \
+            and all(record["status"] == TrialStatus.OK.value for record in stepped):
+        # Every process that trained was measured, and too few of them trained: the command's ranks are not --nproc's.
+        return TrialResult(config=config, status=TrialStatus.ERROR, exit_code=returncode, world_size=workload.nproc,
+                           memory_budget_bytes=memory_budget_bytes,
+                           error=(f"the command trained in {len(stepped)} process(es), --nproc says {workload.nproc}: "
+                                  "launch that many ranks (e.g. torchrun --nproc-per-node), or pass --nproc "
+                                  f"{len(stepped)}\n{stderr_tail}").rstrip())
     return combine_records(config, records, returncode=returncode, timed_out=timed_out, timeout_s=timeout_s,
-                    stderr_tail=stderr_tail, world_size=workload.nproc, memory_budget_bytes=memory_budget_bytes)
+                           stderr_tail=stderr_tail, world_size=workload.nproc, memory_budget_bytes=memory_budget_bytes)
 
 
 def run_with_config(command: list[str], config: TrialConfig, workload: Workload, *,

@@ -100,3 +100,9 @@ def test_torchrun_as_the_command_measures_every_rank():
                               measure_steps=2)
     assert result.status is TrialStatus.OK, result.error
     assert result.world_size == 2 and all(result.peak_memory_per_rank) and result.grad_accum_steps == 2
+    # A one-process command told it has two ranks: said, not measured as two.
+    alone = run_script_trial([*LOOP, "20"], Workload(seq_len=64, global_batch=8, nproc=2), TrialConfig(micro_batch=2),
+                             measure_steps=2)
+    assert alone.status is TrialStatus.ERROR
+    assert alone.error.splitlines()[0] == ("the command trained in 1 process(es), --nproc says 2: launch that many "
+                                           "ranks (e.g. torchrun --nproc-per-node), or pass --nproc 1")
