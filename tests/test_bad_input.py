@@ -129,15 +129,41 @@ def test_at_least_twenty_bad_inputs():
     assert len(BAD_INPUTS) >= 20 and len({tuple(args) for args, _ in BAD_INPUTS}) == len(BAD_INPUTS)
 
 
+def _check(work: Path, before: list[str], code: int, stdout: str, stderr: str, message: str) -> None:
+    assert code == 2, (stdout, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autotune"), stderr
+    assert message in lines[0], lines[0]
+    assert stdout == ""
+    assert _dump(work) == before
+    assert optuna.get_all_study_names(storage=f"sqlite:///{work}/storage/autotune.db") == ["kept"]
+
+
+# Each row runs the CLI's entry point in this process (a new interpreter's imports cost seconds a row);
+# the rows below run as real processes too, one per command, whose first imports may print as well.
 @pytest.mark.parametrize("args, message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
-def test_bad_input_is_one_line_exit_2_and_leaves_the_storage_as_it_was(work, args, message):
+def test_bad_input_is_one_line_exit_2_and_leaves_the_storage_as_it_was(work, args, message, monkeypatch, capfd):
+    from autotune.cli import main
+
+    before = _dump(work)
+    monkeypatch.chdir(work)
+    capfd.readouterr()
+    code = main(list(args))
+    stdout, stderr = capfd.readouterr()
+    _check(work, before, code, stdout, stderr, message)
+
+
+def _first_row_of_each_command() -> list[tuple[list[str], str]]:
+    rows: dict[str, tuple[list[str], str]] = {}
+    for args, message in BAD_INPUTS:
+        rows.setdefault(args[0], (args, message))
+    return list(rows.values())
+
+
+@pytest.mark.parametrize("args, message", _first_row_of_each_command(),
+                         ids=[" ".join(a) for a, _ in _first_row_of_each_command()])
+def test_bad_input_to_a_real_autotune_process_is_one_line_exit_2(work, args, message):
     before = _dump(work)
     proc = subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True,
                           timeout=300, cwd=work)
-    assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("autotune"), proc.stderr
-    assert message in lines[0], lines[0]
-    assert proc.stdout == ""
-    assert _dump(work) == before
-    assert optuna.get_all_study_names(storage=f"sqlite:///{work}/storage/autotune.db") == ["kept"]
+    _check(work, before, proc.returncode, proc.stdout, proc.stderr, message)
