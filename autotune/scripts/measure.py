@@ -55,7 +55,10 @@ class _Measurement:
 
             self.device = torch.device("cuda", int(local_rank or 0))
             if budget is not None:
-                limit_cuda_memory(budget, self.device)
+                # Capped when the process first uses CUDA: a launcher (torchrun has no LOCAL_RANK either)
+                # never does, and a context of its own on the ranks' GPU would take memory the job has.
+                device = self.device
+                torch.cuda._lazy_call(lambda: limit_cuda_memory(budget, device))
         else:
             from autotune.trial.memory import LiveBytesTracker
 
@@ -159,8 +162,11 @@ class _Measurement:
 
         from autotune.trial.child import record_peaks, write_record
 
-        record_peaks(record, self.device or torch.device("cpu"), self.tracker)
-        write_record(Path(self.spec["out_dir"]) / f"rank{self.rank}.json", record)
+        uses_cuda = self.device is not None and torch.cuda.is_initialized()
+        record_peaks(record, self.device if uses_cuda else torch.device("cpu"), self.tracker)
+        # The first record of a rank stands: a launcher (no RANK, so 'rank 0') that fails because a rank
+        # failed writes after that rank, and must not replace its OOM with its own ChildFailedError.
+        write_record(Path(self.spec["out_dir"]) / f"rank{self.rank}.json", record, replace=False)
 
 
 def _needs_prepare(config: dict[str, Any], *, trainer: bool) -> str | None:

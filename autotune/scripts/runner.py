@@ -20,6 +20,7 @@ from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.scripts.current import CONFIG_ENV, write_config_file
 from autotune.scripts.measure import SPEC_ENV
+from autotune.trial.rendezvous import one_node_ranks
 from autotune.trial.result import TrialResult, TrialStatus
 from autotune.trial.runner import (
     DEFAULT_TRIAL_TIMEOUT_S,
@@ -57,10 +58,7 @@ def run_script_trial(command: list[str], workload: Workload, config: TrialConfig
             "grad_accum_steps": config.grad_accum_steps(workload), "memory_budget_bytes": memory_budget_bytes,
             "warmup_steps": warmup_steps, "measure_steps": measure_steps, "out_dir": str(work),
             "launched": time.perf_counter()}))
-        env = dict(os.environ)
-        env[CONFIG_ENV] = str(work / "config.json")
-        env[SPEC_ENV] = str(work / "spec.json")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_HOOK_DIR), env.get("PYTHONPATH")) if p)
+        env = _command_env(config, workload, {CONFIG_ENV: str(work / "config.json"), SPEC_ENV: str(work / "spec.json")})
         started = time.monotonic()
         returncode, timed_out = run_process_group(command, work, timeout_s=timeout_s, env=env)
         elapsed = time.monotonic() - started
@@ -104,9 +102,19 @@ def run_with_config(command: list[str], config: TrialConfig, workload: Workload,
     with tempfile.TemporaryDirectory(prefix="autotune-run-") as tmp:
         path = Path(tmp) / "config.json"
         write_config_file(path, config, workload, device_type=device.type)
-        env = dict(os.environ, **{CONFIG_ENV: str(path)})
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_HOOK_DIR), env.get("PYTHONPATH")) if p)
+        env = _command_env(config, workload, {CONFIG_ENV: str(path)})
         return subprocess.run(command, env=env).returncode  # Ctrl-C reaches it too: same process group
+
+
+def _command_env(config: TrialConfig, workload: Workload, paths: dict[str, str]) -> dict[str, str]:
+    """The command's environment: ``paths`` (the config, the spec) and the hooks on ``PYTHONPATH``."""
+    env = dict(os.environ, **paths)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_HOOK_DIR), env.get("PYTHONPATH")) if p)
+    if config.uses_deepspeed and workload.nproc == 1 and "WORLD_SIZE" not in env:
+        # DeepSpeed without a launcher's variables looks for MPI and fails; a one-process command is a
+        # one-rank group (Transformers' own advice for a notebook). A launcher gives its ranks their own.
+        env.update(one_node_ranks(1)[0])
+    return env
 
 
 def command_with_config(command: list[str], export: str) -> str:

@@ -184,8 +184,9 @@ def _init_distributed(workload: Any, config: Any, device: Any) -> int:
     if workload.nproc == 1 and not config.uses_deepspeed and not config.uses_fsdp:
         return 1
     if "WORLD_SIZE" not in os.environ:  # a single-rank DeepSpeed or FSDP trial
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        from autotune.trial.rendezvous import one_node_ranks
+
+        os.environ.update(one_node_ranks(1)[0])
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -218,18 +219,16 @@ def error_tail(exc: BaseException) -> str:
     return "\n".join(lines[-ERROR_TAIL_LINES:])
 
 
-def write_record(path: Path, record: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
+def write_record(path: Path, record: dict[str, Any], *, replace: bool = True) -> None:
+    """Write ``record`` to ``path`` whole or not at all; with ``replace=False``, keep a record already there."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    if replace:
+        os.replace(tmp, path)
+        return
+    with contextlib.suppress(FileExistsError):
+        os.link(tmp, path)  # atomic, and fails where the path exists
+    tmp.unlink()
 
 
 if __name__ == "__main__":

@@ -78,15 +78,9 @@ def _serve_one(request: dict[str, Any], replies: IO[str]) -> None:
 
 def _rank_envs(nproc: int) -> list[dict[str, str]]:
     """What torchrun's agent tells each rank of a one-node group (none for a single rank)."""
-    if nproc == 1:
-        return [{}]
-    import socket
+    from autotune.trial.rendezvous import one_node_ranks
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    return [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-             "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for r in range(nproc)]
+    return [{}] if nproc == 1 else one_node_ranks(nproc)
 
 
 def _reap(pids: list[int], group: int) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.output.exporters import DEFAULT_FILENAMES, FORMATS, export_config
+from autotune.trial.rendezvous import one_node_ranks
 
 WORKLOAD = Workload(model="builtin:gpt2-tiny", global_batch=16)
 GPT2_TINY_WIDTH = 128
@@ -103,20 +103,13 @@ _DEEPSPEED_INIT = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_deepspeed_export_initialises_a_deepspeed_engine(tmp_path: Path) -> None:
     configs = [FULL_BF16, ZERO2_OFFLOAD, ZERO3_OFFLOAD_ALL]
     paths = []
     for i, config in enumerate(configs):
         (tmp_path / str(i)).mkdir()
         paths.append(str(_write(tmp_path / str(i), config, "deepspeed")))
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, **one_node_ranks(1)[0]}
     proc = subprocess.run([sys.executable, "-c", _DEEPSPEED_INIT, *paths], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

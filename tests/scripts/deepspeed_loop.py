@@ -1,5 +1,6 @@
 """A plain DeepSpeed loop: it never imports autotune; AUTOTUNE_CONFIG says micro batch, accumulation
-and the ZeRO stage, which it builds its own engine with. One process, no launcher. Argument: steps."""
+and the ZeRO stage, which it builds its own engine with. One process, no launcher (autotune gives it
+the one-rank group a launcher would). Argument: steps."""
 
 import json
 import os
@@ -11,7 +12,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 settings = json.load(open(os.environ["AUTOTUNE_CONFIG"]))
 micro, accum = settings["config"]["micro_batch"], settings["grad_accum_steps"]
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
 deepspeed.init_distributed(dist_backend="gloo")
 model = LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                      num_attention_heads=4, vocab_size=1000))

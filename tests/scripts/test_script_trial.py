@@ -66,9 +66,19 @@ def test_a_zero_config_is_measured_only_where_the_script_built_a_deepspeed_engin
     assert plain.status is TrialStatus.ERROR
     assert plain.error.splitlines()[0].startswith("the script trained without DeepSpeed: --zero-stage 2 was not "
                                                   "applied"), plain.error
-    built = run_script_trial([sys.executable, str(HERE / "deepspeed_loop.py"), "20"], WORKLOAD, config,
-                             measure_steps=2)
-    assert built.status is TrialStatus.OK, built.error
+    # One process, no launcher: DeepSpeed finds the one-rank group the trial gives it (it looked for MPI).
+    for script in ("deepspeed_loop.py", "trainer_script.py"):
+        built = run_script_trial([sys.executable, str(HERE / script), "20"], WORKLOAD, config, measure_steps=2)
+        assert built.status is TrialStatus.OK, (script, built.error)
+
+
+def test_a_launcher_failing_with_its_rank_leaves_the_rank_s_oom_standing():
+    # torchrun has no RANK of its own, so its hook is 'rank 0' too; its ChildFailedError comes second.
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(HERE / "ddp_loop.py"), "20"]
+    result = run_script_trial(command, WORKLOAD, TrialConfig(micro_batch=8), memory_budget_bytes=4 * 2**20,
+                              measure_steps=2)
+    assert result.status is TrialStatus.OOM, result.error
+    assert "ChildFailedError" not in result.error
 
 
 def test_a_timeout_kills_the_whole_command_and_leaves_no_process(monkeypatch, own_processes):

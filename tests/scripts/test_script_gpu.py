@@ -1,0 +1,52 @@
+"""Script mode on a real CUDA device: the budget caps the script's own allocator, under a launcher too.
+
+Marked ``gpu``: skipped on machines without CUDA, run on the GPU machine (see README).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.scripts.runner import run_script_trial
+from autotune.trial.result import TrialStatus
+
+pytestmark = pytest.mark.gpu
+
+_CUDA_LOOP = """
+import json, os, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+settings = json.load(open(os.environ["AUTOTUNE_CONFIG"]))
+micro = settings["config"]["micro_batch"]
+device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+model = LlamaForCausalLM(LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                                     num_attention_heads=8, vocab_size=8000)).to(device)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+for step in range(int(sys.argv[1])):
+    ids = torch.randint(0, 8000, (micro, 512), device=device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step(); optimizer.zero_grad()
+"""
+WORKLOAD = Workload(seq_len=512, global_batch=16, device="cuda")
+
+
+@pytest.mark.parametrize("launcher", [[], ["-m", "torch.distributed.run", "--nproc-per-node", "1"]],
+                         ids=["python", "torchrun"])
+def test_a_cuda_script_is_capped_by_the_budget_in_the_process_that_trains(tmp_path: Path, launcher: list[str]):
+    script = tmp_path / "cuda_loop.py"
+    script.write_text(_CUDA_LOOP)
+    command = [sys.executable, *launcher, str(script), "20"]
+    fits = run_script_trial(command, WORKLOAD, TrialConfig(micro_batch=16), measure_steps=2)
+    assert fits.status is TrialStatus.OK, fits.error
+    assert fits.device.startswith("cuda") and fits.peak_reserved_bytes >= fits.peak_allocated_bytes > 0
+    # The cap is set when the rank first uses CUDA (a launcher never does): half the peak is a real OOM.
+    capped = run_script_trial(command, WORKLOAD, TrialConfig(micro_batch=16), measure_steps=2,
+                              memory_budget_bytes=fits.peak_allocated_bytes // 2)
+    assert capped.status is TrialStatus.OOM, capped.error
+    assert "OutOfMemoryError" in capped.error
