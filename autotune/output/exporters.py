@@ -21,6 +21,7 @@ from autotune.errors import ConfigError
 from autotune.prepare.model_facts import layer_classes
 from autotune.prepare.training_args import (
     accelerate_arguments,
+    accelerate_deepspeed_plugin,
     lightning_arguments,
     trainer_arguments,
 )
@@ -131,7 +132,7 @@ def _accelerate(config: TrialConfig, workload: Workload, *, device_type: str, su
     if config.compile:  # Accelerator(dynamo_backend=...) compiles the prepared model
         data["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
     if config.uses_deepspeed:
-        data["deepspeed_config"] = _accelerate_deepspeed(config, workload)
+        data["deepspeed_config"] = accelerate_deepspeed_plugin(config, workload)
     if config.uses_fsdp:
         data["fsdp_config"] = _accelerate_fsdp(config, workload)
     return _header(config, workload, summary) + _dump_yaml(data)
@@ -147,17 +148,6 @@ def _accelerate_fsdp(config: TrialConfig, workload: Workload) -> dict[str, Any]:
         "fsdp_transformer_layer_cls_to_wrap": ",".join(layer_classes(workload)),
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         "fsdp_cpu_ram_efficient_loading": True,
-    }
-
-
-def _accelerate_deepspeed(config: TrialConfig, workload: Workload) -> dict[str, Any]:
-    offload = config.offload
-    return {
-        "gradient_accumulation_steps": config.grad_accum_steps(workload),
-        "offload_optimizer_device": "cpu" if offload in ("optimizer", "optimizer+params") else "none",
-        "offload_param_device": "cpu" if offload == "optimizer+params" else "none",
-        "zero3_init_flag": config.zero_stage == 3,
-        "zero_stage": config.zero_stage,
     }
 
 

@@ -15,7 +15,8 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.prepare.checkpointing import EVERY_N_SINCE, transformers_release
 
-__all__ = ["trainer_arguments", "lightning_arguments", "accelerate_arguments", "checkpointing_argument"]
+__all__ = ["trainer_arguments", "lightning_arguments", "accelerate_arguments", "accelerate_deepspeed_plugin",
+           "checkpointing_argument"]
 
 # Lightning's precision strings: mixed precision is autocast, -true holds the model in 16 bits.
 _LIGHTNING_PRECISION = {"fp16": "16-mixed", "bf16": "bf16-mixed", "bf16-true": "bf16-true"}
@@ -89,6 +90,19 @@ def accelerate_arguments(config: TrialConfig, workload: Workload) -> dict[str, A
     # bf16-true: autocast on the bf16 model autotune.prepare made changes nothing, as in the Trainer's
     return {"mixed_precision": {"float16": "fp16", "bfloat16": "bf16"}.get(config.sixteen_bit or "", "no"),
             "gradient_accumulation_steps": config.grad_accum_steps(workload)}
+
+
+def accelerate_deepspeed_plugin(config: TrialConfig, workload: Workload) -> dict[str, Any]:
+    """ZeRO as Accelerate takes it: ``accelerate.DeepSpeedPlugin``'s arguments, which are also the keys
+    of ``deepspeed_config`` in ``accelerate config``'s YAML (the bucket sizes are DeepSpeed's own)."""
+    offload = config.offload
+    return {
+        "gradient_accumulation_steps": config.grad_accum_steps(workload),
+        "offload_optimizer_device": "cpu" if offload in ("optimizer", "optimizer+params") else "none",
+        "offload_param_device": "cpu" if offload == "optimizer+params" else "none",
+        "zero3_init_flag": config.zero_stage == 3,
+        "zero_stage": config.zero_stage,
+    }
 
 
 def checkpointing_argument() -> str:

@@ -22,16 +22,22 @@ def write_config_file(path: Path, config: TrialConfig, workload: Workload, *, de
     and Accelerate's precision and accumulation."""
     from autotune.prepare.training_args import (
         accelerate_arguments,
+        accelerate_deepspeed_plugin,
         lightning_arguments,
         trainer_arguments,
     )
 
+    accelerate = accelerate_arguments(config, workload)
+    if config.uses_deepspeed:  # the hook builds the DeepSpeedPlugin of these arguments
+        accelerate["deepspeed_plugin"] = accelerate_deepspeed_plugin(config, workload)
+        if device_type == "cpu":  # Accelerate drops DeepSpeed for cpu=True; without a GPU, False is the CPU too
+            accelerate["cpu"] = False
     path.write_text(json.dumps({
         "config": config.to_dict(), "workload": workload.to_dict(),
         "grad_accum_steps": config.grad_accum_steps(workload),
         "frameworks": {"transformers": trainer_arguments(config, workload, device_type=device_type),
                        "lightning": lightning_arguments(config, workload),
-                       "accelerate": accelerate_arguments(config, workload)}}))
+                       "accelerate": accelerate}}))
 
 
 def current_config() -> TrialConfig | None:

@@ -10,7 +10,8 @@ through what that framework already reads, so the script runs unchanged.
   Its micro batch is the script's DataLoader's: the script reads it from ``AUTOTUNE_CONFIG``.
 - Accelerate: every ``Accelerator`` gets the trial's mixed precision and gradient accumulation
   (:func:`autotune.prepare.training_args.accelerate_arguments`) over the script's own and its
-  ``ACCELERATE_*`` environment; the micro batch is the script's DataLoader's, as for Lightning.
+  ``ACCELERATE_*`` environment, and a ZeRO config's ``DeepSpeedPlugin``; the micro batch is the
+  script's DataLoader's, as for Lightning.
 - Any loop: each ``DataLoader``'s batch size is noted, so that a script that batches otherwise
   than the injected micro batch is reported instead of measured as the wrong config.
 - DeepSpeed: each engine the script builds (itself, or through its framework) is counted, so that
@@ -90,6 +91,12 @@ class FrameworkHooks:
         overrides = dict(self.accelerate_args)
         if "gradient_accumulation_plugin" in kwargs:  # Accelerate takes one or the other
             kwargs["gradient_accumulation_plugin"].num_steps = overrides.pop("gradient_accumulation_steps")
+        plugin = overrides.pop("deepspeed_plugin", None)
+        if plugin is not None:  # ZeRO: the plugin `accelerate launch` builds from the accelerate export
+            from accelerate.utils import DeepSpeedPlugin
+
+            kwargs.pop("deepspeed_plugins", None)  # Accelerate takes one or the other
+            kwargs["deepspeed_plugin"] = DeepSpeedPlugin(**plugin)
         kwargs.update(overrides)
 
     def _data_loader(self, loader: Any) -> None:

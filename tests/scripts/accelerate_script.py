@@ -1,7 +1,7 @@
 """An Accelerate script, as people write them: it never imports autotune. Its Accelerator asks for no
 mixed precision and no accumulation (a script trial overrides both); its DataLoader takes the micro
 batch from the JSON file AUTOTUNE_CONFIG names. Argument: optimizer steps. It says at its end what it
-trained with."""
+trained with (and its ZeRO stage, under DeepSpeed)."""
 
 import json
 import os
@@ -24,5 +24,6 @@ for index, batch in enumerate(data):
         optimizer.zero_grad()
     if index + 1 >= int(sys.argv[1]) * accelerator.gradient_accumulation_steps:
         break
+zero = f" zero_stage={model.zero_optimization_stage()}" if hasattr(model, "zero_optimization_stage") else ""
 print(f"trained with micro_batch={micro} mixed_precision={accelerator.mixed_precision} "
-      f"gradient_accumulation_steps={accelerator.gradient_accumulation_steps}")
+      f"gradient_accumulation_steps={accelerator.gradient_accumulation_steps}{zero}")

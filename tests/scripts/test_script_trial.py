@@ -13,7 +13,7 @@ import pytest
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.scripts.runner import run_script_trial
+from autotune.scripts.runner import run_script_trial, run_with_config
 from autotune.trial.result import TrialStatus
 
 HERE = Path(__file__).parent
@@ -60,16 +60,20 @@ def test_knobs_only_prepare_applies_need_the_script_to_call_it():
     assert prepared.status is TrialStatus.OK, prepared.error
 
 
-def test_a_zero_config_is_measured_only_where_the_script_built_a_deepspeed_engine():
+def test_a_zero_config_is_measured_only_where_the_script_built_a_deepspeed_engine(capfd):
     config = TrialConfig(micro_batch=4, zero_stage=2)
     plain = run_script_trial([*LOOP, "20"], WORKLOAD, config, measure_steps=2)
     assert plain.status is TrialStatus.ERROR
     assert plain.error.splitlines()[0].startswith("the script trained without DeepSpeed: --zero-stage 2 was not "
                                                   "applied"), plain.error
     # One process, no launcher: DeepSpeed finds the one-rank group the trial gives it (it looked for MPI).
-    for script in ("deepspeed_loop.py", "trainer_script.py"):
+    # An Accelerate script gets the DeepSpeedPlugin `accelerate launch` makes of the accelerate export.
+    for script in ("deepspeed_loop.py", "trainer_script.py", "accelerate_script.py"):
         built = run_script_trial([sys.executable, str(HERE / script), "20"], WORKLOAD, config, measure_steps=2)
         assert built.status is TrialStatus.OK, (script, built.error)
+    assert run_with_config([sys.executable, str(HERE / "accelerate_script.py"), "2"], config, WORKLOAD) == 0
+    assert "trained with micro_batch=4 mixed_precision=no gradient_accumulation_steps=2 zero_stage=2" \
+        in capfd.readouterr().out
 
 
 def test_a_launcher_failing_with_its_rank_leaves_the_rank_s_oom_standing():
