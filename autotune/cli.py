@@ -394,6 +394,9 @@ def export(
         raise ConfigError(f"--study {study} has no confirmed config yet; run autotune tune --study {study} "
                           + ("(without --no-confirm) to confirm its fastest fitting config" if unconfirmed else "first"))
     if output is None:
+        if fmt == "accelerate" and summary.best.config.uses_deepspeed:
+            raise ConfigError(f"--format accelerate: {summary.best.config.describe()} is two files, the Accelerate "
+                              "YAML and the DeepSpeed config it names; add -o accelerate_config.yaml to write both")
         print(_export_text(summary, fmt), end="")
     else:
         print(f"wrote {_export_best(summary, fmt, output)} ({fmt}: {summary.best.config.describe()})",
@@ -516,34 +519,52 @@ def _check_format(fmt: str) -> None:
 def _export_text(summary: Any, fmt: str) -> str:
     from autotune.output.exporters import export_config
 
+    return export_config(summary.best.config, summary.workload, fmt=fmt, device_type=summary.device["type"],
+                         summary=_export_summary(summary))
+
+
+def _export_summary(summary: Any) -> dict[str, Any]:
+    """What an export says of the study it came from (keys in json/yaml, header comments in YAML)."""
     best = summary.best
-    return export_config(best.config, summary.workload, fmt=fmt, device_type=summary.device["type"], summary={
-        "study": summary.name, "tokens_per_s": best.confirmed_tokens_per_s,
-        "samples_per_s": best.confirmed_samples_per_s, "peak_memory_bytes": best.confirmed_peak_memory_bytes,
-        "memory_budget_bytes": summary.memory_budget_bytes})
+    return {"study": summary.name, "tokens_per_s": best.confirmed_tokens_per_s,
+            "samples_per_s": best.confirmed_samples_per_s, "peak_memory_bytes": best.confirmed_peak_memory_bytes,
+            "memory_budget_bytes": summary.memory_budget_bytes}
 
 
 def _export_best(summary: Any, fmt: str, output: str | None) -> str:
-    """Write the export where ``-o`` says; return the file's path.
+    """Write the export where ``-o`` says; return the file's path (and its companion's, if any).
 
     ``-o`` naming a directory (one that exists, or a name ending in /) gets the format's usual file
     name inside it; so does any name for ``--format peft`` that does not end in .json, since PEFT
-    loads adapter_config.json from a directory (``LoraConfig.from_pretrained(dir)``). The file is
-    replaced whole or not at all, and no temporary file is left behind.
+    loads adapter_config.json from a directory (``LoraConfig.from_pretrained(dir)``). Each file is
+    replaced whole or not at all, and no temporary file is left behind; a companion file (the
+    DeepSpeed config an Accelerate YAML names) is written before the file that names it.
     """
     import os
-    import tempfile
     from pathlib import Path
 
-    from autotune.output.exporters import DEFAULT_FILENAMES
+    from autotune.output.exporters import DEFAULT_FILENAMES, export_files
 
-    text = _export_text(summary, fmt)
     path = Path(output or DEFAULT_FILENAMES[fmt])
     if output is not None and (path.is_dir() or output.endswith(("/", os.sep))
                                or fmt == "peft" and path.suffix.lower() != ".json"):
         path = path / DEFAULT_FILENAMES[fmt]
-    if path.is_dir():  # e.g. -o out/ where out/ds_config.json is itself a directory
-        raise ConfigError(f"-o {output or path}: {path} is a directory; name a file to write, e.g. -o {path}.new")
+    files = export_files(summary.best.config, summary.workload, path, fmt=fmt, device_type=summary.device["type"],
+                         summary=_export_summary(summary))
+    for file, _ in files:
+        if file.is_dir():  # e.g. -o out/ where out/ds_config.json is itself a directory
+            raise ConfigError(f"-o {output or path}: {file} is a directory; name a file to write, e.g. -o {path}.new")
+    for file, text in reversed(files):
+        _write_whole(file, text, output=output or str(path))
+    return ", ".join(str(file) for file, _ in files)
+
+
+def _write_whole(path: Any, text: str, *, output: str) -> None:
+    """``path`` replaced by ``text`` whole or not at all (never a half-written config)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -551,15 +572,14 @@ def _export_best(summary: Any, fmt: str, output: str | None) -> str:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.chmod(tmp, 0o644)
-        os.replace(tmp, path)  # never a half-written config
+        os.replace(tmp, path)
         tmp = None
     except OSError as exc:
-        raise ConfigError(f"-o {output or path}: cannot write {path}: {exc.strerror or exc}; "
+        raise ConfigError(f"-o {output}: cannot write {path}: {exc.strerror or exc}; "
                           "name a file in a directory you can write to") from None
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-    return str(path)
 
 
 def _finish(summary: Any, *, as_json: bool, exported: str | None = None, wanted_export: str | None = None,

@@ -12,6 +12,7 @@ then no format imports torch, transformers or PEFT.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Callable
 
 from autotune.config.deepspeed_config import deepspeed_config
@@ -28,7 +29,7 @@ from autotune.prepare.training_args import (
 from autotune.study.stored_facts import adapter_config, hidden_size
 from autotune.study.summary import what_is_trained
 
-__all__ = ["FORMATS", "DEFAULT_FILENAMES", "export_config", "in_code"]
+__all__ = ["FORMATS", "DEFAULT_FILENAMES", "export_config", "export_files", "deepspeed_companion", "in_code"]
 
 FORMATS = ("json", "yaml", "deepspeed", "hf", "accelerate", "lightning", "peft")
 DEFAULT_FILENAMES = {
@@ -45,11 +46,13 @@ _TF32_HINT = 'tf32: call torch.set_float32_matmul_precision("high") before train
 
 
 def export_config(config: TrialConfig, workload: Workload, *, fmt: str, device_type: str = "cuda",
-                  summary: dict[str, Any] | None = None) -> str:
+                  summary: dict[str, Any] | None = None, deepspeed_file: str | None = None) -> str:
     """The text of the file in format ``fmt`` for training ``workload`` with ``config``.
 
     ``summary`` (study name, tokens/s, peak memory, ...) is context: keys in json/yaml and
     header comments in the YAML formats; the formats other libraries load ignore it.
+    ``deepspeed_file``: where the DeepSpeed config of an Accelerate ZeRO export is (see
+    :func:`export_files`; by default the companion of ``accelerate_config.yaml``).
     """
     exporter = _EXPORTERS.get(fmt)
     if exporter is None:
@@ -61,7 +64,29 @@ def export_config(config: TrialConfig, workload: Workload, *, fmt: str, device_t
                           f"{'Lightning' if fmt == 'lightning' else 'Accelerate'} does not run FSDP (it needs GPUs); "
                           "export --format json and apply it with autotune.prepare(model, 'config.json') in a "
                           "torchrun job, or pick a config without FSDP")
+    if fmt == "accelerate":
+        return _accelerate(config, workload, device_type=device_type, summary=summary or {},
+                           deepspeed_file=deepspeed_file or str(deepspeed_companion(Path(DEFAULT_FILENAMES[fmt]))))
     return exporter(config, workload, device_type=device_type, summary=summary or {})
+
+
+def export_files(config: TrialConfig, workload: Workload, path: Path, *, fmt: str, device_type: str = "cuda",
+                 summary: dict[str, Any] | None = None) -> list[tuple[Path, str]]:
+    """Every file of the export written to ``path``, as (path, text): one file, except an Accelerate
+    ZeRO config's two: the YAML and, beside it, the DeepSpeed config its ``deepspeed_config_file``
+    names (YAML keys alone cannot give DeepSpeed the bucket sizes the trials ran with)."""
+    if fmt == "accelerate" and config.uses_deepspeed:
+        companion = deepspeed_companion(path)
+        return [(path, export_config(config, workload, fmt=fmt, device_type=device_type, summary=summary,
+                                     deepspeed_file=str(companion))),
+                (companion, _dump_json(accelerate_deepspeed_plugin(
+                    config, workload, device_type=device_type, hidden_size=hidden_size(workload))["hf_ds_config"]))]
+    return [(path, export_config(config, workload, fmt=fmt, device_type=device_type, summary=summary))]
+
+
+def deepspeed_companion(path: Path) -> Path:
+    """The DeepSpeed config beside an Accelerate YAML: ``accelerate_config.yaml`` -> ``accelerate_config.deepspeed.json``."""
+    return path.with_name(f"{path.stem}.deepspeed.json")
 
 
 # -- plain records --------------------------------------------------------------------------
@@ -101,8 +126,10 @@ def _hf(config: TrialConfig, workload: Workload, *, device_type: str, summary: d
 
 
 # -- Accelerate -----------------------------------------------------------------------------
-def _accelerate(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
-    """A config as ``accelerate config`` writes it (see accelerate's ``ClusterConfig``)."""
+def _accelerate(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any],
+                deepspeed_file: str) -> str:
+    """A config as ``accelerate config`` writes it (see accelerate's ``ClusterConfig``); a ZeRO config
+    names its DeepSpeed config file (``deepspeed_file``), as ``accelerate config`` does when asked for one."""
     cpu = device_type == "cpu"
     if config.uses_deepspeed:
         distributed = "DEEPSPEED"
@@ -132,7 +159,11 @@ def _accelerate(config: TrialConfig, workload: Workload, *, device_type: str, su
     if config.compile:  # Accelerator(dynamo_backend=...) compiles the prepared model
         data["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
     if config.uses_deepspeed:
-        data["deepspeed_config"] = accelerate_deepspeed_plugin(config, workload)
+        # Only these two keys beside a file: Accelerate refuses accumulation, stage or offload keys that
+        # the file would override (the file says them; the script's Accelerator reads them from it).
+        data["deepspeed_config"] = {"deepspeed_config_file": deepspeed_file,
+                                    "zero3_init_flag": config.zero_stage == 3}
+        del data["mixed_precision"]  # likewise: the file's bf16/fp16 blocks say it
     if config.uses_fsdp:
         data["fsdp_config"] = _accelerate_fsdp(config, workload)
     return _header(config, workload, summary) + _dump_yaml(data)
@@ -187,16 +218,31 @@ def _lightning_strategy(config: TrialConfig, workload: Workload) -> str | dict[s
         }}
     if not config.uses_deepspeed:
         return "ddp" if workload.nproc > 1 else "auto"
+    buckets = _lightning_buckets(config, workload)
     name = _LIGHTNING_DEEPSPEED.get((config.zero_stage, config.offload))
-    if name is not None:
+    if name is not None and not buckets:
         return name
-    # No registered name (stage 0, stage 1 + offload, stage 3 + optimizer offload only):
-    # LightningCLI's class_path form builds the strategy with these knobs.
+    # No registered name (stage 0, stage 1 + offload, stage 3 + optimizer offload only), or the trial's
+    # bucket sizes: LightningCLI's class_path form builds the strategy with these knobs.
     return {"class_path": "lightning.pytorch.strategies.DeepSpeedStrategy", "init_args": {
         "stage": config.zero_stage,
         "offload_optimizer": config.offload != "none",
         "offload_parameters": config.offload == "optimizer+params",
+        **buckets,
     }}
+
+
+# The bucket sizes DeepSpeedStrategy takes as arguments. ZeRO-3's prefetch bucket and persistence
+# threshold are not among them: DeepSpeed's defaults (5e7 elements, 1e5) stay, which differ from the
+# trial's by tens of MB on a 7B model, not by the GBs of the gradient buckets.
+_LIGHTNING_BUCKETS = ("reduce_bucket_size", "allgather_bucket_size")
+
+
+def _lightning_buckets(config: TrialConfig, workload: Workload) -> dict[str, int]:
+    """The trial's bucket sizes as DeepSpeedStrategy arguments (its own defaults, 2e8 elements, hold
+    GBs of buffers the trial did not); none where the model's hidden size is unknown."""
+    zero = deepspeed_config(config, workload, hidden_size=hidden_size(workload))["zero_optimization"]
+    return {key: zero[key] for key in _LIGHTNING_BUCKETS if key in zero}
 
 
 # -- PEFT -----------------------------------------------------------------------------------

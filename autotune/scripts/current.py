@@ -29,7 +29,7 @@ def write_config_file(path: Path, config: TrialConfig, workload: Workload, *, de
 
     accelerate = accelerate_arguments(config, workload)
     if config.uses_deepspeed:  # the hook builds the DeepSpeedPlugin of these arguments
-        accelerate["deepspeed_plugin"] = accelerate_deepspeed_plugin(config, workload)
+        accelerate["deepspeed_plugin"] = accelerate_deepspeed_plugin(config, workload, device_type=device_type)
         if device_type == "cpu":  # Accelerate drops DeepSpeed for cpu=True; without a GPU, False is the CPU too
             accelerate["cpu"] = False
     path.write_text(json.dumps({

@@ -110,8 +110,9 @@ class FrameworkHooks:
         """Why a ZeRO config was not what the measured steps trained, or None."""
         if zero_stage is not None and not self.deepspeed_engines:
             return (f"the script trained without DeepSpeed: --zero-stage {zero_stage} was not applied; let a "
-                    "Transformers Trainer take it from its arguments, or build the engine with "
-                    "deepspeed.initialize at the stage autotune.current_config().zero_stage names")
+                    "Transformers Trainer take it from its arguments or an Accelerator from its plugin (through "
+                    "accelerator.prepare), or build the engine with deepspeed.initialize at the stage "
+                    "autotune.current_config().zero_stage names")
         return None
 
     def ignored_micro_batch(self, micro_batch: int) -> str | None:

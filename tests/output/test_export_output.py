@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-# One study whose confirmed answer is a LoRA config, stored as the tuner stores it.
+# Two studies whose confirmed answers are a LoRA config and a ZeRO-2 one, stored as the tuner stores them.
 _SEED = """
 from autotune.config.device import detect_device
 from autotune.config.knobs import TrialConfig
@@ -22,14 +22,15 @@ from autotune.config.workload import Workload
 device = detect_device("cpu")
 meta = question(workload=Workload(model="builtin:gpt2-tiny"), space=load_space("lora"), device=device,
                 memory_budget_bytes=2**30, headroom=0.1)
-study = create_study(open_storage(None), "done", meta)
-trial = study.ask()
-trial.set_user_attr("config", TrialConfig(micro_batch=4, lora_rank=8).to_dict())
-trial.set_user_attr("status", "ok")
-trial.set_user_attr("result", {"tokens_per_s": 1000.0, "samples_per_s": 7.8, "peak_memory_bytes": 2**20})
-study.tell(trial, 1000.0)
-study.set_user_attr(CONFIRM_PREFIX + str(trial.number), {"confirmed": True, "tokens_per_s": 990.0,
-                    "samples_per_s": 7.7, "peak_memory_bytes": 2**20})
+for name, config in (("done", TrialConfig(micro_batch=4, lora_rank=8)), ("zero", TrialConfig(micro_batch=4, zero_stage=2))):
+    study = create_study(open_storage(None), name, meta)
+    trial = study.ask()
+    trial.set_user_attr("config", config.to_dict())
+    trial.set_user_attr("status", "ok")
+    trial.set_user_attr("result", {"tokens_per_s": 1000.0, "samples_per_s": 7.8, "peak_memory_bytes": 2**20})
+    study.tell(trial, 1000.0)
+    study.set_user_attr(CONFIRM_PREFIX + str(trial.number), {"confirmed": True, "tokens_per_s": 990.0,
+                        "samples_per_s": 7.7, "peak_memory_bytes": 2**20})
 """
 
 
@@ -41,9 +42,29 @@ def work(tmp_path_factory) -> Path:
     return work
 
 
-def export(work: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "autotune", "export", "--study", "done", *args],
+def export(work: Path, *args: str, study: str = "done") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "autotune", "export", "--study", study, *args],
                           capture_output=True, text=True, timeout=300, cwd=work)
+
+
+def test_an_accelerate_zero_export_is_the_yaml_and_the_deepspeed_config_it_names(work):
+    import json
+
+    import yaml
+
+    printed = export(work, "--format", "accelerate", study="zero")
+    assert printed.returncode == 2 and printed.stdout == ""
+    assert printed.stderr.strip().splitlines() == [
+        "autotune: error: --format accelerate: mb=4 fp32 zero2 is two files, the Accelerate YAML and the DeepSpeed "
+        "config it names; add -o accelerate_config.yaml to write both"]
+    proc = export(work, "--format", "accelerate", "-o", "zero/accelerate.yaml", study="zero")
+    assert proc.returncode == 0, proc.stderr
+    companion = Path("zero") / "accelerate.deepspeed.json"
+    assert f"wrote {Path('zero') / 'accelerate.yaml'}, {companion} " in proc.stderr
+    named = yaml.safe_load((work / "zero" / "accelerate.yaml").read_text())["deepspeed_config"]
+    assert named == {"deepspeed_config_file": str(companion), "zero3_init_flag": False}
+    assert json.loads((work / companion).read_text())["zero_optimization"]["stage"] == 2
+    assert _no_temp_files(work / "zero")
 
 
 def _no_temp_files(folder: Path) -> bool:

@@ -13,10 +13,16 @@ from typing import Any
 import pytest
 import yaml
 
+from autotune.config.deepspeed_config import deepspeed_config
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.output.exporters import DEFAULT_FILENAMES, FORMATS, export_config
+from autotune.output.exporters import (
+    DEFAULT_FILENAMES,
+    FORMATS,
+    export_config,
+    export_files,
+)
 from autotune.trial.rendezvous import one_node_ranks
 
 WORKLOAD = Workload(model="builtin:gpt2-tiny", global_batch=16)
@@ -210,30 +216,73 @@ def test_peft_export_refuses_a_config_without_lora() -> None:
     (FULL_BF16, WORKLOAD, "cpu", "NO", "bf16"),
     (FULL_BF16, WORKLOAD.replace(nproc=2), "cpu", "MULTI_CPU", "bf16"),
     (LORA.replace(micro_batch=2, precision="fp16"), WORKLOAD.replace(nproc=2), "cuda", "MULTI_GPU", "fp16"),
-    (ZERO3_OFFLOAD_ALL.replace(micro_batch=4), WORKLOAD.replace(nproc=2), "cuda", "DEEPSPEED", "no"),
+    (ZERO3_OFFLOAD_ALL.replace(micro_batch=4), WORKLOAD.replace(nproc=2), "cuda", "DEEPSPEED", None),
 ], ids=["single-cpu", "multi-cpu", "multi-gpu", "zero3"])
 def test_accelerate_export_loads_as_accelerate_config(tmp_path: Path, config: TrialConfig,
                                                       workload: Workload, device_type: str, distributed: str,
-                                                      precision: str) -> None:
+                                                      precision: str | None) -> None:
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.utils import DeepSpeedPlugin
 
-    loaded = load_config_from_file(str(_write(tmp_path, config, "accelerate", workload=workload,
-                                              device_type=device_type)))
+    files = export_files(config, workload, tmp_path / "accelerate_config.yaml", fmt="accelerate",
+                         device_type=device_type)
+    for path, text in files:
+        path.write_text(text)
+    loaded = load_config_from_file(str(files[0][0]))
     assert loaded.distributed_type.value == distributed
     assert loaded.mixed_precision == precision
     assert loaded.num_processes == workload.nproc
     assert loaded.use_cpu is (device_type == "cpu")
     if not config.uses_deepspeed:
-        assert loaded.deepspeed_config == {}
+        assert loaded.deepspeed_config == {} and len(files) == 1
         return
-    # `accelerate launch` hands these keys to DeepSpeedPlugin; it must accept every one.
-    plugin = DeepSpeedPlugin(**loaded.deepspeed_config)
+    # The YAML names the DeepSpeed config written beside it; `accelerate launch` hands both to DeepSpeedPlugin.
+    assert loaded.deepspeed_config == {"deepspeed_config_file": str(tmp_path / "accelerate_config.deepspeed.json"),
+                                       "zero3_init_flag": True}
+    plugin = DeepSpeedPlugin(hf_ds_config=loaded.deepspeed_config["deepspeed_config_file"], zero3_init_flag=True)
     zero = plugin.deepspeed_config["zero_optimization"]
     assert zero["stage"] == config.zero_stage == 3
     assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
     assert plugin.deepspeed_config["gradient_accumulation_steps"] == config.grad_accum_steps(workload)
     assert plugin.zero3_init_flag is True
+    # The trial's buckets (hidden size squared), not DeepSpeed's 5e8-element defaults.
+    assert zero["reduce_bucket_size"] == GPT2_TINY_WIDTH**2
+    assert zero["stage3_param_persistence_threshold"] == 10 * GPT2_TINY_WIDTH
+    assert "optimizer" not in plugin.deepspeed_config  # the script's own optimizer (Accelerate refuses both)
+
+
+_ACCELERATE_JOB = textwrap.dedent("""
+    import json, torch
+    from accelerate import Accelerator
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    accelerator = Accelerator()
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = torch.utils.data.DataLoader(torch.randint(0, 1000, (16, 64)), batch_size=2)
+    model, optimizer, data = accelerator.prepare(model, optimizer, data)
+    for batch in data:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(input_ids=batch, labels=batch).loss)
+            optimizer.step(); optimizer.zero_grad()
+    zero = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
+    print("RESULT " + json.dumps({"stage": model.zero_optimization_stage(), "bf16": model.bfloat16_enabled(),
+                                  "reduce": zero["reduce_bucket_size"], "allgather": zero["allgather_bucket_size"]}))
+""")
+
+
+def test_the_accelerate_export_of_a_zero_config_trains_under_accelerate_launch_with_the_trials_buckets(tmp_path):
+    config = TrialConfig(micro_batch=2, precision="bf16", zero_stage=2)
+    for path, text in export_files(config, WORKLOAD, tmp_path / "accelerate_config.yaml", fmt="accelerate",
+                                   device_type="cpu"):
+        path.write_text(text)
+    (tmp_path / "job.py").write_text(_ACCELERATE_JOB)
+    ran = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_config.yaml",
+                          "job.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    seen = json.loads(next(line for line in ran.stdout.splitlines() if line.startswith("RESULT ")).removeprefix("RESULT "))
+    # DeepSpeed's own buckets (5e8 elements) would be what accelerate launch builds from YAML keys alone.
+    assert seen == {"stage": 2, "bf16": True, "reduce": GPT2_TINY_WIDTH**2, "allgather": GPT2_TINY_WIDTH**2}
 
 
 # -- Lightning --------------------------------------------------------------------------------
@@ -257,14 +306,32 @@ def test_lightning_export_builds_a_trainer(tmp_path: Path) -> None:
     assert type(trainer.strategy).__name__ == "SingleDeviceStrategy"
 
 
-def test_lightning_deepspeed_export_builds_a_trainer(tmp_path: Path) -> None:
-    kwargs = _lightning_kwargs(ZERO2_OFFLOAD, device_type="cuda")
+def _strategy(spec: str | dict[str, Any]) -> Any:
+    """A strategy as LightningCLI builds it: a registered name as is, a class_path from its init_args."""
+    import importlib
+
+    if isinstance(spec, str):
+        return spec
+    module, _, name = spec["class_path"].rpartition(".")
+    return getattr(importlib.import_module(module), name)(**spec["init_args"])
+
+
+@pytest.mark.parametrize("config", [ZERO2_OFFLOAD, ZERO3_OFFLOAD_ALL], ids=["zero2", "zero3"])
+def test_lightning_deepspeed_export_builds_a_trainer_with_the_trials_buckets(tmp_path: Path,
+                                                                             config: TrialConfig) -> None:
+    kwargs = _lightning_kwargs(config, device_type="cuda")
     assert kwargs.pop("accelerator") == "gpu"
-    trainer = _trainer(tmp_path, accelerator="cpu", **kwargs)  # builds on a CPU; only fit() needs CUDA
-    assert trainer.accumulate_grad_batches == ZERO2_OFFLOAD.grad_accum_steps(WORKLOAD)
+    strategy = _strategy(kwargs.pop("strategy"))
+    trainer = _trainer(tmp_path, accelerator="cpu", strategy=strategy, **kwargs)  # only fit() needs CUDA
+    assert trainer.accumulate_grad_batches == config.grad_accum_steps(WORKLOAD)
     assert trainer.precision == "32-true"
     zero = trainer.strategy.config["zero_optimization"]
-    assert zero["stage"] == 2 and zero["offload_optimizer"]["device"] == "cpu"
+    assert zero["stage"] == config.zero_stage and zero["offload_optimizer"]["device"] == "cpu"
+    # The trial's buckets (hidden size squared), not Lightning's 2e8-element defaults.
+    trial = deepspeed_config(config, WORKLOAD, hidden_size=GPT2_TINY_WIDTH)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == trial["reduce_bucket_size"] == GPT2_TINY_WIDTH**2
+    if config.zero_stage == 2:
+        assert zero["allgather_bucket_size"] == trial["allgather_bucket_size"]
 
 
 def test_lightning_deepspeed_on_a_cpu_is_refused() -> None:
@@ -281,7 +348,8 @@ def test_lightning_deepspeed_on_a_cpu_is_refused() -> None:
 def test_lightning_strategy_names_are_registered(config: TrialConfig, strategy: str) -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    kwargs = _lightning_kwargs(config, device_type="cuda", workload=WORKLOAD.replace(nproc=2))
+    # A factory model: its width (so the trial's buckets) is unknown, and the registered name says it all.
+    kwargs = _lightning_kwargs(config, device_type="cuda", workload=WORKLOAD.replace(model="factories:tiny", nproc=2))
     assert kwargs["strategy"] == strategy and kwargs["devices"] == 2
     assert strategy in StrategyRegistry
 
@@ -292,12 +360,8 @@ def test_lightning_strategy_names_are_registered(config: TrialConfig, strategy: 
 ], ids=["stage0", "zero3-optimizer-offload"])
 def test_lightning_deepspeed_without_a_registered_name_uses_class_path(tmp_path: Path,
                                                                        config: TrialConfig) -> None:
-    import importlib
-
-    kwargs = _lightning_kwargs(config, device_type="cuda")
-    spec = kwargs.pop("strategy")
-    module, _, name = spec["class_path"].rpartition(".")
-    strategy = getattr(importlib.import_module(module), name)(**spec["init_args"])  # what LightningCLI does
+    kwargs = _lightning_kwargs(config, device_type="cuda", workload=WORKLOAD.replace(model="factories:tiny"))
+    strategy = _strategy(kwargs.pop("strategy"))
     trainer = _trainer(tmp_path, **{**kwargs, "accelerator": "cpu"}, strategy=strategy)
     zero = trainer.strategy.config["zero_optimization"]
     assert zero["stage"] == config.zero_stage
