@@ -97,7 +97,7 @@ def accelerate_deepspeed_plugin(config: TrialConfig, workload: Workload, *, devi
     """ZeRO as Accelerate takes it: ``accelerate.DeepSpeedPlugin``'s arguments. ``hf_ds_config`` is the
     DeepSpeed config (the accelerate export writes it to the file its YAML names), with the trial's
     bucket sizes: the plugin Accelerate builds from YAML keys alone has DeepSpeed's 5e8-element
-    buckets (a 1.9 GB gradient buffer measured on a 2-layer model, 23 MB with these).
+    buckets (a 1.9 GB fp32 gradient buffer on a 2-layer model: bench/zero_buckets.py).
 
     The script's own optimizer and DataLoader stay its own: no ``optimizer`` block (Accelerate refuses
     one beside an optimizer in code), and the batch sizes are "auto" (filled from the DataLoader).
