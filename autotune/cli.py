@@ -399,7 +399,7 @@ def export(
                               "YAML and the DeepSpeed config it names; add -o accelerate_config.yaml to write both")
         print(_export_text(summary, fmt), end="")
     else:
-        print(f"wrote {_export_best(summary, fmt, output)} ({fmt}: {summary.best.config.describe()})",
+        print(f"wrote {', '.join(_export_best(summary, fmt, output))} ({fmt}: {summary.best.config.describe()})",
               file=sys.stderr)
     print(_trains_line(summary.best.config, fmt, summary.workload), file=sys.stderr)
     if fmt in ("json", "yaml") and output is not None and summary.command:
@@ -531,8 +531,8 @@ def _export_summary(summary: Any) -> dict[str, Any]:
             "memory_budget_bytes": summary.memory_budget_bytes}
 
 
-def _export_best(summary: Any, fmt: str, output: str | None) -> str:
-    """Write the export where ``-o`` says; return the file's path (and its companion's, if any).
+def _export_best(summary: Any, fmt: str, output: str | None) -> list[str]:
+    """Write the export where ``-o`` says; return the paths written, the export's own file first.
 
     ``-o`` naming a directory (one that exists, or a name ending in /) gets the format's usual file
     name inside it; so does any name for ``--format peft`` that does not end in .json, since PEFT
@@ -556,7 +556,7 @@ def _export_best(summary: Any, fmt: str, output: str | None) -> str:
             raise ConfigError(f"-o {output or path}: {file} is a directory; name a file to write, e.g. -o {path}.new")
     for file, text in reversed(files):
         _write_whole(file, text, output=output or str(path))
-    return ", ".join(str(file) for file, _ in files)
+    return [str(file) for file, _ in files]
 
 
 def _write_whole(path: Any, text: str, *, output: str) -> None:
@@ -582,25 +582,27 @@ def _write_whole(path: Any, text: str, *, output: str) -> None:
             Path(tmp).unlink(missing_ok=True)
 
 
-def _finish(summary: Any, *, as_json: bool, exported: str | None = None, wanted_export: str | None = None,
+def _finish(summary: Any, *, as_json: bool, exported: list[str] | None = None, wanted_export: str | None = None,
             confirmed: bool = True) -> int:
     if as_json:
         data = summary.to_dict()
         if wanted_export is not None:
-            data["export"] = exported
+            data["export"] = exported[0] if exported else None
+            if exported and len(exported) > 1:  # an Accelerate ZeRO export: the YAML and its DeepSpeed file
+                data["export_files"] = exported
         if summary.best is not None and summary.command and exported and wanted_export in ("json", "yaml"):
-            data["train_command"] = _train_with(summary, exported)
+            data["train_command"] = _train_with(summary, exported[0])
         print(json.dumps(data))
     else:
         from autotune.output.render import print_summary
 
         print_summary(summary)
         if exported:
-            print(f"wrote {exported} ({wanted_export}); {_trains_line(summary.best.config, wanted_export, summary.workload)}")
+            print(f"wrote {', '.join(exported)} ({wanted_export}); {_trains_line(summary.best.config, wanted_export, summary.workload)}")
         elif wanted_export:
             print("nothing exported: no config fits yet", file=sys.stderr)
         if summary.best is not None and summary.command:
-            given = exported if exported and wanted_export in ("json", "yaml") else None
+            given = exported[0] if exported and wanted_export in ("json", "yaml") else None
             how = "" if given else f" (after autotune export --study {summary.name} --format json -o autotune.json)"
             print(f"train with it: {_train_with(summary, given)}{how}")
     if not confirmed:  # --no-confirm: another worker confirms; a measured fit is this one's success

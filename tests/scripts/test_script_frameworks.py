@@ -87,6 +87,7 @@ def test_find_on_a_trainer_script_hands_over_a_command_that_trains_it_with_the_a
     assert found.returncode == 0, found.stderr[-3000:]
     answer = json.loads(found.stdout)
     assert answer["best"]["config"]["micro_batch"] == 2
+    assert answer["export"] == "autotune.json" and "export_files" not in answer  # one file
     assert answer["train_command"] == shlex.join(["autotune", "run", "--config", "autotune.json", "--", *TRAINER])
     # The user's job, trained to its end with the answer (3 steps here): the script says what it got.
     trained = subprocess.run([sys.executable, "-m", "autotune", "run", "--config", "autotune.json", "--",
