@@ -58,7 +58,8 @@ def run_script_trial(command: list[str], workload: Workload, config: TrialConfig
             "grad_accum_steps": config.grad_accum_steps(workload), "memory_budget_bytes": memory_budget_bytes,
             "warmup_steps": warmup_steps, "measure_steps": measure_steps, "out_dir": str(work),
             "launched": time.perf_counter()}))
-        env = _command_env(config, workload, {CONFIG_ENV: str(work / "config.json"), SPEC_ENV: str(work / "spec.json")})
+        env = _command_env(config, workload, device, {CONFIG_ENV: str(work / "config.json"),
+                                                      SPEC_ENV: str(work / "spec.json")})
         started = time.monotonic()
         returncode, timed_out = run_process_group(command, work, timeout_s=timeout_s, env=env)
         elapsed = time.monotonic() - started
@@ -102,14 +103,19 @@ def run_with_config(command: list[str], config: TrialConfig, workload: Workload,
     with tempfile.TemporaryDirectory(prefix="autotune-run-") as tmp:
         path = Path(tmp) / "config.json"
         write_config_file(path, config, workload, device_type=device.type)
-        env = _command_env(config, workload, {CONFIG_ENV: str(path)})
+        env = _command_env(config, workload, device, {CONFIG_ENV: str(path)})
         return subprocess.run(command, env=env).returncode  # Ctrl-C reaches it too: same process group
 
 
-def _command_env(config: TrialConfig, workload: Workload, paths: dict[str, str]) -> dict[str, str]:
+def _command_env(config: TrialConfig, workload: Workload, device: DeviceInfo,
+                 paths: dict[str, str]) -> dict[str, str]:
     """The command's environment: ``paths`` (the config, the spec) and the hooks on ``PYTHONPATH``."""
     env = dict(os.environ, **paths)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_HOOK_DIR), env.get("PYTHONPATH")) if p)
+    if device.type == "cpu":
+        # A CPU trial on a host with GPUs (--device cpu): the script must not find one, since its memory
+        # is counted by the CPU tracker (and an Accelerator told cpu=False for ZeRO would take the GPU).
+        env["CUDA_VISIBLE_DEVICES"] = ""
     if config.uses_deepspeed and workload.nproc == 1 and "WORLD_SIZE" not in env:
         # DeepSpeed without a launcher's variables looks for MPI and fails; a one-process command is a
         # one-rank group (Transformers' own advice for a notebook). A launcher gives its ranks their own.

@@ -76,6 +76,14 @@ def test_a_zero_config_is_measured_only_where_the_script_built_a_deepspeed_engin
         in capfd.readouterr().out
 
 
+def test_a_cpu_trial_s_command_sees_no_gpu(capfd):
+    # On a host with GPUs, a --device cpu trial's script must train where its memory is counted.
+    show = "import os; print('visible=' + repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+    cpu = Workload(seq_len=64, global_batch=8, device="cpu")
+    assert run_with_config([sys.executable, "-c", show], TrialConfig(micro_batch=8), cpu) == 0
+    assert "visible=''" in capfd.readouterr().out
+
+
 def test_a_launcher_failing_with_its_rank_leaves_the_rank_s_oom_standing():
     # torchrun has no RANK of its own, so its hook is 'rank 0' too; its ChildFailedError comes second.
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(HERE / "ddp_loop.py"), "20"]
