@@ -24,6 +24,7 @@ from autotune.prepare.training_args import (
     accelerate_arguments,
     accelerate_deepspeed_plugin,
     lightning_arguments,
+    lightning_strategy,
     trainer_arguments,
 )
 from autotune.study.stored_facts import adapter_config, hidden_size
@@ -183,16 +184,6 @@ def _accelerate_fsdp(config: TrialConfig, workload: Workload) -> dict[str, Any]:
 
 
 # -- Lightning ------------------------------------------------------------------------------
-# Lightning's registered DeepSpeed strategy names, by (stage, offload).
-_LIGHTNING_DEEPSPEED = {
-    (1, "none"): "deepspeed_stage_1",
-    (2, "none"): "deepspeed_stage_2",
-    (2, "optimizer"): "deepspeed_stage_2_offload",
-    (3, "none"): "deepspeed_stage_3",
-    (3, "optimizer+params"): "deepspeed_stage_3_offload",
-}
-
-
 def _lightning(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
     """``trainer:`` arguments of ``lightning.pytorch.Trainer``, as LightningCLI reads them."""
     if config.uses_deepspeed and device_type != "cuda":
@@ -204,45 +195,9 @@ def _lightning(config: TrialConfig, workload: Workload, *, device_type: str, sum
         "accelerator": "cpu" if device_type == "cpu" else "gpu",
         "devices": workload.nproc,
         **lightning_arguments(config, workload),
-        "strategy": _lightning_strategy(config, workload),
+        "strategy": lightning_strategy(config, workload, hidden_size=hidden_size(workload)),
     }
     return _header(config, workload, summary) + _dump_yaml({"trainer": trainer})
-
-
-def _lightning_strategy(config: TrialConfig, workload: Workload) -> str | dict[str, Any]:
-    if config.uses_fsdp:  # the same sharding; Lightning's FSDPStrategy wraps with FSDP's first API
-        return {"class_path": "lightning.pytorch.strategies.FSDPStrategy", "init_args": {
-            "sharding_strategy": "FULL_SHARD" if config.fsdp == "full" else "SHARD_GRAD_OP",
-            "cpu_offload": config.offload == "optimizer+params",
-            "state_dict_type": "sharded",
-        }}
-    if not config.uses_deepspeed:
-        return "ddp" if workload.nproc > 1 else "auto"
-    buckets = _lightning_buckets(config, workload)
-    name = _LIGHTNING_DEEPSPEED.get((config.zero_stage, config.offload))
-    if name is not None and not buckets:
-        return name
-    # No registered name (stage 0, stage 1 + offload, stage 3 + optimizer offload only), or the trial's
-    # bucket sizes: LightningCLI's class_path form builds the strategy with these knobs.
-    return {"class_path": "lightning.pytorch.strategies.DeepSpeedStrategy", "init_args": {
-        "stage": config.zero_stage,
-        "offload_optimizer": config.offload != "none",
-        "offload_parameters": config.offload == "optimizer+params",
-        **buckets,
-    }}
-
-
-# The bucket sizes DeepSpeedStrategy takes as arguments. ZeRO-3's prefetch bucket and persistence
-# threshold are not among them: DeepSpeed's defaults (5e7 elements, 1e5) stay, which differ from the
-# trial's by tens of MB on a 7B model, not by the GBs of the gradient buckets.
-_LIGHTNING_BUCKETS = ("reduce_bucket_size", "allgather_bucket_size")
-
-
-def _lightning_buckets(config: TrialConfig, workload: Workload) -> dict[str, int]:
-    """The trial's bucket sizes as DeepSpeedStrategy arguments (its own defaults, 2e8 elements, hold
-    GBs of buffers the trial did not); none where the model's hidden size is unknown."""
-    zero = deepspeed_config(config, workload, hidden_size=hidden_size(workload))["zero_optimization"]
-    return {key: zero[key] for key in _LIGHTNING_BUCKETS if key in zero}
 
 
 # -- PEFT -----------------------------------------------------------------------------------

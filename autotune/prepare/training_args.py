@@ -15,11 +15,24 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.prepare.checkpointing import EVERY_N_SINCE, transformers_release
 
-__all__ = ["trainer_arguments", "lightning_arguments", "accelerate_arguments", "accelerate_deepspeed_plugin",
-           "checkpointing_argument"]
+__all__ = ["trainer_arguments", "lightning_arguments", "lightning_strategy", "accelerate_arguments",
+           "accelerate_deepspeed_plugin", "checkpointing_argument"]
 
 # Lightning's precision strings: mixed precision is autocast, -true holds the model in 16 bits.
 _LIGHTNING_PRECISION = {"fp16": "16-mixed", "bf16": "bf16-mixed", "bf16-true": "bf16-true"}
+
+# Lightning's registered DeepSpeed strategy names, by (stage, offload).
+_LIGHTNING_DEEPSPEED = {
+    (1, "none"): "deepspeed_stage_1",
+    (2, "none"): "deepspeed_stage_2",
+    (2, "optimizer"): "deepspeed_stage_2_offload",
+    (3, "none"): "deepspeed_stage_3",
+    (3, "optimizer+params"): "deepspeed_stage_3_offload",
+}
+# The bucket sizes DeepSpeedStrategy takes as arguments. ZeRO-3's prefetch bucket and persistence
+# threshold are not among them: DeepSpeed's defaults (5e7 elements, 1e5) stay, which differ from the
+# trial's by tens of MB on a 7B model, not by the GBs of the gradient buckets.
+_LIGHTNING_BUCKETS = ("reduce_bucket_size", "allgather_bucket_size")
 
 # TrainingArguments fills these from its own arguments; "auto" means the two cannot disagree
 # (a concrete value that differs, e.g. DeepSpeed's lr vs learning_rate, makes HF raise).
@@ -82,6 +95,33 @@ def lightning_arguments(config: TrialConfig, workload: Workload) -> dict[str, An
     batch is the DataLoader's; checkpointing and LoRA are the model's, applied by ``autotune.prepare``)."""
     return {"precision": _LIGHTNING_PRECISION.get(config.precision, "32-true"),
             "accumulate_grad_batches": config.grad_accum_steps(workload)}
+
+
+def lightning_strategy(config: TrialConfig, workload: Workload, *, hidden_size: int | None = None) -> str | dict[str, Any]:
+    """``lightning.pytorch.Trainer``'s ``strategy``: a registered name, or LightningCLI's class_path form
+    where the knobs need arguments. ``hidden_size``: the model's, for the trial's DeepSpeed bucket sizes
+    (None: Lightning's own, 2e8 elements)."""
+    if config.uses_fsdp:  # the same sharding; Lightning's FSDPStrategy wraps with FSDP's first API
+        return {"class_path": "lightning.pytorch.strategies.FSDPStrategy", "init_args": {
+            "sharding_strategy": "FULL_SHARD" if config.fsdp == "full" else "SHARD_GRAD_OP",
+            "cpu_offload": config.offload == "optimizer+params",
+            "state_dict_type": "sharded",
+        }}
+    if not config.uses_deepspeed:
+        return "ddp" if workload.nproc > 1 else "auto"
+    zero = deepspeed_config(config, workload, hidden_size=hidden_size)["zero_optimization"]
+    buckets = {key: zero[key] for key in _LIGHTNING_BUCKETS if key in zero}
+    name = _LIGHTNING_DEEPSPEED.get((config.zero_stage, config.offload))
+    if name is not None and not buckets:
+        return name
+    # No registered name (stage 0, stage 1 + offload, stage 3 + optimizer offload only), or the trial's
+    # bucket sizes (Lightning's 2e8-element defaults hold GBs of buffers the trial did not).
+    return {"class_path": "lightning.pytorch.strategies.DeepSpeedStrategy", "init_args": {
+        "stage": config.zero_stage,
+        "offload_optimizer": config.offload != "none",
+        "offload_parameters": config.offload == "optimizer+params",
+        **buckets,
+    }}
 
 
 def accelerate_arguments(config: TrialConfig, workload: Workload) -> dict[str, Any]:

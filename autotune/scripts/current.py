@@ -24,6 +24,7 @@ def write_config_file(path: Path, config: TrialConfig, workload: Workload, *, de
         accelerate_arguments,
         accelerate_deepspeed_plugin,
         lightning_arguments,
+        lightning_strategy,
         trainer_arguments,
     )
 
@@ -32,11 +33,14 @@ def write_config_file(path: Path, config: TrialConfig, workload: Workload, *, de
         accelerate["deepspeed_plugin"] = accelerate_deepspeed_plugin(config, workload, device_type=device_type)
         if device_type == "cpu":  # Accelerate drops DeepSpeed for cpu=True; without a GPU, False is the CPU too
             accelerate["cpu"] = False
+    lightning = lightning_arguments(config, workload)
+    if config.uses_deepspeed and device_type == "cuda":  # Lightning runs DeepSpeed on CUDA only
+        lightning["strategy"] = lightning_strategy(config, workload)  # the lightning export's, for this model
     path.write_text(json.dumps({
         "config": config.to_dict(), "workload": workload.to_dict(),
         "grad_accum_steps": config.grad_accum_steps(workload),
         "frameworks": {"transformers": trainer_arguments(config, workload, device_type=device_type),
-                       "lightning": lightning_arguments(config, workload),
+                       "lightning": lightning,
                        "accelerate": accelerate}}))
 
 

@@ -6,7 +6,8 @@ through what that framework already reads, so the script runs unchanged.
   before its own checks run: the keyword arguments the ``hf`` export writes
   (:func:`autotune.prepare.training_args.trainer_arguments`).
 - Lightning: every ``Trainer`` the script builds gets the trial's precision and gradient
-  accumulation (:func:`autotune.prepare.training_args.lightning_arguments`) over the script's own.
+  accumulation (:func:`autotune.prepare.training_args.lightning_arguments`) over the script's own,
+  and on CUDA a ZeRO config's ``DeepSpeedStrategy`` (Lightning runs DeepSpeed on CUDA only).
   Its micro batch is the script's DataLoader's: the script reads it from ``AUTOTUNE_CONFIG``.
 - Accelerate: every ``Accelerator`` gets the trial's mixed precision and gradient accumulation
   (:func:`autotune.prepare.training_args.accelerate_arguments`) over the script's own and its
@@ -83,6 +84,12 @@ class FrameworkHooks:
 
     def _lightning_trainer(self, trainer: Any, kwargs: dict[str, Any]) -> None:
         kwargs.update(self.lightning_args)  # over the script's own and PL_TRAINER_* defaults
+        strategy = kwargs.get("strategy")
+        if isinstance(strategy, dict):  # LightningCLI's class_path form (a ZeRO config's DeepSpeedStrategy)
+            import importlib
+
+            module, _, name = strategy["class_path"].rpartition(".")
+            kwargs["strategy"] = getattr(importlib.import_module(module), name)(**strategy["init_args"])
         self.lightning_args_applied = True
 
     def _accelerator(self, accelerator: Any, kwargs: dict[str, Any]) -> None:
@@ -109,6 +116,9 @@ class FrameworkHooks:
     def ignored_zero(self, zero_stage: int | None) -> str | None:
         """Why a ZeRO config was not what the measured steps trained, or None."""
         if zero_stage is not None and not self.deepspeed_engines:
+            if self.lightning_args_applied and "strategy" not in self.lightning_args:
+                return (f"the script trained without DeepSpeed: --zero-stage {zero_stage} was not applied; "
+                        "Lightning runs DeepSpeed on CUDA GPUs only (its DeepSpeedStrategy is given on CUDA)")
             return (f"the script trained without DeepSpeed: --zero-stage {zero_stage} was not applied; let a "
                     "Transformers Trainer take it from its arguments or an Accelerator from its plugin (through "
                     "accelerator.prepare), or build the engine with deepspeed.initialize at the stage "

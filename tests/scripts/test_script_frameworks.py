@@ -117,3 +117,31 @@ def test_a_framework_class_built_with_positional_arguments_gets_the_trials_value
     assert Accelerator(False, True, "no", cpu=True).got == (False, True, "bf16", {"cpu": True})
     assert Accelerator(False).got == (False, False, "bf16", {})
     assert Accelerator(mixed_precision="fp16").got == (True, False, "bf16", {})
+
+
+def test_a_zero_config_gives_a_lightning_trainer_on_cuda_the_lightning_export_s_deepspeed_strategy(tmp_path):
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from autotune.scripts.current import write_config_file
+    from autotune.scripts.frameworks import FrameworkHooks
+
+    workload = Workload(seq_len=64, global_batch=8)
+
+    def handed(config: TrialConfig, device_type: str) -> dict:
+        """What the hook gives the script's Trainer over {strategy: ddp, accelerator: gpu}."""
+        write_config_file(tmp_path / "config.json", config, workload, device_type=device_type)
+        kwargs = {"strategy": "ddp", "accelerator": "gpu"}
+        lightning = json.loads((tmp_path / "config.json").read_text())["frameworks"]["lightning"]
+        FrameworkHooks({}, lightning, {})._lightning_trainer(None, kwargs)
+        return kwargs
+
+    zero2 = TrialConfig(micro_batch=2, zero_stage=2)
+    assert handed(zero2, "cpu")["strategy"] == "ddp"  # Lightning runs DeepSpeed on CUDA only: nothing given
+    given = handed(zero2, "cuda")  # a script's model is unknown: Lightning's own buckets, by registered name
+    assert given["strategy"] == "deepspeed_stage_2" and given["accelerator"] == "gpu"
+    assert given["accumulate_grad_batches"] == 4 and given["precision"] == "32-true"
+    # No registered name for ZeRO-3 offloading the optimizer only: the class_path form, built as LightningCLI would.
+    strategy = handed(TrialConfig(micro_batch=2, zero_stage=3, offload="optimizer"), "cuda")["strategy"]
+    assert isinstance(strategy, DeepSpeedStrategy)
+    zero = strategy.config["zero_optimization"]
+    assert zero["stage"] == 3 and "offload_optimizer" in zero and "offload_param" not in zero

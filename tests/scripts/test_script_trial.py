@@ -71,6 +71,11 @@ def test_a_zero_config_is_measured_only_where_the_script_built_a_deepspeed_engin
     for script in ("deepspeed_loop.py", "trainer_script.py", "accelerate_script.py"):
         built = run_script_trial([sys.executable, str(HERE / script), "20"], WORKLOAD, config, measure_steps=2)
         assert built.status is TrialStatus.OK, (script, built.error)
+    # Lightning runs DeepSpeed on CUDA only (gpu-marked: tests/scripts/test_script_gpu.py): said as such.
+    lightning = run_script_trial([sys.executable, str(HERE / "lightning_script.py"), "20"], WORKLOAD, config,
+                                 measure_steps=2)
+    assert lightning.status is TrialStatus.ERROR
+    assert "Lightning runs DeepSpeed on CUDA GPUs only" in lightning.error.splitlines()[0], lightning.error
     assert run_with_config([sys.executable, str(HERE / "accelerate_script.py"), "2"], config, WORKLOAD) == 0
     assert "trained with micro_batch=4 mixed_precision=no gradient_accumulation_steps=2 zero_stage=2" \
         in capfd.readouterr().out
