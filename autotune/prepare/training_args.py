@@ -139,13 +139,14 @@ def accelerate_deepspeed_plugin(config: TrialConfig, workload: Workload, *, devi
     bucket sizes: the plugin Accelerate builds from YAML keys alone has DeepSpeed's 5e8-element
     buckets (a 1.9 GB fp32 gradient buffer on a 2-layer model: bench/zero_buckets.py).
 
-    The script's own optimizer and DataLoader stay its own: no ``optimizer`` block (Accelerate refuses
-    one beside an optimizer in code), and the batch sizes are "auto" (filled from the DataLoader).
-    ``hidden_size`` None: the bucket sizes are "auto" too, filled from the model's config.hidden_size.
+    The script's own optimizer stays its own: no ``optimizer`` block (Accelerate refuses one beside an
+    optimizer in code). The batch sizes are the trial's, not "auto": Accelerate fills "auto" with its
+    own process count, which is 1 for DeepSpeed on CPU ranks (no backend of its own), and DeepSpeed
+    then refuses the global batch of a 2-rank job.
+    ``hidden_size`` None: the bucket sizes are "auto", filled from the model's config.hidden_size.
     """
     ds = deepspeed_config(config, workload, device_type=device_type, hidden_size=hidden_size)
     del ds["optimizer"]
-    ds.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto")
     if hidden_size is None:
         ds["zero_optimization"].update(dict.fromkeys(_AUTO_BUCKET_KEYS[config.zero_stage == 3], "auto"))
     return {"hf_ds_config": ds, "zero3_init_flag": config.zero_stage == 3}

@@ -127,6 +127,13 @@ def test_torchrun_as_the_command_measures_every_rank():
                               measure_steps=2)
     assert result.status is TrialStatus.OK, result.error
     assert result.world_size == 2 and all(result.peak_memory_per_rank) and result.grad_accum_steps == 2
+    # An Accelerate script under ZeRO-2 on two CPU ranks: Accelerate counts one process there (no backend
+    # of its own), so an "auto" global batch had been 2 x 2 x 1 and DeepSpeed refused it.
+    accelerate = [*command[:5], str(HERE / "accelerate_script.py"), "20"]
+    zero = run_script_trial(accelerate, Workload(seq_len=64, global_batch=8, nproc=2),
+                            TrialConfig(micro_batch=2, zero_stage=2), measure_steps=2)
+    assert zero.status is TrialStatus.OK, zero.error
+    assert zero.world_size == 2 and all(zero.peak_memory_per_rank)
     # A one-process command told it has two ranks: said, not measured as two.
     alone = run_script_trial([*LOOP, "20"], Workload(seq_len=64, global_batch=8, nproc=2), TrialConfig(micro_batch=2),
                              measure_steps=2)
