@@ -5,10 +5,10 @@ squared, in the DeepSpeed file the YAML names).
 
     python bench/zero_buckets.py [--rounds 2] [--out bench/results/zero_buckets_cpu.json]
 
-The job is a 2-layer GPT-2 (128 wide, 1000-token vocabulary, 64 tokens a sample, micro batch 2)
-trained for 3 optimizer steps under ZeRO-2 by a plain Accelerate loop (``Accelerator()``, its own
-AdamW and DataLoader); it counts its own peak of live tensor bytes from before ``prepare`` to the
-end with autotune's CPU tracker (the one every CPU trial uses). Both exports, fp32 and bf16, each
+The job is tests/scripts/accelerate_zero_job.py: a 2-layer GPT-2 (128 wide, 1000-token vocabulary,
+64 tokens a sample, micro batch 2) trained for 3 optimizer steps under ZeRO-2 by a plain Accelerate
+loop (``Accelerator()``, its own AdamW and DataLoader); it counts its own peak of live tensor bytes
+from before ``Accelerator()`` to the end with autotune's CPU tracker (the one every CPU trial uses). Both exports, fp32 and bf16, each
 round, interleaved. A job's wall time is printed too (start-up and DeepSpeed's set-up included).
 """
 
@@ -34,26 +34,8 @@ from autotune.prepare.training_args import accelerate_arguments
 WORKLOAD = Workload(model="builtin:gpt2-tiny", seq_len=64, global_batch=8)
 CONFIGS = [TrialConfig(micro_batch=2, precision=p, zero_stage=2) for p in ("fp32", "bf16")]
 
-JOB = """
-import json, torch
-from accelerate import Accelerator
-from transformers import GPT2Config, GPT2LMHeadModel
-from autotune.trial.memory import LiveBytesTracker
-
-with LiveBytesTracker(None) as tracker:
-    accelerator = Accelerator()
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=64))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    data = torch.utils.data.DataLoader(torch.randint(0, 1000, (6 * 2 * 4, 64)), batch_size=2)
-    model, optimizer, data = accelerator.prepare(model, optimizer, data)
-    for batch in data:
-        with accelerator.accumulate(model):
-            accelerator.backward(model(input_ids=batch, labels=batch).loss)
-            optimizer.step(); optimizer.zero_grad()
-zero = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
-print("RESULT " + json.dumps({"peak_bytes": tracker.peak_bytes, "stage": model.zero_optimization_stage(),
-                              "reduce_bucket_size": zero.get("reduce_bucket_size", "DeepSpeed's default")}))
-"""
+JOB = Path(__file__).resolve().parents[1] / "tests" / "scripts" / "accelerate_zero_job.py"
+STEPS = 3
 
 
 def yaml_keys_only(config: TrialConfig, path: Path) -> None:
@@ -74,7 +56,8 @@ def as_exported(config: TrialConfig, path: Path) -> None:
 
 def launch(folder: Path, yaml_name: str) -> dict:
     started = time.perf_counter()
-    ran = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", yaml_name, "job.py"],
+    ran = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", yaml_name, str(JOB),
+                          str(STEPS)],
                          cwd=folder, capture_output=True, text=True, timeout=900, env=dict(os.environ))
     if ran.returncode != 0:
         raise SystemExit(f"{yaml_name}: accelerate launch failed:\n{ran.stderr[-3000:]}")
@@ -91,7 +74,6 @@ def main() -> None:
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="zero-buckets-") as tmp:
         folder = Path(tmp)
-        (folder / "job.py").write_text(JOB)
         for config in CONFIGS:
             for name, write in exports.items():
                 write(config, folder / f"{config.precision}-{name.replace(' ', '-')}.yaml")
@@ -106,7 +88,7 @@ def main() -> None:
     for key, results in runs.items():
         peaks = sorted({r["peak_bytes"] for r in results})
         assert all(r["stage"] == 2 for r in results), results
-        row = {"run": key, "peak_bytes": peaks, "reduce_bucket_size": results[0]["reduce_bucket_size"],
+        row = {"run": key, "peak_bytes": peaks, "reduce_bucket_size": results[0]["reduce"] or "DeepSpeed's default",
                "wall_s": [round(r["wall_s"], 2) for r in results]}
         rows.append(row)
         shown = ", ".join(f"{p / 2**20:.1f} MiB" for p in peaks)
