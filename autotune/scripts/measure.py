@@ -38,6 +38,7 @@ class _Measurement:
         self.device: Any = None
         self.written = False
         self.prepared = False
+        self.cores: dict[str, Any] = {}  # cpu_cores and cpu_threads, where this process was pinned
         from autotune.scripts.frameworks import FrameworkHooks, installed
 
         # Installed before the measurement from AUTOTUNE_CONFIG (hook/sitecustomize.py); none: given nothing.
@@ -48,6 +49,14 @@ class _Measurement:
 
         budget = self.spec.get("memory_budget_bytes")
         local_rank = os.environ.get("LOCAL_RANK")
+        nproc = self.spec["workload"].get("nproc", 1)
+        if self.spec.get("cpu_cores") and (local_rank is not None or nproc == 1):  # a rank, not a launcher
+            # The free cores, as a synthetic trial's (see autotune.trial.cpu_cores): one busy core had
+            # made a script trial's steps 100x slower. Before the script starts a thread.
+            from autotune.trial.cpu_cores import use_rank_cores
+
+            self.cores = use_rank_cores(self.spec["cpu_cores"], int(local_rank or 0), nproc, torch)
+            os.environ["OMP_NUM_THREADS"] = str(self.cores["cpu_threads"])  # what frameworks read to set threads
         # On a GPU, every rank (or the one process of a command without a launcher) has its own device;
         # a launcher (RANK unset but ranks below it) and any CPU process count with the tracker.
         if self.spec["device_type"] == "cuda" and (local_rank is not None or "RANK" not in os.environ):
@@ -128,7 +137,7 @@ class _Measurement:
         record: dict[str, Any] = {"config": self.spec["config"], "status": status, "error": error,
                                   "phases": {}, "measured_steps": 0, "device": str(self.device or "cpu"),
                                   "memory_budget_bytes": self.spec.get("memory_budget_bytes"),
-                                  "grad_accum_steps": self.spec["grad_accum_steps"]}
+                                  "grad_accum_steps": self.spec["grad_accum_steps"], **self.cores}
         unapplied = _needs_prepare(self.spec["config"], trainer=self.frameworks.trainer_args_applied) \
             if status == "ok" and not self.prepared else None
         if unapplied:

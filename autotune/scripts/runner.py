@@ -20,6 +20,7 @@ from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.scripts.current import CONFIG_ENV, write_config_file
 from autotune.scripts.measure import SPEC_ENV
+from autotune.trial.cpu_cores import free_cores
 from autotune.trial.rendezvous import one_node_ranks
 from autotune.trial.result import TrialResult, TrialStatus
 from autotune.trial.runner import (
@@ -57,6 +58,7 @@ def run_script_trial(command: list[str], workload: Workload, config: TrialConfig
             "config": config.to_dict(), "workload": workload.to_dict(), "device_type": device.type,
             "grad_accum_steps": config.grad_accum_steps(workload), "memory_budget_bytes": memory_budget_bytes,
             "warmup_steps": warmup_steps, "measure_steps": measure_steps, "out_dir": str(work),
+            "cpu_cores": free_cores() if device.type == "cpu" else None,
             "launched": time.perf_counter()}))
         env = _command_env(config, workload, device, {CONFIG_ENV: str(work / "config.json"),
                                                       SPEC_ENV: str(work / "spec.json")})

@@ -60,11 +60,9 @@ def _run(spec: dict[str, Any], record: dict[str, Any]) -> None:
     budget = spec.get("memory_budget_bytes")
     device = _init_device(spec["device_type"])
     if spec.get("cpu_cores"):  # before any thread starts: they inherit the pinning
-        from autotune.trial.cpu_cores import rank_cores, use_cores
+        from autotune.trial.cpu_cores import use_rank_cores
 
-        cores, threads = rank_cores(spec["cpu_cores"], int(os.environ.get("LOCAL_RANK", "0")), workload.nproc)
-        use_cores(cores, threads, torch)
-        record.update(cpu_cores=sorted(os.sched_getaffinity(0)), cpu_threads=torch.get_num_threads())  # in effect
+        record.update(use_rank_cores(spec["cpu_cores"], int(os.environ.get("LOCAL_RANK", "0")), workload.nproc, torch))
     world_size = _init_distributed(workload, config, device)
     record.update(device=str(device), world_size=world_size, memory_budget_bytes=budget,
                   grad_accum_steps=config.grad_accum_steps(workload))

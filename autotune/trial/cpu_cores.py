@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["free_cores", "pick_free_cores", "rank_cores", "use_cores"]
+__all__ = ["free_cores", "pick_free_cores", "rank_cores", "use_cores", "use_rank_cores"]
 
 SAMPLE_S = 0.25   # long enough to see a spinning process, short beside a trial
 
@@ -62,3 +62,11 @@ def use_cores(cores: list[int], threads: int, torch: Any) -> None:
     """
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(threads)
+
+
+def use_rank_cores(cores: list[int], rank: int, nproc: int, torch: Any) -> dict[str, Any]:
+    """Pin this process, rank ``rank`` of ``nproc``, to its slice of ``cores`` (:func:`rank_cores`);
+    return what is in effect, as a trial's result records it (``cpu_cores``, ``cpu_threads``)."""
+    mine, threads = rank_cores(cores, rank, nproc)
+    use_cores(mine, threads, torch)
+    return {"cpu_cores": sorted(os.sched_getaffinity(0)), "cpu_threads": torch.get_num_threads()}

@@ -83,3 +83,16 @@ def test_torchrun_ranks_leave_out_the_busy_core_too(monkeypatch, spinner_on_core
     result = run_trial(two_ranks, TrialConfig(micro_batch=1), warmup_steps=1, measure_steps=1)
     assert result.status is TrialStatus.OK, result.error
     assert 0 not in result.cpu_cores and result.cpu_threads == 1
+
+
+@two_cores
+def test_a_script_trial_leaves_out_the_busy_core_too(spinner_on_core_0):
+    from pathlib import Path
+
+    from autotune.scripts.runner import run_script_trial
+
+    loop = Path(__file__).parents[1] / "scripts" / "plain_loop.py"
+    result = run_script_trial([sys.executable, str(loop), "20"], Workload(seq_len=64, global_batch=8),
+                              TrialConfig(micro_batch=8), measure_steps=2)
+    assert result.status is TrialStatus.OK, result.error
+    assert result.cpu_cores == [1] and result.cpu_threads == 1
