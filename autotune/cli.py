@@ -615,15 +615,22 @@ def estimate(
     workload: Workload, config: TrialConfig,
     space: Annotated[Optional[str], typer.Option(
         "--space", help="Estimate every config of this space (preset or YAML file) instead of the knobs given.")] = None,
-    memory_budget: Optional[str] = None, headroom: float = 0.1,
+    gpu: Annotated[Optional[str], typer.Option("--gpu", help=_help(Workload, "gpu"))] = None,
+    memory_budget: Annotated[Optional[str], typer.Option(
+        "--memory-budget", help="Mark which configs fit this much memory, e.g. 24GiB (default with --gpu: the "
+                                "card's memory).")] = None,
+    headroom: float = 0.1,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per config, a line each.")] = False,
 ) -> int:
     """Predict peak memory per rank without training: the real step on fake tensors, split into parts.
 
-    The parts add up to the peak. A CUDA workload is traced with CUDA's kernels where a GPU is
-    visible, else with the CPU's (attention as CUDA's fused kernels keep it), as the output says.
-    Tensor bytes only: what a GPU adds on top (CUDA context, allocator reserve) is not calibrated yet.
+    The parts add up to the peak. A CUDA workload gets two more figures: what the caching allocator
+    reserves (the traced step's allocations replayed through a model of it) and what nvidia-smi
+    shows (reserved + the CUDA context + NCCL's buffers); --gpu names the card, with or without one
+    here. It is traced with CUDA's kernels where a GPU is visible, else with the CPU's, attention as
+    CUDA would pick it, as the output says.
     """
+    from autotune.estimate.cuda_memory import describe_figures
     from autotune.estimate.estimator import (
         EstimateError,
         predict_memory,
@@ -632,17 +639,26 @@ def estimate(
     from autotune.models.sources import resolve_task
     from autotune.sizes import format_size
 
+    if gpu is not None:
+        workload = workload.replace(gpu=gpu)  # checks the name, and that the device is CUDA
     start_estimate_server()  # its imports beside the device and model checks below
+    device = _estimated_device(workload)
+    budget = _size(memory_budget)
+    if workload.gpu is not None:
+        budget = _within_card(budget, device)
     if space is not None:
-        from autotune.config.device import detect_device
         from autotune.search.space import load_space
 
-        configs = load_space(space).candidates(workload, detect_device(workload.device))
+        if device is None:
+            from autotune.config.device import detect_device
+
+            device = detect_device(workload.device)  # refuses --device cuda without a GPU or --gpu
+        configs = load_space(space).candidates(workload, device)
     else:
         configs = [config]
         configs[0].grad_accum_steps(workload)
-        _refuse_what_cannot_run_here(configs[0], workload)
-    budget = _size(memory_budget)
+        if device is not None:
+            config.validate_for(workload, device)
     limit = int(budget * (1 - headroom)) if budget is not None else None
     resolved_task = resolve_task(workload)
     for index, config in enumerate(configs):
@@ -650,23 +666,74 @@ def estimate(
             result = predict_memory(workload, config, task=resolved_task)
         except EstimateError as exc:  # the model cannot be built or traced: nothing printed yet for it
             raise ConfigError(f"--model {workload.model}: {exc}") from None
+        cuda = result.predicted_reserved_bytes is not None
         if index == 0 and not as_json:  # the header once the first row exists: a refusal prints nothing
             print(f"{'config':<34} {'peak':>10} = {'params':>10} {'grads':>10} {'optimizer':>10} "
-                  f"{'activations':>11} {'temporaries':>11} {'not live':>10}" + ("  fits" if limit is not None else ""))
-        fits = None if limit is None else result.fits(limit)
+                  f"{'activations':>11} {'temporaries':>11} {'not live':>10}"
+                  + (f" {'reserved':>10} {'nvidia-smi':>10}" if cuda else "") + ("  fits" if limit is not None else ""))
+        fits = None if limit is None else result.fits(limit) and (
+            result.predicted_device_bytes is None or workload.gpu is None
+            or result.predicted_device_bytes <= device.total_memory_bytes)
         if as_json:
             print(json.dumps({**result.to_dict(), "memory_budget_bytes": budget, "memory_limit_bytes": limit,
-                              "fits": fits}), flush=True)
+                              "fits": fits, **({"figures": describe_figures()} if cuda else {})}), flush=True)
             continue
         parts = list(result.parts().values())
         print(f"{config.describe():<34} {format_size(result.predicted_peak_bytes):>10} = "
               + " ".join(f"{format_size(p):>{w}}" for p, w in zip(parts, (10, 10, 10, 11, 11, 10)))
+              + (f" {format_size(result.predicted_reserved_bytes):>10} {format_size(result.predicted_device_bytes):>10}"
+                 if cuda else "")
               + ("" if fits is None else ("  yes" if fits else "  no")), flush=True)
     if not as_json:
         print("peak = the parts; activations and temporaries: live at the peak; not live: model states "
               "not allocated at the peak (gradients the backward has not made yet)")
+        if result.predicted_reserved_bytes is not None:
+            print(_cuda_footer(result, limit))
         print(result.device_note or f"traced with {result.traced_device.upper()} kernels")
     return 0
+
+
+def _estimated_device(workload: Workload) -> Any:
+    """The device an estimate is checked against: the named card, the one here, or None (a CUDA
+    workload estimated on a machine without a GPU, no card named: checked for what it can be)."""
+    from autotune.config.device import detect_device
+    from autotune.config.gpus import device_info, gpu_spec
+
+    if workload.gpu is not None:
+        return device_info(gpu_spec(workload.gpu), count=workload.nproc)
+    try:
+        return detect_device(workload.device)
+    except AutotuneError:  # --device cuda with no GPU here: estimating for another machine
+        return None
+
+
+def _within_card(budget: int | None, device: Any) -> int:
+    """A named card's budget: its memory unless --memory-budget says less; more is refused."""
+    from autotune.sizes import format_size
+
+    if budget is None:
+        return device.total_memory_bytes
+    if budget > device.total_memory_bytes:
+        raise ConfigError(f"--memory-budget {format_size(budget)} is more than {device.name}'s "
+                          f"{format_size(device.total_memory_bytes)}; use at most that, or leave it out")
+    return budget
+
+
+def _cuda_footer(result: Any, limit: int | None) -> str:
+    from autotune.sizes import format_size
+
+    parts = result.cuda_parts
+    lines = [f"reserved = peak + allocator cache ({format_size(parts['allocator cache'])}) + cuBLAS workspace "
+             f"({format_size(parts['cuBLAS workspace'])}): {result.method.rpartition(' + ')[2]}",
+             f"nvidia-smi = reserved + CUDA context ({format_size(parts['CUDA context'])}"
+             + (f", {result.gpu}'s typical" if result.gpu else ", typical: name the card with --gpu")
+             + f") + NCCL buffers ({format_size(parts['NCCL buffers'])})"]
+    if result.attention_kernels:
+        lines.append("attention as CUDA picks it: " + ", ".join(f"{k} x{v}" for k, v in result.attention_kernels.items()))
+    if limit is not None:
+        lines.append(f"fits: reserved within {format_size(limit)} (the budget less the headroom)"
+                     + (f" and nvidia-smi within {result.gpu}'s memory" if result.gpu else ""))
+    return "\n".join(lines)
 
 
 @command

@@ -21,7 +21,7 @@ DEVICES = ("auto", "cuda", "cpu")
 OPTIMIZERS = ("adamw",)
 DEFAULT_MODEL = "builtin:gpt2-tiny"
 DEFAULT_IMAGE_SIZE = 224  # ImageNet training crops, when neither the flag nor the config says
-_ADDED_LATER = {"target_len": None, "image_size": None}
+_ADDED_LATER = {"target_len": None, "image_size": None, "gpu": None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +52,11 @@ class Workload:
     )
     nproc: int = field(default=1, metadata={"help": "Ranks per trial; more than 1 runs under torchrun."})
     device: str = field(default="auto", metadata={"help": "auto (CUDA when visible), cuda or cpu."})
+    gpu: str | None = field(
+        default=None,
+        metadata={"help": "The card a CUDA workload is for, when it is not the one here: A100-80GB, H100-80GB, ... "
+                          "(estimates predict its reserved and nvidia-smi memory; implies --device cuda)."},
+    )
     optimizer: str = field(default="adamw", metadata={"help": "The optimizer trained with (adamw)."})
     trust_remote_code: bool = field(
         default=False,
@@ -79,6 +84,14 @@ class Workload:
                                 "leave it out")
         if self.device not in DEVICES:
             raise WorkloadError(f"--device {self.device!r} is not known; use one of {', '.join(DEVICES)}")
+        if self.gpu is not None:
+            from autotune.config.gpus import gpu_spec
+
+            if self.device == "cpu":
+                raise WorkloadError(f"--gpu {self.gpu} names a card for a CUDA workload, not --device cpu; "
+                                    "use --device cuda (or auto), or leave --gpu out")
+            object.__setattr__(self, "gpu", gpu_spec(self.gpu).name)  # the table's spelling
+            object.__setattr__(self, "device", "cuda")  # a named card means a CUDA workload
         if self.optimizer not in OPTIMIZERS:
             raise WorkloadError(
                 f"optimizer {self.optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}")

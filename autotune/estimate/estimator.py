@@ -35,6 +35,7 @@ negative part.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -50,9 +51,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from autotune.config.gpus import GPUS, GpuSpec, gpu_spec
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import AutotuneError, ConfigError
+from autotune.estimate.cuda_autocast import cuda_fp32_policy
+from autotune.estimate.cuda_memory import TraceMarks, predict_cuda_memory
 
 __all__ = ["MemoryEstimate", "estimate_memory", "predict_memory", "start_estimate_server"]
 
@@ -81,9 +85,19 @@ class MemoryEstimate:
     # Matmul-class FLOPs of one sample's forward and backward, recomputation included, counted on
     # the traced step (torch.utils.flop_counter): what checkpointing costs, in compute, on this model.
     flops_per_sample: int | None = None
+    # A CUDA workload's other two figures (None on a CPU): the caching allocator's peak reserved,
+    # and what nvidia-smi would show (reserved + context + NCCL); cuda_parts says what each adds.
+    predicted_reserved_bytes: int | None = None
+    predicted_device_bytes: int | None = None
+    cuda_parts: dict[str, int] | None = None
+    gpu: str | None = None                     # the card the device figure is for (--gpu)
+    attention_kernels: dict[str, int] | None = None  # SDPA backend -> calls, as CUDA would pick them
 
     def fits(self, limit_bytes: int) -> bool:
-        return self.predicted_peak_bytes <= limit_bytes
+        """Within ``limit_bytes``: what a CUDA job reserves (a trial's budget caps the allocator), or a
+        CPU job's live tensors."""
+        held = self.predicted_reserved_bytes if self.predicted_reserved_bytes is not None else self.predicted_peak_bytes
+        return held <= limit_bytes
 
     def parts(self) -> dict[str, int]:
         """The peak's parts by name; they sum to ``predicted_peak_bytes``."""
@@ -101,6 +115,9 @@ class MemoryEstimate:
             "overhead_bytes": self.overhead_bytes, "traced_device": self.traced_device,
             "device_note": self.device_note, "method": self.method, "seconds": self.seconds,
             "flops_per_sample": self.flops_per_sample,
+            "predicted_reserved_bytes": self.predicted_reserved_bytes,
+            "predicted_device_bytes": self.predicted_device_bytes, "cuda_parts": self.cuda_parts,
+            "gpu": self.gpu, "attention_kernels": self.attention_kernels,
         }
 
     @classmethod
@@ -115,7 +132,7 @@ class MemoryEstimate:
 
 
 def predict_memory(workload: Workload, config: TrialConfig, *, task: str | None = None,
-                   timeout_s: float = 300) -> MemoryEstimate:
+                   timeout_s: float = 300, pytorch1_step: bool = False) -> MemoryEstimate:
     """:func:`estimate_memory` in a fresh process, like a trial: the caller's process stays clean.
 
     Fake tensors, PEFT and Transformers' model code leave state behind that can crash a later
@@ -129,7 +146,8 @@ def predict_memory(workload: Workload, config: TrialConfig, *, task: str | None 
     refusal = refusal_before_trial(workload, config, task)  # refused in words, as a trial refuses it
     if refusal is not None:
         raise ConfigError(refusal)
-    request = {"workload": workload.to_dict(), "config": config.to_dict(), "task": task}
+    request = {"workload": workload.to_dict(), "config": config.to_dict(), "task": task,
+               "pytorch1_step": pytorch1_step}
     reply = _SERVER.ask(request, timeout_s)
     if "error" in reply:
         raise EstimateError(f"the estimate failed: {reply['error']}")
@@ -193,8 +211,14 @@ class EstimateError(AutotuneError):
     """The estimator could not trace this model or config."""
 
 
-def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None = None) -> MemoryEstimate:
-    """Predict the peak tensor memory of one rank training ``workload`` with ``config`` (in this process)."""
+def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None = None,
+                    pytorch1_step: bool = False) -> MemoryEstimate:
+    """Predict the peak tensor memory of one rank training ``workload`` with ``config`` (in this process).
+
+    ``pytorch1_step``: step as PyTorch 1.x's defaults did, to rebuild measurements made with it:
+    AdamW tensor by tensor (not foreach) on CUDA too, and ``zero_grad()`` zeroing gradients in
+    place (``set_to_none=False``), so they stay allocated through the next forward.
+    """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -215,10 +239,15 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
     if plain.precision == "tf32":
         plain = plain.replace(precision="fp32")  # same tensors; tf32 only changes the matmul kernels
     device = torch.device(traced)
-    attention = _cuda_fused_attention() if target != traced else contextlib.nullcontext()
+    card = _card(workload) if target == "cuda" else None
+    attention_kernels: collections.Counter[str] = collections.Counter()
+    as_on_cuda = contextlib.ExitStack()
+    if target != traced:  # a CUDA workload traced on the CPU: CUDA's attention kernels and autocast policy
+        as_on_cuda.enter_context(_cuda_attention(card, attention_kernels))
+        as_on_cuda.enter_context(cuda_fp32_policy())
     tracker = _peak_parts_tracker()
     ranks = workload.nproc if sharded else 1
-    with warnings.catch_warnings(), _adapters_stay_put(traced), _unpacked_batches(), attention, \
+    with warnings.catch_warnings(), _adapters_stay_put(traced), _unpacked_batches(), as_on_cuda, \
             _fake_process_group(ranks, traced, gloo=target == "cpu") if sharded else contextlib.nullcontext() as mesh:
         warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
         # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
@@ -230,8 +259,10 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
             if config.uses_deepspeed and engine.autocast_dtype is not None:
                 # DeepSpeed's fp16/bf16 modes train a 16-bit model (no autocast): 16-bit activations.
                 _to_16_bit(engine)
-            whole, flops_per_sample = _fake_steps(engine, tracker)
+            _step_tensors_together(engine.optimizer, target == "cuda" and not pytorch1_step)
+            whole, flops_per_sample = _fake_steps(engine, tracker, keep_gradients=pytorch1_step)
     peak, at_peak = tracker.peak_bytes, _States(**{k: tracker.at_peak[k] for k in _STATES})
+    traced_peak, ddp_buckets = peak, 0
     activations = tracker.at_peak["activations"]
     method = "fake-tensor training step" + (" (compile predicted as eager: its fused kernels may hold less)"
                                             if config.compile else "")
@@ -250,16 +281,29 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
     elif workload.nproc > 1 and not sharded:
         # DDP copies every gradient into its all-reduce buckets (gradient_as_bucket_view is off),
         # allocated when DDP wraps the model: live all along.
-        buckets = whole.gradients
+        buckets = ddp_buckets = whole.gradients
         peak += buckets
         whole = dataclasses.replace(whole, gradients=whole.gradients + buckets)
         at_peak = dataclasses.replace(at_peak, gradients=at_peak.gradients + buckets)
         method += " + DDP gradient buckets"
+    cuda = None
+    if target == "cuda":
+        cuda = predict_cuda_memory(tracker.events, TraceMarks(**tracker.marks), tensor_peak_bytes=peak, card=card,
+                                   ranks=workload.nproc, ddp_gradient_bytes=ddp_buckets,
+                                   alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                                   extra_tensor_bytes=peak - traced_peak - ddp_buckets)
+        method += f" + {cuda.allocator} replayed"
     return MemoryEstimate(config=config, predicted_peak_bytes=peak, parameters_bytes=whole.parameters,
                           gradients_bytes=whole.gradients, optimizer_state_bytes=whole.optimizer_state,
                           activations_bytes=activations,
                           temporaries_bytes=peak - at_peak.total - activations,
-                          not_live_at_peak_bytes=at_peak.total - whole.total, overhead_bytes=None,
+                          not_live_at_peak_bytes=at_peak.total - whole.total,
+                          overhead_bytes=None if cuda is None else cuda.device_bytes - peak,
+                          predicted_reserved_bytes=None if cuda is None else cuda.reserved_bytes,
+                          predicted_device_bytes=None if cuda is None else cuda.device_bytes,
+                          cuda_parts=None if cuda is None else cuda.parts(),
+                          gpu=card.name if card is not None else None,
+                          attention_kernels=dict(attention_kernels) or None,
                           traced_device=traced, device_note=note, method=method, flops_per_sample=flops_per_sample,
                           seconds=time.perf_counter() - started)
 
@@ -315,40 +359,71 @@ def _devices(workload: Workload) -> tuple[str, str, str | None]:
                            "keep it; CUDA's other kernels may keep a little more or less")
 
 
-@contextlib.contextmanager
-def _cuda_fused_attention() -> Iterator[None]:
-    """Within a CPU trace, ``scaled_dot_product_attention`` keeps what CUDA's kernels keep.
+def _card(workload: Workload) -> GpuSpec | None:
+    """The card a CUDA workload is for: ``--gpu``, else the one here when the table knows it."""
+    if workload.gpu is not None:
+        return gpu_spec(workload.gpu)
+    import torch
 
-    CUDA picks flash attention for 16-bit inputs without a mask and memory-efficient attention
-    for fp32 or a mask: both keep the output and a log-sum-exp per row (their dropout is
-    regenerated, not stored). Their fake kernels run on any device. Grouped-query attention
-    with a mask or in fp32 is math attention on CUDA too: it stays as it is.
+    if not torch.cuda.is_available():
+        return None
+    name, total = torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory
+    for card in GPUS.values():
+        if card.name.split("-")[0] in name.replace(" ", "") and abs(card.memory_bytes - total) < 0.1 * total:
+            return card
+    return None
+
+
+def _step_tensors_together(optimizer: Any, foreach: bool) -> None:
+    """An unfused optimizer steps with ``foreach`` (each operation over the list of all tensors at
+    once: PyTorch's default on CUDA, one temporary the size of all the moments) or tensor by tensor
+    (the CPU's default: one temporary the size of one tensor). A fused one keeps its own kernel."""
+    for group in getattr(optimizer, "param_groups", ()):
+        if not group.get("fused"):
+            group["foreach"] = foreach
+
+
+@contextlib.contextmanager
+def _cuda_attention(card: GpuSpec | None, picked: collections.Counter[str]) -> Iterator[None]:
+    """Within a CPU trace, ``scaled_dot_product_attention`` runs the kernel CUDA would pick, so the
+    trace keeps what that kernel keeps for the backward; ``picked`` counts the kernels.
+
+    PyTorch tries flash, then memory-efficient, then math attention (sdp_utils.cpp). Flash takes
+    fp16/bf16 without a mask, head size up to 256, on sm80 or newer (grouped-query heads too);
+    memory-efficient takes fp32 and masks, not grouped-query heads. Both keep the output and a
+    log-sum-exp per row (dropout is regenerated, not stored); math keeps the s x s weights.
+    Without a named card, an sm80-or-newer one is assumed.
     """
     import torch
 
     original = torch.nn.functional.scaled_dot_product_attention
 
-    def fused(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-              is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
+    def as_cuda(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+                is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
         if torch.is_autocast_enabled(query.device.type):  # as autocast casts SDPA's inputs, on CUDA too
             dtype = torch.get_autocast_dtype(query.device.type)
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
             if attn_mask is not None and attn_mask.is_floating_point():
                 attn_mask = attn_mask.to(dtype)
         grouped = enable_gqa and key.size(-3) != query.size(-3)
-        if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16):
+        sixteen_bit = query.dtype in (torch.float16, torch.bfloat16)
+        flash = query.size(-1) <= 256 if card is None else card.flash_trains_head_size(query.size(-1))
+        if flash and attn_mask is None and sixteen_bit:
+            picked["flash"] += 1
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, scale=scale)[0]
-        if grouped:
-            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            scale=scale, enable_gqa=enable_gqa)
+        if grouped or (query.dtype == torch.bfloat16 and card is not None and not card.bf16):
+            picked["math"] += 1
+            return torch.ops.aten._scaled_dot_product_attention_math(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA turns it into a bias
             bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
             attn_mask = bias.masked_fill(~attn_mask, float("-inf"))
+        picked["memory-efficient"] += 1
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
 
-    torch.nn.functional.scaled_dot_product_attention = fused
+    torch.nn.functional.scaled_dot_product_attention = as_cuda
     try:
         yield
     finally:
@@ -457,6 +532,27 @@ def _peak_parts_tracker_class() -> type:
             # a checkpointed GPT-2 then traced twice its real peak).
             self.count_flops = False
             self.flops = 0
+            # The storages' allocations and frees in order, (key, new size; 0: freed), once asked:
+            # what the CUDA caching allocator would be asked for (estimate.cuda_memory replays it).
+            self.events: list[tuple[int, int]] | None = None
+            self._keys: dict[int, int] = {}  # id of the per-storage counter -> its key in events
+            self.marks: dict[str, int] = {}  # phase -> where its events begin
+            self._next_key = 0
+
+        def start_recording(self) -> None:
+            """From now on, record; the storages live now are allocated first, in the order they were made."""
+            self.events = []
+            for counter in list(self._counted.values()):
+                if counter[0] > 0:
+                    self._record(counter)
+
+        def _record(self, counter: list[int]) -> None:
+            key = self._keys.get(id(counter))
+            if key is None:
+                key = self._keys[id(counter)] = self._next_key
+                self._next_key += 1
+            assert self.events is not None
+            self.events.append((key, counter[0]))
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
@@ -494,6 +590,8 @@ def _peak_parts_tracker_class() -> type:
             tag = self._tags.get(id(counter))
             if tag is not None:
                 self.live[tag] += counter[0] - before
+            if self.events is not None and counter[0] != before:
+                self._record(counter)
             if self.peak_bytes > peak:
                 self.at_peak = dict(self.live)
 
@@ -501,6 +599,9 @@ def _peak_parts_tracker_class() -> type:
             tag = self._tags.pop(id(counter), None)
             if tag is not None:
                 self.live[tag] -= counter[0]
+            key = self._keys.pop(id(counter), None)  # ids are reused once the counter is gone
+            if self.events is not None and key is not None and counter[0] > 0:
+                self.events.append((key, 0))
             super()._release(counter)
 
     return PeakPartsTracker
@@ -589,7 +690,7 @@ def _to_16_bit(engine: Any) -> None:
     engine.autocast_dtype = None
 
 
-def _fake_steps(engine: Any, tracker: Any) -> tuple[_States, int]:
+def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False) -> tuple[_States, int]:
     """The trial's step on fake tensors; returns the whole model states and the FLOPs per sample
     of its forwards and backwards.
 
@@ -598,7 +699,8 @@ def _fake_steps(engine: Any, tracker: Any) -> tuple[_States, int]:
     The optimizer makes its state on its first step: it makes it here from zero gradients, so
     the one step traced has the state from its start, as every step after the first (the first
     creates it midway, at the same peak). A whole first step traced only to create the state
-    cost as long as the step itself.
+    cost as long as the step itself. ``keep_gradients``: zero_grad zeroes them in place (PyTorch
+    1.x's default) instead of freeing them.
     """
     import torch
 
@@ -607,16 +709,21 @@ def _fake_steps(engine: Any, tracker: Any) -> tuple[_States, int]:
     parameters = [*engine.model.parameters(), *engine.model.buffers()]
     tracker.tag(parameters, "parameters")
     trainable = [p for p in engine.model.parameters() if p.requires_grad]
+    tracker.start_recording()  # the model's storages, then everything the step does
+    tracker.marks["state"] = len(tracker.events)
     for p in trainable:
         p.grad = torch.zeros_like(p)
     engine.optimizer.step()
-    engine.optimizer.zero_grad(set_to_none=True)
+    engine.optimizer.zero_grad(set_to_none=not keep_gradients)
+    if keep_gradients:
+        tracker.tag([p.grad for p in trainable], "gradients")
     states = [v for s in engine.optimizer.state.values() for v in s.values()
               if isinstance(v, torch.Tensor) and v.numel() > 1]
     tracker.tag(states, "optimizer_state")
     for p in trainable:
         p.register_post_accumulate_grad_hook(lambda p: tracker.tag([p.grad], "gradients"))
     tracker.reset_peak()
+    tracker.marks["step"] = len(tracker.events)
     micro_steps = min(engine.accum, _MICRO_STEPS)
     tracker.count_flops = True
     for _ in range(micro_steps):
@@ -629,8 +736,9 @@ def _fake_steps(engine: Any, tracker: Any) -> tuple[_States, int]:
         del loss
     tracker.count_flops = False
     gradients = _bytes(p.grad for p in trainable if p.grad is not None)
+    tracker.marks["update"] = len(tracker.events)
     engine.optimizer.step()
-    engine.optimizer.zero_grad(set_to_none=True)
+    engine.optimizer.zero_grad(set_to_none=not keep_gradients)
     samples = micro_steps * engine.config.micro_batch
     return _States(_bytes(parameters), gradients, _bytes(states)), tracker.flops // samples
 

@@ -68,7 +68,7 @@ def _estimate(request: dict[str, Any]) -> dict[str, Any]:
 
     try:
         result = estimate_memory(Workload.from_dict(request["workload"]), TrialConfig.from_dict(request["config"]),
-                                 task=request.get("task"))
+                                 task=request.get("task"), pytorch1_step=bool(request.get("pytorch1_step")))
     except Exception as exc:  # the caller raises it as an EstimateError
         message = (str(exc).strip().splitlines() or [""])[-1]
         return {"error": f"{type(exc).__name__}: {message}"}

@@ -144,14 +144,21 @@ def test_a_cuda_workload_without_a_gpu_keeps_no_attention_scores_and_says_so(mod
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU here traces on fake CUDA tensors")
-def test_without_dropout_cuda_attention_keeps_what_the_cpus_fused_kernel_keeps():
-    # Llama: grouped-query attention (fp32: math attention on CUDA too; bf16: flash), no attention dropout.
+def test_cuda_attention_is_the_kernel_cuda_picks():
+    # Llama: grouped-query attention, no mask, no attention dropout. bf16: CUDA runs flash, which keeps
+    # what the CPU's fused kernel keeps. fp32: flash takes no fp32 and PyTorch 2.13's memory-efficient
+    # kernel no grouped heads, so CUDA runs math attention, which keeps the s x s weights.
     workload = Workload(model="builtin:llama-tiny", seq_len=128, global_batch=4, device="cpu")
+    on_cuda = {}
     for precision in ("fp32", "bf16"):
         config = TrialConfig(micro_batch=4, precision=precision)
         on_cpu = predict_memory(workload, config).predicted_peak_bytes
-        on_cuda = predict_memory(workload.replace(device="cuda"), config).predicted_peak_bytes
-        assert abs(on_cuda / on_cpu - 1) < 0.001, (precision, on_cpu, on_cuda)
+        on_cuda[precision] = predict_memory(workload.replace(device="cuda"), config)
+        if precision == "bf16":
+            assert abs(on_cuda[precision].predicted_peak_bytes / on_cpu - 1) < 0.001, (on_cpu, on_cuda)
+        else:  # at least one layer's fp32 weights more: micro batch x heads x seq x seq x 4 bytes
+            assert on_cuda[precision].predicted_peak_bytes - on_cpu >= 4 * 4 * 128 * 128 * 4
+    assert on_cuda["bf16"].attention_kernels == {"flash": 2} and on_cuda["fp32"].attention_kernels == {"math": 2}
 
 
 PSI = 1_000_000  # parameters, all trainable

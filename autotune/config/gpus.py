@@ -1,0 +1,122 @@
+"""The GPUs a CUDA workload can be planned for without one here: ``--gpu NAME``.
+
+Each card's memory is what ``nvidia-smi`` shows as its total (MiB); FLOP/s are the vendors'
+dense peaks (no 2:4 sparsity), bandwidths the vendors' figures. They are what a prediction
+for a card this machine does not have starts from; a card that is present is measured instead.
+
+``context_bytes`` is what a process holds on the card before its first tensor: the CUDA context,
+its kernels and PyTorch's own (``nvidia-smi`` minus ``max_memory_reserved``). It depends on the
+driver, the CUDA version and how many kernels get loaded. Since CUDA 11.7 kernels load lazily
+(PyTorch's default), and reports run 287-426 MiB (PyTorch PR 86509: 287 MB lazy against 667 MB
+eager; maintainers' answers in PyTorch issues 107667 and 109888: "~300MB", "around 400MB"; 426 MiB
+on an RTX 6000 Ada with torch 2.10 and CUDA 13): 400 MiB is the typical figure here, except
+where a source measured the card itself (said beside the value).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from autotune.config.device import DeviceInfo
+from autotune.errors import WorkloadError
+
+__all__ = ["GpuSpec", "GPUS", "gpu_spec", "gpu_names", "device_info"]
+
+_MiB = 2**20
+_T = 10**12
+_G = 10**9
+_TYPICAL_CONTEXT = 400 * _MiB  # see the module's docstring
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuSpec:
+    """One card: memory, compute capability, dense peaks per dtype, memory and link bandwidth."""
+
+    name: str
+    memory_bytes: int                 # nvidia-smi's total
+    compute_capability: tuple[int, int]
+    bf16_flops: float | None          # dense tensor-core peak; None: no bf16 tensor cores
+    fp16_flops: float
+    tf32_flops: float | None          # None: no tf32 (before Ampere)
+    fp32_flops: float
+    memory_bandwidth: float           # bytes/s
+    link_bandwidth: float             # bytes/s per GPU, one direction, to its peers (NVLink or PCIe)
+    context_bytes: int                # the CUDA context and kernels, before any tensor
+
+    @property
+    def bf16(self) -> bool:
+        return self.bf16_flops is not None
+
+    @property
+    def flash_attention(self) -> bool:
+        """PyTorch's flash SDPA kernel needs sm80 or newer (Ampere, Ada, Hopper)."""
+        return self.compute_capability >= (8, 0)
+
+    def flash_trains_head_size(self, head_size: int) -> bool:
+        """Flash's backward on sm86/sm89 (the consumer and workstation Ampere/Ada parts) stops at
+        head size 192 (sdp_utils.cpp); elsewhere at 256."""
+        limit = 192 if self.compute_capability in ((8, 6), (8, 9)) else 256
+        return self.flash_attention and head_size <= limit
+
+    def cublas_workspace_bytes(self) -> int:
+        """What PyTorch gives cuBLAS per handle by default (CublasHandlePool.cpp): ``:4096:8`` on Hopper,
+        ``:4096:2:16:8`` before it."""
+        return 4096 * 1024 * 8 if self.compute_capability[0] >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+# Sources: NVIDIA's data sheets (V100, A100, H100, H200, L40S, RTX 4090 / Ada whitepaper) and AMD's
+# MI300X data sheet; dense peaks, the tensor-core figures with fp32 accumulation.
+_CARDS = (
+    GpuSpec(name="V100-16GB", memory_bytes=16_160 * _MiB, compute_capability=(7, 0), bf16_flops=None,
+            fp16_flops=125 * _T, tf32_flops=None, fp32_flops=15.7 * _T, memory_bandwidth=900 * _G,
+            link_bandwidth=150 * _G,
+            # measured: Transformers' docs ("model memory anatomy") saw 1,343 MiB used by a process
+            # that had loaded PyTorch's kernels and one tiny tensor on a V100 (CUDA 11.2: before
+            # lazy loading, so every kernel was loaded)
+            context_bytes=1_343 * _MiB),
+    GpuSpec(name="V100-32GB", memory_bytes=32_510 * _MiB, compute_capability=(7, 0), bf16_flops=None,
+            fp16_flops=125 * _T, tf32_flops=None, fp32_flops=15.7 * _T, memory_bandwidth=900 * _G,
+            link_bandwidth=150 * _G, context_bytes=1_343 * _MiB),
+    GpuSpec(name="A100-40GB", memory_bytes=40_960 * _MiB, compute_capability=(8, 0), bf16_flops=312 * _T,
+            fp16_flops=312 * _T, tf32_flops=156 * _T, fp32_flops=19.5 * _T, memory_bandwidth=1_555 * _G,
+            link_bandwidth=300 * _G, context_bytes=_TYPICAL_CONTEXT),
+    GpuSpec(name="A100-80GB", memory_bytes=81_920 * _MiB, compute_capability=(8, 0), bf16_flops=312 * _T,
+            fp16_flops=312 * _T, tf32_flops=156 * _T, fp32_flops=19.5 * _T, memory_bandwidth=2_039 * _G,
+            link_bandwidth=300 * _G, context_bytes=_TYPICAL_CONTEXT),
+    GpuSpec(name="H100-80GB", memory_bytes=81_559 * _MiB, compute_capability=(9, 0), bf16_flops=989 * _T,
+            fp16_flops=989 * _T, tf32_flops=495 * _T, fp32_flops=67 * _T, memory_bandwidth=3_350 * _G,
+            link_bandwidth=450 * _G, context_bytes=_TYPICAL_CONTEXT),
+    GpuSpec(name="H200", memory_bytes=143_771 * _MiB, compute_capability=(9, 0), bf16_flops=989 * _T,
+            fp16_flops=989 * _T, tf32_flops=495 * _T, fp32_flops=67 * _T, memory_bandwidth=4_800 * _G,
+            link_bandwidth=450 * _G, context_bytes=_TYPICAL_CONTEXT),
+    GpuSpec(name="L40S", memory_bytes=46_068 * _MiB, compute_capability=(8, 9), bf16_flops=362 * _T,
+            fp16_flops=362 * _T, tf32_flops=183 * _T, fp32_flops=91.6 * _T, memory_bandwidth=864 * _G,
+            link_bandwidth=32 * _G, context_bytes=_TYPICAL_CONTEXT),
+    GpuSpec(name="RTX-4090", memory_bytes=24_564 * _MiB, compute_capability=(8, 9), bf16_flops=165 * _T,
+            fp16_flops=165 * _T, tf32_flops=82.6 * _T, fp32_flops=82.6 * _T, memory_bandwidth=1_008 * _G,
+            link_bandwidth=32 * _G, context_bytes=_TYPICAL_CONTEXT),
+    GpuSpec(name="MI300X", memory_bytes=196_592 * _MiB, compute_capability=(9, 4), bf16_flops=1_307 * _T,
+            fp16_flops=1_307 * _T, tf32_flops=654 * _T, fp32_flops=163 * _T, memory_bandwidth=5_300 * _G,
+            link_bandwidth=448 * _G, context_bytes=_TYPICAL_CONTEXT),
+)
+GPUS: dict[str, GpuSpec] = {card.name: card for card in _CARDS}
+
+
+def gpu_names() -> list[str]:
+    return list(GPUS)
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    """The card named ``name`` (case does not matter); refuses an unknown name with the known ones."""
+    for card in _CARDS:
+        if card.name.lower() == name.strip().lower():
+            return card
+    close = difflib.get_close_matches(name.upper(), list(GPUS), n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise WorkloadError(f"--gpu {name!r} is not a known card{hint}; use one of {', '.join(GPUS)}")
+
+
+def device_info(card: GpuSpec, *, count: int = 1) -> DeviceInfo:
+    """What the rest of autotune knows of a device, for a card that is not here."""
+    return DeviceInfo("cuda", card.name, count, card.memory_bytes, bf16=card.bf16, fp16_deepspeed=True)
