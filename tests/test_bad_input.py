@@ -71,6 +71,12 @@ BAD_INPUTS = [
     (["tune", "--study", "kept", "--memory-budget", "0"], "--memory-budget"),
     (["estimate", "--memory-budget", "-1GiB"], "--memory-budget"),
     (["estimate", "--precision", "tf32"], "--precision tf32 only exists on CUDA"),
+    (["estimate", "--gpu", "banana"], "--gpu 'banana' is not a known card; use one of V100-16GB, V100-32GB, A100-40GB"),
+    (["estimate", "--gpu", "H100-80GB", "--device", "cpu"], "--gpu H100-80GB names a card for a CUDA workload, not "
+                                                             "--device cpu"),
+    (["estimate", "--gpu", "A100-40GB", "--memory-budget", "80GiB"],
+     "--memory-budget 80.0 GiB is more than A100-40GB's 40.0 GiB"),
+    (["estimate", "--gpu", "V100-16GB", "--precision", "bf16"], "--precision bf16: V100-16GB has no bfloat16"),
     # model sources
     (["trial", "--model", "builtin:gpt5"], "no such built-in model"),
     (["trial", "--model", "nobody/nothing"], "not in the local Hugging Face cache"),

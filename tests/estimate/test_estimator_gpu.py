@@ -49,3 +49,46 @@ def test_without_a_gpu_the_cpu_trace_with_cuda_attention_is_close_to_the_cuda_tr
     assert on_gpu["traced_device"] == "cuda" and without["traced_device"] == "cpu"
     assert "no CUDA GPU here" in without["device_note"]
     assert abs(without["predicted_peak_bytes"] / on_gpu["predicted_peak_bytes"] - 1) <= 0.10, (on_gpu, without)
+
+
+# The three CUDA figures against what the card reports. Allocated and reserved: the trial's
+# max_memory_allocated / max_memory_reserved in a process that trained the step. The device figure:
+# nvidia-smi's view of that process, read as the card's used memory (total - free) at its end, less
+# what the card had in use before it started.
+DEVICE_SCRIPT = """
+import json, sys, torch
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.trial.engine import build_engine
+workload = Workload.from_dict(json.loads(sys.argv[1])); config = TrialConfig.from_dict(json.loads(sys.argv[2]))
+engine = build_engine(workload=workload, config=config, task="causal-lm", device=torch.device("cuda"), world_size=1)
+for _ in range(3):
+    engine.step()
+torch.cuda.synchronize()
+free, total = torch.cuda.mem_get_info()
+print(json.dumps({"used": total - free, "allocated": torch.cuda.max_memory_allocated(),
+                  "reserved": torch.cuda.max_memory_reserved()}))
+"""
+
+FIGURE_CASES = [
+    ("builtin:gpt2", TrialConfig(micro_batch=4, precision="bf16")),
+    ("builtin:llama-tiny-32k", TrialConfig(micro_batch=8)),
+    ("builtin:gpt2", TrialConfig(micro_batch=2, precision="bf16", checkpointing=True)),
+]
+
+
+@pytest.mark.parametrize("model, config", FIGURE_CASES, ids=[f"{m}-{c.describe()}" for m, c in FIGURE_CASES])
+def test_reserved_and_device_predictions_are_within_10_percent_of_the_card(model, config):
+    import torch
+
+    workload = Workload(model=model, seq_len=512, global_batch=config.micro_batch, device="cuda")
+    predicted = predict_memory(workload, config)
+    free, total = torch.cuda.mem_get_info()
+    used_before = total - free  # everything but the child: this process's context, other processes, the driver
+    measured = json.loads(subprocess.run(
+        [sys.executable, "-c", DEVICE_SCRIPT, json.dumps(workload.to_dict()), json.dumps(config.to_dict())],
+        capture_output=True, text=True, timeout=600, check=True).stdout.strip().splitlines()[-1])
+    assert abs(predicted.predicted_peak_bytes / measured["allocated"] - 1) <= 0.10, (predicted.to_dict(), measured)
+    assert abs(predicted.predicted_reserved_bytes / measured["reserved"] - 1) <= 0.10, (predicted.to_dict(), measured)
+    device_measured = measured["used"] - used_before  # the child alone: its context, its reserve, its workspaces
+    assert abs(predicted.predicted_device_bytes / device_measured - 1) <= 0.15, (predicted.to_dict(), measured)
