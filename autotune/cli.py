@@ -729,7 +729,8 @@ def _cuda_footer(result: Any, limit: int | None) -> str:
              + (f", {result.gpu}'s typical" if result.gpu else ", typical: name the card with --gpu")
              + f") + NCCL buffers ({format_size(parts['NCCL buffers'])})"]
     if result.attention_kernels:
-        lines.append("attention as CUDA picks it: " + ", ".join(f"{k} x{v}" for k, v in result.attention_kernels.items()))
+        lines.append("attention as CUDA picks it: " + ", ".join(f"{kernel} ({calls} calls)" for kernel, calls
+                                                                in result.attention_kernels.items()))
     if limit is not None:
         lines.append(f"fits: reserved within {format_size(limit)} (the budget less the headroom)"
                      + (f" and nvidia-smi within {result.gpu}'s memory" if result.gpu else ""))

@@ -355,8 +355,8 @@ def _devices(workload: Workload) -> tuple[str, str, str | None]:
         return "cpu", "cpu", None
     if cuda_here:
         return "cuda", "cuda", None
-    return "cuda", "cpu", ("no CUDA GPU here: traced with CPU kernels and attention as CUDA's fused kernels "
-                           "keep it; CUDA's other kernels may keep a little more or less")
+    return "cuda", "cpu", ("no CUDA GPU here: traced with CPU kernels, attention and autocast's fp32 ops as CUDA "
+                           "runs them; CUDA's other kernels may keep a little more or less")
 
 
 def _card(workload: Workload) -> GpuSpec | None:
