@@ -615,10 +615,9 @@ def estimate(
     workload: Workload, config: TrialConfig,
     space: Annotated[Optional[str], typer.Option(
         "--space", help="Estimate every config of this space (preset or YAML file) instead of the knobs given.")] = None,
-    gpu: Annotated[Optional[str], typer.Option("--gpu", help=_help(Workload, "gpu"))] = None,
-    memory_budget: Annotated[Optional[str], typer.Option(
-        "--memory-budget", help="Mark which configs fit this much memory, e.g. 24GiB (default with --gpu: the "
-                                "card's memory).")] = None,
+    gpu: Annotated[Optional[str], typer.Option("--gpu", help=_help(Workload, "gpu") + " --memory-budget "
+                                               "defaults to its memory.")] = None,
+    memory_budget: Optional[str] = None,
     headroom: float = 0.1,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per config, a line each.")] = False,
 ) -> int:
