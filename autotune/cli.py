@@ -475,19 +475,6 @@ def _start_trial_server() -> None:
     start_trial_server()
 
 
-def _refuse_what_cannot_run_here(config: TrialConfig, workload: Workload) -> None:
-    """A config this device cannot run (tf32 or fp16 under ZeRO on a CPU) is refused as trial refuses it;
-    a CUDA workload estimated on a machine without a GPU is checked for what it can be checked."""
-    from autotune.config.device import detect_device
-    from autotune.errors import AutotuneError
-
-    try:
-        device = detect_device(workload.device)
-    except AutotuneError:  # --device cuda with no GPU here: estimating for another machine
-        return
-    config.validate_for(workload, device)
-
-
 def _size(text: str | None) -> int | None:
     from autotune.sizes import parse_size
 

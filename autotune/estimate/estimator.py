@@ -260,7 +260,8 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
                 # DeepSpeed's fp16/bf16 modes train a 16-bit model (no autocast): 16-bit activations.
                 _to_16_bit(engine)
             _step_tensors_together(engine.optimizer, target == "cuda" and not pytorch1_step)
-            whole, flops_per_sample = _fake_steps(engine, tracker, keep_gradients=pytorch1_step)
+            whole, flops_per_sample = _fake_steps(engine, tracker, keep_gradients=pytorch1_step,
+                                                  record=target == "cuda")
     peak, at_peak = tracker.peak_bytes, _States(**{k: tracker.at_peak[k] for k in _STATES})
     traced_peak, ddp_buckets = peak, 0
     activations = tracker.at_peak["activations"]
@@ -546,6 +547,11 @@ def _peak_parts_tracker_class() -> type:
                 if counter[0] > 0:
                     self._record(counter)
 
+        def mark(self, phase: str) -> None:
+            """``phase`` begins here in the recorded events (nothing, when not recording)."""
+            if self.events is not None:
+                self.marks[phase] = len(self.events)
+
         def _record(self, counter: list[int]) -> None:
             key = self._keys.get(id(counter))
             if key is None:
@@ -690,7 +696,8 @@ def _to_16_bit(engine: Any) -> None:
     engine.autocast_dtype = None
 
 
-def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False) -> tuple[_States, int]:
+def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False,
+                record: bool = False) -> tuple[_States, int]:
     """The trial's step on fake tensors; returns the whole model states and the FLOPs per sample
     of its forwards and backwards.
 
@@ -700,7 +707,8 @@ def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False) -> t
     the one step traced has the state from its start, as every step after the first (the first
     creates it midway, at the same peak). A whole first step traced only to create the state
     cost as long as the step itself. ``keep_gradients``: zero_grad zeroes them in place (PyTorch
-    1.x's default) instead of freeing them.
+    1.x's default) instead of freeing them. ``record``: the tracker keeps every allocation and free
+    in order, with where each phase begins (what a CUDA workload's allocator replay needs).
     """
     import torch
 
@@ -709,8 +717,9 @@ def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False) -> t
     parameters = [*engine.model.parameters(), *engine.model.buffers()]
     tracker.tag(parameters, "parameters")
     trainable = [p for p in engine.model.parameters() if p.requires_grad]
-    tracker.start_recording()  # the model's storages, then everything the step does
-    tracker.marks["state"] = len(tracker.events)
+    if record:
+        tracker.start_recording()  # the model's storages, then everything the step does
+    tracker.mark("state")
     for p in trainable:
         p.grad = torch.zeros_like(p)
     engine.optimizer.step()
@@ -723,7 +732,7 @@ def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False) -> t
     for p in trainable:
         p.register_post_accumulate_grad_hook(lambda p: tracker.tag([p.grad], "gradients"))
     tracker.reset_peak()
-    tracker.marks["step"] = len(tracker.events)
+    tracker.mark("step")
     micro_steps = min(engine.accum, _MICRO_STEPS)
     tracker.count_flops = True
     for _ in range(micro_steps):
@@ -736,7 +745,7 @@ def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False) -> t
         del loss
     tracker.count_flops = False
     gradients = _bytes(p.grad for p in trainable if p.grad is not None)
-    tracker.marks["update"] = len(tracker.events)
+    tracker.mark("update")
     engine.optimizer.step()
     engine.optimizer.zero_grad(set_to_none=not keep_gradients)
     samples = micro_steps * engine.config.micro_batch
