@@ -57,6 +57,7 @@ from autotune.config.workload import Workload
 from autotune.errors import AutotuneError, ConfigError
 from autotune.estimate.cuda_autocast import cuda_fp32_policy
 from autotune.estimate.cuda_memory import TraceMarks, predict_cuda_memory
+from autotune.estimate.step_costs import BACKWARD, FORWARD, UPDATE, CostRecorder, StepCosts
 
 __all__ = ["MemoryEstimate", "estimate_memory", "predict_memory", "start_estimate_server"]
 
@@ -92,6 +93,8 @@ class MemoryEstimate:
     cuda_parts: dict[str, int] | None = None
     gpu: str | None = None                     # the card the device figure is for (--gpu)
     attention_kernels: dict[str, int] | None = None  # SDPA backend -> calls, as CUDA would pick them
+    # Every operator of the traced step, FLOPs and bytes (device-free): estimate.step_time times them.
+    step_costs: StepCosts | None = None
 
     def fits(self, limit_bytes: int) -> bool:
         """Within ``limit_bytes``: what a CUDA job reserves (a trial's budget caps the allocator), or a
@@ -118,6 +121,7 @@ class MemoryEstimate:
             "predicted_reserved_bytes": self.predicted_reserved_bytes,
             "predicted_device_bytes": self.predicted_device_bytes, "cuda_parts": self.cuda_parts,
             "gpu": self.gpu, "attention_kernels": self.attention_kernels,
+            "step_costs": self.step_costs.to_dict() if self.step_costs is not None else None,
         }
 
     @classmethod
@@ -128,6 +132,8 @@ class MemoryEstimate:
             listed = sum(data[k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
                                            "activations_bytes", "temporaries_bytes"))
             fields["not_live_at_peak_bytes"] = data["predicted_peak_bytes"] - listed
+        if fields.get("step_costs") is not None:
+            fields["step_costs"] = StepCosts.from_dict(fields["step_costs"])
         return cls(**{**fields, "config": TrialConfig.from_dict(data["config"])})
 
 
@@ -260,7 +266,7 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
                 # DeepSpeed's fp16/bf16 modes train a 16-bit model (no autocast): 16-bit activations.
                 _to_16_bit(engine)
             _step_tensors_together(engine.optimizer, target == "cuda" and not pytorch1_step)
-            whole, flops_per_sample = _fake_steps(engine, tracker, keep_gradients=pytorch1_step,
+            whole, flops_per_sample, step_costs = _fake_steps(engine, tracker, keep_gradients=pytorch1_step,
                                                   record=target == "cuda")
     peak, at_peak = tracker.peak_bytes, _States(**{k: tracker.at_peak[k] for k in _STATES})
     traced_peak, ddp_buckets = peak, 0
@@ -304,7 +310,7 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
                           predicted_device_bytes=None if cuda is None else cuda.device_bytes,
                           cuda_parts=None if cuda is None else cuda.parts(),
                           gpu=card.name if card is not None else None,
-                          attention_kernels=dict(attention_kernels) or None,
+                          attention_kernels=dict(attention_kernels) or None, step_costs=step_costs,
                           traced_device=traced, device_note=note, method=method, flops_per_sample=flops_per_sample,
                           seconds=time.perf_counter() - started)
 
@@ -533,6 +539,9 @@ def _peak_parts_tracker_class() -> type:
             # a checkpointed GPT-2 then traced twice its real peak).
             self.count_flops = False
             self.flops = 0
+            # Every operator's FLOPs and bytes while a phase is set: what the step-time model needs.
+            self.costs = CostRecorder(self._model_state)
+            self.state_shapes: set[tuple[int, ...]] = set()
             # The storages' allocations and frees in order, (key, new size; 0: freed), once asked:
             # what the CUDA caching allocator would be asked for (estimate.cuda_memory replays it).
             self.events: list[tuple[int, int]] | None = None
@@ -562,14 +571,28 @@ def _peak_parts_tracker_class() -> type:
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
-            count = flop_registry.get(func.overloadpacket) if self.count_flops else None
-            if count is not None:
-                self.flops += count(*args, **(kwargs or {}), out_val=out)
+            counting = self.count_flops or self.costs.phase is not None
+            count = flop_registry.get(func.overloadpacket) if counting else None
+            flops = count(*args, **(kwargs or {}), out_val=out) if count is not None else 0
+            if self.count_flops:
+                self.flops += flops
+            self.costs.record(func, args, kwargs or {}, out, flops)
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
                     for storage in storages_of(leaf):
                         self._count(storage)
             return out
+
+        def _model_state(self, tensor: Any) -> bool:
+            """Whether ``tensor`` is a model state (or a copy of one, such as autocast's 16-bit weight or a
+            weight's gradient, by its shape): what a kernel moves of it does not grow with the micro batch."""
+            if tuple(tensor.shape) in self.state_shapes:
+                return True
+            for storage in storages_of(tensor):
+                counter = self._counted.get(storage)
+                if counter is not None and self._tags.get(id(counter)) in _STATES:
+                    return True
+            return False
 
         def tag(self, tensors: Any, tag: str) -> None:
             for storage in (storage for tensor in tensors for storage in storages_of(tensor)):
@@ -697,9 +720,9 @@ def _to_16_bit(engine: Any) -> None:
 
 
 def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False,
-                record: bool = False) -> tuple[_States, int]:
-    """The trial's step on fake tensors; returns the whole model states and the FLOPs per sample
-    of its forwards and backwards.
+                record: bool = False) -> tuple[_States, int, StepCosts]:
+    """The trial's step on fake tensors; returns the whole model states, the FLOPs per sample
+    of its forwards and backwards, and every operator's costs (for the step-time model).
 
     Like the trial's step except that nothing reads a value back (``.item()`` has no data here)
     and fp16's loss scaler is left out (its unscale checks values; its state is a few scalars).
@@ -716,6 +739,8 @@ def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False,
 
     parameters = [*engine.model.parameters(), *engine.model.buffers()]
     tracker.tag(parameters, "parameters")
+    tracker.state_shapes = {tuple(t.shape) for t in parameters if t.dim() > 0} | {
+        tuple(t.to_local().shape) for t in parameters if hasattr(t, "to_local")}  # FSDP2's local shards
     trainable = [p for p in engine.model.parameters() if p.requires_grad]
     if record:
         tracker.start_recording()  # the model's storages, then everything the step does
@@ -736,20 +761,24 @@ def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False,
     micro_steps = min(engine.accum, _MICRO_STEPS)
     tracker.count_flops = True
     for _ in range(micro_steps):
-        tracker.in_forward = True
+        tracker.in_forward, tracker.costs.phase = True, FORWARD
         with torch.autocast(engine.device.type, dtype=engine.autocast_dtype,
                             enabled=engine.autocast_dtype is not None):
             loss = loss_of(engine.forward_model(**engine.batch)) / engine.accum
-        tracker.in_forward = False
+        tracker.in_forward, tracker.costs.phase = False, BACKWARD
         loss.backward()
         del loss
     tracker.count_flops = False
     gradients = _bytes(p.grad for p in trainable if p.grad is not None)
     tracker.mark("update")
+    tracker.costs.phase = UPDATE
     engine.optimizer.step()
     engine.optimizer.zero_grad(set_to_none=not keep_gradients)
+    tracker.costs.phase = None
     samples = micro_steps * engine.config.micro_batch
-    return _States(_bytes(parameters), gradients, _bytes(states)), tracker.flops // samples
+    costs = tracker.costs.costs(micro_batch=engine.config.micro_batch, micro_steps=micro_steps,
+                                trainable_parameters=sum(p.numel() for p in trainable))
+    return _States(_bytes(parameters), gradients, _bytes(states)), tracker.flops // samples, costs
 
 
 def _zero_states(engine: Any, config: TrialConfig, ranks: int, *,

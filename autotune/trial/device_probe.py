@@ -19,7 +19,7 @@ from typing import Any
 
 from autotune.config.knobs import sixteen_bit_type
 
-__all__ = ["probe_precisions", "relative_matmul_speed"]
+__all__ = ["probe_precisions", "relative_matmul_speed", "probe_profile", "measure_profile"]
 
 PROBE_TIMEOUT_S = 120.0
 _SIZE = {"cpu": 512, "cuda": 4096}   # big enough to be compute bound, small enough for a second
@@ -82,6 +82,100 @@ def _matmul_rate(torch: Any, device: Any, precision: str, size: int) -> float:
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
+def probe_profile(device_type: str) -> dict[str, Any] | None:
+    """This device's roofline (:class:`autotune.estimate.step_time.DeviceProfile` as a dict), measured
+    in a process of its own; None when the probe fails."""
+    command = [sys.executable, "-m", "autotune.trial.device_probe", device_type, "--profile"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
+        profile = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+    return profile if isinstance(profile, dict) else None
+
+
+def measure_profile(device_type: str) -> dict[str, Any]:
+    """In this process: achievable matmul FLOP/s per dtype, memory bandwidth and the time of a tiny
+    operator (the per-operator overhead), each the best of interleaved rounds."""
+    import torch
+
+    device = torch.device("cuda" if device_type == "cuda" else "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    size = _SIZE.get(device.type, 512)
+    dtypes = ["float32", "bfloat16", "float16"] + (["tf32"] if device.type == "cuda" else [])
+    flops: dict[str, float] = {}
+    elements = (64 if device.type == "cpu" else 512) * 2**20 // 4   # 64 MiB of fp32: past the caches
+    a, b = torch.ones(elements, device=device), torch.ones(elements, device=device)
+    step, operators = _tiny_training_step(torch, device)
+    bandwidth = dispatch = 0.0
+    for _ in range(_ROUNDS):
+        for dtype in dtypes:
+            try:
+                rate = _matmul_rate(torch, device, "tf32" if dtype == "tf32" else _PRECISION_OF[dtype], size)
+            except (RuntimeError, TypeError):
+                continue
+            flops[dtype] = max(flops.get(dtype, 0.0), rate * 2 * size**3)
+        bandwidth = max(bandwidth, 3 * a.numel() * 4 / _best_time(lambda: torch.add(a, b), sync))
+        per_op = _best_time(step, sync) / operators
+        dispatch = per_op if not dispatch else min(dispatch, per_op)
+    cores = torch.get_num_threads() if device.type == "cpu" else None
+    name = (torch.cuda.get_device_name(0) if device.type == "cuda" else f"this CPU ({cores} cores)")
+    host_link = 25e9  # measured below on a GPU; a CPU has no link to its own memory
+    if device.type == "cuda":
+        pinned = torch.ones(elements, pin_memory=True)
+        host_link = max(pinned.numel() * 4 / _best_time(lambda: a.copy_(pinned, non_blocking=True), sync)
+                        for _ in range(_ROUNDS))
+    return {"name": name, "type": device.type, "matmul_flops": flops, "memory_bandwidth": bandwidth,
+            "kernel_s": 0.0 if device.type == "cpu" else dispatch, "dispatch_s": dispatch,
+            # gloo between ranks on one host copies through memory: a quarter of its bandwidth is a guess
+            "link_bandwidth": bandwidth / 4 if device.type == "cpu" else host_link,
+            "host_link_bandwidth": host_link, "peak_flops": max(flops.values(), default=None),
+            "source": "measured by the device probe"}
+
+
+_PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _tiny_training_step(torch: Any, device: Any) -> tuple[Any, int]:
+    """A training step of a model too small to compute anything, and its operator count: its time per
+    operator is what eager PyTorch costs per operator of a real step (modules, autograd, dispatch,
+    allocation), which a bare ``add`` in a loop shows a tenth of."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    layers = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU()) for _ in range(4)]
+    model = torch.nn.Sequential(*layers).to(device)
+    batch = torch.randn(2, 8, device=device)
+
+    def step() -> None:
+        model(batch).square().mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    class Count(TorchDispatchMode):
+        operators = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if not getattr(func, "is_view", False):
+                Count.operators += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return step, max(Count.operators, 1)
+
+
+def _best_time(run: Any, sync: Any) -> float:
+    run()  # first call: allocation, kernel selection
+    sync()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        run()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def _use_free_cores(device_type: str) -> None:
     """In the probe's own process: compute on the cores a trial would run on now (see autotune.trial.cpu_cores)."""
     from autotune.trial.cpu_cores import free_cores, use_cores
@@ -95,4 +189,7 @@ def _use_free_cores(device_type: str) -> None:
 
 if __name__ == "__main__":
     _use_free_cores(sys.argv[1])
-    print(json.dumps(relative_matmul_speed(sys.argv[1], sys.argv[2].split(","))))
+    if sys.argv[2] == "--profile":
+        print(json.dumps(measure_profile(sys.argv[1])))
+    else:
+        print(json.dumps(relative_matmul_speed(sys.argv[1], sys.argv[2].split(","))))

@@ -1,0 +1,180 @@
+"""What one traced training step asks of a device, operator by operator: FLOPs and bytes moved.
+
+The estimator's fake-tensor trace dispatches every operator the real step runs, with the kernels the
+target device would pick (recomputed forwards under checkpointing included, as the backward reruns
+them). Each operator that launches a kernel is counted here: its FLOPs (PyTorch's flop counter, the
+matmul-class ops), the bytes it reads and writes, the dtype it computes in, and whether it is a
+collective. Views launch nothing and move nothing: they are left out.
+
+Nothing here knows a device. :mod:`autotune.estimate.step_time` turns these counts into seconds
+against a device's roofline. The counts are kept per sample where they grow with the micro batch
+(activations, FLOPs) and whole where they do not (weights, gradients, optimizer state: storages the
+tracker has tagged as model states), so one trace answers every micro batch of its family.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["OpCost", "StepCosts", "CostRecorder"]
+
+# Phases of a traced step: the forward of a micro step, its backward (recomputed forwards
+# included), the optimizer's update once per step.
+FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
+MATMUL, ATTENTION, COLLECTIVE, OTHER = "matmul", "attention", "collective", "other"
+_MODEL_STATES = ("parameters", "gradients", "optimizer_state")
+# Causal attention kernels (flash, memory-efficient) skip the masked half of the score blocks;
+# PyTorch's flop counter counts the whole square.
+_CAUSAL_WORK = 0.5
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",
+              "_local_scalar_dense", "set_", "resize_", "record_stream"}
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Operators of one kind that cost the same, and how many times the step runs them."""
+
+    phase: str            # forward, backward or update
+    kind: str             # matmul, attention, collective or other
+    dtype: str            # the dtype it computes in (a matmul's inputs)
+    flops: float          # per sample (forward/backward) or whole (update)
+    fixed_bytes: float    # moved whatever the micro batch: model states
+    sample_bytes: float   # moved per sample
+    count: float = 1.0    # per micro step (forward, backward) or per update
+
+    def to_list(self) -> list[Any]:
+        return [self.phase, self.kind, self.dtype, self.flops, self.fixed_bytes, self.sample_bytes, self.count]
+
+    @classmethod
+    def from_list(cls, row: list[Any]) -> OpCost:
+        return cls(str(row[0]), str(row[1]), str(row[2]), float(row[3]), float(row[4]), float(row[5]), float(row[6]))
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """The traced step's operators, per micro step (forward and backward) and per update."""
+
+    ops: tuple[OpCost, ...]
+    forward_flops_per_sample: float   # the model's forward FLOPs (what MFU counts, 3x with the backward)
+    trainable_parameters: int = 0     # what the optimizer steps (and ZeRO/DDP communicate)
+
+    def micro_step(self, micro_batch: int) -> list[tuple[str, str, float, float, float]]:
+        """(kind, dtype, FLOPs, bytes, count) of one micro step's operators at ``micro_batch``."""
+        return [(op.kind, op.dtype, op.flops * micro_batch, op.fixed_bytes + op.sample_bytes * micro_batch, op.count)
+                for op in self.ops if op.phase != UPDATE]
+
+    def update(self) -> list[tuple[str, str, float, float, float]]:
+        return [(op.kind, op.dtype, op.flops, op.fixed_bytes + op.sample_bytes, op.count)
+                for op in self.ops if op.phase == UPDATE]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ops": [op.to_list() for op in self.ops], "forward_flops_per_sample": self.forward_flops_per_sample,
+                "trainable_parameters": self.trainable_parameters}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepCosts:
+        return cls(tuple(OpCost.from_list(row) for row in data["ops"]), float(data["forward_flops_per_sample"]),
+                   int(data.get("trainable_parameters", 0)))
+
+
+class CostRecorder:
+    """Counts the operators dispatched while a phase is set (the estimator's tracker calls :meth:`record`)."""
+
+    def __init__(self, tag_of: Any) -> None:
+        """``tag_of(storage)``: the tracker's tag of a storage ("parameters", ... or None)."""
+        self._tag_of = tag_of
+        self.phase: str | None = None
+        self._ops: Counter[tuple[str, str, str, float, float, float]] = Counter()
+        self._forward_flops = 0.0
+
+    def record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, flops: float) -> None:
+        """One dispatched operator; ``flops`` from PyTorch's flop counter (0 where it counts none)."""
+        if self.phase is None or getattr(func, "is_view", False):
+            return
+        name = func.overloadpacket.__name__
+        if not flops and name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
+            flops = _cpu_flash_flops(name, args)
+        if name in _NO_KERNEL or name.startswith("sym_"):
+            return
+        from torch.utils._pytree import tree_leaves
+
+        inputs = [t for t in tree_leaves((args, kwargs)) if _is_tensor(t)]
+        outputs = [t for t in tree_leaves(out) if _is_tensor(t)]
+        if not inputs and not outputs:
+            return
+        fixed = sample = 0.0
+        for tensor in (*inputs, *outputs):
+            moved = _bytes_touched(tensor)
+            if self._tag_of(tensor) in _MODEL_STATES:
+                fixed += moved
+            else:
+                sample += moved
+        kind = _kind(name)
+        if kind == ATTENTION and _causal(func, args, kwargs):
+            flops *= _CAUSAL_WORK
+        dtype = str((inputs or outputs)[0].dtype).removeprefix("torch.")
+        if self.phase == FORWARD:
+            self._forward_flops += flops
+        self._ops[(self.phase, kind, dtype, float(flops), fixed, sample)] += 1
+
+    def costs(self, *, micro_batch: int, micro_steps: int, trainable_parameters: int) -> StepCosts:
+        """The counts so far: ``micro_steps`` micro steps of ``micro_batch`` samples each, and one update."""
+        micro_steps = max(micro_steps, 1)
+        ops = tuple(
+            OpCost(phase, kind, dtype, flops, fixed + sample, 0.0, count) if phase == UPDATE
+            # a micro step's operator: model-state bytes whole, the rest per sample; the traced micro
+            # steps differ a little (the first assigns gradients, the next accumulate): their mean
+            else OpCost(phase, kind, dtype, flops / micro_batch, fixed, sample / micro_batch, count / micro_steps)
+            for (phase, kind, dtype, flops, fixed, sample), count in self._ops.items())
+        return StepCosts(ops, self._forward_flops / (micro_batch * micro_steps), trainable_parameters)
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def _bytes_touched(tensor: Any) -> float:
+    """What a kernel reads or writes of ``tensor``: its elements, at most its storage (a broadcast
+    view is read once)."""
+    elements = tensor.numel() * tensor.element_size()
+    try:
+        return float(min(elements, tensor.untyped_storage().nbytes()))
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a functional wrapper)
+        return float(elements)
+
+
+def _cpu_flash_flops(name: str, args: Any) -> float:
+    """The CPU's fused attention kernel, which the flop counter does not know: counted as its CUDA
+    flash counterpart is (same maths)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    if name.endswith("_backward"):
+        grad_out, query, key, value = args[:4]
+        return float(sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape))
+    query, key, value = args[:3]
+    return float(sdpa_flop_count(query.shape, key.shape, value.shape))
+
+
+def _kind(name: str) -> str:
+    if "attention" in name:
+        return ATTENTION
+    if name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "convolution_backward", "_convolution",
+                "matmul", "_grouped_mm", "linear"):
+        return MATMUL
+    if any(word in name for word in ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")):
+        return COLLECTIVE
+    return OTHER
+
+
+def _causal(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether an SDPA kernel call is causal (its ``is_causal`` argument, by name in its schema)."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == "is_causal":
+            if argument.name in kwargs:
+                return bool(kwargs[argument.name])
+            return bool(args[index]) if index < len(args) else False
+    return False

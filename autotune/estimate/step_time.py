@@ -1,0 +1,245 @@
+"""How long a config's optimizer step takes on a device: the traced operators against its roofline.
+
+Each operator of the traced step (:mod:`autotune.estimate.step_costs`) takes the longer of its FLOPs
+over the device's achievable FLOP/s for its dtype and its bytes over the achievable memory
+bandwidth, plus a fixed time per kernel. The host issues one operator after another (eager
+PyTorch): on a GPU that runs ahead of the device, so a step takes the longer of the device's work
+and the host's; on a CPU the host *is* the device, so they add. A step is the micro steps (each
+forward and backward, recomputation included, as traced) times the accumulation, then the
+optimizer's update, then the communication no framework hides:
+
+* DDP: one all-reduce of the gradients per step (the micro steps before the last skip it), overlapped
+  with the last backward but for its last bucket;
+* FSDP2: the collectives traced on its fake process group (all-gathers, reduce-scatters), overlapped
+  with the compute but for the first layer's gather;
+* DeepSpeed ZeRO-1/2: a reduce-scatter of the gradients and an all-gather of the weights per step,
+  not overlapped (``overlap_comm`` is off in the configs autotune writes); ZeRO-3 also gathers the
+  weights in each forward and backward, overlapped (its default);
+* offload: gradients down and weights up the host link, and the optimizer step on the host.
+
+Where the device profile comes from (:class:`DeviceProfile`): measured by the device probe on a
+device that is here; for a named card (``--gpu``) that is not, the card's published peaks with
+two measured efficiencies, see :func:`card_profile`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from autotune.estimate.step_costs import ATTENTION, COLLECTIVE, MATMUL, StepCosts
+
+if TYPE_CHECKING:
+    from autotune.config.gpus import GpuSpec
+    from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
+    from autotune.estimate.estimator import MemoryEstimate
+
+__all__ = ["DeviceProfile", "StepTime", "card_profile", "predict_step_time"]
+
+# Matmul FLOP/s reachable on each card over its dense peak: the "maximum achievable matmul FLOPS"
+# (MAMF) that S. Bekman's mamf-finder measured (ml-engineering, compute/accelerator README, bf16:
+# A100 SXM 271.2 of 312 TFLOP/s, H100 SXM 794.5 of 989, "H200 is the same", MI300X 781.9 of 1,300
+# on ROCm 6.2). Cards it has not measured take the A100/H100 figure between them (0.8), a guess.
+_MAMF = {"A100-40GB": 0.869, "A100-80GB": 0.869, "H100-80GB": 0.803, "H200": 0.803, "MI300X": 0.601}
+_MAMF_UNMEASURED = 0.8
+# Small matmuls fall short of MAMF by a fixed time per kernel: XLA's measured sm_90 table
+# (xla/service/gpu/model/matmul_interpolator_data.h, bf16 on an H100) fits time = FLOPs / MAMF +
+# 5.5 us within 10% from 512x256x256 (11.5 TFLOP/s) to 4096^3 (783 TFLOP/s); see bench/README.md.
+_GPU_KERNEL_S = 5.5e-6
+_GPU_BANDWIDTH_EFFICIENCY = 0.85   # copies and elementwise kernels reach 80-90% of HBM's peak
+# Eager PyTorch's host time per operator (Python, dispatcher, launch): a few microseconds to ten;
+# on a GPU it only shows where kernels are shorter (small models, small micro batches).
+_GPU_DISPATCH_S = 8e-6
+_LINK_EFFICIENCY = 0.75            # NCCL's bus bandwidth over the link's, on large messages
+_INFINIBAND = 50e9                 # bytes/s per GPU between nodes (400 Gb/s NDR per GPU)
+_GPUS_PER_NODE = 8
+_DDP_BUCKET = 25 * 2**20           # DDP's last bucket is all-reduced after the backward ends
+_HOST_ADAM_BYTES = 28              # per parameter: fp32 weight, gradient, m, v read; weight, m, v written
+_HOST_BANDWIDTH = 50e9             # a host's memory bandwidth for the offloaded optimizer step
+_NOT_HIDDEN = 0.05                 # of overlapped communication: the first gather, the last reduce
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceProfile:
+    """What a device achieves: the roofline each operator is timed against."""
+
+    name: str
+    type: str                          # "cuda" or "cpu"
+    matmul_flops: dict[str, float]     # dtype (float32, tf32, bfloat16, float16) -> achievable FLOP/s
+    memory_bandwidth: float            # achievable bytes/s
+    kernel_s: float                    # fixed device time per kernel
+    dispatch_s: float                  # host time per operator
+    link_bandwidth: float              # bytes/s between ranks (one direction)
+    host_link_bandwidth: float         # bytes/s to and from host memory (offload)
+    peak_flops: float | None = None    # what MFU counts against (dense bf16 on a GPU)
+    source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceProfile:
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    """One optimizer step of one config, predicted; its parts add up to ``step_s``."""
+
+    step_s: float
+    compute_s: float        # the micro steps' forwards and backwards
+    update_s: float         # the optimizer step
+    communication_s: float  # not hidden by the compute
+    offload_s: float        # host transfers and the host's optimizer step
+    samples_per_s: float
+    tokens_per_s: float | None
+    mfu: float | None       # model FLOPs (3x forward) per second over the device's peak
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def card_profile(card: GpuSpec) -> DeviceProfile:
+    """A card that is not here: its published peaks, at the efficiencies measured on such cards."""
+    efficiency = _MAMF.get(card.name, _MAMF_UNMEASURED)
+    flops = {"float32": card.fp32_flops * efficiency, "float16": card.fp16_flops * efficiency}
+    if card.bf16_flops is not None:
+        flops["bfloat16"] = card.bf16_flops * efficiency
+    if card.tf32_flops is not None:
+        flops["tf32"] = card.tf32_flops * efficiency
+    return DeviceProfile(name=card.name, type="cuda", matmul_flops=flops,
+                         memory_bandwidth=card.memory_bandwidth * _GPU_BANDWIDTH_EFFICIENCY,
+                         kernel_s=_GPU_KERNEL_S, dispatch_s=_GPU_DISPATCH_S,
+                         link_bandwidth=card.link_bandwidth * _LINK_EFFICIENCY,
+                         host_link_bandwidth=card.host_link_bandwidth,
+                         peak_flops=card.bf16_flops or card.fp16_flops,
+                         source=f"{card.name}'s published peaks at {efficiency:.0%} of them (matmuls)")
+
+
+def predict_step_time(estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile, *,
+                      task: str | None = None) -> StepTime | None:
+    """The step time of ``estimate``'s config on ``profile``; None without traced costs."""
+    costs = estimate.step_costs
+    if costs is None:
+        return None
+    config = estimate.config
+    ranks = workload.nproc
+    accum = config.grad_accum_steps(workload)
+    share = _rank_share(profile, ranks)
+    micro_device, micro_host, backward = _phase_times(costs.micro_step(config.micro_batch), profile, config, share)
+    update_device, update_host, _ = _phase_times(costs.update(), profile, config, share)
+    if config.uses_deepspeed:  # the traced update was plain AdamW on the whole model: ZeRO steps its partition
+        update_device, update_host = update_device / ranks, update_host
+    if config.fused_optimizer:  # one kernel for every tensor: the host issues a handful of operators
+        update_host = profile.dispatch_s * 4
+    traced_collectives = _collective_s(costs.micro_step(config.micro_batch), profile, ranks)
+    if profile.type == "cpu":  # the host computes: its time and the device's are one
+        compute = accum * (micro_device + micro_host)
+        update = update_device + update_host
+    else:
+        compute = accum * max(micro_device, micro_host)
+        update = max(update_device, update_host)
+    communication = _communication_s(estimate, workload, profile, compute, backward, accum * traced_collectives)
+    offload = _offload_s(estimate, workload, profile)
+    step = compute + update + communication + offload
+    samples_per_s = workload.global_batch / step
+    from autotune.models.sources import resolve_task
+
+    tokens_per_sample = workload.tokens_per_sample(task or resolve_task(workload))
+    tokens_per_s = samples_per_s * tokens_per_sample if tokens_per_sample else None
+    model_flops = 3 * costs.forward_flops_per_sample * samples_per_s / ranks
+    mfu = model_flops / profile.peak_flops if profile.peak_flops else None
+    return StepTime(step_s=step, compute_s=compute, update_s=update, communication_s=communication,
+                    offload_s=offload, samples_per_s=samples_per_s, tokens_per_s=tokens_per_s, mfu=mfu)
+
+
+def _rank_share(profile: DeviceProfile, ranks: int) -> float:
+    """The part of the device one rank computes on: a GPU each, or the CPU's cores split between ranks."""
+    return 1.0 / ranks if profile.type == "cpu" else 1.0
+
+
+def _phase_times(ops: list[tuple[str, str, float, float, float]], profile: DeviceProfile, config: TrialConfig,
+                 share: float) -> tuple[float, float, float]:
+    """(device seconds, host seconds, backward-share placeholder) of one phase's operators."""
+    device = host = 0.0
+    for kind, dtype, flops, moved, count in ops:
+        if kind == COLLECTIVE:
+            continue  # timed on the link, apart
+        rate = _matmul_rate(profile, dtype, config.precision) * share
+        memory = moved / (profile.memory_bandwidth * share)
+        compute = flops / rate if flops and (kind in (MATMUL, ATTENTION) or rate) else 0.0
+        device += count * (max(compute, memory) + profile.kernel_s)
+        host += count * profile.dispatch_s
+    return device, host, device
+
+
+def _matmul_rate(profile: DeviceProfile, dtype: str, precision: str) -> float:
+    if dtype == "float32" and precision == "tf32" and "tf32" in profile.matmul_flops:
+        dtype = "tf32"
+    rate = profile.matmul_flops.get(dtype) or profile.matmul_flops.get("float32")
+    return rate if rate else math.inf
+
+
+def _collective_s(ops: list[tuple[str, str, float, float, float]], profile: DeviceProfile, ranks: int) -> float:
+    """The traced collectives of one micro step (FSDP2's), each moving (ranks-1)/ranks of its bytes."""
+    moved = sum(count * nbytes for kind, _, _, nbytes, count in ops if kind == COLLECTIVE)
+    # A collective's traced bytes are its input and output: the whole tensor once each.
+    return moved / 2 * (ranks - 1) / ranks / _link(profile, ranks) if ranks > 1 else 0.0
+
+
+def _link(profile: DeviceProfile, ranks: int) -> float:
+    if profile.type == "cuda" and ranks > _GPUS_PER_NODE:
+        return min(profile.link_bandwidth, _INFINIBAND * _LINK_EFFICIENCY)
+    return profile.link_bandwidth
+
+
+def _communication_s(estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile, compute: float,
+                     backward: float, traced: float) -> float:
+    """What the step waits for on the link, after the overlap its framework gives."""
+    config, ranks = estimate.config, workload.nproc
+    if ranks <= 1:
+        return 0.0
+    link = _link(profile, ranks)
+    spread = (ranks - 1) / ranks
+    if config.uses_fsdp:
+        return max(traced - compute, 0.0) + _NOT_HIDDEN * traced
+    if config.uses_deepspeed:
+        stage = config.zero_stage or 0
+        weights = _trainable_16_bit_bytes(estimate)
+        moved = 2 * weights * spread          # reduce-scatter the gradients, all-gather the updated weights
+        if stage >= 3:                        # ... and gather the weights for every forward and backward
+            gathers = 2 * weights * spread * config.grad_accum_steps(workload)
+            return moved / link + max(gathers / link - compute, 0.0) + _NOT_HIDDEN * gathers / link
+        return moved / link
+    gradients = estimate.gradients_bytes / 2  # DDP's estimate counts its buckets: a second copy
+    all_reduce = 2 * gradients * spread / link
+    last_backward = backward if profile.type == "cuda" else 0.0  # gloo on a CPU competes for the same cores
+    return max(all_reduce - last_backward, 0.0) + min(_DDP_BUCKET, gradients) * 2 * spread / link
+
+
+def _trainable_16_bit_bytes(estimate: MemoryEstimate) -> float:
+    """The bytes of the trainable weights as DeepSpeed communicates them (in its model's dtype)."""
+    per_parameter = 4 if estimate.config.precision in ("fp32", "tf32") else 2
+    return _trainable(estimate) * per_parameter
+
+
+def _trainable(estimate: MemoryEstimate) -> float:
+    return float(estimate.step_costs.trainable_parameters) if estimate.step_costs is not None else 0.0
+
+
+def _offload_s(estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile) -> float:
+    """Offload: the host steps this rank's share of the weights; 16-bit gradients go down and weights
+    come back over the host link (ZeRO-3's offloaded weights in every forward and backward too)."""
+    config = estimate.config
+    if config.offload == "none":
+        return 0.0
+    parameters = _trainable(estimate) / (workload.nproc if config.uses_deepspeed or config.uses_fsdp else 1)
+    host_step = parameters * _HOST_ADAM_BYTES / _HOST_BANDWIDTH
+    if profile.type == "cpu":
+        return host_step  # the host is the device: no link to cross
+    moved = parameters * (2 + 2)
+    if config.offload == "optimizer+params":
+        moved += parameters * 2 * 2 * config.grad_accum_steps(workload)
+    return host_step + moved / profile.host_link_bandwidth
