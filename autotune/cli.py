@@ -90,6 +90,7 @@ OPTIONS = {
     "warmup_steps": Option(int, 1, ("--warmup-steps",), "Untimed optimizer steps before measuring."),
     "steps": Option(int, 3, ("--steps",), "Timed optimizer steps."),
     "as_json": Option(bool, False, ("--json",), "Print one JSON object instead of a table."),
+    "gpu": Option(Optional[str], None, ("--gpu",), _help(Workload, "gpu") + " --memory-budget defaults to its memory."),
     # tuning
     "space": Option(str, "default", ("--space",),
                     "Search space: a preset (default, full, lora, quick, sharding) or a YAML file."),
@@ -246,15 +247,28 @@ def find(
         "--export", help="Also write the best config in this format (see autotune export).")] = None,
     output: Annotated[Optional[str], typer.Option(
         "-o", "--output", help="File for --export; " + _OUTPUT_HELP)] = None,
+    plan: Annotated[bool, typer.Option(
+        "--plan", help="Run nothing: rank every config of the space predicted to fit the card (--gpu) by "
+                       "predicted throughput, with memory, MFU and the configs to verify first.")] = False,
+    gpu: Optional[str] = None,
     as_json: bool = False,
     script: _Script = None,
 ) -> int:
     """Find the fastest config that fits: asking the same question again answers from its study.
 
-    Exit status: 0 with a confirmed config, 1 when none fits, 2 when the input was refused.
+    Exit status: 0 with a confirmed config (--plan: with one predicted to fit), 1 when none fits, 2 when the
+    input was refused.
     """
     from autotune.search.tuner import find as find_config
 
+    if gpu is not None:
+        workload = workload.replace(gpu=gpu)  # checks the name, and that the device is CUDA
+    if plan:
+        return _plan(workload, space=space, memory_budget=memory_budget, headroom=headroom, as_json=as_json,
+                     script=script, export=export)
+    if workload.gpu is not None:
+        raise ConfigError(f"--gpu {workload.gpu} names a card to plan for, and find without --plan runs trials on "
+                          "the device here: add --plan, or leave --gpu out")
     if export is not None:
         _check_format(export)
     elif output is not None:
@@ -268,6 +282,40 @@ def find(
                               measure_steps=steps, progress=progress, command=list(script) if script else None)
     written = _export_best(summary, export, output) if export is not None and summary.best else None
     return _finish(summary, as_json=as_json, exported=written, wanted_export=export)
+
+
+def _plan(workload: Workload, *, space: str, memory_budget: Optional[str], headroom: float, as_json: bool,
+          script: Optional[list[str]], export: Optional[str]) -> int:
+    from autotune.search.plan import plan_space
+
+    if script:
+        raise ConfigError("--plan predicts from autotune's own trace of the model, and a training command cannot be "
+                          "traced: drop the command after -- (and give --model), or drop --plan")
+    if export is not None:
+        raise ConfigError("--export writes a measured config; a plan has none yet: drop --export, or run find "
+                          "without --plan on the card")
+    budget = _size(memory_budget)
+    if workload.gpu is not None:
+        budget = _within_card(budget, _estimated_device(workload))
+    from autotune.estimate.estimator import start_estimate_server
+
+    start_estimate_server()  # its imports beside the model and space checks
+
+    def progress(done: int, total: int) -> None:
+        if not as_json:
+            print(f"\rplanning: {done}/{total} families estimated", end="", file=sys.stderr, flush=True)
+
+    result = plan_space(workload=workload, space=space, memory_budget_bytes=budget, headroom=headroom,
+                        progress=progress)
+    if not as_json:
+        print(file=sys.stderr)
+    if as_json:
+        print(json.dumps(result.to_dict()))
+    else:
+        from autotune.output.render import print_plan
+
+        print_plan(result, workload)
+    return 0 if result.rows else 1
 
 
 @command
@@ -602,8 +650,7 @@ def estimate(
     workload: Workload, config: TrialConfig,
     space: Annotated[Optional[str], typer.Option(
         "--space", help="Estimate every config of this space (preset or YAML file) instead of the knobs given.")] = None,
-    gpu: Annotated[Optional[str], typer.Option("--gpu", help=_help(Workload, "gpu") + " --memory-budget "
-                                               "defaults to its memory.")] = None,
+    gpu: Optional[str] = None,
     memory_budget: Optional[str] = None,
     headroom: float = 0.1,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per config, a line each.")] = False,

@@ -24,7 +24,6 @@ __all__ = ["OpCost", "StepCosts", "CostRecorder"]
 # included), the optimizer's update once per step.
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
 MATMUL, ATTENTION, COLLECTIVE, OTHER = "matmul", "attention", "collective", "other"
-_MODEL_STATES = ("parameters", "gradients", "optimizer_state")
 # Causal attention kernels (flash, memory-efficient) skip the masked half of the score blocks;
 # PyTorch's flop counter counts the whole square.
 _CAUSAL_WORK = 0.5
@@ -38,6 +37,7 @@ class OpCost:
 
     phase: str            # forward, backward or update
     kind: str             # matmul, attention, collective or other
+    name: str             # the ATen operator
     dtype: str            # the dtype it computes in (a matmul's inputs)
     flops: float          # per sample (forward/backward) or whole (update)
     fixed_bytes: float    # moved whatever the micro batch: model states
@@ -45,11 +45,13 @@ class OpCost:
     count: float = 1.0    # per micro step (forward, backward) or per update
 
     def to_list(self) -> list[Any]:
-        return [self.phase, self.kind, self.dtype, self.flops, self.fixed_bytes, self.sample_bytes, self.count]
+        return [self.phase, self.kind, self.name, self.dtype, self.flops, self.fixed_bytes, self.sample_bytes,
+                self.count]
 
     @classmethod
     def from_list(cls, row: list[Any]) -> OpCost:
-        return cls(str(row[0]), str(row[1]), str(row[2]), float(row[3]), float(row[4]), float(row[5]), float(row[6]))
+        return cls(str(row[0]), str(row[1]), str(row[2]), str(row[3]), float(row[4]), float(row[5]), float(row[6]),
+                   float(row[7]))
 
 
 @dataclass(frozen=True)
@@ -82,11 +84,11 @@ class StepCosts:
 class CostRecorder:
     """Counts the operators dispatched while a phase is set (the estimator's tracker calls :meth:`record`)."""
 
-    def __init__(self, tag_of: Any) -> None:
-        """``tag_of(storage)``: the tracker's tag of a storage ("parameters", ... or None)."""
-        self._tag_of = tag_of
+    def __init__(self, model_state: Any) -> None:
+        """``model_state(tensor)``: whether the tracker knows ``tensor`` as a model state (or a copy of one)."""
+        self._model_state = model_state
         self.phase: str | None = None
-        self._ops: Counter[tuple[str, str, str, float, float, float]] = Counter()
+        self._ops: Counter[tuple[str, str, str, str, float, float, float]] = Counter()
         self._forward_flops = 0.0
 
     def record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, flops: float) -> None:
@@ -102,32 +104,35 @@ class CostRecorder:
 
         inputs = [t for t in tree_leaves((args, kwargs)) if _is_tensor(t)]
         outputs = [t for t in tree_leaves(out) if _is_tensor(t)]
-        if not inputs and not outputs:
-            return
+        mutates = func._schema.is_mutable
+        kind = _kind(name)
+        if kind != COLLECTIVE and (not (outputs or mutates) or (not mutates and _aliases(outputs, inputs))):
+            return  # a query (prim.device) or a view by another name (_unsafe_view, alias): no kernel
         fixed = sample = 0.0
-        for tensor in (*inputs, *outputs):
+        # A collective is timed by the whole buffer it gathers or scatters (its largest tensor).
+        tensors = (*inputs, *outputs) if kind != COLLECTIVE else [max((*inputs, *outputs), key=_bytes_touched)]
+        for tensor in tensors:
             moved = _bytes_touched(tensor)
-            if self._tag_of(tensor) in _MODEL_STATES:
+            if self._model_state(tensor):
                 fixed += moved
             else:
                 sample += moved
-        kind = _kind(name)
         if kind == ATTENTION and _causal(func, args, kwargs):
             flops *= _CAUSAL_WORK
         dtype = str((inputs or outputs)[0].dtype).removeprefix("torch.")
         if self.phase == FORWARD:
             self._forward_flops += flops
-        self._ops[(self.phase, kind, dtype, float(flops), fixed, sample)] += 1
+        self._ops[(self.phase, kind, name, dtype, float(flops), fixed, sample)] += 1
 
     def costs(self, *, micro_batch: int, micro_steps: int, trainable_parameters: int) -> StepCosts:
         """The counts so far: ``micro_steps`` micro steps of ``micro_batch`` samples each, and one update."""
         micro_steps = max(micro_steps, 1)
         ops = tuple(
-            OpCost(phase, kind, dtype, flops, fixed + sample, 0.0, count) if phase == UPDATE
+            OpCost(phase, kind, name, dtype, flops, fixed + sample, 0.0, count) if phase == UPDATE
             # a micro step's operator: model-state bytes whole, the rest per sample; the traced micro
             # steps differ a little (the first assigns gradients, the next accumulate): their mean
-            else OpCost(phase, kind, dtype, flops / micro_batch, fixed, sample / micro_batch, count / micro_steps)
-            for (phase, kind, dtype, flops, fixed, sample), count in self._ops.items())
+            else OpCost(phase, kind, name, dtype, flops / micro_batch, fixed, sample / micro_batch, count / micro_steps)
+            for (phase, kind, name, dtype, flops, fixed, sample), count in self._ops.items())
         return StepCosts(ops, self._forward_flops / (micro_batch * micro_steps), trainable_parameters)
 
 
@@ -135,6 +140,19 @@ def _is_tensor(value: Any) -> bool:
     import torch
 
     return isinstance(value, torch.Tensor)
+
+
+def _aliases(outputs: list[Any], inputs: list[Any]) -> bool:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(tensor: Any) -> Any:
+        try:
+            return StorageWeakRef(tensor.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    held = {storage(t) for t in inputs} - {None}
+    return any(storage(t) in held for t in outputs)
 
 
 def _bytes_touched(tensor: Any) -> float:
@@ -165,7 +183,7 @@ def _kind(name: str) -> str:
     if name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "convolution_backward", "_convolution",
                 "matmul", "_grouped_mm", "linear"):
         return MATMUL
-    if any(word in name for word in ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")):
+    if any(word in name.replace("_", "") for word in ("allgather", "reducescatter", "allreduce", "broadcast", "alltoall")):
         return COLLECTIVE
     return OTHER
 

@@ -184,9 +184,8 @@ def _matmul_rate(profile: DeviceProfile, dtype: str, precision: str) -> float:
 
 def _collective_s(ops: list[tuple[str, str, float, float, float]], profile: DeviceProfile, ranks: int) -> float:
     """The traced collectives of one micro step (FSDP2's), each moving (ranks-1)/ranks of its bytes."""
-    moved = sum(count * nbytes for kind, _, _, nbytes, count in ops if kind == COLLECTIVE)
-    # A collective's traced bytes are its input and output: the whole tensor once each.
-    return moved / 2 * (ranks - 1) / ranks / _link(profile, ranks) if ranks > 1 else 0.0
+    moved = sum(count * nbytes for kind, _, _, nbytes, count in ops if kind == COLLECTIVE)  # whole buffers
+    return moved * (ranks - 1) / ranks / _link(profile, ranks) if ranks > 1 else 0.0
 
 
 def _link(profile: DeviceProfile, ranks: int) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -13,7 +15,10 @@ from autotune.study.summary import StudySummary, TrialRecord, what_is_trained
 from autotune.trial.measure import unsettled
 from autotune.trial.result import TOKENS_PER_S, TrialResult
 
-__all__ = ["print_trial", "print_summary", "nothing_fits", "ConsoleProgress"]
+if TYPE_CHECKING:
+    from autotune.search.plan import Plan
+
+__all__ = ["print_trial", "print_summary", "print_plan", "nothing_fits", "ConsoleProgress"]
 
 
 def _num(value: float | None, fmt: str = "{:,.1f}") -> str:
@@ -244,3 +249,31 @@ class ConsoleProgress:
         if self._spinner is not None:
             self._spinner.stop()
             self._spinner = None
+
+
+def print_plan(plan: Plan, workload: Workload, *, console: Console | None = None, top: int = 20) -> None:
+    """``find --plan``: the fitting configs, fastest first (the first ``top``), and what the figures are."""
+    from autotune.search.plan import PLAN_ERROR
+
+    console = console or Console(width=max(Console().width, 132))  # one line per config, piped or not
+    per = f"/s per {'GPU' if workload.device != 'cpu' else 'rank'}"
+    unit = "tokens" if any(row.step.tokens_per_s for row in plan.rows) else "samples"
+    table = Table(title=f"plan for {workload.model} on {workload.nproc} x {plan.device} (nothing was run)")
+    for name in ("", "config", f"{unit}{per}", "step", "MFU", "memory", "nvidia-smi", "headroom", ""):
+        table.add_column(name, justify="left" if name in ("", "config") else "right", no_wrap=True)
+    for rank, row in enumerate(plan.rows[:top], start=1):
+        figure = (row.step.tokens_per_s if unit == "tokens" else row.step.samples_per_s) / workload.nproc
+        table.add_row(str(rank), row.config.describe(), f"{figure:,.0f}", f"{row.step.step_s:.3g} s",
+                      _num(row.step.mfu, "{:.0%}"), format_size(row.memory_bytes) + ("" if row.estimated else "~"),
+                      format_size(row.device_bytes) if row.device_bytes is not None else "-",
+                      format_size(plan.limit_bytes - row.memory_bytes), "verify first" if row.verify_first else "")
+    console.print(table)
+    shown = min(top, len(plan.rows))
+    console.print(f"{len(plan.rows)} configs predicted to fit under {format_size(plan.limit_bytes)} "
+                  f"({format_size(plan.memory_budget_bytes)} less the headroom), {shown} shown; {plan.too_big} "
+                  f"predicted not to; {plan.estimates} estimates in {plan.seconds:.0f} s")
+    console.print(f"memory: what the caching allocator reserves (~: its family's straight line through an estimate); "
+                  f"verify first: within the model's {PLAN_ERROR:.0%} error of the top one: the trials to run on the card")
+    console.print(f"step time: the traced step's operators on {plan.profile_source}")
+    for why in plan.not_estimated:
+        console.print(f"not planned: {why}")
