@@ -664,6 +664,7 @@ def estimate(
     CUDA would pick it, as the output says.
     """
     from autotune.estimate.cuda_memory import describe_figures
+    from autotune.estimate.step_time import predict_step_time
     from autotune.estimate.estimator import (
         EstimateError,
         predict_memory,
@@ -694,36 +695,70 @@ def estimate(
             config.validate_for(workload, device)
     limit = int(budget * (1 - headroom)) if budget is not None else None
     resolved_task = resolve_task(workload)
+    profile = _step_profile(workload, device)
     for index, config in enumerate(configs):
         try:
             result = predict_memory(workload, config, task=resolved_task)
         except EstimateError as exc:  # the model cannot be built or traced: nothing printed yet for it
             raise ConfigError(f"--model {workload.model}: {exc}") from None
         cuda = result.predicted_reserved_bytes is not None
+        step = predict_step_time(result, workload, profile, task=resolved_task) if profile is not None else None
         if index == 0 and not as_json:  # the header once the first row exists: a refusal prints nothing
             print(f"{'config':<34} {'peak':>10} = {'params':>10} {'grads':>10} {'optimizer':>10} "
                   f"{'activations':>11} {'temporaries':>11} {'not live':>10}"
-                  + (f" {'reserved':>10} {'nvidia-smi':>10}" if cuda else "") + ("  fits" if limit is not None else ""))
+                  + (f" {'reserved':>10} {'nvidia-smi':>10}" if cuda else "") + ("  fits" if limit is not None else "")
+                  + (f" {'step':>9} {_rate_unit(step):>12}" if step is not None else ""))
         fits = None if limit is None else result.fits(limit) and (
             result.predicted_device_bytes is None or workload.gpu is None
             or result.predicted_device_bytes <= device.total_memory_bytes)
         if as_json:
             print(json.dumps({**result.to_dict(), "memory_budget_bytes": budget, "memory_limit_bytes": limit,
-                              "fits": fits, **({"figures": describe_figures()} if cuda else {})}), flush=True)
+                              "fits": fits, **({"figures": describe_figures()} if cuda else {}),
+                              "step_time": step.to_dict() if step is not None else None,
+                              "step_time_on": profile.describe() if profile is not None else None}), flush=True)
             continue
         parts = list(result.parts().values())
         print(f"{config.describe():<34} {format_size(result.predicted_peak_bytes):>10} = "
               + " ".join(f"{format_size(p):>{w}}" for p, w in zip(parts, (10, 10, 10, 11, 11, 10)))
               + (f" {format_size(result.predicted_reserved_bytes):>10} {format_size(result.predicted_device_bytes):>10}"
                  if cuda else "")
-              + ("" if fits is None else ("  yes" if fits else "  no")), flush=True)
+              + ("" if fits is None else ("  yes" if fits else "   no"))
+              + (f" {step.step_s:>7.3g} s {_rate(step):>12,.0f}" if step is not None else ""), flush=True)
     if not as_json:
         print("peak = the parts; activations and temporaries: live at the peak; not live: model states "
               "not allocated at the peak (gradients the backward has not made yet)")
         if result.predicted_reserved_bytes is not None:
             print(_cuda_footer(result, limit))
         print(result.device_note or f"traced with {result.traced_device.upper()} kernels")
+        if profile is not None:
+            print(f"step: one optimizer step of the whole --global-batch, its traced operators timed against "
+                  f"{profile.describe()}; nothing was run")
     return 0
+
+
+def _step_profile(workload: Workload, device: Any) -> Any:
+    """The roofline the estimate's step is timed on: the named card's, or this device's (probed now),
+    or None (a CUDA workload on a machine without a GPU, no card named)."""
+    from autotune.estimate.step_time import DeviceProfile, card_profile
+
+    if workload.gpu is not None:
+        from autotune.config.gpus import gpu_spec
+
+        return card_profile(gpu_spec(workload.gpu))
+    if device is None:
+        return None
+    from autotune.trial.device_probe import probe_profile
+
+    probed = probe_profile(device.type)
+    return DeviceProfile.from_dict(probed) if probed else None
+
+
+def _rate_unit(step: Any) -> str:
+    return "tokens/s" if step.tokens_per_s is not None else "samples/s"
+
+
+def _rate(step: Any) -> float:
+    return step.tokens_per_s if step.tokens_per_s is not None else step.samples_per_s
 
 
 def _estimated_device(workload: Workload) -> Any:

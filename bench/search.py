@@ -10,7 +10,9 @@ Besides the cost to 2%, each strategy's *answer quality*: the best fitting confi
 Nothing is trained: a trial returns its grid line's result and costs the seconds that line
 recorded (``trial_seconds``). The driver's device probe (matmul speed per precision) is read from
 ``GRID.probe.json`` beside the grid, written by probing this machine the first time (the grids
-were measured here). A config fits when it trained and its recorded peak is under the
+were measured here). The step-time model's device profile is this CPU's, probed at the start,
+with the grid's 16-bit matmul speeds; it times each config from the traced operators its grid line's
+estimate holds (``autotune grid --re-estimate`` adds them to an older grid). A config fits when it trained and its recorded peak is under the
 budget minus the tuner's 10% headroom; a recorded peak over the budget replays as an OOM, so one
 grid measured with a generous budget replays at any smaller one. Strategies:
 
@@ -114,6 +116,27 @@ def _device_probe(grid_path: Path, precisions: tuple[str, ...]) -> dict[str, flo
     return json.loads(path.read_text())
 
 
+_THIS_CPU: dict[str, Any] = {}
+
+
+def _roofline(probe: dict[str, float] | None) -> dict[str, Any] | None:
+    """The step-time model's device profile for a grid: this CPU's, probed once per run (the grids'
+    machines are gone), its 16-bit matmul speeds set to the grid machine's, relative to fp32, where
+    the grid's probe file has them. Only the order of configs matters to the driver."""
+    from autotune.trial.device_probe import probe_profile
+
+    if not _THIS_CPU:
+        _THIS_CPU.update(probe_profile("cpu") or {})
+    if not _THIS_CPU:
+        return None
+    profile = json.loads(json.dumps(_THIS_CPU))
+    flops = profile["matmul_flops"]
+    for precision, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+        if probe and precision in probe and "float32" in flops:
+            flops[dtype] = flops["float32"] * probe[precision]
+    return profile
+
+
 class Tally:
     """What a strategy spent, in order, and when a config within 2% of the best was first measured.
 
@@ -162,6 +185,9 @@ class GridBackend:
 
     def probe(self, precisions: list[str]) -> dict[str, float] | None:
         return {p: v for p, v in self._probe.items() if p in precisions} if self._probe else None
+
+    def profile(self) -> dict[str, Any] | None:
+        return _roofline(self._probe)
 
     def run(self, workload: Workload, config: TrialConfig, **_: Any) -> TrialResult:
         return self.tally.measure(config)

@@ -79,6 +79,9 @@ class DeviceProfile:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def describe(self) -> str:
+        return f"{self.name}'s roofline ({self.source})"
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DeviceProfile:
         return cls(**data)
@@ -115,7 +118,7 @@ def card_profile(card: GpuSpec) -> DeviceProfile:
                          link_bandwidth=card.link_bandwidth * _LINK_EFFICIENCY,
                          host_link_bandwidth=card.host_link_bandwidth,
                          peak_flops=card.bf16_flops or card.fp16_flops,
-                         source=f"{card.name}'s published peaks at {efficiency:.0%} of them (matmuls)")
+                         source=f"published peaks, matmuls at {efficiency:.0%} of theirs (see autotune.estimate.step_time)")
 
 
 def predict_step_time(estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile, *,

@@ -274,6 +274,6 @@ def print_plan(plan: Plan, workload: Workload, *, console: Console | None = None
                   f"predicted not to; {plan.estimates} estimates in {plan.seconds:.0f} s")
     console.print(f"memory: what the caching allocator reserves (~: its family's straight line through an estimate); "
                   f"verify first: within the model's {PLAN_ERROR:.0%} error of the top one: the trials to run on the card")
-    console.print(f"step time: the traced step's operators on {plan.profile_source}")
+    console.print(f"step time: the traced step's operators timed against {plan.profile_source}")
     for why in plan.not_estimated:
         console.print(f"not planned: {why}")

@@ -112,7 +112,7 @@ def plan(*, workload: Workload, space: SearchSpace, profile: DeviceProfile, devi
     if rows:
         top = rows[0].step.samples_per_s
         rows = [_verify(row, row.step.samples_per_s >= top * (1 - PLAN_ERROR)) for row in rows]
-    return Plan(device=profile.name, profile_source=profile.source, memory_budget_bytes=memory_budget_bytes,
+    return Plan(device=profile.name, profile_source=profile.describe(), memory_budget_bytes=memory_budget_bytes,
                 limit_bytes=limit_bytes, rows=rows, too_big=too_big, not_estimated=not_estimated,
                 estimates=estimates, seconds=time.monotonic() - started)
 

@@ -7,8 +7,10 @@ The problem has structure, and the proposer uses it instead of a black-box sampl
   its family, and one config that fits vouches for every smaller one;
 * throughput grows with the micro batch until it saturates, so the config to try in a family
   is its largest that fits: its *frontier*;
-* which family is fastest depends on the device, so families are ranked by a throughput model
-  (knob priors corrected by every measured trial, :mod:`autotune.search.throughput`).
+* which family is fastest depends on the model and the device, so families are ranked by the
+  step-time model (each family's traced step against this device's measured roofline), corrected
+  by every measured trial (:mod:`autotune.search.throughput`). Each family is traced once for it,
+  at the micro batch its frontier search estimates first.
 
 Each proposal is the open config ranked first whose memory is known, or predicted, to fit.
 A family's frontier is found by bisecting its micro batches with the memory estimator (no
@@ -18,6 +20,7 @@ halves what is left. A retry of an interrupted trial comes before anything else.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
     from autotune.config.workload import Workload
     from autotune.estimate.estimator import MemoryEstimate
+    from autotune.estimate.step_time import DeviceProfile
     from autotune.search.space import SearchSpace
     from autotune.study.summary import TrialRecord
 
@@ -48,11 +52,13 @@ class Proposer:
         self.choices = space.choices(workload, device)
         self.candidates = space.candidates(workload, device)
         self.precision_speed = precision_speed
+        self.profile: DeviceProfile | None = None   # this device's roofline: the step-time model's prior
+        self._workload = workload
         self._estimator = estimator
         self._limit = limit_bytes
         self._margin = margin
         self._estimates: dict[TrialConfig, MemoryEstimate | None] = {}
-        self._family_flops: dict[TrialConfig, int] = {}   # a family (micro batch 1) -> its FLOPs per sample
+        self._traced: dict[TrialConfig, MemoryEstimate] = {}   # a family (micro batch 1) -> an estimate with its costs
         self._ruled_out: list[TrialConfig] = []
 
     def suggest(self, trial: optuna.Trial) -> TrialConfig:
@@ -80,15 +86,12 @@ class Proposer:
         retry = next((r.config for r in records if r.status == "interrupted" and r.config in open_configs), None)
         if retry is not None:
             return retry
-        while True:  # again when the estimates made on the way counted a family's recompute: the ranking moved
-            counted = len(self._family_flops)
-            proposal = self._ranked_proposal(records, open_configs, fitting, too_big)
-            if len(self._family_flops) == counted:
-                return proposal
+        self._trace_families(open_configs)
+        return self._ranked_proposal(records, open_configs, fitting, too_big)
 
     def _ranked_proposal(self, records: list[TrialRecord], open_configs: list[TrialConfig],
                          fitting: list[TrialConfig], too_big: list[TrialConfig]) -> TrialConfig | None:
-        model = ThroughputModel(self.params_of, self.precision_speed, self._recompute_factor).fit(
+        model = ThroughputModel(self.params_of, self._predicted_throughput, open_configs).fit(
             [(r.config, r.throughput) for r in records if r.status == "ok" and r.throughput])
         order = {c: i for i, c in enumerate(self.candidates)}
         ranked = sorted(open_configs, key=lambda c: (-model.predict(c), order[c]))
@@ -130,15 +133,29 @@ class Proposer:
         too_big = _too_big(records)
         return [c for c in self.candidates if c not in done and not implied_too_big(c, too_big)]
 
-    def _recompute_factor(self, config: TrialConfig) -> float | None:
-        """FLOPs per sample of ``config`` without checkpointing over with it, from two estimates of
-        their families (any micro batch: FLOPs per sample do not depend on it); None if either is missing."""
-        with_it = self._flops_per_sample(config)
-        without = self._flops_per_sample(config.replace(checkpointing=False, checkpoint_every=1))
-        return without / with_it if with_it and without else None
+    def _trace_families(self, configs: list[TrialConfig]) -> None:
+        """With a device profile, every family is traced once (its middle micro batch, where its frontier
+        search starts): the step-time model ranks families by their own traced steps."""
+        if self.profile is None or self._estimator is None:
+            return
+        for config in configs:
+            family = config.replace(micro_batch=1)
+            if family not in self._traced:
+                sizes = self._family_sizes(config)
+                if self._estimate(sizes[(len(sizes) - 1) // 2]) is None:
+                    self._traced.setdefault(family, None)  # type: ignore[arg-type]  # cannot be traced: unpredicted
 
-    def _flops_per_sample(self, config: TrialConfig) -> int | None:
-        return self._family_flops.get(config.replace(micro_batch=1))
+    def _predicted_throughput(self, config: TrialConfig) -> float | None:
+        """log samples/s of ``config`` by the step-time model; None without a traced step of its family."""
+        from autotune.estimate.step_time import predict_step_time
+
+        estimate = self._traced.get(config.replace(micro_batch=1))
+        if estimate is None or self.profile is None:
+            return None
+        if estimate.config != config:
+            estimate = dataclasses.replace(estimate, config=config)  # its costs are kept per sample
+        step = predict_step_time(estimate, self._workload, self.profile)
+        return math.log(step.samples_per_s) if step is not None else None
 
     def take_ruled_out(self) -> list[TrialConfig]:
         """Configs the estimator put over the limit since the last call (for the study to record)."""
@@ -218,8 +235,8 @@ class Proposer:
             return None
         if config not in self._estimates:
             estimate = self._estimates[config] = self._estimator(config)
-            if estimate is not None and estimate.flops_per_sample:
-                self._family_flops[config.replace(micro_batch=1)] = estimate.flops_per_sample
+            if estimate is not None and estimate.step_costs is not None:
+                self._traced.setdefault(config.replace(micro_batch=1), estimate)
         return self._estimates[config]
 
     def _bisecting_trial(self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig],

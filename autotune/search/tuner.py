@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     import optuna
 
     from autotune.estimate.estimator import MemoryEstimate
+    from autotune.estimate.step_time import DeviceProfile
     from autotune.search.proposer import Proposer
 
 __all__ = ["tune", "find", "Progress", "TrialBackend", "LocalBackend", "DEFAULT_HEADROOM"]
@@ -71,6 +72,7 @@ MAX_CONTENDERS = 2          # ... at most this many (plus the answer decided bef
 CONFIRM_NOISE = 0.03        # a lead under 3% in some round is "within noise"
 MAX_CONFIRMATIONS = 3       # decisions per tune call (a new one when every contender of the last was refuted)
 PROBE_KEY = "device_probe"  # study user attribute: matmul speed per precision relative to fp32
+ROOFLINE_KEY = "device_roofline"  # study user attribute: the device profile the step-time model times against
 SKIP_MARGIN = 0.05          # skip a config predicted more than 5% over the limit; closer ones still run
 _BROKEN_AFTER = 2           # stop when this many trials, and every one so far, errored or crashed
 
@@ -152,6 +154,7 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     proposer = Proposer(space, workload, device, estimator=oracle.lookup if oracle else None,
                         limit_bytes=limit, margin=SKIP_MARGIN)
     proposer.precision_speed = _precision_speed(the_study, backend, proposer.choices.get("precision", ()))
+    proposer.profile = _device_profile(the_study, backend) if estimate else None
     # What show and export need about the model (LoRA's targets, hidden size), resolved as the trials resolve it.
     record_model_facts(the_study, workload, proposer.choices.get("lora", ()), script=bool(command))
     target = n_trials or space.n_trials
@@ -351,6 +354,12 @@ class LocalBackend:
         with cpu_turn(self._device_type):
             return probe_precisions(self._device_type, precisions)
 
+    def profile(self) -> dict[str, Any] | None:
+        from autotune.trial.device_probe import probe_profile
+
+        with cpu_turn(self._device_type):
+            return probe_profile(self._device_type)
+
     def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None:
         from autotune.estimate.estimator import EstimateError, predict_memory
 
@@ -388,6 +397,18 @@ def _precision_speed(study: optuna.Study, backend: TrialBackend, precisions: tup
         stored = {"asked": sorted(precisions), "speed": probe(list(precisions)) if probe is not None else None}
         study.set_user_attr(PROBE_KEY, stored)
     return stored["speed"] or None
+
+
+def _device_profile(study: optuna.Study, backend: TrialBackend) -> DeviceProfile | None:
+    """This device's roofline (matmul FLOP/s per dtype, bandwidth, per-operator time), probed once per
+    study and stored; None where the backend cannot probe or the probe failed."""
+    from autotune.estimate.step_time import DeviceProfile
+
+    if ROOFLINE_KEY not in study.user_attrs:
+        probe = getattr(backend, "profile", None)
+        study.set_user_attr(ROOFLINE_KEY, (probe() if probe is not None else None) or {})
+    stored = study.user_attrs[ROOFLINE_KEY]
+    return DeviceProfile.from_dict(stored) if stored else None
 
 
 class _Oracle:
