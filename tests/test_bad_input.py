@@ -77,6 +77,14 @@ BAD_INPUTS = [
     (["estimate", "--gpu", "A100-40GB", "--memory-budget", "80GiB"],
      "--memory-budget 80.0 GiB is more than A100-40GB's 40.0 GiB"),
     (["estimate", "--gpu", "V100-16GB", "--precision", "bf16"], "--precision bf16: V100-16GB has no bfloat16"),
+    # a plan predicts from autotune's own trace, for a card: without one named and none here, or of a script: refused
+    (["find", "--plan"], "--plan plans for a GPU and none is visible here: name the card with --gpu NAME"),
+    (["find", "--plan", "--gpu", "H100-80GB", "--", sys.executable, "train.py"],
+     "--plan predicts from autotune's own trace of the model, and a training command cannot be traced"),
+    (["find", "--gpu", "H100-80GB"], "--gpu H100-80GB names a card to plan for, and find without --plan runs trials"),
+    (["find", "--plan", "--gpu", "H100-80GB", "--export", "hf"], "--export writes a measured config; a plan has"),
+    (["find", "--plan", "--gpu", "A100-40GB", "--memory-budget", "80GiB"],
+     "--memory-budget 80.0 GiB is more than A100-40GB's"),
     # model sources
     (["trial", "--model", "builtin:gpt5"], "no such built-in model"),
     (["trial", "--model", "nobody/nothing"], "not in the local Hugging Face cache"),

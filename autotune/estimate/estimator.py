@@ -541,7 +541,6 @@ def _peak_parts_tracker_class() -> type:
             self.flops = 0
             # Every operator's FLOPs and bytes while a phase is set: what the step-time model needs.
             self.costs = CostRecorder(self._model_state)
-            self.state_shapes: set[tuple[int, ...]] = set()
             # The storages' allocations and frees in order, (key, new size; 0: freed), once asked:
             # what the CUDA caching allocator would be asked for (estimate.cuda_memory replays it).
             self.events: list[tuple[int, int]] | None = None
@@ -584,10 +583,7 @@ def _peak_parts_tracker_class() -> type:
             return out
 
         def _model_state(self, tensor: Any) -> bool:
-            """Whether ``tensor`` is a model state (or a copy of one, such as autocast's 16-bit weight or a
-            weight's gradient, by its shape): what a kernel moves of it does not grow with the micro batch."""
-            if tuple(tensor.shape) in self.state_shapes:
-                return True
+            """Whether ``tensor`` is a model state: what a kernel moves of it does not grow with the micro batch."""
             for storage in storages_of(tensor):
                 counter = self._counted.get(storage)
                 if counter is not None and self._tags.get(id(counter)) in _STATES:
@@ -739,8 +735,6 @@ def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False,
 
     parameters = [*engine.model.parameters(), *engine.model.buffers()]
     tracker.tag(parameters, "parameters")
-    tracker.state_shapes = {tuple(t.shape) for t in parameters if t.dim() > 0} | {
-        tuple(t.to_local().shape) for t in parameters if hasattr(t, "to_local")}  # FSDP2's local shards
     trainable = [p for p in engine.model.parameters() if p.requires_grad]
     if record:
         tracker.start_recording()  # the model's storages, then everything the step does

@@ -62,10 +62,11 @@ class StepCosts:
     forward_flops_per_sample: float   # the model's forward FLOPs (what MFU counts, 3x with the backward)
     trainable_parameters: int = 0     # what the optimizer steps (and ZeRO/DDP communicate)
 
-    def micro_step(self, micro_batch: int) -> list[tuple[str, str, float, float, float]]:
-        """(kind, dtype, FLOPs, bytes, count) of one micro step's operators at ``micro_batch``."""
+    def micro_step(self, micro_batch: int, phase: str | None = None) -> list[tuple[str, str, float, float, float]]:
+        """(kind, dtype, FLOPs, bytes, count) of one micro step's operators at ``micro_batch`` (of ``phase``
+        alone: forward or backward)."""
         return [(op.kind, op.dtype, op.flops * micro_batch, op.fixed_bytes + op.sample_bytes * micro_batch, op.count)
-                for op in self.ops if op.phase != UPDATE]
+                for op in self.ops if op.phase != UPDATE and phase in (None, op.phase)]
 
     def update(self) -> list[tuple[str, str, float, float, float]]:
         return [(op.kind, op.dtype, op.flops, op.fixed_bytes + op.sample_bytes, op.count)
@@ -89,6 +90,7 @@ class CostRecorder:
         self._model_state = model_state
         self.phase: str | None = None
         self._ops: Counter[tuple[str, str, str, str, float, float, float]] = Counter()
+        self._derived: set[Any] = set()  # storages made from model states alone (autocast's weight copies)
         self._forward_flops = 0.0
 
     def record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, flops: float) -> None:
@@ -113,16 +115,22 @@ class CostRecorder:
         tensors = (*inputs, *outputs) if kind != COLLECTIVE else [max((*inputs, *outputs), key=_bytes_touched)]
         for tensor in tensors:
             moved = _bytes_touched(tensor)
-            if self._model_state(tensor):
+            if self._state(tensor):
                 fixed += moved
             else:
                 sample += moved
+        if inputs and all(self._state(t) for t in inputs):
+            self._derived.update(_storage(t) for t in outputs)
         if kind == ATTENTION and _causal(func, args, kwargs):
             flops *= _CAUSAL_WORK
         dtype = str((inputs or outputs)[0].dtype).removeprefix("torch.")
         if self.phase == FORWARD:
             self._forward_flops += flops
         self._ops[(self.phase, kind, name, dtype, float(flops), fixed, sample)] += 1
+
+    def _state(self, tensor: Any) -> bool:
+        """A model state, or made from model states alone: moved whole whatever the micro batch."""
+        return self._model_state(tensor) or _storage(tensor) in self._derived
 
     def costs(self, *, micro_batch: int, micro_steps: int, trainable_parameters: int) -> StepCosts:
         """The counts so far: ``micro_steps`` micro steps of ``micro_batch`` samples each, and one update."""
@@ -142,17 +150,18 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
-def _aliases(outputs: list[Any], inputs: list[Any]) -> bool:
+def _storage(tensor: Any) -> Any:
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    def storage(tensor: Any) -> Any:
-        try:
-            return StorageWeakRef(tensor.untyped_storage())
-        except (RuntimeError, NotImplementedError):
-            return None
+    try:
+        return StorageWeakRef(tensor.untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return None
 
-    held = {storage(t) for t in inputs} - {None}
-    return any(storage(t) in held for t in outputs)
+
+def _aliases(outputs: list[Any], inputs: list[Any]) -> bool:
+    held = {_storage(t) for t in inputs} - {None}
+    return any(_storage(t) in held for t in outputs)
 
 
 def _bytes_touched(tensor: Any) -> float:

@@ -28,7 +28,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from autotune.estimate.step_costs import ATTENTION, COLLECTIVE, MATMUL, StepCosts
+from autotune.estimate.step_costs import ATTENTION, BACKWARD, COLLECTIVE, MATMUL
 
 if TYPE_CHECKING:
     from autotune.config.gpus import GpuSpec
@@ -131,8 +131,9 @@ def predict_step_time(estimate: MemoryEstimate, workload: Workload, profile: Dev
     ranks = workload.nproc
     accum = config.grad_accum_steps(workload)
     share = _rank_share(profile, ranks)
-    micro_device, micro_host, backward = _phase_times(costs.micro_step(config.micro_batch), profile, config, share)
-    update_device, update_host, _ = _phase_times(costs.update(), profile, config, share)
+    micro_device, micro_host = _phase_times(costs.micro_step(config.micro_batch), profile, config, share)
+    backward, _ = _phase_times(costs.micro_step(config.micro_batch, BACKWARD), profile, config, share)
+    update_device, update_host = _phase_times(costs.update(), profile, config, share)
     if config.uses_deepspeed:  # the traced update was plain AdamW on the whole model: ZeRO steps its partition
         update_device, update_host = update_device / ranks, update_host
     if config.fused_optimizer:  # one kernel for every tensor: the host issues a handful of operators
@@ -164,8 +165,8 @@ def _rank_share(profile: DeviceProfile, ranks: int) -> float:
 
 
 def _phase_times(ops: list[tuple[str, str, float, float, float]], profile: DeviceProfile, config: TrialConfig,
-                 share: float) -> tuple[float, float, float]:
-    """(device seconds, host seconds, backward-share placeholder) of one phase's operators."""
+                 share: float) -> tuple[float, float]:
+    """(device seconds, host seconds) of one phase's operators."""
     device = host = 0.0
     for kind, dtype, flops, moved, count in ops:
         if kind == COLLECTIVE:
@@ -175,7 +176,7 @@ def _phase_times(ops: list[tuple[str, str, float, float, float]], profile: Devic
         compute = flops / rate if flops and (kind in (MATMUL, ATTENTION) or rate) else 0.0
         device += count * (max(compute, memory) + profile.kernel_s)
         host += count * profile.dispatch_s
-    return device, host, device
+    return device, host
 
 
 def _matmul_rate(profile: DeviceProfile, dtype: str, precision: str) -> float:

@@ -207,9 +207,12 @@ def test_estimate_command_table_adds_up():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     header, row = proc.stdout.splitlines()[:2]
-    assert header.split()[-7:] == ["params", "grads", "optimizer", "activations", "temporaries", "not", "live"]
-    assert row.split()[5] == "=" and row.split()[-2].startswith("-")  # the negative part, shown
-    assert proc.stdout.splitlines()[-1] == "traced with CPU kernels"
+    assert header.split()[-9:] == ["params", "grads", "optimizer", "activations", "temporaries", "not", "live",
+                                   "step", "tokens/s"]
+    assert row.split()[5] == "=" and row.split()[-5].startswith("-")  # the negative part, shown
+    assert row.split()[-2] == "s" and float(row.split()[-3]) > 0      # the step predicted on this CPU, probed
+    assert proc.stdout.splitlines()[-2] == "traced with CPU kernels"
+    assert "timed against this CPU" in proc.stdout.splitlines()[-1]
 
 
 def test_the_traced_step_counts_its_flops_and_checkpointing_s_recompute():

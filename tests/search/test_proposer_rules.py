@@ -3,6 +3,8 @@ error, a straight line settles sizes clearly under the limit, and evidence befor
 
 from __future__ import annotations
 
+import math
+
 from autotune.config.device import DeviceInfo
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
@@ -10,6 +12,7 @@ from autotune.estimate.estimator import MemoryEstimate
 from autotune.search.proposer import Proposer
 from autotune.search.space import load_space
 from autotune.study.summary import TrialRecord
+from step_toys import TOY_CPU, toy_costs, toy_step_s
 
 CPU = DeviceInfo("cpu", "test-cpu", 1, 16 * 2**30, bf16=True, fp16_deepspeed=False)
 MiB = 2**20
@@ -17,8 +20,11 @@ MiB = 2**20
 
 def _proposer(tmp_path, sizes: str, per_sample_mib: dict[bool, float], asked: list[TrialConfig],
               flops: dict[bool, int] | None = None) -> Proposer:
-    """Checkpointing off/on; an exact estimator: 4 MiB of states and ``per_sample_mib[checkpointing]`` a sample
-    (and ``flops[checkpointing]`` FLOPs a sample, when given)."""
+    """Checkpointing off/on; an exact estimator: 4 MiB of states and ``per_sample_mib[checkpointing]`` a sample,
+    and a toy traced step of ``flops[checkpointing]`` FLOPs a sample (100 and 150 unless given) timed on
+    the toy CPU (tests/step_toys.py): at global batch 16, no checkpointing mb=4 takes 2.0 s, mb=2 2.4 s;
+    checkpointing mb=8 2.6 s."""
+    flops = flops or {False: 100, True: 150}
     (tmp_path / "space.yaml").write_text(f"knobs:\n  micro_batch: {sizes}\n  checkpointing: [false, true]\n")
 
     def estimate(config: TrialConfig) -> MemoryEstimate:
@@ -27,10 +33,12 @@ def _proposer(tmp_path, sizes: str, per_sample_mib: dict[bool, float], asked: li
         return MemoryEstimate(config=config, predicted_peak_bytes=4 * MiB + activations, parameters_bytes=MiB,
                               gradients_bytes=MiB, optimizer_state_bytes=2 * MiB, activations_bytes=activations,
                               temporaries_bytes=0, overhead_bytes=None, method="test", seconds=0.0,
-                              flops_per_sample=(flops or {}).get(config.checkpointing))
+                              step_costs=toy_costs(flops[config.checkpointing]))
 
-    return Proposer(load_space(str(tmp_path / "space.yaml")), Workload(global_batch=16), CPU, estimator=estimate,
-                    limit_bytes=50 * MiB, margin=0.05)
+    proposer = Proposer(load_space(str(tmp_path / "space.yaml")), Workload(global_batch=16), CPU, estimator=estimate,
+                        limit_bytes=50 * MiB, margin=0.05)
+    proposer.profile = TOY_CPU
+    return proposer
 
 
 def _measured(config: TrialConfig, tokens: float, peak_mib: float, predicted_mib: float) -> TrialRecord:
@@ -54,9 +62,10 @@ def test_a_config_predicted_over_the_limit_runs_only_while_the_estimator_may_be_
 
 def test_the_straight_line_settles_sizes_clearly_under_the_limit_without_an_estimate(tmp_path):
     # No checkpointing: 20 MiB a sample (mb=4: 84 MiB, over; mb=2: 44, clearly under). With: 4 MiB a
-    # sample (mb=4: 20; mb=8: 36, clearly under; mb=16: 68, clearly over).
+    # sample (mb=4: 20; mb=8: 36, clearly under; mb=16: 68, clearly over). A cheap recompute (110 FLOPs a
+    # sample against 100): checkpointing mb=8 (1.96 s a step) beats no checkpointing mb=2 (2.4 s).
     asked: list[TrialConfig] = []
-    proposer = _proposer(tmp_path, "[1, 2, 4, 8, 16]", {False: 20, True: 4}, asked)
+    proposer = _proposer(tmp_path, "[1, 2, 4, 8, 16]", {False: 20, True: 4}, asked, {False: 100, True: 110})
     assert proposer.next_config([]) == TrialConfig(micro_batch=8, checkpointing=True)
     # One estimate per family: each middle size; the line through it decides the rest.
     assert asked == [TrialConfig(micro_batch=4), TrialConfig(micro_batch=4, checkpointing=True)]
@@ -66,9 +75,10 @@ def test_when_no_config_is_predicted_faster_than_the_best_an_unmeasured_value_go
     asked: list[TrialConfig] = []
     proposer = _proposer(tmp_path, "[2, 4]", {False: 1, True: 1}, asked)  # everything fits
     records = [_measured(TrialConfig(micro_batch=4), 100.0, peak_mib=8, predicted_mib=8)]
-    # Predicted: mb=2 without checkpointing ~75 tok/s (the prior's saturation), with checkpointing mb=4 ~70:
-    # neither beats the 100 measured. Checkpointing was never measured (only its prior says it is slower),
-    # so its config goes first, not the smaller micro batch of the family already measured.
+    # Predicted, scaled to the 100 measured at mb=4 (2.0 s a step): mb=2 without checkpointing 2.4 s (83
+    # tok/s), with checkpointing mb=4 2.8 s (71): neither beats it. Checkpointing was never measured (only
+    # the model says it is slower), so its config goes first, not the smaller micro batch of the family
+    # already measured.
     assert proposer.next_config(records) == TrialConfig(micro_batch=4, checkpointing=True)
     # Once checkpointing is measured, the ranking alone decides again.
     records.append(_measured(TrialConfig(micro_batch=4, checkpointing=True), 70.0, peak_mib=8, predicted_mib=8))
@@ -102,13 +112,16 @@ def test_the_study_records_as_skipped_only_what_is_over_the_skip_margin(tmp_path
         == [("PRUNED", "skipped", 8)]
 
 
-def test_checkpointing_is_ranked_by_the_recompute_the_traced_steps_counted(tmp_path):
-    # The families of the test above: no checkpointing fits up to mb=2, checkpointing up to mb=8. The
-    # constant prior (0.7) puts checkpointing mb=8 first (0.7 x 8/10 against 2/4).
+def test_checkpointing_is_ranked_by_the_recompute_its_traced_step_holds(tmp_path):
+    # The families of the test above: no checkpointing fits up to mb=2, checkpointing up to mb=8. With
+    # a cheap recompute checkpointing mb=8 goes first (1.96 s a step against 2.4); with an expensive one
+    # (250 FLOPs a sample against 100: 4.2 s) no checkpointing mb=2 does.
     for flops, first in (({False: 100, True: 110}, TrialConfig(micro_batch=8, checkpointing=True)),
                          ({False: 100, True: 250}, TrialConfig(micro_batch=2))):
         (tmp_path / str(flops[True])).mkdir()
         proposer = _proposer(tmp_path / str(flops[True]), "[1, 2, 4, 8, 16]", {False: 20, True: 4}, [], flops)
         assert proposer.next_config([]) == first, flops
-        # Counted on the traced steps: 100 FLOPs a sample without recompute over 110 (or 250) with it.
-        assert proposer._recompute_factor(first.replace(checkpointing=True)) == 100 / flops[True]
+        ckpt, plain = TrialConfig(micro_batch=8, checkpointing=True), TrialConfig(micro_batch=2)
+        expected = toy_step_s(flops[False], 16, 2) / toy_step_s(flops[True], 16, 8)
+        assert abs(proposer._predicted_throughput(ckpt) - proposer._predicted_throughput(plain)
+                   - math.log(expected)) < 1e-9

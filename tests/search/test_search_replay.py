@@ -75,11 +75,11 @@ def _line(micro_batch: int, ckpt: bool, tokens: float, peak_mib: float, seconds:
     return line
 
 
-def test_the_replayed_driver_with_estimates_finds_the_best_in_two_trials_and_pays_for_its_estimates(tmp_path):
+def test_the_replayed_driver_with_estimates_finds_the_best_at_once_and_pays_for_its_estimates(tmp_path):
     # Same toy grid, with exact estimates: the driver finds each family's frontier with the
-    # estimator (no trial): no-ckpt mb=4, ckpt mb=8 (24 MiB each; limit 36). Its prior ranks
-    # no-ckpt mb=4 first (4/6 against 0.7 x 8/10: saturation and checkpointing's cost), then
-    # the measured figure corrects it and ckpt mb=8, the best, is the second trial.
+    # estimator (no trial): no-ckpt mb=4, ckpt mb=8 (24 MiB each; limit 36). The lines' estimates hold
+    # no traced operators, so no step time is predicted: nothing tells the families apart but the
+    # micro batch's saturation (8/10 against 4/6), and ckpt mb=8, the best, is the first trial.
     lines = [_line(mb, ckpt, tokens=100 * mb * (0.75 if ckpt else 1), peak_mib=mb * (3 if ckpt else 6), seconds=10,
                    with_estimate=True) for mb in (1, 2, 4, 8) for ckpt in (False, True)]
     grid = tmp_path / "toy.jsonl"
@@ -89,10 +89,10 @@ def test_the_replayed_driver_with_estimates_finds_the_best_in_two_trials_and_pay
                            "--memory-budget", "40MiB", "--json"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     driver = json.loads(proc.stdout)["strategies"]["driver"]
-    assert driver["trials_to_2pct"] == 2 and driver["found_ratio"] == 1
+    assert driver["trials_to_2pct"] == 1 and driver["found_ratio"] == 1
     assert driver["estimates"] >= 2
-    # Charged: two trials (10 s each), the estimator's start (2 s) and at least two estimates (1 s each).
-    assert driver["cost_fraction"] * 80 >= 2 * 10 + 2 + 2
+    # Charged: a trial (10 s), the estimator's start (2 s) and at least two estimates (1 s each).
+    assert driver["cost_fraction"] * 80 >= 10 + 2 + 2
 
 
 def test_replay_scores_every_strategy_against_the_grid(tmp_path):

@@ -198,6 +198,8 @@ def test_without_an_estimator_the_proposer_bisects_micro_batches_retries_and_nev
 
 
 def test_with_an_estimator_the_first_proposal_is_the_frontier_of_the_fastest_family(tmp_path):
+    from step_toys import TOY_CPU, toy_costs
+
     MiB = 2**20
     asked = []
 
@@ -207,19 +209,22 @@ def test_with_an_estimator_the_first_proposal_is_the_frontier_of_the_fastest_fam
         return MemoryEstimate(config=config, predicted_peak_bytes=4 * MiB + config.micro_batch * per_sample,
                               parameters_bytes=MiB, gradients_bytes=MiB, optimizer_state_bytes=2 * MiB,
                               activations_bytes=config.micro_batch * per_sample, temporaries_bytes=0,
-                              overhead_bytes=None, method="test", seconds=0.0)
+                              overhead_bytes=None, method="test", seconds=0.0,
+                              step_costs=toy_costs(120 if config.checkpointing else 100))
 
     proposer = _proposer(tmp_path, TWO_KNOBS, estimator=estimate, limit_bytes=50 * MiB, margin=0.05)
+    proposer.profile = TOY_CPU
     # no ckpt: mb=4 (44 MiB) fits, mb=8 (84) does not. Ranked against ckpt's frontier mb=8 (36 MiB),
-    # the prior puts no-ckpt mb=4 first (checkpointing costs ~30% of the throughput).
+    # the toy traced steps put no-ckpt mb=4 first (2.0 s a step against 2.12: the recompute costs more
+    # than the larger micro batch saves; no-ckpt mb=2 would take 2.4 s).
     assert proposer.next_config([]) == TrialConfig(micro_batch=4)
-    # One estimate: the middle (mb=4) fits, and the straight line through it puts mb=8 (84 MiB)
-    # clearly over the limit, so it is not estimated; nor is the family ranked second.
-    assert asked == [TrialConfig(micro_batch=4)]
+    # One estimate per family, each its middle size (mb=4), traced to rank it; the straight line through
+    # the first puts mb=8 (84 MiB) clearly over the limit, so it is not estimated.
+    assert asked == [TrialConfig(micro_batch=4), TrialConfig(micro_batch=4, checkpointing=True)]
     # It ran out of memory anyway (an under-estimate): the estimator's frontier gives way to the trial.
     records = [_record(0, TrialConfig(micro_batch=4), "oom")]
     assert proposer.next_config(records) == TrialConfig(micro_batch=8, checkpointing=True)
-    # Measured: checkpointing ran 3x faster than the prior expects; its family goes first from now on.
+    # Measured: checkpointing ran 3x faster than the model expects; its family goes first from now on.
     records.append(_record(1, TrialConfig(micro_batch=8, checkpointing=True), "ok", tokens=300, fits=True))
     records.append(_record(2, TrialConfig(micro_batch=2), "ok", tokens=50, fits=True))
     assert proposer.next_config(records) == TrialConfig(micro_batch=4, checkpointing=True)
@@ -228,20 +233,21 @@ def test_with_an_estimator_the_first_proposal_is_the_frontier_of_the_fastest_fam
     assert len(asked) == calls  # each estimate is asked once
 
 
-def test_the_throughput_model_starts_from_its_priors_and_follows_the_measurements(tmp_path):
+def test_the_throughput_model_starts_from_the_step_time_model_and_follows_the_measurements(tmp_path):
+    import math
+
     from autotune.search.throughput import ThroughputModel
 
     space = _proposer(tmp_path, TWO_KNOBS).space
-    model = ThroughputModel(space.params_of, {"fp32": 1.0, "bf16": 4.0})  # probed: bf16 matmuls 4x fp32's
     plain, ckpt = TrialConfig(micro_batch=4), TrialConfig(micro_batch=4, checkpointing=True)
-    bf16 = TrialConfig(micro_batch=4, precision="bf16")
-    assert model.predict(plain) > model.predict(ckpt)                        # recompute costs
-    assert model.predict(TrialConfig(micro_batch=8)) > model.predict(plain)  # a larger micro batch fills the device
-    assert model.predict(bf16) > model.predict(plain)                        # what the probe measured
-    assert ThroughputModel(space.params_of, {"fp32": 1.0, "bf16": 0.2}).predict(bf16) \
-        < ThroughputModel(space.params_of, {"fp32": 1.0, "bf16": 0.2}).predict(plain)  # emulated, slowly
-    unprobed = ThroughputModel(space.params_of)                              # no probe: nothing assumed
-    assert unprobed.predict(bf16) == unprobed.predict(plain)
+    predicted = {plain: math.log(100.0), ckpt: math.log(75.0)}   # the step-time model's figures
+    configs = [plain, ckpt, TrialConfig(micro_batch=8)]
+    model = ThroughputModel(space.params_of, predicted.get, configs)
+    assert model.predict(plain) == math.log(100.0) and model.predict(ckpt) == math.log(75.0)
+    # Not predicted (no traced step): at the mean of the predicted ones, its micro batch's saturation aside.
+    assert model.prior(TrialConfig(micro_batch=8)) > model.prior(TrialConfig(micro_batch=2))
+    unpredicted = ThroughputModel(space.params_of)                          # no model at all: nothing assumed
+    assert unpredicted.predict(ckpt) == unpredicted.predict(plain)
     # Measured: checkpointing ran faster than the plain step at every size (some models do).
     model.fit([(TrialConfig(micro_batch=2), 100.0), (TrialConfig(micro_batch=2, checkpointing=True), 300.0),
                (TrialConfig(micro_batch=8), 150.0), (TrialConfig(micro_batch=8, checkpointing=True), 450.0)])

@@ -1,0 +1,126 @@
+"""The step-time model: the traced operators (FLOPs, bytes, per sample), timed against a roofline."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from autotune.config.gpus import gpu_spec
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.estimate.estimator import MemoryEstimate, predict_memory
+from autotune.estimate.step_costs import OpCost, StepCosts
+from autotune.estimate.step_time import DeviceProfile, card_profile, predict_step_time
+from autotune.models.presets import _TINY_VOCAB
+
+VOCAB = _TINY_VOCAB
+LLAMA = Workload(model="builtin:llama-tiny", seq_len=128, global_batch=16, device="cpu")
+
+
+def _ops(costs: StepCosts, phase: str) -> set[str]:
+    return {op.name for op in costs.ops if op.phase == phase}
+
+
+def test_the_trace_counts_kernels_not_views_and_keeps_the_recompute():
+    plain = predict_memory(LLAMA, TrialConfig(micro_batch=2)).step_costs
+    ckpt = predict_memory(LLAMA, TrialConfig(micro_batch=2, checkpointing=True)).step_costs
+    names = _ops(plain, "forward") | _ops(plain, "backward") | _ops(plain, "update")
+    assert {"mm", "bmm"} & names and not {"view", "_unsafe_view", "t", "transpose", "expand", "device"} & names
+    assert _ops(plain, "update")  # the optimizer's step, traced
+
+    def flops(costs: StepCosts, phase: str) -> float:
+        return sum(op.flops * op.count for op in costs.ops if op.phase == phase)
+
+    # The backward does twice the forward's matmul work; checkpointing runs the layers' forward again in it.
+    assert flops(plain, "backward") == pytest.approx(2 * flops(plain, "forward"), rel=0.02)
+    # ... not the LM head, outside the layers (2 x seq x hidden x vocab a sample), nor what the backward does
+    # not need: non-reentrant checkpointing stops once the saved tensors are back (each layer's down_proj
+    # output is never recomputed: 4 of the MLP's 6 matmuls).
+    recompute = flops(ckpt, "backward") - flops(plain, "backward")
+    layers = flops(plain, "forward") - 2 * 128 * 128 * VOCAB
+    mlp = 2 * 128 * 128 * 352  # one MLP matmul of a sample
+    assert recompute == pytest.approx(layers - 2 * mlp, rel=1e-9)
+    assert ckpt.forward_flops_per_sample == plain.forward_flops_per_sample
+
+
+def test_one_trace_answers_every_micro_batch_of_its_family():
+    """FLOPs grow with the micro batch exactly; bytes nearly: model states (and what is made of them alone)
+    are moved whole, the rest per sample; a weight's gradient, made from activations, counts per sample."""
+    small = predict_memory(LLAMA, TrialConfig(micro_batch=1)).step_costs
+    large = predict_memory(LLAMA, TrialConfig(micro_batch=8)).step_costs
+
+    def totals(costs: StepCosts, micro_batch: int) -> tuple[float, float]:
+        ops = costs.micro_step(micro_batch)
+        return sum(f * n for _, _, f, _, n in ops), sum(b * n for _, _, _, b, n in ops)
+
+    assert totals(small, 8)[0] == pytest.approx(totals(large, 8)[0], rel=1e-9)
+    assert totals(small, 8)[1] == pytest.approx(totals(large, 8)[1], rel=0.15)
+    assert StepCosts.from_dict(large.to_dict()) == large
+
+
+def _profile(kind: str) -> DeviceProfile:
+    return DeviceProfile(name="hand", type=kind, matmul_flops={"float32": 1e12}, memory_bandwidth=1e11,
+                         kernel_s=1e-5, dispatch_s=2e-5, link_bandwidth=1e10, host_link_bandwidth=1e10,
+                         peak_flops=2e12)
+
+
+def _hand_estimate(config: TrialConfig, costs: StepCosts) -> MemoryEstimate:
+    return MemoryEstimate(config=config, predicted_peak_bytes=0, parameters_bytes=0, gradients_bytes=4 * 10**9,
+                          optimizer_state_bytes=0, activations_bytes=0, temporaries_bytes=0, overhead_bytes=None,
+                          method="hand", seconds=0.0, step_costs=costs)
+
+
+HAND = StepCosts((OpCost("forward", "matmul", "mm", "float32", 1e9, 0.0, 1e6, 1.0),       # compute-bound
+                  OpCost("backward", "other", "add", "float32", 0.0, 1e7, 1e8, 2.0),      # memory-bound
+                  OpCost("update", "other", "_foreach_add_", "float32", 0.0, 1e8, 0.0, 1.0)),
+                 forward_flops_per_sample=1e9, trainable_parameters=10**9)
+
+
+def test_each_operator_takes_the_longer_of_its_flops_and_its_bytes_plus_a_kernel():
+    workload = Workload(model="builtin:llama-tiny", seq_len=128, global_batch=8, device="cpu")
+    config = TrialConfig(micro_batch=2)  # 4 micro steps a step
+    matmul = 2 * 1e9 / 1e12 + 1e-5                  # 2 samples of FLOPs (their bytes would take 2e-5 s)
+    add = 2 * ((1e7 + 2 * 1e8) / 1e11 + 1e-5)       # model-state bytes once, the rest per sample
+    update = 1e8 / 1e11 + 1e-5
+    gpu = predict_step_time(_hand_estimate(config, HAND), workload.replace(device="auto"), _profile("cuda"))
+    # On a GPU the host runs ahead: a micro step takes the longer of the device's work and the host's.
+    assert gpu.compute_s == pytest.approx(4 * max(matmul + add, 3 * 2e-5))
+    assert gpu.update_s == pytest.approx(max(update, 2e-5))
+    # On a CPU the host computes: they add.
+    cpu = predict_step_time(_hand_estimate(config, HAND), workload, _profile("cpu"))
+    assert cpu.compute_s == pytest.approx(4 * (matmul + add + 3 * 2e-5))
+    assert cpu.step_s == pytest.approx(cpu.compute_s + cpu.update_s)
+    assert cpu.samples_per_s == pytest.approx(8 / cpu.step_s) and cpu.tokens_per_s == pytest.approx(128 * 8 / cpu.step_s)
+    assert cpu.mfu == pytest.approx(3 * 1e9 * cpu.samples_per_s / 2e12)
+
+
+def test_ddp_waits_for_the_all_reduce_the_last_backward_does_not_hide():
+    workload = Workload(model="builtin:llama-tiny", seq_len=128, global_batch=8, nproc=2)
+    estimate = _hand_estimate(TrialConfig(micro_batch=4), HAND)  # one micro step a rank
+    step = predict_step_time(estimate, workload, _profile("cuda"))
+    gradients = 2 * 10**9  # the estimate's 4 GB hold DDP's bucket copy
+    all_reduce = 2 * gradients * (1 / 2) / 1e10
+    backward = 2 * ((1e7 + 4 * 1e8) / 1e11 + 1e-5)
+    bucket = 25 * 2**20 * 2 * (1 / 2) / 1e10
+    assert step.communication_s == pytest.approx(all_reduce - backward + bucket)
+    assert predict_step_time(estimate, workload.replace(nproc=1, global_batch=4), _profile("cuda")).communication_s == 0
+
+
+def test_a_named_card_is_its_published_peak_at_its_measured_matmul_efficiency():
+    profile = card_profile(gpu_spec("H100-80GB"))
+    assert profile.matmul_flops["bfloat16"] == pytest.approx(989e12 * 0.803)
+    assert profile.peak_flops == 989e12 and profile.type == "cuda"
+    assert DeviceProfile.from_dict(profile.to_dict()) == profile
+
+
+def test_a_cuda_workload_is_timed_on_its_card_with_the_kernels_cuda_would_pick():
+    workload = Workload(model="builtin:llama-tiny", seq_len=256, global_batch=32, gpu="A100-80GB")
+    estimate = predict_memory(workload, TrialConfig(micro_batch=8, precision="bf16"))
+    step = predict_step_time(estimate, workload, card_profile(gpu_spec("A100-80GB")))
+    slower = predict_step_time(estimate, workload, card_profile(gpu_spec("V100-16GB")))
+    assert 0 < step.mfu < 1 and step.step_s < slower.step_s
+    assert {op.dtype for op in estimate.step_costs.ops if op.kind == "matmul"} == {"bfloat16"}
+    assert math.isclose(step.tokens_per_s, step.samples_per_s * 256)
+    assert dataclasses.asdict(step) == step.to_dict()
