@@ -43,15 +43,18 @@ class OpCost:
     fixed_bytes: float    # moved whatever the micro batch: model states
     sample_bytes: float   # moved per sample
     count: float = 1.0    # per micro step (forward, backward) or per update
+    # Reads what the operator just before it (elementwise or a reduction, as it is) wrote: a compiler
+    # fuses the two into one kernel, and the tensor between them never goes through memory.
+    fusable: bool = False
 
     def to_list(self) -> list[Any]:
         return [self.phase, self.kind, self.name, self.dtype, self.flops, self.fixed_bytes, self.sample_bytes,
-                self.count]
+                self.count, self.fusable]
 
     @classmethod
     def from_list(cls, row: list[Any]) -> OpCost:
         return cls(str(row[0]), str(row[1]), str(row[2]), str(row[3]), float(row[4]), float(row[5]), float(row[6]),
-                   float(row[7]))
+                   float(row[7]), bool(row[8]) if len(row) > 8 else False)
 
 
 @dataclass(frozen=True)
@@ -62,11 +65,14 @@ class StepCosts:
     forward_flops_per_sample: float   # the model's forward FLOPs (what MFU counts, 3x with the backward)
     trainable_parameters: int = 0     # what the optimizer steps (and ZeRO/DDP communicate)
 
-    def micro_step(self, micro_batch: int, phase: str | None = None) -> list[tuple[str, str, float, float, float]]:
+    def micro_step(self, micro_batch: int, phase: str | None = None, *,
+                   fused: bool = False) -> list[tuple[str, str, float, float, float]]:
         """(kind, dtype, FLOPs, bytes, count) of one micro step's operators at ``micro_batch`` (of ``phase``
-        alone: forward or backward)."""
+        alone: forward or backward). ``fused``: as a compiler runs them, each chain of elementwise
+        operators one kernel (the fusable ones leave out: the chain's head moves its own bytes)."""
         return [(op.kind, op.dtype, op.flops * micro_batch, op.fixed_bytes + op.sample_bytes * micro_batch, op.count)
-                for op in self.ops if op.phase != UPDATE and phase in (None, op.phase)]
+                for op in self.ops if op.phase != UPDATE and phase in (None, op.phase)
+                and not (fused and op.fusable)]
 
     def update(self) -> list[tuple[str, str, float, float, float]]:
         return [(op.kind, op.dtype, op.flops, op.fixed_bytes + op.sample_bytes, op.count)
@@ -89,8 +95,9 @@ class CostRecorder:
         """``model_state(tensor)``: whether the tracker knows ``tensor`` as a model state (or a copy of one)."""
         self._model_state = model_state
         self.phase: str | None = None
-        self._ops: Counter[tuple[str, str, str, str, float, float, float]] = Counter()
+        self._ops: Counter[tuple[str, str, str, str, float, float, float, bool]] = Counter()
         self._derived: set[Any] = set()  # storages made from model states alone (autocast's weight copies)
+        self._last_written: set[Any] = set()  # what the last elementwise operator wrote (a chain continues from it)
         self._forward_flops = 0.0
 
     def record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, flops: float) -> None:
@@ -104,8 +111,9 @@ class CostRecorder:
             return
         from torch.utils._pytree import tree_leaves
 
-        inputs = [t for t in tree_leaves((args, kwargs)) if _is_tensor(t)]
-        outputs = [t for t in tree_leaves(out) if _is_tensor(t)]
+        # A DTensor (FSDP2's sharded weights, gradients and optimizer state) moves its local shard.
+        inputs = [_local(t) for t in tree_leaves((args, kwargs)) if _is_tensor(t)]
+        outputs = [_local(t) for t in tree_leaves(out) if _is_tensor(t)]
         mutates = func._schema.is_mutable
         kind = _kind(name)
         if kind != COLLECTIVE and (not (outputs or mutates) or (not mutates and _aliases(outputs, inputs))):
@@ -121,12 +129,14 @@ class CostRecorder:
                 sample += moved
         if inputs and all(self._state(t) for t in inputs):
             self._derived.update(_storage(t) for t in outputs)
+        fusable = kind == OTHER and any(_storage(t) in self._last_written for t in inputs)
+        self._last_written = {_storage(t) for t in outputs} if kind == OTHER else set()
         if kind == ATTENTION and _causal(func, args, kwargs):
             flops *= _CAUSAL_WORK
         dtype = str((inputs or outputs)[0].dtype).removeprefix("torch.")
         if self.phase == FORWARD:
             self._forward_flops += flops
-        self._ops[(self.phase, kind, name, dtype, float(flops), fixed, sample)] += 1
+        self._ops[(self.phase, kind, name, dtype, float(flops), fixed, sample, fusable)] += 1
 
     def _state(self, tensor: Any) -> bool:
         """A model state, or made from model states alone: moved whole whatever the micro batch."""
@@ -136,11 +146,12 @@ class CostRecorder:
         """The counts so far: ``micro_steps`` micro steps of ``micro_batch`` samples each, and one update."""
         micro_steps = max(micro_steps, 1)
         ops = tuple(
-            OpCost(phase, kind, name, dtype, flops, fixed + sample, 0.0, count) if phase == UPDATE
+            OpCost(phase, kind, name, dtype, flops, fixed + sample, 0.0, count, fusable) if phase == UPDATE
             # a micro step's operator: model-state bytes whole, the rest per sample; the traced micro
             # steps differ a little (the first assigns gradients, the next accumulate): their mean
-            else OpCost(phase, kind, name, dtype, flops / micro_batch, fixed, sample / micro_batch, count / micro_steps)
-            for (phase, kind, name, dtype, flops, fixed, sample), count in self._ops.items())
+            else OpCost(phase, kind, name, dtype, flops / micro_batch, fixed, sample / micro_batch, count / micro_steps,
+                        fusable)
+            for (phase, kind, name, dtype, flops, fixed, sample, fusable), count in self._ops.items())
         return StepCosts(ops, self._forward_flops / (micro_batch * micro_steps), trainable_parameters)
 
 
@@ -148,6 +159,10 @@ def _is_tensor(value: Any) -> bool:
     import torch
 
     return isinstance(value, torch.Tensor)
+
+
+def _local(tensor: Any) -> Any:
+    return getattr(tensor, "_local_tensor", tensor)
 
 
 def _storage(tensor: Any) -> Any:

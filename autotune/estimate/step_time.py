@@ -17,6 +17,10 @@ optimizer's update, then the communication no framework hides:
   weights in each forward and backward, overlapped (its default);
 * offload: gradients down and weights up the host link, and the optimizer step on the host.
 
+``torch.compile`` is timed from the same (eager) trace: each chain of elementwise operators, where
+one reads what the one before it wrote, runs as one kernel that moves the chain head's bytes, as
+Inductor fuses them; matmuls and attention stay as they are.
+
 Where the device profile comes from (:class:`DeviceProfile`): measured by the device probe on a
 device that is here; for a named card (``--gpu``) that is not, the card's published peaks with
 two measured efficiencies, see :func:`card_profile`.
@@ -44,11 +48,17 @@ __all__ = ["DeviceProfile", "StepTime", "card_profile", "predict_step_time"]
 # on ROCm 6.2). Cards it has not measured take the A100/H100 figure between them (0.8), a guess.
 _MAMF = {"A100-40GB": 0.869, "A100-80GB": 0.869, "H100-80GB": 0.803, "H200": 0.803, "MI300X": 0.601}
 _MAMF_UNMEASURED = 0.8
-# Small matmuls fall short of MAMF by a fixed time per kernel: XLA's measured sm_90 table
-# (xla/service/gpu/model/matmul_interpolator_data.h, bf16 on an H100) fits time = FLOPs / MAMF +
-# 5.5 us within 10% from 512x256x256 (11.5 TFLOP/s) to 4096^3 (783 TFLOP/s); see bench/README.md.
-_GPU_KERNEL_S = 5.5e-6
-_GPU_BANDWIDTH_EFFICIENCY = 0.85   # copies and elementwise kernels reach 80-90% of HBM's peak
+# Small and thin matmuls fall short of MAMF: XLA's measured sm_90 table (72 bf16 shapes on an H100,
+# b x m x n x k from 1x256x512x256 at 11.5 TFLOP/s to 1x4096^3 at 783; xla/service/gpu/model/
+# matmul_interpolator_data.h) fits time = max(FLOPs / MAMF, bytes / (80% of HBM's bandwidth)) + 6 us
+# with a root-mean-square error of 9.5% (the worst shape 33%); see bench/README.md.
+_GPU_KERNEL_S = 6e-6
+_GPU_BANDWIDTH_EFFICIENCY = 0.8
+# Fused attention reaches less of the peak than a matmul: FlashAttention-2 "50-73% of the theoretical
+# maximum FLOPs/s on A100" (Dao, 2023), "only 35% utilization on H100" (FlashAttention-3, Shah et al.,
+# 2024); PyTorch's flash SDPA kernel is FlashAttention-2. Elsewhere half the peak, a guess.
+_ATTENTION = {8: 0.6, 9: 0.35}
+_ATTENTION_UNMEASURED = 0.5
 # Eager PyTorch's host time per operator (Python, dispatcher, launch): a few microseconds to ten;
 # on a GPU it only shows where kernels are shorter (small models, small micro batches).
 _GPU_DISPATCH_S = 8e-6
@@ -74,6 +84,7 @@ class DeviceProfile:
     link_bandwidth: float              # bytes/s between ranks (one direction)
     host_link_bandwidth: float         # bytes/s to and from host memory (offload)
     peak_flops: float | None = None    # what MFU counts against (dense bf16 on a GPU)
+    attention_efficiency: float | None = None  # fused attention's FLOP/s over the matmuls' (None: as a matmul)
     source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,7 +123,8 @@ def card_profile(card: GpuSpec) -> DeviceProfile:
         flops["bfloat16"] = card.bf16_flops * efficiency
     if card.tf32_flops is not None:
         flops["tf32"] = card.tf32_flops * efficiency
-    return DeviceProfile(name=card.name, type="cuda", matmul_flops=flops,
+    attention = _ATTENTION.get(card.compute_capability[0], _ATTENTION_UNMEASURED) / efficiency
+    return DeviceProfile(name=card.name, type="cuda", matmul_flops=flops, attention_efficiency=attention,
                          memory_bandwidth=card.memory_bandwidth * _GPU_BANDWIDTH_EFFICIENCY,
                          kernel_s=_GPU_KERNEL_S, dispatch_s=_GPU_DISPATCH_S,
                          link_bandwidth=card.link_bandwidth * _LINK_EFFICIENCY,
@@ -131,8 +143,9 @@ def predict_step_time(estimate: MemoryEstimate, workload: Workload, profile: Dev
     ranks = workload.nproc
     accum = config.grad_accum_steps(workload)
     share = _rank_share(profile, ranks)
-    micro_device, micro_host = _phase_times(costs.micro_step(config.micro_batch), profile, config, share)
-    backward, _ = _phase_times(costs.micro_step(config.micro_batch, BACKWARD), profile, config, share)
+    fused = config.compile
+    micro_device, micro_host = _phase_times(costs.micro_step(config.micro_batch, fused=fused), profile, config, share)
+    backward, _ = _phase_times(costs.micro_step(config.micro_batch, BACKWARD, fused=fused), profile, config, share)
     update_device, update_host = _phase_times(costs.update(), profile, config, share)
     if config.uses_deepspeed:  # the traced update was plain AdamW on the whole model: ZeRO steps its partition
         update_device, update_host = update_device / ranks, update_host
@@ -172,6 +185,8 @@ def _phase_times(ops: list[tuple[str, str, float, float, float]], profile: Devic
         if kind == COLLECTIVE:
             continue  # timed on the link, apart
         rate = _matmul_rate(profile, dtype, config.precision) * share
+        if kind == ATTENTION and profile.attention_efficiency:
+            rate *= profile.attention_efficiency
         memory = moved / (profile.memory_bandwidth * share)
         compute = flops / rate if flops and (kind in (MATMUL, ATTENTION) or rate) else 0.0
         device += count * (max(compute, memory) + profile.kernel_s)
