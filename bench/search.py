@@ -10,9 +10,10 @@ Besides the cost to 2%, each strategy's *answer quality*: the best fitting confi
 Nothing is trained: a trial returns its grid line's result and costs the seconds that line
 recorded (``trial_seconds``). The driver's device probe (matmul speed per precision) is read from
 ``GRID.probe.json`` beside the grid, written by probing this machine the first time (the grids
-were measured here). The step-time model's device profile is this CPU's, probed at the start,
-with the grid's 16-bit matmul speeds; it times each config from the traced operators its grid line's
-estimate holds (``autotune grid --re-estimate`` adds them to an older grid). A config fits when it trained and its recorded peak is under the
+were measured here). The step-time model's device profile is the one ``autotune grid`` measured
+beside the grid before its trials (``GRID.roofline.json``; for an older grid, this CPU's, probed at
+the start, with the grid's 16-bit matmul speeds); it times each config from the traced operators
+its grid line's estimate holds (``autotune grid --re-estimate`` adds them to an older grid). A config fits when it trained and its recorded peak is under the
 budget minus the tuner's 10% headroom; a recorded peak over the budget replays as an OOM, so one
 grid measured with a generous budget replays at any smaller one. Strategies:
 
@@ -67,6 +68,7 @@ class Grid:
         lines = [line for line in lines if TrialConfig.from_dict(line["config"]) in wanted]
         if not lines:
             sys.exit(f"--space {space.name}: none of its configs is in --grid {path}")
+        self.path = path
         self.budget = budget
         self.limit = budget * (1 - HEADROOM)
         self.lines = {TrialConfig.from_dict(line["config"]): line for line in lines}
@@ -119,12 +121,16 @@ def _device_probe(grid_path: Path, precisions: tuple[str, ...]) -> dict[str, flo
 _THIS_CPU: dict[str, Any] = {}
 
 
-def _roofline(probe: dict[str, float] | None) -> dict[str, Any] | None:
-    """The step-time model's device profile for a grid: this CPU's, probed once per run (the grids'
-    machines are gone), its 16-bit matmul speeds set to the grid machine's, relative to fp32, where
-    the grid's probe file has them. Only the order of configs matters to the driver."""
+def _roofline(grid_path: Path, probe: dict[str, float] | None) -> dict[str, Any] | None:
+    """The step-time model's device profile for a grid: the one measured beside it before its trials
+    (``GRID.roofline.json``, written by ``autotune grid``); for a grid without one, this CPU's, probed
+    once per run, its 16-bit matmul speeds set to the grid machine's, relative to fp32, where the
+    grid's probe file has them (only the order of configs matters to the driver)."""
+    from autotune.search.grid import roofline_path
     from autotune.trial.device_probe import probe_profile
 
+    if roofline_path(grid_path).exists():
+        return json.loads(roofline_path(grid_path).read_text())
     if not _THIS_CPU:
         _THIS_CPU.update(probe_profile("cpu") or {})
     if not _THIS_CPU:
@@ -182,12 +188,13 @@ class GridBackend:
     def __init__(self, tally: Tally, probe: dict[str, float] | None = None) -> None:
         self.tally = tally
         self._probe = probe
+        self._grid_path = tally.grid.path
 
     def probe(self, precisions: list[str]) -> dict[str, float] | None:
         return {p: v for p, v in self._probe.items() if p in precisions} if self._probe else None
 
     def profile(self) -> dict[str, Any] | None:
-        return _roofline(self._probe)
+        return _roofline(self._grid_path, self._probe)
 
     def run(self, workload: Workload, config: TrialConfig, **_: Any) -> TrialResult:
         return self.tally.measure(config)

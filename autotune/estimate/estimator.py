@@ -770,8 +770,12 @@ def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False,
     engine.optimizer.zero_grad(set_to_none=not keep_gradients)
     tracker.costs.phase = None
     samples = micro_steps * engine.config.micro_batch
+    every = list(engine.model.parameters())
+    hidden = getattr(getattr(engine.model, "config", None), "hidden_size", None)
     costs = tracker.costs.costs(micro_batch=engine.config.micro_batch, micro_steps=micro_steps,
-                                trainable_parameters=sum(p.numel() for p in trainable))
+                                trainable_parameters=sum(p.numel() for p in trainable),
+                                parameters=sum(p.numel() for p in every), parameter_tensors=len(every),
+                                hidden_size=hidden if isinstance(hidden, int) else None)
     return _States(_bytes(parameters), gradients, _bytes(states)), tracker.flops // samples, costs
 
 

@@ -64,6 +64,9 @@ class StepCosts:
     ops: tuple[OpCost, ...]
     forward_flops_per_sample: float   # the model's forward FLOPs (what MFU counts, 3x with the backward)
     trainable_parameters: int = 0     # what the optimizer steps (and ZeRO/DDP communicate)
+    parameters: int = 0               # all of them (ZeRO-3 gathers the frozen ones too)
+    parameter_tensors: int = 0        # ZeRO-3 gathers them one module at a time
+    hidden_size: int | None = None    # sets the DeepSpeed buckets autotune configures (hidden^2 elements)
 
     def micro_step(self, micro_batch: int, phase: str | None = None, *,
                    fused: bool = False) -> list[tuple[str, str, float, float, float]]:
@@ -80,12 +83,14 @@ class StepCosts:
 
     def to_dict(self) -> dict[str, Any]:
         return {"ops": [op.to_list() for op in self.ops], "forward_flops_per_sample": self.forward_flops_per_sample,
-                "trainable_parameters": self.trainable_parameters}
+                "trainable_parameters": self.trainable_parameters, "parameters": self.parameters,
+                "parameter_tensors": self.parameter_tensors, "hidden_size": self.hidden_size}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepCosts:
         return cls(tuple(OpCost.from_list(row) for row in data["ops"]), float(data["forward_flops_per_sample"]),
-                   int(data.get("trainable_parameters", 0)))
+                   int(data.get("trainable_parameters", 0)), int(data.get("parameters", 0)),
+                   int(data.get("parameter_tensors", 0)), data.get("hidden_size"))
 
 
 class CostRecorder:
@@ -142,7 +147,8 @@ class CostRecorder:
         """A model state, or made from model states alone: moved whole whatever the micro batch."""
         return self._model_state(tensor) or _storage(tensor) in self._derived
 
-    def costs(self, *, micro_batch: int, micro_steps: int, trainable_parameters: int) -> StepCosts:
+    def costs(self, *, micro_batch: int, micro_steps: int, trainable_parameters: int, parameters: int = 0,
+              parameter_tensors: int = 0, hidden_size: int | None = None) -> StepCosts:
         """The counts so far: ``micro_steps`` micro steps of ``micro_batch`` samples each, and one update."""
         micro_steps = max(micro_steps, 1)
         ops = tuple(
@@ -152,7 +158,8 @@ class CostRecorder:
             else OpCost(phase, kind, name, dtype, flops / micro_batch, fixed, sample / micro_batch, count / micro_steps,
                         fusable)
             for (phase, kind, name, dtype, flops, fixed, sample, fusable), count in self._ops.items())
-        return StepCosts(ops, self._forward_flops / (micro_batch * micro_steps), trainable_parameters)
+        return StepCosts(ops, self._forward_flops / (micro_batch * micro_steps), trainable_parameters, parameters,
+                         parameter_tensors, hidden_size)
 
 
 def _is_tensor(value: Any) -> bool:

@@ -69,6 +69,10 @@ _DDP_BUCKET = 25 * 2**20           # DDP's last bucket is all-reduced after the 
 _HOST_ADAM_BYTES = 28              # per parameter: fp32 weight, gradient, m, v read; weight, m, v written
 _HOST_BANDWIDTH = 50e9             # a host's memory bandwidth for the offloaded optimizer step
 _NOT_HIDDEN = 0.05                 # of overlapped communication: the first gather, the last reduce
+# One NCCL collective's latency with DeepSpeed's host work around it: tens of microseconds (a guess
+# in that range; a CPU's gloo collective is measured by the device probe instead).
+_GPU_COLLECTIVE_S = 50e-6
+_DEEPSPEED_BUCKET = 500_000_000    # DeepSpeed's default bucket, in elements, without a hidden size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +88,7 @@ class DeviceProfile:
     link_bandwidth: float              # bytes/s between ranks (one direction)
     host_link_bandwidth: float         # bytes/s to and from host memory (offload)
     peak_flops: float | None = None    # what MFU counts against (dense bf16 on a GPU)
+    collective_s: float | None = None  # one small collective between ranks, beyond its bytes
     attention_efficiency: float | None = None  # fused attention's FLOP/s over the matmuls' (None: as a matmul)
     source: str = ""
 
@@ -224,23 +229,41 @@ def _communication_s(estimate: MemoryEstimate, workload: Workload, profile: Devi
     if config.uses_fsdp:
         return max(traced - compute, 0.0) + _NOT_HIDDEN * traced
     if config.uses_deepspeed:
-        stage = config.zero_stage or 0
-        weights = _trainable_16_bit_bytes(estimate)
-        moved = 2 * weights * spread          # reduce-scatter the gradients, all-gather the updated weights
-        if stage >= 3:                        # ... and gather the weights for every forward and backward
-            gathers = 2 * weights * spread * config.grad_accum_steps(workload)
-            return moved / link + max(gathers / link - compute, 0.0) + _NOT_HIDDEN * gathers / link
-        return moved / link
+        return _zero_s(estimate, workload, profile, compute, link)
     gradients = estimate.gradients_bytes / 2  # DDP's estimate counts its buckets: a second copy
     all_reduce = 2 * gradients * spread / link
     last_backward = backward if profile.type == "cuda" else 0.0  # gloo on a CPU competes for the same cores
-    return max(all_reduce - last_backward, 0.0) + min(_DDP_BUCKET, gradients) * 2 * spread / link
+    latency = profile.collective_s if profile.collective_s is not None else (
+        _GPU_COLLECTIVE_S if profile.type == "cuda" else 0.0)
+    return (max(all_reduce - last_backward, 0.0) + min(_DDP_BUCKET, gradients) * 2 * spread / link
+            + math.ceil(gradients / _DDP_BUCKET) * latency)
 
 
-def _trainable_16_bit_bytes(estimate: MemoryEstimate) -> float:
-    """The bytes of the trainable weights as DeepSpeed communicates them (in its model's dtype)."""
-    per_parameter = 4 if estimate.config.precision in ("fp32", "tf32") else 2
-    return _trainable(estimate) * per_parameter
+def _zero_s(estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile, compute: float,
+            link: float) -> float:
+    """DeepSpeed ZeRO as autotune configures it (overlap_comm off below stage 3): ZeRO-1 reduces the
+    gradients at the step's end; ZeRO-2 reduces each micro step's in the backward, bucket by bucket;
+    ZeRO-3 also gathers every weight, frozen ones too, in each forward and backward (overlapped). All
+    gather the updated weights after the step. Each bucket or gathered module costs a collective's
+    latency besides its bytes."""
+    config, ranks, costs = estimate.config, workload.nproc, estimate.step_costs
+    assert costs is not None
+    stage, accum = config.zero_stage or 0, config.grad_accum_steps(workload)
+    spread = (ranks - 1) / ranks
+    latency = profile.collective_s if profile.collective_s is not None else (
+        _GPU_COLLECTIVE_S if profile.type == "cuda" else 0.0)
+    per_parameter = 4 if config.precision in ("fp32", "tf32") else 2
+    bucket = costs.hidden_size ** 2 if costs.hidden_size else _DEEPSPEED_BUCKET
+    buckets = math.ceil(costs.trainable_parameters / bucket) if costs.trainable_parameters else 0
+    reduces = accum if stage >= 2 else 1
+    weights = costs.trainable_parameters * per_parameter
+    seconds = reduces * (weights * spread / link + buckets * latency)   # gradients
+    seconds += weights * spread / link + buckets * latency               # updated weights
+    if stage >= 3:
+        gathers = 2 * accum * costs.parameters * per_parameter * spread / link
+        hidden = max(gathers - compute, 0.0) + _NOT_HIDDEN * gathers if profile.type == "cuda" else gathers
+        seconds += hidden + 2 * accum * costs.parameter_tensors * latency
+    return seconds
 
 
 def _trainable(estimate: MemoryEstimate) -> float:

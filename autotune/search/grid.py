@@ -5,6 +5,10 @@ time the trial cost, launch to exit, which a replay charges for it) and ``worklo
 appended and flushed as trials finish, so a stopped grid keeps what it measured; running it
 again measures only the configs missing from the file.
 
+Beside the file, ``GRID.roofline.json`` keeps the device's roofline as the device probe measured it
+before the trials (what the step-time model times configs against), so a replay on another machine
+ranks the grid's configs as the driver did on the machine that measured them.
+
 Then each line gets the memory estimator's prediction for its config (``estimate``: the
 estimate, with ``estimate_seconds``, its round trip through a warm estimate server, and
 ``estimator_start_s``, what starting that server cost once), so a replayed driver can bisect
@@ -27,7 +31,7 @@ from autotune.errors import ConfigError
 from autotune.search.space import SearchSpace
 from autotune.trial.runner import run_trial
 
-__all__ = ["measure_grid", "estimate_grid", "read_grid"]
+__all__ = ["measure_grid", "estimate_grid", "read_grid", "roofline_path"]
 
 
 def measure_grid(workload: Workload, space: SearchSpace, out: Path, *, memory_budget_bytes: int | None,
@@ -38,6 +42,13 @@ def measure_grid(workload: Workload, space: SearchSpace, out: Path, *, memory_bu
     done = {TrialConfig.from_dict(line["config"]) for line in read_grid(out, workload)} if out.exists() else set()
     todo = [c for c in configs if c not in done]
     out.parent.mkdir(parents=True, exist_ok=True)
+    roofline = roofline_path(out)
+    if todo and not roofline.exists():
+        from autotune.trial.device_probe import probe_profile
+
+        profile = probe_profile(detect_device(workload.device).type)
+        if profile is not None:
+            roofline.write_text(json.dumps(profile, indent=1) + "\n")
     with out.open("a") as sink:
         for index, config in enumerate(todo, start=1):
             started = time.monotonic()
@@ -49,6 +60,11 @@ def measure_grid(workload: Workload, space: SearchSpace, out: Path, *, memory_bu
             if on_trial is not None:
                 on_trial(index, len(todo), line)
     return len(todo)
+
+
+def roofline_path(grid: Path) -> Path:
+    """Where the roofline of the machine that measured ``grid`` is kept."""
+    return grid.with_suffix(".roofline.json")
 
 
 def estimate_grid(path: Path, on_estimate: Callable[[int, int, dict[str, Any]], None] | None = None, *,

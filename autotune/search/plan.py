@@ -4,6 +4,9 @@
 each config's memory (the estimator's traced step and its CUDA figures) and its step time
 (:mod:`autotune.estimate.step_time`, the same trace against the card's roofline). Nothing runs.
 
+A model of many layers is traced as two shallow copies of itself, 2 and 4 layers, and its figures
+drawn by the straight line through them (:mod:`autotune.estimate.depth_proxy`): a 7B then costs
+two traces of a second, not one of ten; configs that trace the same step (compile, tf32) share one.
 Per family (the configs that differ only in the micro batch) the largest micro batch that fits is
 found by bisecting with the estimator, as the driver does (a straight line through each estimate
 says where the next one goes); each config of the family up to it is timed from the family's traced
@@ -18,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from autotune.search.proposer import _straight_line
+from autotune.search.proposer import straight_line
 
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
@@ -27,7 +30,7 @@ if TYPE_CHECKING:
     from autotune.estimate.step_time import DeviceProfile, StepTime
     from autotune.search.space import SearchSpace
 
-__all__ = ["Plan", "PlanRow", "plan", "plan_space", "PLAN_ERROR"]
+__all__ = ["Plan", "PlanRow", "plan", "plan_space", "shared_estimates", "PLAN_ERROR"]
 
 # The step-time model's error on published GPU runs (bench/results/plan_published.txt): configs
 # predicted within it of the top one cannot be told apart by prediction alone.
@@ -156,7 +159,7 @@ def _fitting(members: list[TrialConfig], estimator: Estimator, limit: int
             fit = index
         else:
             big = index
-        line = _straight_line(result)
+        line = straight_line(result)
         ratio = _held(result) / max(result.predicted_peak_bytes, 1)  # reserved over live tensors, as measured there
         below = [i for i in range(fit + 1, big) if line(members[i].micro_batch) * ratio <= limit]
         index = max(below, default=fit + 1) if below else fit + 1
@@ -169,7 +172,7 @@ def _fitting(members: list[TrialConfig], estimator: Estimator, limit: int
             memory, device_bytes = float(_held(nearest)), nearest.predicted_device_bytes
         else:
             ratio = _held(nearest) / max(nearest.predicted_peak_bytes, 1)
-            memory = _straight_line(nearest)(members[i].micro_batch) * ratio
+            memory = straight_line(nearest)(members[i].micro_batch) * ratio
             extra = (nearest.predicted_device_bytes - _held(nearest)) if nearest.predicted_device_bytes else None
             device_bytes = int(memory + extra) if extra is not None else None
         fitting.append((members[i], nearest, memory, device_bytes))
@@ -182,6 +185,7 @@ def plan_space(*, workload: Workload, space: str | SearchSpace = "default", memo
     from autotune.config.device import detect_device
     from autotune.config.gpus import device_info, gpu_spec
     from autotune.errors import ConfigError
+    from autotune.estimate.depth_proxy import depth_proxy
     from autotune.estimate.estimator import predict_memory
     from autotune.estimate.step_time import DeviceProfile, card_profile
     from autotune.search.space import SearchSpace, load_space
@@ -201,6 +205,29 @@ def plan_space(*, workload: Workload, space: str | SearchSpace = "default", memo
             raise ConfigError("--plan: the device probe failed on this GPU; name the card with --gpu NAME instead")
         profile = DeviceProfile.from_dict(probed)
     budget = memory_budget_bytes or device.total_memory_bytes
+    proxy = depth_proxy(workload)
+
+    def estimate(config: TrialConfig) -> MemoryEstimate:
+        if proxy is None or config.zero_stage == 3:
+            return predict_memory(workload, config)
+        return proxy.estimate(lambda proxied, c, task: predict_memory(proxied, c, task=task), config)
+
     return plan(workload=workload, space=space, profile=profile, device=device, limit_bytes=int(budget * (1 - headroom)),
-                memory_budget_bytes=budget, estimator=lambda config: predict_memory(workload, config),
-                progress=progress)
+                memory_budget_bytes=budget, estimator=shared_estimates(estimate), progress=progress)
+
+
+def shared_estimates(estimator: Estimator) -> Estimator:
+    """``estimator``, asked once for configs that trace the same step: torch.compile is traced as eager
+    and tf32 as fp32 (the same tensors; only the step time, which reads the config, tells them apart)."""
+    from dataclasses import replace
+
+    cache: dict[TrialConfig, MemoryEstimate] = {}
+
+    def estimate(config: TrialConfig) -> MemoryEstimate:
+        traced = config.replace(compile=False, precision="fp32" if config.precision == "tf32" else config.precision)
+        if traced not in cache:
+            cache[traced] = estimator(traced)
+        found = cache[traced]
+        return found if found.config == config else replace(found, config=config)
+
+    return estimate

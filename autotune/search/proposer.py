@@ -9,8 +9,9 @@ The problem has structure, and the proposer uses it instead of a black-box sampl
   is its largest that fits: its *frontier*;
 * which family is fastest depends on the model and the device, so families are ranked by the
   step-time model (each family's traced step against this device's measured roofline), corrected
-  by every measured trial (:mod:`autotune.search.throughput`). Each family is traced once for it,
-  at the micro batch its frontier search estimates first.
+  by every measured trial (:mod:`autotune.search.throughput`). A family is traced when its
+  frontier is first estimated; until then it sits at the mean of the traced ones, and a ranking
+  that traced a family on the way is made again.
 
 Each proposal is the open config ranked first whose memory is known, or predicted, to fit.
 A family's frontier is found by bisecting its micro batches with the memory estimator (no
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from autotune.search.space import SearchSpace
     from autotune.study.summary import TrialRecord
 
-__all__ = ["Proposer", "implied_too_big", "implied_fits"]
+__all__ = ["Proposer", "implied_too_big", "implied_fits", "straight_line"]
 
 Estimator = Callable[[TrialConfig], "MemoryEstimate | None"]   # None when it cannot say
 _LINE_SLACK = 0.05   # a size the straight line puts more than 5% past the threshold is not estimated
@@ -86,8 +87,11 @@ class Proposer:
         retry = next((r.config for r in records if r.status == "interrupted" and r.config in open_configs), None)
         if retry is not None:
             return retry
-        self._trace_families(open_configs)
-        return self._ranked_proposal(records, open_configs, fitting, too_big)
+        while True:  # again when the ranking traced a family on the way (its frontier's estimates): it moved
+            traced = len(self._traced)
+            proposal = self._ranked_proposal(records, open_configs, fitting, too_big)
+            if len(self._traced) == traced:
+                return proposal
 
     def _ranked_proposal(self, records: list[TrialRecord], open_configs: list[TrialConfig],
                          fitting: list[TrialConfig], too_big: list[TrialConfig]) -> TrialConfig | None:
@@ -132,18 +136,6 @@ class Proposer:
         done |= {r.config for r in records if r.status in ("running", "skipped")}
         too_big = _too_big(records)
         return [c for c in self.candidates if c not in done and not implied_too_big(c, too_big)]
-
-    def _trace_families(self, configs: list[TrialConfig]) -> None:
-        """With a device profile, every family is traced once (its middle micro batch, where its frontier
-        search starts): the step-time model ranks families by their own traced steps."""
-        if self.profile is None or self._estimator is None:
-            return
-        for config in configs:
-            family = config.replace(micro_batch=1)
-            if family not in self._traced:
-                sizes = self._family_sizes(config)
-                if self._estimate(sizes[(len(sizes) - 1) // 2]) is None:
-                    self._traced.setdefault(family, None)  # type: ignore[arg-type]  # cannot be traced: unpredicted
 
     def _predicted_throughput(self, config: TrialConfig) -> float | None:
         """log samples/s of ``config`` by the step-time model; None without a traced step of its family."""
@@ -212,7 +204,7 @@ class Proposer:
             estimate = self._estimate(family[index])
             if estimate is None:
                 return None
-            line = _straight_line(estimate)
+            line = straight_line(estimate)
             if estimate.predicted_peak_bytes <= threshold:
                 fit = index
             else:
@@ -252,7 +244,7 @@ def _too_big(records: list[TrialRecord]) -> list[TrialConfig]:
     return [r.config for r in records if r.status in ("oom", "skipped") or (r.status == "ok" and not r.fits)]
 
 
-def _straight_line(estimate: MemoryEstimate) -> Callable[[int], float]:
+def straight_line(estimate: MemoryEstimate) -> Callable[[int], float]:
     """Peak bytes against the micro batch through one estimate: model states fixed, the rest per sample."""
     states = estimate.parameters_bytes + estimate.gradients_bytes + estimate.optimizer_state_bytes
     per_sample = max(estimate.predicted_peak_bytes - states, 0) / estimate.config.micro_batch

@@ -126,8 +126,10 @@ def measure_profile(device_type: str) -> dict[str, Any]:
         pinned = torch.ones(elements, pin_memory=True)
         host_link = max(pinned.numel() * 4 / _best_time(lambda: a.copy_(pinned, non_blocking=True), sync)
                         for _ in range(_ROUNDS))
+    collective = _gloo_collective_s() if device.type == "cpu" else None
     return {"name": name, "type": device.type, "matmul_flops": flops, "memory_bandwidth": bandwidth,
             "kernel_s": 0.0 if device.type == "cpu" else dispatch, "dispatch_s": dispatch,
+            **({"collective_s": collective} if collective is not None else {}),
             # gloo between ranks on one host copies through memory: a quarter of its bandwidth is a guess
             "link_bandwidth": bandwidth / 4 if device.type == "cpu" else host_link,
             "host_link_bandwidth": host_link, "peak_flops": max(flops.values(), default=None),
@@ -135,6 +137,48 @@ def measure_profile(device_type: str) -> dict[str, Any]:
 
 
 _PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _gloo_collective_s(rounds: int = 50) -> float | None:
+    """The time of one small gloo all-reduce between two processes on this host: what each of
+    DeepSpeed's bucketed collectives costs a CPU trial's ranks beyond its bytes (None if it fails)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    ranks = [context.Process(target=_gloo_rank, args=(rank, port, rounds, results)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=60)
+        if process.is_alive():
+            process.kill()
+    times = [results.get() for _ in range(2) if not results.empty()]
+    return max(times) if len(times) == 2 and all(t is not None for t in times) else None
+
+
+def _gloo_rank(rank: int, port: int, rounds: int, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        tensor = torch.ones(1024)
+        for _ in range(5):
+            dist.all_reduce(tensor)
+        start = time.perf_counter()
+        for _ in range(rounds):
+            dist.all_reduce(tensor)
+        results.put((time.perf_counter() - start) / rounds)
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a probe that fails says nothing
+        results.put(None)
 
 
 def _tiny_training_step(torch: Any, device: Any) -> tuple[Any, int]:

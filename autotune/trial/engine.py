@@ -177,8 +177,22 @@ def _built_where_it_lives(workload: Workload, config: TrialConfig, device: torch
 
         # DeepSpeed's view of the process group the trial joined: Init partitions over its ranks.
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-        return deepspeed.zero.Init(config_dict_or_path=deepspeed_config(config, workload, device_type=device.type))
+        stack = contextlib.ExitStack()
+        stack.enter_context(deepspeed.zero.Init(config_dict_or_path=deepspeed_config(config, workload,
+                                                                                     device_type=device.type)))
+        # Transformers' weight init would index the empty partitions (an embedding's padding row:
+        # IndexError since Transformers 5); _random_partitions fills each rank's partition instead.
+        stack.enter_context(_no_transformers_init())
+        return stack
     return contextlib.nullcontext()
+
+
+def _no_transformers_init() -> Any:
+    try:
+        from transformers.initialization import no_init_weights  # Transformers 5
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights  # 4.x
+    return no_init_weights()
 
 
 def _random_partitions(model: torch.nn.Module) -> None:

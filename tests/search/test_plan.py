@@ -30,7 +30,8 @@ def test_a_plan_ranks_what_fits_and_marks_the_configs_to_verify_first(tmp_path):
 
 def test_find_plan_prints_its_table_and_json_without_running_anything(tmp_path):
     (tmp_path / "space.yaml").write_text(SPACE)
-    args = [sys.executable, "-m", "autotune", "find", "--plan", "--gpu", "H100-80GB", "--model", "builtin:llama-tiny",
+    args = [sys.executable, "-m", "autotune", "find", "--plan", "--device", "cuda", "--gpu", "H100-80GB",
+            "--model", "builtin:llama-tiny",
             "--seq-len", "256", "--global-batch", "32", "--space", str(tmp_path / "space.yaml")]
     table = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert table.returncode == 0, table.stderr

@@ -1,0 +1,434 @@
+"""Published GPU throughput rebuilt and predicted with autotune's step-time model, on this CPU.
+
+    python bench/plan_published.py [--rows F6,T1] [--grids llama-tiny,none] [--json]
+                                   [--out bench/results/plan_published.json]
+
+Part 1, published rows. Every throughput row of ``../shared/gpu-published.md`` that autotune's knobs
+can express is rebuilt as a workload and config for its card (``gpu=``, models from their configs
+in ``bench/data/published/``), traced on fake tensors (``predict_memory``) and timed against the
+card's roofline (``predict_step_time`` with ``card_profile``). Each row prints the published
+figure, the prediction and the error (predicted / published - 1): tokens/s per GPU, or
+samples/s where the source printed that (the bert-large rows). Then the median and largest
+|error|, and for each published sweep whether the predicted order is the published one.
+
+* llm-foundry MPT (F1-F7): FSDP2 full shard on 8 fake ranks, micro batch and gradient
+  accumulation as llm-foundry's benchmarking table gives them (global batch = mb x accum x 8).
+  MPT is rebuilt as a GPT-2 config (``mpt-*.json``: learned positions, MHA, 4h GELU FFN, vocab
+  50368, tied head, no dropout); GPT-2 has biases where MPT has none, and SDPA stands for MPT's
+  flash/triton attention. n_positions is the row's sequence (the 7b rows at 4096 and 8192 have
+  files of their own), so the parameter count matches llm-foundry's NumParams.
+* torchtune Llama-3.2-3B (T1-T4, T6): one A100 80GB, packed 4096 tokens, micro batch 2, no
+  accumulation, pure bf16 (``bf16-true``); each row adds one lever as torchtune's table does.
+* Transformers docs bert-large on a V100 (H1-H5): ``bench/gpu_published.py``'s rows reused as
+  they are (eager attention, the PyTorch 1.x optimizer step).
+
+Part 2, CPU grids. Each committed grid ``bench/data/GRID.jsonl`` (measured on other CPUs of this
+project) is predicted line by line with this machine's probed profile, and only the order is
+compared: Spearman's rank correlation between predicted and measured tokens/s. The llama-gqa
+grid mixes precisions: its machine's matmul speed per precision (``llama-gqa.probe.json``) sets
+the profile's bf16/fp16 matmul rates relative to this machine's fp32 rate.
+
+Known limits: ``compile`` is traced and timed as eager (T2-T4 and T6 lose compile's gain);
+torchtune's and llm-foundry's own model code is rebuilt as Transformers' Llama / GPT-2; llm-foundry's
+F7 rows ran FSDP "PURE" mixed precision (bf16 gradient reduction), rebuilt as bf16 autocast with
+fp32 reduction; T6 leaves out the activation offloading, the optimizer step in backward and the
+8-bit AdamW it was stacked on (T5's levers: -0.1%, +1.4%, -4.7% of tokens/s in the source).
+The grids' Spearman follows this machine's probe, taken anew each run: on a busy machine it moved
+by up to 0.1 between runs (the probe measured 1 core in one, 2 in the other).
+No GPU is needed. The table goes to stdout last, the figures to ``--out`` (and ``.txt`` beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gpu_published  # bench/gpu_published.py: its bert-large and torchtune rows
+
+from autotune.config.gpus import gpu_spec
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.estimate import step_time
+from autotune.estimate.estimator import MemoryEstimate, predict_memory
+from autotune.estimate.step_time import DeviceProfile, StepTime, card_profile, predict_step_time
+from autotune.search.grid import read_grid, roofline_path
+
+DATA = Path(__file__).parent / "data"
+PUBLISHED = DATA / "published"
+GRIDS = ("gpt2-deep-tiny", "llama-tiny", "llama-tiny-zero2rank", "llama-gqa")
+MPT_GPUS = 8
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str               # "F6 125m": the source's row and, where a row holds several, its variant
+    what: str
+    workload: Workload
+    config: TrialConfig
+    published: float       # per GPU, in ``unit``
+    unit: str              # "tokens/s" or "samples/s"
+    published_mfu: float | None = None
+    pytorch1_step: bool = False
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def group(self) -> str:
+        return self.key.split()[0]
+
+
+# -- part 1: the published rows ---------------------------------------------------------------------
+
+def _mpt(size: str, seq: int, mb: int, accum: int, gpu: str,
+         checkpointing: bool = False) -> tuple[Workload, TrialConfig]:
+    """An llm-foundry MPT run: FSDP full shard on 8 GPUs, bf16 autocast, SDPA for its flash attention."""
+    name = f"mpt-{size}" + ("" if seq == 2048 else f"-seq{seq}")
+    workload = Workload(model=str(PUBLISHED / f"{name}.json"), task="causal-lm", seq_len=seq,
+                        global_batch=mb * accum * MPT_GPUS, nproc=MPT_GPUS, gpu=gpu)
+    config = TrialConfig(micro_batch=mb, precision="bf16", checkpointing=checkpointing, fsdp="full", attention="sdpa")
+    return workload, config
+
+
+_MPT_NOTE = ("llm-foundry MPT as a GPT-2 config (biases, SDPA for flash); micro batch and accumulation from "
+             "llm-foundry's benchmarking table (scripts/train/benchmarking/README.md)")
+_PURE_NOTE = "FSDP 'PURE' mixed precision (bf16 gradient reduction) rebuilt as bf16 autocast, fp32 reduction"
+
+
+def _mpt_rows() -> list[Row]:
+    # (key, size, seq, mb, accum, gpu, checkpointing, tokens/s per GPU, MFU)
+    table = [
+        ("F1 7b", "7b", 2048, 6, 1, "H100-80GB", False, 10_643, 0.464),
+        ("F2 7b/4096", "7b", 4096, 16, 2, "H100-80GB", True, 8_611, 0.404),
+        ("F2 7b/8192", "7b", 8192, 8, 2, "H100-80GB", True, 6_935, 0.371),
+        ("F3 13b", "13b", 2048, 2, 1, "H100-80GB", False, 4_792, 0.398),
+        ("F4 1b", "1b", 2048, 14, 1, "H100-80GB", False, 45_455, 0.418),
+        ("F4 760m", "760m", 2048, 24, 2, "H100-80GB", False, 63_147, 0.349),
+        ("F5 7b", "7b", 2048, 6, 2, "A100-80GB", False, 4_641, 0.642),
+        ("F6 125m", "125m", 2048, 40, 2, "A100-80GB", False, 142_830, 0.448),
+        ("F6 350m", "350m", 2048, 32, 2, "A100-80GB", False, 58_782, 0.516),
+        ("F6 1b", "1b", 2048, 14, 4, "A100-80GB", False, 20_513, 0.599),
+        ("F6 3b", "3b", 2048, 10, 2, "A100-80GB", False, 10_811, 0.621),
+        ("F6 13b", "13b", 2048, 2, 3, "A100-80GB", False, 2_262, 0.596),
+        ("F7 7b", "7b", 2048, 12, 4, "A100-40GB", True, 3_679, 0.509),
+        ("F7 1b", "1b", 2048, 8, 8, "A100-40GB", False, 19_271, 0.562),
+        ("F7 125m", "125m", 2048, 26, 3, "A100-40GB", False, 136_334, 0.428),
+    ]
+    rows = []
+    for key, size, seq, mb, accum, gpu, ckpt, tokens, mfu in table:
+        what = f"MPT-{size} seq {seq} mb{mb} x{accum} {'ckpt ' if ckpt else ''}FSDP x8"
+        notes = (_MPT_NOTE,) + ((_PURE_NOTE,) if key.startswith("F7") else ())
+        rows.append(Row(key, what, *_mpt(size, seq, mb, accum, gpu, ckpt), tokens, "tokens/s", mfu, notes=notes))
+    return rows
+
+
+_COMPILE_NOTE = "torch.compile traced and timed as eager"
+
+
+def _torchtune_rows() -> list[Row]:
+    """T1 as gpu_published.py rebuilds it, then torchtune's levers one by one (its README's table)."""
+    t1 = next(row for row in gpu_published.ROWS if row.key == "T1")
+    base, note = t1.config, t1.notes[0]
+    compiled = base.replace(compile=True)
+    chunked = compiled.replace(loss="chunked")
+    checkpointed = chunked.replace(checkpointing=True)
+    # torchtune's 3B LoRA single-device defaults: r 64, alpha 128 on q, v, output and the MLP.
+    lora = checkpointed.replace(lora_rank=64, lora_alpha=128,
+                                lora_targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    steps = [("T1", "Llama-3.2-3B pure bf16, seq 4096 mb2", base, 7_075, ()),
+             ("T2", "T1 + torch.compile", compiled, 8_998, (_COMPILE_NOTE,)),
+             ("T3", "T2 + chunked cross-entropy", chunked, 9_174, (_COMPILE_NOTE,)),
+             ("T4", "T3 + checkpointing every layer", checkpointed, 7_210, (_COMPILE_NOTE,)),
+             ("T6", "T4 + LoRA r64 (q,v,o,MLP)", lora, 8_210,
+              (_COMPILE_NOTE, "without T5's levers it was stacked on (activation offload, optimizer in backward, "
+                              "8-bit AdamW); the LoRA weights in bf16 as the frozen base"))]
+    return [Row(key, what, t1.workload, config, tokens, "tokens/s", notes=(note, *extra))
+            for key, what, config, tokens, extra in steps]
+
+
+def _bert_rows() -> list[Row]:
+    """gpu_published.py's H1-H5 as they are: Trainer batch 4, samples/s as the docs printed them."""
+    samples = {"H1": 8.86, "H2": 7.75, "H3": 5.99, "H4": 18.64, "H5": 10.09}
+    return [Row(row.key, row.what, row.workload, row.config, samples[row.key], "samples/s",
+                pytorch1_step=row.pytorch1_step, notes=tuple(row.notes))
+            for row in gpu_published.ROWS if row.key in samples]
+
+
+ROWS: list[Row] = _mpt_rows() + _torchtune_rows() + _bert_rows()
+
+# Each sweep: row keys in the published order, fastest first (per GPU).
+SWEEPS: dict[str, list[str]] = {
+    "MPT sizes, A100 80GB (F6)": ["F6 125m", "F6 350m", "F6 1b", "F6 3b", "F6 13b"],
+    "MPT sizes, H100 (F4: 760m vs 1b)": ["F4 760m", "F4 1b"],
+    "MPT sizes, H100 (F1, F3, F4)": ["F4 760m", "F4 1b", "F1 7b", "F3 13b"],
+    "MPT sizes, A100 40GB (F7)": ["F7 125m", "F7 1b", "F7 7b"],
+    "MPT-7b seq 4096 vs 8192 (F2)": ["F2 7b/4096", "F2 7b/8192"],
+    "torchtune levers (T1-T4, T6)": ["T3", "T2", "T6", "T4", "T1"],
+    "bert-large V100 (H1-H5)": ["H4", "H5", "H1", "H2", "H3"],
+}
+
+NOT_EXPRESSIBLE = {
+    "T5": "the optimizer step inside backward, activation offload and bitsandbytes' 8-bit AdamW: not knobs yet",
+    "H6, H7": "Adafactor: not an optimizer autotune trains with yet",
+    "H8, H9": "bitsandbytes' 8-bit Adam: not yet",
+    "L1-L4, P1, P2": "memory only (no throughput published, L1's 2.36 min per 1k steps is on unpadded samples)",
+}
+
+
+def _kind_split(estimate: MemoryEstimate, profile: DeviceProfile) -> dict[str, float]:
+    """Diagnostic: one micro step's device seconds per operator kind, and its host (dispatch) seconds."""
+    assert estimate.step_costs is not None
+    ops = estimate.step_costs.micro_step(estimate.config.micro_batch, fused=estimate.config.compile)
+    split: dict[str, float] = {}
+    for kind in sorted({op[0] for op in ops}):
+        device, _ = step_time._phase_times([op for op in ops if op[0] == kind], profile, estimate.config, 1.0)
+        split[kind] = device
+    split["host"] = step_time._phase_times(ops, profile, estimate.config, 1.0)[1]
+    return split
+
+
+def predict_row(row: Row) -> dict[str, Any]:
+    started = time.perf_counter()
+    estimate = predict_memory(row.workload, row.config, timeout_s=1800, pytorch1_step=row.pytorch1_step)
+    assert row.workload.gpu is not None
+    profile = card_profile(gpu_spec(row.workload.gpu))
+    timed = predict_step_time(estimate, row.workload, profile)
+    assert timed is not None, f"{row.key}: the estimate has no traced step costs"
+    rate = timed.tokens_per_s if row.unit == "tokens/s" else timed.samples_per_s
+    assert rate is not None
+    predicted = rate / row.workload.nproc
+    try:
+        split = _kind_split(estimate, profile)
+    except (AttributeError, TypeError):  # step_time's private helper changed: the split is only a diagnostic
+        split = {}
+    return {"row": row.key, "group": row.group, "what": row.what, "gpu": row.workload.gpu, "unit": row.unit,
+            "published": row.published, "predicted": predicted, "error": predicted / row.published - 1,
+            "published_mfu": row.published_mfu, "predicted_mfu": timed.mfu, "step": timed.to_dict(),
+            "micro_step_split_s": split, "workload": row.workload.to_dict(), "config": row.config.to_dict(),
+            "pytorch1_step": row.pytorch1_step, "notes": list(row.notes),
+            "seconds": time.perf_counter() - started}
+
+
+def sweep_orders(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each sweep with all its rows predicted: the predicted order against the published one."""
+    predicted = {r["row"]: r["predicted"] for r in results}
+    sweeps = []
+    for name, published in SWEEPS.items():
+        if not all(key in predicted for key in published):
+            continue
+        order = sorted(published, key=lambda key: -predicted[key])
+        pairs = [(a, b) for i, a in enumerate(published) for b in published[i + 1:]]
+        wrong = [f"{a} vs {b}" for a, b in pairs if predicted[a] <= predicted[b]]  # a tie is not the order
+        sweeps.append({"sweep": name, "published_order": published, "predicted_order": order,
+                       "matches": not wrong, "pairs": len(pairs), "pairs_out_of_order": wrong})
+    return sweeps
+
+
+def _figure(value: float, unit: str) -> str:
+    return f"{value:,.0f}" if unit == "tokens/s" else f"{value:.2f}"
+
+
+def _parts(result: dict[str, Any]) -> str:
+    step = result["step"]
+    parts = [f"step {step['step_s']:.3f} s: compute {step['compute_s'] / step['step_s']:.0%}",
+             f"update {step['update_s'] / step['step_s']:.0%}", f"comm {step['communication_s'] / step['step_s']:.0%}"]
+    split = result["micro_step_split_s"]
+    device = sum(v for k, v in split.items() if k not in ("host", "collective"))
+    if device:
+        parts.append("micro step: " + ", ".join(f"{k} {v / device:.0%}" for k, v in split.items()
+                                                if k not in ("host", "collective") and v))
+        if split.get("host", 0) > device:
+            parts.append(f"host-bound ({split['host'] / device:.1f}x the device)")
+    return "; ".join(parts)
+
+
+def published_table(results: list[dict[str, Any]], sweeps: list[dict[str, Any]]) -> list[str]:
+    lines = ["| row | config | GPU | unit per GPU | published | predicted | error | MFU pub / pred | predicted parts |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        mfu = (f"{r['published_mfu']:.1%} / {r['predicted_mfu']:.1%}" if r["published_mfu"] and r["predicted_mfu"]
+               else (f"- / {r['predicted_mfu']:.1%}" if r["predicted_mfu"] else "-"))
+        lines.append(f"| {r['row']} | {r['what']} | {r['gpu']} | {r['unit']} | {_figure(r['published'], r['unit'])} | "
+                     f"{_figure(r['predicted'], r['unit'])} | {r['error']:+.1%} | {mfu} | {_parts(r)} |")
+    if results:
+        errors = [abs(r["error"]) for r in results]
+        worst = max(results, key=lambda r: abs(r["error"]))
+        lines += ["", "MFU: llm-foundry's counts attention's whole s x s square; the predicted one counts the traced "
+                      "FLOPs (causal attention at half). The predicted parts: the step's shares, then one micro step's "
+                      "device time per operator kind (diagnostic).",
+                  "", f"median |error| {statistics.median(errors):.1%}, largest {max(errors):.1%} ({worst['row']}) "
+                      f"over {len(results)} rows"]
+    if sweeps:
+        lines += ["", "Order within each published sweep (fastest first):"]
+        for s in sweeps:
+            wrong = s["pairs_out_of_order"]
+            verdict = "matches" if s["matches"] else f"differs ({len(wrong)} of {s['pairs']} pairs: {'; '.join(wrong)})"
+            lines.append(f"- {s['sweep']}: {verdict}; published {' > '.join(s['published_order'])}, "
+                         f"predicted {' > '.join(s['predicted_order'])}")
+    lines += ["", "Not expressible:"] + [f"- {key}: {why}" for key, why in NOT_EXPRESSIBLE.items()]
+    noted: dict[str, list[str]] = {}
+    for r in results:
+        for note in r["notes"]:
+            noted.setdefault(note, []).append(r["row"])
+    lines += ["", "Row notes:"] + [f"- {', '.join(rows)}: {note}" for note, rows in noted.items()]
+    return lines
+
+
+# -- part 2: the CPU grids --------------------------------------------------------------------------
+
+def cpu_profile(grid: str, probed: DeviceProfile) -> tuple[DeviceProfile, str]:
+    """The roofline measured beside the grid before its trials (``GRID.roofline.json``, written by
+    ``autotune grid``); for an older grid, this machine's profile, with the grid's machine's matmul
+    speed per precision where it was stored."""
+    roofline = roofline_path(DATA / f"{grid}.jsonl")
+    if roofline.exists():
+        return DeviceProfile.from_dict(json.loads(roofline.read_text())), "the grid machine's roofline, probed before its trials"
+    probe_path = DATA / f"{grid}.probe.json"
+    if not probe_path.exists():
+        return probed, "this machine's probed profile as it is"
+    relative = json.loads(probe_path.read_text())  # precision -> matmul speed over fp32's on the grid's machine
+    fp32 = probed.matmul_flops["float32"]
+    flops = dict(probed.matmul_flops)
+    for precision, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+        if precision in relative:
+            flops[dtype] = fp32 * relative[precision]
+    described = ", ".join(f"{p} {relative[p]:.3g}x" for p in ("bf16", "fp16") if p in relative)
+    return (dataclasses.replace(probed, matmul_flops=flops),
+            f"this machine's profile, bf16/fp16 matmuls set to fp32's x the grid machine's probe ({described})")
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rho: Pearson's correlation of the ranks, ties given their mean rank."""
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def predict_grid(grid: str, probed: DeviceProfile) -> dict[str, Any]:
+    started = time.perf_counter()
+    profile, how = cpu_profile(grid, probed)
+    lines = []
+    for line in read_grid(DATA / f"{grid}.jsonl"):
+        if line["status"] != "ok" or not line.get("tokens_per_s"):
+            continue
+        workload = Workload.from_dict(line["workload"]).replace(device="cpu")
+        config = TrialConfig.from_dict(line["config"])
+        timed: StepTime | None = predict_step_time(predict_memory(workload, config, timeout_s=600), workload, profile)
+        assert timed is not None and timed.tokens_per_s is not None
+        lines.append({"config": config.describe(), "precision": config.precision, "measured": line["tokens_per_s"],
+                      "predicted": timed.tokens_per_s})
+    measured, predicted = [x["measured"] for x in lines], [x["predicted"] for x in lines]
+    best_predicted = max(lines, key=lambda x: x["predicted"])
+    precisions = sorted({x["precision"] for x in lines})
+    within = {p: spearman([x["predicted"] for x in lines if x["precision"] == p],
+                          [x["measured"] for x in lines if x["precision"] == p]) for p in precisions}
+    return {"grid": grid, "profile": how, "lines": lines, "spearman": spearman(predicted, measured),
+            "spearman_within_precision": within if len(precisions) > 1 else {},
+            "predicted_best": best_predicted["config"],
+            "predicted_best_over_measured_best": best_predicted["measured"] / max(measured),
+            "measured_best": max(lines, key=lambda x: x["measured"])["config"],
+            "seconds": time.perf_counter() - started}
+
+
+def grid_table(grids: list[dict[str, Any]], probed: DeviceProfile) -> list[str]:
+    lines = ["CPU grids (measured on other CPUs of this project; predicted with this machine's probed profile, "
+             f"{probed.name}: only the order is compared, not the figures):", "",
+             "| grid | ok lines | Spearman (predicted vs measured tokens/s) | predicted best | its measured tokens/s "
+             "over the grid's best | profile |", "|---|---|---|---|---|---|"]
+    for g in grids:
+        within = ", ".join(f"{p} {rho:+.2f}" for p, rho in g["spearman_within_precision"].items())
+        rho = f"{g['spearman']:+.2f}" + (f" (within one precision: {within})" if within else "")
+        lines.append(f"| {g['grid']} | {len(g['lines'])} | {rho} | {g['predicted_best']} "
+                     f"(measured best: {g['measured_best']}) | {g['predicted_best_over_measured_best']:.0%} | "
+                     f"{g['profile']} |")
+    return lines
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+def _wanted(option: str | None, names: list[str], of: Any = lambda name: name) -> list[Any]:
+    if option is None:
+        return names
+    keys = set(option.split(","))
+    return [n for n in names if of(n) in keys or (isinstance(n, Row) and n.key in keys)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", help="comma-separated rows or groups (F6, T1, 'F2 7b/4096'); none: skip part 1")
+    parser.add_argument("--grids", help=f"comma-separated grids of {', '.join(GRIDS)}; none: skip part 2")
+    parser.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/plan_published.json"))
+    args = parser.parse_args()
+    started = time.perf_counter()
+    log = sys.stderr if args.json else sys.stdout
+
+    results = []
+    for row in _wanted(args.rows, ROWS, lambda r: r.group):
+        results.append(predict_row(row))
+        r = results[-1]
+        print(f"{row.key}: {_figure(r['predicted'], row.unit)} {row.unit} predicted, "
+              f"{_figure(row.published, row.unit)} published, {r['error']:+.1%} ({r['seconds']:.0f} s)",
+              file=log, flush=True)
+    sweeps = sweep_orders(results)
+
+    grids: list[dict[str, Any]] = []
+    probed = None
+    grid_names = _wanted(args.grids, list(GRIDS))
+    if grid_names:
+        from autotune.trial.device_probe import probe_profile
+
+        measured = probe_profile("cpu")
+        if measured is None:
+            sys.exit("the CPU device probe failed: no profile to predict the grids with")
+        probed = DeviceProfile.from_dict(measured)
+        for grid in grid_names:
+            grids.append(predict_grid(grid, probed))
+            print(f"{grid}: Spearman {grids[-1]['spearman']:+.2f} over {len(grids[-1]['lines'])} lines "
+                  f"({grids[-1]['seconds']:.0f} s)", file=log, flush=True)
+
+    seconds = time.perf_counter() - started
+    lines = published_table(results, sweeps) if results else []
+    if grids:
+        assert probed is not None
+        lines += ([""] if lines else []) + grid_table(grids, probed)
+    lines += ["", f"{seconds:.0f} s in all"]
+    table = "\n".join(lines)
+    options = [f"--rows '{args.rows}'" if args.rows else "", f"--grids {args.grids}" if args.grids else "",
+               f"--out {args.out}" if args.out != parser.get_default("out") else ""]
+    command = " ".join(["python bench/plan_published.py", *filter(None, options)])
+    errors = [abs(r["error"]) for r in results]
+    summary = {"median_abs_error": statistics.median(errors) if errors else None,
+               "max_abs_error": max(errors) if errors else None, "sweeps": sweeps,
+               "spearman": {g["grid"]: g["spearman"] for g in grids}, "seconds": seconds}
+    document = {"command": command, "rows": results, "summary": summary, "grids": grids,
+                "cpu_profile": probed.to_dict() if probed else None, "not_expressible": NOT_EXPRESSIBLE}
+    print(json.dumps(document, indent=2) if args.json else table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(document, indent=2) + "\n")
+    args.out.with_suffix(".txt").write_text(f"$ {command}\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
