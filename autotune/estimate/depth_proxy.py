@@ -7,9 +7,11 @@ tensor peak and its parts, the FLOPs, and each operator's count. What does not g
 is taken from the 4-layer copy: the caching allocator's reserve, as a ratio of the tensor peak (its
 rounding and cached blocks scale with the blocks it holds), and the device's fixed context.
 
-Checked on Llama-2-7B at seq 4096 on 8 H100s (full traces against proxies, 2026-11-24): FSDP2 full
-shard tensor peak 18.6 vs 19.2 GiB... (see bench/README.md, "find --plan"). Not used where a layer's
-cost is not its own: ZeRO-3 (DeepSpeed gathers up to a fixed number of parameters at once),
+Checked on Llama-2-7B at seq 4096 on 8 H100s, the full trace against the proxies' line: FSDP2 full
+shard, bf16, checkpointing, micro batch 2: tensor peak 18.64 / 19.17 GiB, reserved 21.75 / 22.26,
+step time equal (9.7 s of tracing against 1.6); ZeRO-2 bf16 micro batch 1: peak equal, reserved
+49.13 / 51.69 GiB (+5%, on the safe side), step time equal. Not used where a layer's cost is not
+its own: ZeRO-3 (DeepSpeed gathers up to a fixed number of parameters at once),
 encoder-decoder models (two stacks), factories (no config to shorten), models of 6 layers or fewer
 (a full trace is as cheap).
 """
@@ -101,6 +103,17 @@ def extrapolate(two: MemoryEstimate, four: MemoryEstimate, layers: int) -> Memor
         seconds=two.seconds + four.seconds)
 
 
+def _totals(counted: Counter[OpCost], ops: set[OpCost]) -> dict[tuple[str, str, str, str, bool], tuple[float, ...]]:
+    """Per (phase, kind, operator, dtype, fusable): count, FLOPs, model-state bytes, per-sample bytes in all."""
+    totals: dict[tuple[str, str, str, str, bool], tuple[float, ...]] = {}
+    for op in ops:
+        n = counted[op]
+        key = (op.phase, op.kind, op.name, op.dtype, op.fusable)
+        c, f, x, s = totals.get(key, (0.0, 0.0, 0.0, 0.0))
+        totals[key] = (c + n, f + n * op.flops, x + n * op.fixed_bytes, s + n * op.sample_bytes)
+    return totals
+
+
 def _extrapolated_costs(two: StepCosts | None, four: StepCosts | None,
                         line: Callable[[float, float], float]) -> StepCosts | None:
     if two is None or four is None:
@@ -113,9 +126,20 @@ def _extrapolated_costs(two: StepCosts | None, four: StepCosts | None,
         return counted
 
     a, b = counts(two), counts(four)
-    ops = tuple(dataclasses.replace(op, count=count) for op in a.keys() | b.keys()
-                if (count := line(a.get(op, 0.0), b.get(op, 0.0))) > 0)
-    return StepCosts(ops, line(two.forward_flops_per_sample, four.forward_flops_per_sample),
+    # An operator of each layer costs the same at both depths: its count grows on the line.
+    ops = [dataclasses.replace(op, count=count) for op in a.keys() & b.keys()
+           if (count := line(a[op], b[op])) > 0]
+    # One whose size grows with the depth instead (foreach optimizer kernels over every weight, the
+    # embedding's gradient...): its operators of a kind, their count and totals, each on its line.
+    left_a, left_b = _totals(a, a.keys() - b.keys()), _totals(b, b.keys() - a.keys())
+    for group in left_a.keys() | left_b.keys():
+        zero = (0.0, 0.0, 0.0, 0.0)
+        count, flops, fixed, sample = (line(x, y) for x, y in zip(left_a.get(group, zero), left_b.get(group, zero)))
+        if count > 0:
+            phase, kind, name, dtype, fusable = group
+            ops.append(OpCost(phase, kind, name, dtype, max(flops, 0.0) / count, max(fixed, 0.0) / count,
+                              max(sample, 0.0) / count, count, fusable))
+    return StepCosts(tuple(ops), line(two.forward_flops_per_sample, four.forward_flops_per_sample),
                      int(round(line(two.trainable_parameters, four.trainable_parameters))),
                      int(round(line(two.parameters, four.parameters))),
                      int(round(line(two.parameter_tensors, four.parameter_tensors))), four.hidden_size)

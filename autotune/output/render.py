@@ -251,6 +251,15 @@ class ConsoleProgress:
             self._spinner = None
 
 
+def _grouped(reasons: list[str]) -> dict[str, list[str]]:
+    """'family: reason' lines by reason, so that one reason is said once."""
+    grouped: dict[str, list[str]] = {}
+    for line in reasons:
+        family, _, why = line.partition(": ")
+        grouped.setdefault(why, []).append(family)
+    return grouped
+
+
 def print_plan(plan: Plan, workload: Workload, *, console: Console | None = None, top: int = 20) -> None:
     """``find --plan``: the fitting configs, fastest first (the first ``top``), and what the figures are."""
     from autotune.search.plan import PLAN_ERROR
@@ -275,5 +284,6 @@ def print_plan(plan: Plan, workload: Workload, *, console: Console | None = None
     console.print(f"memory: what the caching allocator reserves (~: its family's straight line through an estimate); "
                   f"verify first: within the model's {PLAN_ERROR:.0%} error of the top one: the trials to run on the card")
     console.print(f"step time: the traced step's operators timed against {plan.profile_source}")
-    for why in plan.not_estimated:
-        console.print(f"not planned: {why}")
+    for why, families in _grouped(plan.not_estimated).items():
+        console.print(f"not planned ({len(families)} families: {', '.join(families[:3])}"
+                      f"{', ...' if len(families) > 3 else ''}): {why}")

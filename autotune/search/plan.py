@@ -212,19 +212,24 @@ def plan_space(*, workload: Workload, space: str | SearchSpace = "default", memo
             return predict_memory(workload, config)
         return proxy.estimate(lambda proxied, c, task: predict_memory(proxied, c, task=task), config)
 
+    # fp16 and bf16 hold the same tensors; where the card multiplies both as fast, one trace times both.
+    twins = profile.matmul_flops.get("float16") == profile.matmul_flops.get("bfloat16")
     return plan(workload=workload, space=space, profile=profile, device=device, limit_bytes=int(budget * (1 - headroom)),
-                memory_budget_bytes=budget, estimator=shared_estimates(estimate), progress=progress)
+                memory_budget_bytes=budget, estimator=shared_estimates(estimate, fp16_as_bf16=twins),
+                progress=progress)
 
 
-def shared_estimates(estimator: Estimator) -> Estimator:
+def shared_estimates(estimator: Estimator, *, fp16_as_bf16: bool = False) -> Estimator:
     """``estimator``, asked once for configs that trace the same step: torch.compile is traced as eager
-    and tf32 as fp32 (the same tensors; only the step time, which reads the config, tells them apart)."""
+    and tf32 as fp32 (the same tensors; only the step time, which reads the config, tells them apart);
+    with ``fp16_as_bf16``, fp16 as bf16 (same sizes; the card multiplies both at one rate)."""
     from dataclasses import replace
 
     cache: dict[TrialConfig, MemoryEstimate] = {}
+    traced_as = {"tf32": "fp32", **({"fp16": "bf16"} if fp16_as_bf16 else {})}
 
     def estimate(config: TrialConfig) -> MemoryEstimate:
-        traced = config.replace(compile=False, precision="fp32" if config.precision == "tf32" else config.precision)
+        traced = config.replace(compile=False, precision=traced_as.get(config.precision, config.precision))
         if traced not in cache:
             cache[traced] = estimator(traced)
         found = cache[traced]
