@@ -22,11 +22,11 @@ samples/s where the source printed that (the bert-large rows). Then the median a
 * Transformers docs bert-large on a V100 (H1-H5): ``bench/gpu_published.py``'s rows reused as
   they are (eager attention, the PyTorch 1.x optimizer step).
 
-Part 2, CPU grids. Each committed grid ``bench/data/GRID.jsonl`` (measured on other CPUs of this
-project) is predicted line by line with this machine's probed profile, and only the order is
-compared: Spearman's rank correlation between predicted and measured tokens/s. The llama-gqa
-grid mixes precisions: its machine's matmul speed per precision (``llama-gqa.probe.json``) sets
-the profile's bf16/fp16 matmul rates relative to this machine's fp32 rate.
+Part 2, CPU grids. Each committed grid ``bench/data/GRID.jsonl`` is predicted line by line with
+the roofline measured beside it before its trials (``GRID.roofline.json``; for an older grid
+without one, this machine's probed profile with the grid's 16-bit matmul speeds from
+``GRID.probe.json``), and the order is compared: Spearman's rank correlation between predicted
+and measured tokens/s.
 
 Known limits: ``compile`` is traced and timed as eager (T2-T4 and T6 lose compile's gain);
 torchtune's and llm-foundry's own model code is rebuilt as Transformers' Llama / GPT-2; llm-foundry's

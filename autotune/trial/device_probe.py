@@ -120,7 +120,7 @@ def measure_profile(device_type: str) -> dict[str, Any]:
         per_op = _best_time(step, sync) / operators
         dispatch = per_op if not dispatch else min(dispatch, per_op)
     cores = torch.get_num_threads() if device.type == "cpu" else None
-    name = (torch.cuda.get_device_name(0) if device.type == "cuda" else f"this CPU ({cores} cores)")
+    name = (torch.cuda.get_device_name(0) if device.type == "cuda" else f"this CPU ({cores} core{'s' if cores != 1 else ''})")
     host_link = 25e9  # measured below on a GPU; a CPU has no link to its own memory
     if device.type == "cuda":
         pinned = torch.ones(elements, pin_memory=True)

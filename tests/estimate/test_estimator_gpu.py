@@ -92,3 +92,20 @@ def test_reserved_and_device_predictions_are_within_10_percent_of_the_card(model
     assert abs(predicted.predicted_reserved_bytes / measured["reserved"] - 1) <= 0.10, (predicted.to_dict(), measured)
     device_measured = measured["used"] - used_before  # the child alone: its context, its reserve, its workspaces
     assert abs(predicted.predicted_device_bytes / device_measured - 1) <= 0.15, (predicted.to_dict(), measured)
+
+
+def test_the_step_time_on_the_probed_gpu_is_within_30_percent_of_a_trial():
+    """The device probe measures this GPU's roofline; the traced step timed against it is checked
+    against a real trial's step (the published rows' median error is 17%; this is one small model)."""
+    from autotune.estimate.step_time import DeviceProfile, predict_step_time
+    from autotune.trial.device_probe import probe_profile
+
+    probed = probe_profile("cuda")
+    assert probed is not None and probed["matmul_flops"]["float32"] > 1e12 and probed["type"] == "cuda"
+    profile = DeviceProfile.from_dict(probed)
+    workload = Workload(model="builtin:gpt2", seq_len=512, global_batch=8, device="cuda")
+    config = TrialConfig(micro_batch=8, precision="bf16")
+    step = predict_step_time(predict_memory(workload, config), workload, profile)
+    measured = run_trial(workload, config, warmup_steps=2, measure_steps=5)
+    assert measured.ok, measured.error
+    assert abs(step.step_s / measured.step_time_median_s - 1) <= 0.30, (step.to_dict(), measured.step_time_median_s)
