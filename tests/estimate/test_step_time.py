@@ -63,7 +63,7 @@ def test_one_trace_answers_every_micro_batch_of_its_family():
 def _profile(kind: str) -> DeviceProfile:
     return DeviceProfile(name="hand", type=kind, matmul_flops={"float32": 1e12}, memory_bandwidth=1e11,
                          kernel_s=1e-5, dispatch_s=2e-5, link_bandwidth=1e10, host_link_bandwidth=1e10,
-                         peak_flops=2e12)
+                         peak_flops=2e12, collective_s=1e-4)
 
 
 def _hand_estimate(config: TrialConfig, costs: StepCosts) -> MemoryEstimate:
@@ -104,7 +104,8 @@ def test_ddp_waits_for_the_all_reduce_the_last_backward_does_not_hide():
     all_reduce = 2 * gradients * (1 / 2) / 1e10
     backward = 2 * ((1e7 + 4 * 1e8) / 1e11 + 1e-5)
     bucket = 25 * 2**20 * 2 * (1 / 2) / 1e10
-    assert step.communication_s == pytest.approx(all_reduce - backward + bucket)
+    latency = math.ceil(gradients / (25 * 2**20)) * 1e-4  # one collective per 25 MiB bucket
+    assert step.communication_s == pytest.approx(all_reduce - backward + bucket + latency)
     assert predict_step_time(estimate, workload.replace(nproc=1, global_batch=4), _profile("cuda")).communication_s == 0
 
 
@@ -124,3 +125,23 @@ def test_a_cuda_workload_is_timed_on_its_card_with_the_kernels_cuda_would_pick()
     assert {op.dtype for op in estimate.step_costs.ops if op.kind == "matmul"} == {"bfloat16"}
     assert math.isclose(step.tokens_per_s, step.samples_per_s * 256)
     assert dataclasses.asdict(step) == step.to_dict()
+
+
+def test_zero_communicates_as_deepspeed_runs_each_stage():
+    """ZeRO-1 reduces once a step, ZeRO-2 every micro step, ZeRO-3 also gathers every weight (frozen ones
+    too) in each forward and backward; each bucket (hidden^2 elements) and gathered tensor costs a latency."""
+    costs = dataclasses.replace(HAND, trainable_parameters=10**6, parameters=4 * 10**6, parameter_tensors=10,
+                                hidden_size=100)
+    workload = Workload(model="builtin:llama-tiny", seq_len=128, global_batch=16, nproc=2, device="cpu")
+    profile = _profile("cpu")
+
+    def comm(stage: int) -> float:
+        config = TrialConfig(micro_batch=2, zero_stage=stage)  # 4 micro steps a rank
+        return predict_step_time(_hand_estimate(config, costs), workload, profile).communication_s
+
+    weights, buckets, link = 4 * 10**6 * 0.5, 100, 1e10   # fp32 bytes over 2 ranks, 10**6 / 100**2 buckets
+    once = weights / link + buckets * 1e-4
+    assert comm(1) == pytest.approx(2 * once)
+    assert comm(2) == pytest.approx(4 * once + once)
+    gathers = 2 * 4 * (4 * 4 * 10**6 * 0.5) / link + 2 * 4 * 10 * 1e-4  # nothing hidden on a CPU
+    assert comm(3) == pytest.approx(5 * once + gathers)

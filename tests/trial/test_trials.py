@@ -78,6 +78,14 @@ def test_zero_stages_run_through_real_deepspeed(stage, offload):
     assert r.grad_accum_steps == 2 and math.isfinite(r.final_loss)
 
 
+def test_zero3_builds_a_model_whose_embedding_has_a_padding_row():
+    # Llama's embedding zeroes its padding row at init; under deepspeed.zero.Init the partitions are
+    # empty, and Transformers 5's init indexed them (IndexError) until its init was left out there.
+    r = trial(Workload(model="builtin:llama-tiny", seq_len=32, global_batch=8), micro_batch=4, zero_stage=3)
+    assert r.status is TrialStatus.OK, r.error
+    assert math.isfinite(r.final_loss)
+
+
 def test_zero2_holds_less_optimizer_state_per_rank_than_zero0_on_two_ranks():
     workload = GPT2.replace(nproc=2)
     zero0 = trial(workload, micro_batch=4, zero_stage=0)
