@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -187,12 +187,25 @@ def _built_where_it_lives(workload: Workload, config: TrialConfig, device: torch
     return contextlib.nullcontext()
 
 
-def _no_transformers_init() -> Any:
+@contextlib.contextmanager
+def _no_transformers_init() -> Iterator[None]:
+    """Transformers builds the model without initialising its weights (each module marked as done);
+    everything else post_init does, tying the LM head to the embedding included, still happens."""
+    from transformers import PreTrainedModel
+
+    original = getattr(PreTrainedModel, "_initialize_weights", None)
+    if original is None:  # a Transformers without the per-module hook: as it is
+        yield
+        return
+
+    def mark_done(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        module._is_hf_initialized = True
+
+    PreTrainedModel._initialize_weights = mark_done
     try:
-        from transformers.initialization import no_init_weights  # Transformers 5
-    except ImportError:
-        from transformers.modeling_utils import no_init_weights  # 4.x
-    return no_init_weights()
+        yield
+    finally:
+        PreTrainedModel._initialize_weights = original
 
 
 def _random_partitions(model: torch.nn.Module) -> None:
