@@ -28,11 +28,12 @@ two measured efficiencies, see :func:`card_profile`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from autotune.estimate.step_costs import ATTENTION, BACKWARD, COLLECTIVE, MATMUL
+from autotune.estimate.step_costs import ATTENTION, BACKWARD, COLLECTIVE
 
 if TYPE_CHECKING:
     from autotune.config.gpus import GpuSpec
@@ -167,14 +168,21 @@ def predict_step_time(estimate: MemoryEstimate, workload: Workload, profile: Dev
     offload = _offload_s(estimate, workload, profile)
     step = compute + update + communication + offload
     samples_per_s = workload.global_batch / step
-    from autotune.models.sources import resolve_task
-
-    tokens_per_sample = workload.tokens_per_sample(task or resolve_task(workload))
+    tokens_per_sample = _tokens_per_sample(workload, task)
     tokens_per_s = samples_per_s * tokens_per_sample if tokens_per_sample else None
     model_flops = 3 * costs.forward_flops_per_sample * samples_per_s / ranks
     mfu = model_flops / profile.peak_flops if profile.peak_flops else None
     return StepTime(step_s=step, compute_s=compute, update_s=update, communication_s=communication,
                     offload_s=offload, samples_per_s=samples_per_s, tokens_per_s=tokens_per_s, mfu=mfu)
+
+
+@functools.lru_cache(maxsize=64)
+def _tokens_per_sample(workload: Workload, task: str | None) -> int | None:
+    """Tokens a sample of ``workload`` holds (None where it holds none); cached: the driver times many
+    configs of one workload, and the task comes from the model's config."""
+    from autotune.models.sources import resolve_task
+
+    return workload.tokens_per_sample(task or resolve_task(workload))
 
 
 def _rank_share(profile: DeviceProfile, ranks: int) -> float:
@@ -193,7 +201,7 @@ def _phase_times(ops: list[tuple[str, str, float, float, float]], profile: Devic
         if kind == ATTENTION and profile.attention_efficiency:
             rate *= profile.attention_efficiency
         memory = moved / (profile.memory_bandwidth * share)
-        compute = flops / rate if flops and (kind in (MATMUL, ATTENTION) or rate) else 0.0
+        compute = flops / rate if flops else 0.0
         device += count * (max(compute, memory) + profile.kernel_s)
         host += count * profile.dispatch_s
     return device, host
