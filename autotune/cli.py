@@ -664,7 +664,7 @@ def estimate(
     CUDA would pick it, as the output says.
     """
     from autotune.estimate.cuda_memory import describe_figures
-    from autotune.estimate.step_time import predict_step_time
+    from autotune.estimate.step_time import predict_step_time, profile_for
     from autotune.estimate.estimator import (
         EstimateError,
         predict_memory,
@@ -695,7 +695,7 @@ def estimate(
             config.validate_for(workload, device)
     limit = int(budget * (1 - headroom)) if budget is not None else None
     resolved_task = resolve_task(workload)
-    profile = _step_profile(workload, device)
+    profile = profile_for(workload, device.type if device is not None else None)  # None: nowhere to time it
     for index, config in enumerate(configs):
         try:
             result = predict_memory(workload, config, task=resolved_task)
@@ -734,23 +734,6 @@ def estimate(
             print(f"step: one optimizer step of the whole --global-batch, its traced operators timed against "
                   f"{profile.describe()}; nothing was run")
     return 0
-
-
-def _step_profile(workload: Workload, device: Any) -> Any:
-    """The roofline the estimate's step is timed on: the named card's, or this device's (probed now),
-    or None (a CUDA workload on a machine without a GPU, no card named)."""
-    from autotune.estimate.step_time import DeviceProfile, card_profile
-
-    if workload.gpu is not None:
-        from autotune.config.gpus import gpu_spec
-
-        return card_profile(gpu_spec(workload.gpu))
-    if device is None:
-        return None
-    from autotune.trial.device_probe import probe_profile
-
-    probed = probe_profile(device.type)
-    return DeviceProfile.from_dict(probed) if probed else None
 
 
 def _rate_unit(step: Any) -> str:

@@ -41,7 +41,6 @@ No GPU is needed. The table goes to stdout last, the figures to ``--out`` (and `
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -51,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import gpu_published  # bench/gpu_published.py: its bert-large and torchtune rows
+from search import grid_roofline  # bench/search.py: the grids' rooflines as the replays take them
 
 from autotune.config.gpus import gpu_spec
 from autotune.config.knobs import TrialConfig
@@ -58,7 +58,7 @@ from autotune.config.workload import Workload
 from autotune.estimate import step_time
 from autotune.estimate.estimator import MemoryEstimate, predict_memory
 from autotune.estimate.step_time import DeviceProfile, StepTime, card_profile, predict_step_time
-from autotune.search.grid import read_grid, roofline_path
+from autotune.search.grid import read_grid
 
 DATA = Path(__file__).parent / "data"
 PUBLISHED = DATA / "published"
@@ -281,25 +281,15 @@ def published_table(results: list[dict[str, Any]], sweeps: list[dict[str, Any]])
 
 # -- part 2: the CPU grids --------------------------------------------------------------------------
 
-def cpu_profile(grid: str, probed: DeviceProfile) -> tuple[DeviceProfile, str]:
-    """The roofline measured beside the grid before its trials (``GRID.roofline.json``, written by
-    ``autotune grid``); for an older grid, this machine's profile, with the grid's machine's matmul
-    speed per precision where it was stored."""
-    roofline = roofline_path(DATA / f"{grid}.jsonl")
-    if roofline.exists():
-        return DeviceProfile.from_dict(json.loads(roofline.read_text())), "the grid machine's roofline, probed before its trials"
+def cpu_profile(grid: str) -> tuple[DeviceProfile, str]:
+    """The grid's roofline as the replays take it (``search.grid_roofline``: measured beside the grid,
+    or for an older grid this machine's, with the grid machine's matmul speed per precision)."""
     probe_path = DATA / f"{grid}.probe.json"
-    if not probe_path.exists():
-        return probed, "this machine's probed profile as it is"
-    relative = json.loads(probe_path.read_text())  # precision -> matmul speed over fp32's on the grid's machine
-    fp32 = probed.matmul_flops["float32"]
-    flops = dict(probed.matmul_flops)
-    for precision, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
-        if precision in relative:
-            flops[dtype] = fp32 * relative[precision]
-    described = ", ".join(f"{p} {relative[p]:.3g}x" for p in ("bf16", "fp16") if p in relative)
-    return (dataclasses.replace(probed, matmul_flops=flops),
-            f"this machine's profile, bf16/fp16 matmuls set to fp32's x the grid machine's probe ({described})")
+    probe = json.loads(probe_path.read_text()) if probe_path.exists() else None
+    profile, how = grid_roofline(DATA / f"{grid}.jsonl", probe)
+    if profile is None:
+        sys.exit(f"{grid}: no roofline beside it and the CPU device probe failed")
+    return DeviceProfile.from_dict(profile), how
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -325,9 +315,9 @@ def _ranks(values: list[float]) -> list[float]:
     return ranks
 
 
-def predict_grid(grid: str, probed: DeviceProfile) -> dict[str, Any]:
+def predict_grid(grid: str) -> dict[str, Any]:
     started = time.perf_counter()
-    profile, how = cpu_profile(grid, probed)
+    profile, how = cpu_profile(grid)
     lines = []
     for line in read_grid(DATA / f"{grid}.jsonl"):
         if line["status"] != "ok" or not line.get("tokens_per_s"):
@@ -343,7 +333,7 @@ def predict_grid(grid: str, probed: DeviceProfile) -> dict[str, Any]:
     precisions = sorted({x["precision"] for x in lines})
     within = {p: spearman([x["predicted"] for x in lines if x["precision"] == p],
                           [x["measured"] for x in lines if x["precision"] == p]) for p in precisions}
-    return {"grid": grid, "profile": how, "lines": lines, "spearman": spearman(predicted, measured),
+    return {"grid": grid, "profile": how, "roofline": profile.to_dict(), "lines": lines, "spearman": spearman(predicted, measured),
             "spearman_within_precision": within if len(precisions) > 1 else {},
             "predicted_best": best_predicted["config"],
             "predicted_best_over_measured_best": best_predicted["measured"] / max(measured),
@@ -351,9 +341,8 @@ def predict_grid(grid: str, probed: DeviceProfile) -> dict[str, Any]:
             "seconds": time.perf_counter() - started}
 
 
-def grid_table(grids: list[dict[str, Any]], probed: DeviceProfile) -> list[str]:
-    lines = ["CPU grids (measured on other CPUs of this project; predicted with this machine's probed profile, "
-             f"{probed.name}: only the order is compared, not the figures):", "",
+def grid_table(grids: list[dict[str, Any]]) -> list[str]:
+    lines = ["CPU grids (each predicted with the roofline its profile column names; the order is compared):", "",
              "| grid | ok lines | Spearman (predicted vs measured tokens/s) | predicted best | its measured tokens/s "
              "over the grid's best | profile |", "|---|---|---|---|---|---|"]
     for g in grids:
@@ -394,25 +383,15 @@ def main() -> None:
     sweeps = sweep_orders(results)
 
     grids: list[dict[str, Any]] = []
-    probed = None
-    grid_names = _wanted(args.grids, list(GRIDS))
-    if grid_names:
-        from autotune.trial.device_probe import probe_profile
-
-        measured = probe_profile("cpu")
-        if measured is None:
-            sys.exit("the CPU device probe failed: no profile to predict the grids with")
-        probed = DeviceProfile.from_dict(measured)
-        for grid in grid_names:
-            grids.append(predict_grid(grid, probed))
-            print(f"{grid}: Spearman {grids[-1]['spearman']:+.2f} over {len(grids[-1]['lines'])} lines "
-                  f"({grids[-1]['seconds']:.0f} s)", file=log, flush=True)
+    for grid in _wanted(args.grids, list(GRIDS)):
+        grids.append(predict_grid(grid))
+        print(f"{grid}: Spearman {grids[-1]['spearman']:+.2f} over {len(grids[-1]['lines'])} lines "
+              f"({grids[-1]['seconds']:.0f} s)", file=log, flush=True)
 
     seconds = time.perf_counter() - started
     lines = published_table(results, sweeps) if results else []
     if grids:
-        assert probed is not None
-        lines += ([""] if lines else []) + grid_table(grids, probed)
+        lines += ([""] if lines else []) + grid_table(grids)
     lines += ["", f"{seconds:.0f} s in all"]
     table = "\n".join(lines)
     options = [f"--rows '{args.rows}'" if args.rows else "", f"--grids {args.grids}" if args.grids else "",
@@ -423,7 +402,7 @@ def main() -> None:
                "max_abs_error": max(errors) if errors else None, "sweeps": sweeps,
                "spearman": {g["grid"]: g["spearman"] for g in grids}, "seconds": seconds}
     document = {"command": command, "rows": results, "summary": summary, "grids": grids,
-                "cpu_profile": probed.to_dict() if probed else None, "not_expressible": NOT_EXPRESSIBLE}
+                "not_expressible": NOT_EXPRESSIBLE}
     print(json.dumps(document, indent=2) if args.json else table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(document, indent=2) + "\n")

@@ -121,26 +121,30 @@ def _device_probe(grid_path: Path, precisions: tuple[str, ...]) -> dict[str, flo
 _THIS_CPU: dict[str, Any] = {}
 
 
-def _roofline(grid_path: Path, probe: dict[str, float] | None) -> dict[str, Any] | None:
-    """The step-time model's device profile for a grid: the one measured beside it before its trials
-    (``GRID.roofline.json``, written by ``autotune grid``); for a grid without one, this CPU's, probed
-    once per run, its 16-bit matmul speeds set to the grid machine's, relative to fp32, where the
-    grid's probe file has them (only the order of configs matters to the driver)."""
+def grid_roofline(grid_path: Path, probe: dict[str, float] | None) -> tuple[dict[str, Any] | None, str]:
+    """The step-time model's device profile for a grid, and where it comes from: the one measured
+    beside it before its trials (``GRID.roofline.json``, written by ``autotune grid``); for a grid
+    without one, this CPU's, probed once per run, its 16-bit matmul speeds set to the grid machine's,
+    relative to fp32, where the grid's probe file has them (only the order of configs matters)."""
     from autotune.search.grid import roofline_path
     from autotune.trial.device_probe import probe_profile
 
     if roofline_path(grid_path).exists():
-        return json.loads(roofline_path(grid_path).read_text())
+        return json.loads(roofline_path(grid_path).read_text()), "the grid machine's roofline, probed before its trials"
     if not _THIS_CPU:
         _THIS_CPU.update(probe_profile("cpu") or {})
     if not _THIS_CPU:
-        return None
+        return None, "none: the device probe failed"
     profile = json.loads(json.dumps(_THIS_CPU))
     flops = profile["matmul_flops"]
+    scaled = []
     for precision, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
         if probe and precision in probe and "float32" in flops:
             flops[dtype] = flops["float32"] * probe[precision]
-    return profile
+            scaled.append(f"{precision} {probe[precision]:.3g}x")
+    how = "this machine's probed profile" + (
+        f", bf16/fp16 matmuls set to fp32's x the grid machine's probe ({', '.join(scaled)})" if scaled else " as it is")
+    return profile, how
 
 
 class Tally:
@@ -194,7 +198,7 @@ class GridBackend:
         return {p: v for p, v in self._probe.items() if p in precisions} if self._probe else None
 
     def profile(self) -> dict[str, Any] | None:
-        return _roofline(self._grid_path, self._probe)
+        return grid_roofline(self._grid_path, self._probe)[0]
 
     def run(self, workload: Workload, config: TrialConfig, **_: Any) -> TrialResult:
         return self.tally.measure(config)

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from autotune.config.workload import Workload
     from autotune.estimate.estimator import MemoryEstimate
 
-__all__ = ["DeviceProfile", "StepTime", "card_profile", "predict_step_time"]
+__all__ = ["DeviceProfile", "StepTime", "card_profile", "profile_for", "predict_step_time"]
 
 # Matmul FLOP/s reachable on each card over its dense peak: the "maximum achievable matmul FLOPS"
 # (MAMF) that S. Bekman's mamf-finder measured (ml-engineering, compute/accelerator README, bf16:
@@ -139,6 +139,21 @@ def card_profile(card: GpuSpec) -> DeviceProfile:
                          source=f"published peaks, matmuls at {efficiency:.0%} of theirs (see autotune.estimate.step_time)")
 
 
+def profile_for(workload: Workload, device_type: str | None) -> DeviceProfile | None:
+    """The roofline ``workload``'s step is timed on: its named card's (``--gpu``), else the device of
+    ``device_type`` here, probed now; None without either (or when the probe fails)."""
+    if workload.gpu is not None:
+        from autotune.config.gpus import gpu_spec
+
+        return card_profile(gpu_spec(workload.gpu))
+    if device_type is None:
+        return None
+    from autotune.trial.device_probe import probe_profile
+
+    probed = probe_profile(device_type, between_ranks=workload.nproc > 1)  # one rank communicates nothing
+    return DeviceProfile.from_dict(probed) if probed else None
+
+
 def predict_step_time(estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile, *,
                       task: str | None = None) -> StepTime | None:
     """The step time of ``estimate``'s config on ``profile``; None without traced costs."""
@@ -150,14 +165,15 @@ def predict_step_time(estimate: MemoryEstimate, workload: Workload, profile: Dev
     accum = config.grad_accum_steps(workload)
     share = _rank_share(profile, ranks)
     fused = config.compile
-    micro_device, micro_host = _phase_times(costs.micro_step(config.micro_batch, fused=fused), profile, config, share)
+    micro_ops = costs.micro_step(config.micro_batch, fused=fused)
+    micro_device, micro_host = _phase_times(micro_ops, profile, config, share)
     backward, _ = _phase_times(costs.micro_step(config.micro_batch, BACKWARD, fused=fused), profile, config, share)
     update_device, update_host = _phase_times(costs.update(), profile, config, share)
     if config.uses_deepspeed:  # the traced update was plain AdamW on the whole model: ZeRO steps its partition
         update_device, update_host = update_device / ranks, update_host
     if config.fused_optimizer:  # one kernel for every tensor: the host issues a handful of operators
         update_host = profile.dispatch_s * 4
-    traced_collectives = _collective_s(costs.micro_step(config.micro_batch), profile, ranks)
+    traced_collectives = _collective_s(micro_ops, profile, ranks)  # collectives are never fused away
     if profile.type == "cpu":  # the host computes: its time and the device's are one
         compute = accum * (micro_device + micro_host)
         update = update_device + update_host
@@ -241,10 +257,16 @@ def _communication_s(estimate: MemoryEstimate, workload: Workload, profile: Devi
     gradients = estimate.gradients_bytes / 2  # DDP's estimate counts its buckets: a second copy
     all_reduce = 2 * gradients * spread / link
     last_backward = backward if profile.type == "cuda" else 0.0  # gloo on a CPU competes for the same cores
-    latency = profile.collective_s if profile.collective_s is not None else (
-        _GPU_COLLECTIVE_S if profile.type == "cuda" else 0.0)
     return (max(all_reduce - last_backward, 0.0) + min(_DDP_BUCKET, gradients) * 2 * spread / link
-            + math.ceil(gradients / _DDP_BUCKET) * latency)
+            + math.ceil(gradients / _DDP_BUCKET) * _collective_latency(profile))
+
+
+def _collective_latency(profile: DeviceProfile) -> float:
+    """One collective's time beyond its bytes: as probed, else a GPU's typical figure (none on a CPU
+    whose probe did not measure it)."""
+    if profile.collective_s is not None:
+        return profile.collective_s
+    return _GPU_COLLECTIVE_S if profile.type == "cuda" else 0.0
 
 
 def _zero_s(estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile, compute: float,
@@ -258,8 +280,7 @@ def _zero_s(estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile
     assert costs is not None
     stage, accum = config.zero_stage or 0, config.grad_accum_steps(workload)
     spread = (ranks - 1) / ranks
-    latency = profile.collective_s if profile.collective_s is not None else (
-        _GPU_COLLECTIVE_S if profile.type == "cuda" else 0.0)
+    latency = _collective_latency(profile)
     per_parameter = 4 if config.precision in ("fp32", "tf32") else 2
     bucket = costs.hidden_size ** 2 if costs.hidden_size else _DEEPSPEED_BUCKET
     buckets = math.ceil(costs.trainable_parameters / bucket) if costs.trainable_parameters else 0

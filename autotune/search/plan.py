@@ -187,23 +187,20 @@ def plan_space(*, workload: Workload, space: str | SearchSpace = "default", memo
     from autotune.errors import ConfigError
     from autotune.estimate.depth_proxy import depth_proxy
     from autotune.estimate.estimator import predict_memory
-    from autotune.estimate.step_time import DeviceProfile, card_profile
+    from autotune.estimate.step_time import profile_for
     from autotune.search.space import SearchSpace, load_space
-    from autotune.trial.device_probe import probe_profile
 
     space = space if isinstance(space, SearchSpace) else load_space(space)
     if workload.gpu is not None:
-        card = gpu_spec(workload.gpu)
-        device, profile = device_info(card, count=workload.nproc), card_profile(card)
+        device = device_info(gpu_spec(workload.gpu), count=workload.nproc)
     else:
         device = detect_device(workload.device if workload.device != "cpu" else "auto")
         if device.type != "cuda" or workload.device == "cpu":
             raise ConfigError("--plan plans for a GPU and none is visible here: name the card with --gpu NAME "
                               "(autotune estimate --help lists them), or run find without --plan")
-        probed = probe_profile("cuda")
-        if probed is None:
-            raise ConfigError("--plan: the device probe failed on this GPU; name the card with --gpu NAME instead")
-        profile = DeviceProfile.from_dict(probed)
+    profile = profile_for(workload, "cuda")
+    if profile is None:
+        raise ConfigError("--plan: the device probe failed on this GPU; name the card with --gpu NAME instead")
     budget = memory_budget_bytes or device.total_memory_bytes
     proxy = depth_proxy(workload)
 

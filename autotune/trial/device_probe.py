@@ -29,13 +29,7 @@ _RUN_S = 0.1                         # seconds of matmuls per precision per roun
 
 def probe_precisions(device_type: str, precisions: list[str]) -> dict[str, float] | None:
     """Matmul speed of each precision relative to fp32 on ``device_type``; None when the probe fails."""
-    command = [sys.executable, "-m", "autotune.trial.device_probe", device_type, ",".join(precisions)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
-                              stdin=subprocess.DEVNULL)
-        speeds = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
-    except (subprocess.TimeoutExpired, ValueError, IndexError):
-        return None
+    speeds = _in_own_process(device_type, ",".join(precisions))
     if not isinstance(speeds, dict):
         return None
     return {str(k): float(v) for k, v in speeds.items() if isinstance(v, (int, float)) and v > 0}
@@ -82,20 +76,26 @@ def _matmul_rate(torch: Any, device: Any, precision: str, size: int) -> float:
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
-def probe_profile(device_type: str) -> dict[str, Any] | None:
+def probe_profile(device_type: str, *, between_ranks: bool = True) -> dict[str, Any] | None:
     """This device's roofline (:class:`autotune.estimate.step_time.DeviceProfile` as a dict), measured
-    in a process of its own; None when the probe fails."""
-    command = [sys.executable, "-m", "autotune.trial.device_probe", device_type, "--profile"]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
-                              stdin=subprocess.DEVNULL)
-        profile = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
-    except (subprocess.TimeoutExpired, ValueError, IndexError):
-        return None
+    in a process of its own; None when the probe fails. ``between_ranks``: also a collective's latency
+    on a CPU (two more processes, about 3 s; what only a workload of several ranks needs)."""
+    profile = _in_own_process(device_type, "--profile" if between_ranks else "--profile-one-rank")
     return profile if isinstance(profile, dict) else None
 
 
-def measure_profile(device_type: str) -> dict[str, Any]:
+def _in_own_process(device_type: str, what: str) -> Any:
+    """This module run as a probe for ``what``: the JSON its last line prints, or None when it fails."""
+    command = [sys.executable, "-m", "autotune.trial.device_probe", device_type, what]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
+        return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
+def measure_profile(device_type: str, *, between_ranks: bool = True) -> dict[str, Any]:
     """In this process: achievable matmul FLOP/s per dtype, memory bandwidth and the time of a tiny
     operator (the per-operator overhead), each the best of interleaved rounds."""
     import torch
@@ -126,7 +126,7 @@ def measure_profile(device_type: str) -> dict[str, Any]:
         pinned = torch.ones(elements, pin_memory=True)
         host_link = max(pinned.numel() * 4 / _best_time(lambda: a.copy_(pinned, non_blocking=True), sync)
                         for _ in range(_ROUNDS))
-    collective = _gloo_collective_s() if device.type == "cpu" else None
+    collective = _gloo_collective_s() if device.type == "cpu" and between_ranks else None
     return {"name": name, "type": device.type, "matmul_flops": flops, "memory_bandwidth": bandwidth,
             "kernel_s": 0.0 if device.type == "cpu" else dispatch, "dispatch_s": dispatch,
             **({"collective_s": collective} if collective is not None else {}),
@@ -233,7 +233,7 @@ def _use_free_cores(device_type: str) -> None:
 
 if __name__ == "__main__":
     _use_free_cores(sys.argv[1])
-    if sys.argv[2] == "--profile":
-        print(json.dumps(measure_profile(sys.argv[1])))
+    if sys.argv[2] in ("--profile", "--profile-one-rank"):
+        print(json.dumps(measure_profile(sys.argv[1], between_ranks=sys.argv[2] == "--profile")))
     else:
         print(json.dumps(relative_matmul_speed(sys.argv[1], sys.argv[2].split(","))))
