@@ -46,7 +46,7 @@ import optuna
 from autotune.config.device import detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import MemoryEstimate
+from autotune.estimate.estimator import MemoryEstimate, trace_key
 from autotune.search.grid import read_grid
 from autotune.search.space import SearchSpace, load_space
 from autotune.sizes import parse_size
@@ -151,7 +151,9 @@ class Tally:
     """What a strategy spent, in order, and when a config within 2% of the best was first measured.
 
     ``seconds`` counts trials and, for the driver, its memory estimates (each at the seconds
-    its grid line recorded through a warm estimate server, plus starting the server once).
+    its grid line recorded through a warm estimate server, plus starting the server once). An
+    estimate whose step was traced for an earlier one (another ZeRO stage or offload of it, its
+    compile or tf32 twin) is arithmetic on the server's kept trace: it costs nothing here.
     """
 
     def __init__(self, grid: Grid) -> None:
@@ -161,6 +163,7 @@ class Tally:
         self.seconds = 0.0
         self.found_at: tuple[int, float] | None = None
         self.best_measured = 0.0   # tokens/s of the fastest fitting config measured: the answer
+        self._traced: set[str] = set()
 
     @property
     def quality(self) -> float:
@@ -181,7 +184,10 @@ class Tally:
         line = self.grid.line(config)
         if line is None or "estimate" not in line:
             return None  # a grid without estimates: the driver runs as with --no-estimate
-        self.seconds += line["estimate_seconds"] + (line["estimator_start_s"] if not self.estimates else 0.0)
+        key = trace_key(self.grid.workload, config)
+        if key not in self._traced:
+            self._traced.add(key)
+            self.seconds += line["estimate_seconds"] + (line["estimator_start_s"] if not self.estimates else 0.0)
         self.estimates += 1
         return MemoryEstimate.from_dict(line["estimate"]) if "predicted_peak_bytes" in line["estimate"] else None
 

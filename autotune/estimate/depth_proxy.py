@@ -1,19 +1,22 @@
-"""A deep model's estimate from two shallow copies of it: what lets a plan trace a 7B in a second.
+"""A deep model's trace from two shallow copies of it: what lets a plan trace a 7B in a second.
 
 A decoder stack repeats one layer: the live bytes at the peak, the model states and every traced
 operator grow by the same amount with each layer. So the same model built with 2 and with 4 layers
-(its config otherwise unchanged) gives, by a straight line, the figures of the real depth: the
-tensor peak and its parts, the FLOPs, and each operator's count. What does not grow layer by layer
-is taken from the 4-layer copy: the caching allocator's reserve, as a ratio of the tensor peak (its
-rounding and cached blocks scale with the blocks it holds), and the device's fixed context.
+(its config otherwise unchanged) gives, by a straight line, the traced step of the real depth: the
+tensor peak and its parts, the parameter counts, the FLOPs and each operator's count. ZeRO's and
+DDP's arithmetic then runs on that line at the real depth, so ZeRO-3's cap on gathered weights
+(``stage3_max_live_parameters``, which a 4-layer copy of a 7B already reaches) is applied to the
+whole model's count. What does not grow layer by layer is taken from the 4-layer copy's estimate:
+the caching allocator's reserve as a ratio of the tensor peak (its rounding and cached blocks scale
+with the blocks it holds) and the device's fixed context.
 
 Checked on Llama-2-7B at seq 4096 on 8 H100s, the full trace against the proxies' line: FSDP2 full
 shard, bf16, checkpointing, micro batch 2: tensor peak 18.64 / 19.17 GiB, reserved 21.75 / 22.26,
 step time equal (9.7 s of tracing against 1.6); ZeRO-2 bf16 micro batch 1: peak equal, reserved
-49.13 / 51.69 GiB (+5%, on the safe side), step time equal. Not used where a layer's cost is not
-its own: ZeRO-3 (DeepSpeed gathers up to a fixed number of parameters at once),
-encoder-decoder models (two stacks), factories (no config to shorten), models of 6 layers or fewer
-(a full trace is as cheap).
+49.13 / 51.69 GiB (+5%, on the safe side), step time equal; ZeRO-3 bf16 micro batch 2: tensor
+peak 63.13 / 63.13 GiB, reserved 63.16 / 63.28, step time equal. Not used for encoder-decoder models
+(two stacks), factories (no config to shorten), and models of 6 layers or fewer (a full trace is
+as cheap).
 """
 
 from __future__ import annotations
@@ -23,14 +26,14 @@ import json
 import tempfile
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from autotune.estimate.estimator import ModelStates
 from autotune.estimate.step_costs import OpCost, StepCosts
 
 if TYPE_CHECKING:
-    from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
-    from autotune.estimate.estimator import MemoryEstimate
+    from autotune.estimate.estimator import TracedStep
 
 __all__ = ["DepthProxy", "depth_proxy"]
 
@@ -48,12 +51,9 @@ class DepthProxy:
     task: str
     directory: tempfile.TemporaryDirectory  # type: ignore[type-arg]  # kept alive with the proxy
 
-    def estimate(self, estimator: Callable[[Workload, TrialConfig, str], MemoryEstimate],
-                 config: TrialConfig) -> MemoryEstimate:
-        """``config``'s estimate at the real depth, from ``estimator``'s at the two proxies'."""
-        two = estimator(self.shallow, config, self.task)
-        four = estimator(self.deeper, config, self.task)
-        return extrapolate(two, four, self.layers)
+    def to_dict(self) -> dict[str, Any]:
+        """What the estimate server needs to trace the copies and draw the line (``predict_memory(proxy=)``)."""
+        return {"layers": self.layers, "shallow": self.shallow.to_dict(), "deeper": self.deeper.to_dict()}
 
 
 def depth_proxy(workload: Workload) -> DepthProxy | None:
@@ -80,25 +80,30 @@ def depth_proxy(workload: Workload) -> DepthProxy | None:
     return DepthProxy(layers, proxies[0], proxies[1], task, directory)
 
 
-def extrapolate(two: MemoryEstimate, four: MemoryEstimate, layers: int) -> MemoryEstimate:
-    """The estimate at ``layers`` by the straight line through the 2- and 4-layer ones."""
+def extrapolate(two: TracedStep, four: TracedStep, layers: int) -> TracedStep:
+    """The traced step at ``layers`` by the straight line through the 2- and 4-layer ones (without its
+    allocations, which no line draws: ``estimate_from_trace(cuda_as=)`` stands in for their replay)."""
     def line(a: float, b: float) -> float:
         return a + (b - a) * (layers - SHALLOW) / (DEEPER - SHALLOW)
 
-    ints = ("predicted_peak_bytes", "parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
-            "activations_bytes", "temporaries_bytes", "not_live_at_peak_bytes")
-    fields = {name: int(round(line(getattr(two, name), getattr(four, name)))) for name in ints}
-    peak = fields["predicted_peak_bytes"]
-    reserved = device = None
-    if four.predicted_reserved_bytes is not None and four.predicted_device_bytes is not None:
-        reserved = int(peak * four.predicted_reserved_bytes / max(four.predicted_peak_bytes, 1))
-        device = reserved + four.predicted_device_bytes - four.predicted_reserved_bytes
-    flops = (int(round(line(two.flops_per_sample, four.flops_per_sample)))
-             if two.flops_per_sample is not None and four.flops_per_sample is not None else None)
+    def whole(a: int, b: int) -> int:
+        return int(round(line(a, b)))
+
+    def states(a: ModelStates, b: ModelStates) -> ModelStates:
+        return ModelStates(*(whole(x, y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b))))
+
+    costs = _extrapolated_costs(two.step_costs, four.step_costs, line)
+    assert costs is not None
     return dataclasses.replace(
-        four, **fields, predicted_reserved_bytes=reserved, predicted_device_bytes=device,
-        overhead_bytes=None if device is None else device - peak, flops_per_sample=flops,
-        step_costs=_extrapolated_costs(two.step_costs, four.step_costs, line),
+        four, peak_bytes=whole(two.peak_bytes, four.peak_bytes), at_peak=states(two.at_peak, four.at_peak),
+        whole=states(two.whole, four.whole), activations_bytes=whole(two.activations_bytes, four.activations_bytes),
+        backward_peak_bytes=whole(two.backward_peak_bytes, four.backward_peak_bytes),
+        backward_at_peak=states(two.backward_at_peak, four.backward_at_peak),
+        backward_activations_bytes=whole(two.backward_activations_bytes, four.backward_activations_bytes),
+        flops_per_sample=whole(two.flops_per_sample, four.flops_per_sample), step_costs=costs,
+        total_params=whole(two.total_params, four.total_params),
+        trainable_params=whole(two.trainable_params, four.trainable_params), events=None, marks={},
+        attention_kernels={k: whole(two.attention_kernels.get(k, 0), v) for k, v in four.attention_kernels.items()},
         method=four.method + f" (extrapolated to {layers} layers from {SHALLOW}- and {DEEPER}-layer copies)",
         seconds=two.seconds + four.seconds)
 

@@ -49,7 +49,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from autotune.config.gpus import GPUS, GpuSpec, gpu_spec
 from autotune.config.knobs import TrialConfig
@@ -59,7 +59,11 @@ from autotune.estimate.cuda_autocast import cuda_fp32_policy
 from autotune.estimate.cuda_memory import TraceMarks, predict_cuda_memory
 from autotune.estimate.step_costs import BACKWARD, FORWARD, UPDATE, CostRecorder, StepCosts
 
-__all__ = ["MemoryEstimate", "estimate_memory", "predict_memory", "start_estimate_server"]
+if TYPE_CHECKING:
+    from autotune.estimate.depth_proxy import DepthProxy
+
+__all__ = ["MemoryEstimate", "TracedStep", "estimate_from_trace", "estimate_memory", "predict_memory",
+           "start_estimate_server", "trace_key", "trace_step"]
 
 ZERO3_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_parameters (our configs keep it)
 _MICRO_STEPS = 2       # accumulation past the second micro-step adds nothing: gradients exist by then
@@ -138,14 +142,19 @@ class MemoryEstimate:
 
 
 def predict_memory(workload: Workload, config: TrialConfig, *, task: str | None = None,
-                   timeout_s: float = 300, pytorch1_step: bool = False) -> MemoryEstimate:
+                   timeout_s: float = 300, pytorch1_step: bool = False,
+                   proxy: DepthProxy | None = None) -> MemoryEstimate:
     """:func:`estimate_memory` in a fresh process, like a trial: the caller's process stays clean.
 
     Fake tensors, PEFT and Transformers' model code leave state behind that can crash a later
     estimate in the same process, so each runs in its own process, forked by a server that has
     the libraries imported already (:mod:`autotune.estimate.worker`, started on first use and
-    kept for the caller's lifetime). Raises EstimateError when the estimate fails or takes
-    longer than ``timeout_s``.
+    kept for the caller's lifetime), which keeps the traced steps: a config that differs from one
+    estimated before only in ZeRO's stage or offload is arithmetic on that trace. Raises
+    EstimateError when the estimate fails or takes longer than ``timeout_s``.
+
+    ``proxy``: the workload's model drawn from its 2- and 4-layer copies
+    (:mod:`autotune.estimate.depth_proxy`), not traced whole.
     """
     from autotune.prepare import refusal_before_trial
 
@@ -153,7 +162,7 @@ def predict_memory(workload: Workload, config: TrialConfig, *, task: str | None 
     if refusal is not None:
         raise ConfigError(refusal)
     request = {"workload": workload.to_dict(), "config": config.to_dict(), "task": task,
-               "pytorch1_step": pytorch1_step}
+               "pytorch1_step": pytorch1_step, "proxy": None if proxy is None else proxy.to_dict()}
     reply = _SERVER.ask(request, timeout_s)
     if "error" in reply:
         raise EstimateError(f"the estimate failed: {reply['error']}")
@@ -225,6 +234,61 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
     AdamW tensor by tensor (not foreach) on CUDA too, and ``zero_grad()`` zeroing gradients in
     place (``set_to_none=False``), so they stay allocated through the next forward.
     """
+    traced = trace_step(workload, config, task=task, pytorch1_step=pytorch1_step)
+    return estimate_from_trace(traced, workload, config)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TracedStep:
+    """The plain step of a config traced on fake tensors, before ZeRO's and DDP's arithmetic.
+
+    Configs that differ only in the ZeRO stage or its offload (and DDP's rank count) trace the same
+    step: the estimate server keeps these and derives each such config's estimate from one trace.
+    """
+
+    peak_bytes: int
+    at_peak: ModelStates                  # model-state bytes live at the peak
+    whole: ModelStates                    # all of them
+    activations_bytes: int            # live at the peak
+    # The same before the optimizer step: the peak of the forwards and backwards. DeepSpeed's step is
+    # not the traced one (its optimizer steps over a partition), so ZeRO's arithmetic starts here.
+    backward_peak_bytes: int
+    backward_at_peak: ModelStates
+    backward_activations_bytes: int
+    flops_per_sample: int
+    step_costs: StepCosts
+    total_params: int
+    trainable_params: int
+    # The storages' allocations and frees in order (CUDA workloads; None once extrapolated).
+    events: list[tuple[int, int]] | None
+    marks: dict[str, int]
+    attention_kernels: dict[str, int]
+    target: str                       # the workload's device type
+    traced_device: str                # whose kernels traced it
+    device_note: str | None
+    card: GpuSpec | None
+    method: str
+    seconds: float
+
+
+def trace_key(workload: Workload, config: TrialConfig, *, task: str | None = None, pytorch1_step: bool = False) -> str:
+    """What :func:`trace_step` traces for ``config``: equal keys, one trace."""
+    plain, ranks = _plain(config), workload.nproc if config.uses_fsdp else 1
+    return json.dumps([workload.replace(nproc=ranks).to_dict(), plain.to_dict(), config.uses_deepspeed, task,
+                       pytorch1_step], sort_keys=True)
+
+
+def _plain(config: TrialConfig) -> TrialConfig:
+    """The config whose step is traced: DeepSpeed cannot run on fake tensors, so ZeRO is arithmetic on
+    the plain step; FSDP2 can, so it keeps its offload; compile is traced as eager and tf32 as fp32
+    (the same tensors: only the kernels differ)."""
+    plain = config.replace(zero_stage=None, compile=False, **({} if config.uses_fsdp else {"offload": "none"}))
+    return plain.replace(precision="fp32") if plain.precision == "tf32" else plain
+
+
+def trace_step(workload: Workload, config: TrialConfig, *, task: str | None = None,
+               pytorch1_step: bool = False) -> TracedStep:
+    """Trace ``config``'s plain step (see :func:`_plain`) on fake tensors, in this process."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -238,12 +302,7 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
     if sharded and config.offload != "none" and target != "cpu":
         raise EstimateError(f"--fsdp {config.fsdp} --offload {config.offload}: the estimator does not predict what "
                             "FSDP's CPU offload keeps on a GPU yet; a trial measures it")
-    # DeepSpeed cannot run on fake tensors: measure the plain step, then apply ZeRO's arithmetic.
-    # FSDP2 can: its real step runs on a fake process group of the workload's ranks (as rank 0).
-    plain = config.replace(zero_stage=None, compile=False,  # compile: traced as eager
-                           **({} if sharded else {"offload": "none"}))
-    if plain.precision == "tf32":
-        plain = plain.replace(precision="fp32")  # same tensors; tf32 only changes the matmul kernels
+    plain = _plain(config)
     device = torch.device(traced)
     card = _card(workload) if target == "cuda" else None
     attention_kernels: collections.Counter[str] = collections.Counter()
@@ -268,24 +327,48 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
             _step_tensors_together(engine.optimizer, target == "cuda" and not pytorch1_step)
             whole, flops_per_sample, step_costs = _fake_steps(engine, tracker, keep_gradients=pytorch1_step,
                                                   record=target == "cuda")
-    peak, at_peak = tracker.peak_bytes, _States(**{k: tracker.at_peak[k] for k in _STATES})
-    traced_peak, ddp_buckets = peak, 0
-    activations = tracker.at_peak["activations"]
-    method = "fake-tensor training step" + (" (compile predicted as eager: its fused kernels may hold less)"
-                                            if config.compile else "")
+    method = "fake-tensor training step"
     if sharded:
         method += f" of FSDP2 on a fake process group of {ranks} ranks"
+    backward_peak, backward_parts = tracker.peak_before["update"]
+    return TracedStep(peak_bytes=tracker.peak_bytes, at_peak=ModelStates(**{k: tracker.at_peak[k] for k in _STATES}),
+                      whole=whole, activations_bytes=tracker.at_peak["activations"],
+                      backward_peak_bytes=backward_peak,
+                      backward_at_peak=ModelStates(**{k: backward_parts[k] for k in _STATES}),
+                      backward_activations_bytes=backward_parts["activations"],
+                      flops_per_sample=flops_per_sample, step_costs=step_costs, total_params=engine.total_params,
+                      trainable_params=engine.trainable_params, events=tracker.events, marks=dict(tracker.marks),
+                      attention_kernels=dict(attention_kernels), target=target, traced_device=traced,
+                      device_note=note, card=card, method=method, seconds=time.perf_counter() - started)
+
+
+def estimate_from_trace(traced: TracedStep, workload: Workload, config: TrialConfig, *,
+                        cuda_as: MemoryEstimate | None = None) -> MemoryEstimate:
+    """``config``'s estimate from its traced plain step: ZeRO's model states and DDP's buckets by arithmetic,
+    then on CUDA the caching allocator replayed over the trace's allocations.
+
+    ``cuda_as``: for a trace without its allocations (one extrapolated from shallower copies), the
+    estimate whose reserve over tensor peak, and whose fixed device bytes, stand for this one's.
+    """
+    started = time.perf_counter()
+    peak, at_peak, whole, activations = traced.peak_bytes, traced.at_peak, traced.whole, traced.activations_bytes
+    traced_peak, ddp_buckets = peak, 0
+    method = traced.method + (" (compile predicted as eager: its fused kernels may hold less)" if config.compile else "")
     if config.uses_deepspeed:
-        p, g, o, step_extra = _zero_states(engine, config, workload.nproc, offload_stays=target == "cpu")
-        zero_whole = _States(p, g, o)
+        p, g, o, step_extra = _zero_states(traced, config, workload.nproc, offload_stays=traced.target == "cpu")
+        zero_whole = ModelStates(p, g, o)
+        # The forwards' and backwards' peak with ZeRO's states in place of the traced ones. The traced
+        # optimizer step is not DeepSpeed's: its temporaries span every weight, DeepSpeed's a partition.
+        at_peak, activations = traced.backward_at_peak, traced.backward_activations_bytes
         # ZeRO-2/3 keep a gradient partition through the backward; ZeRO-1 keeps the gradients as made.
-        zero_at_peak = _States(p, g if (config.zero_stage or 0) >= 2 else at_peak.gradients, o)
-        backward_peak = peak - at_peak.total + zero_at_peak.total + _zero3_gathered(engine, config)
+        zero_at_peak = ModelStates(p, g if (config.zero_stage or 0) >= 2 else at_peak.gradients, o)
+        backward_peak = (traced.backward_peak_bytes - at_peak.total + zero_at_peak.total
+                         + _zero3_gathered(traced, config))
         step_peak = zero_whole.total + step_extra  # after the backward: no activation is live
         peak, whole = max(backward_peak, step_peak), zero_whole
         at_peak, activations = (zero_at_peak, activations) if backward_peak >= step_peak else (zero_whole, 0)
         method += " + ZeRO model-state arithmetic"
-    elif workload.nproc > 1 and not sharded:
+    elif workload.nproc > 1 and not config.uses_fsdp:
         # DDP copies every gradient into its all-reduce buckets (gradient_as_bucket_view is off),
         # allocated when DDP wraps the model: live all along.
         buckets = ddp_buckets = whole.gradients
@@ -293,26 +376,31 @@ def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None
         whole = dataclasses.replace(whole, gradients=whole.gradients + buckets)
         at_peak = dataclasses.replace(at_peak, gradients=at_peak.gradients + buckets)
         method += " + DDP gradient buckets"
-    cuda = None
-    if target == "cuda":
-        cuda = predict_cuda_memory(tracker.events, TraceMarks(**tracker.marks), tensor_peak_bytes=peak, card=card,
-                                   ranks=workload.nproc, ddp_gradient_bytes=ddp_buckets,
+    reserved = device_bytes = parts = None
+    if traced.target == "cuda" and traced.events is not None:
+        cuda = predict_cuda_memory(traced.events, TraceMarks(**traced.marks), tensor_peak_bytes=peak,
+                                   card=traced.card, ranks=workload.nproc, ddp_gradient_bytes=ddp_buckets,
                                    alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                                    extra_tensor_bytes=peak - traced_peak - ddp_buckets)
+        reserved, device_bytes, parts = cuda.reserved_bytes, cuda.device_bytes, cuda.parts()
         method += f" + {cuda.allocator} replayed"
+    elif traced.target == "cuda" and cuda_as is not None and cuda_as.predicted_reserved_bytes is not None:
+        # The allocator's rounding and cached blocks scale with the blocks it holds; the context does not.
+        reserved = int(peak * cuda_as.predicted_reserved_bytes / max(cuda_as.predicted_peak_bytes, 1))
+        device_bytes = reserved + (cuda_as.predicted_device_bytes or cuda_as.predicted_reserved_bytes) \
+            - cuda_as.predicted_reserved_bytes
     return MemoryEstimate(config=config, predicted_peak_bytes=peak, parameters_bytes=whole.parameters,
                           gradients_bytes=whole.gradients, optimizer_state_bytes=whole.optimizer_state,
                           activations_bytes=activations,
                           temporaries_bytes=peak - at_peak.total - activations,
                           not_live_at_peak_bytes=at_peak.total - whole.total,
-                          overhead_bytes=None if cuda is None else cuda.device_bytes - peak,
-                          predicted_reserved_bytes=None if cuda is None else cuda.reserved_bytes,
-                          predicted_device_bytes=None if cuda is None else cuda.device_bytes,
-                          cuda_parts=None if cuda is None else cuda.parts(),
-                          gpu=card.name if card is not None else None,
-                          attention_kernels=dict(attention_kernels) or None, step_costs=step_costs,
-                          traced_device=traced, device_note=note, method=method, flops_per_sample=flops_per_sample,
-                          seconds=time.perf_counter() - started)
+                          overhead_bytes=None if device_bytes is None else device_bytes - peak,
+                          predicted_reserved_bytes=reserved, predicted_device_bytes=device_bytes,
+                          cuda_parts=parts, gpu=traced.card.name if traced.card is not None else None,
+                          attention_kernels=traced.attention_kernels or None, step_costs=traced.step_costs,
+                          traced_device=traced.traced_device, device_note=traced.device_note, method=method,
+                          flops_per_sample=traced.flops_per_sample,
+                          seconds=traced.seconds + time.perf_counter() - started)
 
 
 @contextlib.contextmanager
@@ -441,7 +529,7 @@ _STATES = ("parameters", "gradients", "optimizer_state")
 
 
 @dataclass(frozen=True)
-class _States:
+class ModelStates:
     """Model-state bytes: whole, or the part of them live at one moment."""
 
     parameters: int
@@ -546,6 +634,7 @@ def _peak_parts_tracker_class() -> type:
             self.events: list[tuple[int, int]] | None = None
             self._keys: dict[int, int] = {}  # id of the per-storage counter -> its key in events
             self.marks: dict[str, int] = {}  # phase -> where its events begin
+            self.peak_before: dict[str, tuple[int, dict[str, int]]] = {}  # phase -> the peak before it, its parts
             self._next_key = 0
 
         def start_recording(self) -> None:
@@ -556,7 +645,9 @@ def _peak_parts_tracker_class() -> type:
                     self._record(counter)
 
         def mark(self, phase: str) -> None:
-            """``phase`` begins here in the recorded events (nothing, when not recording)."""
+            """``phase`` begins here: in the recorded events (when recording), and in ``peak_before``,
+            the peak so far and its parts."""
+            self.peak_before[phase] = (self.peak_bytes, dict(self.at_peak))
             if self.events is not None:
                 self.marks[phase] = len(self.events)
 
@@ -716,7 +807,7 @@ def _to_16_bit(engine: Any) -> None:
 
 
 def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False,
-                record: bool = False) -> tuple[_States, int, StepCosts]:
+                record: bool = False) -> tuple[ModelStates, int, StepCosts]:
     """The trial's step on fake tensors; returns the whole model states, the FLOPs per sample
     of its forwards and backwards, and every operator's costs (for the step-time model).
 
@@ -776,10 +867,10 @@ def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False,
                                 trainable_parameters=sum(p.numel() for p in trainable),
                                 parameters=sum(p.numel() for p in every), parameter_tensors=len(every),
                                 hidden_size=hidden if isinstance(hidden, int) else None)
-    return _States(_bytes(parameters), gradients, _bytes(states)), tracker.flops // samples, costs
+    return ModelStates(_bytes(parameters), gradients, _bytes(states)), tracker.flops // samples, costs
 
 
-def _zero_states(engine: Any, config: TrialConfig, ranks: int, *,
+def _zero_states(traced: TracedStep, config: TrialConfig, ranks: int, *,
                  offload_stays: bool) -> tuple[int, int, int, int]:
     """Per-rank (parameters, gradients, optimizer state, step-time extra) bytes under DeepSpeed ZeRO.
 
@@ -791,8 +882,8 @@ def _zero_states(engine: Any, config: TrialConfig, ranks: int, *,
     it lives only during ``step()``, after the activations are gone (counted by DeepSpeed's
     estimator as part of its 18 bytes per parameter, which would overstate a peak set by activations).
     """
-    total = engine.total_params
-    trainable = engine.trainable_params
+    total = traced.total_params
+    trainable = traced.trainable_params
     mixed = config.precision in ("fp16", "bf16")
     # The model's own weights and gradients: 16-bit in DeepSpeed's fp16/bf16 modes.
     parameters = (2 if mixed else 4) * total
@@ -817,7 +908,7 @@ def _zero_states(engine: Any, config: TrialConfig, ranks: int, *,
     return parameters, gradients, optimizer_state, step_extra
 
 
-def _zero3_gathered(engine: Any, config: TrialConfig) -> int:
+def _zero3_gathered(traced: TracedStep, config: TrialConfig) -> int:
     """Bytes of whole weights ZeRO-3 gathers for the forward and backward and keeps until the step.
 
     DeepSpeed keeps up to ``stage3_max_live_parameters`` gathered (and reuses them in the
@@ -826,7 +917,7 @@ def _zero3_gathered(engine: Any, config: TrialConfig) -> int:
     """
     if config.zero_stage != 3:
         return 0
-    return (2 if config.precision in ("fp16", "bf16") else 4) * min(engine.total_params, ZERO3_MAX_LIVE_PARAMETERS)
+    return (2 if config.precision in ("fp16", "bf16") else 4) * min(traced.total_params, ZERO3_MAX_LIVE_PARAMETERS)
 
 
 def _bytes(tensors: Any) -> int:

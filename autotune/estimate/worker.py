@@ -4,15 +4,21 @@ A traced estimate leaves its process unfit for another (fake tensors, PEFT and s
 code leave state that can crash a later trace), so each estimate needs a fresh process, and
 starting one from scratch pays PyTorch's, Transformers' and PEFT's imports every time. This
 server (``python -m autotune.estimate.worker``) imports them once, then for each request line
-on stdin forks a child that traces, writes its answer to a pipe and exits without teardown;
-the server relays one JSON line per request on stdout. It dies with the process that started it.
+on stdin forks a child that traces, pickles the traced step's figures to a pipe and exits without
+teardown; the server keeps the traced steps, derives the estimate from one (ZeRO and DDP are
+arithmetic on the plain step, so configs differing only there share a trace) and writes one JSON
+line per request on stdout. It dies with the process that started it.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import os
+import pickle
 import sys
+import time
 from typing import Any
 
 __all__ = ["serve"]
@@ -37,42 +43,102 @@ def serve() -> None:
 
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # model code's stray prints must not land in the replies
+    traces = _Traces()
     for line in sys.stdin:
         if line.strip():
-            replies.write(json.dumps(_estimate_in_child(json.loads(line))) + "\n")
+            replies.write(json.dumps(_answer(json.loads(line), traces)) + "\n")
             replies.flush()
 
 
-def _estimate_in_child(request: dict[str, Any]) -> dict[str, Any]:
-    """Fork; the child estimates and writes {"ok": ...} or {"error": ...} to a pipe, then exits."""
+_KEPT_TRACES = 128  # a plan's families at two proxy depths; a 7B's whole trace pickles to 0.2 MB
+
+
+class _Traces:
+    """The traced steps this server has made, newest last: configs that differ only in ZeRO's stage or
+    offload share one (their estimates are arithmetic on it), and so do a plan's proxies."""
+
+    def __init__(self) -> None:
+        self._kept: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    def get(self, workload: Any, config: Any, task: str | None, pytorch1_step: bool) -> Any:
+        from autotune.estimate.estimator import trace_key
+
+        key = trace_key(workload, config, task=task, pytorch1_step=pytorch1_step)
+        if key in self._kept:
+            self._kept.move_to_end(key)
+            return self._kept[key]
+        traced = _trace_in_child(workload, config, task, pytorch1_step)
+        self._kept[key] = traced
+        while len(self._kept) > _KEPT_TRACES:
+            self._kept.popitem(last=False)
+        return traced
+
+
+def _answer(request: dict[str, Any], traces: _Traces) -> dict[str, Any]:
+    """{"ok": the estimate} or {"error": why}. The trace runs in a child; the arithmetic on it here
+    (plain Python over its figures: nothing of the traced state comes back but numbers)."""
+    from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
+    from autotune.estimate.depth_proxy import extrapolate
+    from autotune.estimate.estimator import estimate_from_trace
+
+    started = time.perf_counter()
+    workload, config = Workload.from_dict(request["workload"]), TrialConfig.from_dict(request["config"])
+    task, pytorch1_step = request.get("task"), bool(request.get("pytorch1_step"))
+    try:
+        proxy = request.get("proxy")
+        if proxy is None:
+            estimate = estimate_from_trace(traces.get(workload, config, task, pytorch1_step), workload, config)
+        else:
+            shallow, deeper = Workload.from_dict(proxy["shallow"]), Workload.from_dict(proxy["deeper"])
+            two, four = (traces.get(w, config, task, pytorch1_step) for w in (shallow, deeper))
+            like = estimate_from_trace(four, deeper, config)  # its allocator's reserve stands for the whole model's
+            estimate = estimate_from_trace(extrapolate(two, four, proxy["layers"]), workload, config, cuda_as=like)
+        # What this answer cost: a kept trace is not paid for again.
+        return {"ok": dataclasses.replace(estimate, seconds=time.perf_counter() - started).to_dict()}
+    except _TraceFailed as exc:
+        return {"error": str(exc)}
+    except Exception as exc:  # the caller raises it as an EstimateError
+        return {"error": _one_line(exc)}
+
+
+class _TraceFailed(Exception):
+    """A trace's exception, in words (the exception itself may not unpickle here)."""
+
+
+def _one_line(exc: BaseException) -> str:
+    message = (str(exc).strip().splitlines() or [""])[-1]
+    return f"{type(exc).__name__}: {message}"
+
+
+def _trace_in_child(workload: Any, config: Any, task: str | None, pytorch1_step: bool) -> Any:
+    """Fork; the child traces and pickles the result (or the exception) to a pipe, then exits."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(read_end)
-        with os.fdopen(write_end, "w") as out:
-            out.write(json.dumps(_estimate(request)))
+        with os.fdopen(write_end, "wb") as out:
+            pickle.dump(_trace(workload, config, task, pytorch1_step), out)
         os._exit(0)  # skip teardown: the traced state's finalisers are not worth waiting (or crashing) for
     os.close(write_end)
-    with os.fdopen(read_end) as reply:
-        text = reply.read()
+    with os.fdopen(read_end, "rb") as reply:
+        data = reply.read()
     _, status = os.waitpid(pid, 0)
-    if not text:
-        return {"error": f"the estimate's process died ({_describe(status)})"}
-    return json.loads(text)
+    if not data:
+        raise _TraceFailed(f"the estimate's process died ({_describe(status)})")
+    result = pickle.loads(data)
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
-def _estimate(request: dict[str, Any]) -> dict[str, Any]:
-    from autotune.config.knobs import TrialConfig
-    from autotune.config.workload import Workload
-    from autotune.estimate.estimator import estimate_memory
+def _trace(workload: Any, config: Any, task: str | None, pytorch1_step: bool) -> Any:
+    from autotune.estimate.estimator import trace_step
 
     try:
-        result = estimate_memory(Workload.from_dict(request["workload"]), TrialConfig.from_dict(request["config"]),
-                                 task=request.get("task"), pytorch1_step=bool(request.get("pytorch1_step")))
-    except Exception as exc:  # the caller raises it as an EstimateError
-        message = (str(exc).strip().splitlines() or [""])[-1]
-        return {"error": f"{type(exc).__name__}: {message}"}
-    return {"ok": result.to_dict()}
+        return trace_step(workload, config, task=task, pytorch1_step=pytorch1_step)
+    except Exception as exc:
+        return _TraceFailed(_one_line(exc))
 
 
 def _describe(status: int) -> str:

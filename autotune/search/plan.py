@@ -4,9 +4,10 @@
 each config's memory (the estimator's traced step and its CUDA figures) and its step time
 (:mod:`autotune.estimate.step_time`, the same trace against the card's roofline). Nothing runs.
 
-A model of many layers is traced as two shallow copies of itself, 2 and 4 layers, and its figures
-drawn by the straight line through them (:mod:`autotune.estimate.depth_proxy`): a 7B then costs
-two traces of a second, not one of ten; configs that trace the same step (compile, tf32) share one.
+A model of many layers is traced as two shallow copies of itself, 2 and 4 layers, and its traced
+step drawn by the straight line through them (:mod:`autotune.estimate.depth_proxy`): a 7B then costs
+two traces of a second, not one of ten; configs that trace the same step (compile, tf32, every ZeRO
+stage and offload of one precision) share one.
 Per family (the configs that differ only in the micro batch) the largest micro batch that fits is
 found by bisecting with the estimator, as the driver does (a straight line through each estimate
 says where the next one goes); each config of the family up to it is timed from the family's traced
@@ -205,9 +206,7 @@ def plan_space(*, workload: Workload, space: str | SearchSpace = "default", memo
     proxy = depth_proxy(workload)
 
     def estimate(config: TrialConfig) -> MemoryEstimate:
-        if proxy is None or config.zero_stage == 3:
-            return predict_memory(workload, config)
-        return proxy.estimate(lambda proxied, c, task: predict_memory(proxied, c, task=task), config)
+        return predict_memory(workload, config, proxy=proxy)
 
     # fp16 and bf16 hold the same tensors; where the card multiplies both as fast, one trace times both.
     twins = profile.matmul_flops.get("float16") == profile.matmul_flops.get("bfloat16")
