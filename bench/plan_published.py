@@ -28,11 +28,16 @@ without one, this machine's probed profile with the grid's 16-bit matmul speeds 
 ``GRID.probe.json``), and the order is compared: Spearman's rank correlation between predicted
 and measured tokens/s.
 
-Known limits: ``compile`` is traced and timed as eager (T2-T4 and T6 lose compile's gain);
-torchtune's and llm-foundry's own model code is rebuilt as Transformers' Llama / GPT-2; llm-foundry's
-F7 rows ran FSDP "PURE" mixed precision (bf16 gradient reduction), rebuilt as bf16 autocast with
-fp32 reduction; T6 leaves out the activation offloading, the optimizer step in backward and the
-8-bit AdamW it was stacked on (T5's levers: -0.1%, +1.4%, -4.7% of tokens/s in the source).
+Known limits: ``compile`` is traced as eager and timed with its elementwise chains fused, no more
+(T2-T4, T6); torchtune's chunked cross-entropy (T3 on) is rebuilt as autotune's, which recomputes
+the LM head; torchtune's and llm-foundry's own model code is rebuilt as Transformers' Llama /
+GPT-2; llm-foundry's F7 rows ran FSDP "PURE" mixed precision (bf16 gradient reduction), rebuilt as
+bf16 autocast with fp32 reduction; T6 leaves out the activation offloading, the optimizer step in
+backward and the 8-bit AdamW it was stacked on (T5's levers: -0.1%, +1.4%, -4.7% of tokens/s in the
+source). llm-foundry's tables predate torch 2.0 (its benchmarking README: "TODO: Update tables with
+torch 2.0 after next Composer release"), and its rows disagree with each other by 9%: MPT-760m at
+seq 2048 made 63,147 tokens/s per GPU on 8 H100s (micro batch 24, accumulation 2) and 68,551 on 16
+(micro batch 24, accumulation 1), though more steps of accumulation only save optimizer steps.
 The grids' Spearman follows this machine's probe, taken anew each run: on a busy machine it moved
 by up to 0.1 between runs (the probe measured 1 core in one, 2 in the other).
 No GPU is needed. The table goes to stdout last, the figures to ``--out`` (and ``.txt`` beside it).
@@ -127,7 +132,9 @@ def _mpt_rows() -> list[Row]:
     return rows
 
 
-_COMPILE_NOTE = "torch.compile traced and timed as eager"
+_COMPILE_NOTE = "torch.compile traced as eager, timed with each chain of elementwise operators as one kernel"
+_CHUNKED_NOTE = ("autotune's chunked loss, which recomputes each slice's LM head in the backward (one more "
+                 "LM-head matmul); torchtune's chunks only the logits' fp32 upcast and recomputes nothing")
 
 
 def _torchtune_rows() -> list[Row]:
@@ -142,10 +149,10 @@ def _torchtune_rows() -> list[Row]:
                                 lora_targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
     steps = [("T1", "Llama-3.2-3B pure bf16, seq 4096 mb2", base, 7_075, ()),
              ("T2", "T1 + torch.compile", compiled, 8_998, (_COMPILE_NOTE,)),
-             ("T3", "T2 + chunked cross-entropy", chunked, 9_174, (_COMPILE_NOTE,)),
-             ("T4", "T3 + checkpointing every layer", checkpointed, 7_210, (_COMPILE_NOTE,)),
+             ("T3", "T2 + chunked cross-entropy", chunked, 9_174, (_COMPILE_NOTE, _CHUNKED_NOTE)),
+             ("T4", "T3 + checkpointing every layer", checkpointed, 7_210, (_COMPILE_NOTE, _CHUNKED_NOTE)),
              ("T6", "T4 + LoRA r64 (q,v,o,MLP)", lora, 8_210,
-              (_COMPILE_NOTE, "without T5's levers it was stacked on (activation offload, optimizer in backward, "
+              (_COMPILE_NOTE, _CHUNKED_NOTE, "without T5's levers it was stacked on (activation offload, optimizer in backward, "
                               "8-bit AdamW); the LoRA weights in bf16 as the frozen base"))]
     return [Row(key, what, t1.workload, config, tokens, "tokens/s", notes=(note, *extra))
             for key, what, config, tokens, extra in steps]

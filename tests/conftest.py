@@ -11,6 +11,10 @@ TESTS = Path(__file__).parent
 # as `factories` from any of them (and from trial processes, through PYTHONPATH below).
 sys.path.insert(0, str(TESTS))
 
+from processes import MARK_ENV, RUN_MARK  # noqa: E402 - importable once the path above is set
+
+os.environ[MARK_ENV] = RUN_MARK  # every process this run starts carries it (tests/processes.py)
+
 
 @pytest.fixture(autouse=True)
 def _offline_and_factories(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -49,7 +49,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Protocol
 
 from autotune.config.gpus import GPUS, GpuSpec, gpu_spec
 from autotune.config.knobs import TrialConfig
@@ -59,8 +59,11 @@ from autotune.estimate.cuda_autocast import cuda_fp32_policy
 from autotune.estimate.cuda_memory import TraceMarks, predict_cuda_memory
 from autotune.estimate.step_costs import BACKWARD, FORWARD, UPDATE, CostRecorder, StepCosts
 
-if TYPE_CHECKING:
-    from autotune.estimate.depth_proxy import DepthProxy
+
+class _Proxy(Protocol):
+    """What ``predict_memory(proxy=)`` takes: :class:`autotune.estimate.depth_proxy.DepthProxy`."""
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 __all__ = ["MemoryEstimate", "TracedStep", "estimate_from_trace", "estimate_memory", "predict_memory",
            "start_estimate_server", "trace_key", "trace_step"]
@@ -143,7 +146,7 @@ class MemoryEstimate:
 
 def predict_memory(workload: Workload, config: TrialConfig, *, task: str | None = None,
                    timeout_s: float = 300, pytorch1_step: bool = False,
-                   proxy: DepthProxy | None = None) -> MemoryEstimate:
+                   proxy: _Proxy | None = None) -> MemoryEstimate:
     """:func:`estimate_memory` in a fresh process, like a trial: the caller's process stays clean.
 
     Fake tensors, PEFT and Transformers' model code leave state behind that can crash a later
@@ -269,6 +272,21 @@ class TracedStep:
     card: GpuSpec | None
     method: str
     seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON): how a trace leaves the process that made it."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**data, "at_peak": dataclasses.asdict(self.at_peak), "whole": dataclasses.asdict(self.whole),
+                "backward_at_peak": dataclasses.asdict(self.backward_at_peak),
+                "step_costs": self.step_costs.to_dict(), "card": None if self.card is None else self.card.name}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TracedStep:
+        return cls(**{**data, "at_peak": ModelStates(**data["at_peak"]), "whole": ModelStates(**data["whole"]),
+                      "backward_at_peak": ModelStates(**data["backward_at_peak"]),
+                      "step_costs": StepCosts.from_dict(data["step_costs"]),
+                      "events": None if data["events"] is None else [tuple(e) for e in data["events"]],
+                      "card": None if data["card"] is None else gpu_spec(data["card"])})
 
 
 def trace_key(workload: Workload, config: TrialConfig, *, task: str | None = None, pytorch1_step: bool = False) -> str:

@@ -4,7 +4,7 @@ A traced estimate leaves its process unfit for another (fake tensors, PEFT and s
 code leave state that can crash a later trace), so each estimate needs a fresh process, and
 starting one from scratch pays PyTorch's, Transformers' and PEFT's imports every time. This
 server (``python -m autotune.estimate.worker``) imports them once, then for each request line
-on stdin forks a child that traces, pickles the traced step's figures to a pipe and exits without
+on stdin forks a child that traces, writes the traced step's figures to a pipe as JSON and exits without
 teardown; the server keeps the traced steps, derives the estimate from one (ZeRO and DDP are
 arithmetic on the plain step, so configs differing only there share a trace) and writes one JSON
 line per request on stdout. It dies with the process that started it.
@@ -16,7 +16,6 @@ import collections
 import dataclasses
 import json
 import os
-import pickle
 import sys
 import time
 from typing import Any
@@ -50,7 +49,7 @@ def serve() -> None:
             replies.flush()
 
 
-_KEPT_TRACES = 128  # a plan's families at two proxy depths; a 7B's whole trace pickles to 0.2 MB
+_KEPT_TRACES = 128  # a plan's families at two proxy depths; a 7B's whole trace is 20k allocation events
 
 
 class _Traces:
@@ -103,7 +102,7 @@ def _answer(request: dict[str, Any], traces: _Traces) -> dict[str, Any]:
 
 
 class _TraceFailed(Exception):
-    """A trace's exception, in words (the exception itself may not unpickle here)."""
+    """A trace's exception, in words (it happened in the child)."""
 
 
 def _one_line(exc: BaseException) -> str:
@@ -112,33 +111,35 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _trace_in_child(workload: Any, config: Any, task: str | None, pytorch1_step: bool) -> Any:
-    """Fork; the child traces and pickles the result (or the exception) to a pipe, then exits."""
+    """Fork; the child traces and writes the result (or why it failed) to a pipe as JSON, then exits."""
+    from autotune.estimate.estimator import TracedStep
+
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(read_end)
-        with os.fdopen(write_end, "wb") as out:
-            pickle.dump(_trace(workload, config, task, pytorch1_step), out)
+        with os.fdopen(write_end, "w") as out:
+            out.write(json.dumps(_trace(workload, config, task, pytorch1_step)))
         os._exit(0)  # skip teardown: the traced state's finalisers are not worth waiting (or crashing) for
     os.close(write_end)
-    with os.fdopen(read_end, "rb") as reply:
-        data = reply.read()
+    with os.fdopen(read_end) as reply:
+        text = reply.read()
     _, status = os.waitpid(pid, 0)
-    if not data:
+    if not text:
         raise _TraceFailed(f"the estimate's process died ({_describe(status)})")
-    result = pickle.loads(data)
-    if isinstance(result, Exception):
-        raise result
-    return result
+    result = json.loads(text)
+    if "error" in result:
+        raise _TraceFailed(result["error"])
+    return TracedStep.from_dict(result["ok"])
 
 
-def _trace(workload: Any, config: Any, task: str | None, pytorch1_step: bool) -> Any:
+def _trace(workload: Any, config: Any, task: str | None, pytorch1_step: bool) -> dict[str, Any]:
     from autotune.estimate.estimator import trace_step
 
     try:
-        return trace_step(workload, config, task=task, pytorch1_step=pytorch1_step)
+        return {"ok": trace_step(workload, config, task=task, pytorch1_step=pytorch1_step).to_dict()}
     except Exception as exc:
-        return _TraceFailed(_one_line(exc))
+        return {"error": _one_line(exc)}
 
 
 def _describe(status: int) -> str:

@@ -17,6 +17,7 @@ initialised, directly on the trial's device.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import json
@@ -54,8 +55,9 @@ def parse_model_source(spec: str) -> ModelSource:
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         if name not in PRESETS:
-            raise WorkloadError(f"--model {spec}: no such built-in model; use one of "
-                                + ", ".join(f"builtin:{n}" for n in PRESETS))
+            close = difflib.get_close_matches(name, list(PRESETS), n=3, cutoff=0.5)
+            hint = f"did you mean {' or '.join(f'builtin:{n}' for n in close)}? " if close else ""
+            raise WorkloadError(f"--model {spec}: no such built-in model; {hint}`autotune models` lists them all")
         return ModelSource("builtin", name)
     if os.path.exists(spec):
         return ModelSource("config", spec)

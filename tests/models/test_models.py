@@ -67,6 +67,16 @@ def test_bad_sources_are_refused(spec, message):
         parse_model_source(spec)
 
 
+def test_an_unknown_builtin_gets_the_closest_names_not_the_list():
+    with pytest.raises(WorkloadError) as refused:
+        parse_model_source("builtin:lama-tiny")
+    message = str(refused.value)
+    assert "did you mean builtin:llama-tiny" in message and "`autotune models`" in message
+    assert "builtin:resnet-50" not in message and len(message) < 200
+    with pytest.raises(WorkloadError, match=r"no such built-in model; `autotune models` lists them all"):
+        parse_model_source("builtin:zzz")  # nothing close: no guess
+
+
 def test_uncached_hub_id_offline_says_what_to_do():
     with pytest.raises(WorkloadError, match=r"not in the local Hugging Face cache.*hf download"):
         resolve_task(Workload(model="no-such-org/no-such-model"))

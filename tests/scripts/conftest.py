@@ -6,7 +6,7 @@ from typing import Callable
 import psutil
 import pytest
 
-MARK_ENV = "AUTOTUNE_TEST_MARK"
+from processes import MARK_ENV, started_here
 
 
 @pytest.fixture
@@ -23,11 +23,8 @@ def own_processes(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], list[psuti
             cmdline = process.info["cmdline"] or []
             if len(cmdline) < 2 or not cmdline[1].endswith(script):  # python SCRIPT ...: not a tuner naming it
                 continue
-            try:
-                if process.environ().get(MARK_ENV) == mark:
-                    found.append(process)
-            except psutil.Error:  # gone, or another user's
-                continue
+            if started_here(process, mark):
+                found.append(process)
         return found
 
     return find

@@ -12,14 +12,13 @@ import time
 from pathlib import Path
 
 import optuna
-import psutil
 import pytest
 from optuna.trial import TrialState
 
 from autotune.config.knobs import TrialConfig
 from autotune.study.records import ANSWER_ATTR, records_of
 from autotune.study.storage import open_storage
-from autotune.trial.lifeline import TRIAL_PROCESS_NAME
+from processes import trial_processes
 
 # gpt2-deep-tiny (6 layers, small vocabulary: activations dominate), seq 128, global batch 16, fp32;
 # tracked peaks on a CPU are exact: mb=2 ~55 MiB, mb=4 ~89 MiB -> OOM under 84 MiB, so the naive
@@ -174,17 +173,13 @@ def _wait_for_running_trial(work: Path, number: int, proc: subprocess.Popen[str]
     pytest.fail(f"trial {number} never started")
 
 
-def _trial_processes() -> list[psutil.Process]:
-    """Trials in a new interpreter (their command line) or forked by the trial server (their name)."""
-    return [p for p in psutil.process_iter(["cmdline", "name"])
-            if "autotune.trial.child" in " ".join(p.info["cmdline"] or []) or p.info["name"] == TRIAL_PROCESS_NAME]
 
 
 def _no_trial_left() -> bool:
     deadline = time.monotonic() + 10
-    while _trial_processes() and time.monotonic() < deadline:
+    while trial_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
-    return not _trial_processes()
+    return not trial_processes()
 
 
 def test_kill_9_during_a_trial_then_the_same_command_carries_on(tmp_path):

@@ -16,10 +16,10 @@ import pytest
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.trial.lifeline import TRIAL_PROCESS_NAME
 from autotune.trial.measure import MAX_STEPS_FACTOR
 from autotune.trial.result import TrialStatus
 from autotune.trial.runner import run_trial
+from processes import started_here, trial_processes
 
 GPT2 = Workload(model="builtin:gpt2-tiny", seq_len=64, global_batch=8)
 LLAMA = Workload(model="builtin:llama-tiny", seq_len=64, global_batch=8)
@@ -140,7 +140,8 @@ def test_a_custom_factory_trains():
 
 
 def _sleepers() -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[:2] == ["sleep", "317"]]
+    return [p for p in psutil.process_iter(["cmdline"])
+            if (p.info["cmdline"] or [])[:2] == ["sleep", "317"] and started_here(p)]
 
 
 def test_a_budget_too_small_is_an_oom_and_leaves_no_process():
@@ -167,7 +168,7 @@ def test_a_hanging_factory_times_out_within_the_limit(nproc):
     assert r.status is TrialStatus.TIMEOUT
     assert elapsed < 8 + 10
     assert "--trial-timeout 8" in r.error
-    assert not _trial_processes() and _children_but_servers() <= before
+    assert not trial_processes() and _children_but_servers() <= before
 
 
 def test_a_segfault_is_a_crash():
@@ -201,13 +202,13 @@ def test_ctrl_c_during_a_trial_kills_it_and_leaves_no_process(tmp_path):
               " timeout_s=300)\n")
     driver = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while not _trial_processes() and time.monotonic() < deadline:  # wait until the trial is running
+    while not trial_processes() and time.monotonic() < deadline:  # wait until the trial is running
         time.sleep(0.5)
-    assert _trial_processes(), "the trial never started"
+    assert trial_processes(), "the trial never started"
     driver.send_signal(signal.SIGINT)
     _, stderr = driver.communicate(timeout=30)
     assert "KeyboardInterrupt" in stderr
-    assert not _trial_processes()
+    assert not trial_processes()
 
 
 def _children_but_servers() -> set[int]:
@@ -222,7 +223,3 @@ def _children_but_servers() -> set[int]:
     return pids
 
 
-def _trial_processes() -> list[psutil.Process]:
-    """Trials in a new interpreter (their command line) or forked by the trial server (their name)."""
-    return [p for p in psutil.process_iter(["cmdline", "name"])
-            if "autotune.trial.child" in " ".join(p.info["cmdline"] or []) or p.info["name"] == TRIAL_PROCESS_NAME]
