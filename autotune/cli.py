@@ -301,13 +301,19 @@ def _plan(workload: Workload, *, space: str, memory_budget: Optional[str], headr
 
     start_estimate_server()  # its imports beside the model and space checks
 
+    live = sys.stderr.isatty()  # a terminal sees one line counting up; a log, a line per tenth
+
     def progress(done: int, total: int) -> None:
-        if not as_json:
+        if as_json:
+            return
+        if live:
             print(f"\rplanning: {done}/{total} families estimated", end="", file=sys.stderr, flush=True)
+        elif done == total or done % max(1, total // 10) == 0:
+            print(f"planning: {done}/{total} families estimated", file=sys.stderr, flush=True)
 
     result = plan_space(workload=workload, space=space, memory_budget_bytes=budget, headroom=headroom,
                         progress=progress)
-    if not as_json:
+    if live and not as_json:
         print(file=sys.stderr)
     if as_json:
         print(json.dumps(result.to_dict()))
