@@ -49,10 +49,16 @@ def test_fsdp_full_and_grad_op_run_on_two_ranks_and_full_keeps_less_than_ddp(tmp
     assert runs["full-bf16"].peak_memory_bytes < runs["full"].peak_memory_bytes
     for label in ("full", "grad-op", "full-bf16", "full-offload"):
         assert runs[label].build_peak_bytes < 0.6 * full_model, label  # its shard, never the whole model
-    # The estimator runs FSDP's own step on fake tensors over a fake group of 2 ranks.
+    # The estimator runs FSDP's own step on fake tensors over a fake group of 2 ranks, one collective at
+    # a time. The real step's collectives overlap on gloo's threads: in some runs the next layer is gathered
+    # before the last one is freed, and the peak holds one more gathered layer (measured, "full", 4 runs of
+    # this workload: 130.4, 131.1, 135.5 and 137.5 MB; one layer's fp32 weights are 7.1 MB; predicted 130.4).
+    # The prediction is the step without that overlap: from the measured peak less one layer, to 5% over it.
+    layer = 4 * (4 * WIDE["hidden_size"] ** 2 + 3 * WIDE["hidden_size"] * WIDE["intermediate_size"])
     for label in ("full", "grad-op"):
         predicted = predict_memory(workload, runs[label].config).predicted_peak_bytes
-        assert predicted == pytest.approx(runs[label].peak_memory_bytes, rel=0.05), label
+        measured = runs[label].peak_memory_bytes
+        assert 0.98 * (measured - layer) <= predicted <= 1.05 * measured, (label, predicted, measured)
 
 
 def test_a_model_whose_weights_exceed_the_budget_trains_sharded_where_ddp_runs_out_while_building(tmp_path):
