@@ -47,8 +47,7 @@ class DepthProxy:
 
     layers: int
     shallow: Workload
-    deeper: Workload
-    task: str
+    deeper: Workload                        # both with the workload's task, resolved
     directory: tempfile.TemporaryDirectory  # type: ignore[type-arg]  # kept alive with the proxy
 
     def to_dict(self) -> dict[str, Any]:
@@ -77,7 +76,7 @@ def depth_proxy(workload: Workload) -> DepthProxy | None:
         data = config.to_dict()
         (path / "config.json").write_text(json.dumps(data))
         proxies.append(workload.replace(model=str(path), task=task))
-    return DepthProxy(layers, proxies[0], proxies[1], task, directory)
+    return DepthProxy(layers, proxies[0], proxies[1], directory)
 
 
 def extrapolate(two: TracedStep, four: TracedStep, layers: int) -> TracedStep:
@@ -92,15 +91,14 @@ def extrapolate(two: TracedStep, four: TracedStep, layers: int) -> TracedStep:
     def states(a: ModelStates, b: ModelStates) -> ModelStates:
         return ModelStates(*(whole(x, y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b))))
 
-    costs = _extrapolated_costs(two.step_costs, four.step_costs, line)
-    assert costs is not None
     return dataclasses.replace(
         four, peak_bytes=whole(two.peak_bytes, four.peak_bytes), at_peak=states(two.at_peak, four.at_peak),
         whole=states(two.whole, four.whole), activations_bytes=whole(two.activations_bytes, four.activations_bytes),
         backward_peak_bytes=whole(two.backward_peak_bytes, four.backward_peak_bytes),
         backward_at_peak=states(two.backward_at_peak, four.backward_at_peak),
         backward_activations_bytes=whole(two.backward_activations_bytes, four.backward_activations_bytes),
-        flops_per_sample=whole(two.flops_per_sample, four.flops_per_sample), step_costs=costs,
+        flops_per_sample=whole(two.flops_per_sample, four.flops_per_sample),
+        step_costs=_extrapolated_costs(two.step_costs, four.step_costs, line),
         total_params=whole(two.total_params, four.total_params),
         trainable_params=whole(two.trainable_params, four.trainable_params), events=None, marks={},
         attention_kernels={k: whole(two.attention_kernels.get(k, 0), v) for k, v in four.attention_kernels.items()},
@@ -119,11 +117,7 @@ def _totals(counted: Counter[OpCost], ops: set[OpCost]) -> dict[tuple[str, str, 
     return totals
 
 
-def _extrapolated_costs(two: StepCosts | None, four: StepCosts | None,
-                        line: Callable[[float, float], float]) -> StepCosts | None:
-    if two is None or four is None:
-        return None
-
+def _extrapolated_costs(two: StepCosts, four: StepCosts, line: Callable[[float, float], float]) -> StepCosts:
     def counts(costs: StepCosts) -> Counter[OpCost]:
         counted: Counter[OpCost] = Counter()
         for op in costs.ops:

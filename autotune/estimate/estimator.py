@@ -65,6 +65,7 @@ class _Proxy(Protocol):
 
     def to_dict(self) -> dict[str, Any]: ...
 
+
 __all__ = ["MemoryEstimate", "TracedStep", "estimate_from_trace", "estimate_memory", "predict_memory",
            "start_estimate_server", "trace_key", "trace_step"]
 
@@ -250,8 +251,8 @@ class TracedStep:
     """
 
     peak_bytes: int
-    at_peak: ModelStates                  # model-state bytes live at the peak
-    whole: ModelStates                    # all of them
+    at_peak: ModelStates              # model-state bytes live at the peak
+    whole: ModelStates                # all of them
     activations_bytes: int            # live at the peak
     # The same before the optimizer step: the peak of the forwards and backwards. DeepSpeed's step is
     # not the traced one (its optimizer steps over a partition), so ZeRO's arithmetic starts here.
@@ -291,9 +292,13 @@ class TracedStep:
 
 def trace_key(workload: Workload, config: TrialConfig, *, task: str | None = None, pytorch1_step: bool = False) -> str:
     """What :func:`trace_step` traces for ``config``: equal keys, one trace."""
-    plain, ranks = _plain(config), workload.nproc if config.uses_fsdp else 1
-    return json.dumps([workload.replace(nproc=ranks).to_dict(), plain.to_dict(), config.uses_deepspeed, task,
-                       pytorch1_step], sort_keys=True)
+    return json.dumps([workload.replace(nproc=_traced_ranks(workload, config)).to_dict(), _plain(config).to_dict(),
+                       config.uses_deepspeed, task, pytorch1_step], sort_keys=True)
+
+
+def _traced_ranks(workload: Workload, config: TrialConfig) -> int:
+    """Ranks of the traced step: FSDP2's, on a fake group of them; one for DDP and ZeRO (arithmetic)."""
+    return workload.nproc if config.uses_fsdp else 1
 
 
 def _plain(config: TrialConfig) -> TrialConfig:
@@ -329,7 +334,7 @@ def trace_step(workload: Workload, config: TrialConfig, *, task: str | None = No
         as_on_cuda.enter_context(_cuda_attention(card, attention_kernels))
         as_on_cuda.enter_context(cuda_fp32_policy())
     tracker = _peak_parts_tracker()
-    ranks = workload.nproc if sharded else 1
+    ranks = _traced_ranks(workload, config)
     with warnings.catch_warnings(), _adapters_stay_put(traced), _unpacked_batches(), as_on_cuda, \
             _fake_process_group(ranks, traced, gloo=target == "cpu") if sharded else contextlib.nullcontext() as mesh:
         warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
@@ -402,11 +407,11 @@ def estimate_from_trace(traced: TracedStep, workload: Workload, config: TrialCon
                                    extra_tensor_bytes=peak - traced_peak - ddp_buckets)
         reserved, device_bytes, parts = cuda.reserved_bytes, cuda.device_bytes, cuda.parts()
         method += f" + {cuda.allocator} replayed"
-    elif traced.target == "cuda" and cuda_as is not None and cuda_as.predicted_reserved_bytes is not None:
+    elif traced.target == "cuda" and cuda_as is not None and cuda_as.predicted_reserved_bytes is not None \
+            and cuda_as.predicted_device_bytes is not None:
         # The allocator's rounding and cached blocks scale with the blocks it holds; the context does not.
         reserved = int(peak * cuda_as.predicted_reserved_bytes / max(cuda_as.predicted_peak_bytes, 1))
-        device_bytes = reserved + (cuda_as.predicted_device_bytes or cuda_as.predicted_reserved_bytes) \
-            - cuda_as.predicted_reserved_bytes
+        device_bytes = reserved + cuda_as.predicted_device_bytes - cuda_as.predicted_reserved_bytes
     return MemoryEstimate(config=config, predicted_peak_bytes=peak, parameters_bytes=whole.parameters,
                           gradients_bytes=whole.gradients, optimizer_state_bytes=whole.optimizer_state,
                           activations_bytes=activations,

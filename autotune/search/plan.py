@@ -19,7 +19,7 @@ the trials worth running once the card is there.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from autotune.search.proposer import straight_line
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from autotune.estimate.step_time import DeviceProfile, StepTime
     from autotune.search.space import SearchSpace
 
-__all__ = ["Plan", "PlanRow", "plan", "plan_space", "shared_estimates", "PLAN_ERROR"]
+__all__ = ["Plan", "PlanRow", "plan", "plan_space", "PLAN_ERROR"]
 
 # The step-time model's error on published GPU runs (bench/results/plan_published.txt): configs
 # predicted within it of the top one cannot be told apart by prediction alone.
@@ -122,16 +122,12 @@ def plan(*, workload: Workload, space: SearchSpace, profile: DeviceProfile, devi
 
 
 def _verify(row: PlanRow, verify: bool) -> PlanRow:
-    from dataclasses import replace
-
     return replace(row, verify_first=verify)
 
 
 def _as(estimate: MemoryEstimate, config: TrialConfig) -> MemoryEstimate:
-    """``estimate`` of another micro batch of the same family, for timing ``config`` (its operators
-    are kept per sample)."""
-    from dataclasses import replace
-
+    """``estimate`` of a twin of ``config`` as ``config``'s: another micro batch of the same family (its
+    operators are kept per sample), or fp16's bf16 twin on a card that multiplies both at one rate."""
     return estimate if estimate.config == config else replace(estimate, config=config)
 
 
@@ -205,30 +201,13 @@ def plan_space(*, workload: Workload, space: str | SearchSpace = "default", memo
     budget = memory_budget_bytes or device.total_memory_bytes
     proxy = depth_proxy(workload)
 
-    def estimate(config: TrialConfig) -> MemoryEstimate:
-        return predict_memory(workload, config, proxy=proxy)
-
     # fp16 and bf16 hold the same tensors; where the card multiplies both as fast, one trace times both.
+    # (compile, tf32 and ZeRO's stages share a trace in the estimate server already.)
     twins = profile.matmul_flops.get("float16") == profile.matmul_flops.get("bfloat16")
-    return plan(workload=workload, space=space, profile=profile, device=device, limit_bytes=int(budget * (1 - headroom)),
-                memory_budget_bytes=budget, estimator=shared_estimates(estimate, fp16_as_bf16=twins),
-                progress=progress)
-
-
-def shared_estimates(estimator: Estimator, *, fp16_as_bf16: bool = False) -> Estimator:
-    """``estimator``, asked once for configs that trace the same step: torch.compile is traced as eager
-    and tf32 as fp32 (the same tensors; only the step time, which reads the config, tells them apart);
-    with ``fp16_as_bf16``, fp16 as bf16 (same sizes; the card multiplies both at one rate)."""
-    from dataclasses import replace
-
-    cache: dict[TrialConfig, MemoryEstimate] = {}
-    traced_as = {"tf32": "fp32", **({"fp16": "bf16"} if fp16_as_bf16 else {})}
 
     def estimate(config: TrialConfig) -> MemoryEstimate:
-        traced = config.replace(compile=False, precision=traced_as.get(config.precision, config.precision))
-        if traced not in cache:
-            cache[traced] = estimator(traced)
-        found = cache[traced]
-        return found if found.config == config else replace(found, config=config)
+        traced = config.replace(precision="bf16") if twins and config.precision == "fp16" else config
+        return _as(predict_memory(workload, traced, proxy=proxy), config)
 
-    return estimate
+    return plan(workload=workload, space=space, profile=profile, device=device, limit_bytes=int(budget * (1 - headroom)),
+                memory_budget_bytes=budget, estimator=estimate, progress=progress)
