@@ -46,8 +46,12 @@ class Option:
     help: str
 
     def parameter(self, name: str) -> inspect.Parameter:
-        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=self.default,
-                                 annotation=Annotated[self.type, typer.Option(*self.flags, help=self.help)])
+        return inspect.Parameter(
+            name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=self.default,
+            annotation=Annotated[self.type, typer.Option(*self.flags, help=self.help)],
+        )
 
 
 _REQUIRED = inspect.Parameter.empty
@@ -68,11 +72,17 @@ WORKLOAD_OPTIONS = {
 KNOB_OPTIONS = {
     "micro_batch": Option(int, 1, ("--micro-batch",), _help(TrialConfig, "micro_batch")),
     "precision": Option(str, "fp32", ("--precision",), _help(TrialConfig, "precision")),
-    "checkpointing": Option(str, "off", ("--checkpointing",), "off, on, or every-N (every N-th decoder layer). "
-                            + _help(TrialConfig, "checkpointing")),
+    "checkpointing": Option(
+        str,
+        "off",
+        ("--checkpointing",),
+        "off, on, or every-N (every N-th decoder layer). " + _help(TrialConfig, "checkpointing"),
+    ),
     "loss": Option(str, "standard", ("--loss",), _help(TrialConfig, "loss")),
     "attention": Option(str, "auto", ("--attention",), _help(TrialConfig, "attention")),
-    "fused_optimizer": Option(str, "off", ("--fused-optimizer",), "off or on. " + _help(TrialConfig, "fused_optimizer")),
+    "fused_optimizer": Option(
+        str, "off", ("--fused-optimizer",), "off or on. " + _help(TrialConfig, "fused_optimizer")
+    ),
     "compile": Option(str, "off", ("--compile",), "off or on. " + _help(TrialConfig, "compile")),
     "lora_rank": Option(Optional[int], None, ("--lora-rank",), _help(TrialConfig, "lora_rank")),
     "lora_alpha": Option(Optional[int], None, ("--lora-alpha",), _help(TrialConfig, "lora_alpha")),
@@ -84,37 +94,70 @@ KNOB_OPTIONS = {
 # -- every other option shared by commands: a command takes one by naming its parameter so --------
 OPTIONS = {
     # measuring
-    "memory_budget": Option(Optional[str], None, ("--memory-budget",),
-                            "Memory a trial may use, e.g. 512MiB or 24GiB; enforced for real (OOM beyond it)."),
+    "memory_budget": Option(
+        Optional[str],
+        None,
+        ("--memory-budget",),
+        "Memory a trial may use, e.g. 512MiB or 24GiB; enforced for real (OOM beyond it).",
+    ),
     "trial_timeout": Option(float, 600.0, ("--trial-timeout",), "Seconds before a trial is killed (status timeout)."),
     "warmup_steps": Option(int, 1, ("--warmup-steps",), "Untimed optimizer steps before measuring."),
     "steps": Option(int, 3, ("--steps",), "Timed optimizer steps."),
     "as_json": Option(bool, False, ("--json",), "Print one JSON object instead of a table."),
     "gpu": Option(Optional[str], None, ("--gpu",), _help(Workload, "gpu") + " --memory-budget defaults to its memory."),
     # tuning
-    "space": Option(str, "default", ("--space",),
-                    "Search space: a preset (default, full, lora, quick, sharding) or a YAML file."),
-    "n_trials": Option(Optional[int], None, ("--n-trials",), "Measured trials the study should hold (default: the "
-                       "space's); an unfinished study carries on to it."),
+    "space": Option(
+        str, "default", ("--space",), "Search space: a preset (default, full, lora, quick, sharding) or a YAML file."
+    ),
+    "n_trials": Option(
+        Optional[int],
+        None,
+        ("--n-trials",),
+        "Measured trials the study should hold (default: the space's); an unfinished study carries on to it.",
+    ),
     "timeout": Option(Optional[float], None, ("--timeout",), "Stop starting trials after this many seconds."),
-    "patience": Option(Optional[int], None, ("--patience",),
-                       "Stop after this many trials without a faster config that fits (default: the space's)."),
-    "headroom": Option(float, 0.1, ("--headroom",),
-                       "A config fits when its peak stays this fraction under the budget (0.1 = 10%)."),
-    "estimate": Option(bool, True, ("--estimate/--no-estimate",),
-                       "Skip configs the memory estimator predicts more than 5% over the limit."),
-    "workers": Option(int, 1, ("--workers",), "Tuning processes on the study (each on its own GPUs when there are "
-                      "several); workers on other machines join through the same --storage URL."),
-    "confirm": Option(bool, True, ("--confirm/--no-confirm",),
-                      "Re-run the winner longer at the end (leave it on for one worker of a study)."),
+    "patience": Option(
+        Optional[int],
+        None,
+        ("--patience",),
+        "Stop after this many trials without a faster config that fits (default: the space's).",
+    ),
+    "headroom": Option(
+        float, 0.1, ("--headroom",), "A config fits when its peak stays this fraction under the budget (0.1 = 10%)."
+    ),
+    "estimate": Option(
+        bool,
+        True,
+        ("--estimate/--no-estimate",),
+        "Skip configs the memory estimator predicts more than 5% over the limit.",
+    ),
+    "workers": Option(
+        int,
+        1,
+        ("--workers",),
+        "Tuning processes on the study (each on its own GPUs when there are "
+        "several); workers on other machines join through the same --storage URL.",
+    ),
+    "confirm": Option(
+        bool,
+        True,
+        ("--confirm/--no-confirm",),
+        "Re-run the winner longer at the end (leave it on for one worker of a study).",
+    ),
     # studies
     "study": Option(str, _REQUIRED, ("--study",), "Study name (autotune studies lists them)."),
-    "storage": Option(Optional[str], None, ("--storage",), "SQLAlchemy URL of the study database (default "
-                      "sqlite:///storage/autotune.db, under the current directory)."),
+    "storage": Option(
+        Optional[str],
+        None,
+        ("--storage",),
+        "SQLAlchemy URL of the study database (default sqlite:///storage/autotune.db, under the current directory).",
+    ),
     "fmt": Option(str, "json", ("--format",), "json, yaml, deepspeed, hf, accelerate, lightning or peft."),
 }
-_OUTPUT_HELP = ("a directory (existing, or ending in /) gets the format's usual file name inside it; --format peft "
-                "writes DIR/adapter_config.json unless the name ends in .json.")
+_OUTPUT_HELP = (
+    "a directory (existing, or ending in /) gets the format's usual file name inside it; --format peft "
+    "writes DIR/adapter_config.json unless the name ends in .json."
+)
 
 
 def _on_off(value: str, flag: str) -> bool:
@@ -129,8 +172,9 @@ def _checkpointing(value: str) -> dict[str, Any]:
     kind, _, every = value.lower().partition("-")
     if kind == "every":
         if not every.isdigit() or int(every) < 2:
-            raise ConfigError(f"--checkpointing {value!r}: write every-N with N a whole number of 2 or more, "
-                              "e.g. every-2")
+            raise ConfigError(
+                f"--checkpointing {value!r}: write every-N with N a whole number of 2 or more, e.g. every-2"
+            )
         return {"checkpointing": True, "checkpoint_every": int(every)}
     try:
         return {"checkpointing": _on_off(value, "--checkpointing")}
@@ -146,17 +190,36 @@ def _zero_stage(value: str) -> int | None:
     raise ConfigError(f"--zero-stage {value!r} is not known; use off, 0, 1, 2 or 3")
 
 
-def _knobs(micro_batch: int, precision: str, checkpointing: str, loss: str, attention: str, fused_optimizer: str,
-           compile: str, lora_rank: int | None, lora_alpha: int | None, lora_targets: str | None, zero_stage: str,
-           fsdp: str, offload: str) -> TrialConfig:
+def _knobs(
+    micro_batch: int,
+    precision: str,
+    checkpointing: str,
+    loss: str,
+    attention: str,
+    fused_optimizer: str,
+    compile: str,
+    lora_rank: int | None,
+    lora_alpha: int | None,
+    lora_targets: str | None,
+    zero_stage: str,
+    fsdp: str,
+    offload: str,
+) -> TrialConfig:
     return TrialConfig(
-        micro_batch=micro_batch, precision=precision, **_checkpointing(checkpointing),
-        loss=loss, attention=attention, fused_optimizer=_on_off(fused_optimizer, "--fused-optimizer"),
+        micro_batch=micro_batch,
+        precision=precision,
+        **_checkpointing(checkpointing),
+        loss=loss,
+        attention=attention,
+        fused_optimizer=_on_off(fused_optimizer, "--fused-optimizer"),
         compile=_on_off(compile, "--compile"),
-        lora_rank=lora_rank, lora_alpha=lora_alpha,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
         lora_targets=tuple(t.strip() for t in lora_targets.split(",")) if lora_targets is not None else None,
-        zero_stage=_zero_stage(zero_stage), fsdp=None if fsdp.lower() in ("off", "none") else fsdp.lower(),
-        offload=offload)
+        zero_stage=_zero_stage(zero_stage),
+        fsdp=None if fsdp.lower() in ("off", "none") else fsdp.lower(),
+        offload=offload,
+    )
 
 
 # A command's parameter by one of these names takes the whole group, built into one object.
@@ -198,19 +261,32 @@ def _own_option(parameter: inspect.Parameter) -> bool:
 
 
 # A user's own training command, after --: script mode (trial, find, tune).
-_Script = Annotated[Optional[list[str]], typer.Argument(
-    metavar="[-- COMMAND...]", show_default=False,
-    help="Your own training command, after --, run unchanged for each trial: its optimizer steps are timed, the "
-         "config is in AUTOTUNE_CONFIG (autotune.current_config()), the workload options say what one step trains.")]
+_Script = Annotated[
+    Optional[list[str]],
+    typer.Argument(
+        metavar="[-- COMMAND...]",
+        show_default=False,
+        help="Your own training command, after --, run unchanged for each trial: its optimizer steps are timed, the "
+        "config is in AUTOTUNE_CONFIG (autotune.current_config()), the workload options say what one step trains.",
+    ),
+]
 
 
 @command
-def trial(workload: Workload, config: TrialConfig, memory_budget: Optional[str], trial_timeout: float,
-          warmup_steps: int, steps: int, as_json: bool,
-          script: _Script = None) -> int:
+def trial(
+    workload: Workload,
+    config: TrialConfig,
+    memory_budget: Optional[str],
+    trial_timeout: float,
+    warmup_steps: int,
+    steps: int,
+    as_json: bool,
+    script: _Script = None,
+) -> int:
     """Measure one training configuration in a fresh process: autotune's own step on the model, or your command.
 
-    Exit status: 0 when the trial trained (ok), 1 when it ended otherwise (oom, timeout, crashed, nan, error), 2 when the input was refused before running.
+    Exit status: 0 when the trial trained (ok), 1 when it ended otherwise (oom, timeout, crashed, nan, error),
+    2 when the input was refused before running.
     """
     from autotune.sizes import parse_size
 
@@ -222,14 +298,27 @@ def trial(workload: Workload, config: TrialConfig, memory_budget: Optional[str],
     if script:
         from autotune.scripts.runner import run_script_trial
 
-        result = run_script_trial(list(script), workload, config, memory_budget_bytes=budget, timeout_s=trial_timeout,
-                                  warmup_steps=warmup_steps, measure_steps=steps)
+        result = run_script_trial(
+            list(script),
+            workload,
+            config,
+            memory_budget_bytes=budget,
+            timeout_s=trial_timeout,
+            warmup_steps=warmup_steps,
+            measure_steps=steps,
+        )
     else:
         from autotune.trial.runner import run_trial
 
         _start_trial_server()  # its imports overlap the model and device checks run_trial starts with
-        result = run_trial(workload, config, memory_budget_bytes=budget, timeout_s=trial_timeout,
-                           warmup_steps=warmup_steps, measure_steps=steps)
+        result = run_trial(
+            workload,
+            config,
+            memory_budget_bytes=budget,
+            timeout_s=trial_timeout,
+            warmup_steps=warmup_steps,
+            measure_steps=steps,
+        )
     if as_json:
         print(json.dumps(result.to_dict()))
     else:
@@ -241,15 +330,29 @@ def trial(workload: Workload, config: TrialConfig, memory_budget: Optional[str],
 
 @command
 def find(
-    workload: Workload, memory_budget: Optional[str], space: str, n_trials: Optional[int], timeout: Optional[float],
-    trial_timeout: float, headroom: float, storage: Optional[str], estimate: bool, warmup_steps: int, steps: int,
-    export: Annotated[Optional[str], typer.Option(
-        "--export", help="Also write the best config in this format (see autotune export).")] = None,
-    output: Annotated[Optional[str], typer.Option(
-        "-o", "--output", help="File for --export; " + _OUTPUT_HELP)] = None,
-    plan: Annotated[bool, typer.Option(
-        "--plan", help="Run nothing: rank every config of the space predicted to fit the card (--gpu) by "
-                       "predicted throughput, with memory, MFU and the configs to verify first.")] = False,
+    workload: Workload,
+    memory_budget: Optional[str],
+    space: str,
+    n_trials: Optional[int],
+    timeout: Optional[float],
+    trial_timeout: float,
+    headroom: float,
+    storage: Optional[str],
+    estimate: bool,
+    warmup_steps: int,
+    steps: int,
+    export: Annotated[
+        Optional[str], typer.Option("--export", help="Also write the best config in this format (see autotune export).")
+    ] = None,
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help="File for --export; " + _OUTPUT_HELP)] = None,
+    plan: Annotated[
+        bool,
+        typer.Option(
+            "--plan",
+            help="Run nothing: rank every config of the space predicted to fit the card (--gpu) by "
+            "predicted throughput, with memory, MFU and the configs to verify first.",
+        ),
+    ] = False,
     gpu: Optional[str] = None,
     as_json: bool = False,
     script: _Script = None,
@@ -264,11 +367,20 @@ def find(
     if gpu is not None:
         workload = workload.replace(gpu=gpu)  # checks the name, and that the device is CUDA
     if plan:
-        return _plan(workload, space=space, memory_budget=memory_budget, headroom=headroom, as_json=as_json,
-                     script=script, export=export)
+        return _plan(
+            workload,
+            space=space,
+            memory_budget=memory_budget,
+            headroom=headroom,
+            as_json=as_json,
+            script=script,
+            export=export,
+        )
     if workload.gpu is not None:
-        raise ConfigError(f"--gpu {workload.gpu} names a card to plan for, and find without --plan runs trials on "
-                          "the device here: add --plan, or leave --gpu out")
+        raise ConfigError(
+            f"--gpu {workload.gpu} names a card to plan for, and find without --plan runs trials on "
+            "the device here: add --plan, or leave --gpu out"
+        )
     if export is not None:
         _check_format(export)
     elif output is not None:
@@ -276,24 +388,47 @@ def find(
     if not script:
         _start_trial_server()
     with _progress(quiet=as_json) as progress:
-        summary = find_config(workload=workload, space=space, memory_budget_bytes=_size(memory_budget),
-                              n_trials=n_trials, timeout_s=timeout, trial_timeout_s=trial_timeout,
-                              headroom=headroom, storage=storage, estimate=estimate, warmup_steps=warmup_steps,
-                              measure_steps=steps, progress=progress, command=list(script) if script else None)
+        summary = find_config(
+            workload=workload,
+            space=space,
+            memory_budget_bytes=_size(memory_budget),
+            n_trials=n_trials,
+            timeout_s=timeout,
+            trial_timeout_s=trial_timeout,
+            headroom=headroom,
+            storage=storage,
+            estimate=estimate,
+            warmup_steps=warmup_steps,
+            measure_steps=steps,
+            progress=progress,
+            command=list(script) if script else None,
+        )
     written = _export_best(summary, export, output) if export is not None and summary.best else None
     return _finish(summary, as_json=as_json, exported=written, wanted_export=export)
 
 
-def _plan(workload: Workload, *, space: str, memory_budget: Optional[str], headroom: float, as_json: bool,
-          script: Optional[list[str]], export: Optional[str]) -> int:
+def _plan(
+    workload: Workload,
+    *,
+    space: str,
+    memory_budget: Optional[str],
+    headroom: float,
+    as_json: bool,
+    script: Optional[list[str]],
+    export: Optional[str],
+) -> int:
     from autotune.search.plan import plan_space
 
     if script:
-        raise ConfigError("--plan predicts from autotune's own trace of the model, and a training command cannot be "
-                          "traced: drop the command after -- (and give --model), or drop --plan")
+        raise ConfigError(
+            "--plan predicts from autotune's own trace of the model, and a training command cannot be "
+            "traced: drop the command after -- (and give --model), or drop --plan"
+        )
     if export is not None:
-        raise ConfigError("--export writes a measured config; a plan has none yet: drop --export, or run find "
-                          "without --plan on the card")
+        raise ConfigError(
+            "--export writes a measured config; a plan has none yet: drop --export, or run find "
+            "without --plan on the card"
+        )
     budget = _size(memory_budget)
     if workload.gpu is not None:
         budget = _within_card(budget, _estimated_device(workload))
@@ -311,8 +446,9 @@ def _plan(workload: Workload, *, space: str, memory_budget: Optional[str], headr
         elif done == total or done % max(1, total // 10) == 0:
             print(f"planning: {done}/{total} families estimated", file=sys.stderr, flush=True)
 
-    result = plan_space(workload=workload, space=space, memory_budget_bytes=budget, headroom=headroom,
-                        progress=progress)
+    result = plan_space(
+        workload=workload, space=space, memory_budget_bytes=budget, headroom=headroom, progress=progress
+    )
     if live and not as_json:
         print(file=sys.stderr)
     if as_json:
@@ -326,9 +462,22 @@ def _plan(workload: Workload, *, space: str, memory_budget: Optional[str], headr
 
 @command
 def tune(
-    study: str, workload: Workload, memory_budget: Optional[str], space: str, n_trials: Optional[int],
-    timeout: Optional[float], trial_timeout: float, patience: Optional[int], headroom: float, storage: Optional[str],
-    estimate: bool, warmup_steps: int, steps: int, workers: int, confirm: bool, as_json: bool,
+    study: str,
+    workload: Workload,
+    memory_budget: Optional[str],
+    space: str,
+    n_trials: Optional[int],
+    timeout: Optional[float],
+    trial_timeout: float,
+    patience: Optional[int],
+    headroom: float,
+    storage: Optional[str],
+    estimate: bool,
+    warmup_steps: int,
+    steps: int,
+    workers: int,
+    confirm: bool,
+    as_json: bool,
     script: _Script = None,
 ) -> int:
     """Tune a named study; stop it any time (Ctrl-C) and run the same command to carry on.
@@ -341,22 +490,45 @@ def tune(
     if not script and workers == 1:  # several workers each start their own
         _start_trial_server()
     with _progress(quiet=as_json) as progress:
-        summary = tune_study(study=study, workload=workload, space=space,
-                             memory_budget_bytes=_size(memory_budget), n_trials=n_trials, timeout_s=timeout,
-                             trial_timeout_s=trial_timeout, patience=patience, headroom=headroom,
-                             storage=storage, warmup_steps=warmup_steps, measure_steps=steps,
-                             estimate=estimate, workers=workers, confirm=confirm, progress=progress,
-                             command=list(script) if script else None)
+        summary = tune_study(
+            study=study,
+            workload=workload,
+            space=space,
+            memory_budget_bytes=_size(memory_budget),
+            n_trials=n_trials,
+            timeout_s=timeout,
+            trial_timeout_s=trial_timeout,
+            patience=patience,
+            headroom=headroom,
+            storage=storage,
+            warmup_steps=warmup_steps,
+            measure_steps=steps,
+            estimate=estimate,
+            workers=workers,
+            confirm=confirm,
+            progress=progress,
+            command=list(script) if script else None,
+        )
     return _finish(summary, as_json=as_json, confirmed=confirm)
 
 
 @command
 def grid(
     output: Annotated[str, typer.Option("-o", "--output", help="The .jsonl file to write (appended to).")],
-    workload: Workload, memory_budget: Optional[str], space: str, trial_timeout: float, warmup_steps: int, steps: int,
+    workload: Workload,
+    memory_budget: Optional[str],
+    space: str,
+    trial_timeout: float,
+    warmup_steps: int,
+    steps: int,
     estimate: bool,
-    re_estimate: Annotated[bool, typer.Option("--re-estimate", help="Estimate every line again, not only "
-                                              "those without an estimate (after the estimator changed).")] = False,
+    re_estimate: Annotated[
+        bool,
+        typer.Option(
+            "--re-estimate",
+            help="Estimate every line again, not only those without an estimate (after the estimator changed).",
+        ),
+    ] = False,
 ) -> int:
     """Measure every config of a space, one `autotune trial --json` line each (for replaying searches).
 
@@ -378,18 +550,35 @@ def grid(
     def report(index: int, total: int, line: dict[str, Any]) -> None:
         result = TrialResult.from_dict(line)
         figure = f"{result.throughput:,.1f} {result.throughput_unit}" if result.throughput else "no figure"
-        print(f"{index}/{total} {TrialConfig.from_dict(line['config']).describe()}: {line['status']}, {figure}, "
-              f"{line['trial_seconds']:.1f} s", file=sys.stderr, flush=True)
+        print(
+            f"{index}/{total} {TrialConfig.from_dict(line['config']).describe()}: {line['status']}, {figure}, "
+            f"{line['trial_seconds']:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def report_estimate(index: int, total: int, line: dict[str, Any]) -> None:
         estimate = line["estimate"]
-        figure = format_size(estimate["predicted_peak_bytes"]) if "predicted_peak_bytes" in estimate else estimate["error"]
-        print(f"estimate {index}/{total} {TrialConfig.from_dict(line['config']).describe()}: {figure}, "
-              f"{line['estimate_seconds']:.1f} s", file=sys.stderr, flush=True)
+        figure = (
+            format_size(estimate["predicted_peak_bytes"]) if "predicted_peak_bytes" in estimate else estimate["error"]
+        )
+        print(
+            f"estimate {index}/{total} {TrialConfig.from_dict(line['config']).describe()}: {figure}, "
+            f"{line['estimate_seconds']:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
-    measured = measure_grid(workload, load_space(space), Path(output), memory_budget_bytes=_size(memory_budget),
-                            trial_timeout_s=trial_timeout, warmup_steps=warmup_steps, measure_steps=steps,
-                            on_trial=report)
+    measured = measure_grid(
+        workload,
+        load_space(space),
+        Path(output),
+        memory_budget_bytes=_size(memory_budget),
+        trial_timeout_s=trial_timeout,
+        warmup_steps=warmup_steps,
+        measure_steps=steps,
+        on_trial=report,
+    )
     print(f"{output}: {measured} config(s) measured now", file=sys.stderr)
     if estimate:
         estimated = estimate_grid(Path(output), on_estimate=report_estimate, again=re_estimate)
@@ -405,17 +594,31 @@ def studies(storage: Optional[str], as_json: bool) -> int:
 
     rows = load_summaries(storage)
     if as_json:
-        print(json.dumps([{"study": s.name, "model": s.workload.model, "n_trials": s.n_trials,
-                           "best": s.best.config.describe() if s.best else None,
-                           "tokens_per_s": s.best.confirmed_tokens_per_s if s.best else None,
-                           "throughput": s.best.confirmed_throughput if s.best else None,
-                           "throughput_unit": s.throughput_unit} for s in rows]))
+        print(
+            json.dumps(
+                [
+                    {
+                        "study": s.name,
+                        "model": s.workload.model,
+                        "n_trials": s.n_trials,
+                        "best": s.best.config.describe() if s.best else None,
+                        "tokens_per_s": s.best.confirmed_tokens_per_s if s.best else None,
+                        "throughput": s.best.confirmed_throughput if s.best else None,
+                        "throughput_unit": s.throughput_unit,
+                    }
+                    for s in rows
+                ]
+            )
+        )
         return 0
     if not rows:
         print("no autotune studies here yet; run autotune find")
     for s in rows:
-        best = (f"{s.best.config.describe()} ({s.best.confirmed_throughput:,.1f} {s.throughput_unit})" if s.best
-                else "no confirmed config")
+        best = (
+            f"{s.best.config.describe()} ({s.best.confirmed_throughput:,.1f} {s.throughput_unit})"
+            if s.best
+            else "no confirmed config"
+        )
         print(f"{s.name}  {s.workload.model}  {s.n_trials} trials  best: {best}")
     return 0
 
@@ -435,9 +638,11 @@ def show(study: str, storage: Optional[str], as_json: bool) -> int:
 
 @command
 def export(
-    study: str, fmt: str,
-    output: Annotated[Optional[str], typer.Option(
-        "-o", "--output", help="File to write (default: print it); " + _OUTPUT_HELP)] = None,
+    study: str,
+    fmt: str,
+    output: Annotated[
+        Optional[str], typer.Option("-o", "--output", help="File to write (default: print it); " + _OUTPUT_HELP)
+    ] = None,
     storage: Optional[str] = None,
 ) -> int:
     """Write a study's best config in the format a training job reads."""
@@ -445,16 +650,22 @@ def export(
     summary = _summary(study, storage)
     if summary.best is None:
         unconfirmed = any(t.status == "ok" and t.fits and t.confirmed is None for t in summary.trials)
-        raise ConfigError(f"--study {study} has no confirmed config yet; run autotune tune --study {study} "
-                          + ("(without --no-confirm) to confirm its fastest fitting config" if unconfirmed else "first"))
+        raise ConfigError(
+            f"--study {study} has no confirmed config yet; run autotune tune --study {study} "
+            + ("(without --no-confirm) to confirm its fastest fitting config" if unconfirmed else "first")
+        )
     if output is None:
         if fmt == "accelerate" and summary.best.config.uses_deepspeed:
-            raise ConfigError(f"--format accelerate: {summary.best.config.describe()} is two files, the Accelerate "
-                              "YAML and the DeepSpeed config it names; add -o accelerate_config.yaml to write both")
+            raise ConfigError(
+                f"--format accelerate: {summary.best.config.describe()} is two files, the Accelerate "
+                "YAML and the DeepSpeed config it names; add -o accelerate_config.yaml to write both"
+            )
         print(_export_text(summary, fmt), end="")
     else:
-        print(f"wrote {', '.join(_export_best(summary, fmt, output))} ({fmt}: {summary.best.config.describe()})",
-              file=sys.stderr)
+        print(
+            f"wrote {', '.join(_export_best(summary, fmt, output))} ({fmt}: {summary.best.config.describe()})",
+            file=sys.stderr,
+        )
     print(_trains_line(summary.best.config, fmt, summary.workload), file=sys.stderr)
     if fmt in ("json", "yaml") and output is not None and summary.command:
         print(f"train with it: {_train_with(summary, output)}", file=sys.stderr)
@@ -463,11 +674,20 @@ def export(
 
 @command
 def run_(
-    config_file: Annotated[str, typer.Option(
-        "--config", help="An autotune export (--format json or yaml): the config and the workload it was tuned for.")],
-    script: Annotated[Optional[list[str]], typer.Argument(
-        metavar="-- COMMAND...", show_default=False,
-        help="Your training command, after --: run to its end with the config handed to it as the trials did.")] = None,
+    config_file: Annotated[
+        str,
+        typer.Option(
+            "--config", help="An autotune export (--format json or yaml): the config and the workload it was tuned for."
+        ),
+    ],
+    script: Annotated[
+        Optional[list[str]],
+        typer.Argument(
+            metavar="-- COMMAND...",
+            show_default=False,
+            help="Your training command, after --: run to its end with the config handed to it as the trials did.",
+        ),
+    ] = None,
 ) -> int:
     """Train with a tuned config: run your command with it, as its script-mode trials ran it, unmeasured.
 
@@ -560,16 +780,25 @@ def _check_format(fmt: str) -> None:
 def _export_text(summary: Any, fmt: str) -> str:
     from autotune.output.exporters import export_config
 
-    return export_config(summary.best.config, summary.workload, fmt=fmt, device_type=summary.device["type"],
-                         summary=_export_summary(summary))
+    return export_config(
+        summary.best.config,
+        summary.workload,
+        fmt=fmt,
+        device_type=summary.device["type"],
+        summary=_export_summary(summary),
+    )
 
 
 def _export_summary(summary: Any) -> dict[str, Any]:
     """What an export says of the study it came from (keys in json/yaml, header comments in YAML)."""
     best = summary.best
-    return {"study": summary.name, "tokens_per_s": best.confirmed_tokens_per_s,
-            "samples_per_s": best.confirmed_samples_per_s, "peak_memory_bytes": best.confirmed_peak_memory_bytes,
-            "memory_budget_bytes": summary.memory_budget_bytes}
+    return {
+        "study": summary.name,
+        "tokens_per_s": best.confirmed_tokens_per_s,
+        "samples_per_s": best.confirmed_samples_per_s,
+        "peak_memory_bytes": best.confirmed_peak_memory_bytes,
+        "memory_budget_bytes": summary.memory_budget_bytes,
+    }
 
 
 def _export_best(summary: Any, fmt: str, output: str | None) -> list[str]:
@@ -587,11 +816,18 @@ def _export_best(summary: Any, fmt: str, output: str | None) -> list[str]:
     from autotune.output.exporters import DEFAULT_FILENAMES, export_files
 
     path = Path(output or DEFAULT_FILENAMES[fmt])
-    if output is not None and (path.is_dir() or output.endswith(("/", os.sep))
-                               or fmt == "peft" and path.suffix.lower() != ".json"):
+    if output is not None and (
+        path.is_dir() or output.endswith(("/", os.sep)) or fmt == "peft" and path.suffix.lower() != ".json"
+    ):
         path = path / DEFAULT_FILENAMES[fmt]
-    files = export_files(summary.best.config, summary.workload, path, fmt=fmt, device_type=summary.device["type"],
-                         summary=_export_summary(summary))
+    files = export_files(
+        summary.best.config,
+        summary.workload,
+        path,
+        fmt=fmt,
+        device_type=summary.device["type"],
+        summary=_export_summary(summary),
+    )
     for file, _ in files:
         if file.is_dir():  # e.g. -o out/ where out/ds_config.json is itself a directory
             raise ConfigError(f"-o {output or path}: {file} is a directory; name a file to write, e.g. -o {path}.new")
@@ -616,15 +852,22 @@ def _write_whole(path: Any, text: str, *, output: str) -> None:
         os.replace(tmp, path)
         tmp = None
     except OSError as exc:
-        raise ConfigError(f"-o {output}: cannot write {path}: {exc.strerror or exc}; "
-                          "name a file in a directory you can write to") from None
+        raise ConfigError(
+            f"-o {output}: cannot write {path}: {exc.strerror or exc}; name a file in a directory you can write to"
+        ) from None
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
 
 
-def _finish(summary: Any, *, as_json: bool, exported: list[str] | None = None, wanted_export: str | None = None,
-            confirmed: bool = True) -> int:
+def _finish(
+    summary: Any,
+    *,
+    as_json: bool,
+    exported: list[str] | None = None,
+    wanted_export: str | None = None,
+    confirmed: bool = True,
+) -> int:
     if as_json:
         data = summary.to_dict()
         if wanted_export is not None:
@@ -639,7 +882,10 @@ def _finish(summary: Any, *, as_json: bool, exported: list[str] | None = None, w
 
         print_summary(summary)
         if exported:
-            print(f"wrote {', '.join(exported)} ({wanted_export}); {_trains_line(summary.best.config, wanted_export, summary.workload)}")
+            print(
+                f"wrote {', '.join(exported)} ({wanted_export}); "
+                f"{_trains_line(summary.best.config, wanted_export, summary.workload)}"
+            )
         elif wanted_export:
             print("nothing exported: no config fits yet", file=sys.stderr)
         if summary.best is not None and summary.command:
@@ -653,9 +899,14 @@ def _finish(summary: Any, *, as_json: bool, exported: list[str] | None = None, w
 
 @command
 def estimate(
-    workload: Workload, config: TrialConfig,
-    space: Annotated[Optional[str], typer.Option(
-        "--space", help="Estimate every config of this space (preset or YAML file) instead of the knobs given.")] = None,
+    workload: Workload,
+    config: TrialConfig,
+    space: Annotated[
+        Optional[str],
+        typer.Option(
+            "--space", help="Estimate every config of this space (preset or YAML file) instead of the knobs given."
+        ),
+    ] = None,
     gpu: Optional[str] = None,
     memory_budget: Optional[str] = None,
     headroom: float = 0.1,
@@ -670,12 +921,12 @@ def estimate(
     CUDA would pick it, as the output says.
     """
     from autotune.estimate.cuda_memory import describe_figures
-    from autotune.estimate.step_time import predict_step_time, profile_for
     from autotune.estimate.estimator import (
         EstimateError,
         predict_memory,
         start_estimate_server,
     )
+    from autotune.estimate.step_time import predict_step_time, profile_for
     from autotune.models.sources import resolve_task
     from autotune.sizes import format_size
 
@@ -710,35 +961,65 @@ def estimate(
         cuda = result.predicted_reserved_bytes is not None
         step = predict_step_time(result, workload, profile, task=resolved_task) if profile is not None else None
         if index == 0 and not as_json:  # the header once the first row exists: a refusal prints nothing
-            print(f"{'config':<34} {'peak':>10} = {'params':>10} {'grads':>10} {'optimizer':>10} "
-                  f"{'activations':>11} {'temporaries':>11} {'not live':>10}"
-                  + (f" {'reserved':>10} {'nvidia-smi':>10}" if cuda else "") + ("  fits" if limit is not None else "")
-                  + (f" {'step':>9} {_rate_unit(step):>12}" if step is not None else ""))
-        fits = None if limit is None else result.fits(limit) and (
-            result.predicted_device_bytes is None or workload.gpu is None
-            or result.predicted_device_bytes <= device.total_memory_bytes)
+            print(
+                f"{'config':<34} {'peak':>10} = {'params':>10} {'grads':>10} {'optimizer':>10} "
+                f"{'activations':>11} {'temporaries':>11} {'not live':>10}"
+                + (f" {'reserved':>10} {'nvidia-smi':>10}" if cuda else "")
+                + ("  fits" if limit is not None else "")
+                + (f" {'step':>9} {_rate_unit(step):>12}" if step is not None else "")
+            )
+        fits = (
+            None
+            if limit is None
+            else result.fits(limit)
+            and (
+                result.predicted_device_bytes is None
+                or workload.gpu is None
+                or result.predicted_device_bytes <= device.total_memory_bytes
+            )
+        )
         if as_json:
-            print(json.dumps({**result.to_dict(), "memory_budget_bytes": budget, "memory_limit_bytes": limit,
-                              "fits": fits, **({"figures": describe_figures()} if cuda else {}),
-                              "step_time": step.to_dict() if step is not None else None,
-                              "step_time_on": profile.describe() if profile is not None else None}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        **result.to_dict(),
+                        "memory_budget_bytes": budget,
+                        "memory_limit_bytes": limit,
+                        "fits": fits,
+                        **({"figures": describe_figures()} if cuda else {}),
+                        "step_time": step.to_dict() if step is not None else None,
+                        "step_time_on": profile.describe() if profile is not None else None,
+                    }
+                ),
+                flush=True,
+            )
             continue
         parts = list(result.parts().values())
-        print(f"{config.describe():<34} {format_size(result.predicted_peak_bytes):>10} = "
-              + " ".join(f"{format_size(p):>{w}}" for p, w in zip(parts, (10, 10, 10, 11, 11, 10)))
-              + (f" {format_size(result.predicted_reserved_bytes):>10} {format_size(result.predicted_device_bytes):>10}"
-                 if cuda else "")
-              + ("" if fits is None else ("  yes" if fits else "   no"))
-              + (f" {step.step_s:>7.3g} s {_rate(step):>12,.0f}" if step is not None else ""), flush=True)
+        print(
+            f"{config.describe():<34} {format_size(result.predicted_peak_bytes):>10} = "
+            + " ".join(f"{format_size(p):>{w}}" for p, w in zip(parts, (10, 10, 10, 11, 11, 10), strict=True))
+            + (
+                f" {format_size(result.predicted_reserved_bytes):>10} {format_size(result.predicted_device_bytes):>10}"
+                if cuda
+                else ""
+            )
+            + ("" if fits is None else ("  yes" if fits else "   no"))
+            + (f" {step.step_s:>7.3g} s {_rate(step):>12,.0f}" if step is not None else ""),
+            flush=True,
+        )
     if not as_json:
-        print("peak = the parts; activations and temporaries: live at the peak; not live: model states "
-              "not allocated at the peak (gradients the backward has not made yet)")
+        print(
+            "peak = the parts; activations and temporaries: live at the peak; not live: model states "
+            "not allocated at the peak (gradients the backward has not made yet)"
+        )
         if result.predicted_reserved_bytes is not None:
             print(_cuda_footer(result, limit))
         print(result.device_note or f"traced with {result.traced_device.upper()} kernels")
         if profile is not None:
-            print(f"step: one optimizer step of the whole --global-batch, its traced operators timed against "
-                  f"{profile.describe()}; nothing was run")
+            print(
+                f"step: one optimizer step of the whole --global-batch, its traced operators timed against "
+                f"{profile.describe()}; nothing was run"
+            )
     return 0
 
 
@@ -771,8 +1052,10 @@ def _within_card(budget: int | None, device: Any) -> int:
     if budget is None:
         return device.total_memory_bytes
     if budget > device.total_memory_bytes:
-        raise ConfigError(f"--memory-budget {format_size(budget)} is more than {device.name}'s "
-                          f"{format_size(device.total_memory_bytes)}; use at most that, or leave it out")
+        raise ConfigError(
+            f"--memory-budget {format_size(budget)} is more than {device.name}'s "
+            f"{format_size(device.total_memory_bytes)}; use at most that, or leave it out"
+        )
     return budget
 
 
@@ -780,17 +1063,23 @@ def _cuda_footer(result: Any, limit: int | None) -> str:
     from autotune.sizes import format_size
 
     parts = result.cuda_parts
-    lines = [f"reserved = peak + allocator cache ({format_size(parts['allocator cache'])}) + cuBLAS workspace "
-             f"({format_size(parts['cuBLAS workspace'])}): {result.method.rpartition(' + ')[2]}",
-             f"nvidia-smi = reserved + CUDA context ({format_size(parts['CUDA context'])}"
-             + (f", {result.gpu}'s typical" if result.gpu else ", typical: name the card with --gpu")
-             + f") + NCCL buffers ({format_size(parts['NCCL buffers'])})"]
+    lines = [
+        f"reserved = peak + allocator cache ({format_size(parts['allocator cache'])}) + cuBLAS workspace "
+        f"({format_size(parts['cuBLAS workspace'])}): {result.method.rpartition(' + ')[2]}",
+        f"nvidia-smi = reserved + CUDA context ({format_size(parts['CUDA context'])}"
+        + (f", {result.gpu}'s typical" if result.gpu else ", typical: name the card with --gpu")
+        + f") + NCCL buffers ({format_size(parts['NCCL buffers'])})",
+    ]
     if result.attention_kernels:
-        lines.append("attention as CUDA picks it: " + ", ".join(f"{kernel} ({calls} calls)" for kernel, calls
-                                                                in result.attention_kernels.items()))
+        lines.append(
+            "attention as CUDA picks it: "
+            + ", ".join(f"{kernel} ({calls} calls)" for kernel, calls in result.attention_kernels.items())
+        )
     if limit is not None:
-        lines.append(f"fits: reserved within {format_size(limit)} (the budget less the headroom)"
-                     + (f" and nvidia-smi within {result.gpu}'s memory" if result.gpu else ""))
+        lines.append(
+            f"fits: reserved within {format_size(limit)} (the budget less the headroom)"
+            + (f" and nvidia-smi within {result.gpu}'s memory" if result.gpu else "")
+        )
     return "\n".join(lines)
 
 
@@ -852,8 +1141,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{where}: error: {message}", file=sys.stderr)
         return getattr(exc, "exit_code", 2)
     if code == _INTERRUPTED:  # Typer turns Ctrl-C into this exit status, silently
-        print("autotune: interrupted (a study carries on where it stopped: run the same command again)",
-              file=sys.stderr)
+        print(
+            "autotune: interrupted (a study carries on where it stopped: run the same command again)", file=sys.stderr
+        )
     return code if isinstance(code, int) else 0
 
 

@@ -11,9 +11,18 @@ __all__ = ["parse_size", "format_size"]
 _UNITS = {
     "": 1,
     "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -23,9 +32,7 @@ def parse_size(text: str, *, flag: str = "--memory-budget") -> int:
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
-        raise ConfigError(
-            f"{flag} {text!r} is not a size; write a number with a unit, e.g. 512MiB, 24GiB or 16GB"
-        )
+        raise ConfigError(f"{flag} {text!r} is not a size; write a number with a unit, e.g. 512MiB, 24GiB or 16GB")
     size = int(float(match.group(1)) * _UNITS[unit])
     if size <= 0:
         raise ConfigError(f"{flag} {text!r} must be larger than zero")

@@ -23,12 +23,19 @@ from autotune.config.workload import Workload
 from autotune.estimate.estimator import predict_memory
 
 CASES = [  # (label, config, ranks, expected bytes per parameter: params, grads, optimizer)
-    ("full fine-tuning, bf16 autocast", TrialConfig(micro_batch=1, precision="bf16", checkpointing=True), 1,
-     (4, 4, 8)),
-    ("ZeRO-2, bf16, 8 ranks", TrialConfig(micro_batch=1, precision="bf16", checkpointing=True, zero_stage=2), 8,
-     (2, 2 / 8, 12 / 8)),
-    ("ZeRO-3, bf16, 8 ranks", TrialConfig(micro_batch=1, precision="bf16", checkpointing=True, zero_stage=3), 8,
-     (2 / 8, 2 / 8, 12 / 8)),
+    ("full fine-tuning, bf16 autocast", TrialConfig(micro_batch=1, precision="bf16", checkpointing=True), 1, (4, 4, 8)),
+    (
+        "ZeRO-2, bf16, 8 ranks",
+        TrialConfig(micro_batch=1, precision="bf16", checkpointing=True, zero_stage=2),
+        8,
+        (2, 2 / 8, 12 / 8),
+    ),
+    (
+        "ZeRO-3, bf16, 8 ranks",
+        TrialConfig(micro_batch=1, precision="bf16", checkpointing=True, zero_stage=3),
+        8,
+        (2 / 8, 2 / 8, 12 / 8),
+    ),
 ]
 
 
@@ -47,13 +54,25 @@ def main() -> None:
         got = [estimate.parameters_bytes, estimate.gradients_bytes, estimate.optimizer_state_bytes]
         parts = estimate.parts()
         assert sum(parts.values()) == estimate.predicted_peak_bytes, parts
-        rows.append({"case": label, "parameters": psi, "seconds": seconds, "estimate": estimate.to_dict(),
-                     "expected_model_states": expected, "estimated_model_states": got,
-                     "model_states_relative_error": sum(got) / sum(expected) - 1})
-        print(f"{label:<32} {seconds:5.1f} s  peak {estimate.predicted_peak_bytes / 2**30:6.2f} GiB  model states "
-              f"{sum(got) / 2**30:6.2f} GiB vs arithmetic {sum(expected) / 2**30:6.2f} GiB "
-              f"({sum(got) / psi:.2f} B/param, error {sum(got) / sum(expected) - 1:+.2%})\n    = "
-              + " + ".join(f"{name} {size / 2**30:.2f}" for name, size in parts.items()) + " GiB", flush=True)
+        rows.append(
+            {
+                "case": label,
+                "parameters": psi,
+                "seconds": seconds,
+                "estimate": estimate.to_dict(),
+                "expected_model_states": expected,
+                "estimated_model_states": got,
+                "model_states_relative_error": sum(got) / sum(expected) - 1,
+            }
+        )
+        print(
+            f"{label:<32} {seconds:5.1f} s  peak {estimate.predicted_peak_bytes / 2**30:6.2f} GiB  model states "
+            f"{sum(got) / 2**30:6.2f} GiB vs arithmetic {sum(expected) / 2**30:6.2f} GiB "
+            f"({sum(got) / psi:.2f} B/param, error {sum(got) / sum(expected) - 1:+.2%})\n    = "
+            + " + ".join(f"{name} {size / 2**30:.2f}" for name, size in parts.items())
+            + " GiB",
+            flush=True,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": "python bench/estimate_7b.py", "rows": rows}, indent=2) + "\n")
 

@@ -53,7 +53,7 @@ CONFIGS = [  # (ranks, config)
 LEVER_CONFIGS = [
     (1, TrialConfig(micro_batch=4, precision="bf16-true")),
     (1, TrialConfig(micro_batch=8, precision="bf16-true", lora_rank=8, checkpointing=True)),
-    (1, TrialConfig(micro_batch=4, precision="bf16", lora_rank=8)),   # the frozen base in bf16
+    (1, TrialConfig(micro_batch=4, precision="bf16", lora_rank=8)),  # the frozen base in bf16
     (1, TrialConfig(micro_batch=8, checkpointing=True, checkpoint_every=2)),
     (1, TrialConfig(micro_batch=8, loss="chunked")),
     (1, TrialConfig(micro_batch=8, precision="bf16", checkpointing=True, loss="chunked:4")),
@@ -98,21 +98,46 @@ def main() -> None:
                 continue
             reference = measured.peak_allocated_bytes or measured.peak_memory_bytes
             error = predicted.predicted_peak_bytes / reference - 1
-            rows.append({"model": model, "ranks": ranks, "config": config.describe(),
-                         "predicted_peak_bytes": predicted.predicted_peak_bytes,
-                         "measured_allocated_bytes": reference,
-                         "measured_reserved_bytes": measured.peak_reserved_bytes,
-                         "relative_error": error, "estimate_seconds": predicted.seconds})
-            print(f"{model:<24} {ranks} rank(s) {config.describe():<36} "
-                  f"predicted {predicted.predicted_peak_bytes / 2**20:8.1f} MiB  measured {reference / 2**20:8.1f} MiB  error {error:+.1%}", flush=True)
+            rows.append(
+                {
+                    "model": model,
+                    "ranks": ranks,
+                    "config": config.describe(),
+                    "predicted_peak_bytes": predicted.predicted_peak_bytes,
+                    "measured_allocated_bytes": reference,
+                    "measured_reserved_bytes": measured.peak_reserved_bytes,
+                    "relative_error": error,
+                    "estimate_seconds": predicted.seconds,
+                }
+            )
+            print(
+                f"{model:<24} {ranks} rank(s) {config.describe():<36} "
+                f"predicted {predicted.predicted_peak_bytes / 2**20:8.1f} MiB  "
+                f"measured {reference / 2**20:8.1f} MiB  error {error:+.1%}",
+                flush=True,
+            )
     errors = [abs(r["relative_error"]) for r in rows]
     summary = {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors), "configs": len(rows)}
-    print(f"median |error| {summary['median_abs_error']:.2%}, max |error| {summary['max_abs_error']:.2%} "
-          f"over {len(rows)} configs ({device.type}: {device.name})")
+    print(
+        f"median |error| {summary['median_abs_error']:.2%}, max |error| {summary['max_abs_error']:.2%} "
+        f"over {len(rows)} configs ({device.type}: {device.name})"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "command": "python bench/estimator_accuracy.py" + ("" if args.set == "base" else f" --set {args.set}"), "device": device.type, "device_name": device.name,
-        "host": platform.node(), "seq_len": args.seq_len, "summary": summary, "rows": rows}, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": "python bench/estimator_accuracy.py" + ("" if args.set == "base" else f" --set {args.set}"),
+                "device": device.type,
+                "device_name": device.name,
+                "host": platform.node(),
+                "seq_len": args.seq_len,
+                "summary": summary,
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,26 @@ import sys
 import time
 from pathlib import Path
 
-FIND = ["find", "--model", "builtin:llama-tiny-32k", "--seq-len", "64", "--global-batch", "8", "--space", "full",
-        "--memory-budget", "210MiB", "--n-trials", "24", "--export", "json", "-o", "autotune.json", "--json"]
+FIND = [
+    "find",
+    "--model",
+    "builtin:llama-tiny-32k",
+    "--seq-len",
+    "64",
+    "--global-batch",
+    "8",
+    "--space",
+    "full",
+    "--memory-budget",
+    "210MiB",
+    "--n-trials",
+    "24",
+    "--export",
+    "json",
+    "-o",
+    "autotune.json",
+    "--json",
+]
 
 
 def main() -> None:
@@ -35,12 +53,17 @@ def main() -> None:
     trained = _train_the_export(args.work / "autotune.json")
     trials = found["trials"]
     row = {
-        "command": "autotune " + " ".join(FIND), "seconds": round(time.monotonic() - started, 1),
-        "best": found["best"]["describe"], "best_tokens_per_s": found["best"]["tokens_per_s"],
-        "best_peak_bytes": found["best"]["peak_memory_bytes"], "memory_limit_bytes": found["memory_limit_bytes"],
+        "command": "autotune " + " ".join(FIND),
+        "seconds": round(time.monotonic() - started, 1),
+        "best": found["best"]["describe"],
+        "best_tokens_per_s": found["best"]["tokens_per_s"],
+        "best_peak_bytes": found["best"]["peak_memory_bytes"],
+        "memory_limit_bytes": found["memory_limit_bytes"],
         "trials": len([t for t in trials if t["status"] not in ("skipped",)]),
         "skipped_by_the_estimator": len([t for t in trials if t["status"] == "skipped"]),
-        "fitting_standard_loss": sorted({t["describe"] for t in trials if t["fits"] and t["config"]["loss"] == "standard"}),
+        "fitting_standard_loss": sorted(
+            {t["describe"] for t in trials if t["fits"] and t["config"]["loss"] == "standard"}
+        ),
         "export_trained": trained,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -61,8 +84,9 @@ def _train_the_export(export: Path) -> dict:
     data = json.loads(export.read_text())
     config, workload = TrialConfig.from_dict(data["config"]), Workload.from_dict(data["workload"])
     model = autotune.prepare(build_model(workload, task="causal-lm", device=torch.device("cpu")), export)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
-                                  fused=config.fused_optimizer or None)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=config.fused_optimizer or None
+    )
     dtype = getattr(torch, config.autocast_type) if config.autocast_type else None
     losses = []
     for _ in range(3):
@@ -74,8 +98,11 @@ def _train_the_export(export: Path) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(round(loss.item() * data["grad_accum_steps"], 4))
-    return {"config": config.describe(), "losses": losses,
-            "loss_function": type(getattr(model, "get_base_model", lambda: model)().loss_function).__name__}
+    return {
+        "config": config.describe(),
+        "losses": losses,
+        "loss_function": type(getattr(model, "get_base_model", lambda: model)().loss_function).__name__,
+    }
 
 
 if __name__ == "__main__":

@@ -32,9 +32,25 @@ def find(budget: str, storage: str, *, busy: bool) -> tuple[dict, float, int]:
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
         start = time.monotonic()
-        proc = subprocess.run(["autotune", "find", "--model", "bench/data/llama-gqa", "--seq-len", "128",
-                               "--global-batch", "16", "--memory-budget", budget, "--storage", storage, "--json"],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                "autotune",
+                "find",
+                "--model",
+                "bench/data/llama-gqa",
+                "--seq-len",
+                "128",
+                "--global-batch",
+                "16",
+                "--memory-budget",
+                budget,
+                "--storage",
+                storage,
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+        )
         return json.loads(proc.stdout or "{}"), time.monotonic() - start, proc.returncode
     finally:
         if spinner is not None:
@@ -62,8 +78,11 @@ def main() -> None:
     args = parser.parse_args()
     limit = parse_size(args.budget) * (1 - HEADROOM)
     grid = {TrialConfig.from_dict(line["config"]): line for line in read_grid(GRID)}
-    fitting = {c: line["tokens_per_s"] for c, line in grid.items()
-               if line["status"] == "ok" and line["peak_memory_bytes"] <= limit}
+    fitting = {
+        c: line["tokens_per_s"]
+        for c, line in grid.items()
+        if line["status"] == "ok" and line["peak_memory_bytes"] <= limit
+    }
     optimum = max(fitting, key=fitting.get)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,25 +91,39 @@ def main() -> None:
             best = summary.get("best")
             pick = TrialConfig.from_dict(best["config"]) if best else None
             quiet_figure = fitting.get(pick) if pick else None
-            rows.append({
-                "machine": "one core spinning" if busy else "as is", "exit_code": code, "wall_s": wall,
-                "pick": pick.describe() if pick else None, "certainty": best.get("certainty") if best else None,
-                "measured_tokens_per_s": best.get("tokens_per_s") if best else None,
-                "quiet_grid_tokens_per_s": quiet_figure,
-                "of_optimum": quiet_figure / fitting[optimum] if quiet_figure else None,
-                "trials": summary.get("n_trials"),
-                "trials_by_cpu_threads": _threads_used(f"sqlite:///{tmp}/{'busy' if busy else 'quiet'}.db"),
-            })
-            report = {"command": f"python bench/find_noisy.py --budget {args.budget}", "grid": str(GRID),
-                      "optimum": optimum.describe(), "optimum_tokens_per_s": fitting[optimum], "runs": rows}
+            rows.append(
+                {
+                    "machine": "one core spinning" if busy else "as is",
+                    "exit_code": code,
+                    "wall_s": wall,
+                    "pick": pick.describe() if pick else None,
+                    "certainty": best.get("certainty") if best else None,
+                    "measured_tokens_per_s": best.get("tokens_per_s") if best else None,
+                    "quiet_grid_tokens_per_s": quiet_figure,
+                    "of_optimum": quiet_figure / fitting[optimum] if quiet_figure else None,
+                    "trials": summary.get("n_trials"),
+                    "trials_by_cpu_threads": _threads_used(f"sqlite:///{tmp}/{'busy' if busy else 'quiet'}.db"),
+                }
+            )
+            report = {
+                "command": f"python bench/find_noisy.py --budget {args.budget}",
+                "grid": str(GRID),
+                "optimum": optimum.describe(),
+                "optimum_tokens_per_s": fitting[optimum],
+                "runs": rows,
+            }
             args.out.write_text(json.dumps(report, indent=1) + "\n")  # after each run: a stopped script keeps it
     print(f"optimum of the quiet grid under {args.budget}: {optimum.describe()} at {fitting[optimum]:,.0f} tokens/s")
-    print(f"{'machine':<18} {'exit':>4} {'trials':>6} {'wall':>7}  {'pick':<22} {'quiet figure':>12} {'of optimum':>10}")
+    print(
+        f"{'machine':<18} {'exit':>4} {'trials':>6} {'wall':>7}  {'pick':<22} {'quiet figure':>12} {'of optimum':>10}"
+    )
     for r in rows:
         quiet = f"{r['quiet_grid_tokens_per_s']:,.0f}" if r["quiet_grid_tokens_per_s"] else "-"
         share = f"{r['of_optimum']:.1%}" if r["of_optimum"] else "-"
-        print(f"{r['machine']:<18} {r['exit_code']:>4} {r['trials'] or 0:>6} {r['wall_s']:>6.0f}s  "
-              f"{r['pick'] or '-':<22} {quiet:>12} {share:>10}")
+        print(
+            f"{r['machine']:<18} {r['exit_code']:>4} {r['trials'] or 0:>6} {r['wall_s']:>6.0f}s  "
+            f"{r['pick'] or '-':<22} {quiet:>12} {share:>10}"
+        )
         print(f"{'':<18} trials by torch threads: {r['trials_by_cpu_threads']}")
         if r["certainty"]:
             print(f"{'':<18} how sure: {r['certainty']}")

@@ -27,8 +27,26 @@ import time
 from pathlib import Path
 
 MODEL = str(Path("bench/data/llama-deep16.json").resolve())
-COMMON = ["find", "--model", MODEL, "--seq-len", "16", "--global-batch", "4", "--nproc", "2", "--steps", "2",
-          "--n-trials", "12", "--export", "json", "-o", "autotune.json", "--json"]
+COMMON = [
+    "find",
+    "--model",
+    MODEL,
+    "--seq-len",
+    "16",
+    "--global-batch",
+    "4",
+    "--nproc",
+    "2",
+    "--steps",
+    "2",
+    "--n-trials",
+    "12",
+    "--export",
+    "json",
+    "-o",
+    "autotune.json",
+    "--json",
+]
 QUESTIONS = {
     "full fine-tuning": ["--space", "sharding", "--memory-budget", "320MiB"],
     "lora": ["--space", str(Path("bench/spaces/sharding_lora.yaml").resolve()), "--memory-budget", "96MiB"],
@@ -94,12 +112,18 @@ def main() -> None:
         found = json.loads(proc.stdout)
         trials = [t for t in found["trials"] if t["status"] != "skipped"]
         row = {
-            "question": name, "command": "autotune " + " ".join(command), "seconds": round(time.monotonic() - started, 1),
-            "best": found["best"]["describe"], "best_tokens_per_s": found["best"]["tokens_per_s"],
-            "best_peak_bytes": found["best"]["peak_memory_bytes"], "memory_limit_bytes": found["memory_limit_bytes"],
+            "question": name,
+            "command": "autotune " + " ".join(command),
+            "seconds": round(time.monotonic() - started, 1),
+            "best": found["best"]["describe"],
+            "best_tokens_per_s": found["best"]["tokens_per_s"],
+            "best_peak_bytes": found["best"]["peak_memory_bytes"],
+            "memory_limit_bytes": found["memory_limit_bytes"],
             "model_fp32_weights_bytes": _fp32_weights_bytes(),
-            "trials": {t["describe"]: {"status": t["status"], "fits": t["fits"], "peak_bytes": t["peak_memory_bytes"]}
-                       for t in trials},
+            "trials": {
+                t["describe"]: {"status": t["status"], "fits": t["fits"], "peak_bytes": t["peak_memory_bytes"]}
+                for t in trials
+            },
             "skipped_by_the_estimator": len(found["trials"]) - len(trials),
             "export_trained": _train(work / "autotune.json", work),
         }
@@ -118,8 +142,13 @@ def _fp32_weights_bytes() -> int:
 
 def _train(export: Path, work: Path) -> dict:
     (work / "job.py").write_text(_JOB)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "job.py",
-                           str(export.resolve())], cwd=work, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "job.py", str(export.resolve())],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     return json.loads(line.removeprefix("RESULT ")) if line else {"failed": proc.stderr[-1500:]}
 

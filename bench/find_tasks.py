@@ -44,23 +44,67 @@ def main() -> None:
         (work / "my_vision.py").write_text(textwrap.dedent(example))
         for label, model, flags in CASES:
             started = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "autotune", "find", "--model", model, *flags,
-                                   "--global-batch", "8", "--space", "space.yaml", "--memory-budget", "1GiB",
-                                   "--steps", "2", "--json"], cwd=work, capture_output=True, text=True, timeout=1800)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "autotune",
+                    "find",
+                    "--model",
+                    model,
+                    *flags,
+                    "--global-batch",
+                    "8",
+                    "--space",
+                    "space.yaml",
+                    "--memory-budget",
+                    "1GiB",
+                    "--steps",
+                    "2",
+                    "--json",
+                ],
+                cwd=work,
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
             seconds = time.perf_counter() - started
             if proc.returncode != 0:
                 raise SystemExit(f"{label}: find exited {proc.returncode}\n{proc.stderr[-3000:]}")
             result = json.loads(proc.stdout)
             best = result["best"]
             loaded = _load_exports(work, result["study"], best)
-            rows.append({"case": label, "model": model, "seconds": seconds, "study": result["study"],
-                         "n_trials": result["n_trials"], "best": best, "exports_loaded": loaded,
-                         "trials": [{k: t[k] for k in ("config", "status", "throughput_unit", "tokens_per_s",
-                                                        "samples_per_s", "peak_memory_bytes")}
-                                    for t in result["trials"]]})
+            rows.append(
+                {
+                    "case": label,
+                    "model": model,
+                    "seconds": seconds,
+                    "study": result["study"],
+                    "n_trials": result["n_trials"],
+                    "best": best,
+                    "exports_loaded": loaded,
+                    "trials": [
+                        {
+                            k: t[k]
+                            for k in (
+                                "config",
+                                "status",
+                                "throughput_unit",
+                                "tokens_per_s",
+                                "samples_per_s",
+                                "peak_memory_bytes",
+                            )
+                        }
+                        for t in result["trials"]
+                    ],
+                }
+            )
             figure = best["tokens_per_s"] if best["throughput_unit"] == "tokens/s" else best["samples_per_s"]
-            print(f"{label:<44} {seconds:6.1f} s  {result['n_trials']} trials  best {best['describe']} "
-                  f"{figure:,.1f} {best['throughput_unit']}; exports loaded: {', '.join(loaded)}", flush=True)
+            print(
+                f"{label:<44} {seconds:6.1f} s  {result['n_trials']} trials  best {best['describe']} "
+                f"{figure:,.1f} {best['throughput_unit']}; exports loaded: {', '.join(loaded)}",
+                flush=True,
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": "python bench/find_tasks.py", "rows": rows}, indent=2) + "\n")
 
@@ -71,8 +115,13 @@ def _load_exports(work: Path, study: str, best: dict) -> list[str]:
     for fmt, name in (("json", "config.json"), ("hf", "training_args.json"), ("peft", "adapter")):
         if fmt == "peft" and best["config"].get("lora_rank") is None:
             continue
-        proc = subprocess.run([sys.executable, "-m", "autotune", "export", "--study", study, "--format", fmt,
-                               "-o", name], cwd=work, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "autotune", "export", "--study", study, "--format", fmt, "-o", name],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if proc.returncode != 0:
             raise SystemExit(f"export {fmt}: {proc.stderr[-2000:]}")
         check = _CHECKS[fmt].format(path=str(work / name))
@@ -84,12 +133,16 @@ def _load_exports(work: Path, study: str, best: dict) -> list[str]:
 
 
 _CHECKS = {
-    "json": ("import json, torch, autotune; from autotune.config.workload import Workload; "
-             "from autotune.models.sources import build_model, resolve_task; "
-             "w = Workload.from_dict(json.load(open({path!r}))['workload']); "
-             "autotune.prepare(build_model(w, task=resolve_task(w), device=torch.device('cpu')), {path!r})"),
-    "hf": ("import json; from transformers import TrainingArguments; "
-           "TrainingArguments(**{{'output_dir': 'out', **json.load(open({path!r}))}})"),
+    "json": (
+        "import json, torch, autotune; from autotune.config.workload import Workload; "
+        "from autotune.models.sources import build_model, resolve_task; "
+        "w = Workload.from_dict(json.load(open({path!r}))['workload']); "
+        "autotune.prepare(build_model(w, task=resolve_task(w), device=torch.device('cpu')), {path!r})"
+    ),
+    "hf": (
+        "import json; from transformers import TrainingArguments; "
+        "TrainingArguments(**{{'output_dir': 'out', **json.load(open({path!r}))}})"
+    ),
     "peft": "from peft import LoraConfig; LoraConfig.from_pretrained({path!r})",
 }
 

@@ -41,8 +41,13 @@ def timed_trial(workload: Workload, config: TrialConfig, *, server: bool) -> dic
     wall = time.perf_counter() - start
     assert result.ok, result.error
     p = result.phases
-    return {"fixed_cost_s": p.fixed_cost_s, "startup_s": p.startup_s, "build_s": p.build_s,
-            "warmup_s": p.warmup_s, "wall_s": wall}
+    return {
+        "fixed_cost_s": p.fixed_cost_s,
+        "startup_s": p.startup_s,
+        "build_s": p.build_s,
+        "warmup_s": p.warmup_s,
+        "wall_s": wall,
+    }
 
 
 def main() -> None:
@@ -59,12 +64,17 @@ def main() -> None:
     first = timed_trial(workload, config, server=True)  # starts the server: its imports, once
     rows = []
     for i in range(args.repeats):
-        row = {"bare_import_s": bare_import_s(), "new_interpreter": timed_trial(workload, config, server=False),
-               "forked": timed_trial(workload, config, server=True)}
+        row = {
+            "bare_import_s": bare_import_s(),
+            "new_interpreter": timed_trial(workload, config, server=False),
+            "forked": timed_trial(workload, config, server=True),
+        }
         rows.append(row)
-        print(f"run {i + 1}: bare import {row['bare_import_s']:.2f} s, fixed cost new interpreter "
-              f"{row['new_interpreter']['fixed_cost_s']:.2f} s, forked {row['forked']['fixed_cost_s']:.2f} s",
-              flush=True)
+        print(
+            f"run {i + 1}: bare import {row['bare_import_s']:.2f} s, fixed cost new interpreter "
+            f"{row['new_interpreter']['fixed_cost_s']:.2f} s, forked {row['forked']['fixed_cost_s']:.2f} s",
+            flush=True,
+        )
 
     def median(key: str, field: str | None = None) -> float:
         return statistics.median(r[key] if field is None else r[key][field] for r in rows)
@@ -73,10 +83,15 @@ def main() -> None:
     summary = {
         "command": "python " + " ".join(sys.argv),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, Python {platform.python_version()}",
-        "model": args.model, "nproc": args.nproc, "zero_stage": args.zero_stage, "repeats": args.repeats,
-        "median": {"bare_import_s": median("bare_import_s"),
-                   "new_interpreter": {f: median("new_interpreter", f) for f in fields},
-                   "forked": {f: median("forked", f) for f in fields}},
+        "model": args.model,
+        "nproc": args.nproc,
+        "zero_stage": args.zero_stage,
+        "repeats": args.repeats,
+        "median": {
+            "bare_import_s": median("bare_import_s"),
+            "new_interpreter": {f: median("new_interpreter", f) for f in fields},
+            "forked": {f: median("forked", f) for f in fields},
+        },
         "server_start_s": first["startup_s"],
         "runs": rows,
     }
@@ -87,10 +102,14 @@ def main() -> None:
     print(f"\nmedian of {args.repeats}: bare import {m['bare_import_s']:.2f} s")
     for mode in ("new_interpreter", "forked"):
         r = m[mode]
-        print(f"{mode:<16} fixed cost {r['fixed_cost_s']:.2f} s = start-up {r['startup_s']:.2f} + build "
-              f"{r['build_s']:.2f} + warm-up {r['warmup_s']:.2f}; whole call {r['wall_s']:.2f} s")
-    print(f"server start (once per session) {summary['server_start_s']:.2f} s; forked / new interpreter "
-          f"{summary['ratio_forked_to_new_interpreter']:.2f}x")
+        print(
+            f"{mode:<16} fixed cost {r['fixed_cost_s']:.2f} s = start-up {r['startup_s']:.2f} + build "
+            f"{r['build_s']:.2f} + warm-up {r['warmup_s']:.2f}; whole call {r['wall_s']:.2f} s"
+        )
+    print(
+        f"server start (once per session) {summary['server_start_s']:.2f} s; forked / new interpreter "
+        f"{summary['ratio_forked_to_new_interpreter']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ class Row:
     what: str
     workload: Workload
     config: TrialConfig
-    metric: str            # "allocated" (peak allocated / active) or "device" (nvidia-smi)
+    metric: str  # "allocated" (peak allocated / active) or "device" (nvidia-smi)
     published_bytes: int
     published_text: str
     # Measured with PyTorch 1.x: AdamW stepped tensor by tensor, zero_grad() kept the gradients.
@@ -60,61 +60,155 @@ def _bert(mb: int, precision: str, checkpointing: bool) -> tuple[Workload, Trial
 def _litgpt_lora(model: str, mb: int) -> tuple[Workload, TrialConfig]:
     # LitGPT's LoRA defaults: r 8, alpha 16 on the query and value projections; bf16-true.
     workload = Workload(model=_model(model), task="causal-lm", seq_len=1304, global_batch=mb, gpu="A100-40GB")
-    return workload, TrialConfig(micro_batch=mb, precision="bf16-true", lora_rank=8, lora_alpha=16,
-                                 lora_targets=("q_proj", "v_proj"))
+    return workload, TrialConfig(
+        micro_batch=mb, precision="bf16-true", lora_rank=8, lora_alpha=16, lora_targets=("q_proj", "v_proj")
+    )
 
 
 def _peft_t0(**lora: object) -> tuple[Workload, TrialConfig]:
-    workload = Workload(model=_model("t5-3b"), task="seq2seq-lm", seq_len=64, target_len=4, global_batch=8,
-                        gpu="A100-80GB")
+    workload = Workload(
+        model=_model("t5-3b"), task="seq2seq-lm", seq_len=64, target_len=4, global_batch=8, gpu="A100-80GB"
+    )
     return workload, TrialConfig(micro_batch=8, precision="fp32", **lora)  # type: ignore[arg-type]
 
 
-_BERT_NOTE = ("Trainer of early 2022 on PyTorch 1.x: eager attention, Transformers' own AdamW (tensor by tensor), "
-              "model.zero_grad() keeping the gradients; nvidia-smi includes the 1,343 MiB the same page measured "
-              "for the context")
-_LITGPT_NOTE = ("LitGPT's own Llama (flash SDPA, LM head in 128-token chunks kept for the backward) rebuilt as "
-                "Transformers' Llama with PEFT (standard loss, fp32 logits): the peak is the longest Alpaca sample, "
-                "1,304 tokens. LitGPT's LoRA on its fused qkv projection zero-pads the q and v updates to the "
-                "whole qkv width and keeps its grouped conv1d's input for the backward: PEFT's separate q_proj "
-                "and v_proj keep neither, the likely share of the shortfall")
-_PEFT_NOTE = ("twitter_complaints tweets with their prompt, padded to the longest in the batch: not published, "
-              "taken as 64 source and 4 target tokens (each source token x2 adds about 8% here); T0_3B's shape as the published table gives it; PyTorch 1.13: "
-              "AdamW tensor by tensor, zero_grad() keeping the gradients")
+_BERT_NOTE = (
+    "Trainer of early 2022 on PyTorch 1.x: eager attention, Transformers' own AdamW (tensor by tensor), "
+    "model.zero_grad() keeping the gradients; nvidia-smi includes the 1,343 MiB the same page measured "
+    "for the context"
+)
+_LITGPT_NOTE = (
+    "LitGPT's own Llama (flash SDPA, LM head in 128-token chunks kept for the backward) rebuilt as "
+    "Transformers' Llama with PEFT (standard loss, fp32 logits): the peak is the longest Alpaca sample, "
+    "1,304 tokens. LitGPT's LoRA on its fused qkv projection zero-pads the q and v updates to the "
+    "whole qkv width and keeps its grouped conv1d's input for the backward: PEFT's separate q_proj "
+    "and v_proj keep neither, the likely share of the shortfall"
+)
+_PEFT_NOTE = (
+    "twitter_complaints tweets with their prompt, padded to the longest in the batch: not published, "
+    "taken as 64 source and 4 target tokens (each source token x2 adds about 8% here); "
+    "T0_3B's shape as the published table gives it; PyTorch 1.13: "
+    "AdamW tensor by tensor, zero_grad() keeping the gradients"
+)
 
 ROWS: list[Row] = [
-    Row("H1", "BERT-L mb4 fp32", *_bert(4, "fp32", False), "device", 14_949 * MiB, "14,949 MB (nvidia-smi)",
-        pytorch1_step=True, notes=[_BERT_NOTE]),
-    Row("H2", "BERT-L mb1 x4 fp32", *_bert(1, "fp32", False), "device", 8_681 * MiB, "8,681 MB (nvidia-smi)",
-        pytorch1_step=True, notes=[_BERT_NOTE]),
-    Row("H3", "BERT-L mb1 x4 fp32 ckpt", *_bert(1, "fp32", True), "device", 6_775 * MiB, "6,775 MB (nvidia-smi)",
-        pytorch1_step=True, notes=[_BERT_NOTE]),
-    Row("H4", "BERT-L mb4 fp16", *_bert(4, "fp16", False), "device", 13_939 * MiB, "13,939 MB (nvidia-smi)",
-        pytorch1_step=True, notes=[_BERT_NOTE]),
-    Row("H5", "BERT-L mb1 x4 fp16 ckpt", *_bert(1, "fp16", True), "device", 7_275 * MiB, "7,275 MB (nvidia-smi)",
-        pytorch1_step=True, notes=[_BERT_NOTE]),
-    Row("T1", "Llama-3.2-3B pure bf16, seq 4096 mb2",
+    Row(
+        "H1",
+        "BERT-L mb4 fp32",
+        *_bert(4, "fp32", False),
+        "device",
+        14_949 * MiB,
+        "14,949 MB (nvidia-smi)",
+        pytorch1_step=True,
+        notes=[_BERT_NOTE],
+    ),
+    Row(
+        "H2",
+        "BERT-L mb1 x4 fp32",
+        *_bert(1, "fp32", False),
+        "device",
+        8_681 * MiB,
+        "8,681 MB (nvidia-smi)",
+        pytorch1_step=True,
+        notes=[_BERT_NOTE],
+    ),
+    Row(
+        "H3",
+        "BERT-L mb1 x4 fp32 ckpt",
+        *_bert(1, "fp32", True),
+        "device",
+        6_775 * MiB,
+        "6,775 MB (nvidia-smi)",
+        pytorch1_step=True,
+        notes=[_BERT_NOTE],
+    ),
+    Row(
+        "H4",
+        "BERT-L mb4 fp16",
+        *_bert(4, "fp16", False),
+        "device",
+        13_939 * MiB,
+        "13,939 MB (nvidia-smi)",
+        pytorch1_step=True,
+        notes=[_BERT_NOTE],
+    ),
+    Row(
+        "H5",
+        "BERT-L mb1 x4 fp16 ckpt",
+        *_bert(1, "fp16", True),
+        "device",
+        7_275 * MiB,
+        "7,275 MB (nvidia-smi)",
+        pytorch1_step=True,
+        notes=[_BERT_NOTE],
+    ),
+    Row(
+        "T1",
+        "Llama-3.2-3B pure bf16, seq 4096 mb2",
         Workload(model=_model("llama-3.2-3b"), task="causal-lm", seq_len=4096, global_batch=2, gpu="A100-80GB"),
-        TrialConfig(micro_batch=2, precision="bf16-true"), "allocated", int(60.0 * GiB), "60.0 GiB (active)",
-        notes=["torchtune's own Llama (packed: flex attention with a block-causal mask, kept as flash keeps it) "
-               "rebuilt as Transformers' Llama with causal SDPA; both upcast the logits to fp32 for the loss"]),
-    Row("L1", "Llama-2-7B LoRA r8 q,v bf16-true mb1", *_litgpt_lora("llama-2-7b", 1), "allocated",
-        int(21.30 * GB), "21.30 GB (allocated)", notes=[_LITGPT_NOTE]),
-    Row("L2", "Llama-2-7B LoRA r8 q,v bf16-true mb2", *_litgpt_lora("llama-2-7b", 2), "allocated",
-        int(29.07 * GB), "29.07 GB (allocated)", notes=[_LITGPT_NOTE]),
-    Row("L3", "Llama-2-13B LoRA r8 q,v bf16-true mb1", *_litgpt_lora("llama-2-13b", 1), "allocated",
-        int(38.12 * GB), "38.12 GB (allocated)", notes=[_LITGPT_NOTE]),
-    Row("P1", "T0-3B full fine-tuning fp32 mb8", *_peft_t0(), "allocated", int(47.14 * GB), "47.14 GB (allocated)",
-        pytorch1_step=True, notes=[_PEFT_NOTE]),
-    Row("P2", "T0-3B LoRA r8 q,v fp32 mb8", *_peft_t0(lora_rank=8, lora_alpha=32, lora_targets=("q", "v")),
-        "allocated", int(14.4 * GB), "14.4 GB (allocated)", pytorch1_step=True, notes=[_PEFT_NOTE]),
+        TrialConfig(micro_batch=2, precision="bf16-true"),
+        "allocated",
+        int(60.0 * GiB),
+        "60.0 GiB (active)",
+        notes=[
+            "torchtune's own Llama (packed: flex attention with a block-causal mask, kept as flash keeps it) "
+            "rebuilt as Transformers' Llama with causal SDPA; both upcast the logits to fp32 for the loss"
+        ],
+    ),
+    Row(
+        "L1",
+        "Llama-2-7B LoRA r8 q,v bf16-true mb1",
+        *_litgpt_lora("llama-2-7b", 1),
+        "allocated",
+        int(21.30 * GB),
+        "21.30 GB (allocated)",
+        notes=[_LITGPT_NOTE],
+    ),
+    Row(
+        "L2",
+        "Llama-2-7B LoRA r8 q,v bf16-true mb2",
+        *_litgpt_lora("llama-2-7b", 2),
+        "allocated",
+        int(29.07 * GB),
+        "29.07 GB (allocated)",
+        notes=[_LITGPT_NOTE],
+    ),
+    Row(
+        "L3",
+        "Llama-2-13B LoRA r8 q,v bf16-true mb1",
+        *_litgpt_lora("llama-2-13b", 1),
+        "allocated",
+        int(38.12 * GB),
+        "38.12 GB (allocated)",
+        notes=[_LITGPT_NOTE],
+    ),
+    Row(
+        "P1",
+        "T0-3B full fine-tuning fp32 mb8",
+        *_peft_t0(),
+        "allocated",
+        int(47.14 * GB),
+        "47.14 GB (allocated)",
+        pytorch1_step=True,
+        notes=[_PEFT_NOTE],
+    ),
+    Row(
+        "P2",
+        "T0-3B LoRA r8 q,v fp32 mb8",
+        *_peft_t0(lora_rank=8, lora_alpha=32, lora_targets=("q", "v")),
+        "allocated",
+        int(14.4 * GB),
+        "14.4 GB (allocated)",
+        pytorch1_step=True,
+        notes=[_PEFT_NOTE],
+    ),
 ]
 
 NOT_EXPRESSIBLE = {
     "T2-T4": "torch.compile: the estimator traces the eager step, and compile's fused kernels keep less "
-             "(T2 holds 9 GiB less than T1)",
+    "(T2 holds 9 GiB less than T1)",
     "T5": "the optimizer step inside backward, activation offload and bitsandbytes' 8-bit AdamW: the lean "
-          "fine-tuning issue's levers, not knobs yet",
+    "fine-tuning issue's levers, not knobs yet",
     "T6": "LoRA on top of T2-T5's levers (compile, in-backward, offload), not LoRA alone",
     "H6, H7": "Adafactor: not an optimizer autotune trains with yet (the lean fine-tuning issue)",
     "H8, H9": "bitsandbytes' 8-bit Adam: not yet (the lean fine-tuning issue)",
@@ -129,16 +223,28 @@ def predict(row: Row) -> dict[str, object]:
     predicted = estimate.predicted_device_bytes if row.metric == "device" else estimate.predicted_peak_bytes
     assert predicted is not None
     error = predicted / row.published_bytes - 1
-    return {"row": row.key, "what": row.what, "gpu": row.workload.gpu, "metric": row.metric,
-            "published": row.published_text, "published_bytes": row.published_bytes,
-            "predicted_bytes": predicted, "error": error, "estimate": estimate.to_dict(),
-            "pytorch1_step": row.pytorch1_step, "notes": row.notes,
-            "seconds": time.perf_counter() - started}
+    return {
+        "row": row.key,
+        "what": row.what,
+        "gpu": row.workload.gpu,
+        "metric": row.metric,
+        "published": row.published_text,
+        "published_bytes": row.published_bytes,
+        "predicted_bytes": predicted,
+        "error": error,
+        "estimate": estimate.to_dict(),
+        "pytorch1_step": row.pytorch1_step,
+        "notes": row.notes,
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def _figure(result: dict[str, object]) -> str:
-    unit, name = (GB, "GB") if "GB (" in str(result["published"]) else (
-        (GiB, "GiB") if "GiB" in str(result["published"]) else (MiB, "MB"))
+    unit, name = (
+        (GB, "GB")
+        if "GB (" in str(result["published"])
+        else ((GiB, "GiB") if "GiB" in str(result["published"]) else (MiB, "MB"))
+    )
     value = int(result["predicted_bytes"]) / unit  # type: ignore[call-overload]
     return f"{value:,.0f} {name}" if name == "MB" else f"{value:.2f} {name}"
 
@@ -148,8 +254,10 @@ def _parts(result: dict[str, object]) -> str:
     assert isinstance(estimate, dict)
     gib = lambda b: f"{b / GiB:.2f}"  # noqa: E731
     states = estimate["parameters_bytes"] + estimate["gradients_bytes"] + estimate["optimizer_state_bytes"]
-    text = (f"states {gib(states)} (not live {gib(estimate['not_live_at_peak_bytes'])}) + act "
-            f"{gib(estimate['activations_bytes'])} + temp {gib(estimate['temporaries_bytes'])}")
+    text = (
+        f"states {gib(states)} (not live {gib(estimate['not_live_at_peak_bytes'])}) + act "
+        f"{gib(estimate['activations_bytes'])} + temp {gib(estimate['temporaries_bytes'])}"
+    )
     if result["metric"] == "device":
         cuda = estimate["cuda_parts"]
         text += f" + cache {gib(cuda['allocator cache'])} + ctx {gib(cuda['CUDA context'])}"
@@ -166,14 +274,21 @@ def main() -> None:
     for row in ROWS:
         if wanted is None or row.key in wanted:
             results.append(predict(row))
-            print(f"{row.key}: {_figure(results[-1])} predicted, {row.published_text} published, "
-                  f"{results[-1]['error']:+.1%} ({results[-1]['seconds']:.0f} s)", flush=True)
+            print(
+                f"{row.key}: {_figure(results[-1])} predicted, {row.published_text} published, "
+                f"{results[-1]['error']:+.1%} ({results[-1]['seconds']:.0f} s)",
+                flush=True,
+            )
     errors = [abs(float(r["error"])) for r in results]  # type: ignore[arg-type]
-    lines = ["| row | config | GPU | metric | published | predicted | error | predicted parts |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| row | config | GPU | metric | published | predicted | error | predicted parts |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['row']} | {r['what']} | {r['gpu']} | {r['metric']} | {r['published']} | "
-                     f"{_figure(r)} | {float(r['error']):+.1%} | {_parts(r)} |")  # type: ignore[arg-type]
+        lines.append(
+            f"| {r['row']} | {r['what']} | {r['gpu']} | {r['metric']} | {r['published']} | "
+            f"{_figure(r)} | {float(r['error']):+.1%} | {_parts(r)} |"
+        )  # type: ignore[arg-type]
     lines.append("")
     lines.append(f"median |error| {statistics.median(errors):.1%}, largest {max(errors):.1%} over {len(errors)} rows")
     lines.append("")
@@ -183,8 +298,9 @@ def main() -> None:
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python bench/gpu_published.py" + (f" --rows {args.rows}" if args.rows else "")
-    args.out.write_text(json.dumps({"command": command, "rows": results, "not_expressible": NOT_EXPRESSIBLE},
-                                   indent=2) + "\n")
+    args.out.write_text(
+        json.dumps({"command": command, "rows": results, "not_expressible": NOT_EXPRESSIBLE}, indent=2) + "\n"
+    )
     args.out.with_suffix(".txt").write_text(f"$ {command}\n\n{table}\n")
 
 

@@ -28,27 +28,63 @@ from autotune.trial.runner import run_trial
 # (lever, model, baseline, lever's config): the lever changes one knob of the baseline.
 PAIRS = [
     ("chunked loss", "builtin:llama-tiny-32k", TrialConfig(micro_batch=8), TrialConfig(micro_batch=8, loss="chunked")),
-    ("chunked loss", "builtin:llama-tiny-32k", TrialConfig(micro_batch=8, precision="bf16", checkpointing=True),
-     TrialConfig(micro_batch=8, precision="bf16", checkpointing=True, loss="chunked")),
+    (
+        "chunked loss",
+        "builtin:llama-tiny-32k",
+        TrialConfig(micro_batch=8, precision="bf16", checkpointing=True),
+        TrialConfig(micro_batch=8, precision="bf16", checkpointing=True, loss="chunked"),
+    ),
     ("chunked loss", "builtin:gpt2-deep-tiny", TrialConfig(micro_batch=8), TrialConfig(micro_batch=8, loss="chunked")),
     ("chunked loss", "builtin:llama-tiny", TrialConfig(micro_batch=8), TrialConfig(micro_batch=8, loss="chunked")),
-    ("checkpointing every 2nd layer", "builtin:gpt2-deep-tiny", TrialConfig(micro_batch=8),
-     TrialConfig(micro_batch=8, checkpointing=True, checkpoint_every=2)),
-    ("checkpointing every layer", "builtin:gpt2-deep-tiny", TrialConfig(micro_batch=8),
-     TrialConfig(micro_batch=8, checkpointing=True)),
+    (
+        "checkpointing every 2nd layer",
+        "builtin:gpt2-deep-tiny",
+        TrialConfig(micro_batch=8),
+        TrialConfig(micro_batch=8, checkpointing=True, checkpoint_every=2),
+    ),
+    (
+        "checkpointing every layer",
+        "builtin:gpt2-deep-tiny",
+        TrialConfig(micro_batch=8),
+        TrialConfig(micro_batch=8, checkpointing=True),
+    ),
     ("fused AdamW", "builtin:llama-tiny", TrialConfig(micro_batch=8), TrialConfig(micro_batch=8, fused_optimizer=True)),
-    ("fused AdamW", "builtin:gpt2-deep-tiny", TrialConfig(micro_batch=8),
-     TrialConfig(micro_batch=8, fused_optimizer=True)),
-    ("bf16-true", "builtin:llama-tiny", TrialConfig(micro_batch=8, precision="bf16"),
-     TrialConfig(micro_batch=8, precision="bf16-true")),
-    ("bf16-true", "builtin:gpt2-deep-tiny", TrialConfig(micro_batch=8, precision="bf16"),
-     TrialConfig(micro_batch=8, precision="bf16-true")),
-    ("bf16-true", "builtin:llama-tiny", TrialConfig(micro_batch=8, precision="bf16", lora_rank=8),
-     TrialConfig(micro_batch=8, precision="bf16-true", lora_rank=8)),
-    ("eager attention", "builtin:llama-tiny", TrialConfig(micro_batch=8, attention="sdpa"),
-     TrialConfig(micro_batch=8, attention="eager")),
-    ("eager attention", "builtin:gpt2-deep-tiny", TrialConfig(micro_batch=8, attention="sdpa"),
-     TrialConfig(micro_batch=8, attention="eager")),
+    (
+        "fused AdamW",
+        "builtin:gpt2-deep-tiny",
+        TrialConfig(micro_batch=8),
+        TrialConfig(micro_batch=8, fused_optimizer=True),
+    ),
+    (
+        "bf16-true",
+        "builtin:llama-tiny",
+        TrialConfig(micro_batch=8, precision="bf16"),
+        TrialConfig(micro_batch=8, precision="bf16-true"),
+    ),
+    (
+        "bf16-true",
+        "builtin:gpt2-deep-tiny",
+        TrialConfig(micro_batch=8, precision="bf16"),
+        TrialConfig(micro_batch=8, precision="bf16-true"),
+    ),
+    (
+        "bf16-true",
+        "builtin:llama-tiny",
+        TrialConfig(micro_batch=8, precision="bf16", lora_rank=8),
+        TrialConfig(micro_batch=8, precision="bf16-true", lora_rank=8),
+    ),
+    (
+        "eager attention",
+        "builtin:llama-tiny",
+        TrialConfig(micro_batch=8, attention="sdpa"),
+        TrialConfig(micro_batch=8, attention="eager"),
+    ),
+    (
+        "eager attention",
+        "builtin:gpt2-deep-tiny",
+        TrialConfig(micro_batch=8, attention="sdpa"),
+        TrialConfig(micro_batch=8, attention="eager"),
+    ),
 ]
 SEQ_LEN, GLOBAL_BATCH = 128, 16
 
@@ -73,28 +109,46 @@ def main() -> None:
         for name, config in (("baseline", baseline), ("with_lever", changed)):
             speeds = [r.tokens_per_s for r in runs[config]]
             peak = runs[config][0].peak_memory_bytes
-            row[name] = {"config": config.describe(), "peak_memory_bytes": peak,
-                         "predicted_peak_bytes": predict_memory(workload, config).predicted_peak_bytes,
-                         "tokens_per_s_median": statistics.median(speeds), "tokens_per_s": speeds,
-                         "final_loss": runs[config][0].final_loss}
+            row[name] = {
+                "config": config.describe(),
+                "peak_memory_bytes": peak,
+                "predicted_peak_bytes": predict_memory(workload, config).predicted_peak_bytes,
+                "tokens_per_s_median": statistics.median(speeds),
+                "tokens_per_s": speeds,
+                "final_loss": runs[config][0].final_loss,
+            }
         row["peak_ratio"] = row["with_lever"]["peak_memory_bytes"] / row["baseline"]["peak_memory_bytes"]
         row["speed_ratio"] = row["with_lever"]["tokens_per_s_median"] / row["baseline"]["tokens_per_s_median"]
         rows.append(row)
         print(_line(row), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-                                    "command": f"python bench/levers.py --rounds {args.rounds}",
-                                    "rows": rows}, indent=1) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+                "command": f"python bench/levers.py --rounds {args.rounds}",
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {args.out}")
 
 
 def _line(row: dict) -> str:
     def side(s: dict) -> str:
         miss = s["predicted_peak_bytes"] / s["peak_memory_bytes"] - 1
-        return (f"{s['config']}: loss {s['final_loss']:.4f}, peak {s['peak_memory_bytes'] / 2**20:.1f} MiB (estimate {miss:+.1%}), "
-                f"{s['tokens_per_s_median']:,.0f} tokens/s ({min(s['tokens_per_s']):,.0f}-{max(s['tokens_per_s']):,.0f})")
-    return (f"{row['lever']} on {row['model']}: {side(row['baseline'])} -> {side(row['with_lever'])}; "
-            f"peak x{row['peak_ratio']:.2f}, speed x{row['speed_ratio']:.2f}")
+        return (
+            f"{s['config']}: loss {s['final_loss']:.4f}, "
+            f"peak {s['peak_memory_bytes'] / 2**20:.1f} MiB (estimate {miss:+.1%}), "
+            f"{s['tokens_per_s_median']:,.0f} tokens/s ({min(s['tokens_per_s']):,.0f}-{max(s['tokens_per_s']):,.0f})"
+        )
+
+    return (
+        f"{row['lever']} on {row['model']}: {side(row['baseline'])} -> {side(row['with_lever'])}; "
+        f"peak x{row['peak_ratio']:.2f}, speed x{row['speed_ratio']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -42,13 +42,17 @@ PEERS = ("lightning-power", "lightning-binsearch", "accelerate")
 HEADROOM = 0.10  # autotune's default: a config fits when its peak stays 10% under the budget
 PROBE_OPTIMIZER_STEPS = 2  # the second step holds optimizer states, gradients and activations at once
 QUIET_SPREAD = 0.10  # a measurement whose step times spread wider (IQR / median) was disturbed
-TOOLS = {"lightning-power": "Lightning `scale_batch_size` power",
-         "lightning-binsearch": "Lightning `scale_batch_size` binsearch",
-         "accelerate": "Accelerate `find_executable_batch_size`"}
-DEEPSPEED = ("not run: `deepspeed --autotuning run` starts every experiment through its launcher and "
-             "ends each with pdsh over ssh (not installed here); it has no memory budget (it sizes "
-             "configs against the accelerator's total memory) and no CPU live-bytes tracker to "
-             "enforce one in its experiments' processes; it is made for GPU nodes")
+TOOLS = {
+    "lightning-power": "Lightning `scale_batch_size` power",
+    "lightning-binsearch": "Lightning `scale_batch_size` binsearch",
+    "accelerate": "Accelerate `find_executable_batch_size`",
+}
+DEEPSPEED = (
+    "not run: `deepspeed --autotuning run` starts every experiment through its launcher and "
+    "ends each with pdsh over ssh (not installed here); it has no memory budget (it sizes "
+    "configs against the accelerator's total memory) and no CPU live-bytes tracker to "
+    "enforce one in its experiments' processes; it is made for GPU nodes"
+)
 
 
 # -- inside a peer's process ----------------------------------------------------------------------
@@ -102,9 +106,17 @@ def _lightning(mode: str, workload: Any, task: str, attempts: list[dict[str, Any
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             attempts[-1]["steps_done"] = batch_idx + 1
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=workdir)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="32-true",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=workdir,
+    )
     return Tuner(trainer).scale_batch_size(PeerModule(), mode=mode)  # Lightning's defaults otherwise
 
 
@@ -129,10 +141,11 @@ def _accelerate(workload: Any, task: str, attempts: list[dict[str, Any]]) -> int
         model = build_model(workload, task=task, device=accelerator.device)
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
-        loader = torch.utils.data.DataLoader(_synthetic_dataset(model, task=task, seq_len=workload.seq_len),
-                                             batch_size=batch_size)
+        loader = torch.utils.data.DataLoader(
+            _synthetic_dataset(model, task=task, seq_len=workload.seq_len), batch_size=batch_size
+        )
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        for micro, batch in zip(range(PROBE_OPTIMIZER_STEPS * accum), loader):
+        for micro, batch in zip(range(PROBE_OPTIMIZER_STEPS * accum), loader, strict=False):
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
@@ -157,9 +170,16 @@ def run_peer(name: str, workload: Any, budget: int, result_path: Path) -> None:
             picked = _accelerate(workload, task, attempts)
         else:
             picked = _lightning(name.removeprefix("lightning-"), workload, task, attempts, workdir)
-    result_path.write_text(json.dumps({"picked_micro_batch": picked, "attempts": attempts,
-                                       "finder_s": time.perf_counter() - started,
-                                       "tracker_peak_bytes": tracker.peak_bytes}))
+    result_path.write_text(
+        json.dumps(
+            {
+                "picked_micro_batch": picked,
+                "attempts": attempts,
+                "finder_s": time.perf_counter() - started,
+                "tracker_peak_bytes": tracker.peak_bytes,
+            }
+        )
+    )
 
 
 # -- the bench ------------------------------------------------------------------------------------
@@ -178,8 +198,19 @@ def _turn() -> Any:
 def tune_with_peer(name: str, args: argparse.Namespace, budget: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, _turn():
         result_path = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--peer", name, "--result", str(result_path),
-               "--budget-bytes", str(budget), "--global-batch", str(args.global_batch), *_workload_flags(args)]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--peer",
+            name,
+            "--result",
+            str(result_path),
+            "--budget-bytes",
+            str(budget),
+            "--global-batch",
+            str(args.global_batch),
+            *_workload_flags(args),
+        ]
         started = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, timeout=600)
         wall = time.perf_counter() - started
@@ -190,8 +221,15 @@ def tune_with_peer(name: str, args: argparse.Namespace, budget: int) -> dict[str
 
 def tune_with_autotune(args: argparse.Namespace, space: str) -> dict[str, Any]:
     file = ROOT / space  # find runs in a temporary directory: a space file by its absolute path
-    flags = [*_workload_flags(args), "--global-batch", str(args.global_batch), "--memory-budget",
-             args.memory_budget, "--space", str(file) if file.is_file() else space]
+    flags = [
+        *_workload_flags(args),
+        "--global-batch",
+        str(args.global_batch),
+        "--memory-budget",
+        args.memory_budget,
+        "--space",
+        str(file) if file.is_file() else space,
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "autotune", "find", *flags, "--storage", f"sqlite:///{tmp}/autotune.db", "--json"]
         started = time.perf_counter()
@@ -201,33 +239,70 @@ def tune_with_autotune(args: argparse.Namespace, space: str) -> dict[str, Any]:
         raise SystemExit(f"autotune find failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     study = json.loads(proc.stdout)
     ran = [t for t in study["trials"] if t["status"] != "skipped"]
-    return {"picked": study["best"], "wall_s": wall, "trials_run": len(ran),
-            "oom_trials": sum(t["status"] == "oom" for t in ran),
-            "trial_s": sum(t["duration_s"] or 0.0 for t in ran),
-            "trials": [{k: t.get(k) for k in ("describe", "status", "tokens_per_s", "peak_memory_bytes", "duration_s")}
-                       for t in study["trials"]],
-            "space": space,
-            "command": "autotune find " + " ".join(flags[:-1] + [space]) + " --storage sqlite:///TMP/autotune.db --json"}
+    return {
+        "picked": study["best"],
+        "wall_s": wall,
+        "trials_run": len(ran),
+        "oom_trials": sum(t["status"] == "oom" for t in ran),
+        "trial_s": sum(t["duration_s"] or 0.0 for t in ran),
+        "trials": [
+            {k: t.get(k) for k in ("describe", "status", "tokens_per_s", "peak_memory_bytes", "duration_s")}
+            for t in study["trials"]
+        ],
+        "space": space,
+        "command": "autotune find " + " ".join(flags[:-1] + [space]) + " --storage sqlite:///TMP/autotune.db --json",
+    }
 
 
 def measure(config: dict[str, Any], global_batch: int, args: argparse.Namespace) -> dict[str, Any]:
     """One ``autotune trial --json`` of ``config`` at ``global_batch``, under the budget."""
-    flags = ["--micro-batch", str(config["micro_batch"]), "--precision", config["precision"],
-             "--checkpointing", "on" if config["checkpointing"] else "off"]
+    flags = [
+        "--micro-batch",
+        str(config["micro_batch"]),
+        "--precision",
+        config["precision"],
+        "--checkpointing",
+        "on" if config["checkpointing"] else "off",
+    ]
     if config.get("lora_rank"):
         flags += ["--lora-rank", str(config["lora_rank"])]
     if config.get("zero_stage") is not None:
         flags += ["--zero-stage", str(config["zero_stage"]), "--offload", config["offload"]]
-    cmd = [sys.executable, "-m", "autotune", "trial", *_workload_flags(args), "--global-batch", str(global_batch),
-           *flags, "--memory-budget", args.memory_budget, "--warmup-steps", "1", "--steps", str(args.steps), "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "autotune",
+        "trial",
+        *_workload_flags(args),
+        "--global-batch",
+        str(global_batch),
+        *flags,
+        "--memory-budget",
+        args.memory_budget,
+        "--warmup-steps",
+        "1",
+        "--steps",
+        str(args.steps),
+        "--json",
+    ]
     with tempfile.TemporaryDirectory() as tmp, _turn():
         load = os.getloadavg()[0]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, timeout=600)
     if not proc.stdout.strip():
         raise SystemExit(f"autotune trial printed nothing (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    run = {key: result.get(key) for key in ("status", "tokens_per_s", "peak_memory_bytes", "step_time_median_s",
-                                            "step_time_iqr_s", "measured_steps", "error")}
+    run = {
+        key: result.get(key)
+        for key in (
+            "status",
+            "tokens_per_s",
+            "peak_memory_bytes",
+            "step_time_median_s",
+            "step_time_iqr_s",
+            "measured_steps",
+            "error",
+        )
+    }
     median, iqr = run["step_time_median_s"], run["step_time_iqr_s"]
     run["spread"] = iqr / median if median and iqr is not None else None
     run["load_before"] = load
@@ -245,9 +320,12 @@ def measure_picks(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             config, global_batch = json.loads(key)
             runs.append(measure(config, global_batch, args))
             run = runs[-1]
-            print(f"round {round_ + 1}: {_describe(config)} global {global_batch}: {run['status']} "
-                  f"{run['tokens_per_s'] or 0:,.0f} tokens/s, spread {run['spread'] or 0:.0%}, "
-                  f"peak {_mib(run['peak_memory_bytes'])}", flush=True)
+            print(
+                f"round {round_ + 1}: {_describe(config)} global {global_batch}: {run['status']} "
+                f"{run['tokens_per_s'] or 0:,.0f} tokens/s, spread {run['spread'] or 0:.0%}, "
+                f"peak {_mib(run['peak_memory_bytes'])}",
+                flush=True,
+            )
 
 
 def _describe(config: dict[str, Any]) -> str:
@@ -271,8 +349,11 @@ def _figures(runs: list[dict[str, Any]]) -> str:
 def _paired(runs: list[dict[str, Any]], ours: list[dict[str, Any]]) -> str:
     """The median over rounds of this pick's tokens/s over autotune's pick's in the same round:
     a slow phase of the machine that spans a round slows both."""
-    ratios = [r["tokens_per_s"] / o["tokens_per_s"] for r, o in zip(runs, ours)
-              if r["status"] == o["status"] == "ok"]
+    ratios = [
+        r["tokens_per_s"] / o["tokens_per_s"]
+        for r, o in zip(runs, ours, strict=True)
+        if r["status"] == o["status"] == "ok"
+    ]
     if not ratios:
         return "-"
     return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
@@ -288,7 +369,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['workload']}; budget {report['memory_budget']}, fits with headroom when the peak is at most "
         f"{_mib(int(limit))} (10% under). Each pick measured {report['rounds']} times with `autotune trial "
         f"--steps {report['steps']}`, interleaved; tokens/s: the median of the settled runs (step-time spread "
-        f"<= {QUIET_SPREAD:.0%} of the median: not disturbed by other processes), then of all runs (min-max); next to it the median over the rounds of the pick's tokens/s over `autotune find`'s pick's in the same round (min-max). "
+        f"<= {QUIET_SPREAD:.0%} of the median: not disturbed by other processes), then of all runs (min-max); "
+        "next to it the median over the rounds of the pick's tokens/s over `autotune find`'s pick's "
+        "in the same round (min-max). "
         f"{_machine(report)}",
         "",
         "| tool | picked | measured as | tokens/s: settled runs; all runs | vs autotune's pick, same round | peak "
@@ -305,9 +388,11 @@ def markdown(report: dict[str, Any]) -> str:
         ok = all(r["status"] == "ok" for r in runs)
         fits = "yes" if ok and peak is not None and peak <= limit else "no"
         fits += f" ({peak / budget:.0%} of the budget)" if peak is not None else ""
-        lines.append(f"| {row['tool']} | {row['picked']} | {row['measured_as']} | {_figures(runs)} "
-                     f"| {_paired(runs, ours)} | {_mib(peak)} "
-                     f"| {fits} | {row['wall_s']:.0f} s{row['wall_note']} |")
+        lines.append(
+            f"| {row['tool']} | {row['picked']} | {row['measured_as']} | {_figures(runs)} "
+            f"| {_paired(runs, ours)} | {_mib(peak)} "
+            f"| {fits} | {row['wall_s']:.0f} s{row['wall_note']} |"
+        )
     lines += ["", "How each tool got there:", ""]
     lines += [f"- {row['tool']}: {row['how']}" for row in report["rows"] if row.get("how")]
     return "\n".join(lines) + "\n"
@@ -322,41 +407,61 @@ def peer_row(name: str, tuned: dict[str, Any], args: argparse.Namespace) -> dict
             how += f"; then its 5% margin: {m}"
         how += " (3 steps per size, no accumulation)"
     else:
-        how = ", ".join(f"{a['micro_batch']}x{a['accumulation']} "
-                        f"{'ok' if a['steps_done'] >= PROBE_OPTIMIZER_STEPS * a['accumulation'] else 'OOM'}"
-                        for a in tuned["attempts"])
+        how = ", ".join(
+            f"{a['micro_batch']}x{a['accumulation']} "
+            f"{'ok' if a['steps_done'] >= PROBE_OPTIMIZER_STEPS * a['accumulation'] else 'OOM'}"
+            for a in tuned["attempts"]
+        )
         how += f" (micro batch x accumulation, {PROBE_OPTIMIZER_STEPS} optimizer steps per attempt)"
     config = {"micro_batch": m, "precision": "fp32", "checkpointing": False}
-    return {"tool": TOOLS[name], "peer": name, "tuned": tuned, "picked": f"micro batch {m}",
-            "config": config, "global_batch": m * accum,
-            "measured_as": f"{_describe(config)} x{accum} (global {m * accum})",
-            "wall_s": tuned["wall_s"], "wall_note": f" ({tuned['finder_s']:.0f} s in the finder)", "how": how}
+    return {
+        "tool": TOOLS[name],
+        "peer": name,
+        "tuned": tuned,
+        "picked": f"micro batch {m}",
+        "config": config,
+        "global_batch": m * accum,
+        "measured_as": f"{_describe(config)} x{accum} (global {m * accum})",
+        "wall_s": tuned["wall_s"],
+        "wall_note": f" ({tuned['finder_s']:.0f} s in the finder)",
+        "how": how,
+    }
 
 
 def autotune_row(found: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     best = found["picked"]
     accum = args.global_batch // best["config"]["micro_batch"]
     trains = best.get("trains")
-    trials = ", ".join(f"{t['describe']} {t['status']}" + (f" {t['tokens_per_s']:,.0f}" if t["tokens_per_s"] else "")
-                       for t in found["trials"])
-    return {"tool": f"`autotune find --space {found['space']}`", "peer": f"autotune:{found['space']}", "tuned": found,
-            "picked": f"{best['describe']}, accumulation {accum}", "config": best["config"],
-            "global_batch": args.global_batch, "measured_as": f"{best['describe']} x{accum} (global {args.global_batch})",
-            "wall_s": found["wall_s"],
-            "wall_note": f" ({found['trials_run']} trials, {found['oom_trials']} OOM, {found['trial_s']:.0f} trial-s)",
-            "how": f"trials (tokens/s): {trials}; its confirming re-run of the pick: "
-                   f"{best['tokens_per_s'] or 0:,.0f} tokens/s; trains: "
-                   f"{trains.get('note') if isinstance(trains, dict) else trains}"}
+    trials = ", ".join(
+        f"{t['describe']} {t['status']}" + (f" {t['tokens_per_s']:,.0f}" if t["tokens_per_s"] else "")
+        for t in found["trials"]
+    )
+    return {
+        "tool": f"`autotune find --space {found['space']}`",
+        "peer": f"autotune:{found['space']}",
+        "tuned": found,
+        "picked": f"{best['describe']}, accumulation {accum}",
+        "config": best["config"],
+        "global_batch": args.global_batch,
+        "measured_as": f"{best['describe']} x{accum} (global {args.global_batch})",
+        "wall_s": found["wall_s"],
+        "wall_note": f" ({found['trials_run']} trials, {found['oom_trials']} OOM, {found['trial_s']:.0f} trial-s)",
+        "how": f"trials (tokens/s): {trials}; its confirming re-run of the pick: "
+        f"{best['tokens_per_s'] or 0:,.0f} tokens/s; trains: "
+        f"{trains.get('note') if isinstance(trains, dict) else trains}",
+    }
 
 
 def _machine(report: dict[str, Any]) -> str:
     def loads(xs: list[float]) -> str:
         return " / ".join(f"{x:.1f}" for x in xs)
 
-    return (f"The machine: {report['cores']} cores shared with other agents' work (their autotune trials kept "
-            f"off these runs by autotune's CPU turns, the rest not); 1-minute load average "
-            f"{loads(report['load']['tuning'])} at the start, after the peers and after each find, "
-            f"{loads(report['load']['measuring'])} before and after measuring.")
+    return (
+        f"The machine: {report['cores']} cores shared with other agents' work (their autotune trials kept "
+        f"off these runs by autotune's CPU turns, the rest not); 1-minute load average "
+        f"{loads(report['load']['tuning'])} at the start, after the peers and after each find, "
+        f"{loads(report['load']['measuring'])} before and after measuring."
+    )
 
 
 def tune_all(args: argparse.Namespace, budget: int, load: list[float]) -> list[dict[str, Any]]:
@@ -381,14 +486,25 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--memory-budget", default="84MiB")
-    parser.add_argument("--space", action="append", help="a search space for autotune find, one find each "
-                        "(default: quick, and bench/spaces/fp32_micro_ckpt.yaml: the peers' precision)")
+    parser.add_argument(
+        "--space",
+        action="append",
+        help="a search space for autotune find, one find each "
+        "(default: quick, and bench/spaces/fp32_micro_ckpt.yaml: the peers' precision)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="interleaved measurements of each pick")
     parser.add_argument("--steps", type=int, default=5, help="timed steps of each measurement")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peers_cpu",
-                        help="results prefix: writes PREFIX.json and PREFIX.md")
-    parser.add_argument("--remeasure", action="store_true",
-                        help="keep the picks in PREFIX.json and measure them again (--rounds, --steps)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "bench" / "results" / "peers_cpu",
+        help="results prefix: writes PREFIX.json and PREFIX.md",
+    )
+    parser.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="keep the picks in PREFIX.json and measure them again (--rounds, --steps)",
+    )
     parser.add_argument("--peer", choices=PEERS, help=argparse.SUPPRESS)  # inside a peer's process
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--budget-bytes", type=int, help=argparse.SUPPRESS)
@@ -414,13 +530,17 @@ def main() -> None:
     else:
         tuning_load = [os.getloadavg()[0]]
         rows = tune_all(args, parse_size(args.memory_budget), tuning_load)
-        report = {"command": command, "args": {k: getattr(args, k) for k in
-                                               ("model", "seq_len", "global_batch", "memory_budget", "space")},
-                  "workload": f"`{args.model}`, seq {args.seq_len}, global batch {args.global_batch}, 1 rank, CPU",
-                  "memory_budget_bytes": parse_size(args.memory_budget), "headroom": HEADROOM,
-                  "cores": os.cpu_count(), "load": {"tuning": tuning_load},
-                  "rows": [*rows, {"tool": "DeepSpeed autotuner", "not_run": DEEPSPEED}],
-                  "versions": _versions()}
+        report = {
+            "command": command,
+            "args": {k: getattr(args, k) for k in ("model", "seq_len", "global_batch", "memory_budget", "space")},
+            "workload": f"`{args.model}`, seq {args.seq_len}, global batch {args.global_batch}, 1 rank, CPU",
+            "memory_budget_bytes": parse_size(args.memory_budget),
+            "headroom": HEADROOM,
+            "cores": os.cpu_count(),
+            "load": {"tuning": tuning_load},
+            "rows": [*rows, {"tool": "DeepSpeed autotuner", "not_run": DEEPSPEED}],
+            "versions": _versions(),
+        }
     measuring_load = [os.getloadavg()[0]]
     measure_picks([row for row in report["rows"] if not row.get("not_run")], args)
     report["load"]["measuring"] = [*measuring_load, os.getloadavg()[0]]

@@ -73,12 +73,12 @@ MPT_GPUS = 8
 
 @dataclass(frozen=True)
 class Row:
-    key: str               # "F6 125m": the source's row and, where a row holds several, its variant
+    key: str  # "F6 125m": the source's row and, where a row holds several, its variant
     what: str
     workload: Workload
     config: TrialConfig
-    published: float       # per GPU, in ``unit``
-    unit: str              # "tokens/s" or "samples/s"
+    published: float  # per GPU, in ``unit``
+    unit: str  # "tokens/s" or "samples/s"
     published_mfu: float | None = None
     pytorch1_step: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -90,18 +90,28 @@ class Row:
 
 # -- part 1: the published rows ---------------------------------------------------------------------
 
-def _mpt(size: str, seq: int, mb: int, accum: int, gpu: str,
-         checkpointing: bool = False) -> tuple[Workload, TrialConfig]:
+
+def _mpt(
+    size: str, seq: int, mb: int, accum: int, gpu: str, checkpointing: bool = False
+) -> tuple[Workload, TrialConfig]:
     """An llm-foundry MPT run: FSDP full shard on 8 GPUs, bf16 autocast, SDPA for its flash attention."""
     name = f"mpt-{size}" + ("" if seq == 2048 else f"-seq{seq}")
-    workload = Workload(model=str(PUBLISHED / f"{name}.json"), task="causal-lm", seq_len=seq,
-                        global_batch=mb * accum * MPT_GPUS, nproc=MPT_GPUS, gpu=gpu)
+    workload = Workload(
+        model=str(PUBLISHED / f"{name}.json"),
+        task="causal-lm",
+        seq_len=seq,
+        global_batch=mb * accum * MPT_GPUS,
+        nproc=MPT_GPUS,
+        gpu=gpu,
+    )
     config = TrialConfig(micro_batch=mb, precision="bf16", checkpointing=checkpointing, fsdp="full", attention="sdpa")
     return workload, config
 
 
-_MPT_NOTE = ("llm-foundry MPT as a GPT-2 config (biases, SDPA for flash); micro batch and accumulation from "
-             "llm-foundry's benchmarking table (scripts/train/benchmarking/README.md)")
+_MPT_NOTE = (
+    "llm-foundry MPT as a GPT-2 config (biases, SDPA for flash); micro batch and accumulation from "
+    "llm-foundry's benchmarking table (scripts/train/benchmarking/README.md)"
+)
 _PURE_NOTE = "FSDP 'PURE' mixed precision (bf16 gradient reduction) rebuilt as bf16 autocast, fp32 reduction"
 
 
@@ -133,8 +143,10 @@ def _mpt_rows() -> list[Row]:
 
 
 _COMPILE_NOTE = "torch.compile traced as eager, timed with each chain of elementwise operators as one kernel"
-_CHUNKED_NOTE = ("autotune's chunked loss, which recomputes each slice's LM head in the backward (one more "
-                 "LM-head matmul); torchtune's chunks only the logits' fp32 upcast and recomputes nothing")
+_CHUNKED_NOTE = (
+    "autotune's chunked loss, which recomputes each slice's LM head in the backward (one more "
+    "LM-head matmul); torchtune's chunks only the logits' fp32 upcast and recomputes nothing"
+)
 
 
 def _torchtune_rows() -> list[Row]:
@@ -145,25 +157,50 @@ def _torchtune_rows() -> list[Row]:
     chunked = compiled.replace(loss="chunked")
     checkpointed = chunked.replace(checkpointing=True)
     # torchtune's 3B LoRA single-device defaults: r 64, alpha 128 on q, v, output and the MLP.
-    lora = checkpointed.replace(lora_rank=64, lora_alpha=128,
-                                lora_targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
-    steps = [("T1", "Llama-3.2-3B pure bf16, seq 4096 mb2", base, 7_075, ()),
-             ("T2", "T1 + torch.compile", compiled, 8_998, (_COMPILE_NOTE,)),
-             ("T3", "T2 + chunked cross-entropy", chunked, 9_174, (_COMPILE_NOTE, _CHUNKED_NOTE)),
-             ("T4", "T3 + checkpointing every layer", checkpointed, 7_210, (_COMPILE_NOTE, _CHUNKED_NOTE)),
-             ("T6", "T4 + LoRA r64 (q,v,o,MLP)", lora, 8_210,
-              (_COMPILE_NOTE, _CHUNKED_NOTE, "without T5's levers it was stacked on (activation offload, optimizer in backward, "
-                              "8-bit AdamW); the LoRA weights in bf16 as the frozen base"))]
-    return [Row(key, what, t1.workload, config, tokens, "tokens/s", notes=(note, *extra))
-            for key, what, config, tokens, extra in steps]
+    lora = checkpointed.replace(
+        lora_rank=64, lora_alpha=128, lora_targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    )
+    steps = [
+        ("T1", "Llama-3.2-3B pure bf16, seq 4096 mb2", base, 7_075, ()),
+        ("T2", "T1 + torch.compile", compiled, 8_998, (_COMPILE_NOTE,)),
+        ("T3", "T2 + chunked cross-entropy", chunked, 9_174, (_COMPILE_NOTE, _CHUNKED_NOTE)),
+        ("T4", "T3 + checkpointing every layer", checkpointed, 7_210, (_COMPILE_NOTE, _CHUNKED_NOTE)),
+        (
+            "T6",
+            "T4 + LoRA r64 (q,v,o,MLP)",
+            lora,
+            8_210,
+            (
+                _COMPILE_NOTE,
+                _CHUNKED_NOTE,
+                "without T5's levers it was stacked on (activation offload, optimizer in backward, "
+                "8-bit AdamW); the LoRA weights in bf16 as the frozen base",
+            ),
+        ),
+    ]
+    return [
+        Row(key, what, t1.workload, config, tokens, "tokens/s", notes=(note, *extra))
+        for key, what, config, tokens, extra in steps
+    ]
 
 
 def _bert_rows() -> list[Row]:
     """gpu_published.py's H1-H5 as they are: Trainer batch 4, samples/s as the docs printed them."""
     samples = {"H1": 8.86, "H2": 7.75, "H3": 5.99, "H4": 18.64, "H5": 10.09}
-    return [Row(row.key, row.what, row.workload, row.config, samples[row.key], "samples/s",
-                pytorch1_step=row.pytorch1_step, notes=tuple(row.notes))
-            for row in gpu_published.ROWS if row.key in samples]
+    return [
+        Row(
+            row.key,
+            row.what,
+            row.workload,
+            row.config,
+            samples[row.key],
+            "samples/s",
+            pytorch1_step=row.pytorch1_step,
+            notes=tuple(row.notes),
+        )
+        for row in gpu_published.ROWS
+        if row.key in samples
+    ]
 
 
 ROWS: list[Row] = _mpt_rows() + _torchtune_rows() + _bert_rows()
@@ -213,12 +250,25 @@ def predict_row(row: Row) -> dict[str, Any]:
         split = _kind_split(estimate, profile)
     except (AttributeError, TypeError):  # step_time's private helper changed: the split is only a diagnostic
         split = {}
-    return {"row": row.key, "group": row.group, "what": row.what, "gpu": row.workload.gpu, "unit": row.unit,
-            "published": row.published, "predicted": predicted, "error": predicted / row.published - 1,
-            "published_mfu": row.published_mfu, "predicted_mfu": timed.mfu, "step": timed.to_dict(),
-            "micro_step_split_s": split, "workload": row.workload.to_dict(), "config": row.config.to_dict(),
-            "pytorch1_step": row.pytorch1_step, "notes": list(row.notes),
-            "seconds": time.perf_counter() - started}
+    return {
+        "row": row.key,
+        "group": row.group,
+        "what": row.what,
+        "gpu": row.workload.gpu,
+        "unit": row.unit,
+        "published": row.published,
+        "predicted": predicted,
+        "error": predicted / row.published - 1,
+        "published_mfu": row.published_mfu,
+        "predicted_mfu": timed.mfu,
+        "step": timed.to_dict(),
+        "micro_step_split_s": split,
+        "workload": row.workload.to_dict(),
+        "config": row.config.to_dict(),
+        "pytorch1_step": row.pytorch1_step,
+        "notes": list(row.notes),
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def sweep_orders(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -229,10 +279,18 @@ def sweep_orders(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not all(key in predicted for key in published):
             continue
         order = sorted(published, key=lambda key: -predicted[key])
-        pairs = [(a, b) for i, a in enumerate(published) for b in published[i + 1:]]
+        pairs = [(a, b) for i, a in enumerate(published) for b in published[i + 1 :]]
         wrong = [f"{a} vs {b}" for a, b in pairs if predicted[a] <= predicted[b]]  # a tie is not the order
-        sweeps.append({"sweep": name, "published_order": published, "predicted_order": order,
-                       "matches": not wrong, "pairs": len(pairs), "pairs_out_of_order": wrong})
+        sweeps.append(
+            {
+                "sweep": name,
+                "published_order": published,
+                "predicted_order": order,
+                "matches": not wrong,
+                "pairs": len(pairs),
+                "pairs_out_of_order": wrong,
+            }
+        )
     return sweeps
 
 
@@ -242,41 +300,59 @@ def _figure(value: float, unit: str) -> str:
 
 def _parts(result: dict[str, Any]) -> str:
     step = result["step"]
-    parts = [f"step {step['step_s']:.3f} s: compute {step['compute_s'] / step['step_s']:.0%}",
-             f"update {step['update_s'] / step['step_s']:.0%}", f"comm {step['communication_s'] / step['step_s']:.0%}"]
+    parts = [
+        f"step {step['step_s']:.3f} s: compute {step['compute_s'] / step['step_s']:.0%}",
+        f"update {step['update_s'] / step['step_s']:.0%}",
+        f"comm {step['communication_s'] / step['step_s']:.0%}",
+    ]
     split = result["micro_step_split_s"]
     device = sum(v for k, v in split.items() if k not in ("host", "collective"))
     if device:
-        parts.append("micro step: " + ", ".join(f"{k} {v / device:.0%}" for k, v in split.items()
-                                                if k not in ("host", "collective") and v))
+        parts.append(
+            "micro step: "
+            + ", ".join(f"{k} {v / device:.0%}" for k, v in split.items() if k not in ("host", "collective") and v)
+        )
         if split.get("host", 0) > device:
             parts.append(f"host-bound ({split['host'] / device:.1f}x the device)")
     return "; ".join(parts)
 
 
 def published_table(results: list[dict[str, Any]], sweeps: list[dict[str, Any]]) -> list[str]:
-    lines = ["| row | config | GPU | unit per GPU | published | predicted | error | MFU pub / pred | predicted parts |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| row | config | GPU | unit per GPU | published | predicted | error | MFU pub / pred | predicted parts |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        mfu = (f"{r['published_mfu']:.1%} / {r['predicted_mfu']:.1%}" if r["published_mfu"] and r["predicted_mfu"]
-               else (f"- / {r['predicted_mfu']:.1%}" if r["predicted_mfu"] else "-"))
-        lines.append(f"| {r['row']} | {r['what']} | {r['gpu']} | {r['unit']} | {_figure(r['published'], r['unit'])} | "
-                     f"{_figure(r['predicted'], r['unit'])} | {r['error']:+.1%} | {mfu} | {_parts(r)} |")
+        mfu = (
+            f"{r['published_mfu']:.1%} / {r['predicted_mfu']:.1%}"
+            if r["published_mfu"] and r["predicted_mfu"]
+            else (f"- / {r['predicted_mfu']:.1%}" if r["predicted_mfu"] else "-")
+        )
+        lines.append(
+            f"| {r['row']} | {r['what']} | {r['gpu']} | {r['unit']} | {_figure(r['published'], r['unit'])} | "
+            f"{_figure(r['predicted'], r['unit'])} | {r['error']:+.1%} | {mfu} | {_parts(r)} |"
+        )
     if results:
         errors = [abs(r["error"]) for r in results]
         worst = max(results, key=lambda r: abs(r["error"]))
-        lines += ["", "MFU: llm-foundry's counts attention's whole s x s square; the predicted one counts the traced "
-                      "FLOPs (causal attention at half). The predicted parts: the step's shares, then one micro step's "
-                      "device time per operator kind (diagnostic).",
-                  "", f"median |error| {statistics.median(errors):.1%}, largest {max(errors):.1%} ({worst['row']}) "
-                      f"over {len(results)} rows"]
+        lines += [
+            "",
+            "MFU: llm-foundry's counts attention's whole s x s square; the predicted one counts the traced "
+            "FLOPs (causal attention at half). The predicted parts: the step's shares, then one micro step's "
+            "device time per operator kind (diagnostic).",
+            "",
+            f"median |error| {statistics.median(errors):.1%}, largest {max(errors):.1%} ({worst['row']}) "
+            f"over {len(results)} rows",
+        ]
     if sweeps:
         lines += ["", "Order within each published sweep (fastest first):"]
         for s in sweeps:
             wrong = s["pairs_out_of_order"]
             verdict = "matches" if s["matches"] else f"differs ({len(wrong)} of {s['pairs']} pairs: {'; '.join(wrong)})"
-            lines.append(f"- {s['sweep']}: {verdict}; published {' > '.join(s['published_order'])}, "
-                         f"predicted {' > '.join(s['predicted_order'])}")
+            lines.append(
+                f"- {s['sweep']}: {verdict}; published {' > '.join(s['published_order'])}, "
+                f"predicted {' > '.join(s['predicted_order'])}"
+            )
     lines += ["", "Not expressible:"] + [f"- {key}: {why}" for key, why in NOT_EXPRESSIBLE.items()]
     noted: dict[str, list[str]] = {}
     for r in results:
@@ -287,6 +363,7 @@ def published_table(results: list[dict[str, Any]], sweeps: list[dict[str, Any]])
 
 
 # -- part 2: the CPU grids --------------------------------------------------------------------------
+
 
 def cpu_profile(grid: str) -> tuple[DeviceProfile, str]:
     """The grid's roofline as the replays take it (``search.grid_roofline``: measured beside the grid,
@@ -303,7 +380,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman's rho: Pearson's correlation of the ranks, ties given their mean rank."""
     rx, ry = _ranks(xs), _ranks(ys)
     mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
     var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
     return cov / var if var else float("nan")
 
@@ -333,35 +410,59 @@ def predict_grid(grid: str) -> dict[str, Any]:
         config = TrialConfig.from_dict(line["config"])
         timed: StepTime | None = predict_step_time(predict_memory(workload, config, timeout_s=600), workload, profile)
         assert timed is not None and timed.tokens_per_s is not None
-        lines.append({"config": config.describe(), "precision": config.precision, "measured": line["tokens_per_s"],
-                      "predicted": timed.tokens_per_s})
+        lines.append(
+            {
+                "config": config.describe(),
+                "precision": config.precision,
+                "measured": line["tokens_per_s"],
+                "predicted": timed.tokens_per_s,
+            }
+        )
     measured, predicted = [x["measured"] for x in lines], [x["predicted"] for x in lines]
     best_predicted = max(lines, key=lambda x: x["predicted"])
     precisions = sorted({x["precision"] for x in lines})
-    within = {p: spearman([x["predicted"] for x in lines if x["precision"] == p],
-                          [x["measured"] for x in lines if x["precision"] == p]) for p in precisions}
-    return {"grid": grid, "profile": how, "roofline": profile.to_dict(), "lines": lines, "spearman": spearman(predicted, measured),
-            "spearman_within_precision": within if len(precisions) > 1 else {},
-            "predicted_best": best_predicted["config"],
-            "predicted_best_over_measured_best": best_predicted["measured"] / max(measured),
-            "measured_best": max(lines, key=lambda x: x["measured"])["config"],
-            "seconds": time.perf_counter() - started}
+    within = {
+        p: spearman(
+            [x["predicted"] for x in lines if x["precision"] == p],
+            [x["measured"] for x in lines if x["precision"] == p],
+        )
+        for p in precisions
+    }
+    return {
+        "grid": grid,
+        "profile": how,
+        "roofline": profile.to_dict(),
+        "lines": lines,
+        "spearman": spearman(predicted, measured),
+        "spearman_within_precision": within if len(precisions) > 1 else {},
+        "predicted_best": best_predicted["config"],
+        "predicted_best_over_measured_best": best_predicted["measured"] / max(measured),
+        "measured_best": max(lines, key=lambda x: x["measured"])["config"],
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def grid_table(grids: list[dict[str, Any]]) -> list[str]:
-    lines = ["CPU grids (each predicted with the roofline its profile column names; the order is compared):", "",
-             "| grid | ok lines | Spearman (predicted vs measured tokens/s) | predicted best | its measured tokens/s "
-             "over the grid's best | profile |", "|---|---|---|---|---|---|"]
+    lines = [
+        "CPU grids (each predicted with the roofline its profile column names; the order is compared):",
+        "",
+        "| grid | ok lines | Spearman (predicted vs measured tokens/s) | predicted best | its measured tokens/s "
+        "over the grid's best | profile |",
+        "|---|---|---|---|---|---|",
+    ]
     for g in grids:
         within = ", ".join(f"{p} {rho:+.2f}" for p, rho in g["spearman_within_precision"].items())
         rho = f"{g['spearman']:+.2f}" + (f" (within one precision: {within})" if within else "")
-        lines.append(f"| {g['grid']} | {len(g['lines'])} | {rho} | {g['predicted_best']} "
-                     f"(measured best: {g['measured_best']}) | {g['predicted_best_over_measured_best']:.0%} | "
-                     f"{g['profile']} |")
+        lines.append(
+            f"| {g['grid']} | {len(g['lines'])} | {rho} | {g['predicted_best']} "
+            f"(measured best: {g['measured_best']}) | {g['predicted_best_over_measured_best']:.0%} | "
+            f"{g['profile']} |"
+        )
     return lines
 
 
 # -- main -------------------------------------------------------------------------------------------
+
 
 def _wanted(option: str | None, names: list[str], of: Any = lambda name: name) -> list[Any]:
     if option is None:
@@ -384,16 +485,23 @@ def main() -> None:
     for row in _wanted(args.rows, ROWS, lambda r: r.group):
         results.append(predict_row(row))
         r = results[-1]
-        print(f"{row.key}: {_figure(r['predicted'], row.unit)} {row.unit} predicted, "
-              f"{_figure(row.published, row.unit)} published, {r['error']:+.1%} ({r['seconds']:.0f} s)",
-              file=log, flush=True)
+        print(
+            f"{row.key}: {_figure(r['predicted'], row.unit)} {row.unit} predicted, "
+            f"{_figure(row.published, row.unit)} published, {r['error']:+.1%} ({r['seconds']:.0f} s)",
+            file=log,
+            flush=True,
+        )
     sweeps = sweep_orders(results)
 
     grids: list[dict[str, Any]] = []
     for grid in _wanted(args.grids, list(GRIDS)):
         grids.append(predict_grid(grid))
-        print(f"{grid}: Spearman {grids[-1]['spearman']:+.2f} over {len(grids[-1]['lines'])} lines "
-              f"({grids[-1]['seconds']:.0f} s)", file=log, flush=True)
+        print(
+            f"{grid}: Spearman {grids[-1]['spearman']:+.2f} over {len(grids[-1]['lines'])} lines "
+            f"({grids[-1]['seconds']:.0f} s)",
+            file=log,
+            flush=True,
+        )
 
     seconds = time.perf_counter() - started
     lines = published_table(results, sweeps) if results else []
@@ -401,15 +509,27 @@ def main() -> None:
         lines += ([""] if lines else []) + grid_table(grids)
     lines += ["", f"{seconds:.0f} s in all"]
     table = "\n".join(lines)
-    options = [f"--rows '{args.rows}'" if args.rows else "", f"--grids {args.grids}" if args.grids else "",
-               f"--out {args.out}" if args.out != parser.get_default("out") else ""]
+    options = [
+        f"--rows '{args.rows}'" if args.rows else "",
+        f"--grids {args.grids}" if args.grids else "",
+        f"--out {args.out}" if args.out != parser.get_default("out") else "",
+    ]
     command = " ".join(["python bench/plan_published.py", *filter(None, options)])
     errors = [abs(r["error"]) for r in results]
-    summary = {"median_abs_error": statistics.median(errors) if errors else None,
-               "max_abs_error": max(errors) if errors else None, "sweeps": sweeps,
-               "spearman": {g["grid"]: g["spearman"] for g in grids}, "seconds": seconds}
-    document = {"command": command, "rows": results, "summary": summary, "grids": grids,
-                "not_expressible": NOT_EXPRESSIBLE}
+    summary = {
+        "median_abs_error": statistics.median(errors) if errors else None,
+        "max_abs_error": max(errors) if errors else None,
+        "sweeps": sweeps,
+        "spearman": {g["grid"]: g["spearman"] for g in grids},
+        "seconds": seconds,
+    }
+    document = {
+        "command": command,
+        "rows": results,
+        "summary": summary,
+        "grids": grids,
+        "not_expressible": NOT_EXPRESSIBLE,
+    }
     print(json.dumps(document, indent=2) if args.json else table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(document, indent=2) + "\n")

@@ -24,17 +24,42 @@ import time
 from pathlib import Path
 
 PLAIN_SPACE = "n_trials: 3\nknobs:\n  micro_batch: [4, 8]\n  precision: [fp32]\n  checkpointing: [false]\n"
-LORA_SPACE = ("n_trials: 2\nknobs:\n  micro_batch: [8]\n  precision: [fp32]\n  checkpointing: [false]\n"
-              "  lora_rank: [8]\n  lora_targets: [default, all-linear]\n")
+LORA_SPACE = (
+    "n_trials: 2\nknobs:\n  micro_batch: [8]\n  precision: [fp32]\n  checkpointing: [false]\n"
+    "  lora_rank: [8]\n  lora_targets: [default, all-linear]\n"
+)
 FORMATS = ("json", "yaml", "deepspeed", "hf", "accelerate", "lightning")
 
 
 def _tune(work: Path, study: str, space: str, storage: str) -> None:
     (work / f"{study}.yaml").write_text(space)
-    subprocess.run([sys.executable, "-m", "autotune", "tune", "--study", study, "--model", "builtin:gpt2-tiny",
-                    "--space", str(work / f"{study}.yaml"), "--memory-budget", "2GiB", "--global-batch", "8",
-                    "--steps", "2", "--no-estimate", "--storage", storage, "--json"],
-                   check=True, stdout=subprocess.DEVNULL, cwd=work)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "tune",
+            "--study",
+            study,
+            "--model",
+            "builtin:gpt2-tiny",
+            "--space",
+            str(work / f"{study}.yaml"),
+            "--memory-budget",
+            "2GiB",
+            "--global-batch",
+            "8",
+            "--steps",
+            "2",
+            "--no-estimate",
+            "--storage",
+            storage,
+            "--json",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        cwd=work,
+    )
 
 
 def _commands(storage: str, plain: str, lora: str | None) -> dict[str, list[str]]:
@@ -50,17 +75,34 @@ def _commands(storage: str, plain: str, lora: str | None) -> dict[str, list[str]
         commands[f"export --format {fmt}"] = [*at, "export", "--study", plain, "--format", fmt, "--storage", storage]
     if lora is not None:
         commands["show (LoRA study)"] = [*at, "show", "--study", lora, "--storage", storage]
-        commands["export --format peft (LoRA)"] = [*at, "export", "--study", lora, "--format", "peft",
-                                                   "--storage", storage]
-        commands["export --format yaml (LoRA)"] = [*at, "export", "--study", lora, "--format", "yaml",
-                                                   "--storage", storage]
+        commands["export --format peft (LoRA)"] = [
+            *at,
+            "export",
+            "--study",
+            lora,
+            "--format",
+            "peft",
+            "--storage",
+            storage,
+        ]
+        commands["export --format yaml (LoRA)"] = [
+            *at,
+            "export",
+            "--study",
+            lora,
+            "--format",
+            "yaml",
+            "--storage",
+            storage,
+        ]
     return commands
 
 
 def _time(argv: list[str], cwd: Path) -> float:
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, *argv], cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, *argv], cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     elapsed = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{shlex.join(argv)} failed:\n{proc.stderr}")
@@ -93,10 +135,12 @@ def main() -> None:
             for name, argv in commands.items():
                 times[name].append(_time(argv, work))
 
-    lines = [f"# {shlex.join(['python', 'bench/read_commands.py', *sys.argv[1:]])}",
-             f"# {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-             f"{args.runs} runs each, interleaved; seconds from launch to exit",
-             f"{'command':<32} {'median':>7} {'min':>7} {'max':>7}"]
+    lines = [
+        f"# {shlex.join(['python', 'bench/read_commands.py', *sys.argv[1:]])}",
+        f"# {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"{args.runs} runs each, interleaved; seconds from launch to exit",
+        f"{'command':<32} {'median':>7} {'min':>7} {'max':>7}",
+    ]
     for name, values in times.items():
         lines.append(f"{name:<32} {statistics.median(values):>7.3f} {min(values):>7.3f} {max(values):>7.3f}")
     text = "\n".join(lines) + "\n"

@@ -43,8 +43,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)  # the Trainer script writes its output_dir where it runs
         (Path(tmp) / "config.json").write_text(json.dumps(GPT2))
-        workload = Workload(model=str(Path(tmp) / "config.json"), task="causal-lm", seq_len=64, global_batch=8,
-                            device="cpu")
+        workload = Workload(
+            model=str(Path(tmp) / "config.json"), task="causal-lm", seq_len=64, global_batch=8, device="cpu"
+        )
         for round_ in range(args.rounds):
             for config in CONFIGS:
                 for mode in ("script", "synthetic"):
@@ -55,38 +56,76 @@ def main() -> None:
                         result = run_trial(workload, config, measure_steps=3)
                     wall = time.perf_counter() - started
                     measured = result.phases.measure_s or 0.0
-                    runs[config.describe()][mode].append({
-                        "status": result.status.value, "tokens_per_s": result.tokens_per_s,
-                        "peak_memory_bytes": result.peak_memory_bytes, "wall_s": wall,
-                        "beyond_timed_steps_s": wall - measured, "error": result.error})
-                    print(f"round {round_ + 1} {config.describe():<10} {mode:<9} {result.status.value:<5} "
-                          f"{result.tokens_per_s or 0:9.1f} tokens/s  peak {(result.peak_memory_bytes or 0) / 2**20:6.1f} "
-                          f"MiB  wall {wall:5.1f} s", flush=True)
+                    runs[config.describe()][mode].append(
+                        {
+                            "status": result.status.value,
+                            "tokens_per_s": result.tokens_per_s,
+                            "peak_memory_bytes": result.peak_memory_bytes,
+                            "wall_s": wall,
+                            "beyond_timed_steps_s": wall - measured,
+                            "error": result.error,
+                        }
+                    )
+                    print(
+                        f"round {round_ + 1} {config.describe():<10} {mode:<9} {result.status.value:<5} "
+                        f"{result.tokens_per_s or 0:9.1f} tokens/s  "
+                        f"peak {(result.peak_memory_bytes or 0) / 2**20:6.1f} "
+                        f"MiB  wall {wall:5.1f} s",
+                        flush=True,
+                    )
     rows, rankings = [], {}
     for mode in ("script", "synthetic"):
-        figures = {name: statistics.median(r["tokens_per_s"] for r in by_mode[mode] if r["tokens_per_s"])
-                   for name, by_mode in runs.items() if all(r["status"] == "ok" for r in by_mode[mode])}
+        figures = {
+            name: statistics.median(r["tokens_per_s"] for r in by_mode[mode] if r["tokens_per_s"])
+            for name, by_mode in runs.items()
+            if all(r["status"] == "ok" for r in by_mode[mode])
+        }
         rankings[mode] = sorted(figures, key=lambda name: -figures[name])
     for name, by_mode in runs.items():
-        rows.append({"config": name, **{mode: {
-            "median_tokens_per_s": statistics.median(r["tokens_per_s"] or 0 for r in by_mode[mode]),
-            "peak_memory_bytes": max(r["peak_memory_bytes"] or 0 for r in by_mode[mode]),
-            "rank": rankings[mode].index(name) + 1 if name in rankings[mode] else None,
-            "runs": by_mode[mode]} for mode in ("script", "synthetic")}})
-    overhead = {mode: statistics.median(r["beyond_timed_steps_s"] for by_mode in runs.values() for r in by_mode[mode])
-                for mode in ("script", "synthetic")}
+        rows.append(
+            {
+                "config": name,
+                **{
+                    mode: {
+                        "median_tokens_per_s": statistics.median(r["tokens_per_s"] or 0 for r in by_mode[mode]),
+                        "peak_memory_bytes": max(r["peak_memory_bytes"] or 0 for r in by_mode[mode]),
+                        "rank": rankings[mode].index(name) + 1 if name in rankings[mode] else None,
+                        "runs": by_mode[mode],
+                    }
+                    for mode in ("script", "synthetic")
+                },
+            }
+        )
+    overhead = {
+        mode: statistics.median(r["beyond_timed_steps_s"] for by_mode in runs.values() for r in by_mode[mode])
+        for mode in ("script", "synthetic")
+    }
     spearman = _spearman(rankings["script"], rankings["synthetic"])
     print(f"\n{'config':<10} {'script tok/s':>12} {'rank':>4} {'synthetic tok/s':>15} {'rank':>4}")
     for row in rows:
-        print(f"{row['config']:<10} {row['script']['median_tokens_per_s']:12.1f} {row['script']['rank'] or '-':>4} "
-              f"{row['synthetic']['median_tokens_per_s']:15.1f} {row['synthetic']['rank'] or '-':>4}")
-    print(f"rank correlation (Spearman) {spearman:+.2f}; same fastest config: "
-          f"{rankings['script'][:1] == rankings['synthetic'][:1]}; seconds a trial costs beyond its timed steps "
-          f"(median): script {overhead['script']:.1f}, synthetic {overhead['synthetic']:.1f}")
+        print(
+            f"{row['config']:<10} {row['script']['median_tokens_per_s']:12.1f} {row['script']['rank'] or '-':>4} "
+            f"{row['synthetic']['median_tokens_per_s']:15.1f} {row['synthetic']['rank'] or '-':>4}"
+        )
+    print(
+        f"rank correlation (Spearman) {spearman:+.2f}; same fastest config: "
+        f"{rankings['script'][:1] == rankings['synthetic'][:1]}; seconds a trial costs beyond its timed steps "
+        f"(median): script {overhead['script']:.1f}, synthetic {overhead['synthetic']:.1f}"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": f"python bench/script_mode.py --rounds {args.rounds}", "rows": rows,
-                                    "rankings": rankings, "spearman": spearman,
-                                    "beyond_timed_steps_s_median": overhead}, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": f"python bench/script_mode.py --rounds {args.rounds}",
+                "rows": rows,
+                "rankings": rankings,
+                "spearman": spearman,
+                "beyond_timed_steps_s_median": overhead,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 def _spearman(a: list[str], b: list[str]) -> float:

@@ -13,7 +13,8 @@ recorded (``trial_seconds``). The driver's device probe (matmul speed per precis
 were measured here). The step-time model's device profile is the one ``autotune grid`` measured
 beside the grid before its trials (``GRID.roofline.json``; for an older grid, this CPU's, probed at
 the start, with the grid's 16-bit matmul speeds); it times each config from the traced operators
-its grid line's estimate holds (``autotune grid --re-estimate`` adds them to an older grid). A config fits when it trained and its recorded peak is under the
+its grid line's estimate holds (``autotune grid --re-estimate`` adds them to an older grid).
+A config fits when it trained and its recorded peak is under the
 budget minus the tuner's 10% headroom; a recorded peak over the budget replays as an OOM, so one
 grid measured with a generous budget replays at any smaller one. Strategies:
 
@@ -100,8 +101,9 @@ class Grid:
             return TrialResult(config=config, status=TrialStatus.ERROR, error="not in the grid")
         result = TrialResult.from_dict(line)
         if result.ok and (result.peak_memory_bytes or 0) > self.budget:
-            result = result.replace(status=TrialStatus.OOM, tokens_per_s=None, samples_per_s=None,
-                                    error="over the replayed --memory-budget")
+            result = result.replace(
+                status=TrialStatus.OOM, tokens_per_s=None, samples_per_s=None, error="over the replayed --memory-budget"
+            )
         return result
 
 
@@ -143,7 +145,8 @@ def grid_roofline(grid_path: Path, probe: dict[str, float] | None) -> tuple[dict
             flops[dtype] = flops["float32"] * probe[precision]
             scaled.append(f"{precision} {probe[precision]:.3g}x")
     how = "this machine's probed profile" + (
-        f", bf16/fp16 matmuls set to fp32's x the grid machine's probe ({', '.join(scaled)})" if scaled else " as it is")
+        f", bf16/fp16 matmuls set to fp32's x the grid machine's probe ({', '.join(scaled)})" if scaled else " as it is"
+    )
     return profile, how
 
 
@@ -162,7 +165,7 @@ class Tally:
         self.estimates = 0
         self.seconds = 0.0
         self.found_at: tuple[int, float] | None = None
-        self.best_measured = 0.0   # tokens/s of the fastest fitting config measured: the answer
+        self.best_measured = 0.0  # tokens/s of the fastest fitting config measured: the answer
         self._traced: set[str] = set()
 
     @property
@@ -173,8 +176,11 @@ class Tally:
         line = self.grid.line(config)
         self.trials += 1
         self.seconds += line["trial_seconds"] if line else 0.0
-        if self.found_at is None and self.grid.fits(config) and \
-                self.grid.tokens(config) >= (1 - WITHIN) * self.grid.best:
+        if (
+            self.found_at is None
+            and self.grid.fits(config)
+            and self.grid.tokens(config) >= (1 - WITHIN) * self.grid.best
+        ):
             self.found_at = (self.trials, self.seconds)
         if self.grid.fits(config):
             self.best_measured = max(self.best_measured, self.grid.tokens(config))
@@ -220,8 +226,15 @@ def driver(grid: Grid, space: SearchSpace, seed: int) -> Tally:
 
     tally = Tally(grid)
     with tempfile.TemporaryDirectory() as tmp:
-        tune(study="replay", workload=grid.workload, space=space, memory_budget_bytes=grid.budget,
-             storage=f"sqlite:///{tmp}/replay.db", confirm=False, backend=GridBackend(tally, grid.probe))
+        tune(
+            study="replay",
+            workload=grid.workload,
+            space=space,
+            memory_budget_bytes=grid.budget,
+            storage=f"sqlite:///{tmp}/replay.db",
+            confirm=False,
+            backend=GridBackend(tally, grid.probe),
+        )
     return tally
 
 
@@ -230,8 +243,9 @@ def tpe(grid: Grid, space: SearchSpace, seed: int) -> Tally:
     choices = space.choices(grid.workload, detect_device(grid.workload.device))
 
     def objective(trial: optuna.Trial) -> float:
-        config = space.config_of({name: trial.suggest_categorical(name, list(values))
-                                  for name, values in choices.items()})
+        config = space.config_of(
+            {name: trial.suggest_categorical(name, list(values)) for name, values in choices.items()}
+        )
         result = tally.measure(config)
         if not grid.fits(config) or not result.ok:
             raise optuna.TrialPruned()
@@ -310,8 +324,12 @@ def lightning_style(grid: Grid, space: SearchSpace, seed: int) -> Tally:
 
 STRATEGIES: dict[str, tuple[Callable[[Grid, SearchSpace, int], Tally], bool]] = {
     # name: (strategy, whether it depends on the seed)
-    "driver": (driver, False), "tpe": (tpe, True), "random": (random_order, True), "grid": (exhaustive, False),
-    "deepspeed": (deepspeed_style, False), "lightning": (lightning_style, False),
+    "driver": (driver, False),
+    "tpe": (tpe, True),
+    "random": (random_order, True),
+    "grid": (exhaustive, False),
+    "deepspeed": (deepspeed_style, False),
+    "lightning": (lightning_style, False),
 }
 
 
@@ -319,11 +337,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", type=Path, required=True)
     parser.add_argument("--memory-budget", required=True)
-    parser.add_argument("--space", help="the space the grid measured (default: the .yaml next to the grid); "
-                                        "a narrower one replays its slice of the grid")
+    parser.add_argument(
+        "--space",
+        help="the space the grid measured (default: the .yaml next to the grid); "
+        "a narrower one replays its slice of the grid",
+    )
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated, of " + ", ".join(STRATEGIES))
+    parser.add_argument(
+        "--strategies", default=",".join(STRATEGIES), help="comma-separated, of " + ", ".join(STRATEGIES)
+    )
     args = parser.parse_args()
     space = load_space(args.space or args.grid.with_suffix(".yaml"))
     grid = Grid(args.grid, parse_size(args.memory_budget), space)
@@ -344,19 +367,33 @@ def main() -> None:
             "worst_quality": min(t.quality for t in tallies),
         }
     if args.json:
-        print(json.dumps({"grid": str(args.grid), "configs": len(grid.lines), "best_tokens_per_s": grid.best,
-                          "strategies": results}))
+        print(
+            json.dumps(
+                {
+                    "grid": str(args.grid),
+                    "configs": len(grid.lines),
+                    "best_tokens_per_s": grid.best,
+                    "strategies": results,
+                }
+            )
+        )
         return
-    print(f"{args.grid}: {len(grid.lines)} configs, {grid.total_seconds:.0f} trial-seconds, best fitting "
-          f"{grid.best:,.1f} tokens/s; budget {grid.budget} B")
-    print(f"{'strategy':<10} {'trials to 2%':>13} {'cost fraction':>14} {'found':>6} {'trials run':>11} "
-          f"{'estimates':>10} {'spent':>7} {'answer/optimum (worst)':>23}")
+    print(
+        f"{args.grid}: {len(grid.lines)} configs, {grid.total_seconds:.0f} trial-seconds, best fitting "
+        f"{grid.best:,.1f} tokens/s; budget {grid.budget} B"
+    )
+    print(
+        f"{'strategy':<10} {'trials to 2%':>13} {'cost fraction':>14} {'found':>6} {'trials run':>11} "
+        f"{'estimates':>10} {'spent':>7} {'answer/optimum (worst)':>23}"
+    )
     for name, r in results.items():
         trials = f"{r['trials_to_2pct']:g}" if r["trials_to_2pct"] is not None else "-"
         cost = f"{r['cost_fraction']:.1%}" if r["cost_fraction"] is not None else "-"
-        print(f"{name:<10} {trials:>13} {cost:>14} {r['found_ratio']:>6.0%} {r['trials_run']:>11g} "
-              f"{r['estimates']:>10g} {r['spent_fraction']:>7.1%} "
-              f"{r['quality']:>15.3f} ({r['worst_quality']:.3f})")
+        print(
+            f"{name:<10} {trials:>13} {cost:>14} {r['found_ratio']:>6.0%} {r['trials_run']:>11g} "
+            f"{r['estimates']:>10g} {r['spent_fraction']:>7.1%} "
+            f"{r['quality']:>15.3f} ({r['worst_quality']:.3f})"
+        )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 
 mT5-base (seq2seq-lm, 512 source and target tokens), XLM-RoBERTa-large (masked LM, 256 tokens) and
 ResNet-50 (224 px images), at micro batch 8, 16 and 32, fp32 and bf16 autocast, checkpointing off
-and on (Transformers' ResNet cannot checkpoint: its rows say so instead): ``autotune estimate``'s prediction (fake tensors, no memory) of each, and its model states
+and on (Transformers' ResNet cannot checkpoint: its rows say so instead): ``autotune estimate``'s
+prediction (fake tensors, no memory) of each, and its model states
 checked against the textbook arithmetic for full fine-tuning with torch autocast: 4 bytes per
 parameter of weights, 4 of gradients and 8 of Adam's m and v (16 bytes per parameter in all).
 Ψ is counted on the model the installed Transformers builds (on the meta device, apart from the
@@ -57,18 +58,37 @@ def main() -> None:
                     parts = estimate.parts()
                     assert sum(parts.values()) == estimate.predicted_peak_bytes, parts
                     error = sum(got) / sum(expected) - 1
-                    rows.append({"model": preset, "workload": workload.to_dict(), "config": config.describe(),
-                                 "parameters": psi, "parameters_published": published, "seconds": seconds, "estimate": estimate.to_dict(),
-                                 "expected_model_states": expected, "estimated_model_states": got,
-                                 "model_states_relative_error": error})
-                    print(f"{preset:<18} {config.describe():<22} {seconds:5.1f} s  peak "
-                          f"{estimate.predicted_peak_bytes / 2**30:6.2f} GiB  model states {sum(got) / 2**30:5.2f} "
-                          f"GiB vs arithmetic {sum(expected) / 2**30:5.2f} GiB ({error:+.2%})", flush=True)
+                    rows.append(
+                        {
+                            "model": preset,
+                            "workload": workload.to_dict(),
+                            "config": config.describe(),
+                            "parameters": psi,
+                            "parameters_published": published,
+                            "seconds": seconds,
+                            "estimate": estimate.to_dict(),
+                            "expected_model_states": expected,
+                            "estimated_model_states": got,
+                            "model_states_relative_error": error,
+                        }
+                    )
+                    print(
+                        f"{preset:<18} {config.describe():<22} {seconds:5.1f} s  peak "
+                        f"{estimate.predicted_peak_bytes / 2**30:6.2f} GiB  model states {sum(got) / 2**30:5.2f} "
+                        f"GiB vs arithmetic {sum(expected) / 2**30:5.2f} GiB ({error:+.2%})",
+                        flush=True,
+                    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     worst = max(abs(r["model_states_relative_error"]) for r in rows if "refused" not in r)
-    args.out.write_text(json.dumps({"command": "python bench/seed_models.py", "max_abs_model_states_error": worst,
-                                    "rows": rows}, indent=2) + "\n")
-    print(f"{sum('refused' not in r for r in rows)} estimates; model states within {worst:.2%} of 16 bytes per parameter")
+    args.out.write_text(
+        json.dumps(
+            {"command": "python bench/seed_models.py", "max_abs_model_states_error": worst, "rows": rows}, indent=2
+        )
+        + "\n"
+    )
+    print(
+        f"{sum('refused' not in r for r in rows)} estimates; model states within {worst:.2%} of 16 bytes per parameter"
+    )
 
 
 def _parameters(preset: str) -> int:

@@ -8,7 +8,8 @@ squared, in the DeepSpeed file the YAML names).
 The job is tests/scripts/accelerate_zero_job.py: a 2-layer GPT-2 (128 wide, 1000-token vocabulary,
 64 tokens a sample, micro batch 2) trained for 3 optimizer steps under ZeRO-2 by a plain Accelerate
 loop (``Accelerator()``, its own AdamW and DataLoader); it counts its own peak of live tensor bytes
-from before ``Accelerator()`` to the end with autotune's CPU tracker (the one every CPU trial uses). Both exports, fp32 and bf16, each
+from before ``Accelerator()`` to the end with autotune's CPU tracker (the one every CPU trial uses).
+Both exports, fp32 and bf16, each
 round, interleaved. A job's wall time is printed too (start-up and DeepSpeed's set-up included).
 """
 
@@ -40,11 +41,20 @@ STEPS = 3
 
 def yaml_keys_only(config: TrialConfig, path: Path) -> None:
     """The accelerate export as it was: ZeRO as ``deepspeed_config`` keys, no DeepSpeed file."""
-    data = yaml.safe_load(next(text for file, text in export_files(config, WORKLOAD, path, fmt="accelerate",
-                                                                   device_type="cpu") if file == path))
-    data["deepspeed_config"] = {"gradient_accumulation_steps": config.grad_accum_steps(WORKLOAD),
-                                "offload_optimizer_device": "none", "offload_param_device": "none",
-                                "zero3_init_flag": False, "zero_stage": config.zero_stage}
+    data = yaml.safe_load(
+        next(
+            text
+            for file, text in export_files(config, WORKLOAD, path, fmt="accelerate", device_type="cpu")
+            if file == path
+        )
+    )
+    data["deepspeed_config"] = {
+        "gradient_accumulation_steps": config.grad_accum_steps(WORKLOAD),
+        "offload_optimizer_device": "none",
+        "offload_param_device": "none",
+        "zero3_init_flag": False,
+        "zero_stage": config.zero_stage,
+    }
     data["mixed_precision"] = accelerate_arguments(config, WORKLOAD)["mixed_precision"]
     path.write_text(yaml.safe_dump(data))
 
@@ -56,9 +66,14 @@ def as_exported(config: TrialConfig, path: Path) -> None:
 
 def launch(folder: Path, yaml_name: str) -> dict:
     started = time.perf_counter()
-    ran = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", yaml_name, str(JOB),
-                          str(STEPS)],
-                         cwd=folder, capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    ran = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", yaml_name, str(JOB), str(STEPS)],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ),
+    )
     if ran.returncode != 0:
         raise SystemExit(f"{yaml_name}: accelerate launch failed:\n{ran.stderr[-3000:]}")
     line = next(line for line in ran.stdout.splitlines() if line.startswith("RESULT "))
@@ -81,22 +96,33 @@ def main() -> None:
             for config in CONFIGS:
                 for name in exports:
                     key = f"{config.describe()} | {name}"
-                    runs.setdefault(key, []).append(
-                        launch(folder, f"{config.precision}-{name.replace(' ', '-')}.yaml"))
+                    runs.setdefault(key, []).append(launch(folder, f"{config.precision}-{name.replace(' ', '-')}.yaml"))
     rows = []
     print(f"{'config | accelerate export':40} {'peak (all rounds)':>28} {'reduce bucket':>20} {'wall s (median)':>16}")
     for key, results in runs.items():
         peaks = sorted({r["peak_bytes"] for r in results})
         assert all(r["stage"] == 2 for r in results), results
-        row = {"run": key, "peak_bytes": peaks, "reduce_bucket_size": results[0]["reduce"] or "DeepSpeed's default",
-               "wall_s": [round(r["wall_s"], 2) for r in results]}
+        row = {
+            "run": key,
+            "peak_bytes": peaks,
+            "reduce_bucket_size": results[0]["reduce"] or "DeepSpeed's default",
+            "wall_s": [round(r["wall_s"], 2) for r in results],
+        }
         rows.append(row)
         shown = ", ".join(f"{p / 2**20:.1f} MiB" for p in peaks)
-        print(f"{key:40} {shown:>28} {str(row['reduce_bucket_size']):>20} "
-              f"{statistics.median(row['wall_s']):16.1f}")
+        print(f"{key:40} {shown:>28} {str(row['reduce_bucket_size']):>20} {statistics.median(row['wall_s']):16.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": "python bench/zero_buckets.py --rounds " + str(args.rounds),
-                                    "rounds": args.rounds, "rows": rows}, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": "python bench/zero_buckets.py --rounds " + str(args.rounds),
+                "rounds": args.rounds,
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

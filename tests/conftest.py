@@ -26,6 +26,7 @@ def _offline_and_factories(monkeypatch: pytest.MonkeyPatch) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
         import torch
+
         has_cuda = torch.cuda.is_available()
     except ImportError:
         has_cuda = False

@@ -128,12 +128,18 @@ class TinyConvNet(torch.nn.Module):
 
     def __init__(self, classes: int = 10, width: int = 16) -> None:
         super().__init__()
-        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, width, 3, padding=1), torch.nn.BatchNorm2d(width),
-                                        torch.nn.ReLU())
+        self.stem = torch.nn.Sequential(
+            torch.nn.Conv2d(3, width, 3, padding=1), torch.nn.BatchNorm2d(width), torch.nn.ReLU()
+        )
         self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Conv2d(width, width, 3, padding=1), torch.nn.BatchNorm2d(width),
-                                torch.nn.ReLU(), torch.nn.Conv2d(width, width, 3, padding=1))
-            for _ in range(2))
+            torch.nn.Sequential(
+                torch.nn.Conv2d(width, width, 3, padding=1),
+                torch.nn.BatchNorm2d(width),
+                torch.nn.ReLU(),
+                torch.nn.Conv2d(width, width, 3, padding=1),
+            )
+            for _ in range(2)
+        )
         self.head = torch.nn.Linear(width, classes)
 
     def forward(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -145,14 +151,20 @@ class TinyConvNet(torch.nn.Module):
 
 def convnet():
     """(model, make_batch): the trial feeds it images, not token ids."""
+
     def make_batch(micro_batch: int, device: torch.device) -> dict[str, torch.Tensor]:
-        return {"images": torch.randn(micro_batch, 3, 32, 32, device=device),
-                "targets": torch.randint(0, 10, (micro_batch,), device=device)}
+        return {
+            "images": torch.randn(micro_batch, 3, 32, 32, device=device),
+            "targets": torch.randint(0, 10, (micro_batch,), device=device),
+        }
+
     return TinyConvNet(), make_batch
 
 
 def convnet_fed_tokens():
     """A make_batch whose keys the model's forward does not take."""
+
     def make_batch(micro_batch: int, device: torch.device) -> dict[str, torch.Tensor]:
         return {"input_ids": torch.zeros(micro_batch, 8, dtype=torch.long, device=device)}
+
     return TinyConvNet(), make_batch

@@ -30,6 +30,9 @@ def started_here(process: psutil.Process, mark: str | None = None) -> bool:
 
 def trial_processes() -> list[psutil.Process]:
     """This run's trials: in a new interpreter (their command line) or forked by a trial server (their name)."""
-    return [p for p in psutil.process_iter(["cmdline", "name"])
-            if ("autotune.trial.child" in " ".join(p.info["cmdline"] or []) or p.info["name"] == TRIAL_PROCESS_NAME)
-            and started_here(p)]
+    return [
+        p
+        for p in psutil.process_iter(["cmdline", "name"])
+        if ("autotune.trial.child" in " ".join(p.info["cmdline"] or []) or p.info["name"] == TRIAL_PROCESS_NAME)
+        and started_here(p)
+    ]

@@ -10,13 +10,26 @@ from __future__ import annotations
 from autotune.estimate.step_costs import OpCost, StepCosts
 from autotune.estimate.step_time import DeviceProfile
 
-TOY_CPU = DeviceProfile(name="toy", type="cpu", matmul_flops={"float32": 1000.0}, memory_bandwidth=1e18,
-                        kernel_s=0.0, dispatch_s=0.05, link_bandwidth=1e18, host_link_bandwidth=1e18)
+TOY_CPU = DeviceProfile(
+    name="toy",
+    type="cpu",
+    matmul_flops={"float32": 1000.0},
+    memory_bandwidth=1e18,
+    kernel_s=0.0,
+    dispatch_s=0.05,
+    link_bandwidth=1e18,
+    host_link_bandwidth=1e18,
+)
 
 
 def toy_costs(flops_per_sample: float) -> StepCosts:
-    return StepCosts((OpCost("forward", "matmul", "mm", "float32", flops_per_sample, 0.0, 0.0, 1.0),
-                      OpCost("forward", "other", "add", "float32", 0.0, 0.0, 0.0, 1.0)), flops_per_sample / 3)
+    return StepCosts(
+        (
+            OpCost("forward", "matmul", "mm", "float32", flops_per_sample, 0.0, 0.0, 1.0),
+            OpCost("forward", "other", "add", "float32", 0.0, 0.0, 0.0, 1.0),
+        ),
+        flops_per_sample / 3,
+    )
 
 
 def toy_step_s(flops_per_sample: float, global_batch: int, micro_batch: int) -> float:

@@ -21,8 +21,10 @@ BAD_INPUTS = [
     (["trial", "--micro-batch", "three"], "--micro-batch"),
     (["trial", "--checkpointing", "maybe"], "--checkpointing 'maybe' must be on, off or every-N"),
     (["trial", "--checkpointing", "every-1"], "--checkpointing 'every-1': write every-N with N a whole number of 2"),
-    (["trial", "--model", "factories:tiny", "--checkpointing", "every-2"],
-     "--checkpointing every-N: the model from --model factories:tiny is a factory's"),
+    (
+        ["trial", "--model", "factories:tiny", "--checkpointing", "every-2"],
+        "--checkpointing every-N: the model from --model factories:tiny is a factory's",
+    ),
     (["trial", "--zero-stage", "two"], "--zero-stage 'two' is not known"),
     (["trial", "--offload", "optimizer"], "--offload optimizer needs ZeRO"),
     (["trial", "--lora-alpha", "16"], "--lora-alpha is set but LoRA is off"),
@@ -32,8 +34,10 @@ BAD_INPUTS = [
     (["trial", "--fsdp", "full"], "--fsdp full on one rank shards nothing; add --nproc 2 or more"),
     (["estimate", "--fsdp", "grad-op", "--offload", "optimizer", "--nproc", "2"], "--offload optimizer with --fsdp"),
     (["trial", "--fused-optimizer", "maybe"], "--fused-optimizer 'maybe' must be on or off"),
-    (["trial", "--fused-optimizer", "on", "--zero-stage", "2", "--nproc", "2"],
-     "--fused-optimizer on with --zero-stage: DeepSpeed picks its own Adam kernel"),
+    (
+        ["trial", "--fused-optimizer", "on", "--zero-stage", "2", "--nproc", "2"],
+        "--fused-optimizer on with --zero-stage: DeepSpeed picks its own Adam kernel",
+    ),
     (["trial", "--loss", "chunky"], "--loss 'chunky' is not known; use standard, chunked, or chunked:K"),
     (["trial", "--loss", "chunked:1"], "--loss 'chunked:1' is not known"),
     (["trial", "--model", "builtin:bert-tiny", "--loss", "chunked"], "--loss chunked is a causal LM's loss"),
@@ -49,42 +53,63 @@ BAD_INPUTS = [
     (["trial", "--precision", "tf32", "--device", "cpu"], "--precision tf32 only exists on CUDA"),
     (["trial", "--device", "cuda"], "--device cuda: no CUDA device is visible"),
     # batches
-    (["trial", "--micro-batch", "3", "--global-batch", "32"],
-     "--micro-batch 3 x --nproc 1 does not divide --global-batch 32"),
+    (
+        ["trial", "--micro-batch", "3", "--global-batch", "32"],
+        "--micro-batch 3 x --nproc 1 does not divide --global-batch 32",
+    ),
     (["trial", "--nproc", "3"], "--global-batch 16 does not split over --nproc 3"),
     (["tune", "--study", "kept", "--global-batch", "10", "--nproc", "4"], "--global-batch 10 does not split"),
     (["trial", "--seq-len", "4096"], "--seq-len 4096 is longer than the model's 1024 positions"),
     # tasks
-    (["trial", "--task", "seq2seq-lm"], "--task seq2seq-lm: model type 'gpt2' (--model builtin:gpt2-tiny) has no decoder"),
+    (
+        ["trial", "--task", "seq2seq-lm"],
+        "--task seq2seq-lm: model type 'gpt2' (--model builtin:gpt2-tiny) has no decoder",
+    ),
     (["trial", "--model", "builtin:t5-tiny", "--task", "causal-lm"], "is an encoder-decoder; use --task seq2seq-lm"),
     (["estimate", "--target-len", "0", "--model", "builtin:t5-tiny"], "--target-len 0 must be a whole number"),
     (["trial", "--target-len", "16"], "--target-len is the decoder's length of a seq2seq-lm task"),
     (["trial", "--model", "builtin:t5-tiny", "--loss", "chunked"], "--loss chunked is a causal LM's loss"),
-    (["trial", "--task", "image-cls"], "--task image-cls: model type 'gpt2' (--model builtin:gpt2-tiny) takes token ids"),
+    (
+        ["trial", "--task", "image-cls"],
+        "--task image-cls: model type 'gpt2' (--model builtin:gpt2-tiny) takes token ids",
+    ),
     (["trial", "--model", "builtin:vit-tiny", "--task", "seq-cls"], "takes images; use --task image-cls"),
-    (["estimate", "--model", "builtin:vit-tiny", "--image-size", "0"], "--image-size 0 must be a whole number of pixels"),
+    (
+        ["estimate", "--model", "builtin:vit-tiny", "--image-size", "0"],
+        "--image-size 0 must be a whole number of pixels",
+    ),
     (["trial", "--image-size", "64"], "--image-size is the input of an image-cls task"),
-    (["estimate", "--model", "builtin:resnet-tiny", "--checkpointing", "on"],
-     "--checkpointing on: ResNetForImageClassification (--model builtin:resnet-tiny) does not support gradient"),
+    (
+        ["estimate", "--model", "builtin:resnet-tiny", "--checkpointing", "on"],
+        "--checkpointing on: ResNetForImageClassification (--model builtin:resnet-tiny) does not support gradient",
+    ),
     # budgets
     (["trial", "--memory-budget", "lots"], "--memory-budget 'lots' is not a size"),
     (["tune", "--study", "kept", "--memory-budget", "0"], "--memory-budget"),
     (["estimate", "--memory-budget", "-1GiB"], "--memory-budget"),
     (["estimate", "--precision", "tf32"], "--precision tf32 only exists on CUDA"),
     (["estimate", "--gpu", "banana"], "--gpu 'banana' is not a known card; use one of V100-16GB, V100-32GB, A100-40GB"),
-    (["estimate", "--gpu", "H100-80GB", "--device", "cpu"], "--gpu H100-80GB names a card for a CUDA workload, not "
-                                                             "--device cpu"),
-    (["estimate", "--gpu", "A100-40GB", "--memory-budget", "80GiB"],
-     "--memory-budget 80.0 GiB is more than A100-40GB's 40.0 GiB"),
+    (
+        ["estimate", "--gpu", "H100-80GB", "--device", "cpu"],
+        "--gpu H100-80GB names a card for a CUDA workload, not --device cpu",
+    ),
+    (
+        ["estimate", "--gpu", "A100-40GB", "--memory-budget", "80GiB"],
+        "--memory-budget 80.0 GiB is more than A100-40GB's 40.0 GiB",
+    ),
     (["estimate", "--gpu", "V100-16GB", "--precision", "bf16"], "--precision bf16: V100-16GB has no bfloat16"),
     # a plan predicts from autotune's own trace, for a card: without one named and none here, or of a script: refused
     (["find", "--plan"], "--plan plans for a GPU and none is visible here: name the card with --gpu NAME"),
-    (["find", "--plan", "--gpu", "H100-80GB", "--", sys.executable, "train.py"],
-     "--plan predicts from autotune's own trace of the model, and a training command cannot be traced"),
+    (
+        ["find", "--plan", "--gpu", "H100-80GB", "--", sys.executable, "train.py"],
+        "--plan predicts from autotune's own trace of the model, and a training command cannot be traced",
+    ),
     (["find", "--gpu", "H100-80GB"], "--gpu H100-80GB names a card to plan for, and find without --plan runs trials"),
     (["find", "--plan", "--gpu", "H100-80GB", "--export", "hf"], "--export writes a measured config; a plan has"),
-    (["find", "--plan", "--gpu", "A100-40GB", "--memory-budget", "80GiB"],
-     "--memory-budget 80.0 GiB is more than A100-40GB's"),
+    (
+        ["find", "--plan", "--gpu", "A100-40GB", "--memory-budget", "80GiB"],
+        "--memory-budget 80.0 GiB is more than A100-40GB's",
+    ),
     # model sources
     (["trial", "--model", "builtin:gpt5"], "no such built-in model"),
     (["trial", "--model", "nobody/nothing"], "not in the local Hugging Face cache"),
@@ -174,10 +199,12 @@ def _first_row_of_each_command() -> list[tuple[list[str], str]]:
     return list(rows.values())
 
 
-@pytest.mark.parametrize("args, message", _first_row_of_each_command(),
-                         ids=[" ".join(a) for a, _ in _first_row_of_each_command()])
+@pytest.mark.parametrize(
+    "args, message", _first_row_of_each_command(), ids=[" ".join(a) for a, _ in _first_row_of_each_command()]
+)
 def test_bad_input_to_a_real_autotune_process_is_one_line_exit_2(work, args, message):
     before = _dump(work)
-    proc = subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True,
-                          timeout=300, cwd=work)
+    proc = subprocess.run(
+        [sys.executable, "-m", "autotune", *args], capture_output=True, text=True, timeout=300, cwd=work
+    )
     _check(work, before, proc.returncode, proc.stdout, proc.stderr, message)

@@ -14,8 +14,22 @@ def autotune(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_trial_json_is_one_object_with_the_documented_keys():
-    proc = autotune("trial", "--model", "builtin:llama-tiny", "--seq-len", "32", "--global-batch", "4",
-                    "--micro-batch", "2", "--checkpointing", "on", "--steps", "2", "--json")
+    proc = autotune(
+        "trial",
+        "--model",
+        "builtin:llama-tiny",
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "4",
+        "--micro-batch",
+        "2",
+        "--checkpointing",
+        "on",
+        "--steps",
+        "2",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert REQUIRED_KEYS <= result.keys()
@@ -25,8 +39,21 @@ def test_trial_json_is_one_object_with_the_documented_keys():
 
 
 def test_trial_table_and_non_ok_exit_status():
-    proc = autotune("trial", "--model", "builtin:gpt2-tiny", "--seq-len", "32", "--global-batch", "4",
-                    "--micro-batch", "4", "--memory-budget", "4MiB", "--steps", "1")
+    proc = autotune(
+        "trial",
+        "--model",
+        "builtin:gpt2-tiny",
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "4",
+        "--micro-batch",
+        "4",
+        "--memory-budget",
+        "4MiB",
+        "--steps",
+        "1",
+    )
     assert proc.returncode == 1
     assert "status" in proc.stdout and "oom" in proc.stdout and "--memory-budget" in proc.stdout
 
@@ -47,13 +74,43 @@ def test_a_hub_id_is_read_from_the_local_cache(tmp_path):
     snapshot.mkdir(parents=True)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0" * 40)
-    (snapshot / "config.json").write_text(json.dumps({
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 1, "n_embd": 32, "n_head": 2,
-        "vocab_size": 128, "n_positions": 64}))
+    (snapshot / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "architectures": ["GPT2LMHeadModel"],
+                "n_layer": 1,
+                "n_embd": 32,
+                "n_head": 2,
+                "vocab_size": 128,
+                "n_positions": 64,
+            }
+        )
+    )
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "autotune", "trial", "--model", "tiny-org/tiny-gpt2", "--seq-len",
-                           "16", "--global-batch", "2", "--micro-batch", "2", "--steps", "1", "--json"],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "trial",
+            "--model",
+            "tiny-org/tiny-gpt2",
+            "--seq-len",
+            "16",
+            "--global-batch",
+            "2",
+            "--micro-batch",
+            "2",
+            "--steps",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["status"] == "ok" and result["total_params"] < 100_000

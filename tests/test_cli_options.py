@@ -22,8 +22,12 @@ def _declared_flags() -> collections.Counter[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "Option":
             for arg in ast.walk(node):
-                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("-") \
-                        and " " not in arg.value:
+                if (
+                    isinstance(arg, ast.Constant)
+                    and isinstance(arg.value, str)
+                    and arg.value.startswith("-")
+                    and " " not in arg.value
+                ):
                     flags.update(arg.value.split("/"))
     return flags
 
@@ -42,8 +46,16 @@ def _options(command: str) -> set[str]:
 
 def test_the_workload_and_knob_options_reach_every_command_that_takes_them() -> None:
     workload = {"--model", "--task", "--seq-len", "--global-batch", "--nproc", "--device", "--trust-remote-code"}
-    knobs = {"--micro-batch", "--precision", "--checkpointing", "--lora-rank", "--lora-alpha", "--lora-targets",
-             "--zero-stage", "--offload"}
+    knobs = {
+        "--micro-batch",
+        "--precision",
+        "--checkpointing",
+        "--lora-rank",
+        "--lora-alpha",
+        "--lora-targets",
+        "--zero-stage",
+        "--offload",
+    }
     for command in ("trial", "estimate", "find", "tune", "grid"):
         assert workload <= _options(command), command
     for command in ("trial", "estimate"):

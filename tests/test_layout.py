@@ -47,16 +47,17 @@ def _level(module: str) -> int:
 
 
 def test_no_module_imports_a_folder_above_it() -> None:
-    upward = [f"{name} -> {dep}" for name, deps in _imports().items() for dep in deps
-              if _level(dep) > _level(name)]
+    upward = [f"{name} -> {dep}" for name, deps in _imports().items() for dep in deps if _level(dep) > _level(name)]
     assert not upward, "imports against the data flow:\n" + "\n".join(sorted(upward))
 
 
 def test_no_import_cycles() -> None:
     graph = _imports()
     # A package's __init__ importing its own modules is how it re-exports them: not a cycle of code.
-    edges = {name: {d for d in deps if not (name.endswith("__init__") or d == name.rpartition(".")[0])}
-             for name, deps in graph.items()}
+    edges = {
+        name: {d for d in deps if not (name.endswith("__init__") or d == name.rpartition(".")[0])}
+        for name, deps in graph.items()
+    }
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
 
@@ -64,7 +65,7 @@ def test_no_import_cycles() -> None:
         state[node] = 1
         for dep in sorted(edges.get(node, ())):
             if state.get(dep) == 1:
-                cycles.append(trail[trail.index(dep):] + [dep] if dep in trail else [node, dep])
+                cycles.append(trail[trail.index(dep) :] + [dep] if dep in trail else [node, dep])
             elif dep not in state:
                 visit(dep, trail + [dep])
         state[node] = 2

@@ -17,10 +17,27 @@ MiB = 2**20
 def run_peer(name: str, tmp_path: Path) -> dict:
     result = tmp_path / "result.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "peers.py"), "--peer", name, "--result", str(result),
-         "--budget-bytes", str(48 * MiB), "--model", "builtin:gpt2-deep-tiny", "--seq-len", "32",
-         "--global-batch", "16"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        [
+            sys.executable,
+            str(ROOT / "bench" / "peers.py"),
+            "--peer",
+            name,
+            "--result",
+            str(result),
+            "--budget-bytes",
+            str(48 * MiB),
+            "--model",
+            "builtin:gpt2-deep-tiny",
+            "--seq-len",
+            "32",
+            "--global-batch",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(result.read_text())
 

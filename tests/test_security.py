@@ -44,11 +44,19 @@ def test_model_code_from_a_folder_runs_only_with_trust_remote_code(tmp_path):
     (model / "configuration_evil.py").write_text(
         f"open({str(marker)!r}, 'w').close()\n"
         "from transformers import PretrainedConfig\n"
-        "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n")
-    (model / "config.json").write_text(json.dumps({"model_type": "evil", "vocab_size": 64,
-                                                   "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}}))
-    proc = subprocess.run([sys.executable, "-m", "autotune", "estimate", "--model", str(model)],
-                          capture_output=True, text=True, timeout=300)
+        "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n"
+    )
+    (model / "config.json").write_text(
+        json.dumps(
+            {"model_type": "evil", "vocab_size": 64, "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}}
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "autotune", "estimate", "--model", str(model)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "--trust-remote-code" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not marker.exists()
@@ -80,9 +88,18 @@ def test_subprocesses_start_without_a_shell():
 def test_nothing_is_unpickled():
     for path in SOURCE.rglob("*.py"):
         tree = ast.parse(path.read_text())
-        imported = {alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-                    for alias in node.names} | {node.module for node in ast.walk(tree)
-                                                 if isinstance(node, ast.ImportFrom) and node.module}
+        imported = {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for alias in node.names
+        } | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         assert not imported & {"pickle", "cPickle", "dill", "cloudpickle", "joblib"}, path
-        assert not [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "load"
-                    and isinstance(n.value, ast.Name) and n.value.id == "torch"], f"{path}: torch.load unpickles"
+        assert not [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute)
+            and n.attr == "load"
+            and isinstance(n.value, ast.Name)
+            and n.value.id == "torch"
+        ], f"{path}: torch.load unpickles"

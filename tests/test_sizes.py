@@ -4,10 +4,17 @@ from autotune.errors import ConfigError
 from autotune.sizes import format_size, parse_size
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("512MiB", 512 * 2**20), ("24GiB", 24 * 2**30), ("16GB", 16 * 10**9), ("1.5GiB", int(1.5 * 2**30)),
-    ("1024", 1024), ("64 kib", 64 * 1024),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("512MiB", 512 * 2**20),
+        ("24GiB", 24 * 2**30),
+        ("16GB", 16 * 10**9),
+        ("1.5GiB", int(1.5 * 2**30)),
+        ("1024", 1024),
+        ("64 kib", 64 * 1024),
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 

@@ -12,8 +12,9 @@ __all__ = ["deepspeed_config", "LEARNING_RATE"]
 LEARNING_RATE = 1e-4  # speed and memory do not depend on it; a plain value keeps losses finite
 
 
-def deepspeed_config(config: TrialConfig, workload: Workload, *, device_type: str = "cuda",
-                     hidden_size: int | None = None) -> dict[str, Any]:
+def deepspeed_config(
+    config: TrialConfig, workload: Workload, *, device_type: str = "cuda", hidden_size: int | None = None
+) -> dict[str, Any]:
     """A DeepSpeed config for ``config`` (ZeRO stage 0 when the trial config has ZeRO off).
 
     On a CPU, DeepSpeed's own Adam kernels need a JIT compile; ``torch_adam`` makes it use
@@ -37,8 +38,7 @@ def deepspeed_config(config: TrialConfig, workload: Workload, *, device_type: st
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     if config.offload == "optimizer+params":
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
-    optimizer_params: dict[str, Any] = {"lr": LEARNING_RATE, "betas": [0.9, 0.999], "eps": 1e-8,
-                                        "weight_decay": 0.0}
+    optimizer_params: dict[str, Any] = {"lr": LEARNING_RATE, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
     if device_type != "cuda":
         optimizer_params["torch_adam"] = True
     ds: dict[str, Any] = {

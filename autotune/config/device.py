@@ -12,12 +12,12 @@ __all__ = ["DeviceInfo", "detect_device"]
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    type: str                   # "cuda" or "cpu"
+    type: str  # "cuda" or "cpu"
     name: str
-    count: int                  # GPUs visible (1 for the CPU, whose ranks share its cores)
+    count: int  # GPUs visible (1 for the CPU, whose ranks share its cores)
     total_memory_bytes: int | None
     bf16: bool
-    fp16_deepspeed: bool        # DeepSpeed's accelerator trains fp16 here
+    fp16_deepspeed: bool  # DeepSpeed's accelerator trains fp16 here
 
 
 def detect_device(requested: str = "auto") -> DeviceInfo:
@@ -29,15 +29,28 @@ def detect_device(requested: str = "auto") -> DeviceInfo:
         raise WorkloadError("--device cuda: no CUDA device is visible here; use --device cpu or auto")
     if requested == "cuda" or (requested == "auto" and has_cuda):
         props = torch.cuda.get_device_properties(0)
-        return DeviceInfo("cuda", props.name, torch.cuda.device_count(), props.total_memory,
-                          bf16=torch.cuda.is_bf16_supported(), fp16_deepspeed=True)
+        return DeviceInfo(
+            "cuda",
+            props.name,
+            torch.cuda.device_count(),
+            props.total_memory,
+            bf16=torch.cuda.is_bf16_supported(),
+            fp16_deepspeed=True,
+        )
     try:
         import psutil
+
         total = psutil.virtual_memory().total
     except ImportError:  # psutil comes with DeepSpeed; memory is only informative here
         total = None
-    return DeviceInfo("cpu", platform.processor() or platform.machine() or "cpu", 1, total,
-                      bf16=True, fp16_deepspeed=_cpu_fp16_in_deepspeed())
+    return DeviceInfo(
+        "cpu",
+        platform.processor() or platform.machine() or "cpu",
+        1,
+        total,
+        bf16=True,
+        fp16_deepspeed=_cpu_fp16_in_deepspeed(),
+    )
 
 
 def _cpu_fp16_in_deepspeed() -> bool:

@@ -34,16 +34,16 @@ class GpuSpec:
     """One card: memory, compute capability, dense peaks per dtype, memory and link bandwidth."""
 
     name: str
-    memory_bytes: int                 # nvidia-smi's total
+    memory_bytes: int  # nvidia-smi's total
     compute_capability: tuple[int, int]
-    bf16_flops: float | None          # dense tensor-core peak; None: no bf16 tensor cores
+    bf16_flops: float | None  # dense tensor-core peak; None: no bf16 tensor cores
     fp16_flops: float
-    tf32_flops: float | None          # None: no tf32 (before Ampere)
+    tf32_flops: float | None  # None: no tf32 (before Ampere)
     fp32_flops: float
-    memory_bandwidth: float           # bytes/s
-    link_bandwidth: float             # bytes/s per GPU, one direction, to its peers (NVLink or PCIe)
-    host_link_bandwidth: float        # bytes/s per GPU, one direction, to host memory (its PCIe generation, x16)
-    context_bytes: int                # the CUDA context and kernels, before any tensor
+    memory_bandwidth: float  # bytes/s
+    link_bandwidth: float  # bytes/s per GPU, one direction, to its peers (NVLink or PCIe)
+    host_link_bandwidth: float  # bytes/s per GPU, one direction, to host memory (its PCIe generation, x16)
+    context_bytes: int  # the CUDA context and kernels, before any tensor
 
     @property
     def bf16(self) -> bool:
@@ -71,37 +71,126 @@ class GpuSpec:
 # direction (V100 NVLink2 300 GB/s both ways, A100 NVLink3 600, H100/H200 NVLink4 900, MI300X
 # Infinity Fabric 896), PCIe x16 per direction for the host (Gen3 16 GB/s, Gen4 32, Gen5 64).
 _CARDS = (
-    GpuSpec(name="V100-16GB", memory_bytes=16_160 * _MiB, compute_capability=(7, 0), bf16_flops=None,
-            fp16_flops=125 * _T, tf32_flops=None, fp32_flops=15.7 * _T, memory_bandwidth=900 * _G,
-            link_bandwidth=150 * _G, host_link_bandwidth=16 * _G,
-            # measured: Transformers' docs ("model memory anatomy") saw 1,343 MiB used by a process
-            # that had loaded PyTorch's kernels and one tiny tensor on a V100 (CUDA 11.2: before
-            # lazy loading, so every kernel was loaded)
-            context_bytes=1_343 * _MiB),
-    GpuSpec(name="V100-32GB", memory_bytes=32_510 * _MiB, compute_capability=(7, 0), bf16_flops=None,
-            fp16_flops=125 * _T, tf32_flops=None, fp32_flops=15.7 * _T, memory_bandwidth=900 * _G,
-            link_bandwidth=150 * _G, host_link_bandwidth=16 * _G, context_bytes=1_343 * _MiB),
-    GpuSpec(name="A100-40GB", memory_bytes=40_960 * _MiB, compute_capability=(8, 0), bf16_flops=312 * _T,
-            fp16_flops=312 * _T, tf32_flops=156 * _T, fp32_flops=19.5 * _T, memory_bandwidth=1_555 * _G,
-            link_bandwidth=300 * _G, host_link_bandwidth=32 * _G, context_bytes=_TYPICAL_CONTEXT),
-    GpuSpec(name="A100-80GB", memory_bytes=81_920 * _MiB, compute_capability=(8, 0), bf16_flops=312 * _T,
-            fp16_flops=312 * _T, tf32_flops=156 * _T, fp32_flops=19.5 * _T, memory_bandwidth=2_039 * _G,
-            link_bandwidth=300 * _G, host_link_bandwidth=32 * _G, context_bytes=_TYPICAL_CONTEXT),
-    GpuSpec(name="H100-80GB", memory_bytes=81_559 * _MiB, compute_capability=(9, 0), bf16_flops=989 * _T,
-            fp16_flops=989 * _T, tf32_flops=495 * _T, fp32_flops=67 * _T, memory_bandwidth=3_350 * _G,
-            link_bandwidth=450 * _G, host_link_bandwidth=64 * _G, context_bytes=_TYPICAL_CONTEXT),
-    GpuSpec(name="H200", memory_bytes=143_771 * _MiB, compute_capability=(9, 0), bf16_flops=989 * _T,
-            fp16_flops=989 * _T, tf32_flops=495 * _T, fp32_flops=67 * _T, memory_bandwidth=4_800 * _G,
-            link_bandwidth=450 * _G, host_link_bandwidth=64 * _G, context_bytes=_TYPICAL_CONTEXT),
-    GpuSpec(name="L40S", memory_bytes=46_068 * _MiB, compute_capability=(8, 9), bf16_flops=362 * _T,
-            fp16_flops=362 * _T, tf32_flops=183 * _T, fp32_flops=91.6 * _T, memory_bandwidth=864 * _G,
-            link_bandwidth=32 * _G, host_link_bandwidth=32 * _G, context_bytes=_TYPICAL_CONTEXT),
-    GpuSpec(name="RTX-4090", memory_bytes=24_564 * _MiB, compute_capability=(8, 9), bf16_flops=165 * _T,
-            fp16_flops=165 * _T, tf32_flops=82.6 * _T, fp32_flops=82.6 * _T, memory_bandwidth=1_008 * _G,
-            link_bandwidth=32 * _G, host_link_bandwidth=32 * _G, context_bytes=_TYPICAL_CONTEXT),
-    GpuSpec(name="MI300X", memory_bytes=196_592 * _MiB, compute_capability=(9, 4), bf16_flops=1_307 * _T,
-            fp16_flops=1_307 * _T, tf32_flops=654 * _T, fp32_flops=163 * _T, memory_bandwidth=5_300 * _G,
-            link_bandwidth=448 * _G, host_link_bandwidth=64 * _G, context_bytes=_TYPICAL_CONTEXT),
+    GpuSpec(
+        name="V100-16GB",
+        memory_bytes=16_160 * _MiB,
+        compute_capability=(7, 0),
+        bf16_flops=None,
+        fp16_flops=125 * _T,
+        tf32_flops=None,
+        fp32_flops=15.7 * _T,
+        memory_bandwidth=900 * _G,
+        link_bandwidth=150 * _G,
+        host_link_bandwidth=16 * _G,
+        # measured: Transformers' docs ("model memory anatomy") saw 1,343 MiB used by a process
+        # that had loaded PyTorch's kernels and one tiny tensor on a V100 (CUDA 11.2: before
+        # lazy loading, so every kernel was loaded)
+        context_bytes=1_343 * _MiB,
+    ),
+    GpuSpec(
+        name="V100-32GB",
+        memory_bytes=32_510 * _MiB,
+        compute_capability=(7, 0),
+        bf16_flops=None,
+        fp16_flops=125 * _T,
+        tf32_flops=None,
+        fp32_flops=15.7 * _T,
+        memory_bandwidth=900 * _G,
+        link_bandwidth=150 * _G,
+        host_link_bandwidth=16 * _G,
+        context_bytes=1_343 * _MiB,
+    ),
+    GpuSpec(
+        name="A100-40GB",
+        memory_bytes=40_960 * _MiB,
+        compute_capability=(8, 0),
+        bf16_flops=312 * _T,
+        fp16_flops=312 * _T,
+        tf32_flops=156 * _T,
+        fp32_flops=19.5 * _T,
+        memory_bandwidth=1_555 * _G,
+        link_bandwidth=300 * _G,
+        host_link_bandwidth=32 * _G,
+        context_bytes=_TYPICAL_CONTEXT,
+    ),
+    GpuSpec(
+        name="A100-80GB",
+        memory_bytes=81_920 * _MiB,
+        compute_capability=(8, 0),
+        bf16_flops=312 * _T,
+        fp16_flops=312 * _T,
+        tf32_flops=156 * _T,
+        fp32_flops=19.5 * _T,
+        memory_bandwidth=2_039 * _G,
+        link_bandwidth=300 * _G,
+        host_link_bandwidth=32 * _G,
+        context_bytes=_TYPICAL_CONTEXT,
+    ),
+    GpuSpec(
+        name="H100-80GB",
+        memory_bytes=81_559 * _MiB,
+        compute_capability=(9, 0),
+        bf16_flops=989 * _T,
+        fp16_flops=989 * _T,
+        tf32_flops=495 * _T,
+        fp32_flops=67 * _T,
+        memory_bandwidth=3_350 * _G,
+        link_bandwidth=450 * _G,
+        host_link_bandwidth=64 * _G,
+        context_bytes=_TYPICAL_CONTEXT,
+    ),
+    GpuSpec(
+        name="H200",
+        memory_bytes=143_771 * _MiB,
+        compute_capability=(9, 0),
+        bf16_flops=989 * _T,
+        fp16_flops=989 * _T,
+        tf32_flops=495 * _T,
+        fp32_flops=67 * _T,
+        memory_bandwidth=4_800 * _G,
+        link_bandwidth=450 * _G,
+        host_link_bandwidth=64 * _G,
+        context_bytes=_TYPICAL_CONTEXT,
+    ),
+    GpuSpec(
+        name="L40S",
+        memory_bytes=46_068 * _MiB,
+        compute_capability=(8, 9),
+        bf16_flops=362 * _T,
+        fp16_flops=362 * _T,
+        tf32_flops=183 * _T,
+        fp32_flops=91.6 * _T,
+        memory_bandwidth=864 * _G,
+        link_bandwidth=32 * _G,
+        host_link_bandwidth=32 * _G,
+        context_bytes=_TYPICAL_CONTEXT,
+    ),
+    GpuSpec(
+        name="RTX-4090",
+        memory_bytes=24_564 * _MiB,
+        compute_capability=(8, 9),
+        bf16_flops=165 * _T,
+        fp16_flops=165 * _T,
+        tf32_flops=82.6 * _T,
+        fp32_flops=82.6 * _T,
+        memory_bandwidth=1_008 * _G,
+        link_bandwidth=32 * _G,
+        host_link_bandwidth=32 * _G,
+        context_bytes=_TYPICAL_CONTEXT,
+    ),
+    GpuSpec(
+        name="MI300X",
+        memory_bytes=196_592 * _MiB,
+        compute_capability=(9, 4),
+        bf16_flops=1_307 * _T,
+        fp16_flops=1_307 * _T,
+        tf32_flops=654 * _T,
+        fp32_flops=163 * _T,
+        memory_bandwidth=5_300 * _G,
+        link_bandwidth=448 * _G,
+        host_link_bandwidth=64 * _G,
+        context_bytes=_TYPICAL_CONTEXT,
+    ),
 )
 GPUS: dict[str, GpuSpec] = {card.name: card for card in _CARDS}
 

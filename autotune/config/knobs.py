@@ -17,8 +17,20 @@ from autotune.errors import ConfigError
 if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
 
-__all__ = ["TrialConfig", "PRECISIONS", "ATTENTIONS", "OFFLOADS", "ZERO_STAGES", "FSDP_MODES", "LOSSES", "DEFAULT_LOSS_CHUNKS",
-           "is_loss", "sixteen_bit_type", "attention_device_refusal", "compile_device_refusal"]
+__all__ = [
+    "TrialConfig",
+    "PRECISIONS",
+    "ATTENTIONS",
+    "OFFLOADS",
+    "ZERO_STAGES",
+    "FSDP_MODES",
+    "LOSSES",
+    "DEFAULT_LOSS_CHUNKS",
+    "is_loss",
+    "sixteen_bit_type",
+    "attention_device_refusal",
+    "compile_device_refusal",
+]
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "bf16-true")
 # The 16-bit type each precision computes in (torch's name). fp16 and bf16 are mixed precision:
@@ -27,7 +39,7 @@ PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "bf16-true")
 # underflow in fp16, so it does not train without an fp32 copy.
 _SIXTEEN_BIT_TYPES = {"fp16": "float16", "bf16": "bfloat16", "bf16-true": "bfloat16"}
 ATTENTIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flex_attention")  # Transformers' attn_implementation
-LOSSES = ("standard", "chunked")   # chunked also as chunked:K
+LOSSES = ("standard", "chunked")  # chunked also as chunked:K
 DEFAULT_LOSS_CHUNKS = 8
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -42,53 +54,72 @@ class TrialConfig:
 
     micro_batch: int = field(
         default=1,
-        metadata={"help": "Samples per forward/backward on one rank; accumulation is derived "
-                          "as global batch / (micro batch x ranks)."},
+        metadata={
+            "help": "Samples per forward/backward on one rank; accumulation is derived "
+            "as global batch / (micro batch x ranks)."
+        },
     )
     precision: str = field(
         default="fp32",
-        metadata={"help": "fp32, tf32 (CUDA only), fp16 (mixed, with loss scaling), bf16 (mixed) or bf16-true "
-                          "(weights, gradients and Adam states all in bf16: half the model states, less exact)."},
+        metadata={
+            "help": "fp32, tf32 (CUDA only), fp16 (mixed, with loss scaling), bf16 (mixed) or bf16-true "
+            "(weights, gradients and Adam states all in bf16: half the model states, less exact)."
+        },
     )
     checkpointing: bool = field(
-        default=False, metadata={"help": "Activation checkpointing: recompute activations in backward."},
+        default=False,
+        metadata={"help": "Activation checkpointing: recompute activations in backward."},
     )
     checkpoint_every: int = field(
         default=1,
-        metadata={"help": "With checkpointing on: recompute only every N-th decoder layer (Transformers' "
-                          "every_n_layers); 1 is every layer."},
+        metadata={
+            "help": "With checkpointing on: recompute only every N-th decoder layer (Transformers' "
+            "every_n_layers); 1 is every layer."
+        },
     )
     loss: str = field(
         default="standard",
-        metadata={"help": "standard (the model's own), or chunked (chunked:K): a causal LM's head and "
-                          f"cross-entropy over K slices of the tokens (default {DEFAULT_LOSS_CHUNKS}), each "
-                          "recomputed in backward, so the full logits never exist. Same loss, less memory."},
+        metadata={
+            "help": "standard (the model's own), or chunked (chunked:K): a causal LM's head and "
+            f"cross-entropy over K slices of the tokens (default {DEFAULT_LOSS_CHUNKS}), each "
+            "recomputed in backward, so the full logits never exist. Same loss, less memory."
+        },
     )
     attention: str = field(
         default="auto",
-        metadata={"help": "The attention kernel (Transformers' attn_implementation): auto (the model's default), "
-                          "eager, sdpa, flash_attention_2 or flex_attention (CUDA only)."},
+        metadata={
+            "help": "The attention kernel (Transformers' attn_implementation): auto (the model's default), "
+            "eager, sdpa, flash_attention_2 or flex_attention (CUDA only)."
+        },
     )
     fused_optimizer: bool = field(
         default=False,
-        metadata={"help": "AdamW with fused=True (one kernel over all parameters) instead of PyTorch's default "
-                          "(foreach on CUDA, a loop over the tensors on a CPU). Same maths."},
+        metadata={
+            "help": "AdamW with fused=True (one kernel over all parameters) instead of PyTorch's default "
+            "(foreach on CUDA, a loop over the tensors on a CPU). Same maths."
+        },
     )
     compile: bool = field(
         default=False,
-        metadata={"help": "torch.compile the model (CUDA trials): its compile time is a phase of its own, never in "
-                          "tokens/s, and the trial reports how many steps a run needs before compiling pays off."},
+        metadata={
+            "help": "torch.compile the model (CUDA trials): its compile time is a phase of its own, never in "
+            "tokens/s, and the trial reports how many steps a run needs before compiling pays off."
+        },
     )
     lora_rank: int | None = field(
-        default=None, metadata={"help": "Train LoRA adapters of this rank (PEFT) instead of all weights."},
+        default=None,
+        metadata={"help": "Train LoRA adapters of this rank (PEFT) instead of all weights."},
     )
     lora_alpha: int | None = field(
-        default=None, metadata={"help": "LoRA scaling alpha (default: 2 x rank)."},
+        default=None,
+        metadata={"help": "LoRA scaling alpha (default: 2 x rank)."},
     )
     lora_targets: tuple[str, ...] | None = field(
         default=None,
-        metadata={"help": "Comma-separated module names LoRA adapts, or all-linear "
-                          "(default: PEFT's choice for the architecture)."},
+        metadata={
+            "help": "Comma-separated module names LoRA adapts, or all-linear "
+            "(default: PEFT's choice for the architecture)."
+        },
     )
     zero_stage: int | None = field(
         default=None,
@@ -96,14 +127,18 @@ class TrialConfig:
     )
     fsdp: str | None = field(
         default=None,
-        metadata={"help": "PyTorch FSDP2 sharding instead of ZeRO: full (parameters resharded after each layer's "
-                          "forward, like ZeRO-3) or grad-op (kept gathered until the backward, like ZeRO-2); "
-                          "off trains with plain PyTorch (DDP across ranks)."},
+        metadata={
+            "help": "PyTorch FSDP2 sharding instead of ZeRO: full (parameters resharded after each layer's "
+            "forward, like ZeRO-3) or grad-op (kept gathered until the backward, like ZeRO-2); "
+            "off trains with plain PyTorch (DDP across ranks)."
+        },
     )
     offload: str = field(
         default="none",
-        metadata={"help": "none, optimizer (ZeRO 1-3) or optimizer+params (ZeRO 3, or FSDP: parameters, gradients "
-                          "and the optimizer step on the CPU): move states to CPU RAM."},
+        metadata={
+            "help": "none, optimizer (ZeRO 1-3) or optimizer+params (ZeRO 3, or FSDP: parameters, gradients "
+            "and the optimizer step on the CPU): move states to CPU RAM."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -185,8 +220,10 @@ class TrialConfig:
         if not isinstance(self.fused_optimizer, bool):
             raise ConfigError(f"--fused-optimizer {self.fused_optimizer!r} must be on or off")
         if not is_loss(self.loss):
-            raise ConfigError(f"--loss {self.loss!r} is not known; use standard, chunked, or chunked:K "
-                              "with K slices of 2 or more (e.g. chunked:16)")
+            raise ConfigError(
+                f"--loss {self.loss!r} is not known; use standard, chunked, or chunked:K "
+                "with K slices of 2 or more (e.g. chunked:16)"
+            )
         if self.lora_rank is not None and not _is_count(self.lora_rank):
             raise ConfigError(f"--lora-rank {self.lora_rank!r} must be a whole number of at least 1")
         if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets is not None):
@@ -203,11 +240,15 @@ class TrialConfig:
         if self.fsdp is not None and self.fsdp not in FSDP_MODES:
             raise ConfigError(f"--fsdp {self.fsdp!r} is not known; use off, {' or '.join(FSDP_MODES)}")
         if self.fsdp is not None and self.zero_stage is not None:
-            raise ConfigError(f"--fsdp {self.fsdp} with --zero-stage {self.zero_stage}: one sharding per config; "
-                              "use --fsdp off or --zero-stage off")
+            raise ConfigError(
+                f"--fsdp {self.fsdp} with --zero-stage {self.zero_stage}: one sharding per config; "
+                "use --fsdp off or --zero-stage off"
+            )
         if self.offload == "optimizer" and self.uses_fsdp:
-            raise ConfigError("--offload optimizer with --fsdp: FSDP2 offloads parameters, gradients and the "
-                              "optimizer step together; use --offload optimizer+params")
+            raise ConfigError(
+                "--offload optimizer with --fsdp: FSDP2 offloads parameters, gradients and the "
+                "optimizer step together; use --offload optimizer+params"
+            )
         if self.offload == "optimizer" and self.zero_stage not in (1, 2, 3):
             raise ConfigError("--offload optimizer needs ZeRO; add --zero-stage 1, 2 or 3")
         if self.offload == "optimizer+params" and self.zero_stage != 3 and not self.uses_fsdp:
@@ -217,11 +258,14 @@ class TrialConfig:
         """Refuse combinations that cannot run for this workload on this device."""
         self.grad_accum_steps(workload)  # also refuses a micro batch larger than the per-rank batch
         if self.uses_fsdp and workload.nproc == 1 and self.offload == "none":
-            raise ConfigError(f"--fsdp {self.fsdp} on one rank shards nothing; add --nproc 2 or more, "
-                              "or --offload optimizer+params")
+            raise ConfigError(
+                f"--fsdp {self.fsdp} on one rank shards nothing; add --nproc 2 or more, or --offload optimizer+params"
+            )
         if self.fused_optimizer and self.uses_deepspeed:
-            raise ConfigError("--fused-optimizer on with --zero-stage: DeepSpeed picks its own Adam kernel (fused on "
-                              "CUDA); use --fused-optimizer off with ZeRO")
+            raise ConfigError(
+                "--fused-optimizer on with --zero-stage: DeepSpeed picks its own Adam kernel (fused on "
+                "CUDA); use --fused-optimizer off with ZeRO"
+            )
         refusal = attention_device_refusal(self.attention, device.type)
         if refusal is not None:
             raise ConfigError(refusal)
@@ -233,12 +277,15 @@ class TrialConfig:
         if self.sixteen_bit == "bfloat16" and not device.bf16:
             raise ConfigError(f"--precision {self.precision}: {device.name} has no bfloat16; use fp16 or fp32")
         if self.true_16_bit and self.uses_deepspeed:
-            raise ConfigError(f"--precision {self.precision} with --zero-stage: DeepSpeed's bf16 mode keeps fp32 master "
-                              "weights in its optimizer, which is --precision bf16; use that with ZeRO")
+            raise ConfigError(
+                f"--precision {self.precision} with --zero-stage: DeepSpeed's bf16 mode keeps fp32 master "
+                "weights in its optimizer, which is --precision bf16; use that with ZeRO"
+            )
         if self.precision == "fp16" and self.uses_deepspeed and not device.fp16_deepspeed:
             raise ConfigError(
                 "--precision fp16 with --zero-stage: DeepSpeed's accelerator on this device has no fp16 "
-                "training; use bf16, or fp16 without --zero-stage")
+                "training; use bf16, or fp16 without --zero-stage"
+            )
 
     # -- (de)serialisation ----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -283,8 +330,10 @@ class TrialConfig:
 def attention_device_refusal(attention: str, device_type: str) -> str | None:
     """Why a device of ``device_type``, with what is installed, cannot train with ``attention`` (None: it can)."""
     if attention == "flash_attention_2" and device_type != "cuda":
-        return ("--attention flash_attention_2 runs on CUDA GPUs only (the flash-attn package's kernels); "
-                "use sdpa or eager on a CPU")
+        return (
+            "--attention flash_attention_2 runs on CUDA GPUs only (the flash-attn package's kernels); "
+            "use sdpa or eager on a CPU"
+        )
     if attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         return "--attention flash_attention_2 needs the flash-attn package, which is not installed; or use sdpa"
     if attention == "flex_attention" and device_type != "cuda":
@@ -298,8 +347,10 @@ def compile_device_refusal(device_type: str) -> str | None:
         # The CPU trial counts tensor bytes with a dispatch-mode tracker: TorchDynamo does not compile
         # under an active dispatch mode (measured: the "compiled" step ran eager), and the kernels it
         # compiles allocate where the tracker cannot see. A figure from it would not be compile's.
-        return ("--compile on is measured on CUDA GPUs only: a CPU trial counts memory with a tracker under which "
-                "torch.compile does not compile; use --compile off on a CPU")
+        return (
+            "--compile on is measured on CUDA GPUs only: a CPU trial counts memory with a tracker under which "
+            "torch.compile does not compile; use --compile off on a CPU"
+        )
     return None
 
 

@@ -30,12 +30,18 @@ class Workload:
 
     model: str = field(
         default=DEFAULT_MODEL,
-        metadata={"help": "builtin:NAME, a config.json or model directory, a Hub id "
-                          "(from the local cache), or module:function returning a torch.nn.Module."},
+        metadata={
+            "help": "builtin:NAME, a config.json or model directory, a Hub id "
+            "(from the local cache), or module:function returning a torch.nn.Module."
+        },
     )
     task: str | None = field(
         default=None,
-        metadata={"help": "causal-lm, seq-cls, masked-lm, seq2seq-lm or image-cls; inferred from the model config when left out."},
+        metadata={
+            "help": (
+                "causal-lm, seq-cls, masked-lm, seq2seq-lm or image-cls; inferred from the model config when left out."
+            )
+        },
     )
     seq_len: int = field(default=128, metadata={"help": "Tokens per sample (an encoder-decoder's source)."})
     target_len: int | None = field(
@@ -54,8 +60,10 @@ class Workload:
     device: str = field(default="auto", metadata={"help": "auto (CUDA when visible), cuda or cpu."})
     gpu: str | None = field(
         default=None,
-        metadata={"help": "The card a CUDA workload is for, when it is not the one here: A100-80GB, H100-80GB, ... "
-                          "(estimates predict its reserved and nvidia-smi memory; implies --device cuda)."},
+        metadata={
+            "help": "The card a CUDA workload is for, when it is not the one here: A100-80GB, H100-80GB, ... "
+            "(estimates predict its reserved and nvidia-smi memory; implies --device cuda)."
+        },
     )
     optimizer: str = field(default="adamw", metadata={"help": "The optimizer trained with (adamw)."})
     trust_remote_code: bool = field(
@@ -66,39 +74,48 @@ class Workload:
     def __post_init__(self) -> None:
         if self.task is not None and self.task not in TASKS:
             raise WorkloadError(f"--task {self.task!r} is not known; use one of {', '.join(TASKS)}")
-        for flag, value in (("--seq-len", self.seq_len), ("--global-batch", self.global_batch),
-                            ("--nproc", self.nproc)):
+        for flag, value in (
+            ("--seq-len", self.seq_len),
+            ("--global-batch", self.global_batch),
+            ("--nproc", self.nproc),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise WorkloadError(f"{flag} {value!r} must be a whole number of at least 1")
         if self.target_len is not None and (
-                not isinstance(self.target_len, int) or isinstance(self.target_len, bool) or self.target_len < 1):
+            not isinstance(self.target_len, int) or isinstance(self.target_len, bool) or self.target_len < 1
+        ):
             raise WorkloadError(f"--target-len {self.target_len!r} must be a whole number of at least 1")
         if self.target_len is not None and self.task not in (None, "seq2seq-lm"):
-            raise WorkloadError(f"--target-len is the decoder's length of a seq2seq-lm task, not of --task "
-                                f"{self.task}; leave it out")
+            raise WorkloadError(
+                f"--target-len is the decoder's length of a seq2seq-lm task, not of --task {self.task}; leave it out"
+            )
         if self.image_size is not None and (
-                not isinstance(self.image_size, int) or isinstance(self.image_size, bool) or self.image_size < 1):
+            not isinstance(self.image_size, int) or isinstance(self.image_size, bool) or self.image_size < 1
+        ):
             raise WorkloadError(f"--image-size {self.image_size!r} must be a whole number of pixels, at least 1")
         if self.image_size is not None and self.task not in (None, "image-cls"):
-            raise WorkloadError(f"--image-size is the input of an image-cls task, not of --task {self.task}; "
-                                "leave it out")
+            raise WorkloadError(
+                f"--image-size is the input of an image-cls task, not of --task {self.task}; leave it out"
+            )
         if self.device not in DEVICES:
             raise WorkloadError(f"--device {self.device!r} is not known; use one of {', '.join(DEVICES)}")
         if self.gpu is not None:
             from autotune.config.gpus import gpu_spec
 
             if self.device == "cpu":
-                raise WorkloadError(f"--gpu {self.gpu} names a card for a CUDA workload, not --device cpu; "
-                                    "use --device cuda (or auto), or leave --gpu out")
+                raise WorkloadError(
+                    f"--gpu {self.gpu} names a card for a CUDA workload, not --device cpu; "
+                    "use --device cuda (or auto), or leave --gpu out"
+                )
             object.__setattr__(self, "gpu", gpu_spec(self.gpu).name)  # the table's spelling
             object.__setattr__(self, "device", "cuda")  # a named card means a CUDA workload
         if self.optimizer not in OPTIMIZERS:
-            raise WorkloadError(
-                f"optimizer {self.optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
+            raise WorkloadError(f"optimizer {self.optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
         if self.global_batch % self.nproc:
             raise WorkloadError(
                 f"--global-batch {self.global_batch} does not split over --nproc {self.nproc} ranks; "
-                f"use a global batch that is a multiple of {self.nproc}")
+                f"use a global batch that is a multiple of {self.nproc}"
+            )
         if not self.model:
             raise WorkloadError("--model is empty; use e.g. builtin:gpt2-tiny")
 

@@ -30,14 +30,14 @@ __all__ = ["AllocatorSettings", "CachingAllocatorModel", "ReplayResult", "replay
 
 _MiB = 1024 * 1024
 # c10/core/AllocatorConfig.h (2.13)
-K_MIN_BLOCK_SIZE = 512            # kMinBlockSize: every size is rounded to a multiple of this
-K_SMALL_SIZE = 1 * _MiB           # kSmallSize: largest request served by the small pool
-K_SMALL_BUFFER = 2 * _MiB         # kSmallBuffer: small-pool segment (and expandable page)
-K_MIN_LARGE_ALLOC = 10 * _MiB     # kMinLargeAlloc: below this a large request gets a whole large segment
-K_ROUND_LARGE = 2 * _MiB          # kRoundLarge: bigger requests get a segment rounded to this
-K_LARGE_BUFFER = 20 * _MiB        # large_segment_size_ default (was kLargeBuffer)
-_DIVISION_INTERVALS = 16          # kRoundUpPowerOfTwoIntervals: [1 MiB, 64 GiB) in powers of two
-_GAP = K_SMALL_BUFFER             # room between fake segment addresses, so none touch
+K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: every size is rounded to a multiple of this
+K_SMALL_SIZE = 1 * _MiB  # kSmallSize: largest request served by the small pool
+K_SMALL_BUFFER = 2 * _MiB  # kSmallBuffer: small-pool segment (and expandable page)
+K_MIN_LARGE_ALLOC = 10 * _MiB  # kMinLargeAlloc: below this a large request gets a whole large segment
+K_ROUND_LARGE = 2 * _MiB  # kRoundLarge: bigger requests get a segment rounded to this
+K_LARGE_BUFFER = 20 * _MiB  # large_segment_size_ default (was kLargeBuffer)
+_DIVISION_INTERVALS = 16  # kRoundUpPowerOfTwoIntervals: [1 MiB, 64 GiB) in powers of two
+_GAP = K_SMALL_BUFFER  # room between fake segment addresses, so none touch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,25 +45,30 @@ class AllocatorSettings:
     """The ``PYTORCH_CUDA_ALLOC_CONF`` options that change where blocks go (defaults = unset)."""
 
     expandable_segments: bool = False
-    max_split_size_bytes: int | None = None            # None: unlimited, every block may split
-    large_segment_size_bytes: int = K_LARGE_BUFFER     # segment for 1-10 MiB requests; large page
-    max_non_split_rounding_bytes: int | None = None    # None: large_segment_size_bytes, as torch sets it
-    roundup_power2_divisions: tuple[int, ...] = ()     # 16 intervals from 1 MiB; () = off
+    max_split_size_bytes: int | None = None  # None: unlimited, every block may split
+    large_segment_size_bytes: int = K_LARGE_BUFFER  # segment for 1-10 MiB requests; large page
+    max_non_split_rounding_bytes: int | None = None  # None: large_segment_size_bytes, as torch sets it
+    roundup_power2_divisions: tuple[int, ...] = ()  # 16 intervals from 1 MiB; () = off
 
     def __post_init__(self) -> None:
         if self.large_segment_size_bytes <= K_MIN_LARGE_ALLOC:
-            raise ValueError(f"large_segment_size_bytes must be above {K_MIN_LARGE_ALLOC} (10 MiB), "
-                             f"as PyTorch requires; got {self.large_segment_size_bytes}")
+            raise ValueError(
+                f"large_segment_size_bytes must be above {K_MIN_LARGE_ALLOC} (10 MiB), "
+                f"as PyTorch requires; got {self.large_segment_size_bytes}"
+            )
         for name in ("max_split_size_bytes", "max_non_split_rounding_bytes"):
             value = getattr(self, name)
             if value is not None and value < self.large_segment_size_bytes:
-                raise ValueError(f"{name} must be at least large_segment_size_bytes "
-                                 f"({self.large_segment_size_bytes}), as PyTorch requires; got {value}")
+                raise ValueError(
+                    f"{name} must be at least large_segment_size_bytes "
+                    f"({self.large_segment_size_bytes}), as PyTorch requires; got {value}"
+                )
         divisions = self.roundup_power2_divisions
-        if divisions and (len(divisions) != _DIVISION_INTERVALS
-                          or any(d < 0 or d & (d - 1) for d in divisions)):
-            raise ValueError("roundup_power2_divisions must be empty or 16 powers of two (or 0), "
-                             f"one per interval from 1 MiB; got {divisions!r}")
+        if divisions and (len(divisions) != _DIVISION_INTERVALS or any(d < 0 or d & (d - 1) for d in divisions)):
+            raise ValueError(
+                "roundup_power2_divisions must be empty or 16 powers of two (or 0), "
+                f"one per interval from 1 MiB; got {divisions!r}"
+            )
 
     @classmethod
     def from_conf(cls, conf: str | None) -> AllocatorSettings:
@@ -78,28 +83,35 @@ class AllocatorSettings:
         if "large_segment_size_mb" in entries:
             large_mb = _conf_int(entries, "large_segment_size_mb")
             if large_mb <= K_MIN_LARGE_ALLOC // _MiB:
-                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF large_segment_size_mb:{large_mb} must be "
-                                 f"above {K_MIN_LARGE_ALLOC // _MiB}")
+                raise ValueError(
+                    f"PYTORCH_CUDA_ALLOC_CONF large_segment_size_mb:{large_mb} must be "
+                    f"above {K_MIN_LARGE_ALLOC // _MiB}"
+                )
         fields: dict[str, Any] = {"large_segment_size_bytes": large_mb * _MiB}
-        for key, bytes_field in (("max_split_size_mb", "max_split_size_bytes"),
-                                 ("max_non_split_rounding_mb", "max_non_split_rounding_bytes")):
+        for key, bytes_field in (
+            ("max_split_size_mb", "max_split_size_bytes"),
+            ("max_non_split_rounding_mb", "max_non_split_rounding_bytes"),
+        ):
             if key in entries:
                 value = _conf_int(entries, key)
                 if value < large_mb:
-                    raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF {key}:{value} is too small: PyTorch "
-                                     f"requires at least {large_mb} (the large segment size in MiB)")
+                    raise ValueError(
+                        f"PYTORCH_CUDA_ALLOC_CONF {key}:{value} is too small: PyTorch "
+                        f"requires at least {large_mb} (the large segment size in MiB)"
+                    )
                 fields[bytes_field] = value * _MiB
         if "expandable_segments" in entries:
             value = entries["expandable_segments"]
             if value not in ("True", "False"):  # ConfigTokenizer::toBool takes only these two
-                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF expandable_segments:{_show(value)} must be "
-                                 "True or False")
+                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF expandable_segments:{_show(value)} must be True or False")
             fields["expandable_segments"] = value == "True"
         if "roundup_power2_divisions" in entries:
             fields["roundup_power2_divisions"] = _conf_divisions(entries["roundup_power2_divisions"])
         if entries.get("backend", "native") != "native":
-            raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF backend:{_show(entries['backend'])} is not the "
-                             "caching allocator this models; only backend:native is")
+            raise ValueError(
+                f"PYTORCH_CUDA_ALLOC_CONF backend:{_show(entries['backend'])} is not the "
+                "caching allocator this models; only backend:native is"
+            )
         return cls(**fields)
 
 
@@ -109,8 +121,8 @@ class ReplayResult:
 
     peak_allocated_bytes: int
     peak_reserved_bytes: int
-    segments: int                # cudaMallocs; with expandable segments, the pools' segments
-    largest_segment_bytes: int   # with expandable segments, the most mapped in one segment
+    segments: int  # cudaMallocs; with expandable segments, the pools' segments
+    largest_segment_bytes: int  # with expandable segments, the most mapped in one segment
 
 
 class _Segment:
@@ -119,7 +131,7 @@ class _Segment:
     def __init__(self, *, small: bool, base: int, size: int, expandable: bool) -> None:
         self.small = small
         self.base = base
-        self.size = size              # bytes from cudaMalloc, or mapped so far when expandable
+        self.size = size  # bytes from cudaMalloc, or mapped so far when expandable
         self.expandable = expandable
         self.tail: _Block | None = None  # the last block; an expandable segment grows after it
 
@@ -166,8 +178,7 @@ class CachingAllocatorModel:
     def __init__(self, *, settings: AllocatorSettings | None = None) -> None:
         self._settings = settings or AllocatorSettings()
         self._max_split = self._settings.max_split_size_bytes or float("inf")
-        self._max_rounding = (self._settings.max_non_split_rounding_bytes
-                              or self._settings.large_segment_size_bytes)
+        self._max_rounding = self._settings.max_non_split_rounding_bytes or self._settings.large_segment_size_bytes
         self._pools = {True: _Pool(small=True), False: _Pool(small=False)}
         self._live: dict[Hashable, _Block | None] = {}  # None: a zero-byte storage (null pointer)
         self._next_base = _GAP
@@ -217,9 +228,12 @@ class CachingAllocatorModel:
         self._release(old)
 
     def result(self) -> ReplayResult:
-        return ReplayResult(peak_allocated_bytes=self._peak_allocated,
-                            peak_reserved_bytes=self._peak_reserved,
-                            segments=self._segments, largest_segment_bytes=self._largest_segment)
+        return ReplayResult(
+            peak_allocated_bytes=self._peak_allocated,
+            peak_reserved_bytes=self._peak_reserved,
+            segments=self._segments,
+            largest_segment_bytes=self._largest_segment,
+        )
 
     # DeviceCachingAllocator::malloc, from round_size to alloc_found_block
     def _allocate(self, nbytes: int) -> _Block | None:
@@ -361,8 +375,7 @@ class CachingAllocatorModel:
         pool.insert(block)
 
 
-def replay(events: Iterable[tuple[Hashable, int]], *,
-           settings: AllocatorSettings | None = None) -> ReplayResult:
+def replay(events: Iterable[tuple[Hashable, int]], *, settings: AllocatorSettings | None = None) -> ReplayResult:
     """Replay ``(key, new size in bytes)`` events in order and return the peaks.
 
     A key not seen before (or freed since) is an allocation, a live key with 0 is a free, and
@@ -435,7 +448,7 @@ def _parse_conf(conf: str) -> dict[str, str | list[str]]:
                 end = tokens.index("]", i)
             except ValueError:
                 raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF {key}: the list has no closing ']'") from None
-            entries[key] = tokens[i + 1:end]
+            entries[key] = tokens[i + 1 : end]
             i = end + 1
         elif tokens[i] in ",:]":
             raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF {key}: missing value")
@@ -444,8 +457,7 @@ def _parse_conf(conf: str) -> dict[str, str | list[str]]:
             i += 1
         if i < len(tokens):
             if tokens[i] != ",":
-                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF {key}: expected ',' after its value, "
-                                 f"got {tokens[i]!r}")
+                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF {key}: expected ',' after its value, got {tokens[i]!r}")
             i += 1
     return entries
 
@@ -463,16 +475,21 @@ def _conf_int(entries: dict[str, str | list[str]], key: str) -> int:
 
 def _conf_divisions(value: str | list[str]) -> tuple[int, ...]:
     """AcceleratorAllocatorConfig::parseRoundUpPower2Divisions: ``4`` or ``[MiB:divisions,...,>:divisions]``."""
+
     def number(text: str, what: str) -> int:
         if not text.isdigit():
-            raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF roundup_power2_divisions:{_show(value)}: "
-                             f"{what} {text!r} must be a whole number")
+            raise ValueError(
+                f"PYTORCH_CUDA_ALLOC_CONF roundup_power2_divisions:{_show(value)}: "
+                f"{what} {text!r} must be a whole number"
+            )
         return int(text)
 
     def power_of_two(n: int, what: str, *, zero_ok: bool) -> int:
         if (n == 0 and not zero_ok) or n & (n - 1):
-            raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF roundup_power2_divisions:{_show(value)}: "
-                             f"{what} {n} must be a power of two{' or 0' if zero_ok else ''}")
+            raise ValueError(
+                f"PYTORCH_CUDA_ALLOC_CONF roundup_power2_divisions:{_show(value)}: "
+                f"{what} {n} must be a power of two{' or 0' if zero_ok else ''}"
+            )
         return n
 
     if isinstance(value, str):
@@ -480,15 +497,16 @@ def _conf_divisions(value: str | list[str]) -> tuple[int, ...]:
     divisions = [0] * _DIVISION_INTERVALS
     pairs = [item for item in value if item != ","]
     if len(pairs) % 3 or any(pairs[j + 1] != ":" for j in range(0, len(pairs), 3)):
-        raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF roundup_power2_divisions:{_show(value)}: "
-                         "write [MiB:divisions,...,>:divisions]")
+        raise ValueError(
+            f"PYTORCH_CUDA_ALLOC_CONF roundup_power2_divisions:{_show(value)}: write [MiB:divisions,...,>:divisions]"
+        )
     last = 0
     first = True
     for j in range(0, len(pairs), 3):
         boundary = pairs[j]
         count = power_of_two(number(pairs[j + 2], "divisions"), "divisions", zero_ok=True)
         if boundary == ">":  # everything above the last boundary named
-            divisions[last + 1:] = [count] * (_DIVISION_INTERVALS - last - 1)
+            divisions[last + 1 :] = [count] * (_DIVISION_INTERVALS - last - 1)
             continue
         mib = power_of_two(number(boundary, "boundary"), "boundary (MiB)", zero_ok=False)
         index = min(mib.bit_length() - 1, _DIVISION_INTERVALS - 1)

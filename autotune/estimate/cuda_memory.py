@@ -20,11 +20,18 @@ from typing import Hashable, Iterable
 from autotune.config.gpus import GpuSpec
 from autotune.estimate.cuda_allocator import AllocatorSettings, replay
 
-__all__ = ["CudaMemory", "TraceMarks", "predict_cuda_memory", "describe_figures", "TYPICAL_CONTEXT_BYTES", "DDP_BUCKET_BYTES"]
+__all__ = [
+    "CudaMemory",
+    "TraceMarks",
+    "predict_cuda_memory",
+    "describe_figures",
+    "TYPICAL_CONTEXT_BYTES",
+    "DDP_BUCKET_BYTES",
+]
 
 _MiB = 2**20
 TYPICAL_CONTEXT_BYTES = 400 * _MiB  # no card named: a lazily loaded CUDA context (see config.gpus)
-DDP_BUCKET_BYTES = 25 * _MiB        # DistributedDataParallel's bucket_cap_mb default
+DDP_BUCKET_BYTES = 25 * _MiB  # DistributedDataParallel's bucket_cap_mb default
 # NCCL's buffers per rank: NCCL_BUFFSIZE (4 MiB) per channel and peer connection, two
 # directions, a ring and a tree; taken as 2 x 4 MiB x channels, channels as NCCL picks them for
 # NVLink (up to 32 on sm90, 16 before) and 2 over PCIe. An order of magnitude, not a measurement.
@@ -37,23 +44,35 @@ class CudaMemory:
 
     reserved_bytes: int
     device_bytes: int
-    allocator_cache_bytes: int     # reserved - the tensors' peak - the workspace: cached free blocks, rounding
-    cublas_workspace_bytes: int    # allocated through the allocator, once per process
-    context_bytes: int             # outside the allocator
-    communication_bytes: int       # NCCL's own buffers, outside the allocator
-    allocator: str                 # which allocator behaviour was replayed
+    allocator_cache_bytes: int  # reserved - the tensors' peak - the workspace: cached free blocks, rounding
+    cublas_workspace_bytes: int  # allocated through the allocator, once per process
+    context_bytes: int  # outside the allocator
+    communication_bytes: int  # NCCL's own buffers, outside the allocator
+    allocator: str  # which allocator behaviour was replayed
     context_source: str
 
     def parts(self) -> dict[str, int]:
         """What reserved adds to the tensors' peak, then what the device adds to reserved: they sum to
         ``device_bytes - tensor peak``."""
-        return {"allocator cache": self.allocator_cache_bytes, "cuBLAS workspace": self.cublas_workspace_bytes,
-                "CUDA context": self.context_bytes, "NCCL buffers": self.communication_bytes}
+        return {
+            "allocator cache": self.allocator_cache_bytes,
+            "cuBLAS workspace": self.cublas_workspace_bytes,
+            "CUDA context": self.context_bytes,
+            "NCCL buffers": self.communication_bytes,
+        }
 
 
-def predict_cuda_memory(events: list[tuple[Hashable, int]], marks: TraceMarks, *, tensor_peak_bytes: int,
-                        card: GpuSpec | None, ranks: int, ddp_gradient_bytes: int, alloc_conf: str | None,
-                        extra_tensor_bytes: int = 0) -> CudaMemory:
+def predict_cuda_memory(
+    events: list[tuple[Hashable, int]],
+    marks: TraceMarks,
+    *,
+    tensor_peak_bytes: int,
+    card: GpuSpec | None,
+    ranks: int,
+    ddp_gradient_bytes: int,
+    alloc_conf: str | None,
+    extra_tensor_bytes: int = 0,
+) -> CudaMemory:
     """The CUDA figures of a traced step.
 
     ``events``: the trace's storages as (key, new size) in order (0: freed), from the model on the
@@ -64,8 +83,9 @@ def predict_cuda_memory(events: list[tuple[Hashable, int]], marks: TraceMarks, *
     arithmetic; negative when ZeRO shards them): added to the reserve as it is.
     """
     settings = AllocatorSettings.from_conf(alloc_conf)
-    workspace = (card.cublas_workspace_bytes() if card is not None
-                 else 4096 * 1024 * 2 + 16 * 1024 * 8)  # PyTorch's default before Hopper
+    workspace = (
+        card.cublas_workspace_bytes() if card is not None else 4096 * 1024 * 2 + 16 * 1024 * 8
+    )  # PyTorch's default before Hopper
     buckets = _ddp_buckets(ddp_gradient_bytes)
     replayed = replay(_with_what_pytorch_adds(events, marks, workspace, buckets), settings=settings)
     # What the trace did not allocate (ZeRO's states by arithmetic) shifts the reserve as it is.
@@ -78,14 +98,21 @@ def predict_cuda_memory(events: list[tuple[Hashable, int]], marks: TraceMarks, *
         context, source = TYPICAL_CONTEXT_BYTES, "a typical CUDA 12 context (name the card with --gpu)"
     communication = _nccl_bytes(card, ranks)
     mode = "expandable segments" if settings.expandable_segments else "segments"
-    return CudaMemory(reserved_bytes=reserved, device_bytes=reserved + context + communication,
-                      allocator_cache_bytes=cache, cublas_workspace_bytes=workspace,
-                      context_bytes=context, communication_bytes=communication,
-                      allocator=f"PyTorch 2.13's CUDA caching allocator ({mode})", context_source=source)
+    return CudaMemory(
+        reserved_bytes=reserved,
+        device_bytes=reserved + context + communication,
+        allocator_cache_bytes=cache,
+        cublas_workspace_bytes=workspace,
+        context_bytes=context,
+        communication_bytes=communication,
+        allocator=f"PyTorch 2.13's CUDA caching allocator ({mode})",
+        context_source=source,
+    )
 
 
-def _with_what_pytorch_adds(events: list[tuple[Hashable, int]], marks: TraceMarks, workspace: int,
-                            buckets: list[int]) -> Iterable[tuple[Hashable, int]]:
+def _with_what_pytorch_adds(
+    events: list[tuple[Hashable, int]], marks: TraceMarks, workspace: int, buckets: list[int]
+) -> Iterable[tuple[Hashable, int]]:
     """The trace's events in the order a real job makes them, with what PyTorch adds.
 
     The trace makes the optimizer's state before its step (from zero gradients); a real job makes
@@ -95,17 +122,17 @@ def _with_what_pytorch_adds(events: list[tuple[Hashable, int]], marks: TraceMark
     the model) and cuBLAS's workspace (the first matmul's); the first step with the state made in
     its update; then two more steps, whose new storages get keys of their own.
     """
-    made_before_step = events[marks.state:marks.step]
+    made_before_step = events[marks.state : marks.step]
     freed = {key for key, size in made_before_step if size == 0}
     state = [(key, size) for key, size in made_before_step if size and key not in freed]
-    yield from events[:marks.state]
+    yield from events[: marks.state]
     for index, size in enumerate(buckets):
         yield ("ddp bucket", index), size
     yield ("cublas workspace",), workspace
-    yield from events[marks.step:marks.update]
+    yield from events[marks.step : marks.update]
     yield from state
-    yield from events[marks.update:]
-    step = events[marks.step:]
+    yield from events[marks.update :]
+    step = events[marks.step :]
     born_in_step = {key for key, size in step if size}
     for repeat in (2, 3):
         for key, size in step:
@@ -143,7 +170,6 @@ def describe_figures() -> dict[str, str]:
     return {
         "predicted_peak_bytes": "peak allocated (max_memory_allocated): live tensors at the step's peak",
         "predicted_reserved_bytes": "peak reserved (max_memory_reserved): allocated + cuBLAS workspace + DDP "
-                                    "buckets + the caching allocator's cached free blocks and rounding",
+        "buckets + the caching allocator's cached free blocks and rounding",
         "predicted_device_bytes": "what nvidia-smi shows: reserved + the CUDA context and kernels + NCCL buffers",
     }
-

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["DepthProxy", "depth_proxy"]
 
 SHALLOW, DEEPER = 2, 4
-_WORTH_IT = 8   # layers from which two proxies cost less than the model's own trace
+_WORTH_IT = 8  # layers from which two proxies cost less than the model's own trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,7 @@ class DepthProxy:
 
     layers: int
     shallow: Workload
-    deeper: Workload                        # both with the workload's task, resolved
+    deeper: Workload  # both with the workload's task, resolved
     directory: tempfile.TemporaryDirectory  # type: ignore[type-arg]  # kept alive with the proxy
 
     def to_dict(self) -> dict[str, Any]:
@@ -82,6 +82,7 @@ def depth_proxy(workload: Workload) -> DepthProxy | None:
 def extrapolate(two: TracedStep, four: TracedStep, layers: int) -> TracedStep:
     """The traced step at ``layers`` by the straight line through the 2- and 4-layer ones (without its
     allocations, which no line draws: ``estimate_from_trace(cuda_as=)`` stands in for their replay)."""
+
     def line(a: float, b: float) -> float:
         return a + (b - a) * (layers - SHALLOW) / (DEEPER - SHALLOW)
 
@@ -89,21 +90,27 @@ def extrapolate(two: TracedStep, four: TracedStep, layers: int) -> TracedStep:
         return int(round(line(a, b)))
 
     def states(a: ModelStates, b: ModelStates) -> ModelStates:
-        return ModelStates(*(whole(x, y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b))))
+        return ModelStates(*(whole(x, y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b), strict=True)))
 
     return dataclasses.replace(
-        four, peak_bytes=whole(two.peak_bytes, four.peak_bytes), at_peak=states(two.at_peak, four.at_peak),
-        whole=states(two.whole, four.whole), activations_bytes=whole(two.activations_bytes, four.activations_bytes),
+        four,
+        peak_bytes=whole(two.peak_bytes, four.peak_bytes),
+        at_peak=states(two.at_peak, four.at_peak),
+        whole=states(two.whole, four.whole),
+        activations_bytes=whole(two.activations_bytes, four.activations_bytes),
         backward_peak_bytes=whole(two.backward_peak_bytes, four.backward_peak_bytes),
         backward_at_peak=states(two.backward_at_peak, four.backward_at_peak),
         backward_activations_bytes=whole(two.backward_activations_bytes, four.backward_activations_bytes),
         flops_per_sample=whole(two.flops_per_sample, four.flops_per_sample),
         step_costs=_extrapolated_costs(two.step_costs, four.step_costs, line),
         total_params=whole(two.total_params, four.total_params),
-        trainable_params=whole(two.trainable_params, four.trainable_params), events=None, marks={},
+        trainable_params=whole(two.trainable_params, four.trainable_params),
+        events=None,
+        marks={},
         attention_kernels={k: whole(two.attention_kernels.get(k, 0), v) for k, v in four.attention_kernels.items()},
         method=four.method + f" (extrapolated to {layers} layers from {SHALLOW}- and {DEEPER}-layer copies)",
-        seconds=two.seconds + four.seconds)
+        seconds=two.seconds + four.seconds,
+    )
 
 
 def _totals(counted: Counter[OpCost], ops: set[OpCost]) -> dict[tuple[str, str, str, str, bool], tuple[float, ...]]:
@@ -126,19 +133,35 @@ def _extrapolated_costs(two: StepCosts, four: StepCosts, line: Callable[[float, 
 
     a, b = counts(two), counts(four)
     # An operator of each layer costs the same at both depths: its count grows on the line.
-    ops = [dataclasses.replace(op, count=count) for op in a.keys() & b.keys()
-           if (count := line(a[op], b[op])) > 0]
+    ops = [dataclasses.replace(op, count=count) for op in a.keys() & b.keys() if (count := line(a[op], b[op])) > 0]
     # One whose size grows with the depth instead (foreach optimizer kernels over every weight, the
     # embedding's gradient...): its operators of a kind, their count and totals, each on its line.
     left_a, left_b = _totals(a, a.keys() - b.keys()), _totals(b, b.keys() - a.keys())
     for group in left_a.keys() | left_b.keys():
         zero = (0.0, 0.0, 0.0, 0.0)
-        count, flops, fixed, sample = (line(x, y) for x, y in zip(left_a.get(group, zero), left_b.get(group, zero)))
+        count, flops, fixed, sample = (
+            line(x, y) for x, y in zip(left_a.get(group, zero), left_b.get(group, zero), strict=True)
+        )
         if count > 0:
             phase, kind, name, dtype, fusable = group
-            ops.append(OpCost(phase, kind, name, dtype, max(flops, 0.0) / count, max(fixed, 0.0) / count,
-                              max(sample, 0.0) / count, count, fusable))
-    return StepCosts(tuple(ops), line(two.forward_flops_per_sample, four.forward_flops_per_sample),
-                     int(round(line(two.trainable_parameters, four.trainable_parameters))),
-                     int(round(line(two.parameters, four.parameters))),
-                     int(round(line(two.parameter_tensors, four.parameter_tensors))), four.hidden_size)
+            ops.append(
+                OpCost(
+                    phase,
+                    kind,
+                    name,
+                    dtype,
+                    max(flops, 0.0) / count,
+                    max(fixed, 0.0) / count,
+                    max(sample, 0.0) / count,
+                    count,
+                    fusable,
+                )
+            )
+    return StepCosts(
+        tuple(ops),
+        line(two.forward_flops_per_sample, four.forward_flops_per_sample),
+        int(round(line(two.trainable_parameters, four.trainable_parameters))),
+        int(round(line(two.parameters, four.parameters))),
+        int(round(line(two.parameter_tensors, four.parameter_tensors))),
+        four.hidden_size,
+    )

@@ -66,11 +66,19 @@ class _Proxy(Protocol):
     def to_dict(self) -> dict[str, Any]: ...
 
 
-__all__ = ["MemoryEstimate", "TracedStep", "estimate_from_trace", "estimate_memory", "predict_memory",
-           "start_estimate_server", "trace_key", "trace_step"]
+__all__ = [
+    "MemoryEstimate",
+    "TracedStep",
+    "estimate_from_trace",
+    "estimate_memory",
+    "predict_memory",
+    "start_estimate_server",
+    "trace_key",
+    "trace_step",
+]
 
 ZERO3_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_parameters (our configs keep it)
-_MICRO_STEPS = 2       # accumulation past the second micro-step adds nothing: gradients exist by then
+_MICRO_STEPS = 2  # accumulation past the second micro-step adds nothing: gradients exist by then
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,14 +90,14 @@ class MemoryEstimate:
     parameters_bytes: int
     gradients_bytes: int
     optimizer_state_bytes: int
-    activations_bytes: int        # left by the forward for the backward, live at the peak
-    temporaries_bytes: int        # the rest live at the peak: workspaces, casts, the backward's transients
-    overhead_bytes: int | None    # what no tensor shows (GPU); None until calibrated
+    activations_bytes: int  # left by the forward for the backward, live at the peak
+    temporaries_bytes: int  # the rest live at the peak: workspaces, casts, the backward's transients
+    overhead_bytes: int | None  # what no tensor shows (GPU); None until calibrated
     method: str
     seconds: float
     # Model states not allocated at the peak moment (gradients not made yet), <= 0: the parts add up.
     not_live_at_peak_bytes: int = 0
-    traced_device: str = "cpu"      # whose kernels the step was traced with: "cpu" or "cuda"
+    traced_device: str = "cpu"  # whose kernels the step was traced with: "cpu" or "cuda"
     device_note: str | None = None  # where those kernels differ from the workload's device
     # Matmul-class FLOPs of one sample's forward and backward, recomputation included, counted on
     # the traced step (torch.utils.flop_counter): what checkpointing costs, in compute, on this model.
@@ -99,7 +107,7 @@ class MemoryEstimate:
     predicted_reserved_bytes: int | None = None
     predicted_device_bytes: int | None = None
     cuda_parts: dict[str, int] | None = None
-    gpu: str | None = None                     # the card the device figure is for (--gpu)
+    gpu: str | None = None  # the card the device figure is for (--gpu)
     attention_kernels: dict[str, int] | None = None  # SDPA backend -> calls, as CUDA would pick them
     # Every operator of the traced step, FLOPs and bytes (device-free): estimate.step_time times them.
     step_costs: StepCosts | None = None
@@ -112,23 +120,37 @@ class MemoryEstimate:
 
     def parts(self) -> dict[str, int]:
         """The peak's parts by name; they sum to ``predicted_peak_bytes``."""
-        return {"parameters": self.parameters_bytes, "gradients": self.gradients_bytes,
-                "optimizer state": self.optimizer_state_bytes, "activations": self.activations_bytes,
-                "temporaries": self.temporaries_bytes, "not live at the peak": self.not_live_at_peak_bytes}
+        return {
+            "parameters": self.parameters_bytes,
+            "gradients": self.gradients_bytes,
+            "optimizer state": self.optimizer_state_bytes,
+            "activations": self.activations_bytes,
+            "temporaries": self.temporaries_bytes,
+            "not live at the peak": self.not_live_at_peak_bytes,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "config": self.config.to_dict(), "describe": self.config.describe(),
+            "config": self.config.to_dict(),
+            "describe": self.config.describe(),
             "predicted_peak_bytes": self.predicted_peak_bytes,
-            "parameters_bytes": self.parameters_bytes, "gradients_bytes": self.gradients_bytes,
-            "optimizer_state_bytes": self.optimizer_state_bytes, "activations_bytes": self.activations_bytes,
-            "temporaries_bytes": self.temporaries_bytes, "not_live_at_peak_bytes": self.not_live_at_peak_bytes,
-            "overhead_bytes": self.overhead_bytes, "traced_device": self.traced_device,
-            "device_note": self.device_note, "method": self.method, "seconds": self.seconds,
+            "parameters_bytes": self.parameters_bytes,
+            "gradients_bytes": self.gradients_bytes,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+            "activations_bytes": self.activations_bytes,
+            "temporaries_bytes": self.temporaries_bytes,
+            "not_live_at_peak_bytes": self.not_live_at_peak_bytes,
+            "overhead_bytes": self.overhead_bytes,
+            "traced_device": self.traced_device,
+            "device_note": self.device_note,
+            "method": self.method,
+            "seconds": self.seconds,
             "flops_per_sample": self.flops_per_sample,
             "predicted_reserved_bytes": self.predicted_reserved_bytes,
-            "predicted_device_bytes": self.predicted_device_bytes, "cuda_parts": self.cuda_parts,
-            "gpu": self.gpu, "attention_kernels": self.attention_kernels,
+            "predicted_device_bytes": self.predicted_device_bytes,
+            "cuda_parts": self.cuda_parts,
+            "gpu": self.gpu,
+            "attention_kernels": self.attention_kernels,
             "step_costs": self.step_costs.to_dict() if self.step_costs is not None else None,
         }
 
@@ -137,17 +159,31 @@ class MemoryEstimate:
         known = {f.name for f in dataclasses.fields(cls)}
         fields = {k: v for k, v in data.items() if k in known}
         if "not_live_at_peak_bytes" not in data:  # stored before the parts added up: name the remainder
-            listed = sum(data[k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
-                                           "activations_bytes", "temporaries_bytes"))
+            listed = sum(
+                data[k]
+                for k in (
+                    "parameters_bytes",
+                    "gradients_bytes",
+                    "optimizer_state_bytes",
+                    "activations_bytes",
+                    "temporaries_bytes",
+                )
+            )
             fields["not_live_at_peak_bytes"] = data["predicted_peak_bytes"] - listed
         if fields.get("step_costs") is not None:
             fields["step_costs"] = StepCosts.from_dict(fields["step_costs"])
         return cls(**{**fields, "config": TrialConfig.from_dict(data["config"])})
 
 
-def predict_memory(workload: Workload, config: TrialConfig, *, task: str | None = None,
-                   timeout_s: float = 300, pytorch1_step: bool = False,
-                   proxy: _Proxy | None = None) -> MemoryEstimate:
+def predict_memory(
+    workload: Workload,
+    config: TrialConfig,
+    *,
+    task: str | None = None,
+    timeout_s: float = 300,
+    pytorch1_step: bool = False,
+    proxy: _Proxy | None = None,
+) -> MemoryEstimate:
     """:func:`estimate_memory` in a fresh process, like a trial: the caller's process stays clean.
 
     Fake tensors, PEFT and Transformers' model code leave state behind that can crash a later
@@ -165,8 +201,13 @@ def predict_memory(workload: Workload, config: TrialConfig, *, task: str | None 
     refusal = refusal_before_trial(workload, config, task)  # refused in words, as a trial refuses it
     if refusal is not None:
         raise ConfigError(refusal)
-    request = {"workload": workload.to_dict(), "config": config.to_dict(), "task": task,
-               "pytorch1_step": pytorch1_step, "proxy": None if proxy is None else proxy.to_dict()}
+    request = {
+        "workload": workload.to_dict(),
+        "config": config.to_dict(),
+        "task": task,
+        "pytorch1_step": pytorch1_step,
+        "proxy": None if proxy is None else proxy.to_dict(),
+    }
     reply = _SERVER.ask(request, timeout_s)
     if "error" in reply:
         raise EstimateError(f"the estimate failed: {reply['error']}")
@@ -203,8 +244,13 @@ class _EstimateServer:
     def _running(self) -> subprocess.Popen[str]:
         if self._process is None or self._process.poll() is not None:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "autotune.estimate.worker"], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+                [sys.executable, "-m", "autotune.estimate.worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+            )
         return self._process
 
     def close(self) -> None:
@@ -230,8 +276,9 @@ class EstimateError(AutotuneError):
     """The estimator could not trace this model or config."""
 
 
-def estimate_memory(workload: Workload, config: TrialConfig, *, task: str | None = None,
-                    pytorch1_step: bool = False) -> MemoryEstimate:
+def estimate_memory(
+    workload: Workload, config: TrialConfig, *, task: str | None = None, pytorch1_step: bool = False
+) -> MemoryEstimate:
     """Predict the peak tensor memory of one rank training ``workload`` with ``config`` (in this process).
 
     ``pytorch1_step``: step as PyTorch 1.x's defaults did, to rebuild measurements made with it:
@@ -251,9 +298,9 @@ class TracedStep:
     """
 
     peak_bytes: int
-    at_peak: ModelStates              # model-state bytes live at the peak
-    whole: ModelStates                # all of them
-    activations_bytes: int            # live at the peak
+    at_peak: ModelStates  # model-state bytes live at the peak
+    whole: ModelStates  # all of them
+    activations_bytes: int  # live at the peak
     # The same before the optimizer step: the peak of the forwards and backwards. DeepSpeed's step is
     # not the traced one (its optimizer steps over a partition), so ZeRO's arithmetic starts here.
     backward_peak_bytes: int
@@ -267,8 +314,8 @@ class TracedStep:
     events: list[tuple[int, int]] | None
     marks: dict[str, int]
     attention_kernels: dict[str, int]
-    target: str                       # the workload's device type
-    traced_device: str                # whose kernels traced it
+    target: str  # the workload's device type
+    traced_device: str  # whose kernels traced it
     device_note: str | None
     card: GpuSpec | None
     method: str
@@ -277,23 +324,42 @@ class TracedStep:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON): how a trace leaves the process that made it."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {**data, "at_peak": dataclasses.asdict(self.at_peak), "whole": dataclasses.asdict(self.whole),
-                "backward_at_peak": dataclasses.asdict(self.backward_at_peak),
-                "step_costs": self.step_costs.to_dict(), "card": None if self.card is None else self.card.name}
+        return {
+            **data,
+            "at_peak": dataclasses.asdict(self.at_peak),
+            "whole": dataclasses.asdict(self.whole),
+            "backward_at_peak": dataclasses.asdict(self.backward_at_peak),
+            "step_costs": self.step_costs.to_dict(),
+            "card": None if self.card is None else self.card.name,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TracedStep:
-        return cls(**{**data, "at_peak": ModelStates(**data["at_peak"]), "whole": ModelStates(**data["whole"]),
-                      "backward_at_peak": ModelStates(**data["backward_at_peak"]),
-                      "step_costs": StepCosts.from_dict(data["step_costs"]),
-                      "events": None if data["events"] is None else [tuple(e) for e in data["events"]],
-                      "card": None if data["card"] is None else gpu_spec(data["card"])})
+        return cls(
+            **{
+                **data,
+                "at_peak": ModelStates(**data["at_peak"]),
+                "whole": ModelStates(**data["whole"]),
+                "backward_at_peak": ModelStates(**data["backward_at_peak"]),
+                "step_costs": StepCosts.from_dict(data["step_costs"]),
+                "events": None if data["events"] is None else [tuple(e) for e in data["events"]],
+                "card": None if data["card"] is None else gpu_spec(data["card"]),
+            }
+        )
 
 
 def trace_key(workload: Workload, config: TrialConfig, *, task: str | None = None, pytorch1_step: bool = False) -> str:
     """What :func:`trace_step` traces for ``config``: equal keys, one trace."""
-    return json.dumps([workload.replace(nproc=_traced_ranks(workload, config)).to_dict(), _plain(config).to_dict(),
-                       config.uses_deepspeed, task, pytorch1_step], sort_keys=True)
+    return json.dumps(
+        [
+            workload.replace(nproc=_traced_ranks(workload, config)).to_dict(),
+            _plain(config).to_dict(),
+            config.uses_deepspeed,
+            task,
+            pytorch1_step,
+        ],
+        sort_keys=True,
+    )
 
 
 def _traced_ranks(workload: Workload, config: TrialConfig) -> int:
@@ -309,8 +375,9 @@ def _plain(config: TrialConfig) -> TrialConfig:
     return plain.replace(precision="fp32") if plain.precision == "tf32" else plain
 
 
-def trace_step(workload: Workload, config: TrialConfig, *, task: str | None = None,
-               pytorch1_step: bool = False) -> TracedStep:
+def trace_step(
+    workload: Workload, config: TrialConfig, *, task: str | None = None, pytorch1_step: bool = False
+) -> TracedStep:
     """Trace ``config``'s plain step (see :func:`_plain`) on fake tensors, in this process."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -323,8 +390,10 @@ def trace_step(workload: Workload, config: TrialConfig, *, task: str | None = No
     target, traced, note = _devices(workload)
     sharded = config.uses_fsdp
     if sharded and config.offload != "none" and target != "cpu":
-        raise EstimateError(f"--fsdp {config.fsdp} --offload {config.offload}: the estimator does not predict what "
-                            "FSDP's CPU offload keeps on a GPU yet; a trial measures it")
+        raise EstimateError(
+            f"--fsdp {config.fsdp} --offload {config.offload}: the estimator does not predict what "
+            "FSDP's CPU offload keeps on a GPU yet; a trial measures it"
+        )
     plain = _plain(config)
     device = torch.device(traced)
     card = _card(workload) if target == "cuda" else None
@@ -335,38 +404,64 @@ def trace_step(workload: Workload, config: TrialConfig, *, task: str | None = No
         as_on_cuda.enter_context(cuda_fp32_policy())
     tracker = _peak_parts_tracker()
     ranks = _traced_ranks(workload, config)
-    with warnings.catch_warnings(), _adapters_stay_put(traced), _unpacked_batches(), as_on_cuda, \
-            _fake_process_group(ranks, traced, gloo=target == "cpu") if sharded else contextlib.nullcontext() as mesh:
+    with (
+        warnings.catch_warnings(),
+        _adapters_stay_put(traced),
+        _unpacked_batches(),
+        as_on_cuda,
+        _fake_process_group(ranks, traced, gloo=target == "cpu") if sharded else contextlib.nullcontext() as mesh,
+    ):
         warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
         # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
         # model code allocates without naming a device is born on the traced one (PEFT's adapters).
         with FakeTensorMode(allow_non_fake_inputs=True), _grouped_mm_in_any_dtype(), tracker, device:
             with _truncated_normal_without_resampling():
-                engine = build_engine(workload=workload.replace(nproc=ranks), config=plain, task=task,
-                                      device=device, world_size=ranks, mesh=mesh)
+                engine = build_engine(
+                    workload=workload.replace(nproc=ranks),
+                    config=plain,
+                    task=task,
+                    device=device,
+                    world_size=ranks,
+                    mesh=mesh,
+                )
             if config.uses_deepspeed and engine.autocast_dtype is not None:
                 # DeepSpeed's fp16/bf16 modes train a 16-bit model (no autocast): 16-bit activations.
                 _to_16_bit(engine)
             _step_tensors_together(engine.optimizer, target == "cuda" and not pytorch1_step)
-            whole, flops_per_sample, step_costs = _fake_steps(engine, tracker, keep_gradients=pytorch1_step,
-                                                  record=target == "cuda")
+            whole, flops_per_sample, step_costs = _fake_steps(
+                engine, tracker, keep_gradients=pytorch1_step, record=target == "cuda"
+            )
     method = "fake-tensor training step"
     if sharded:
         method += f" of FSDP2 on a fake process group of {ranks} ranks"
     backward_peak, backward_parts = tracker.peak_before["update"]
-    return TracedStep(peak_bytes=tracker.peak_bytes, at_peak=ModelStates(**{k: tracker.at_peak[k] for k in _STATES}),
-                      whole=whole, activations_bytes=tracker.at_peak["activations"],
-                      backward_peak_bytes=backward_peak,
-                      backward_at_peak=ModelStates(**{k: backward_parts[k] for k in _STATES}),
-                      backward_activations_bytes=backward_parts["activations"],
-                      flops_per_sample=flops_per_sample, step_costs=step_costs, total_params=engine.total_params,
-                      trainable_params=engine.trainable_params, events=tracker.events, marks=dict(tracker.marks),
-                      attention_kernels=dict(attention_kernels), target=target, traced_device=traced,
-                      device_note=note, card=card, method=method, seconds=time.perf_counter() - started)
+    return TracedStep(
+        peak_bytes=tracker.peak_bytes,
+        at_peak=ModelStates(**{k: tracker.at_peak[k] for k in _STATES}),
+        whole=whole,
+        activations_bytes=tracker.at_peak["activations"],
+        backward_peak_bytes=backward_peak,
+        backward_at_peak=ModelStates(**{k: backward_parts[k] for k in _STATES}),
+        backward_activations_bytes=backward_parts["activations"],
+        flops_per_sample=flops_per_sample,
+        step_costs=step_costs,
+        total_params=engine.total_params,
+        trainable_params=engine.trainable_params,
+        events=tracker.events,
+        marks=dict(tracker.marks),
+        attention_kernels=dict(attention_kernels),
+        target=target,
+        traced_device=traced,
+        device_note=note,
+        card=card,
+        method=method,
+        seconds=time.perf_counter() - started,
+    )
 
 
-def estimate_from_trace(traced: TracedStep, workload: Workload, config: TrialConfig, *,
-                        cuda_as: MemoryEstimate | None = None) -> MemoryEstimate:
+def estimate_from_trace(
+    traced: TracedStep, workload: Workload, config: TrialConfig, *, cuda_as: MemoryEstimate | None = None
+) -> MemoryEstimate:
     """``config``'s estimate from its traced plain step: ZeRO's model states and DDP's buckets by arithmetic,
     then on CUDA the caching allocator replayed over the trace's allocations.
 
@@ -376,7 +471,9 @@ def estimate_from_trace(traced: TracedStep, workload: Workload, config: TrialCon
     started = time.perf_counter()
     peak, at_peak, whole, activations = traced.peak_bytes, traced.at_peak, traced.whole, traced.activations_bytes
     traced_peak, ddp_buckets = peak, 0
-    method = traced.method + (" (compile predicted as eager: its fused kernels may hold less)" if config.compile else "")
+    method = traced.method + (
+        " (compile predicted as eager: its fused kernels may hold less)" if config.compile else ""
+    )
     if config.uses_deepspeed:
         p, g, o, step_extra = _zero_states(traced, config, workload.nproc, offload_stays=traced.target == "cpu")
         zero_whole = ModelStates(p, g, o)
@@ -385,8 +482,9 @@ def estimate_from_trace(traced: TracedStep, workload: Workload, config: TrialCon
         at_peak, activations = traced.backward_at_peak, traced.backward_activations_bytes
         # ZeRO-2/3 keep a gradient partition through the backward; ZeRO-1 keeps the gradients as made.
         zero_at_peak = ModelStates(p, g if (config.zero_stage or 0) >= 2 else at_peak.gradients, o)
-        backward_peak = (traced.backward_peak_bytes - at_peak.total + zero_at_peak.total
-                         + _zero3_gathered(traced, config))
+        backward_peak = (
+            traced.backward_peak_bytes - at_peak.total + zero_at_peak.total + _zero3_gathered(traced, config)
+        )
         step_peak = zero_whole.total + step_extra  # after the backward: no activation is live
         peak, whole = max(backward_peak, step_peak), zero_whole
         at_peak, activations = (zero_at_peak, activations) if backward_peak >= step_peak else (zero_whole, 0)
@@ -401,29 +499,49 @@ def estimate_from_trace(traced: TracedStep, workload: Workload, config: TrialCon
         method += " + DDP gradient buckets"
     reserved = device_bytes = parts = None
     if traced.target == "cuda" and traced.events is not None:
-        cuda = predict_cuda_memory(traced.events, TraceMarks(**traced.marks), tensor_peak_bytes=peak,
-                                   card=traced.card, ranks=workload.nproc, ddp_gradient_bytes=ddp_buckets,
-                                   alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-                                   extra_tensor_bytes=peak - traced_peak - ddp_buckets)
+        cuda = predict_cuda_memory(
+            traced.events,
+            TraceMarks(**traced.marks),
+            tensor_peak_bytes=peak,
+            card=traced.card,
+            ranks=workload.nproc,
+            ddp_gradient_bytes=ddp_buckets,
+            alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            extra_tensor_bytes=peak - traced_peak - ddp_buckets,
+        )
         reserved, device_bytes, parts = cuda.reserved_bytes, cuda.device_bytes, cuda.parts()
         method += f" + {cuda.allocator} replayed"
-    elif traced.target == "cuda" and cuda_as is not None and cuda_as.predicted_reserved_bytes is not None \
-            and cuda_as.predicted_device_bytes is not None:
+    elif (
+        traced.target == "cuda"
+        and cuda_as is not None
+        and cuda_as.predicted_reserved_bytes is not None
+        and cuda_as.predicted_device_bytes is not None
+    ):
         # The allocator's rounding and cached blocks scale with the blocks it holds; the context does not.
         reserved = int(peak * cuda_as.predicted_reserved_bytes / max(cuda_as.predicted_peak_bytes, 1))
         device_bytes = reserved + cuda_as.predicted_device_bytes - cuda_as.predicted_reserved_bytes
-    return MemoryEstimate(config=config, predicted_peak_bytes=peak, parameters_bytes=whole.parameters,
-                          gradients_bytes=whole.gradients, optimizer_state_bytes=whole.optimizer_state,
-                          activations_bytes=activations,
-                          temporaries_bytes=peak - at_peak.total - activations,
-                          not_live_at_peak_bytes=at_peak.total - whole.total,
-                          overhead_bytes=None if device_bytes is None else device_bytes - peak,
-                          predicted_reserved_bytes=reserved, predicted_device_bytes=device_bytes,
-                          cuda_parts=parts, gpu=traced.card.name if traced.card is not None else None,
-                          attention_kernels=traced.attention_kernels or None, step_costs=traced.step_costs,
-                          traced_device=traced.traced_device, device_note=traced.device_note, method=method,
-                          flops_per_sample=traced.flops_per_sample,
-                          seconds=traced.seconds + time.perf_counter() - started)
+    return MemoryEstimate(
+        config=config,
+        predicted_peak_bytes=peak,
+        parameters_bytes=whole.parameters,
+        gradients_bytes=whole.gradients,
+        optimizer_state_bytes=whole.optimizer_state,
+        activations_bytes=activations,
+        temporaries_bytes=peak - at_peak.total - activations,
+        not_live_at_peak_bytes=at_peak.total - whole.total,
+        overhead_bytes=None if device_bytes is None else device_bytes - peak,
+        predicted_reserved_bytes=reserved,
+        predicted_device_bytes=device_bytes,
+        cuda_parts=parts,
+        gpu=traced.card.name if traced.card is not None else None,
+        attention_kernels=traced.attention_kernels or None,
+        step_costs=traced.step_costs,
+        traced_device=traced.traced_device,
+        device_note=traced.device_note,
+        method=method,
+        flops_per_sample=traced.flops_per_sample,
+        seconds=traced.seconds + time.perf_counter() - started,
+    )
 
 
 @contextlib.contextmanager
@@ -473,8 +591,14 @@ def _devices(workload: Workload) -> tuple[str, str, str | None]:
         return "cpu", "cpu", None
     if cuda_here:
         return "cuda", "cuda", None
-    return "cuda", "cpu", ("no CUDA GPU here: traced with CPU kernels, attention and autocast's fp32 ops as CUDA "
-                           "runs them; CUDA's other kernels may keep a little more or less")
+    return (
+        "cuda",
+        "cpu",
+        (
+            "no CUDA GPU here: traced with CPU kernels, attention and autocast's fp32 ops as CUDA "
+            "runs them; CUDA's other kernels may keep a little more or less"
+        ),
+    )
 
 
 def _card(workload: Workload) -> GpuSpec | None:
@@ -516,8 +640,16 @@ def _cuda_attention(card: GpuSpec | None, picked: collections.Counter[str]) -> I
 
     original = torch.nn.functional.scaled_dot_product_attention
 
-    def as_cuda(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-                is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
+    def as_cuda(
+        query: Any,
+        key: Any,
+        value: Any,
+        attn_mask: Any = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> Any:
         if torch.is_autocast_enabled(query.device.type):  # as autocast casts SDPA's inputs, on CUDA too
             dtype = torch.get_autocast_dtype(query.device.type)
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
@@ -529,17 +661,20 @@ def _cuda_attention(card: GpuSpec | None, picked: collections.Counter[str]) -> I
         if flash and attn_mask is None and sixteen_bit:
             picked["flash"] += 1
             return torch.ops.aten._scaled_dot_product_flash_attention(
-                query, key, value, dropout_p, is_causal, scale=scale)[0]
+                query, key, value, dropout_p, is_causal, scale=scale
+            )[0]
         if grouped or (query.dtype == torch.bfloat16 and card is not None and not card.bf16):
             picked["math"] += 1
             return torch.ops.aten._scaled_dot_product_attention_math(
-                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+            )[0]
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA turns it into a bias
             bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
             attn_mask = bias.masked_fill(~attn_mask, float("-inf"))
         picked["memory-efficient"] += 1
         return torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+            query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
+        )[0]
 
     torch.nn.functional.scaled_dot_product_attention = as_cuda
     try:
@@ -580,8 +715,10 @@ def _grouped_mm_in_any_dtype() -> Any:
             kwargs = kwargs or {}
             if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
                 dtype = kwargs.get("out_dtype") or args[0].dtype
-                stand_ins = [arg.to(torch.bfloat16) if isinstance(arg, torch.Tensor) and arg.is_floating_point()
-                             else arg for arg in args]
+                stand_ins = [
+                    arg.to(torch.bfloat16) if isinstance(arg, torch.Tensor) and arg.is_floating_point() else arg
+                    for arg in args
+                ]
                 return func(*stand_ins, **kwargs).to(dtype)
             return func(*args, **kwargs)
 
@@ -595,8 +732,14 @@ def _truncated_normal_without_resampling() -> Iterator[None]:
     change neither speed nor memory)."""
     import torch
 
-    def draw_and_clamp(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0,
-                       b: float = 2.0, generator: Any = None) -> torch.Tensor:
+    def draw_and_clamp(
+        tensor: torch.Tensor,
+        mean: float = 0.0,
+        std: float = 1.0,
+        a: float = -2.0,
+        b: float = 2.0,
+        generator: Any = None,
+    ) -> torch.Tensor:
         with torch.no_grad():
             return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
 
@@ -817,20 +960,21 @@ def _to_16_bit(engine: Any) -> None:
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_floating_point():
                 if id(param) not in copies:
-                    copies[id(param)] = torch.nn.Parameter(param.detach().to(dtype),
-                                                           requires_grad=param.requires_grad)
+                    copies[id(param)] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
                 module._parameters[name] = copies[id(param)]
         for name, buffer in list(module._buffers.items()):
             if buffer is not None and buffer.is_floating_point():
                 module._buffers[name] = buffer.to(dtype)
     # Its state is replaced by DeepSpeed's arithmetic; only its temporaries matter here.
-    engine.optimizer = torch.optim.AdamW([p for p in engine.model.parameters() if p.requires_grad],
-                                         lr=engine.optimizer.defaults["lr"])
+    engine.optimizer = torch.optim.AdamW(
+        [p for p in engine.model.parameters() if p.requires_grad], lr=engine.optimizer.defaults["lr"]
+    )
     engine.autocast_dtype = None
 
 
-def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False,
-                record: bool = False) -> tuple[ModelStates, int, StepCosts]:
+def _fake_steps(
+    engine: Any, tracker: Any, *, keep_gradients: bool = False, record: bool = False
+) -> tuple[ModelStates, int, StepCosts]:
     """The trial's step on fake tensors; returns the whole model states, the FLOPs per sample
     of its forwards and backwards, and every operator's costs (for the step-time model).
 
@@ -859,8 +1003,9 @@ def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False,
     engine.optimizer.zero_grad(set_to_none=not keep_gradients)
     if keep_gradients:
         tracker.tag([p.grad for p in trainable], "gradients")
-    states = [v for s in engine.optimizer.state.values() for v in s.values()
-              if isinstance(v, torch.Tensor) and v.numel() > 1]
+    states = [
+        v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1
+    ]
     tracker.tag(states, "optimizer_state")
     for p in trainable:
         p.register_post_accumulate_grad_hook(lambda p: tracker.tag([p.grad], "gradients"))
@@ -870,8 +1015,7 @@ def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False,
     tracker.count_flops = True
     for _ in range(micro_steps):
         tracker.in_forward, tracker.costs.phase = True, FORWARD
-        with torch.autocast(engine.device.type, dtype=engine.autocast_dtype,
-                            enabled=engine.autocast_dtype is not None):
+        with torch.autocast(engine.device.type, dtype=engine.autocast_dtype, enabled=engine.autocast_dtype is not None):
             loss = loss_of(engine.forward_model(**engine.batch)) / engine.accum
         tracker.in_forward, tracker.costs.phase = False, BACKWARD
         loss.backward()
@@ -886,15 +1030,20 @@ def _fake_steps(engine: Any, tracker: Any, *, keep_gradients: bool = False,
     samples = micro_steps * engine.config.micro_batch
     every = list(engine.model.parameters())
     hidden = getattr(getattr(engine.model, "config", None), "hidden_size", None)
-    costs = tracker.costs.costs(micro_batch=engine.config.micro_batch, micro_steps=micro_steps,
-                                trainable_parameters=sum(p.numel() for p in trainable),
-                                parameters=sum(p.numel() for p in every), parameter_tensors=len(every),
-                                hidden_size=hidden if isinstance(hidden, int) else None)
+    costs = tracker.costs.costs(
+        micro_batch=engine.config.micro_batch,
+        micro_steps=micro_steps,
+        trainable_parameters=sum(p.numel() for p in trainable),
+        parameters=sum(p.numel() for p in every),
+        parameter_tensors=len(every),
+        hidden_size=hidden if isinstance(hidden, int) else None,
+    )
     return ModelStates(_bytes(parameters), gradients, _bytes(states)), tracker.flops // samples, costs
 
 
-def _zero_states(traced: TracedStep, config: TrialConfig, ranks: int, *,
-                 offload_stays: bool) -> tuple[int, int, int, int]:
+def _zero_states(
+    traced: TracedStep, config: TrialConfig, ranks: int, *, offload_stays: bool
+) -> tuple[int, int, int, int]:
     """Per-rank (parameters, gradients, optimizer state, step-time extra) bytes under DeepSpeed ZeRO.
 
     ``offload_stays``: the device is the host (a CPU trial), so offloaded states stay in the

@@ -27,34 +27,63 @@ MATMUL, ATTENTION, COLLECTIVE, OTHER = "matmul", "attention", "collective", "oth
 # Causal attention kernels (flash, memory-efficient) skip the masked half of the score blocks;
 # PyTorch's flop counter counts the whole square.
 _CAUSAL_WORK = 0.5
-_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",
-              "_local_scalar_dense", "set_", "resize_", "record_stream"}
+_NO_KERNEL = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "detach",
+    "lift_fresh",
+    "_local_scalar_dense",
+    "set_",
+    "resize_",
+    "record_stream",
+}
 
 
 @dataclass(frozen=True)
 class OpCost:
     """Operators of one kind that cost the same, and how many times the step runs them."""
 
-    phase: str            # forward, backward or update
-    kind: str             # matmul, attention, collective or other
-    name: str             # the ATen operator
-    dtype: str            # the dtype it computes in (a matmul's inputs)
-    flops: float          # per sample (forward/backward) or whole (update)
-    fixed_bytes: float    # moved whatever the micro batch: model states
-    sample_bytes: float   # moved per sample
-    count: float = 1.0    # per micro step (forward, backward) or per update
+    phase: str  # forward, backward or update
+    kind: str  # matmul, attention, collective or other
+    name: str  # the ATen operator
+    dtype: str  # the dtype it computes in (a matmul's inputs)
+    flops: float  # per sample (forward/backward) or whole (update)
+    fixed_bytes: float  # moved whatever the micro batch: model states
+    sample_bytes: float  # moved per sample
+    count: float = 1.0  # per micro step (forward, backward) or per update
     # Reads what the operator just before it (elementwise or a reduction, as it is) wrote: a compiler
     # fuses the two into one kernel, and the tensor between them never goes through memory.
     fusable: bool = False
 
     def to_list(self) -> list[Any]:
-        return [self.phase, self.kind, self.name, self.dtype, self.flops, self.fixed_bytes, self.sample_bytes,
-                self.count, self.fusable]
+        return [
+            self.phase,
+            self.kind,
+            self.name,
+            self.dtype,
+            self.flops,
+            self.fixed_bytes,
+            self.sample_bytes,
+            self.count,
+            self.fusable,
+        ]
 
     @classmethod
     def from_list(cls, row: list[Any]) -> OpCost:
-        return cls(str(row[0]), str(row[1]), str(row[2]), str(row[3]), float(row[4]), float(row[5]), float(row[6]),
-                   float(row[7]), bool(row[8]) if len(row) > 8 else False)
+        return cls(
+            str(row[0]),
+            str(row[1]),
+            str(row[2]),
+            str(row[3]),
+            float(row[4]),
+            float(row[5]),
+            float(row[6]),
+            float(row[7]),
+            bool(row[8]) if len(row) > 8 else False,
+        )
 
 
 @dataclass(frozen=True)
@@ -62,35 +91,51 @@ class StepCosts:
     """The traced step's operators, per micro step (forward and backward) and per update."""
 
     ops: tuple[OpCost, ...]
-    forward_flops_per_sample: float   # the model's forward FLOPs (what MFU counts, 3x with the backward)
-    trainable_parameters: int = 0     # what the optimizer steps (and ZeRO/DDP communicate)
-    parameters: int = 0               # all of them (ZeRO-3 gathers the frozen ones too)
-    parameter_tensors: int = 0        # ZeRO-3 gathers them one module at a time
-    hidden_size: int | None = None    # sets the DeepSpeed buckets autotune configures (hidden^2 elements)
+    forward_flops_per_sample: float  # the model's forward FLOPs (what MFU counts, 3x with the backward)
+    trainable_parameters: int = 0  # what the optimizer steps (and ZeRO/DDP communicate)
+    parameters: int = 0  # all of them (ZeRO-3 gathers the frozen ones too)
+    parameter_tensors: int = 0  # ZeRO-3 gathers them one module at a time
+    hidden_size: int | None = None  # sets the DeepSpeed buckets autotune configures (hidden^2 elements)
 
-    def micro_step(self, micro_batch: int, phase: str | None = None, *,
-                   fused: bool = False) -> list[tuple[str, str, float, float, float]]:
+    def micro_step(
+        self, micro_batch: int, phase: str | None = None, *, fused: bool = False
+    ) -> list[tuple[str, str, float, float, float]]:
         """(kind, dtype, FLOPs, bytes, count) of one micro step's operators at ``micro_batch`` (of ``phase``
         alone: forward or backward). ``fused``: as a compiler runs them, each chain of elementwise
         operators one kernel (the fusable ones leave out: the chain's head moves its own bytes)."""
-        return [(op.kind, op.dtype, op.flops * micro_batch, op.fixed_bytes + op.sample_bytes * micro_batch, op.count)
-                for op in self.ops if op.phase != UPDATE and phase in (None, op.phase)
-                and not (fused and op.fusable)]
+        return [
+            (op.kind, op.dtype, op.flops * micro_batch, op.fixed_bytes + op.sample_bytes * micro_batch, op.count)
+            for op in self.ops
+            if op.phase != UPDATE and phase in (None, op.phase) and not (fused and op.fusable)
+        ]
 
     def update(self) -> list[tuple[str, str, float, float, float]]:
-        return [(op.kind, op.dtype, op.flops, op.fixed_bytes + op.sample_bytes, op.count)
-                for op in self.ops if op.phase == UPDATE]
+        return [
+            (op.kind, op.dtype, op.flops, op.fixed_bytes + op.sample_bytes, op.count)
+            for op in self.ops
+            if op.phase == UPDATE
+        ]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ops": [op.to_list() for op in self.ops], "forward_flops_per_sample": self.forward_flops_per_sample,
-                "trainable_parameters": self.trainable_parameters, "parameters": self.parameters,
-                "parameter_tensors": self.parameter_tensors, "hidden_size": self.hidden_size}
+        return {
+            "ops": [op.to_list() for op in self.ops],
+            "forward_flops_per_sample": self.forward_flops_per_sample,
+            "trainable_parameters": self.trainable_parameters,
+            "parameters": self.parameters,
+            "parameter_tensors": self.parameter_tensors,
+            "hidden_size": self.hidden_size,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepCosts:
-        return cls(tuple(OpCost.from_list(row) for row in data["ops"]), float(data["forward_flops_per_sample"]),
-                   int(data.get("trainable_parameters", 0)), int(data.get("parameters", 0)),
-                   int(data.get("parameter_tensors", 0)), data.get("hidden_size"))
+        return cls(
+            tuple(OpCost.from_list(row) for row in data["ops"]),
+            float(data["forward_flops_per_sample"]),
+            int(data.get("trainable_parameters", 0)),
+            int(data.get("parameters", 0)),
+            int(data.get("parameter_tensors", 0)),
+            data.get("hidden_size"),
+        )
 
 
 class CostRecorder:
@@ -147,19 +192,36 @@ class CostRecorder:
         """A model state, or made from model states alone: moved whole whatever the micro batch."""
         return self._model_state(tensor) or _storage(tensor) in self._derived
 
-    def costs(self, *, micro_batch: int, micro_steps: int, trainable_parameters: int, parameters: int = 0,
-              parameter_tensors: int = 0, hidden_size: int | None = None) -> StepCosts:
+    def costs(
+        self,
+        *,
+        micro_batch: int,
+        micro_steps: int,
+        trainable_parameters: int,
+        parameters: int = 0,
+        parameter_tensors: int = 0,
+        hidden_size: int | None = None,
+    ) -> StepCosts:
         """The counts so far: ``micro_steps`` micro steps of ``micro_batch`` samples each, and one update."""
         micro_steps = max(micro_steps, 1)
         ops = tuple(
-            OpCost(phase, kind, name, dtype, flops, fixed + sample, 0.0, count, fusable) if phase == UPDATE
+            OpCost(phase, kind, name, dtype, flops, fixed + sample, 0.0, count, fusable)
+            if phase == UPDATE
             # a micro step's operator: model-state bytes whole, the rest per sample; the traced micro
             # steps differ a little (the first assigns gradients, the next accumulate): their mean
-            else OpCost(phase, kind, name, dtype, flops / micro_batch, fixed, sample / micro_batch, count / micro_steps,
-                        fusable)
-            for (phase, kind, name, dtype, flops, fixed, sample, fusable), count in self._ops.items())
-        return StepCosts(ops, self._forward_flops / (micro_batch * micro_steps), trainable_parameters, parameters,
-                         parameter_tensors, hidden_size)
+            else OpCost(
+                phase, kind, name, dtype, flops / micro_batch, fixed, sample / micro_batch, count / micro_steps, fusable
+            )
+            for (phase, kind, name, dtype, flops, fixed, sample, fusable), count in self._ops.items()
+        )
+        return StepCosts(
+            ops,
+            self._forward_flops / (micro_batch * micro_steps),
+            trainable_parameters,
+            parameters,
+            parameter_tensors,
+            hidden_size,
+        )
 
 
 def _is_tensor(value: Any) -> bool:
@@ -211,10 +273,23 @@ def _cpu_flash_flops(name: str, args: Any) -> float:
 def _kind(name: str) -> str:
     if "attention" in name:
         return ATTENTION
-    if name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "convolution_backward", "_convolution",
-                "matmul", "_grouped_mm", "linear"):
+    if name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_mm",
+        "convolution",
+        "convolution_backward",
+        "_convolution",
+        "matmul",
+        "_grouped_mm",
+        "linear",
+    ):
         return MATMUL
-    if any(word in name.replace("_", "") for word in ("allgather", "reducescatter", "allreduce", "broadcast", "alltoall")):
+    if any(
+        word in name.replace("_", "") for word in ("allgather", "reducescatter", "allreduce", "broadcast", "alltoall")
+    ):
         return COLLECTIVE
     return OTHER
 

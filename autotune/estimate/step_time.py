@@ -63,17 +63,17 @@ _ATTENTION_UNMEASURED = 0.5
 # Eager PyTorch's host time per operator (Python, dispatcher, launch): a few microseconds to ten;
 # on a GPU it only shows where kernels are shorter (small models, small micro batches).
 _GPU_DISPATCH_S = 8e-6
-_LINK_EFFICIENCY = 0.75            # NCCL's bus bandwidth over the link's, on large messages
-_INFINIBAND = 50e9                 # bytes/s per GPU between nodes (400 Gb/s NDR per GPU)
+_LINK_EFFICIENCY = 0.75  # NCCL's bus bandwidth over the link's, on large messages
+_INFINIBAND = 50e9  # bytes/s per GPU between nodes (400 Gb/s NDR per GPU)
 _GPUS_PER_NODE = 8
-_DDP_BUCKET = 25 * 2**20           # DDP's last bucket is all-reduced after the backward ends
-_HOST_ADAM_BYTES = 28              # per parameter: fp32 weight, gradient, m, v read; weight, m, v written
-_HOST_BANDWIDTH = 50e9             # a host's memory bandwidth for the offloaded optimizer step
-_NOT_HIDDEN = 0.05                 # of overlapped communication: the first gather, the last reduce
+_DDP_BUCKET = 25 * 2**20  # DDP's last bucket is all-reduced after the backward ends
+_HOST_ADAM_BYTES = 28  # per parameter: fp32 weight, gradient, m, v read; weight, m, v written
+_HOST_BANDWIDTH = 50e9  # a host's memory bandwidth for the offloaded optimizer step
+_NOT_HIDDEN = 0.05  # of overlapped communication: the first gather, the last reduce
 # One NCCL collective's latency with DeepSpeed's host work around it: tens of microseconds (a guess
 # in that range; a CPU's gloo collective is measured by the device probe instead).
 _GPU_COLLECTIVE_S = 50e-6
-_DEEPSPEED_BUCKET = 500_000_000    # DeepSpeed's default bucket, in elements, without a hidden size
+_DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's default bucket, in elements, without a hidden size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,14 +81,14 @@ class DeviceProfile:
     """What a device achieves: the roofline each operator is timed against."""
 
     name: str
-    type: str                          # "cuda" or "cpu"
-    matmul_flops: dict[str, float]     # dtype (float32, tf32, bfloat16, float16) -> achievable FLOP/s
-    memory_bandwidth: float            # achievable bytes/s
-    kernel_s: float                    # fixed device time per kernel
-    dispatch_s: float                  # host time per operator
-    link_bandwidth: float              # bytes/s between ranks (one direction)
-    host_link_bandwidth: float         # bytes/s to and from host memory (offload)
-    peak_flops: float | None = None    # what MFU counts against (dense bf16 on a GPU)
+    type: str  # "cuda" or "cpu"
+    matmul_flops: dict[str, float]  # dtype (float32, tf32, bfloat16, float16) -> achievable FLOP/s
+    memory_bandwidth: float  # achievable bytes/s
+    kernel_s: float  # fixed device time per kernel
+    dispatch_s: float  # host time per operator
+    link_bandwidth: float  # bytes/s between ranks (one direction)
+    host_link_bandwidth: float  # bytes/s to and from host memory (offload)
+    peak_flops: float | None = None  # what MFU counts against (dense bf16 on a GPU)
     collective_s: float | None = None  # one small collective between ranks, beyond its bytes
     attention_efficiency: float | None = None  # fused attention's FLOP/s over the matmuls' (None: as a matmul)
     source: str = ""
@@ -109,13 +109,13 @@ class StepTime:
     """One optimizer step of one config, predicted; its parts add up to ``step_s``."""
 
     step_s: float
-    compute_s: float        # the micro steps' forwards and backwards
-    update_s: float         # the optimizer step
+    compute_s: float  # the micro steps' forwards and backwards
+    update_s: float  # the optimizer step
     communication_s: float  # not hidden by the compute
-    offload_s: float        # host transfers and the host's optimizer step
+    offload_s: float  # host transfers and the host's optimizer step
     samples_per_s: float
     tokens_per_s: float | None
-    mfu: float | None       # model FLOPs (3x forward) per second over the device's peak
+    mfu: float | None  # model FLOPs (3x forward) per second over the device's peak
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,13 +130,19 @@ def card_profile(card: GpuSpec) -> DeviceProfile:
     if card.tf32_flops is not None:
         flops["tf32"] = card.tf32_flops * efficiency
     attention = _ATTENTION.get(card.compute_capability[0], _ATTENTION_UNMEASURED) / efficiency
-    return DeviceProfile(name=card.name, type="cuda", matmul_flops=flops, attention_efficiency=attention,
-                         memory_bandwidth=card.memory_bandwidth * _GPU_BANDWIDTH_EFFICIENCY,
-                         kernel_s=_GPU_KERNEL_S, dispatch_s=_GPU_DISPATCH_S,
-                         link_bandwidth=card.link_bandwidth * _LINK_EFFICIENCY,
-                         host_link_bandwidth=card.host_link_bandwidth,
-                         peak_flops=card.bf16_flops or card.fp16_flops,
-                         source=f"published peaks, matmuls at {efficiency:.0%} of theirs (see autotune.estimate.step_time)")
+    return DeviceProfile(
+        name=card.name,
+        type="cuda",
+        matmul_flops=flops,
+        attention_efficiency=attention,
+        memory_bandwidth=card.memory_bandwidth * _GPU_BANDWIDTH_EFFICIENCY,
+        kernel_s=_GPU_KERNEL_S,
+        dispatch_s=_GPU_DISPATCH_S,
+        link_bandwidth=card.link_bandwidth * _LINK_EFFICIENCY,
+        host_link_bandwidth=card.host_link_bandwidth,
+        peak_flops=card.bf16_flops or card.fp16_flops,
+        source=f"published peaks, matmuls at {efficiency:.0%} of theirs (see autotune.estimate.step_time)",
+    )
 
 
 def profile_for(workload: Workload, device_type: str | None) -> DeviceProfile | None:
@@ -154,8 +160,9 @@ def profile_for(workload: Workload, device_type: str | None) -> DeviceProfile | 
     return DeviceProfile.from_dict(probed) if probed else None
 
 
-def predict_step_time(estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile, *,
-                      task: str | None = None) -> StepTime | None:
+def predict_step_time(
+    estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile, *, task: str | None = None
+) -> StepTime | None:
     """The step time of ``estimate``'s config on ``profile``; None without traced costs."""
     costs = estimate.step_costs
     if costs is None:
@@ -188,8 +195,16 @@ def predict_step_time(estimate: MemoryEstimate, workload: Workload, profile: Dev
     tokens_per_s = samples_per_s * tokens_per_sample if tokens_per_sample else None
     model_flops = 3 * costs.forward_flops_per_sample * samples_per_s / ranks
     mfu = model_flops / profile.peak_flops if profile.peak_flops else None
-    return StepTime(step_s=step, compute_s=compute, update_s=update, communication_s=communication,
-                    offload_s=offload, samples_per_s=samples_per_s, tokens_per_s=tokens_per_s, mfu=mfu)
+    return StepTime(
+        step_s=step,
+        compute_s=compute,
+        update_s=update,
+        communication_s=communication,
+        offload_s=offload,
+        samples_per_s=samples_per_s,
+        tokens_per_s=tokens_per_s,
+        mfu=mfu,
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -206,8 +221,9 @@ def _rank_share(profile: DeviceProfile, ranks: int) -> float:
     return 1.0 / ranks if profile.type == "cpu" else 1.0
 
 
-def _phase_times(ops: list[tuple[str, str, float, float, float]], profile: DeviceProfile, config: TrialConfig,
-                 share: float) -> tuple[float, float]:
+def _phase_times(
+    ops: list[tuple[str, str, float, float, float]], profile: DeviceProfile, config: TrialConfig, share: float
+) -> tuple[float, float]:
     """(device seconds, host seconds) of one phase's operators."""
     device = host = 0.0
     for kind, dtype, flops, moved, count in ops:
@@ -242,8 +258,9 @@ def _link(profile: DeviceProfile, ranks: int) -> float:
     return profile.link_bandwidth
 
 
-def _communication_s(estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile, compute: float,
-                     backward: float, traced: float) -> float:
+def _communication_s(
+    estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile, compute: float, backward: float, traced: float
+) -> float:
     """What the step waits for on the link, after the overlap its framework gives."""
     config, ranks = estimate.config, workload.nproc
     if ranks <= 1:
@@ -257,8 +274,11 @@ def _communication_s(estimate: MemoryEstimate, workload: Workload, profile: Devi
     gradients = estimate.gradients_bytes / 2  # DDP's estimate counts its buckets: a second copy
     all_reduce = 2 * gradients * spread / link
     last_backward = backward if profile.type == "cuda" else 0.0  # gloo on a CPU competes for the same cores
-    return (max(all_reduce - last_backward, 0.0) + min(_DDP_BUCKET, gradients) * 2 * spread / link
-            + math.ceil(gradients / _DDP_BUCKET) * _collective_latency(profile))
+    return (
+        max(all_reduce - last_backward, 0.0)
+        + min(_DDP_BUCKET, gradients) * 2 * spread / link
+        + math.ceil(gradients / _DDP_BUCKET) * _collective_latency(profile)
+    )
 
 
 def _collective_latency(profile: DeviceProfile) -> float:
@@ -269,8 +289,7 @@ def _collective_latency(profile: DeviceProfile) -> float:
     return _GPU_COLLECTIVE_S if profile.type == "cuda" else 0.0
 
 
-def _zero_s(estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile, compute: float,
-            link: float) -> float:
+def _zero_s(estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile, compute: float, link: float) -> float:
     """DeepSpeed ZeRO as autotune configures it (overlap_comm off below stage 3): ZeRO-1 reduces the
     gradients at the step's end; ZeRO-2 reduces each micro step's in the backward, bucket by bucket;
     ZeRO-3 also gathers every weight, frozen ones too, in each forward and backward (overlapped). All
@@ -282,12 +301,12 @@ def _zero_s(estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile
     spread = (ranks - 1) / ranks
     latency = _collective_latency(profile)
     per_parameter = 4 if config.precision in ("fp32", "tf32") else 2
-    bucket = costs.hidden_size ** 2 if costs.hidden_size else _DEEPSPEED_BUCKET
+    bucket = costs.hidden_size**2 if costs.hidden_size else _DEEPSPEED_BUCKET
     buckets = math.ceil(costs.trainable_parameters / bucket) if costs.trainable_parameters else 0
     reduces = accum if stage >= 2 else 1
     weights = costs.trainable_parameters * per_parameter
-    seconds = reduces * (weights * spread / link + buckets * latency)   # gradients
-    seconds += weights * spread / link + buckets * latency               # updated weights
+    seconds = reduces * (weights * spread / link + buckets * latency)  # gradients
+    seconds += weights * spread / link + buckets * latency  # updated weights
     if stage >= 3:
         gathers = 2 * accum * costs.parameters * per_parameter * spread / link
         hidden = max(gathers - compute, 0.0) + _NOT_HIDDEN * gathers if profile.type == "cuda" else gathers

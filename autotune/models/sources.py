@@ -37,8 +37,20 @@ if TYPE_CHECKING:
     from autotune.config.workload import Workload
     from autotune.models.batches import MakeBatch
 
-__all__ = ["ModelSource", "parse_model_source", "load_hf_config", "infer_task", "auto_class", "resolve_task", "build_model",
-           "build_model_and_batch", "image_size", "meta_model", "model_type", "call_factory"]
+__all__ = [
+    "ModelSource",
+    "parse_model_source",
+    "load_hf_config",
+    "infer_task",
+    "auto_class",
+    "resolve_task",
+    "build_model",
+    "build_model_and_batch",
+    "image_size",
+    "meta_model",
+    "model_type",
+    "call_factory",
+]
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -46,8 +58,8 @@ _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 @dataclass(frozen=True)
 class ModelSource:
-    kind: str   # builtin | config | hub | factory
-    ref: str    # preset name, path, hub id or module:function
+    kind: str  # builtin | config | hub | factory
+    ref: str  # preset name, path, hub id or module:function
 
 
 def parse_model_source(spec: str) -> ModelSource:
@@ -67,7 +79,8 @@ def parse_model_source(spec: str) -> ModelSource:
         return ModelSource("hub", spec)
     raise WorkloadError(
         f"--model {spec!r} is neither builtin:NAME, an existing config.json or model directory, "
-        "a Hub id like org/name, nor module:function")
+        "a Hub id like org/name, nor module:function"
+    )
 
 
 def load_hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> PretrainedConfig:
@@ -82,8 +95,10 @@ def load_hf_config(source: ModelSource, *, trust_remote_code: bool = False) -> P
         if path.is_file():  # this very file, whatever its name: never a config.json beside it
             _check_json(path, source.ref)
         elif not (path / "config.json").is_file():
-            raise WorkloadError(f"--model {source.ref}: no config.json there; point at a model's config file "
-                                "or a directory that holds a config.json")
+            raise WorkloadError(
+                f"--model {source.ref}: no config.json there; point at a model's config file "
+                "or a directory that holds a config.json"
+            )
         try:
             return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (ValueError, OSError) as exc:
@@ -99,20 +114,28 @@ def _check_json(path: Path, ref: str) -> None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
-        raise WorkloadError(f"--model {ref} is not JSON (not even text); point --model at a model's config "
-                            "file (JSON, like config.json) or the directory holding it") from None
+        raise WorkloadError(
+            f"--model {ref} is not JSON (not even text); point --model at a model's config "
+            "file (JSON, like config.json) or the directory holding it"
+        ) from None
     except json.JSONDecodeError as exc:
-        raise WorkloadError(f"--model {ref} is not JSON (line {exc.lineno}: {exc.msg}); point --model at a "
-                            "model's config file (JSON, like config.json) or the directory holding it") from None
+        raise WorkloadError(
+            f"--model {ref} is not JSON (line {exc.lineno}: {exc.msg}); point --model at a "
+            "model's config file (JSON, like config.json) or the directory holding it"
+        ) from None
     if not isinstance(data, dict):
-        raise WorkloadError(f"--model {ref} is JSON but not a model config (an object with a model_type key); "
-                            "point --model at a model's config.json or the directory holding it")
+        raise WorkloadError(
+            f"--model {ref} is JSON but not a model config (an object with a model_type key); "
+            "point --model at a model's config.json or the directory holding it"
+        )
 
 
 def _refuse_custom_code(ref: str, exc: Exception) -> None:
     if "custom code" in str(exc):
-        raise WorkloadError(f"--model {ref}: its config needs Python code shipped with the model; read it, "
-                            "then pass --trust-remote-code to run it") from exc
+        raise WorkloadError(
+            f"--model {ref}: its config needs Python code shipped with the model; read it, "
+            "then pass --trust-remote-code to run it"
+        ) from exc
 
 
 def _hub_config(hub_id: str, *, trust_remote_code: bool) -> PretrainedConfig:
@@ -133,7 +156,8 @@ def _hub_config(hub_id: str, *, trust_remote_code: bool) -> PretrainedConfig:
     raise WorkloadError(
         f"--model {hub_id}: its config is not in the local Hugging Face cache and the Hub cannot be "
         f"reached; on a connected machine run `hf download {hub_id} config.json`, or pass the path "
-        "of a config.json")
+        "of a config.json"
+    )
 
 
 def infer_task(config: PretrainedConfig) -> str:
@@ -149,8 +173,17 @@ def infer_task(config: PretrainedConfig) -> str:
         return "causal-lm"
     if getattr(config, "is_encoder_decoder", False):  # T5, mT5, BART...: ForConditionalGeneration
         return "seq2seq-lm"
-    encoder_only = {"bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
-                    "xlm-roberta", "modernbert"}
+    encoder_only = {
+        "bert",
+        "roberta",
+        "distilbert",
+        "albert",
+        "electra",
+        "deberta",
+        "deberta-v2",
+        "xlm-roberta",
+        "modernbert",
+    }
     return "seq-cls" if config.model_type in encoder_only else "causal-lm"
 
 
@@ -180,37 +213,50 @@ def resolve_task(workload: Workload) -> str:
 def _check_task_fits(config: PretrainedConfig, task: str, workload: Workload) -> None:
     if (task == "image-cls") != _takes_images(config):
         if task == "image-cls":
-            raise WorkloadError(f"--task image-cls: model type {config.model_type!r} (--model {workload.model}) "
-                                "takes token ids, not images; leave --task out or use a vision model")
-        raise WorkloadError(f"--task {task}: model type {config.model_type!r} (--model {workload.model}) takes "
-                            "images; use --task image-cls")
+            raise WorkloadError(
+                f"--task image-cls: model type {config.model_type!r} (--model {workload.model}) "
+                "takes token ids, not images; leave --task out or use a vision model"
+            )
+        raise WorkloadError(
+            f"--task {task}: model type {config.model_type!r} (--model {workload.model}) takes "
+            "images; use --task image-cls"
+        )
     if workload.image_size is not None and task != "image-cls":
-        raise WorkloadError(f"--image-size is the input of an image-cls task, and --model {workload.model} "
-                            f"trains {task}; leave it out")
+        raise WorkloadError(
+            f"--image-size is the input of an image-cls task, and --model {workload.model} trains {task}; leave it out"
+        )
     encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
     if task == "seq2seq-lm" and not encoder_decoder:
-        raise WorkloadError(f"--task seq2seq-lm: model type {config.model_type!r} (--model {workload.model}) has "
-                            "no decoder of its own; use --task causal-lm for a decoder-only model")
+        raise WorkloadError(
+            f"--task seq2seq-lm: model type {config.model_type!r} (--model {workload.model}) has "
+            "no decoder of its own; use --task causal-lm for a decoder-only model"
+        )
     if task != "seq2seq-lm" and encoder_decoder and task != "seq-cls":
-        raise WorkloadError(f"--task {task}: model type {config.model_type!r} (--model {workload.model}) is an "
-                            "encoder-decoder; use --task seq2seq-lm")
+        raise WorkloadError(
+            f"--task {task}: model type {config.model_type!r} (--model {workload.model}) is an "
+            "encoder-decoder; use --task seq2seq-lm"
+        )
     if workload.target_len is not None and task != "seq2seq-lm":
-        raise WorkloadError(f"--target-len is the decoder's length of a seq2seq-lm task, and --model "
-                            f"{workload.model} trains {task}; leave it out")
+        raise WorkloadError(
+            f"--target-len is the decoder's length of a seq2seq-lm task, and --model "
+            f"{workload.model} trains {task}; leave it out"
+        )
     if task == "seq2seq-lm":
         _check_seq_len(config, workload.decoder_len, flag="--target-len")
 
 
-def build_model(workload: Workload, *, task: str, device: torch.device,
-                dtype: torch.dtype | None = None) -> torch.nn.Module:
+def build_model(
+    workload: Workload, *, task: str, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.nn.Module:
     """Build the workload's model with random weights directly on ``device``; a Transformers model
     with its weights in ``dtype`` when given, as ``from_pretrained(dtype=...)`` loads them (a
     factory's model comes as its factory builds it: the caller casts it)."""
     return build_model_and_batch(workload, task=task, device=device, dtype=dtype)[0]
 
 
-def build_model_and_batch(workload: Workload, *, task: str, device: torch.device,
-                          dtype: torch.dtype | None = None) -> tuple[torch.nn.Module, MakeBatch | None]:
+def build_model_and_batch(
+    workload: Workload, *, task: str, device: torch.device, dtype: torch.dtype | None = None
+) -> tuple[torch.nn.Module, MakeBatch | None]:
     """:func:`build_model`, and the factory's ``make_batch`` when it gave one (else None: the
     task's synthetic batch feeds the model)."""
     import torch
@@ -228,11 +274,13 @@ def build_model_and_batch(workload: Workload, *, task: str, device: torch.device
     auto = auto_class(task)
     with torch.device(device):
         try:
-            return auto.from_config(config, trust_remote_code=workload.trust_remote_code,
-                                    **({} if dtype is None else {"dtype": dtype})), None
+            return auto.from_config(
+                config, trust_remote_code=workload.trust_remote_code, **({} if dtype is None else {"dtype": dtype})
+            ), None
         except ValueError as exc:
-            raise WorkloadError(f"--model {workload.model} cannot be built for --task {task}: "
-                                f"{_one_line(exc)}") from exc
+            raise WorkloadError(
+                f"--model {workload.model} cannot be built for --task {task}: {_one_line(exc)}"
+            ) from exc
 
 
 def image_size(workload: Workload, model: torch.nn.Module) -> int:
@@ -255,16 +303,20 @@ def auto_class(task: str) -> Any:
         AutoModelForSequenceClassification,
     )
 
-    return {"causal-lm": AutoModelForCausalLM, "masked-lm": AutoModelForMaskedLM,
-            "seq2seq-lm": AutoModelForSeq2SeqLM, "image-cls": AutoModelForImageClassification}.get(
-        task, AutoModelForSequenceClassification)
+    return {
+        "causal-lm": AutoModelForCausalLM,
+        "masked-lm": AutoModelForMaskedLM,
+        "seq2seq-lm": AutoModelForSeq2SeqLM,
+        "image-cls": AutoModelForImageClassification,
+    }.get(task, AutoModelForSequenceClassification)
 
 
 def _check_seq_len(config: Any, seq_len: int, flag: str = "--seq-len") -> None:
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if limit is not None and seq_len > limit:
-        raise WorkloadError(f"{flag} {seq_len} is longer than the model's {limit} positions; "
-                            f"use {flag} {limit} or less")
+        raise WorkloadError(
+            f"{flag} {seq_len} is longer than the model's {limit} positions; use {flag} {limit} or less"
+        )
 
 
 def call_factory(ref: str, *, task: str, seq_len: int) -> tuple[torch.nn.Module, MakeBatch | None]:
@@ -284,8 +336,7 @@ def call_factory(ref: str, *, task: str, seq_len: int) -> tuple[torch.nn.Module,
         return built, None
     if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], torch.nn.Module) and callable(built[1]):
         return built
-    raise WorkloadError(f"--model {ref} returned {type(built).__name__}, not a torch.nn.Module or "
-                        "(model, make_batch)")
+    raise WorkloadError(f"--model {ref} returned {type(built).__name__}, not a torch.nn.Module or (model, make_batch)")
 
 
 def _one_line(exc: BaseException) -> str:

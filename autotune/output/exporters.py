@@ -46,8 +46,15 @@ DEFAULT_FILENAMES = {
 _TF32_HINT = 'tf32: call torch.set_float32_matmul_precision("high") before training'
 
 
-def export_config(config: TrialConfig, workload: Workload, *, fmt: str, device_type: str = "cuda",
-                  summary: dict[str, Any] | None = None, deepspeed_file: str | None = None) -> str:
+def export_config(
+    config: TrialConfig,
+    workload: Workload,
+    *,
+    fmt: str,
+    device_type: str = "cuda",
+    summary: dict[str, Any] | None = None,
+    deepspeed_file: str | None = None,
+) -> str:
     """The text of the file in format ``fmt`` for training ``workload`` with ``config``.
 
     ``summary`` (study name, tokens/s, peak memory, ...) is context: keys in json/yaml and
@@ -61,32 +68,61 @@ def export_config(config: TrialConfig, workload: Workload, *, fmt: str, device_t
     if config.uses_fsdp and device_type != "cuda" and fmt in ("hf", "accelerate", "lightning"):
         # Accelerate (so the Trainer) turns FSDP on for GPU process groups only, and on a CPU wraps the
         # model in DDP, each rank holding it whole; Lightning's FSDPStrategy refuses a CPU accelerator.
-        raise ConfigError(f"--format {fmt}: this config shards with --fsdp {config.fsdp} on a {device_type}, where "
-                          f"{'Lightning' if fmt == 'lightning' else 'Accelerate'} does not run FSDP (it needs GPUs); "
-                          "export --format json and apply it with autotune.prepare(model, 'config.json') in a "
-                          "torchrun job, or pick a config without FSDP")
+        raise ConfigError(
+            f"--format {fmt}: this config shards with --fsdp {config.fsdp} on a {device_type}, where "
+            f"{'Lightning' if fmt == 'lightning' else 'Accelerate'} does not run FSDP (it needs GPUs); "
+            "export --format json and apply it with autotune.prepare(model, 'config.json') in a "
+            "torchrun job, or pick a config without FSDP"
+        )
     if fmt == "accelerate":
-        return _accelerate(config, workload, device_type=device_type, summary=summary or {},
-                           deepspeed_file=deepspeed_file or str(deepspeed_companion(Path(DEFAULT_FILENAMES[fmt]))))
+        return _accelerate(
+            config,
+            workload,
+            device_type=device_type,
+            summary=summary or {},
+            deepspeed_file=deepspeed_file or str(deepspeed_companion(Path(DEFAULT_FILENAMES[fmt]))),
+        )
     return exporter(config, workload, device_type=device_type, summary=summary or {})
 
 
-def export_files(config: TrialConfig, workload: Workload, path: Path, *, fmt: str, device_type: str = "cuda",
-                 summary: dict[str, Any] | None = None) -> list[tuple[Path, str]]:
+def export_files(
+    config: TrialConfig,
+    workload: Workload,
+    path: Path,
+    *,
+    fmt: str,
+    device_type: str = "cuda",
+    summary: dict[str, Any] | None = None,
+) -> list[tuple[Path, str]]:
     """Every file of the export written to ``path``, as (path, text): one file, except an Accelerate
     ZeRO config's two: the YAML and, beside it, the DeepSpeed config its ``deepspeed_config_file``
     names (YAML keys alone cannot give DeepSpeed the bucket sizes the trials ran with)."""
     if fmt == "accelerate" and config.uses_deepspeed:
         companion = deepspeed_companion(path)
-        return [(path, export_config(config, workload, fmt=fmt, device_type=device_type, summary=summary,
-                                     deepspeed_file=str(companion))),
-                (companion, _dump_json(accelerate_deepspeed_plugin(
-                    config, workload, device_type=device_type, hidden_size=hidden_size(workload))["hf_ds_config"]))]
+        return [
+            (
+                path,
+                export_config(
+                    config, workload, fmt=fmt, device_type=device_type, summary=summary, deepspeed_file=str(companion)
+                ),
+            ),
+            (
+                companion,
+                _dump_json(
+                    accelerate_deepspeed_plugin(
+                        config, workload, device_type=device_type, hidden_size=hidden_size(workload)
+                    )["hf_ds_config"]
+                ),
+            ),
+        ]
     return [(path, export_config(config, workload, fmt=fmt, device_type=device_type, summary=summary))]
 
 
 def deepspeed_companion(path: Path) -> Path:
-    """The DeepSpeed config beside an Accelerate YAML: ``accelerate_config.yaml`` -> ``accelerate_config.deepspeed.json``."""
+    """The DeepSpeed config beside an Accelerate YAML.
+
+    ``accelerate_config.yaml`` -> ``accelerate_config.deepspeed.json``.
+    """
     return path.with_name(f"{path.stem}.deepspeed.json")
 
 
@@ -94,8 +130,13 @@ def deepspeed_companion(path: Path) -> Path:
 def _record(config: TrialConfig, workload: Workload, summary: dict[str, Any]) -> dict[str, Any]:
     from autotune.version import __version__
 
-    data = {"autotune": __version__, "workload": workload.to_dict(), "config": config.to_dict(),
-            "grad_accum_steps": config.grad_accum_steps(workload), "trains": what_is_trained(config, workload)}
+    data = {
+        "autotune": __version__,
+        "workload": workload.to_dict(),
+        "config": config.to_dict(),
+        "grad_accum_steps": config.grad_accum_steps(workload),
+        "trains": what_is_trained(config, workload),
+    }
     clash = sorted(set(data) & set(summary))
     if clash:
         raise ValueError(f"summary keys {clash} would overwrite the exported config")
@@ -113,22 +154,31 @@ def _yaml(config: TrialConfig, workload: Workload, *, device_type: str, summary:
 # -- DeepSpeed and Hugging Face TrainingArguments -------------------------------------------
 def _deepspeed(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
     if config.true_16_bit:
-        raise ConfigError(f"--format deepspeed: this config trains in {config.precision}, and DeepSpeed's bf16 mode "
-                          "keeps fp32 master weights (that is --precision bf16); export --format hf, lightning "
-                          "or accelerate instead")
-    return _dump_json(deepspeed_config(config, workload, device_type=device_type,
-                                       hidden_size=hidden_size(workload)))
+        raise ConfigError(
+            f"--format deepspeed: this config trains in {config.precision}, and DeepSpeed's bf16 mode "
+            "keeps fp32 master weights (that is --precision bf16); export --format hf, lightning "
+            "or accelerate instead"
+        )
+    return _dump_json(deepspeed_config(config, workload, device_type=device_type, hidden_size=hidden_size(workload)))
 
 
 def _hf(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
     """Keyword arguments of ``transformers.TrainingArguments``; LoRA lives in the peft export."""
-    return _dump_json(trainer_arguments(config, workload, device_type=device_type, hidden_size=hidden_size(workload),
-                                       wrap_classes=layer_classes(workload) if config.uses_fsdp else None))
+    return _dump_json(
+        trainer_arguments(
+            config,
+            workload,
+            device_type=device_type,
+            hidden_size=hidden_size(workload),
+            wrap_classes=layer_classes(workload) if config.uses_fsdp else None,
+        )
+    )
 
 
 # -- Accelerate -----------------------------------------------------------------------------
-def _accelerate(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any],
-                deepspeed_file: str) -> str:
+def _accelerate(
+    config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any], deepspeed_file: str
+) -> str:
     """A config as ``accelerate config`` writes it (see accelerate's ``ClusterConfig``); a ZeRO config
     names its DeepSpeed config file (``deepspeed_file``), as ``accelerate config`` does when asked for one."""
     cpu = device_type == "cpu"
@@ -162,8 +212,7 @@ def _accelerate(config: TrialConfig, workload: Workload, *, device_type: str, su
     if config.uses_deepspeed:
         # Only these two keys beside a file: Accelerate refuses accumulation, stage or offload keys that
         # the file would override (the file says them; the script's Accelerator reads them from it).
-        data["deepspeed_config"] = {"deepspeed_config_file": deepspeed_file,
-                                    "zero3_init_flag": config.zero_stage == 3}
+        data["deepspeed_config"] = {"deepspeed_config_file": deepspeed_file, "zero3_init_flag": config.zero_stage == 3}
         del data["mixed_precision"]  # likewise: the file's bf16/fp16 blocks say it
     if config.uses_fsdp:
         data["fsdp_config"] = _accelerate_fsdp(config, workload)
@@ -188,9 +237,11 @@ def _lightning(config: TrialConfig, workload: Workload, *, device_type: str, sum
     """``trainer:`` arguments of ``lightning.pytorch.Trainer``, as LightningCLI reads them."""
     if config.uses_deepspeed and device_type != "cuda":
         # Trainer(...) accepts it, but fit() raises: Lightning's DeepSpeed strategy needs CUDA.
-        raise ConfigError(f"--format lightning: this config uses --zero-stage {config.zero_stage} on a "
-                          f"{device_type}, and Lightning runs DeepSpeed only on CUDA GPUs; export "
-                          "--format accelerate or hf instead, or pick a config without ZeRO")
+        raise ConfigError(
+            f"--format lightning: this config uses --zero-stage {config.zero_stage} on a "
+            f"{device_type}, and Lightning runs DeepSpeed only on CUDA GPUs; export "
+            "--format accelerate or hf instead, or pick a config without ZeRO"
+        )
     trainer = {
         "accelerator": "cpu" if device_type == "cpu" else "gpu",
         "devices": workload.nproc,
@@ -204,8 +255,10 @@ def _lightning(config: TrialConfig, workload: Workload, *, device_type: str, sum
 def _peft(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
     """adapter_config.json as ``LoraConfig.save_pretrained`` writes it."""
     if not config.uses_lora:
-        raise ConfigError("--format peft: this config trains all weights (no LoRA), so there is no "
-                          "adapter config; tune with --space lora to search LoRA configs")
+        raise ConfigError(
+            "--format peft: this config trains all weights (no LoRA), so there is no "
+            "adapter config; tune with --space lora to search LoRA configs"
+        )
     # The same LoraConfig the trials applied, as the study stored it at tune time (else worked out now).
     return json.dumps(adapter_config(config, workload), indent=2, sort_keys=True, default=str) + "\n"
 
@@ -219,17 +272,23 @@ def _header(config: TrialConfig, workload: Workload, summary: dict[str, Any]) ->
         f"trains: {trains['note']}",
         f"micro batch: {config.micro_batch} per rank (the DataLoader's batch_size), "
         f"gradient accumulation: {config.grad_accum_steps(workload)}, global batch: {workload.global_batch}",
-        "activation checkpointing: " + ("on: model.gradient_checkpointing_enable("
-                                        'gradient_checkpointing_kwargs={"use_reentrant": False}'
-                                        + (f", every_n_layers={config.checkpoint_every}"
-                                           if config.checkpoint_every > 1 else "") + ")"
-                                        if config.checkpointing else "off"),
+        "activation checkpointing: "
+        + (
+            "on: model.gradient_checkpointing_enable("
+            'gradient_checkpointing_kwargs={"use_reentrant": False}'
+            + (f", every_n_layers={config.checkpoint_every}" if config.checkpoint_every > 1 else "")
+            + ")"
+            if config.checkpointing
+            else "off"
+        ),
     ]
     if config.uses_lora:
         lora = trains["lora"]
         targets = lora.get("targets_note") or (",".join(lora["targets"]) if lora["targets"] else "default")
-        lines.append(f"LoRA: rank {lora['rank']}, alpha {lora['alpha']}, targets {targets} "
-                     "(adapter config: autotune export --format peft)")
+        lines.append(
+            f"LoRA: rank {lora['rank']}, alpha {lora['alpha']}, targets {targets} "
+            "(adapter config: autotune export --format peft)"
+        )
     else:
         lines.append("LoRA: off (all weights trained)")
     if config.precision == "tf32":
@@ -243,30 +302,43 @@ def in_code(config: TrialConfig, workload: Workload | None = None) -> list[str]:
     """What the job must apply in its own code because no library's config carries it, a line each."""
     lines = []
     if config.true_16_bit:
-        lines.append("bf16-true: load the model in bf16 (from_pretrained(..., dtype=torch.bfloat16), or model.to(torch.bfloat16)) "
-                     "and build the optimizer over its bf16 parameters; Lightning's precision: bf16-true does both")
+        lines.append(
+            "bf16-true: load the model in bf16 "
+            "(from_pretrained(..., dtype=torch.bfloat16), or model.to(torch.bfloat16)) "
+            "and build the optimizer over its bf16 parameters; Lightning's precision: bf16-true does both"
+        )
     if config.attention != "auto":
-        lines.append(f'attention: load the model with attn_implementation="{config.attention}" '
-                     f'(from_pretrained(..., attn_implementation="{config.attention}")), or '
-                     f'`model = autotune.prepare(model, attention="{config.attention}")`')
+        lines.append(
+            f'attention: load the model with attn_implementation="{config.attention}" '
+            f'(from_pretrained(..., attn_implementation="{config.attention}")), or '
+            f'`model = autotune.prepare(model, attention="{config.attention}")`'
+        )
     if config.compile and config.uses_deepspeed:
-        lines.append("compile: engine.compile() after deepspeed.initialize (DeepSpeed's JSON has no switch for it; "
-                     "the hf export sets torch_compile, the accelerate export dynamo_backend INDUCTOR); "
-                     "the first steps compile")
+        lines.append(
+            "compile: engine.compile() after deepspeed.initialize (DeepSpeed's JSON has no switch for it; "
+            "the hf export sets torch_compile, the accelerate export dynamo_backend INDUCTOR); "
+            "the first steps compile"
+        )
     elif config.compile:
-        lines.append("compile: model = torch.compile(model) before training (the hf export sets torch_compile, "
-                     "the accelerate export dynamo_backend INDUCTOR); the first steps compile")
+        lines.append(
+            "compile: model = torch.compile(model) before training (the hf export sets torch_compile, "
+            "the accelerate export dynamo_backend INDUCTOR); the first steps compile"
+        )
     if config.uses_fsdp:
         units = (", ".join(layer_classes(workload)) if workload is not None else "") or "decoder layer"
-        lines.append(f"fsdp: one unit per {units}, then the root (the hf and accelerate exports say so; "
-                     "in Lightning: FSDPStrategy(auto_wrap_policy={those classes}))")
+        lines.append(
+            f"fsdp: one unit per {units}, then the root (the hf and accelerate exports say so; "
+            "in Lightning: FSDPStrategy(auto_wrap_policy={those classes}))"
+        )
     if config.fused_optimizer:
         lines.append("optimizer: torch.optim.AdamW(..., fused=True) (the hf export sets optim adamw_torch_fused)")
     if config.loss_chunks is None:
         return lines
-    return lines + [f"loss: chunked in {config.loss_chunks} slices, which no library flag sets: after building the model, "
-            f"`model = autotune.prepare(model, loss=\"chunked:{config.loss_chunks}\")` "
-            "(same loss; outputs.logits then hold the hidden states)"]
+    return lines + [
+        f"loss: chunked in {config.loss_chunks} slices, which no library flag sets: after building the model, "
+        f'`model = autotune.prepare(model, loss="chunked:{config.loss_chunks}")` '
+        "(same loss; outputs.logits then hold the hidden states)"
+    ]
 
 
 def _dump_json(data: dict[str, Any]) -> str:

@@ -36,8 +36,9 @@ def _unsettled_why(spread: float) -> str:
     return f"its steps differed by {spread:.0%} of the median step even after extra steps; is something else running?"
 
 
-def print_trial(workload: Workload, result: TrialResult, *, console: Console | None = None,
-                command: list[str] | None = None) -> None:
+def print_trial(
+    workload: Workload, result: TrialResult, *, console: Console | None = None, command: list[str] | None = None
+) -> None:
     """The table of one trial; ``command``: the user's own command, in script mode."""
     console = console or Console()
     what = " ".join(command) if command else workload.model
@@ -49,14 +50,24 @@ def print_trial(workload: Workload, result: TrialResult, *, console: Console | N
         ("status", result.status.value),
         (result.throughput_unit, _num(result.throughput)),
         *([("samples/s", _num(result.samples_per_s, "{:,.2f}"))] if result.throughput_unit == TOKENS_PER_S else []),
-        ("step time (median, IQR)", "-" if result.step_time_median_s is None else
-         f"{result.step_time_median_s * 1000:.1f} ms, IQR {result.step_time_iqr_s * 1000:.1f} ms"
-         + ("" if result.step_time_spread is None else f" ({result.step_time_spread:.0%} of the median)")),
-        ("disturbed steps", "-" if result.disturbed_steps is None else
-         f"{result.disturbed_steps} of {result.measured_steps} over 1.25x the median"),
+        (
+            "step time (median, IQR)",
+            "-"
+            if result.step_time_median_s is None
+            else f"{result.step_time_median_s * 1000:.1f} ms, IQR {result.step_time_iqr_s * 1000:.1f} ms"
+            + ("" if result.step_time_spread is None else f" ({result.step_time_spread:.0%} of the median)"),
+        ),
+        (
+            "disturbed steps",
+            "-"
+            if result.disturbed_steps is None
+            else f"{result.disturbed_steps} of {result.measured_steps} over 1.25x the median",
+        ),
         ("measured steps", f"{result.measured_steps} x {result.grad_accum_steps or '-'} micro-steps"),
-        ("peak memory", format_size(result.peak_memory_bytes) + ("" if result.peak_reserved_bytes is None
-                                                                 else " (reserved)")),
+        (
+            "peak memory",
+            format_size(result.peak_memory_bytes) + ("" if result.peak_reserved_bytes is None else " (reserved)"),
+        ),
         ("peak allocated", format_size(result.peak_allocated_bytes)),
         ("memory budget", format_size(result.memory_budget_bytes)),
         ("optimizer state", format_size(result.optimizer_state_bytes)),
@@ -66,10 +77,17 @@ def print_trial(workload: Workload, result: TrialResult, *, console: Console | N
         ("warm-up / measure", f"{_num(phases.warmup_s, '{:.2f}')} s / {_num(phases.measure_s, '{:.2f}')} s"),
     ]
     if phases.compile_s is not None:
-        payoff = ("never: a compiled step is no faster" if result.compile_payoff_steps is None
-                  else f"after {result.compile_payoff_steps:,} steps")
-        rows.append(("compile (not in tokens/s)", f"{phases.compile_s:.2f} s; eager step "
-                     f"{_num(result.eager_step_s, '{:.3f}')} s; pays off {payoff}"))
+        payoff = (
+            "never: a compiled step is no faster"
+            if result.compile_payoff_steps is None
+            else f"after {result.compile_payoff_steps:,} steps"
+        )
+        rows.append(
+            (
+                "compile (not in tokens/s)",
+                f"{phases.compile_s:.2f} s; eager step {_num(result.eager_step_s, '{:.3f}')} s; pays off {payoff}",
+            )
+        )
     if result.peak_memory_per_rank:
         rows.append(("peak per rank", ", ".join(format_size(p) for p in result.peak_memory_per_rank)))
     for name, value in rows:
@@ -95,40 +113,65 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
     w = summary.workload
     console.print(f"study [bold]{summary.name}[/] in {summary.storage}", highlight=False)
     what = f"the command `{' '.join(summary.command)}`" if summary.command else w.model
-    console.print(f"  {what}, seq {w.seq_len}{f' -> {w.target_len}' if w.target_len else ''}, global batch {w.global_batch}, {w.nproc} rank(s) on "
-                  f"{summary.device.get('name')} ({summary.device.get('type')}); budget "
-                  f"{format_size(summary.memory_budget_bytes)}, fits under {format_size(summary.memory_limit_bytes)}; "
-                  f"space {summary.space}", highlight=False)
+    console.print(
+        f"  {what}, seq {w.seq_len}{f' -> {w.target_len}' if w.target_len else ''}, "
+        f"global batch {w.global_batch}, {w.nproc} rank(s) on "
+        f"{summary.device.get('name')} ({summary.device.get('type')}); budget "
+        f"{format_size(summary.memory_budget_bytes)}, fits under {format_size(summary.memory_limit_bytes)}; "
+        f"space {summary.space}",
+        highlight=False,
+    )
     if all_trials:
         table = Table(show_edge=False)
         unit = summary.throughput_unit
         for column in ("#", "config", "status", unit, "peak memory", "fits", "re-run"):
             table.add_column(column, justify="right" if column in ("#", unit, "peak memory") else "left")
         for t in summary.trials:
-            rerun = "-" if t.confirmed is None else (
-                f"{_num(t.confirmed_throughput)} {unit}" if t.confirmed else "refuted")
-            peak = format_size(t.peak_memory_bytes) if t.status != "skipped" else \
-                f"{format_size(t.predicted_peak_bytes)} (predicted)"
-            table.add_row(str(t.number), t.config.describe(), t.status, _figure(t.throughput, t.step_time_spread), peak,
-                          "yes" if t.fits else "no", rerun)
+            rerun = (
+                "-" if t.confirmed is None else (f"{_num(t.confirmed_throughput)} {unit}" if t.confirmed else "refuted")
+            )
+            peak = (
+                format_size(t.peak_memory_bytes)
+                if t.status != "skipped"
+                else f"{format_size(t.predicted_peak_bytes)} (predicted)"
+            )
+            table.add_row(
+                str(t.number),
+                t.config.describe(),
+                t.status,
+                _figure(t.throughput, t.step_time_spread),
+                peak,
+                "yes" if t.fits else "no",
+                rerun,
+            )
         console.print(table)
     if all_trials and any(t.status == "ok" and unsettled(t.step_time_spread) for t in summary.trials):
-        console.print("  ±: half the spread of a trial's step times where they never settled; such a "
-                      "figure is uncertain (a busy machine?)", highlight=False)
+        console.print(
+            "  ±: half the spread of a trial's step times where they never settled; such a "
+            "figure is uncertain (a busy machine?)",
+            highlight=False,
+        )
     best = summary.best
     if best is None:
         for line in nothing_fits(summary):
             console.print(line, highlight=False, markup=False)
         return
-    console.print(f"[bold green]best[/]: {best.config.describe()}  (trial {best.number}, confirmed on a longer re-run)",
-                  highlight=False)
+    console.print(
+        f"[bold green]best[/]: {best.config.describe()}  (trial {best.number}, confirmed on a longer re-run)",
+        highlight=False,
+    )
     if summary.certainty:
         console.print(f"  how sure: {summary.certainty}", highlight=False, markup=False)
-    samples = f", {_num(best.confirmed_samples_per_s, '{:,.2f}')} samples/s" \
-        if best.throughput_unit == TOKENS_PER_S else ""
-    console.print(f"  {_num(best.confirmed_throughput)} {best.throughput_unit}{samples}, peak {format_size(best.confirmed_peak_memory_bytes)} of "
-                  f"{format_size(summary.memory_budget_bytes)}; accumulation "
-                  f"{best.config.grad_accum_steps(summary.workload)}", highlight=False)
+    samples = (
+        f", {_num(best.confirmed_samples_per_s, '{:,.2f}')} samples/s" if best.throughput_unit == TOKENS_PER_S else ""
+    )
+    console.print(
+        f"  {_num(best.confirmed_throughput)} {best.throughput_unit}{samples}, "
+        f"peak {format_size(best.confirmed_peak_memory_bytes)} of "
+        f"{format_size(summary.memory_budget_bytes)}; accumulation "
+        f"{best.config.grad_accum_steps(summary.workload)}",
+        highlight=False,
+    )
     console.print(f"  trains: {_trains(best.config, summary.workload)}", highlight=False)
 
 
@@ -143,36 +186,58 @@ def nothing_fits(summary: StudySummary) -> list[str]:
         if t.status == "ok" and t.fits:
             key = "fit, refuted on the re-run" if t.confirmed is False else "fit, not confirmed yet"
         counts[key] = counts.get(key, 0) + 1
-    lines = [f"no config fits: {summary.n_trials} trials measured ("
-             + ", ".join(f"{n} {what}" for what, n in sorted(counts.items(), key=lambda kv: -kv[1])) + ")"]
-    peaks = [(t.peak_memory_bytes, t.config, "measured") for t in trials
-             if t.status == "ok" and t.peak_memory_bytes is not None]
-    peaks += [(t.predicted_peak_bytes, t.config, "predicted") for t in trials
-              if t.status == "skipped" and t.predicted_peak_bytes is not None]
+    lines = [
+        f"no config fits: {summary.n_trials} trials measured ("
+        + ", ".join(f"{n} {what}" for what, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+        + ")"
+    ]
+    peaks = [
+        (t.peak_memory_bytes, t.config, "measured")
+        for t in trials
+        if t.status == "ok" and t.peak_memory_bytes is not None
+    ]
+    peaks += [
+        (t.predicted_peak_bytes, t.config, "predicted")
+        for t in trials
+        if t.status == "skipped" and t.predicted_peak_bytes is not None
+    ]
     limit = summary.memory_limit_bytes
     if peaks:
         peak, config, how = min(peaks, key=lambda p: p[0])
         headroom = 1 - limit / summary.memory_budget_bytes
-        lines.append(f"  smallest peak seen: {format_size(peak)} ({how}, {config.describe()}) against the limit "
-                     f"{format_size(limit)} ({format_size(summary.memory_budget_bytes)} budget less "
-                     f"{headroom:.0%} headroom)")
+        lines.append(
+            f"  smallest peak seen: {format_size(peak)} ({how}, {config.describe()}) against the limit "
+            f"{format_size(limit)} ({format_size(summary.memory_budget_bytes)} budget less "
+            f"{headroom:.0%} headroom)"
+        )
         if peak > limit:
             lines.append(f"  to fit it: --memory-budget {format_size(int(peak / (1 - headroom)) + 1)} or more")
     elif counts.get("oom"):
-        lines.append(f"  every measured config ran out of memory under the {format_size(summary.memory_budget_bytes)} "
-                     "budget: raise --memory-budget")
-    untried = [hint for used, hint in (
-        (any(t.config.checkpointing for t in trials), "activation checkpointing (checkpointing: [false, true])"),
-        (any(t.config.sixteen_bit for t in trials), "a 16-bit precision (precision: [bf16])"),
-        (any(t.config.uses_lora for t in trials), "LoRA (--space lora)"),
-        (any(t.config.zero_stage is not None or t.config.uses_fsdp for t in trials) or summary.workload.nproc == 1,
-         "ZeRO or FSDP sharding over the ranks (--space sharding)"),
-    ) if not used]
+        lines.append(
+            f"  every measured config ran out of memory under the {format_size(summary.memory_budget_bytes)} "
+            "budget: raise --memory-budget"
+        )
+    untried = [
+        hint
+        for used, hint in (
+            (any(t.config.checkpointing for t in trials), "activation checkpointing (checkpointing: [false, true])"),
+            (any(t.config.sixteen_bit for t in trials), "a 16-bit precision (precision: [bf16])"),
+            (any(t.config.uses_lora for t in trials), "LoRA (--space lora)"),
+            (
+                any(t.config.zero_stage is not None or t.config.uses_fsdp for t in trials)
+                or summary.workload.nproc == 1,
+                "ZeRO or FSDP sharding over the ranks (--space sharding)",
+            ),
+        )
+        if not used
+    ]
     if untried:
         lines.append("  knobs that save memory and were not tried: " + "; ".join(untried))
     if counts.get("fit, refuted on the re-run"):
-        lines.append("  configs that fit in their trial ran out of room on the longer re-run: "
-                     "a larger --memory-budget or a lower --headroom leaves them room")
+        lines.append(
+            "  configs that fit in their trial ran out of room on the longer re-run: "
+            "a larger --memory-budget or a lower --headroom leaves them room"
+        )
     return lines
 
 
@@ -208,14 +273,22 @@ class ConsoleProgress:
         self._stop_spinner()
         figure = f"{_num(record.throughput)} {record.throughput_unit}" if record.throughput is not None else "no figure"
         fit = "" if record.status != "ok" else ("" if record.fits else ", over the memory limit")
-        best_text = f"{best.config.describe()} at {_num(best.throughput)} {best.throughput_unit}" if best else "none fits yet"
-        warning = f" (uncertain: {_unsettled_why(record.step_time_spread)})" if unsettled(record.step_time_spread) else ""
-        self._say(f"  -> {record.status}: {figure}, peak {format_size(record.peak_memory_bytes)}{fit}; "
-                  f"best so far {best_text}; {elapsed_s:.0f} s elapsed{warning}")
+        best_text = (
+            f"{best.config.describe()} at {_num(best.throughput)} {best.throughput_unit}" if best else "none fits yet"
+        )
+        warning = (
+            f" (uncertain: {_unsettled_why(record.step_time_spread)})" if unsettled(record.step_time_spread) else ""
+        )
+        self._say(
+            f"  -> {record.status}: {figure}, peak {format_size(record.peak_memory_bytes)}{fit}; "
+            f"best so far {best_text}; {elapsed_s:.0f} s elapsed{warning}"
+        )
 
     def skipped(self, *, record: TrialRecord, limit_bytes: int) -> None:
-        self._say(f"skipped {record.config.describe()}: predicted peak "
-                  f"{format_size(record.predicted_peak_bytes)} is over the limit {format_size(limit_bytes)}")
+        self._say(
+            f"skipped {record.config.describe()}: predicted peak "
+            f"{format_size(record.predicted_peak_bytes)} is over the limit {format_size(limit_bytes)}"
+        )
 
     def confirming(self, *, record: TrialRecord, steps: int) -> None:
         self._stop_spinner()
@@ -228,8 +301,10 @@ class ConsoleProgress:
 
     def space_kept(self, *, name: str, added: list[str]) -> None:
         grown = f" (it now also searches {', '.join(added)})" if added else ""
-        self._say(f"space {name}: this study goes on with the {name} space it was started with{grown}; "
-                  "a new --study searches the grown space")
+        self._say(
+            f"space {name}: this study goes on with the {name} space it was started with{grown}; "
+            "a new --study searches the grown space"
+        )
 
     def stopped(self, *, reason: str) -> None:
         self._say(f"stopped: {reason}")
@@ -240,8 +315,9 @@ class ConsoleProgress:
     def _start_spinner(self, text: str) -> None:
         if not self.console.is_terminal or self.prefix:
             return
-        self._spinner = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                                 console=self.console, transient=True)
+        self._spinner = Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=self.console, transient=True
+        )
         self._spinner.add_task(text, total=None)
         self._spinner.start()
 
@@ -272,18 +348,31 @@ def print_plan(plan: Plan, workload: Workload, *, console: Console | None = None
         table.add_column(name, justify="left" if name in ("", "config") else "right", no_wrap=True)
     for rank, row in enumerate(plan.rows[:top], start=1):
         figure = (row.step.tokens_per_s if unit == "tokens" else row.step.samples_per_s) / workload.nproc
-        table.add_row(str(rank), row.config.describe(), f"{figure:,.0f}", f"{row.step.step_s:.3g} s",
-                      _num(row.step.mfu, "{:.0%}"), format_size(row.memory_bytes) + ("" if row.estimated else "~"),
-                      format_size(row.device_bytes) if row.device_bytes is not None else "-",
-                      format_size(plan.limit_bytes - row.memory_bytes), "verify first" if row.verify_first else "")
+        table.add_row(
+            str(rank),
+            row.config.describe(),
+            f"{figure:,.0f}",
+            f"{row.step.step_s:.3g} s",
+            _num(row.step.mfu, "{:.0%}"),
+            format_size(row.memory_bytes) + ("" if row.estimated else "~"),
+            format_size(row.device_bytes) if row.device_bytes is not None else "-",
+            format_size(plan.limit_bytes - row.memory_bytes),
+            "verify first" if row.verify_first else "",
+        )
     console.print(table)
     shown = min(top, len(plan.rows))
-    console.print(f"{len(plan.rows)} configs predicted to fit under {format_size(plan.limit_bytes)} "
-                  f"({format_size(plan.memory_budget_bytes)} less the headroom), {shown} shown; {plan.too_big} "
-                  f"predicted not to; {plan.estimates} estimates in {plan.seconds:.0f} s")
-    console.print(f"memory: what the caching allocator reserves (~: its family's straight line through an estimate); "
-                  f"verify first: within the model's {PLAN_ERROR:.0%} error of the top one: the trials to run on the card")
+    console.print(
+        f"{len(plan.rows)} configs predicted to fit under {format_size(plan.limit_bytes)} "
+        f"({format_size(plan.memory_budget_bytes)} less the headroom), {shown} shown; {plan.too_big} "
+        f"predicted not to; {plan.estimates} estimates in {plan.seconds:.0f} s"
+    )
+    console.print(
+        f"memory: what the caching allocator reserves (~: its family's straight line through an estimate); "
+        f"verify first: within the model's {PLAN_ERROR:.0%} error of the top one: the trials to run on the card"
+    )
     console.print(f"step time: the traced step's operators timed against {plan.profile_source}")
     for why, families in _grouped(plan.not_estimated).items():
-        console.print(f"not planned ({len(families)} families: {', '.join(families[:3])}"
-                      f"{', ...' if len(families) > 3 else ''}): {why}")
+        console.print(
+            f"not planned ({len(families)} families: {', '.join(families[:3])}"
+            f"{', ...' if len(families) > 3 else ''}): {why}"
+        )

@@ -30,8 +30,7 @@ MEMORY_TITLE = "Memory against throughput"
 IMPORTANCE_TITLE = "Parameter importance"
 NO_BEST_TEXT = "No configuration fits yet"
 NO_IMPORTANCE_TEXT = (
-    "Parameter importance needs at least a few completed trials with varied knobs; "
-    "this study does not have them yet."
+    "Parameter importance needs at least a few completed trials with varied knobs; this study does not have them yet."
 )
 FEW_VARIED_TEXT = "Parameter importance compares knobs that varied; among the trials with a throughput, {what}."
 REFUTED_LABEL = "refuted by its re-run"
@@ -54,7 +53,7 @@ _OTHER_STYLE = ("#7f7f7f", "circle-open")
 _OVER_LIMIT_SYMBOL = "circle-open"
 _REFUTED_STYLE = ("#e377c2", "circle-x-open")
 _BEST_STYLE = ("#e6b800", "star")
-_Y_PAD = (0.05, 0.08)    # share of the top below 0 and above the top: markers at 0 or the top drawn whole
+_Y_PAD = (0.05, 0.08)  # share of the top below 0 and above the top: markers at 0 or the top drawn whole
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1100px; color: #222; }
@@ -72,6 +71,7 @@ tr.best-row { background: #fff7d6; font-weight: 600; }
 
 # -- public API ---------------------------------------------------------------------------------
 
+
 def render_report(summary: StudySummary) -> str:
     """A self-contained HTML page (plotly.js embedded, works offline) for one study."""
     importances, few_varied = _varied_importances(summary)
@@ -84,8 +84,10 @@ def render_report(summary: StudySummary) -> str:
         _header_html(summary),
         _section(THROUGHPUT_TITLE, divs[0]),
         _section(MEMORY_TITLE, divs[1] + _memory_note(summary)),
-        _section(IMPORTANCE_TITLE, divs[2] if importance is not None
-                 else f'<p class="note">{_esc(few_varied or NO_IMPORTANCE_TEXT)}</p>'),
+        _section(
+            IMPORTANCE_TITLE,
+            divs[2] if importance is not None else f'<p class="note">{_esc(few_varied or NO_IMPORTANCE_TEXT)}</p>',
+        ),
         _section("All trials", _trials_table(summary)),
     ]
     return _page(title=f"autotune report: {summary.name}", body="\n".join(sections))
@@ -100,13 +102,14 @@ def write_report(summary: StudySummary, path: str | Path) -> Path:
 
 # -- the page -----------------------------------------------------------------------------------
 
+
 def _esc(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
 def _page(*, title: str, body: str) -> str:
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f"<title>{_esc(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n"
     )
 
@@ -120,19 +123,31 @@ def _header_html(summary: StudySummary) -> str:
     measured = summary.n_trials
     rows = [
         ("model", f"{w.model} ({w.task or 'task inferred from the model'})"),
-        ("workload", f"seq_len {w.seq_len}{f', target_len {w.target_len}' if w.target_len else ''}, global batch {w.global_batch}, {w.nproc} rank(s) per trial, "
-                     f"{w.optimizer}"),
+        (
+            "workload",
+            f"seq_len {w.seq_len}{f', target_len {w.target_len}' if w.target_len else ''}, "
+            f"global batch {w.global_batch}, {w.nproc} rank(s) per trial, "
+            f"{w.optimizer}",
+        ),
         ("device", _describe_device(summary.device)),
-        ("memory", f"budget {format_size(summary.memory_budget_bytes)}, limit "
-                   f"{format_size(summary.memory_limit_bytes)} (budget minus headroom: a config fits below it)"),
-        ("trials", f"{measured} measured" + ("" if measured == len(summary.trials)
-                                             else f" ({len(summary.trials)} in the study)")),
+        (
+            "memory",
+            f"budget {format_size(summary.memory_budget_bytes)}, limit "
+            f"{format_size(summary.memory_limit_bytes)} (budget minus headroom: a config fits below it)",
+        ),
+        (
+            "trials",
+            f"{measured} measured"
+            + ("" if measured == len(summary.trials) else f" ({len(summary.trials)} in the study)"),
+        ),
         ("search space", summary.space),
         ("storage", summary.storage),
     ]
     items = "\n".join(f"<dt>{_esc(k)}</dt><dd>{_esc(v)}</dd>" for k, v in rows)
-    return (f"<header>\n<h1>autotune report: {_esc(summary.name)}</h1>\n<dl>\n{items}\n</dl>\n"
-            f"{_best_html(summary.best, summary.workload)}\n</header>")
+    return (
+        f"<header>\n<h1>autotune report: {_esc(summary.name)}</h1>\n<dl>\n{items}\n</dl>\n"
+        f"{_best_html(summary.best, summary.workload)}\n</header>"
+    )
 
 
 def _describe_device(device: dict[str, Any]) -> str:
@@ -148,8 +163,7 @@ def _describe_device(device: dict[str, Any]) -> str:
 
 def _best_html(best: TrialRecord | None, workload: Workload) -> str:
     if best is None:
-        return (f'<p class="best">{_esc(NO_BEST_TEXT)}: no trial has been confirmed under the '
-                "memory limit.</p>")
+        return f'<p class="best">{_esc(NO_BEST_TEXT)}: no trial has been confirmed under the memory limit.</p>'
     trains = what_is_trained(best.config, workload)
     return (
         f'<p class="best">Best: <strong>{_esc(best.config.describe())}</strong> (trial {best.number}): '
@@ -163,14 +177,25 @@ def _memory_note(summary: StudySummary) -> str:
     if not missing:
         return ""
     statuses = ", ".join(sorted({t.status for t in missing}))
-    return (f'<p class="note">{len(missing)} trial(s) without a memory figure ({_esc(statuses)}) '
-            "are not drawn here; see the table.</p>")
+    return (
+        f'<p class="note">{len(missing)} trial(s) without a memory figure ({_esc(statuses)}) '
+        "are not drawn here; see the table.</p>"
+    )
 
 
 def _trials_table(summary: StudySummary) -> str:
     if not summary.trials:
         return '<p class="note">No trials yet.</p>'
-    head = ("number", "config", "status", summary.throughput_unit, "peak memory", "fits", "confirmed", "error (last line)")
+    head = (
+        "number",
+        "config",
+        "status",
+        summary.throughput_unit,
+        "peak memory",
+        "fits",
+        "confirmed",
+        "error (last line)",
+    )
     best_number = summary.best.number if summary.best is not None else None
     rows = []
     for t in _by_number(summary.trials):
@@ -196,8 +221,10 @@ def _confirmed(t: TrialRecord) -> str:
     if not t.confirmed:
         if t.confirmed_peak_memory_bytes is None:
             return "refuted: the re-run did not train"
-        return (f"refuted: the re-run read {_num(t.confirmed_throughput)} {t.throughput_unit}, "
-                f"{format_size(t.confirmed_peak_memory_bytes)}")
+        return (
+            f"refuted: the re-run read {_num(t.confirmed_throughput)} {t.throughput_unit}, "
+            f"{format_size(t.confirmed_peak_memory_bytes)}"
+        )
     return f"yes: {_num(t.confirmed_throughput)} {t.throughput_unit}, {format_size(t.confirmed_peak_memory_bytes)}"
 
 
@@ -219,11 +246,13 @@ def _by_number(trials: Iterable[TrialRecord]) -> list[TrialRecord]:
 
 # -- the figures --------------------------------------------------------------------------------
 
+
 def _figure_html(fig: go.Figure, *, include_plotlyjs: bool) -> str:
     import plotly.io as pio
 
-    return pio.to_html(fig, full_html=False, include_plotlyjs=include_plotlyjs,
-                       config={"displaylogo": False, "responsive": True})
+    return pio.to_html(
+        fig, full_html=False, include_plotlyjs=include_plotlyjs, config={"displaylogo": False, "responsive": True}
+    )
 
 
 def _plot_text(value: Any) -> str:
@@ -232,9 +261,13 @@ def _plot_text(value: Any) -> str:
 
 
 def _hover(t: TrialRecord) -> str:
-    lines = [f"trial {t.number}: {t.config.describe()}", f"status: {t.status}",
-             f"{t.throughput_unit}: {_num(t.throughput)}", f"peak memory: {format_size(t.peak_memory_bytes)}",
-             f"fits: {'yes' if t.fits else 'no'}"]
+    lines = [
+        f"trial {t.number}: {t.config.describe()}",
+        f"status: {t.status}",
+        f"{t.throughput_unit}: {_num(t.throughput)}",
+        f"peak memory: {format_size(t.peak_memory_bytes)}",
+        f"fits: {'yes' if t.fits else 'no'}",
+    ]
     if t.confirmed is not None:
         lines.append(f"confirmed: {_confirmed(t)}")
     if _last_line(t.error):
@@ -245,7 +278,7 @@ def _hover(t: TrialRecord) -> str:
 def _group(t: TrialRecord) -> tuple[str, tuple[str, str]]:
     """The legend entry a trial is drawn under, and its (colour, marker symbol)."""
     colour, symbol = _STATUS_STYLE.get(t.status, _OTHER_STYLE)
-    if t.confirmed is False:    # fitted once, then its re-run did not fit or did not train
+    if t.confirmed is False:  # fitted once, then its re-run did not fit or did not train
         return REFUTED_LABEL, _REFUTED_STYLE
     if t.throughput is not None and not t.fits:
         return f"{t.status}, over the memory limit", (colour, _OVER_LIMIT_SYMBOL)
@@ -260,18 +293,27 @@ def _grouped(trials: Iterable[TrialRecord]) -> dict[tuple[str, tuple[str, str]],
 
 
 def _scatter_traces(
-    trials: Iterable[TrialRecord], *, x: Callable[[TrialRecord], float], y: Callable[[TrialRecord], float],
+    trials: Iterable[TrialRecord],
+    *,
+    x: Callable[[TrialRecord], float],
+    y: Callable[[TrialRecord], float],
     suffix: str = "",
 ) -> list[go.Scatter]:
     import plotly.graph_objects as go
 
     traces = []
     for (label, (colour, symbol)), group in _grouped(trials).items():
-        traces.append(go.Scatter(
-            x=[x(t) for t in group], y=[y(t) for t in group], mode="markers",
-            name=_plot_text(label + suffix), hovertext=[_hover(t) for t in group], hoverinfo="text",
-            marker={"color": colour, "symbol": symbol, "size": 10, "line": {"width": 1.5, "color": colour}},
-        ))
+        traces.append(
+            go.Scatter(
+                x=[x(t) for t in group],
+                y=[y(t) for t in group],
+                mode="markers",
+                name=_plot_text(label + suffix),
+                hovertext=[_hover(t) for t in group],
+                hoverinfo="text",
+                marker={"color": colour, "symbol": symbol, "size": 10, "line": {"width": 1.5, "color": colour}},
+            )
+        )
     return traces
 
 
@@ -280,17 +322,26 @@ def _best_trace(best: TrialRecord, *, x: float, y: float) -> go.Scatter:
 
     colour, symbol = _BEST_STYLE
     return go.Scatter(
-        x=[x], y=[y], mode="markers", name="best (confirmed)", hovertext=[_hover(best)], hoverinfo="text",
+        x=[x],
+        y=[y],
+        mode="markers",
+        name="best (confirmed)",
+        hovertext=[_hover(best)],
+        hoverinfo="text",
         marker={"color": colour, "symbol": symbol, "size": 20, "line": {"width": 1, "color": "#333"}},
     )
 
 
 def _base_layout(*, title: str, x_title: str, y_title: str) -> dict[str, Any]:
     return {
-        "title": {"text": title}, "height": _PLOT_HEIGHT, "template": "plotly_white",
-        "xaxis": {"title": {"text": x_title}}, "yaxis": {"title": {"text": y_title}, "rangemode": "tozero"},
+        "title": {"text": title},
+        "height": _PLOT_HEIGHT,
+        "template": "plotly_white",
+        "xaxis": {"title": {"text": x_title}},
+        "yaxis": {"title": {"text": y_title}, "rangemode": "tozero"},
         # Entries without a group are each a group of one: the default 10 px between groups spreads them out.
-        "legend": {"title": {"text": "status"}, "tracegroupgap": 2}, "hovermode": "closest",
+        "legend": {"title": {"text": "status"}, "tracegroupgap": 2},
+        "hovermode": "closest",
     }
 
 
@@ -309,12 +360,17 @@ def _best_in_trials(summary: StudySummary) -> TrialRecord | None:
 
 
 def _throughput_figure(summary: StudySummary) -> go.Figure:
-    """Throughput (tokens/s, images/s...) by trial number; trials without a figure sit on the x axis, never at an invented height."""
+    """Throughput (tokens/s, images/s...) by trial number.
+
+    Trials without a figure sit on the x axis, never at an invented height.
+    """
     import plotly.graph_objects as go
 
     measured = [t for t in summary.trials if t.throughput is not None]
     failed = [t for t in summary.trials if t.throughput is None]
-    fig = go.Figure(layout=_base_layout(title=THROUGHPUT_TITLE, x_title="trial number", y_title=summary.throughput_unit))
+    fig = go.Figure(
+        layout=_base_layout(title=THROUGHPUT_TITLE, x_title="trial number", y_title=summary.throughput_unit)
+    )
     for trace in _scatter_traces(measured, x=lambda t: t.number, y=lambda t: t.throughput):
         fig.add_trace(trace)
     for trace in _scatter_traces(failed, x=lambda t: t.number, y=lambda t: 0, suffix=" (no throughput)"):
@@ -340,16 +396,21 @@ def _memory_figure(summary: StudySummary) -> go.Figure:
     budget_mib = summary.memory_budget_bytes / _MIB
     both = [t for t in summary.trials if t.throughput is not None and t.peak_memory_bytes is not None]
     peak_only = [t for t in summary.trials if t.throughput is None and t.peak_memory_bytes is not None]
-    oom_no_peak = [t for t in summary.trials
-                   if t.status == "oom" and t.throughput is None and t.peak_memory_bytes is None]
-    fig = go.Figure(layout=_base_layout(title=MEMORY_TITLE, x_title="peak memory (MiB)", y_title=summary.throughput_unit))
+    oom_no_peak = [
+        t for t in summary.trials if t.status == "oom" and t.throughput is None and t.peak_memory_bytes is None
+    ]
+    fig = go.Figure(
+        layout=_base_layout(title=MEMORY_TITLE, x_title="peak memory (MiB)", y_title=summary.throughput_unit)
+    )
     for trace in _scatter_traces(both, x=lambda t: t.peak_memory_bytes / _MIB, y=lambda t: t.throughput):
         fig.add_trace(trace)
-    for trace in _scatter_traces(peak_only, x=lambda t: t.peak_memory_bytes / _MIB, y=lambda t: 0,
-                                 suffix=" (no throughput)"):
+    for trace in _scatter_traces(
+        peak_only, x=lambda t: t.peak_memory_bytes / _MIB, y=lambda t: 0, suffix=" (no throughput)"
+    ):
         fig.add_trace(trace)
-    for trace in _scatter_traces(oom_no_peak, x=lambda t: budget_mib, y=lambda t: 0,
-                                 suffix=" (no peak recorded: drawn at the budget)"):
+    for trace in _scatter_traces(
+        oom_no_peak, x=lambda t: budget_mib, y=lambda t: 0, suffix=" (no peak recorded: drawn at the budget)"
+    ):
         fig.add_trace(trace)
     best = _best_in_trials(summary)
     if best is not None and best.throughput is not None and best.peak_memory_bytes is not None:
@@ -370,10 +431,18 @@ def _limit_label(limit: int) -> str:
 def _add_memory_lines(fig: go.Figure, *, budget: int, limit: int) -> None:
     """The two lines, named in the legend: a label on the plot would sit on the points near them,
     and the best config is by design the one closest to the limit."""
-    for x, label, line in ((limit, _limit_label(limit), {"color": "#ff7f0e", "dash": "dot"}),
-                           (budget, _budget_label(budget), {"color": "#d62728", "dash": "dash"})):
-        fig.add_vline(x=x / _MIB, line=line, name=_plot_text(label), showlegend=True, legendgroup="lines",
-                      legendgrouptitle={"text": "memory"})
+    for x, label, line in (
+        (limit, _limit_label(limit), {"color": "#ff7f0e", "dash": "dot"}),
+        (budget, _budget_label(budget), {"color": "#d62728", "dash": "dash"}),
+    ):
+        fig.add_vline(
+            x=x / _MIB,
+            line=line,
+            name=_plot_text(label),
+            showlegend=True,
+            legendgroup="lines",
+            legendgrouptitle={"text": "memory"},
+        )
 
 
 def _varied_importances(summary: StudySummary) -> tuple[dict[str, float] | None, str | None]:
@@ -393,8 +462,9 @@ def _varied_importances(summary: StudySummary) -> tuple[dict[str, float] | None,
     # A name the trials do not show (not one of the tuner's parameters) is kept: nothing says it stayed put.
     varied = {k: v for k, v in summary.importances.items() if k not in values or len(values[k]) > 1}
     if len(varied) < 2:
-        what = (f"only {', '.join(varied)} varied" if varied else "no knob varied") + \
-            "".join(f"; {k} was always {next(iter(values[k]))}" for k in summary.importances if k not in varied)
+        what = (f"only {', '.join(varied)} varied" if varied else "no knob varied") + "".join(
+            f"; {k} was always {next(iter(values[k]))}" for k in summary.importances if k not in varied
+        )
         return None, FEW_VARIED_TEXT.format(what=what)
     total = sum(varied.values())
     return ({k: v / total for k, v in varied.items()} if total > 0 else varied), None
@@ -408,16 +478,25 @@ def _importance_figure(importances: dict[str, float] | None) -> go.Figure | None
 
     ranked = sorted(importances.items(), key=lambda kv: kv[1])
     fig = go.Figure(
-        go.Bar(x=[v for _, v in ranked], y=[_plot_text(k) for k, _ in ranked], orientation="h",
-               marker={"color": "#1f77b4"}, hovertemplate="%{y}: %{x:.1%}<extra></extra>"),
-        layout={"title": {"text": IMPORTANCE_TITLE}, "template": "plotly_white",
-                "height": max(240, 60 + 40 * len(ranked)),
-                "xaxis": {"title": {"text": "share of throughput variance (fANOVA)"}, "tickformat": ".0%"}},
+        go.Bar(
+            x=[v for _, v in ranked],
+            y=[_plot_text(k) for k, _ in ranked],
+            orientation="h",
+            marker={"color": "#1f77b4"},
+            hovertemplate="%{y}: %{x:.1%}<extra></extra>",
+        ),
+        layout={
+            "title": {"text": IMPORTANCE_TITLE},
+            "template": "plotly_white",
+            "height": max(240, 60 + 40 * len(ranked)),
+            "xaxis": {"title": {"text": "share of throughput variance (fANOVA)"}, "tickformat": ".0%"},
+        },
     )
     return fig
 
 
 # -- writing ------------------------------------------------------------------------------------
+
 
 def _write_atomically(path: Path, text: str) -> None:
     """Write beside the target, then rename over it: a reader never sees half a page."""

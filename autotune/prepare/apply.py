@@ -23,9 +23,16 @@ if TYPE_CHECKING:
 __all__ = ["prepare", "read_export"]
 
 
-def prepare(model: torch.nn.Module, config: TrialConfig | dict[str, Any] | str | Path | None = None, *,
-            workload: Workload | None = None, task: str | None = None, device: torch.device | None = None,
-            mesh: Any = None, **knobs: Any) -> torch.nn.Module:
+def prepare(
+    model: torch.nn.Module,
+    config: TrialConfig | dict[str, Any] | str | Path | None = None,
+    *,
+    workload: Workload | None = None,
+    task: str | None = None,
+    device: torch.device | None = None,
+    mesh: Any = None,
+    **knobs: Any,
+) -> torch.nn.Module:
     """Apply ``config``'s knobs to ``model`` and return the model to train (PEFT's wrapper with LoRA).
 
     ``config``: a TrialConfig, its dict, or the path of an ``autotune export --format json|yaml``
@@ -50,8 +57,10 @@ def prepare(model: torch.nn.Module, config: TrialConfig | dict[str, Any] | str |
         from autotune.prepare.lora import apply_lora
 
         if workload is None:
-            raise ConfigError("prepare(): LoRA's targets depend on the model; pass workload=Workload(model=...), "
-                              "or the path of the autotune export, which carries it")
+            raise ConfigError(
+                "prepare(): LoRA's targets depend on the model; pass workload=Workload(model=...), "
+                "or the path of the autotune export, which carries it"
+            )
         model = apply_lora(model, config, workload, task=task or resolve_task(workload))
     from autotune.prepare.precision import hold_weights
 
@@ -67,8 +76,9 @@ def prepare(model: torch.nn.Module, config: TrialConfig | dict[str, Any] | str |
     return model
 
 
-def _resolve(config: TrialConfig | dict[str, Any] | str | Path | None, workload: Workload | None,
-             knobs: dict[str, Any]) -> tuple[TrialConfig, Workload | None]:
+def _resolve(
+    config: TrialConfig | dict[str, Any] | str | Path | None, workload: Workload | None, knobs: dict[str, Any]
+) -> tuple[TrialConfig, Workload | None]:
     if isinstance(config, (str, Path)):
         config, exported = read_export(Path(config))
         workload = workload or exported
@@ -77,7 +87,9 @@ def _resolve(config: TrialConfig | dict[str, Any] | str | Path | None, workload:
     elif isinstance(config, dict):
         config = TrialConfig.from_dict(config)
     elif not isinstance(config, TrialConfig):
-        raise ConfigError(f"prepare(): config must be a TrialConfig, its dict or an export's path, not {type(config).__name__}")
+        raise ConfigError(
+            f"prepare(): config must be a TrialConfig, its dict or an export's path, not {type(config).__name__}"
+        )
     return (TrialConfig.from_dict({**config.to_dict(), **knobs}) if knobs else config), workload
 
 

@@ -22,8 +22,11 @@ if TYPE_CHECKING:
 __all__ = ["set_attention", "attention_refusal"]
 
 # Which class attribute says a Transformers model supports a kernel (eager: every model).
-_SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
-                  "flex_attention": "_supports_flex_attn"}
+_SUPPORT_FLAGS = {
+    "sdpa": "_supports_sdpa",
+    "flash_attention_2": "_supports_flash_attn",
+    "flex_attention": "_supports_flex_attn",
+}
 
 
 def set_attention(model: torch.nn.Module, attention: str, *, source: str = "the model") -> None:
@@ -32,12 +35,16 @@ def set_attention(model: torch.nn.Module, attention: str, *, source: str = "the 
         return
     switch = getattr(model, "set_attn_implementation", None)
     if switch is None:
-        raise ConfigError(f"--attention {attention}: {source} has no set_attn_implementation() (a Transformers "
-                          "model's); use --attention auto")
+        raise ConfigError(
+            f"--attention {attention}: {source} has no set_attn_implementation() (a Transformers "
+            "model's); use --attention auto"
+        )
     try:
         switch(attention)
     except (ValueError, ImportError) as exc:  # Transformers says why: unsupported, or the package is missing
-        raise ConfigError(f"--attention {attention}: {str(exc).strip().splitlines()[0]}; use --attention auto") from None
+        raise ConfigError(
+            f"--attention {attention}: {str(exc).strip().splitlines()[0]}; use --attention auto"
+        ) from None
 
 
 def attention_refusal(workload: Workload, attention: str, task: str) -> str | None:
@@ -45,8 +52,10 @@ def attention_refusal(workload: Workload, attention: str, task: str) -> str | No
     if attention == "auto":
         return None
     if parse_model_source(workload.model).kind == "factory":
-        return (f"--attention {attention}: the model from --model {workload.model} is a factory's, whose attention "
-                "autotune does not know; it applies to Transformers models (use auto)")
+        return (
+            f"--attention {attention}: the model from --model {workload.model} is a factory's, whose attention "
+            "autotune does not know; it applies to Transformers models (use auto)"
+        )
     flag = _SUPPORT_FLAGS.get(attention)
     if flag is None:
         return None  # eager: every Transformers model has it

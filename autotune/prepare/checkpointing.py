@@ -46,21 +46,25 @@ def enable_checkpointing(model: torch.nn.Module, every: int = 1, *, source: str 
     ``source``: the model in words, for errors (e.g. "the model from --model builtin:llama-tiny")."""
     enable = getattr(model, "gradient_checkpointing_enable", None)
     if enable is None:
-        raise ConfigError(f"--checkpointing on: {source} has no "
-                          "gradient_checkpointing_enable(); add one or use --checkpointing off")
+        raise ConfigError(
+            f"--checkpointing on: {source} has no gradient_checkpointing_enable(); add one or use --checkpointing off"
+        )
     # Non-reentrant checkpointing works with frozen inputs (LoRA) and with DeepSpeed.
     if every == 1:
         try:
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         except ValueError as exc:  # Transformers: "... does not support activation checkpointing"
-            raise ConfigError(f"--checkpointing on: {str(exc).splitlines()[0]} ({source}); "
-                              "use --checkpointing off") from None
+            raise ConfigError(
+                f"--checkpointing on: {str(exc).splitlines()[0]} ({source}); use --checkpointing off"
+            ) from None
     else:
         try:
             enable(gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every)
         except TypeError as exc:
-            raise ConfigError(f"--checkpointing every-{every}: {source} cannot checkpoint "
-                              f"every n-th layer ({exc}); use --checkpointing on or off") from None
+            raise ConfigError(
+                f"--checkpointing every-{every}: {source} cannot checkpoint "
+                f"every n-th layer ({exc}); use --checkpointing on or off"
+            ) from None
     if hasattr(getattr(model, "config", None), "use_cache"):
         model.config.use_cache = False
 
@@ -68,12 +72,16 @@ def enable_checkpointing(model: torch.nn.Module, every: int = 1, *, source: str 
 def every_n_refusal(workload: Workload) -> str | None:
     """Why ``--checkpointing every-N`` cannot apply here, or None (known before a trial)."""
     if parse_model_source(workload.model).kind == "factory":
-        return (f"--checkpointing every-N: the model from --model {workload.model} is a factory's, whose layers "
-                "autotune does not know; it applies to Hugging Face models (on or off work for factories)")
+        return (
+            f"--checkpointing every-N: the model from --model {workload.model} is a factory's, whose layers "
+            "autotune does not know; it applies to Hugging Face models (on or off work for factories)"
+        )
     installed = transformers_release()
     if installed is not None and installed < EVERY_N_SINCE:
-        return (f"--checkpointing every-N needs transformers >= {'.'.join(map(str, EVERY_N_SINCE))} "
-                f"(every_n_layers); {'.'.join(map(str, installed))} is installed")
+        return (
+            f"--checkpointing every-N needs transformers >= {'.'.join(map(str, EVERY_N_SINCE))} "
+            f"(every_n_layers); {'.'.join(map(str, installed))} is installed"
+        )
     return None
 
 

@@ -29,10 +29,10 @@ class LoraTargets:
     Trials and the peft export both use it, so the user's job adapts what was measured.
     """
 
-    target_modules: str | tuple[str, ...]       # "all-linear" (PEFT's keyword) or module names
-    modules_to_save: tuple[str, ...] | None     # heads trained in full (a classifier's), as PEFT saves them
-    task_type: str | None                       # PEFT's TaskType value; None for a factory's plain module
-    note: str                                   # e.g. "q_proj, v_proj (PEFT's default targets for llama)"
+    target_modules: str | tuple[str, ...]  # "all-linear" (PEFT's keyword) or module names
+    modules_to_save: tuple[str, ...] | None  # heads trained in full (a classifier's), as PEFT saves them
+    task_type: str | None  # PEFT's TaskType value; None for a factory's plain module
+    note: str  # e.g. "q_proj, v_proj (PEFT's default targets for llama)"
 
     def peft_kwargs(self) -> dict[str, Any]:
         """``LoraConfig`` keyword arguments: what a trial applies and the peft export writes."""
@@ -47,8 +47,9 @@ class LoraTargets:
 _PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS", "seq2seq-lm": "SEQ_2_SEQ_LM"}
 
 
-def lora_targets(workload: Workload, targets: tuple[str, ...] | None, *, task: str,
-                 model: torch.nn.Module | None = None) -> LoraTargets:
+def lora_targets(
+    workload: Workload, targets: tuple[str, ...] | None, *, task: str, model: torch.nn.Module | None = None
+) -> LoraTargets:
     """Resolve ``--lora-targets`` (None: the default) for the workload's model.
 
     The default is PEFT's own targets for the architecture where PEFT has them, else every linear
@@ -72,14 +73,18 @@ def lora_targets(workload: Workload, targets: tuple[str, ...] | None, *, task: s
     elif source.kind == "factory":
         facts = factory_facts(workload, task)
         if facts is None:
-            raise WorkloadError(f"--model {workload.model}: building it on the meta device failed, so its linear "
-                                "layers are unknown; name the modules to adapt with --lora-targets")
+            raise WorkloadError(
+                f"--model {workload.model}: building it on the meta device failed, so its linear "
+                "layers are unknown; name the modules to adapt with --lora-targets"
+            )
         found, heads = tuple(facts["lora_targets"]), tuple(facts["heads"])
     else:
         found, heads = linear_layers_but_heads(meta_model(workload, task), task=task)
     if not found:
-        raise WorkloadError(f"--lora-rank: the model from --model {workload.model} has no linear layer besides "
-                            "its task head to adapt; name the modules with --lora-targets")
+        raise WorkloadError(
+            f"--lora-rank: the model from --model {workload.model} has no linear layer besides "
+            "its task head to adapt; name the modules with --lora-targets"
+        )
     return LoraTargets(found, heads if task in CLASSIFIER_TASKS and heads else None, task_type, note)
 
 
@@ -99,18 +104,20 @@ def lora_targets_note(workload: Workload, targets: tuple[str, ...] | None, *, ta
 def apply_lora(model: torch.nn.Module, config: TrialConfig, workload: Workload, *, task: str) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
-
     try:
         plan = lora_targets(workload, config.lora_targets, task=task, model=model)
     except WorkloadError as exc:
         raise ConfigError(str(exc)) from exc
-    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.effective_lora_alpha, lora_dropout=0.0,
-                      **plan.peft_kwargs())
+    lora = LoraConfig(
+        r=config.lora_rank, lora_alpha=config.effective_lora_alpha, lora_dropout=0.0, **plan.peft_kwargs()
+    )
     try:
         return get_peft_model(model, lora)
     except (ValueError, TypeError) as exc:  # TypeError: e.g. a target inside a head PEFT trains in full
-        raise ConfigError(f"--lora-targets: {str(exc).splitlines()[0]}; name the modules to adapt, "
-                          "e.g. --lora-targets q_proj,v_proj, or --lora-targets all-linear") from exc
+        raise ConfigError(
+            f"--lora-targets: {str(exc).splitlines()[0]}; name the modules to adapt, "
+            "e.g. --lora-targets q_proj,v_proj, or --lora-targets all-linear"
+        ) from exc
 
 
 def _peft_default_targets(model_type: str | None) -> tuple[str, ...] | None:

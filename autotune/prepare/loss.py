@@ -36,8 +36,10 @@ def chunked_loss_refusal(workload: Workload, task: str) -> str | None:
     if task != "causal-lm":
         return f"--loss chunked is a causal LM's loss (LM head + cross-entropy); --task {task} keeps its own"
     if parse_model_source(workload.model).kind == "factory":
-        return (f"--loss chunked: the model from --model {workload.model} is a factory's, whose LM head and "
-                "loss autotune does not know; it applies to Hugging Face causal LMs")
+        return (
+            f"--loss chunked: the model from --model {workload.model} is a factory's, whose LM head and "
+            "loss autotune does not know; it applies to Hugging Face causal LMs"
+        )
     return None
 
 
@@ -47,8 +49,10 @@ def chunk_loss(model: torch.nn.Module, chunks: int = DEFAULT_LOSS_CHUNKS, *, sou
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     head = getattr(base, "lm_head", None)
     if head is None or not hasattr(type(base), "loss_function"):
-        raise ConfigError(f"--loss chunked: {source} has no lm_head and loss_function (a Hugging Face causal "
-                          "LM has both); use --loss standard")
+        raise ConfigError(
+            f"--loss chunked: {source} has no lm_head and loss_function (a Hugging Face causal "
+            "LM has both); use --loss standard"
+        )
     _ChunkedCrossEntropy(head, chunks).install(base)
 
 
@@ -78,9 +82,16 @@ class _ChunkedCrossEntropy:
         finally:
             self._in_loss = False
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None,
-                 num_items_in_batch: Any = None, ignore_index: int = _IGNORE, shift_labels: Any = None,
-                 **_: Any) -> torch.Tensor:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int | None = None,
+        num_items_in_batch: Any = None,
+        ignore_index: int = _IGNORE,
+        shift_labels: Any = None,
+        **_: Any,
+    ) -> torch.Tensor:
         import torch
         from torch.utils.checkpoint import checkpoint
 
@@ -90,7 +101,7 @@ class _ChunkedCrossEntropy:
         hidden = hidden.reshape(-1, hidden.shape[-1])
         targets = shift_labels.reshape(-1).to(hidden.device)
         total = hidden.new_zeros((), dtype=torch.float32)
-        for part, part_targets in zip(hidden.chunk(self.chunks), targets.chunk(self.chunks)):
+        for part, part_targets in zip(hidden.chunk(self.chunks), targets.chunk(self.chunks), strict=True):
             total = total + checkpoint(self._summed_loss, part, part_targets, ignore_index, use_reentrant=False)
         if num_items_in_batch is not None:
             count = num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch

@@ -52,9 +52,13 @@ def factory_facts(workload: Workload, task: str) -> dict[str, Any] | None:
         return _FACTORY_FACTS[key]
     code = "import sys; from autotune.prepare.model_facts import _probe_main; _probe_main(*sys.argv[1:])"
     facts = None
-    with subprocess.Popen([sys.executable, "-c", code, workload.model, task, str(workload.seq_len)],
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                          start_new_session=True) as probe:
+    with subprocess.Popen(
+        [sys.executable, "-c", code, workload.model, task, str(workload.seq_len)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    ) as probe:
         try:
             out, _ = probe.communicate(timeout=_PROBE_TIMEOUT_S)
             lines = out.strip().splitlines()
@@ -76,8 +80,11 @@ def _probe_main(ref: str, task: str, seq_len: str) -> None:
 
     model = meta_model(Workload(model=ref, task=task, seq_len=int(seq_len)), task)
     targets, heads = linear_layers_but_heads(model, task=task)
-    print("\n" + json.dumps({"missing_checkpointing": checkpointing_gap(model, ref),
-                             "lora_targets": targets, "heads": heads}), flush=True)
+    print(
+        "\n"
+        + json.dumps({"missing_checkpointing": checkpointing_gap(model, ref), "lora_targets": targets, "heads": heads}),
+        flush=True,
+    )
 
 
 def linear_layers_but_heads(model: torch.nn.Module, *, task: str) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -53,13 +53,17 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     units = [m for m in model.modules() if type(m).__name__ in names]
     if units:
         return units
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
-             and len({type(block) for block in m}) == 1]
+    lists = [
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.ModuleList) and len(m) > 1 and len({type(block) for block in m}) == 1
+    ]
     return list(max(lists, key=len)) if lists else []
 
 
-def shard_model(model: torch.nn.Module, config: TrialConfig, device: torch.device | None = None,
-                mesh: Any = None) -> torch.nn.Module:
+def shard_model(
+    model: torch.nn.Module, config: TrialConfig, device: torch.device | None = None, mesh: Any = None
+) -> torch.nn.Module:
     """``fully_shard`` each unit, then the root, with the config's reshard, precision and offload
     policies; then give each rank its shard of the parameters (meta ones made, random)."""
     import torch.distributed as dist
@@ -73,18 +77,22 @@ def shard_model(model: torch.nn.Module, config: TrialConfig, device: torch.devic
     from autotune.errors import ConfigError
 
     if mesh is None and not dist.is_initialized():
-        raise ConfigError(f"--fsdp {config.fsdp} shards over the ranks of a process group: run the job under "
-                          "torchrun and call torch.distributed.init_process_group() before autotune.prepare")
+        raise ConfigError(
+            f"--fsdp {config.fsdp} shards over the ranks of a process group: run the job under "
+            "torchrun and call torch.distributed.init_process_group() before autotune.prepare"
+        )
     if device is None:  # where the user's model is (a GPU job moves it there before preparing)
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
 
     options: dict[str, Any] = {"reshard_after_forward": config.fsdp == "full", "mesh": mesh}
     if config.autocast_type is not None:  # mixed precision: 16-bit compute copies, fp32 gradient reduction
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, config.autocast_type),
-                                                    reduce_dtype=torch.float32)
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=getattr(torch, config.autocast_type), reduce_dtype=torch.float32
+        )
     # Pinned memory needs a GPU; on a CPU device "offload" keeps the same policy, its copies are plain.
-    options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda") \
-        if config.offload == "optimizer+params" else OffloadPolicy()
+    options["offload_policy"] = (
+        CPUOffloadPolicy(pin_memory=device.type == "cuda") if config.offload == "optimizer+params" else OffloadPolicy()
+    )
     for unit in shard_units(model):
         fully_shard(unit, **options)
     fully_shard(model, **options)

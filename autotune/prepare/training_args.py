@@ -15,8 +15,14 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.prepare.checkpointing import EVERY_N_SINCE, transformers_release
 
-__all__ = ["trainer_arguments", "lightning_arguments", "lightning_strategy", "accelerate_arguments",
-           "accelerate_deepspeed_plugin", "checkpointing_argument"]
+__all__ = [
+    "trainer_arguments",
+    "lightning_arguments",
+    "lightning_strategy",
+    "accelerate_arguments",
+    "accelerate_deepspeed_plugin",
+    "checkpointing_argument",
+]
 
 # Lightning's precision strings: mixed precision is autocast, -true holds the model in 16 bits.
 _LIGHTNING_PRECISION = {"fp16": "16-mixed", "bf16": "bf16-mixed", "bf16-true": "bf16-true"}
@@ -40,12 +46,20 @@ _AUTO_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 _AUTO_OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay")
 # The bucket sizes the Trainer fills from its model's hidden size (DeepSpeed's own defaults, 5e8
 # elements, allocate a 2 GB gradient buffer whatever the model): per "is ZeRO-3".
-_AUTO_BUCKET_KEYS = {False: ("reduce_bucket_size",),
-                     True: ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")}
+_AUTO_BUCKET_KEYS = {
+    False: ("reduce_bucket_size",),
+    True: ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"),
+}
 
 
-def trainer_arguments(config: TrialConfig, workload: Workload, *, device_type: str, hidden_size: int | None = None,
-                      wrap_classes: list[str] | None = None) -> dict[str, Any]:
+def trainer_arguments(
+    config: TrialConfig,
+    workload: Workload,
+    *,
+    device_type: str,
+    hidden_size: int | None = None,
+    wrap_classes: list[str] | None = None,
+) -> dict[str, Any]:
     """Keyword arguments of ``transformers.TrainingArguments`` that train ``config``.
 
     ``hidden_size``: the model's, for DeepSpeed's bucket sizes (None: DeepSpeed's defaults).
@@ -80,10 +94,13 @@ def trainer_arguments(config: TrialConfig, workload: Workload, *, device_type: s
     if config.uses_fsdp:  # Transformers 5's FSDP2 settings, read by its Accelerate plugin
         kwargs["fsdp"] = True
         kwargs["fsdp_config"] = {
-            "version": 2, "reshard_after_forward": config.fsdp == "full",
-            "cpu_offload": config.offload == "optimizer+params", "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "version": 2,
+            "reshard_after_forward": config.fsdp == "full",
+            "cpu_offload": config.offload == "optimizer+params",
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             **({} if wrap_classes is None else {"transformer_layer_cls_to_wrap": wrap_classes}),
-            "state_dict_type": "SHARDED_STATE_DICT", "cpu_ram_efficient_loading": True,
+            "state_dict_type": "SHARDED_STATE_DICT",
+            "cpu_ram_efficient_loading": True,
         }
     if device_type == "cpu":
         kwargs["use_cpu"] = True
@@ -93,20 +110,27 @@ def trainer_arguments(config: TrialConfig, workload: Workload, *, device_type: s
 def lightning_arguments(config: TrialConfig, workload: Workload) -> dict[str, Any]:
     """The knobs among ``lightning.pytorch.Trainer``'s arguments: precision and accumulation (the micro
     batch is the DataLoader's; checkpointing and LoRA are the model's, applied by ``autotune.prepare``)."""
-    return {"precision": _LIGHTNING_PRECISION.get(config.precision, "32-true"),
-            "accumulate_grad_batches": config.grad_accum_steps(workload)}
+    return {
+        "precision": _LIGHTNING_PRECISION.get(config.precision, "32-true"),
+        "accumulate_grad_batches": config.grad_accum_steps(workload),
+    }
 
 
-def lightning_strategy(config: TrialConfig, workload: Workload, *, hidden_size: int | None = None) -> str | dict[str, Any]:
+def lightning_strategy(
+    config: TrialConfig, workload: Workload, *, hidden_size: int | None = None
+) -> str | dict[str, Any]:
     """``lightning.pytorch.Trainer``'s ``strategy``: a registered name, or LightningCLI's class_path form
     where the knobs need arguments. ``hidden_size``: the model's, for the trial's DeepSpeed bucket sizes
     (None: Lightning's own, 2e8 elements)."""
     if config.uses_fsdp:  # the same sharding; Lightning's FSDPStrategy wraps with FSDP's first API
-        return {"class_path": "lightning.pytorch.strategies.FSDPStrategy", "init_args": {
-            "sharding_strategy": "FULL_SHARD" if config.fsdp == "full" else "SHARD_GRAD_OP",
-            "cpu_offload": config.offload == "optimizer+params",
-            "state_dict_type": "sharded",
-        }}
+        return {
+            "class_path": "lightning.pytorch.strategies.FSDPStrategy",
+            "init_args": {
+                "sharding_strategy": "FULL_SHARD" if config.fsdp == "full" else "SHARD_GRAD_OP",
+                "cpu_offload": config.offload == "optimizer+params",
+                "state_dict_type": "sharded",
+            },
+        }
     if not config.uses_deepspeed:
         return "ddp" if workload.nproc > 1 else "auto"
     zero = deepspeed_config(config, workload, hidden_size=hidden_size)["zero_optimization"]
@@ -116,24 +140,30 @@ def lightning_strategy(config: TrialConfig, workload: Workload, *, hidden_size: 
         return name
     # No registered name (stage 0, stage 1 + offload, stage 3 + optimizer offload only), or the trial's
     # bucket sizes (Lightning's 2e8-element defaults hold GBs of buffers the trial did not).
-    return {"class_path": "lightning.pytorch.strategies.DeepSpeedStrategy", "init_args": {
-        "stage": config.zero_stage,
-        "offload_optimizer": config.offload != "none",
-        "offload_parameters": config.offload == "optimizer+params",
-        **buckets,
-    }}
+    return {
+        "class_path": "lightning.pytorch.strategies.DeepSpeedStrategy",
+        "init_args": {
+            "stage": config.zero_stage,
+            "offload_optimizer": config.offload != "none",
+            "offload_parameters": config.offload == "optimizer+params",
+            **buckets,
+        },
+    }
 
 
 def accelerate_arguments(config: TrialConfig, workload: Workload) -> dict[str, Any]:
     """The knobs among ``accelerate.Accelerator``'s arguments: mixed precision and accumulation (the
     micro batch is the DataLoader's; the rest is the model's, applied by ``autotune.prepare``)."""
     # bf16-true: autocast on the bf16 model autotune.prepare made changes nothing, as in the Trainer's
-    return {"mixed_precision": {"float16": "fp16", "bfloat16": "bf16"}.get(config.sixteen_bit or "", "no"),
-            "gradient_accumulation_steps": config.grad_accum_steps(workload)}
+    return {
+        "mixed_precision": {"float16": "fp16", "bfloat16": "bf16"}.get(config.sixteen_bit or "", "no"),
+        "gradient_accumulation_steps": config.grad_accum_steps(workload),
+    }
 
 
-def accelerate_deepspeed_plugin(config: TrialConfig, workload: Workload, *, device_type: str,
-                                hidden_size: int | None = None) -> dict[str, Any]:
+def accelerate_deepspeed_plugin(
+    config: TrialConfig, workload: Workload, *, device_type: str, hidden_size: int | None = None
+) -> dict[str, Any]:
     """ZeRO as Accelerate takes it: ``accelerate.DeepSpeedPlugin``'s arguments. ``hf_ds_config`` is the
     DeepSpeed config (the accelerate export writes it to the file its YAML names), with the trial's
     bucket sizes: the plugin Accelerate builds from YAML keys alone has DeepSpeed's 5e8-element

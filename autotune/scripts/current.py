@@ -36,12 +36,20 @@ def write_config_file(path: Path, config: TrialConfig, workload: Workload, *, de
     lightning = lightning_arguments(config, workload)
     if config.uses_deepspeed and device_type == "cuda":  # Lightning runs DeepSpeed on CUDA only
         lightning["strategy"] = lightning_strategy(config, workload)  # the lightning export's, for this model
-    path.write_text(json.dumps({
-        "config": config.to_dict(), "workload": workload.to_dict(),
-        "grad_accum_steps": config.grad_accum_steps(workload),
-        "frameworks": {"transformers": trainer_arguments(config, workload, device_type=device_type),
-                       "lightning": lightning,
-                       "accelerate": accelerate}}))
+    path.write_text(
+        json.dumps(
+            {
+                "config": config.to_dict(),
+                "workload": workload.to_dict(),
+                "grad_accum_steps": config.grad_accum_steps(workload),
+                "frameworks": {
+                    "transformers": trainer_arguments(config, workload, device_type=device_type),
+                    "lightning": lightning,
+                    "accelerate": accelerate,
+                },
+            }
+        )
+    )
 
 
 def current_config() -> TrialConfig | None:

@@ -40,8 +40,9 @@ def install_from(config_path: str) -> FrameworkHooks:
     if _INSTALLED is None:
         with open(config_path) as file:
             given = json.load(file).get("frameworks") or {}
-        _INSTALLED = FrameworkHooks(given.get("transformers") or {}, given.get("lightning") or {},
-                                    given.get("accelerate") or {})
+        _INSTALLED = FrameworkHooks(
+            given.get("transformers") or {}, given.get("lightning") or {}, given.get("accelerate") or {}
+        )
         _INSTALLED.install()
     return _INSTALLED
 
@@ -54,28 +55,37 @@ def installed() -> FrameworkHooks | None:
 class FrameworkHooks:
     """What the script's frameworks were given and what the script asked of them."""
 
-    def __init__(self, trainer_args: dict[str, Any], lightning_args: dict[str, Any],
-                 accelerate_args: dict[str, Any]) -> None:
+    def __init__(
+        self, trainer_args: dict[str, Any], lightning_args: dict[str, Any], accelerate_args: dict[str, Any]
+    ) -> None:
         self.trainer_args = trainer_args
         self.lightning_args = lightning_args
         self.accelerate_args = accelerate_args
-        self.trainer_args_applied = False           # a TrainingArguments was built with them
-        self.lightning_args_applied = False         # a Lightning Trainer was built with them
-        self.loader_batches: list[int] = []         # DataLoader batch sizes, in order of creation
-        self.deepspeed_engines = 0                  # DeepSpeed engines built (a ZeRO config needs one)
+        self.trainer_args_applied = False  # a TrainingArguments was built with them
+        self.lightning_args_applied = False  # a Lightning Trainer was built with them
+        self.loader_batches: list[int] = []  # DataLoader batch sizes, in order of creation
+        self.deepspeed_engines = 0  # DeepSpeed engines built (a ZeRO config needs one)
 
     def install(self) -> None:
-        after_import("transformers.training_args",
-                     lambda module: _wrap(module.TrainingArguments, "__post_init__", before=self._training_arguments))
+        after_import(
+            "transformers.training_args",
+            lambda module: _wrap(module.TrainingArguments, "__post_init__", before=self._training_arguments),
+        )
         for package in ("lightning.pytorch", "pytorch_lightning"):  # the unified package and the old name
-            after_import(f"{package}.trainer.trainer",
-                         lambda module: _wrap(module.Trainer, "__init__", before=self._lightning_trainer))
-        after_import("accelerate.accelerator",
-                     lambda module: _wrap(module.Accelerator, "__init__", before=self._accelerator))
-        after_import("torch.utils.data.dataloader",
-                     lambda module: _wrap(module.DataLoader, "__init__", after=self._data_loader))
-        after_import("deepspeed.runtime.engine",
-                     lambda module: _wrap(module.DeepSpeedEngine, "__init__", after=self._deepspeed_engine))
+            after_import(
+                f"{package}.trainer.trainer",
+                lambda module: _wrap(module.Trainer, "__init__", before=self._lightning_trainer),
+            )
+        after_import(
+            "accelerate.accelerator", lambda module: _wrap(module.Accelerator, "__init__", before=self._accelerator)
+        )
+        after_import(
+            "torch.utils.data.dataloader", lambda module: _wrap(module.DataLoader, "__init__", after=self._data_loader)
+        )
+        after_import(
+            "deepspeed.runtime.engine",
+            lambda module: _wrap(module.DeepSpeedEngine, "__init__", after=self._deepspeed_engine),
+        )
 
     def _training_arguments(self, arguments: Any, kwargs: dict[str, Any]) -> None:
         for name, value in self.trainer_args.items():  # before TrainingArguments checks its own values
@@ -117,26 +127,37 @@ class FrameworkHooks:
         """Why a ZeRO config was not what the measured steps trained, or None."""
         if zero_stage is not None and not self.deepspeed_engines:
             if self.lightning_args_applied and "strategy" not in self.lightning_args:
-                return (f"the script trained without DeepSpeed: --zero-stage {zero_stage} was not applied; "
-                        "Lightning runs DeepSpeed on CUDA GPUs only (its DeepSpeedStrategy is given on CUDA)")
-            return (f"the script trained without DeepSpeed: --zero-stage {zero_stage} was not applied; let a "
-                    "Transformers Trainer take it from its arguments or an Accelerator from its plugin (through "
-                    "accelerator.prepare), or build the engine with deepspeed.initialize at the stage "
-                    "autotune.current_config().zero_stage names")
+                return (
+                    f"the script trained without DeepSpeed: --zero-stage {zero_stage} was not applied; "
+                    "Lightning runs DeepSpeed on CUDA GPUs only (its DeepSpeedStrategy is given on CUDA)"
+                )
+            return (
+                f"the script trained without DeepSpeed: --zero-stage {zero_stage} was not applied; let a "
+                "Transformers Trainer take it from its arguments or an Accelerator from its plugin (through "
+                "accelerator.prepare), or build the engine with deepspeed.initialize at the stage "
+                "autotune.current_config().zero_stage names"
+            )
         return None
 
     def ignored_micro_batch(self, micro_batch: int) -> str | None:
         """Why the measured steps were not of ``micro_batch`` samples per micro-step, or None."""
         if self.loader_batches and micro_batch not in self.loader_batches:
             sizes = ", ".join(str(size) for size in dict.fromkeys(self.loader_batches))
-            return (f"the script ignored the injected micro batch: its DataLoader batches {sizes} samples, the "
-                    f"config's micro batch is {micro_batch}; read it from AUTOTUNE_CONFIG "
-                    "(autotune.current_config().micro_batch) or let the Trainer batch")
+            return (
+                f"the script ignored the injected micro batch: its DataLoader batches {sizes} samples, the "
+                f"config's micro batch is {micro_batch}; read it from AUTOTUNE_CONFIG "
+                "(autotune.current_config().micro_batch) or let the Trainer batch"
+            )
         return None
 
 
-def _wrap(cls: type, method: str, *, before: Callable[[Any, dict[str, Any]], None] | None = None,
-          after: Callable[[Any], None] | None = None) -> None:
+def _wrap(
+    cls: type,
+    method: str,
+    *,
+    before: Callable[[Any, dict[str, Any]], None] | None = None,
+    after: Callable[[Any], None] | None = None,
+) -> None:
     """Replace ``cls.method`` with one that calls ``before(instance, kwargs)`` (which may change the
     keyword arguments) and ``after(instance)`` around the original. Arguments the script passed by
     position are handed over by name, so ``before`` overrides them too (``Accelerator(True, False,
@@ -162,8 +183,9 @@ def _wrap(cls: type, method: str, *, before: Callable[[Any, dict[str, Any]], Non
     setattr(cls, method, wrapped)
 
 
-def _by_name(signature: Any, instance: Any, args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _by_name(
+    signature: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args`` and ``kwargs`` with every positional argument moved to ``kwargs`` by its name; left
     as they are where a parameter cannot be named (positional-only, ``*args``)."""
     import inspect

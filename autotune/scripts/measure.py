@@ -124,9 +124,12 @@ class _Measurement:
 
     def _at_exit(self) -> None:
         if self.ends and not self.written:  # it stepped, then ended before the measured steps were done
-            self._write("error", error=f"the script ended after {len(self.ends)} optimizer step(s); the trial "
-                                       f"measures {self.warmup} warm-up and {self.spec['measure_steps']} timed steps "
-                                       "(train for more steps, or lower --steps)")
+            self._write(
+                "error",
+                error=f"the script ended after {len(self.ends)} optimizer step(s); the trial "
+                f"measures {self.warmup} warm-up and {self.spec['measure_steps']} timed steps "
+                "(train for more steps, or lower --steps)",
+            )
 
     # -- the record ---------------------------------------------------------------------------
     def _write(self, status: str, error: str | None = None) -> None:
@@ -134,38 +137,67 @@ class _Measurement:
             return
         self.written = True
         workload = self.spec["workload"]
-        record: dict[str, Any] = {"config": self.spec["config"], "status": status, "error": error,
-                                  "phases": {}, "measured_steps": 0, "device": str(self.device or "cpu"),
-                                  "memory_budget_bytes": self.spec.get("memory_budget_bytes"),
-                                  "grad_accum_steps": self.spec["grad_accum_steps"], **self.cores}
-        unapplied = _needs_prepare(self.spec["config"], trainer=self.frameworks.trainer_args_applied) \
-            if status == "ok" and not self.prepared else None
+        record: dict[str, Any] = {
+            "config": self.spec["config"],
+            "status": status,
+            "error": error,
+            "phases": {},
+            "measured_steps": 0,
+            "device": str(self.device or "cpu"),
+            "memory_budget_bytes": self.spec.get("memory_budget_bytes"),
+            "grad_accum_steps": self.spec["grad_accum_steps"],
+            **self.cores,
+        }
+        unapplied = (
+            _needs_prepare(self.spec["config"], trainer=self.frameworks.trainer_args_applied)
+            if status == "ok" and not self.prepared
+            else None
+        )
         if unapplied:
-            status, error = "error", (f"the script did not call autotune.prepare(model, autotune.current_config()): "
-                                      f"{unapplied} would not be applied")
+            status, error = (
+                "error",
+                (
+                    f"the script did not call autotune.prepare(model, autotune.current_config()): "
+                    f"{unapplied} would not be applied"
+                ),
+            )
             record.update(status=status, error=error)
-        ignored = (self.frameworks.ignored_micro_batch(self.spec["config"]["micro_batch"])
-                   or self.frameworks.ignored_zero(self.spec["config"].get("zero_stage"))) if status == "ok" else None
+        ignored = (
+            (
+                self.frameworks.ignored_micro_batch(self.spec["config"]["micro_batch"])
+                or self.frameworks.ignored_zero(self.spec["config"].get("zero_stage"))
+            )
+            if status == "ok"
+            else None
+        )
         if ignored:
             status, error = "error", ignored
             record.update(status=status, error=error)
-        seconds = [b - a for a, b in zip(self.ends[self.warmup - 1:], self.ends[self.warmup:])]
+        seconds = [b - a for a, b in zip(self.ends[self.warmup - 1 :], self.ends[self.warmup :], strict=False)]
         if status == "ok" and seconds:
             from autotune.config.workload import Workload
             from autotune.models.batches import throughput_unit
             from autotune.trial.measure import StepTimes
 
-            times = StepTimes(seconds=seconds, warmup_s=self.ends[self.warmup - 1] - self.spec["launched"],
-                              last_loss=float("nan"))
-            record.update(step_time_median_s=times.median_s, step_time_iqr_s=times.iqr_s,
-                          step_time_spread=times.spread, disturbed_steps=times.disturbed_steps,
-                          measured_steps=len(seconds))
+            times = StepTimes(
+                seconds=seconds, warmup_s=self.ends[self.warmup - 1] - self.spec["launched"], last_loss=float("nan")
+            )
+            record.update(
+                step_time_median_s=times.median_s,
+                step_time_iqr_s=times.iqr_s,
+                step_time_spread=times.spread,
+                disturbed_steps=times.disturbed_steps,
+                measured_steps=len(seconds),
+            )
             # What one sample holds is what --task and the lengths say (a script's model is its own).
             task = workload.get("task") or "causal-lm"
             tokens = Workload.from_dict(workload).tokens_per_sample(task)
             samples_per_s = workload["global_batch"] / times.median_s
-            record.update(samples_per_s=samples_per_s, throughput_unit=throughput_unit(task, own_batch=False),
-                          tokens_per_s=samples_per_s * tokens if tokens else None)
+            record.update(
+                samples_per_s=samples_per_s,
+                throughput_unit=throughput_unit(task, own_batch=False),
+                tokens_per_s=samples_per_s * tokens if tokens else None,
+            )
             record["phases"] = {"warmup_s": times.warmup_s, "measure_s": times.total_s}
         import torch
 
@@ -184,12 +216,19 @@ def _needs_prepare(config: dict[str, Any], *, trainer: bool) -> str | None:
     from autotune.config.knobs import TrialConfig
 
     knobs = TrialConfig.from_dict(config)
-    flags = [flag for flag, on in (
-        (f"--lora-rank {knobs.lora_rank}", knobs.uses_lora),
-        ("--checkpointing " + ("on" if knobs.checkpoint_every == 1 else f"every-{knobs.checkpoint_every}"),
-         knobs.checkpointing and not trainer),
-        (f"--loss {knobs.loss}", knobs.loss != "standard"),
-        (f"--attention {knobs.attention}", knobs.attention != "auto"),
-        (f"--precision {knobs.precision}", knobs.true_16_bit),
-        (f"--fsdp {knobs.fsdp}", knobs.uses_fsdp)) if on]
+    flags = [
+        flag
+        for flag, on in (
+            (f"--lora-rank {knobs.lora_rank}", knobs.uses_lora),
+            (
+                "--checkpointing " + ("on" if knobs.checkpoint_every == 1 else f"every-{knobs.checkpoint_every}"),
+                knobs.checkpointing and not trainer,
+            ),
+            (f"--loss {knobs.loss}", knobs.loss != "standard"),
+            (f"--attention {knobs.attention}", knobs.attention != "auto"),
+            (f"--precision {knobs.precision}", knobs.true_16_bit),
+            (f"--fsdp {knobs.fsdp}", knobs.uses_fsdp),
+        )
+        if on
+    ]
     return ", ".join(flags) or None

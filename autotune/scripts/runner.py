@@ -36,9 +36,17 @@ __all__ = ["run_script_trial", "run_with_config", "command_with_config"]
 _HOOK_DIR = Path(__file__).parent / "hook"
 
 
-def run_script_trial(command: list[str], workload: Workload, config: TrialConfig, *,
-                     memory_budget_bytes: int | None = None, timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S,
-                     warmup_steps: int = 1, measure_steps: int = 3, device: DeviceInfo | None = None) -> TrialResult:
+def run_script_trial(
+    command: list[str],
+    workload: Workload,
+    config: TrialConfig,
+    *,
+    memory_budget_bytes: int | None = None,
+    timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S,
+    warmup_steps: int = 1,
+    measure_steps: int = 3,
+    device: DeviceInfo | None = None,
+) -> TrialResult:
     """Run ``command`` (e.g. ``["python", "train.py", "--epochs", "1"]``) as a trial of ``config``.
 
     The workload says what the command trains: its global batch, sequence length and ranks give
@@ -54,14 +62,25 @@ def run_script_trial(command: list[str], workload: Workload, config: TrialConfig
     with tempfile.TemporaryDirectory(prefix="autotune-script-") as tmp:
         work = Path(tmp)
         write_config_file(work / "config.json", config, workload, device_type=device.type)
-        (work / "spec.json").write_text(json.dumps({
-            "config": config.to_dict(), "workload": workload.to_dict(), "device_type": device.type,
-            "grad_accum_steps": config.grad_accum_steps(workload), "memory_budget_bytes": memory_budget_bytes,
-            "warmup_steps": warmup_steps, "measure_steps": measure_steps, "out_dir": str(work),
-            "cpu_cores": free_cores() if device.type == "cpu" else None,
-            "launched": time.perf_counter()}))
-        env = _command_env(config, workload, device, {CONFIG_ENV: str(work / "config.json"),
-                                                      SPEC_ENV: str(work / "spec.json")})
+        (work / "spec.json").write_text(
+            json.dumps(
+                {
+                    "config": config.to_dict(),
+                    "workload": workload.to_dict(),
+                    "device_type": device.type,
+                    "grad_accum_steps": config.grad_accum_steps(workload),
+                    "memory_budget_bytes": memory_budget_bytes,
+                    "warmup_steps": warmup_steps,
+                    "measure_steps": measure_steps,
+                    "out_dir": str(work),
+                    "cpu_cores": free_cores() if device.type == "cpu" else None,
+                    "launched": time.perf_counter(),
+                }
+            )
+        )
+        env = _command_env(
+            config, workload, device, {CONFIG_ENV: str(work / "config.json"), SPEC_ENV: str(work / "spec.json")}
+        )
         started = time.monotonic()
         returncode, timed_out = run_process_group(command, work, timeout_s=timeout_s, env=env)
         elapsed = time.monotonic() - started
@@ -69,35 +88,64 @@ def run_script_trial(command: list[str], workload: Workload, config: TrialConfig
         stderr_tail = stderr_tail_of(work / "stderr.log")
     if not any(records) and not timed_out:
         # Nothing stepped and nothing raised in Python: the command ended on its own.
-        why = (f"no optimizer step in {elapsed:.0f} s: the command exited with status {returncode} before "
-               "its first optimizer step" if returncode == 0 else
-               f"the command exited with status {returncode} before its first optimizer step")
-        return TrialResult(config=config, status=TrialStatus.ERROR, exit_code=returncode, world_size=workload.nproc,
-                           memory_budget_bytes=memory_budget_bytes,
-                           error=f"{why}\n{stderr_tail}".rstrip())
+        why = (
+            f"no optimizer step in {elapsed:.0f} s: the command exited with status {returncode} before "
+            "its first optimizer step"
+            if returncode == 0
+            else f"the command exited with status {returncode} before its first optimizer step"
+        )
+        return TrialResult(
+            config=config,
+            status=TrialStatus.ERROR,
+            exit_code=returncode,
+            world_size=workload.nproc,
+            memory_budget_bytes=memory_budget_bytes,
+            error=f"{why}\n{stderr_tail}".rstrip(),
+        )
     stepped = [record for record in records if record is not None]
-    if returncode == 0 and not timed_out and len(stepped) < workload.nproc \
-            and all(record["status"] == TrialStatus.OK.value for record in stepped):
+    if (
+        returncode == 0
+        and not timed_out
+        and len(stepped) < workload.nproc
+        and all(record["status"] == TrialStatus.OK.value for record in stepped)
+    ):
         # Every process that trained was measured, and too few of them trained: the command's ranks are not --nproc's.
-        return TrialResult(config=config, status=TrialStatus.ERROR, exit_code=returncode, world_size=workload.nproc,
-                           memory_budget_bytes=memory_budget_bytes,
-                           error=(f"the command trained in {len(stepped)} process(es), --nproc says {workload.nproc}: "
-                                  "launch that many ranks (e.g. torchrun --nproc-per-node), or pass --nproc "
-                                  f"{len(stepped)}\n{stderr_tail}").rstrip())
-    return combine_records(config, records, returncode=returncode, timed_out=timed_out, timeout_s=timeout_s,
-                           stderr_tail=stderr_tail, world_size=workload.nproc, memory_budget_bytes=memory_budget_bytes)
+        return TrialResult(
+            config=config,
+            status=TrialStatus.ERROR,
+            exit_code=returncode,
+            world_size=workload.nproc,
+            memory_budget_bytes=memory_budget_bytes,
+            error=(
+                f"the command trained in {len(stepped)} process(es), --nproc says {workload.nproc}: "
+                "launch that many ranks (e.g. torchrun --nproc-per-node), or pass --nproc "
+                f"{len(stepped)}\n{stderr_tail}"
+            ).rstrip(),
+        )
+    return combine_records(
+        config,
+        records,
+        returncode=returncode,
+        timed_out=timed_out,
+        timeout_s=timeout_s,
+        stderr_tail=stderr_tail,
+        world_size=workload.nproc,
+        memory_budget_bytes=memory_budget_bytes,
+    )
 
 
-def run_with_config(command: list[str], config: TrialConfig, workload: Workload, *,
-                    device: DeviceInfo | None = None) -> int:
+def run_with_config(
+    command: list[str], config: TrialConfig, workload: Workload, *, device: DeviceInfo | None = None
+) -> int:
     """Run ``command`` to the end with ``config`` handed to it as a script trial hands it (the
     ``AUTOTUNE_CONFIG`` file, and the framework hooks on ``PYTHONPATH``), nothing measured or stopped:
     the user's job, trained with the config its trials measured. Returns the command's exit status."""
     import subprocess
 
     if not command:
-        raise ConfigError("no command to run: write it after --, e.g. autotune run --config autotune.json "
-                          "-- python train.py")
+        raise ConfigError(
+            "no command to run: write it after --, e.g. autotune run --config autotune.json -- python train.py"
+        )
     if shutil.which(command[0]) is None:
         raise ConfigError(f"the command {command[0]!r} does not exist (not a file, and not on PATH)")
     device = device or detect_device(workload.device)
@@ -109,8 +157,7 @@ def run_with_config(command: list[str], config: TrialConfig, workload: Workload,
         return subprocess.run(command, env=env).returncode  # Ctrl-C reaches it too: same process group
 
 
-def _command_env(config: TrialConfig, workload: Workload, device: DeviceInfo,
-                 paths: dict[str, str]) -> dict[str, str]:
+def _command_env(config: TrialConfig, workload: Workload, device: DeviceInfo, paths: dict[str, str]) -> dict[str, str]:
     """The command's environment: ``paths`` (the config, the spec) and the hooks on ``PYTHONPATH``."""
     env = dict(os.environ, **paths)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_HOOK_DIR), env.get("PYTHONPATH")) if p)

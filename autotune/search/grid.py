@@ -34,9 +34,17 @@ from autotune.trial.runner import run_trial
 __all__ = ["measure_grid", "estimate_grid", "read_grid", "roofline_path"]
 
 
-def measure_grid(workload: Workload, space: SearchSpace, out: Path, *, memory_budget_bytes: int | None,
-                 trial_timeout_s: float, warmup_steps: int, measure_steps: int,
-                 on_trial: Callable[[int, int, dict[str, Any]], None] | None = None) -> int:
+def measure_grid(
+    workload: Workload,
+    space: SearchSpace,
+    out: Path,
+    *,
+    memory_budget_bytes: int | None,
+    trial_timeout_s: float,
+    warmup_steps: int,
+    measure_steps: int,
+    on_trial: Callable[[int, int, dict[str, Any]], None] | None = None,
+) -> int:
     """Measure the configs of ``space`` not yet in ``out``; return how many were measured now."""
     configs = space.candidates(workload, detect_device(workload.device))
     done = {TrialConfig.from_dict(line["config"]) for line in read_grid(out, workload)} if out.exists() else set()
@@ -52,8 +60,14 @@ def measure_grid(workload: Workload, space: SearchSpace, out: Path, *, memory_bu
     with out.open("a") as sink:
         for index, config in enumerate(todo, start=1):
             started = time.monotonic()
-            result = run_trial(workload, config, memory_budget_bytes=memory_budget_bytes, timeout_s=trial_timeout_s,
-                               warmup_steps=warmup_steps, measure_steps=measure_steps)
+            result = run_trial(
+                workload,
+                config,
+                memory_budget_bytes=memory_budget_bytes,
+                timeout_s=trial_timeout_s,
+                warmup_steps=warmup_steps,
+                measure_steps=measure_steps,
+            )
             line = {**result.to_dict(), "trial_seconds": time.monotonic() - started, "workload": workload.to_dict()}
             sink.write(json.dumps(line) + "\n")
             sink.flush()
@@ -67,8 +81,9 @@ def roofline_path(grid: Path) -> Path:
     return grid.with_suffix(".roofline.json")
 
 
-def estimate_grid(path: Path, on_estimate: Callable[[int, int, dict[str, Any]], None] | None = None, *,
-                  again: bool = False) -> int:
+def estimate_grid(
+    path: Path, on_estimate: Callable[[int, int, dict[str, Any]], None] | None = None, *, again: bool = False
+) -> int:
     """Add the estimator's prediction to every line of ``path`` lacking one (``again``: to every
     line); return how many were added.
 
@@ -114,7 +129,8 @@ def read_grid(path: Path, workload: Workload | None = None) -> Iterator[dict[str
         except ValueError:
             raise ConfigError(f"{path}:{number} is not a JSON line of a grid") from None
         if workload is not None and line.get("workload") != workload.to_dict():
-            raise ConfigError(f"{path} was measured for another workload ({line.get('workload')}); "
-                              "use a new -o file or the same workload flags")
+            raise ConfigError(
+                f"{path} was measured for another workload ({line.get('workload')}); "
+                "use a new -o file or the same workload flags"
+            )
         yield line
-

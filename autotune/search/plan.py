@@ -42,17 +42,22 @@ PLAN_ERROR = 0.2
 class PlanRow:
     config: TrialConfig
     step: StepTime
-    memory_bytes: int           # what the fit is judged on: reserved on CUDA, live tensors on a CPU
-    device_bytes: int | None    # what nvidia-smi would show (CUDA)
-    estimated: bool             # this config's own estimate (else its family's straight line)
+    memory_bytes: int  # what the fit is judged on: reserved on CUDA, live tensors on a CPU
+    device_bytes: int | None  # what nvidia-smi would show (CUDA)
+    estimated: bool  # this config's own estimate (else its family's straight line)
     verify_first: bool = False
 
     def to_dict(self, limit_bytes: int) -> dict[str, Any]:
-        return {"config": self.config.to_dict(), "describe": self.config.describe(), **self.step.to_dict(),
-                "memory_bytes": self.memory_bytes, "device_bytes": self.device_bytes,
-                "headroom_bytes": limit_bytes - self.memory_bytes, "memory_from": (
-                    "its own estimate" if self.estimated else "its family's straight line"),
-                "verify_first": self.verify_first}
+        return {
+            "config": self.config.to_dict(),
+            "describe": self.config.describe(),
+            **self.step.to_dict(),
+            "memory_bytes": self.memory_bytes,
+            "device_bytes": self.device_bytes,
+            "headroom_bytes": limit_bytes - self.memory_bytes,
+            "memory_from": ("its own estimate" if self.estimated else "its family's straight line"),
+            "verify_first": self.verify_first,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,26 +66,41 @@ class Plan:
     profile_source: str
     memory_budget_bytes: int
     limit_bytes: int
-    rows: list[PlanRow]              # fitting configs, fastest first
-    too_big: int                     # configs predicted not to fit
-    not_estimated: list[str] = field(default_factory=list)   # families the estimator could not trace, why
+    rows: list[PlanRow]  # fitting configs, fastest first
+    too_big: int  # configs predicted not to fit
+    not_estimated: list[str] = field(default_factory=list)  # families the estimator could not trace, why
     estimates: int = 0
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"device": self.device, "profile": self.profile_source,
-                "memory_budget_bytes": self.memory_budget_bytes, "memory_limit_bytes": self.limit_bytes,
-                "model_error": PLAN_ERROR, "rows": [row.to_dict(self.limit_bytes) for row in self.rows],
-                "too_big": self.too_big, "not_estimated": self.not_estimated, "estimates": self.estimates,
-                "seconds": self.seconds}
+        return {
+            "device": self.device,
+            "profile": self.profile_source,
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "memory_limit_bytes": self.limit_bytes,
+            "model_error": PLAN_ERROR,
+            "rows": [row.to_dict(self.limit_bytes) for row in self.rows],
+            "too_big": self.too_big,
+            "not_estimated": self.not_estimated,
+            "estimates": self.estimates,
+            "seconds": self.seconds,
+        }
 
 
 Estimator = Callable[["TrialConfig"], "MemoryEstimate"]
 
 
-def plan(*, workload: Workload, space: SearchSpace, profile: DeviceProfile, device: Any, limit_bytes: int,
-         memory_budget_bytes: int, estimator: Estimator,
-         progress: Callable[[int, int], None] | None = None) -> Plan:
+def plan(
+    *,
+    workload: Workload,
+    space: SearchSpace,
+    profile: DeviceProfile,
+    device: Any,
+    limit_bytes: int,
+    memory_budget_bytes: int,
+    estimator: Estimator,
+    progress: Callable[[int, int], None] | None = None,
+) -> Plan:
     """Every config of ``space`` predicted to fit under ``limit_bytes`` on ``device``, fastest first.
 
     ``estimator(config)`` predicts one config's memory and traced costs (raising
@@ -108,17 +128,32 @@ def plan(*, workload: Workload, space: SearchSpace, profile: DeviceProfile, devi
         for config, estimate, memory, device_bytes in fitting:
             step = predict_step_time(_as(estimate, config), workload, profile)
             if step is not None:
-                rows.append(PlanRow(config=config, step=step, memory_bytes=int(memory), device_bytes=device_bytes,
-                                    estimated=estimate.config == config))
+                rows.append(
+                    PlanRow(
+                        config=config,
+                        step=step,
+                        memory_bytes=int(memory),
+                        device_bytes=device_bytes,
+                        estimated=estimate.config == config,
+                    )
+                )
         if progress is not None:
             progress(index, len(families))
     rows.sort(key=lambda row: -row.step.samples_per_s)
     if rows:
         top = rows[0].step.samples_per_s
         rows = [_verify(row, row.step.samples_per_s >= top * (1 - PLAN_ERROR)) for row in rows]
-    return Plan(device=profile.name, profile_source=profile.describe(), memory_budget_bytes=memory_budget_bytes,
-                limit_bytes=limit_bytes, rows=rows, too_big=too_big, not_estimated=not_estimated,
-                estimates=estimates, seconds=time.monotonic() - started)
+    return Plan(
+        device=profile.name,
+        profile_source=profile.describe(),
+        memory_budget_bytes=memory_budget_bytes,
+        limit_bytes=limit_bytes,
+        rows=rows,
+        too_big=too_big,
+        not_estimated=not_estimated,
+        estimates=estimates,
+        seconds=time.monotonic() - started,
+    )
 
 
 def _verify(row: PlanRow, verify: bool) -> PlanRow:
@@ -132,12 +167,16 @@ def _as(estimate: MemoryEstimate, config: TrialConfig) -> MemoryEstimate:
 
 
 def _held(estimate: MemoryEstimate) -> int:
-    return estimate.predicted_reserved_bytes if estimate.predicted_reserved_bytes is not None \
+    return (
+        estimate.predicted_reserved_bytes
+        if estimate.predicted_reserved_bytes is not None
         else estimate.predicted_peak_bytes
+    )
 
 
-def _fitting(members: list[TrialConfig], estimator: Estimator, limit: int
-             ) -> tuple[list[tuple[TrialConfig, MemoryEstimate, float, int | None]], list[MemoryEstimate]]:
+def _fitting(
+    members: list[TrialConfig], estimator: Estimator, limit: int
+) -> tuple[list[tuple[TrialConfig, MemoryEstimate, float, int | None]], list[MemoryEstimate]]:
     """The family's configs predicted to fit, each with the estimate that times it, its memory and its
     device figure; and the estimates made. Bisects as the driver does: the first estimate in the
     middle, then where the straight line through the last one puts the limit."""
@@ -176,8 +215,14 @@ def _fitting(members: list[TrialConfig], estimator: Estimator, limit: int
     return fitting, list(made.values())
 
 
-def plan_space(*, workload: Workload, space: str | SearchSpace = "default", memory_budget_bytes: int | None = None,
-               headroom: float = 0.1, progress: Callable[[int, int], None] | None = None) -> Plan:
+def plan_space(
+    *,
+    workload: Workload,
+    space: str | SearchSpace = "default",
+    memory_budget_bytes: int | None = None,
+    headroom: float = 0.1,
+    progress: Callable[[int, int], None] | None = None,
+) -> Plan:
     """``find --plan``: plan ``workload`` on its named card (``workload.gpu``), or on the GPU here."""
     from autotune.config.device import detect_device
     from autotune.config.gpus import device_info, gpu_spec
@@ -193,8 +238,10 @@ def plan_space(*, workload: Workload, space: str | SearchSpace = "default", memo
     else:
         device = detect_device(workload.device if workload.device != "cpu" else "auto")
         if device.type != "cuda" or workload.device == "cpu":
-            raise ConfigError("--plan plans for a GPU and none is visible here: name the card with --gpu NAME "
-                              "(autotune estimate --help lists them), or run find without --plan")
+            raise ConfigError(
+                "--plan plans for a GPU and none is visible here: name the card with --gpu NAME "
+                "(autotune estimate --help lists them), or run find without --plan"
+            )
     profile = profile_for(workload, "cuda")
     if profile is None:
         raise ConfigError("--plan: the device probe failed on this GPU; name the card with --gpu NAME instead")
@@ -209,5 +256,13 @@ def plan_space(*, workload: Workload, space: str | SearchSpace = "default", memo
         traced = config.replace(precision="bf16") if twins and config.precision == "fp16" else config
         return _as(predict_memory(workload, traced, proxy=proxy), config)
 
-    return plan(workload=workload, space=space, profile=profile, device=device, limit_bytes=int(budget * (1 - headroom)),
-                memory_budget_bytes=budget, estimator=estimate, progress=progress)
+    return plan(
+        workload=workload,
+        space=space,
+        profile=profile,
+        device=device,
+        limit_bytes=int(budget * (1 - headroom)),
+        memory_budget_bytes=budget,
+        estimator=estimate,
+        progress=progress,
+    )

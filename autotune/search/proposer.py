@@ -41,31 +41,40 @@ if TYPE_CHECKING:
 
 __all__ = ["Proposer", "implied_too_big", "implied_fits", "straight_line"]
 
-Estimator = Callable[[TrialConfig], "MemoryEstimate | None"]   # None when it cannot say
-_LINE_SLACK = 0.05   # a size the straight line puts more than 5% past the threshold is not estimated
+Estimator = Callable[[TrialConfig], "MemoryEstimate | None"]  # None when it cannot say
+_LINE_SLACK = 0.05  # a size the straight line puts more than 5% past the threshold is not estimated
 
 
 class Proposer:
-    def __init__(self, space: SearchSpace, workload: Workload, device: DeviceInfo, *,
-                 estimator: Estimator | None = None, limit_bytes: int | None = None,
-                 margin: float = 0.0, precision_speed: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        space: SearchSpace,
+        workload: Workload,
+        device: DeviceInfo,
+        *,
+        estimator: Estimator | None = None,
+        limit_bytes: int | None = None,
+        margin: float = 0.0,
+        precision_speed: dict[str, float] | None = None,
+    ) -> None:
         self.space = space
         self.choices = space.choices(workload, device)
         self.candidates = space.candidates(workload, device)
         self.precision_speed = precision_speed
-        self.profile: DeviceProfile | None = None   # this device's roofline: the step-time model's prior
+        self.profile: DeviceProfile | None = None  # this device's roofline: the step-time model's prior
         self._workload = workload
         self._estimator = estimator
         self._limit = limit_bytes
         self._margin = margin
         self._estimates: dict[TrialConfig, MemoryEstimate | None] = {}
-        self._traced: dict[TrialConfig, MemoryEstimate] = {}   # a family (micro batch 1) -> an estimate with its costs
+        self._traced: dict[TrialConfig, MemoryEstimate] = {}  # a family (micro batch 1) -> an estimate with its costs
         self._ruled_out: list[TrialConfig] = []
 
     def suggest(self, trial: optuna.Trial) -> TrialConfig:
         """Define-by-run: the config of ``trial``'s parameters (fixed ones when it was enqueued)."""
-        return self.space.config_of({name: trial.suggest_categorical(name, list(values))
-                                     for name, values in self.choices.items()})
+        return self.space.config_of(
+            {name: trial.suggest_categorical(name, list(values)) for name, values in self.choices.items()}
+        )
 
     def params_of(self, config: TrialConfig) -> dict[str, Any]:
         return self.space.params_of(config)
@@ -93,10 +102,16 @@ class Proposer:
             if len(self._traced) == traced:
                 return proposal
 
-    def _ranked_proposal(self, records: list[TrialRecord], open_configs: list[TrialConfig],
-                         fitting: list[TrialConfig], too_big: list[TrialConfig]) -> TrialConfig | None:
+    def _ranked_proposal(
+        self,
+        records: list[TrialRecord],
+        open_configs: list[TrialConfig],
+        fitting: list[TrialConfig],
+        too_big: list[TrialConfig],
+    ) -> TrialConfig | None:
         model = ThroughputModel(self.params_of, self._predicted_throughput, open_configs).fit(
-            [(r.config, r.throughput) for r in records if r.status == "ok" and r.throughput])
+            [(r.config, r.throughput) for r in records if r.status == "ok" and r.throughput]
+        )
         order = {c: i for i, c in enumerate(self.candidates)}
         ranked = sorted(open_configs, key=lambda c: (-model.predict(c), order[c]))
         threshold = self._threshold(records)
@@ -107,7 +122,7 @@ class Proposer:
         first = None
         for config in ranked:
             frontier = self._frontier(config, fitting, too_big, threshold)
-            if frontier is None:      # nothing can tell: measure the middle of what is unknown
+            if frontier is None:  # nothing can tell: measure the middle of what is unknown
                 return first or self._bisecting_trial(config, fitting, too_big, open_configs)
             if config.micro_batch > frontier:
                 continue
@@ -122,8 +137,9 @@ class Proposer:
     def unmeasured_values(self, records: list[TrialRecord]) -> set[tuple[str, Any]]:
         """Knob values (micro batch aside) the space offers that no trial has measured and that
         still have a config open: evidence is owed for them before the search may settle."""
-        offered = {(k, repr(v)) for k, values in self.choices.items() if k != "micro_batch" and len(values) > 1
-                   for v in values}
+        offered = {
+            (k, repr(v)) for k, values in self.choices.items() if k != "micro_batch" and len(values) > 1 for v in values
+        }
         seen = set().union(*(self._values(r.config) for r in measured(records)))
         still_open = set().union(*(self._values(c) for c in self._open_configs(records)))
         return (offered - seen) & still_open
@@ -165,8 +181,11 @@ class Proposer:
         right (or low) here says a config predicted over the limit will not fit."""
         if self._limit is None:
             return 0.0
-        over = [predicted / r.peak_memory_bytes - 1 for r in records
-                if r.status == "ok" and r.peak_memory_bytes and (predicted := self._predicted(r))]
+        over = [
+            predicted / r.peak_memory_bytes - 1
+            for r in records
+            if r.status == "ok" and r.peak_memory_bytes and (predicted := self._predicted(r))
+        ]
         margin = min(self._margin, max(0.0, *over)) if over else self._margin
         return self._limit * (1 + margin)
 
@@ -176,8 +195,9 @@ class Proposer:
         estimate = self._estimates.get(record.config)
         return estimate.predicted_peak_bytes if estimate is not None else None
 
-    def _frontier(self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig],
-                  threshold: float) -> int | None:
+    def _frontier(
+        self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig], threshold: float
+    ) -> int | None:
         """The largest micro batch of ``config``'s family known or predicted to fit under
         ``threshold`` (0: none); None when neither trials nor the estimator can tell.
 
@@ -214,12 +234,12 @@ class Proposer:
                     self._ruled_out.append(family[index])
         return family[fit].micro_batch if fit >= 0 else 0
 
-    def _known_bounds(self, family: list[TrialConfig], fitting: list[TrialConfig],
-                      too_big: list[TrialConfig]) -> tuple[int, int]:
+    def _known_bounds(
+        self, family: list[TrialConfig], fitting: list[TrialConfig], too_big: list[TrialConfig]
+    ) -> tuple[int, int]:
         """Indices into ``family``: the largest measured (or implied) to fit, the smallest that does not."""
         fit = max((i for i, c in enumerate(family) if implied_fits(c, fitting)), default=-1)
-        big = min((i for i, c in enumerate(family) if c in too_big or implied_too_big(c, too_big)),
-                  default=len(family))
+        big = min((i for i, c in enumerate(family) if c in too_big or implied_too_big(c, too_big)), default=len(family))
         return fit, big
 
     def _estimate(self, config: TrialConfig) -> MemoryEstimate | None:
@@ -231,8 +251,13 @@ class Proposer:
                 self._traced.setdefault(config.replace(micro_batch=1), estimate)
         return self._estimates[config]
 
-    def _bisecting_trial(self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig],
-                         open_configs: list[TrialConfig]) -> TrialConfig:
+    def _bisecting_trial(
+        self,
+        config: TrialConfig,
+        fitting: list[TrialConfig],
+        too_big: list[TrialConfig],
+        open_configs: list[TrialConfig],
+    ) -> TrialConfig:
         family = self._family_sizes(config)
         fit, big = self._known_bounds(family, fitting, too_big)
         middle = family[(fit + big) // 2] if big - fit > 1 else config
@@ -253,11 +278,15 @@ def straight_line(estimate: MemoryEstimate) -> Callable[[int], float]:
 
 def implied_fits(config: TrialConfig, fitting: list[TrialConfig]) -> bool:
     """A smaller micro batch with the same other knobs as a config that fit needs less memory."""
-    return any(config.micro_batch <= known.micro_batch and config.replace(micro_batch=known.micro_batch) == known
-               for known in fitting)
+    return any(
+        config.micro_batch <= known.micro_batch and config.replace(micro_batch=known.micro_batch) == known
+        for known in fitting
+    )
 
 
 def implied_too_big(config: TrialConfig, too_big: list[TrialConfig]) -> bool:
     """A larger micro batch with the same other knobs as a config that did not fit needs more memory."""
-    return any(config.micro_batch > known.micro_batch and config.replace(micro_batch=known.micro_batch) == known
-               for known in too_big)
+    return any(
+        config.micro_batch > known.micro_batch and config.replace(micro_batch=known.micro_batch) == known
+        for known in too_big
+    )

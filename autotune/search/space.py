@@ -57,10 +57,18 @@ KNOBS = {
 }
 _TOP_LEVEL = {"description", "knobs", "n_trials", "patience"}
 _DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "micro_batch": ("auto",), "precision": ("fp32",), "checkpointing": (False,), "loss": ("standard",),
-    "attention": ("auto",), "fused_optimizer": (False,), "compile": (False,),
-    "zero_stage": (None,), "fsdp": (None,),
-    "offload": ("none",), "lora_rank": (None,), "lora_targets": ("default",),
+    "micro_batch": ("auto",),
+    "precision": ("fp32",),
+    "checkpointing": (False,),
+    "loss": ("standard",),
+    "attention": ("auto",),
+    "fused_optimizer": (False,),
+    "compile": (False,),
+    "zero_stage": (None,),
+    "fsdp": (None,),
+    "offload": ("none",),
+    "lora_rank": (None,),
+    "lora_targets": ("default",),
 }
 
 
@@ -68,17 +76,17 @@ _DEFAULTS: dict[str, tuple[Any, ...]] = {
 class SearchSpace:
     """The values each knob may take. ``zero_stage``/``lora_rank`` use ``None`` for off."""
 
-    name: str                                    # preset name, or the file's path
+    name: str  # preset name, or the file's path
     description: str = ""
-    micro_batch: tuple[int, ...] | None = None   # None: every divisor of the per-rank batch
+    micro_batch: tuple[int, ...] | None = None  # None: every divisor of the per-rank batch
     precision: tuple[str, ...] = ("fp32",)
-    checkpointing: tuple[bool | str, ...] = (False,)   # False, True (every layer) or "every-N"
+    checkpointing: tuple[bool | str, ...] = (False,)  # False, True (every layer) or "every-N"
     loss: tuple[str, ...] = ("standard",)
     attention: tuple[str, ...] = ("auto",)
     fused_optimizer: tuple[bool, ...] = (False,)
     compile: tuple[bool, ...] = (False,)
     zero_stage: tuple[int | None, ...] = (None,)
-    fsdp: tuple[str | None, ...] = (None,)       # None: off; else an FSDP2 mode (full, grad-op)
+    fsdp: tuple[str | None, ...] = (None,)  # None: off; else an FSDP2 mode (full, grad-op)
     offload: tuple[str, ...] = ("none",)
     lora_rank: tuple[int | None, ...] = (None,)
     lora_alpha: int | None = None
@@ -90,22 +98,36 @@ class SearchSpace:
     def digest(self) -> str:
         """Identifies what the space searches (not its name or description)."""
         knobs = {k: v for k, v in self.to_dict().items() if k not in ("name", "description")}
-        for knob, old in (("loss", ["standard"]), ("attention", ["auto"]), ("fused_optimizer", [False]),
-                          ("compile", [False]), ("fsdp", [None])):
+        for knob, old in (
+            ("loss", ["standard"]),
+            ("attention", ["auto"]),
+            ("fused_optimizer", [False]),
+            ("compile", [False]),
+            ("fsdp", [None]),
+        ):
             if knobs[knob] == old:
                 del knobs[knob]  # a knob added later, at its old behaviour: studies made before it still resume
         return hashlib.sha256(json.dumps(knobs, sort_keys=True).encode()).hexdigest()[:12]
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "description": self.description,
+            "name": self.name,
+            "description": self.description,
             "micro_batch": list(self.micro_batch) if self.micro_batch is not None else "auto",
-            "precision": list(self.precision), "checkpointing": list(self.checkpointing), "loss": list(self.loss),
-            "attention": list(self.attention), "fused_optimizer": list(self.fused_optimizer),
+            "precision": list(self.precision),
+            "checkpointing": list(self.checkpointing),
+            "loss": list(self.loss),
+            "attention": list(self.attention),
+            "fused_optimizer": list(self.fused_optimizer),
             "compile": list(self.compile),
-            "zero_stage": list(self.zero_stage), "fsdp": list(self.fsdp), "offload": list(self.offload),
-            "lora_rank": list(self.lora_rank), "lora_alpha": self.lora_alpha,
-            "lora_targets": list(self.lora_targets), "n_trials": self.n_trials, "patience": self.patience,
+            "zero_stage": list(self.zero_stage),
+            "fsdp": list(self.fsdp),
+            "offload": list(self.offload),
+            "lora_rank": list(self.lora_rank),
+            "lora_alpha": self.lora_alpha,
+            "lora_targets": list(self.lora_targets),
+            "n_trials": self.n_trials,
+            "patience": self.patience,
         }
 
     @classmethod
@@ -138,24 +160,40 @@ class SearchSpace:
         micro = self.micro_batch or tuple(d for d in range(1, per_rank + 1) if per_rank % d == 0)
         bad = [m for m in micro if per_rank % m]
         if bad:
-            raise ConfigError(f"{self.name}: knobs.micro_batch {bad} do not divide the per-rank batch "
-                              f"{per_rank} (--global-batch {workload.global_batch} / --nproc {workload.nproc})")
+            raise ConfigError(
+                f"{self.name}: knobs.micro_batch {bad} do not divide the per-rank batch "
+                f"{per_rank} (--global-batch {workload.global_batch} / --nproc {workload.nproc})"
+            )
         precision = tuple(p for p in self.precision if _trains_in(p, device))
         if not precision:
-            raise ConfigError(f"{self.name}: knobs.precision {list(self.precision)}: none of them trains on "
-                              f"{device.name} ({device.type}); add fp32")
-        zero = tuple(_zero_label(stage, offload) for stage in self.zero_stage for offload in self.offload
-                     if _zero_pair_means_something(stage, offload, workload.nproc, device.type))
+            raise ConfigError(
+                f"{self.name}: knobs.precision {list(self.precision)}: none of them trains on "
+                f"{device.name} ({device.type}); add fp32"
+            )
+        zero = tuple(
+            _zero_label(stage, offload)
+            for stage in self.zero_stage
+            for offload in self.offload
+            if _zero_pair_means_something(stage, offload, workload.nproc, device.type)
+        )
         # FSDP shares ZeRO's parameter: one sharding per config, each value a (mode, offload) pair.
-        zero += tuple(_fsdp_label(mode, offload) for mode in self.fsdp if mode for offload in self.offload
-                      if _fsdp_pair_means_something(offload, workload.nproc, device.type))
+        zero += tuple(
+            _fsdp_label(mode, offload)
+            for mode in self.fsdp
+            if mode
+            for offload in self.offload
+            if _fsdp_pair_means_something(offload, workload.nproc, device.type)
+        )
         if not zero:
             why = "on one rank ZeRO and FSDP need offload" + (
-                "; on a CPU device offloading to the CPU changes nothing" if device.type == "cpu" else "")
-            raise ConfigError(f"{self.name}: knobs.zero_stage {list(self.zero_stage)}, fsdp "
-                              f"{['off' if m is None else m for m in self.fsdp]} x offload {list(self.offload)}: "
-                              f"no pair means something on {workload.nproc} rank(s) of a {device.type} ({why}); "
-                              "add off to zero_stage")
+                "; on a CPU device offloading to the CPU changes nothing" if device.type == "cpu" else ""
+            )
+            raise ConfigError(
+                f"{self.name}: knobs.zero_stage {list(self.zero_stage)}, fsdp "
+                f"{['off' if m is None else m for m in self.fsdp]} x offload {list(self.offload)}: "
+                f"no pair means something on {workload.nproc} rank(s) of a {device.type} ({why}); "
+                "add off to zero_stage"
+            )
         checkpointing = self.checkpointing
         missing = _missing_checkpointing(workload) if any(checkpointing) else None
         if missing is not None:
@@ -177,21 +215,35 @@ class SearchSpace:
                 raise ConfigError(f"{self.name}: knobs.loss {list(self.loss)}: {refusal}; add standard")
         attention = tuple(a for a in self.attention if _attention_refusal(workload, a, device) is None)
         if not attention:
-            raise ConfigError(f"{self.name}: knobs.attention {list(self.attention)}: "
-                              f"{_attention_refusal(workload, self.attention[0], device)}; add auto")
+            raise ConfigError(
+                f"{self.name}: knobs.attention {list(self.attention)}: "
+                f"{_attention_refusal(workload, self.attention[0], device)}; add auto"
+            )
         compile_ = tuple(c for c in self.compile if not c or compile_device_refusal(device.type) is None)
         if not compile_:
             raise ConfigError(f"{self.name}: knobs.compile [true]: {compile_device_refusal(device.type)}; add false")
-        lora = tuple(dict.fromkeys(_lora_label(rank, targets) for rank in self.lora_rank for targets in self.lora_targets))
+        lora = tuple(
+            dict.fromkeys(_lora_label(rank, targets) for rank in self.lora_rank for targets in self.lora_targets)
+        )
         refusal = _default_lora_refusal(workload) if self._default_lora() else None
         if refusal is not None:  # the model has nothing PEFT's defaults (or our fallback) would adapt
             lora = tuple(label for label in lora if label == "off" or ":" in label)
             if not lora:
-                raise ConfigError(f"{self.name}: knobs.lora_rank {list(self.lora_rank)}: {refusal}; add null "
-                                  "(LoRA off), or name lora_targets")
-        return {"micro_batch": tuple(micro), "precision": precision, "checkpointing": checkpointing, "loss": loss,
-                "attention": attention, "fused_optimizer": self.fused_optimizer, "compile": compile_,
-                "zero": tuple(dict.fromkeys(zero)), "lora": lora}
+                raise ConfigError(
+                    f"{self.name}: knobs.lora_rank {list(self.lora_rank)}: {refusal}; add null "
+                    "(LoRA off), or name lora_targets"
+                )
+        return {
+            "micro_batch": tuple(micro),
+            "precision": precision,
+            "checkpointing": checkpointing,
+            "loss": loss,
+            "attention": attention,
+            "fused_optimizer": self.fused_optimizer,
+            "compile": compile_,
+            "zero": tuple(dict.fromkeys(zero)),
+            "lora": lora,
+        }
 
     def _default_lora(self) -> bool:
         """Whether the space offers LoRA on its default targets."""
@@ -225,11 +277,15 @@ class SearchSpace:
         offloads = [o for o in self.offload if o != "none"]
         modes = [m for m in self.fsdp if m]
         if modes and workload.nproc == 1 and (device.type == "cpu" or "optimizer+params" not in self.offload):
-            dropped.append(f"fsdp {', '.join(modes)}: on one rank FSDP shards nothing, and its offload "
-                           + ("changes nothing on a CPU device" if device.type == "cpu" else "is not in the space"))
+            dropped.append(
+                f"fsdp {', '.join(modes)}: on one rank FSDP shards nothing, and its offload "
+                + ("changes nothing on a CPU device" if device.type == "cpu" else "is not in the space")
+            )
         if device.type == "cpu" and offloads and any(stage is not None for stage in self.zero_stage):
-            dropped.append(f"offload {', '.join(offloads)}: the device is the CPU, and offloading from the CPU "
-                           "to the CPU changes nothing")
+            dropped.append(
+                f"offload {', '.join(offloads)}: the device is the CPU, and offloading from the CPU "
+                "to the CPU changes nothing"
+            )
         return dropped
 
     def config_of(self, params: dict[str, Any]) -> TrialConfig:
@@ -241,14 +297,21 @@ class SearchSpace:
         checkpointing = params["checkpointing"]
         every = int(checkpointing.removeprefix("every-")) if isinstance(checkpointing, str) else 1
         return TrialConfig(
-            micro_batch=params["micro_batch"], precision=params["precision"],
-            checkpointing=bool(checkpointing), checkpoint_every=every, loss=params.get("loss", "standard"),
+            micro_batch=params["micro_batch"],
+            precision=params["precision"],
+            checkpointing=bool(checkpointing),
+            checkpoint_every=every,
+            loss=params.get("loss", "standard"),
             attention=params.get("attention", "auto"),
-            fused_optimizer=params.get("fused_optimizer", False), compile=params.get("compile", False),
-            zero_stage=None if stage == "off" else int(stage), fsdp=fsdp, offload=offload or "none",
+            fused_optimizer=params.get("fused_optimizer", False),
+            compile=params.get("compile", False),
+            zero_stage=None if stage == "off" else int(stage),
+            fsdp=fsdp,
+            offload=offload or "none",
             lora_rank=None if rank == "off" else int(rank),
             lora_alpha=self.lora_alpha if rank != "off" else None,
-            lora_targets=tuple(targets.split(",")) if targets else None)
+            lora_targets=tuple(targets.split(",")) if targets else None,
+        )
 
     @staticmethod
     def params_of(config: TrialConfig) -> dict[str, Any]:
@@ -256,19 +319,28 @@ class SearchSpace:
         lora = "off"
         if config.uses_lora:
             lora = str(config.lora_rank) + (":" + ",".join(config.lora_targets) if config.lora_targets else "")
-        return {"micro_batch": config.micro_batch, "precision": config.precision,
-                "checkpointing": config.checkpointing if config.checkpoint_every == 1 else f"every-{config.checkpoint_every}",
-                "loss": config.loss, "attention": config.attention,
-                "fused_optimizer": config.fused_optimizer, "compile": config.compile,
-                "zero": _fsdp_label(config.fsdp, config.offload) if config.uses_fsdp
-                else _zero_label(config.zero_stage, config.offload), "lora": lora}
+        return {
+            "micro_batch": config.micro_batch,
+            "precision": config.precision,
+            "checkpointing": config.checkpointing
+            if config.checkpoint_every == 1
+            else f"every-{config.checkpoint_every}",
+            "loss": config.loss,
+            "attention": config.attention,
+            "fused_optimizer": config.fused_optimizer,
+            "compile": config.compile,
+            "zero": _fsdp_label(config.fsdp, config.offload)
+            if config.uses_fsdp
+            else _zero_label(config.zero_stage, config.offload),
+            "lora": lora,
+        }
 
     def candidates(self, workload: Workload, device: DeviceInfo) -> list[TrialConfig]:
         """Every config of the space that can run here, in a stable order."""
         choices = self.choices(workload, device)
         found, refused = [], []
         for combo in itertools.product(*choices.values()):
-            config = self.config_of(dict(zip(choices, combo)))
+            config = self.config_of(dict(zip(choices, combo, strict=True)))
             try:
                 config.validate_for(workload, device)  # e.g. fp16 with ZeRO where DeepSpeed has no fp16
             except ConfigError as exc:
@@ -391,8 +463,9 @@ def load_space(name_or_path: str | Path) -> SearchSpace:
     if not text_name.endswith((".yaml", ".yml")) and "/" not in text_name:
         path = _preset_dir() / f"{_ALIASES.get(text_name, text_name)}.yaml"
         if not path.is_file():
-            raise ConfigError(f"--space {text_name}: no such preset; use one of {', '.join(preset_names())} "
-                              "or a path to a .yaml file")
+            raise ConfigError(
+                f"--space {text_name}: no such preset; use one of {', '.join(preset_names())} or a path to a .yaml file"
+            )
         label = text_name
     else:
         if not path.is_file():
@@ -428,8 +501,9 @@ def _parse(data: Any, label: str) -> SearchSpace:
         checkpointing=_each(values["checkpointing"], label, "checkpointing", _checkpointing),
         loss=_each(values["loss"], label, "loss", lambda v: v if is_loss(v) else None),
         attention=_each(values["attention"], label, "attention", lambda v: v if v in ATTENTIONS else None),
-        fused_optimizer=_each(values["fused_optimizer"], label, "fused_optimizer",
-                              lambda v: v if isinstance(v, bool) else None),
+        fused_optimizer=_each(
+            values["fused_optimizer"], label, "fused_optimizer", lambda v: v if isinstance(v, bool) else None
+        ),
         compile=_each(values["compile"], label, "compile", lambda v: v if isinstance(v, bool) else None),
         zero_stage=_each(values["zero_stage"], label, "zero_stage", _zero_stage),
         fsdp=_each(values["fsdp"], label, "fsdp", lambda v: v if v in FSDP_MODES else None),
@@ -507,8 +581,10 @@ def _lora_alpha(value: Any, label: str) -> int | None:
         return None
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
-    raise ConfigError(f"{label}: knobs.lora_alpha: {value!r} is not allowed; allowed: {KNOBS['lora_alpha']} "
-                      "(alpha changes neither speed nor memory, so it is not searched)")
+    raise ConfigError(
+        f"{label}: knobs.lora_alpha: {value!r} is not allowed; allowed: {KNOBS['lora_alpha']} "
+        "(alpha changes neither speed nor memory, so it is not searched)"
+    )
 
 
 def _lora_target(value: Any) -> Any:

@@ -21,16 +21,19 @@ if TYPE_CHECKING:
 
 __all__ = ["ThroughputModel"]
 
-SATURATION_BATCH = 2.0   # per-rank micro batch at which throughput reaches half its plateau
-RIDGE = 0.5              # pull of the prior: a correction is shrunk by RIDGE / (RIDGE + evidence)
+SATURATION_BATCH = 2.0  # per-rank micro batch at which throughput reaches half its plateau
+RIDGE = 0.5  # pull of the prior: a correction is shrunk by RIDGE / (RIDGE + evidence)
 
 
 class ThroughputModel:
     """Predicted log tokens/s of configs, from the prior and the measured trials."""
 
-    def __init__(self, params_of: Callable[[TrialConfig], dict[str, Any]],
-                 predicted: Callable[[TrialConfig], float | None] | None = None,
-                 configs: list[TrialConfig] = ()) -> None:  # type: ignore[assignment]
+    def __init__(
+        self,
+        params_of: Callable[[TrialConfig], dict[str, Any]],
+        predicted: Callable[[TrialConfig], float | None] | None = None,
+        configs: list[TrialConfig] = (),
+    ) -> None:  # type: ignore[assignment]
         """``predicted(config)``: the step-time model's log throughput of ``config`` (None where it has
         none); ``configs``: those to rank, whose predicted ones place the rest (at their mean)."""
         self._params_of = params_of
@@ -48,7 +51,7 @@ class ThroughputModel:
     def predict(self, config: TrialConfig) -> float:
         """log tokens/s up to a constant: comparable between configs, not a figure to report."""
         x = self._vector(config)
-        return self.prior(config) + self._intercept + sum(w * v for w, v in zip(self._weights, x))
+        return self.prior(config) + self._intercept + sum(w * v for w, v in zip(self._weights, x, strict=True))
 
     def fit(self, measured: list[tuple[TrialConfig, float]]) -> ThroughputModel:
         """Correct the prior with (config, tokens/s) pairs of trials that trained."""
@@ -57,8 +60,9 @@ class ThroughputModel:
         points = [(c, t) for c, t in measured if t and t > 0]
         if not points:
             return self
-        self._features = sorted({(k, repr(v)) for c, _ in points for k, v in self._params_of(c).items()
-                                 if k != "micro_batch"}) + [("saturation", "")]
+        self._features = sorted(
+            {(k, repr(v)) for c, _ in points for k, v in self._params_of(c).items() if k != "micro_batch"}
+        ) + [("saturation", "")]
         X = np.array([self._vector(c) for c, _ in points])
         y = np.array([math.log(t) - self.prior(c) for c, t in points])
         # Unpenalised intercept: centre, solve the ridge, put the mean back.
@@ -71,8 +75,10 @@ class ThroughputModel:
 
     def _vector(self, config: TrialConfig) -> list[float]:
         params = {(k, repr(v)) for k, v in self._params_of(config).items() if k != "micro_batch"}
-        return [self._saturation(config) if name == "saturation" else float((name, value) in params)
-                for name, value in self._features]
+        return [
+            self._saturation(config) if name == "saturation" else float((name, value) in params)
+            for name, value in self._features
+        ]
 
     @staticmethod
     def _saturation(config: TrialConfig) -> float:

@@ -63,18 +63,18 @@ if TYPE_CHECKING:
 
 __all__ = ["tune", "find", "Progress", "TrialBackend", "LocalBackend", "DEFAULT_HEADROOM"]
 
-DEFAULT_HEADROOM = 0.10     # a config fits when its peak stays 10% under the budget
-CONFIRM_STEPS_FACTOR = 3    # a candidate's re-run measures 3x as many steps
-CONFIRM_ROUNDS = 2          # interleaved re-runs per contender (A B A B): paired under the same conditions
-MAX_CONFIRM_ROUNDS = 3      # one more round when the first ones disagree on who leads
-CONTENDER_BAND = 0.3        # candidates whose first figure is within 30% of the top one's are compared
-MAX_CONTENDERS = 2          # ... at most this many (plus the answer decided before, if any)
-CONFIRM_NOISE = 0.03        # a lead under 3% in some round is "within noise"
-MAX_CONFIRMATIONS = 3       # decisions per tune call (a new one when every contender of the last was refuted)
+DEFAULT_HEADROOM = 0.10  # a config fits when its peak stays 10% under the budget
+CONFIRM_STEPS_FACTOR = 3  # a candidate's re-run measures 3x as many steps
+CONFIRM_ROUNDS = 2  # interleaved re-runs per contender (A B A B): paired under the same conditions
+MAX_CONFIRM_ROUNDS = 3  # one more round when the first ones disagree on who leads
+CONTENDER_BAND = 0.3  # candidates whose first figure is within 30% of the top one's are compared
+MAX_CONTENDERS = 2  # ... at most this many (plus the answer decided before, if any)
+CONFIRM_NOISE = 0.03  # a lead under 3% in some round is "within noise"
+MAX_CONFIRMATIONS = 3  # decisions per tune call (a new one when every contender of the last was refuted)
 PROBE_KEY = "device_probe"  # study user attribute: matmul speed per precision relative to fp32
 ROOFLINE_KEY = "device_roofline"  # study user attribute: the device profile the step-time model times against
-SKIP_MARGIN = 0.05          # skip a config predicted more than 5% over the limit; closer ones still run
-_BROKEN_AFTER = 2           # stop when this many trials, and every one so far, errored or crashed
+SKIP_MARGIN = 0.05  # skip a config predicted more than 5% over the limit; closer ones still run
+_BROKEN_AFTER = 2  # stop when this many trials, and every one so far, errored or crashed
 
 
 class Progress(Protocol):
@@ -103,13 +103,27 @@ class _Measure:
     measure_steps: int
 
 
-def tune(*, study: str, workload: Workload | None = None, space: str | Path | SearchSpace = "default",
-         memory_budget_bytes: int | None = None, n_trials: int | None = None, timeout_s: float | None = None,
-         trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S, patience: int | None = None,
-         headroom: float = DEFAULT_HEADROOM, storage: str | None = None, warmup_steps: int = 1,
-         measure_steps: int = 3, estimate: bool = True, workers: int = 1, confirm: bool = True,
-         progress: Progress | None = None, backend: TrialBackend | None = None,
-         command: list[str] | None = None) -> StudySummary:
+def tune(
+    *,
+    study: str,
+    workload: Workload | None = None,
+    space: str | Path | SearchSpace = "default",
+    memory_budget_bytes: int | None = None,
+    n_trials: int | None = None,
+    timeout_s: float | None = None,
+    trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S,
+    patience: int | None = None,
+    headroom: float = DEFAULT_HEADROOM,
+    storage: str | None = None,
+    warmup_steps: int = 1,
+    measure_steps: int = 3,
+    estimate: bool = True,
+    workers: int = 1,
+    confirm: bool = True,
+    progress: Progress | None = None,
+    backend: TrialBackend | None = None,
+    command: list[str] | None = None,
+) -> StudySummary:
     """Search ``space`` for the fastest config of ``workload`` that fits; return the study read back.
 
     ``n_trials`` is the study's total of measured trials (default: the space's), so running
@@ -132,9 +146,16 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
 
     workload = workload or Workload()
     progress = progress or _Silent()
-    _check_numbers(n_trials=n_trials, timeout_s=timeout_s, trial_timeout_s=trial_timeout_s,
-                   patience=patience, headroom=headroom, warmup_steps=warmup_steps, measure_steps=measure_steps,
-                   workers=workers)
+    _check_numbers(
+        n_trials=n_trials,
+        timeout_s=timeout_s,
+        trial_timeout_s=trial_timeout_s,
+        patience=patience,
+        headroom=headroom,
+        warmup_steps=warmup_steps,
+        measure_steps=measure_steps,
+        workers=workers,
+    )
     device = detect_device(workload.device)
     space = space if isinstance(space, SearchSpace) else load_space(space)
     budget = _budget(memory_budget_bytes, device)
@@ -145,33 +166,57 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
     gpus = gpu_slices(workers, workload.nproc, device)
     opened = open_storage(storage)
     space = _space_to_resume(opened, study, space, progress)
-    meta = question(workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom,
-                    command=command)
+    meta = question(
+        workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom, command=command
+    )
     the_study = create_study(opened, study, meta)
     recovered = recover_stale_trials(the_study)
     limit = memory_limit(the_study.user_attrs["autotune"])
     oracle = _Oracle(backend, workload) if estimate else None
-    proposer = Proposer(space, workload, device, estimator=oracle.lookup if oracle else None,
-                        limit_bytes=limit, margin=SKIP_MARGIN)
+    proposer = Proposer(
+        space, workload, device, estimator=oracle.lookup if oracle else None, limit_bytes=limit, margin=SKIP_MARGIN
+    )
     proposer.precision_speed = _precision_speed(the_study, backend, proposer.choices.get("precision", ()))
     proposer.profile = _device_profile(the_study, backend) if estimate else None
     # What show and export need about the model (LoRA's targets, hidden size), resolved as the trials resolve it.
     record_model_facts(the_study, workload, proposer.choices.get("lora", ()), script=bool(command))
     target = n_trials or space.n_trials
     patience = patience if patience is not None else space.patience
-    measure = _Measure(memory_budget_bytes=budget, trial_timeout_s=trial_timeout_s,
-                       warmup_steps=warmup_steps, measure_steps=measure_steps)
+    measure = _Measure(
+        memory_budget_bytes=budget,
+        trial_timeout_s=trial_timeout_s,
+        warmup_steps=warmup_steps,
+        measure_steps=measure_steps,
+    )
     from autotune.study.storage import DEFAULT_STORAGE, display_url
 
-    progress.started(study=study, storage=display_url(storage), measured=len(measured(records_of(the_study))),
-                     target=target, recovered=recovered)
+    progress.started(
+        study=study,
+        storage=display_url(storage),
+        measured=len(measured(records_of(the_study))),
+        target=target,
+        recovered=recovered,
+    )
     progress.dropped(reasons=space.dropped_knobs(workload, device))
-    helpers = start_helpers(dict(
-        study=study, workload=workload.to_dict(), space=space.name, memory_budget_bytes=budget, n_trials=target,
-        timeout_s=timeout_s, trial_timeout_s=trial_timeout_s, patience=patience, headroom=headroom,
-        storage=storage, warmup_steps=warmup_steps, measure_steps=measure_steps, estimate=estimate,
-        command=command,
-    ), gpus[1:])
+    helpers = start_helpers(
+        dict(
+            study=study,
+            workload=workload.to_dict(),
+            space=space.name,
+            memory_budget_bytes=budget,
+            n_trials=target,
+            timeout_s=timeout_s,
+            trial_timeout_s=trial_timeout_s,
+            patience=patience,
+            headroom=headroom,
+            storage=storage,
+            warmup_steps=warmup_steps,
+            measure_steps=measure_steps,
+            estimate=estimate,
+            command=command,
+        ),
+        gpus[1:],
+    )
     started = time.monotonic()
     try:
         with _visible_gpus(gpus[0]):
@@ -180,12 +225,16 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
                     records = records_of(the_study)
                     # Patience ends a search only once every knob value has been measured (or ruled out).
                     owed = bool(proposer.unmeasured_values(records)) and _patience_spent(records, patience)
-                    reason = _stop_reason(records, target=target, patience=None if owed else patience,
-                                          timeout_s=timeout_s, elapsed_s=time.monotonic() - started)
+                    reason = _stop_reason(
+                        records,
+                        target=target,
+                        patience=None if owed else patience,
+                        timeout_s=timeout_s,
+                        elapsed_s=time.monotonic() - started,
+                    )
                     config = None if reason else proposer.next_config(records, unmeasured_only=owed)
                     if owed and config is None:
-                        reason = _stop_reason(records, target=target, patience=patience, timeout_s=None,
-                                              elapsed_s=0.0)
+                        reason = _stop_reason(records, target=target, patience=patience, timeout_s=None, elapsed_s=0.0)
                     _record_ruled_out(the_study, proposer, oracle, records, progress)
                     if reason is None and config is None:
                         reason = "every config of the space is measured, being measured or implied to run out of memory"
@@ -200,8 +249,11 @@ def tune(*, study: str, workload: Workload | None = None, space: str | Path | Se
                 retry = any(r.status == "interrupted" and r.config == config for r in records)
                 progress.trial_started(index=len(measured(records)) + 1, target=target, config=config, retry=retry)
                 record = _measure_in_study(the_study, trial, config, workload, measure, prediction, backend)
-                progress.trial_finished(record=record, best=next(iter(ranking(records_of(the_study))), None),
-                                        elapsed_s=time.monotonic() - started)
+                progress.trial_finished(
+                    record=record,
+                    best=next(iter(ranking(records_of(the_study))), None),
+                    elapsed_s=time.monotonic() - started,
+                )
             wait_helpers(helpers)
     except KeyboardInterrupt:
         for helper in helpers:  # a terminal's Ctrl-C reached them too; a signal to this process alone did not
@@ -235,11 +287,22 @@ def _visible_gpus(visible: str | None) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
-def find(*, workload: Workload | None = None, space: str | Path | SearchSpace = "default",
-         memory_budget_bytes: int | None = None, n_trials: int | None = None, timeout_s: float | None = None,
-         trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S, headroom: float = DEFAULT_HEADROOM,
-         storage: str | None = None, estimate: bool = True, warmup_steps: int = 1, measure_steps: int = 3,
-         progress: Progress | None = None, command: list[str] | None = None) -> StudySummary:
+def find(
+    *,
+    workload: Workload | None = None,
+    space: str | Path | SearchSpace = "default",
+    memory_budget_bytes: int | None = None,
+    n_trials: int | None = None,
+    timeout_s: float | None = None,
+    trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S,
+    headroom: float = DEFAULT_HEADROOM,
+    storage: str | None = None,
+    estimate: bool = True,
+    warmup_steps: int = 1,
+    measure_steps: int = 3,
+    progress: Progress | None = None,
+    command: list[str] | None = None,
+) -> StudySummary:
     """One question, one answer: ``tune`` under a study name derived from workload, device, budget, space.
     (How many steps a trial measures is how the question is answered, not part of it.)"""
     from autotune.study.storage import find_study_name
@@ -248,23 +311,41 @@ def find(*, workload: Workload | None = None, space: str | Path | SearchSpace = 
     device = detect_device(workload.device)
     space = space if isinstance(space, SearchSpace) else load_space(space)
     budget = _budget(memory_budget_bytes, device)
-    meta = question(workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom,
-                    command=command)
-    return tune(study=find_study_name(meta, space.name), workload=workload, space=space,
-                memory_budget_bytes=budget, n_trials=n_trials, timeout_s=timeout_s,
-                trial_timeout_s=trial_timeout_s, headroom=headroom, storage=storage, estimate=estimate,
-                warmup_steps=warmup_steps, measure_steps=measure_steps, progress=progress, command=command)
+    meta = question(
+        workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom, command=command
+    )
+    return tune(
+        study=find_study_name(meta, space.name),
+        workload=workload,
+        space=space,
+        memory_budget_bytes=budget,
+        n_trials=n_trials,
+        timeout_s=timeout_s,
+        trial_timeout_s=trial_timeout_s,
+        headroom=headroom,
+        storage=storage,
+        estimate=estimate,
+        warmup_steps=warmup_steps,
+        measure_steps=measure_steps,
+        progress=progress,
+        command=command,
+    )
 
 
-def _space_to_resume(storage: optuna.storages.RDBStorage, study: str, space: SearchSpace,
-                     progress: Progress) -> SearchSpace:
+def _space_to_resume(
+    storage: optuna.storages.RDBStorage, study: str, space: SearchSpace, progress: Progress
+) -> SearchSpace:
     """The space a study goes on with: a preset that grew since the study began resumes as the
     study stored it (its trials answer that question; the new values are a new study's)."""
     from autotune.study.storage import stored_question
 
     stored = stored_question(storage, study)
-    if stored is None or stored.get("space_digest") == space.digest or not is_preset(space.name) \
-            or stored.get("space", {}).get("name") != space.name:
+    if (
+        stored is None
+        or stored.get("space_digest") == space.digest
+        or not is_preset(space.name)
+        or stored.get("space", {}).get("name") != space.name
+    ):
         return space
     kept = SearchSpace.from_dict(stored["space"])
     if kept.digest != stored["space_digest"]:
@@ -273,8 +354,15 @@ def _space_to_resume(storage: optuna.storages.RDBStorage, study: str, space: Sea
     return kept
 
 
-def question(*, workload: Workload, space: SearchSpace, device: DeviceInfo, memory_budget_bytes: int,
-             headroom: float, command: list[str] | None = None) -> dict[str, Any]:
+def question(
+    *,
+    workload: Workload,
+    space: SearchSpace,
+    device: DeviceInfo,
+    memory_budget_bytes: int,
+    headroom: float,
+    command: list[str] | None = None,
+) -> dict[str, Any]:
     """What a study answers; a study is only resumed for the same question (and, in script mode,
     for the same command)."""
     return {
@@ -282,8 +370,12 @@ def question(*, workload: Workload, space: SearchSpace, device: DeviceInfo, memo
         "workload": workload.to_dict(),
         "space": space.to_dict(),
         "space_digest": space.digest,
-        "device": {"type": device.type, "name": device.name, "count": device.count,
-                   "total_memory_bytes": device.total_memory_bytes},
+        "device": {
+            "type": device.type,
+            "name": device.name,
+            "count": device.count,
+            "total_memory_bytes": device.total_memory_bytes,
+        },
         "memory_budget_bytes": memory_budget_bytes,
         "headroom": headroom,
         "command": list(command) if command else None,
@@ -291,17 +383,29 @@ def question(*, workload: Workload, space: SearchSpace, device: DeviceInfo, memo
 
 
 # -- one trial in the study ----------------------------------------------------------------------
-def _measure_in_study(study: optuna.Study, trial: optuna.Trial, config: TrialConfig, workload: Workload,
-                      measure: _Measure, prediction: MemoryEstimate | None, backend: TrialBackend) -> TrialRecord:
+def _measure_in_study(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    config: TrialConfig,
+    workload: Workload,
+    measure: _Measure,
+    prediction: MemoryEstimate | None,
+    backend: TrialBackend,
+) -> TrialRecord:
     from optuna.trial import TrialState
 
     if prediction is not None:
         trial.set_user_attr("estimate", prediction.to_dict())  # predicted next to measured, for show
     try:
         with _heartbeat(study, trial):
-            result = backend.run(workload, config, memory_budget_bytes=measure.memory_budget_bytes,
-                                 timeout_s=measure.trial_timeout_s, warmup_steps=measure.warmup_steps,
-                                 measure_steps=measure.measure_steps)
+            result = backend.run(
+                workload,
+                config,
+                memory_budget_bytes=measure.memory_budget_bytes,
+                timeout_s=measure.trial_timeout_s,
+                warmup_steps=measure.warmup_steps,
+                measure_steps=measure.measure_steps,
+            )
     except KeyboardInterrupt:
         trial.set_user_attr("status", "interrupted")
         study.tell(trial, state=TrialState.FAIL)
@@ -328,8 +432,16 @@ def _measure_in_study(study: optuna.Study, trial: optuna.Trial, config: TrialCon
 class TrialBackend(Protocol):
     """Where trials and memory estimates come from."""
 
-    def run(self, workload: Workload, config: TrialConfig, *, memory_budget_bytes: int, timeout_s: float,
-            warmup_steps: int, measure_steps: int) -> TrialResult: ...
+    def run(
+        self,
+        workload: Workload,
+        config: TrialConfig,
+        *,
+        memory_budget_bytes: int,
+        timeout_s: float,
+        warmup_steps: int,
+        measure_steps: int,
+    ) -> TrialResult: ...
 
     def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None: ...
 
@@ -387,7 +499,9 @@ class ScriptBackend(LocalBackend):
         return None
 
 
-def _precision_speed(study: optuna.Study, backend: TrialBackend, precisions: tuple[str, ...]) -> dict[str, float] | None:
+def _precision_speed(
+    study: optuna.Study, backend: TrialBackend, precisions: tuple[str, ...]
+) -> dict[str, float] | None:
     """The device's matmul speed per precision the space offers, probed once per study (stored)."""
     if len(precisions) < 2:
         return None
@@ -434,8 +548,9 @@ class _Oracle:
         return self._cache[config]
 
 
-def _record_ruled_out(study: optuna.Study, proposer: Proposer, oracle: _Oracle | None,
-                      records: list[TrialRecord], progress: Progress) -> None:
+def _record_ruled_out(
+    study: optuna.Study, proposer: Proposer, oracle: _Oracle | None, records: list[TrialRecord], progress: Progress
+) -> None:
     """Record the configs the proposer's estimates put over the limit as skipped trials, so the
     study shows why they never ran (and a resumed or parallel search does not estimate them again)."""
     known = {r.config for r in records}
@@ -448,8 +563,7 @@ def _record_ruled_out(study: optuna.Study, proposer: Proposer, oracle: _Oracle |
         _skip_if_too_big(study, trial, prediction, progress)
 
 
-def _skip_if_too_big(study: optuna.Study, trial: optuna.Trial, prediction: MemoryEstimate,
-                     progress: Progress) -> bool:
+def _skip_if_too_big(study: optuna.Study, trial: optuna.Trial, prediction: MemoryEstimate, progress: Progress) -> bool:
     """Record a config predicted well over the limit as skipped, unrun; borderline ones still run."""
     from optuna.trial import TrialState
 
@@ -458,8 +572,11 @@ def _skip_if_too_big(study: optuna.Study, trial: optuna.Trial, prediction: Memor
     limit = memory_limit(study.user_attrs["autotune"])
     trial.set_user_attr("status", "skipped")
     trial.set_user_attr("estimate", prediction.to_dict())
-    trial.set_user_attr("reason", f"not run: predicted peak {prediction.predicted_peak_bytes} B is more than "
-                                  f"{SKIP_MARGIN:.0%} over the memory limit {limit} B")
+    trial.set_user_attr(
+        "reason",
+        f"not run: predicted peak {prediction.predicted_peak_bytes} B is more than "
+        f"{SKIP_MARGIN:.0%} over the memory limit {limit} B",
+    )
     trial.set_constraint("memory", prediction.predicted_peak_bytes / limit - 1)
     study.tell(trial, state=TrialState.PRUNED)  # the sampler learns from it as from an OOM
     record = next(r for r in records_of(study) if r.number == trial.number)
@@ -523,8 +640,14 @@ def _stored(result: TrialResult) -> dict[str, Any]:
 
 
 # -- confirming the winner -----------------------------------------------------------------------
-def _confirm_winner(study: optuna.Study, proposer: Proposer, workload: Workload, measure: _Measure,
-                    progress: Progress, backend: TrialBackend) -> None:
+def _confirm_winner(
+    study: optuna.Study,
+    proposer: Proposer,
+    workload: Workload,
+    measure: _Measure,
+    progress: Progress,
+    backend: TrialBackend,
+) -> None:
     """Re-run the top candidates longer, interleaved, until a decided answer fits (or re-runs are spent).
 
     The contenders are the candidates whose first figure is within ``CONTENDER_BAND`` of the top
@@ -553,10 +676,16 @@ def _confirm_winner(study: optuna.Study, proposer: Proposer, workload: Workload,
                     continue  # refuted already: no need to time it again
                 progress.confirming(record=record, steps=steps)
                 # It measures CONFIRM_STEPS_FACTOR x the steps, so it gets as many times the trial's time.
-                runs[record.number].append(backend.run(
-                    workload, record.config, memory_budget_bytes=measure.memory_budget_bytes,
-                    timeout_s=measure.trial_timeout_s * CONFIRM_STEPS_FACTOR,
-                    warmup_steps=measure.warmup_steps + 1, measure_steps=steps))
+                runs[record.number].append(
+                    backend.run(
+                        workload,
+                        record.config,
+                        memory_budget_bytes=measure.memory_budget_bytes,
+                        timeout_s=measure.trial_timeout_s * CONFIRM_STEPS_FACTOR,
+                        warmup_steps=measure.warmup_steps + 1,
+                        measure_steps=steps,
+                    )
+                )
         _store_decision(study, proposer, contenders, runs, limit)
 
 
@@ -567,8 +696,12 @@ def _rounds_agree(contenders: list[TrialRecord], runs: dict[int, list[TrialResul
     if len(scores) < 2:
         return True
     leader = max(scores, key=scores.__getitem__)
-    return all((runs[leader][i].throughput or 0.0) > (runs[n][i].throughput or 0.0)
-               for n in scores if n != leader for i in range(rounds))
+    return all(
+        (runs[leader][i].throughput or 0.0) > (runs[n][i].throughput or 0.0)
+        for n in scores
+        if n != leader
+        for i in range(rounds)
+    )
 
 
 def _held(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], limit: int) -> list[TrialRecord]:
@@ -605,8 +738,13 @@ def _holds(result: TrialResult, limit: int) -> bool:
     return result.ok and result.peak_memory_bytes is not None and result.peak_memory_bytes <= limit
 
 
-def _store_decision(study: optuna.Study, proposer: Proposer, contenders: list[TrialRecord],
-                    runs: dict[int, list[TrialResult]], limit: int) -> None:
+def _store_decision(
+    study: optuna.Study,
+    proposer: Proposer,
+    contenders: list[TrialRecord],
+    runs: dict[int, list[TrialResult]],
+    limit: int,
+) -> None:
     """Record each contender's re-runs, the order their paired figures decide, and the answer trial."""
     scores, rounds = _paired_scores(_held(contenders, runs, limit), runs)
     order = sorted(scores, key=lambda n: -scores[n])
@@ -630,36 +768,47 @@ def _store_decision(study: optuna.Study, proposer: Proposer, contenders: list[Tr
             "error": failed.error if failed is not None else None,
         }
         study.set_user_attr(f"{CONFIRM_PREFIX}{record.number}", confirmations[record.number])
-    study.set_user_attr(DECISION_KEY, {
-        "order": order, "contenders": [r.number for r in contenders], "rounds": rounds,
-        "scores": {str(n): v for n, v in scores.items()},
-        "certainty": _certainty(order, runs, rounds, {r.number: r for r in contenders}),
-    })
+    study.set_user_attr(
+        DECISION_KEY,
+        {
+            "order": order,
+            "contenders": [r.number for r in contenders],
+            "rounds": rounds,
+            "scores": {str(n): v for n, v in scores.items()},
+            "certainty": _certainty(order, runs, rounds, {r.number: r for r in contenders}),
+        },
+    )
     if order:
         winner = next(r for r in contenders if r.number == order[0])
         _record_answer(study, proposer, winner, confirmations[winner.number], limit)
 
 
-def _certainty(order: list[int], runs: dict[int, list[TrialResult]], rounds: int,
-               by_number: dict[int, TrialRecord]) -> str | None:
+def _certainty(
+    order: list[int], runs: dict[int, list[TrialResult]], rounds: int, by_number: dict[int, TrialRecord]
+) -> str | None:
     """How sure the answer is, in words: its lead over the runner-up in the paired rounds."""
     if not order:
         return None
     if len(order) == 1:
-        return "the only candidate that held up on its re-run" if len(by_number) > 1 else \
-            "the one candidate; re-run to check it fits, no runner-up close enough to compare"
+        return (
+            "the only candidate that held up on its re-run"
+            if len(by_number) > 1
+            else "the one candidate; re-run to check it fits, no runner-up close enough to compare"
+        )
     winner, runner_up = order[0], order[1]
-    leads = [(runs[winner][i].throughput or 0.0) / (runs[runner_up][i].throughput or 1e-9) - 1
-             for i in range(rounds)]
+    leads = [(runs[winner][i].throughput or 0.0) / (runs[runner_up][i].throughput or 1e-9) - 1 for i in range(rounds)]
     wins = sum(lead > 0 for lead in leads)
     spread = f"{min(leads):+.0%} to {max(leads):+.0%}" if len(leads) > 1 else f"{leads[0]:+.0%}"
     verdict = "clearly faster than" if wins == rounds and min(leads) > CONFIRM_NOISE else "within noise of"
-    return (f"{verdict} the runner-up {by_number[runner_up].config.describe()} in interleaved re-runs: "
-            f"ahead in {wins} of {rounds} rounds ({spread})")
+    return (
+        f"{verdict} the runner-up {by_number[runner_up].config.describe()} in interleaved re-runs: "
+        f"ahead in {wins} of {rounds} rounds ({spread})"
+    )
 
 
-def _record_answer(study: optuna.Study, proposer: Proposer, record: TrialRecord, confirmation: dict[str, Any],
-                   limit: int) -> None:
+def _record_answer(
+    study: optuna.Study, proposer: Proposer, record: TrialRecord, confirmation: dict[str, Any], limit: int
+) -> None:
     """The answer as a trial of its own, the only one feasible for Optuna (see :mod:`autotune.study.records`),
     with the figures its confirmation stored."""
     from optuna.trial import TrialState
@@ -674,14 +823,17 @@ def _record_answer(study: optuna.Study, proposer: Proposer, record: TrialRecord,
 
 
 # -- checks --------------------------------------------------------------------------------------
-def _stop_reason(records: list[TrialRecord], *, target: int, patience: int | None, timeout_s: float | None,
-                 elapsed_s: float) -> str | None:
+def _stop_reason(
+    records: list[TrialRecord], *, target: int, patience: int | None, timeout_s: float | None, elapsed_s: float
+) -> str | None:
     done = measured(records)
     broken = [r for r in done if r.status in ("error", "crashed")]
     if len(done) >= _BROKEN_AFTER and len(broken) == len(done):
         last = (broken[-1].error or "").strip().splitlines()[-1:] or ["no message"]
-        return (f"every trial so far ended in {broken[-1].status} ({last[0]}); the workload itself fails: "
-                f"autotune trial with the same --model shows the whole error")
+        return (
+            f"every trial so far ended in {broken[-1].status} ({last[0]}); the workload itself fails: "
+            f"autotune trial with the same --model shows the whole error"
+        )
     running = sum(r.status == "running" for r in records)  # other workers' trials: taken
     if len(done) + running >= target:
         elsewhere = f", {running} more being measured by other workers" if running else ""
@@ -712,8 +864,10 @@ def _budget(memory_budget_bytes: int | None, device: DeviceInfo) -> int:
         if memory_budget_bytes <= 0:
             raise ConfigError("--memory-budget must be more than 0, e.g. 24GiB")
         if device.total_memory_bytes is not None and memory_budget_bytes > device.total_memory_bytes:
-            raise ConfigError(f"--memory-budget {memory_budget_bytes} B is more than {device.name} has "
-                              f"({device.total_memory_bytes} B); use at most that")
+            raise ConfigError(
+                f"--memory-budget {memory_budget_bytes} B is more than {device.name} has "
+                f"({device.total_memory_bytes} B); use at most that"
+            )
         return memory_budget_bytes
     if device.total_memory_bytes is None:
         raise ConfigError("--memory-budget is needed: this device does not say how much memory it has")
@@ -731,16 +885,26 @@ def _check_workload(workload: Workload, device: DeviceInfo) -> None:
 
 
 def _check_numbers(**values: Any) -> None:
-    flags = {"n_trials": "--n-trials", "timeout_s": "--timeout", "trial_timeout_s": "--trial-timeout",
-             "patience": "--patience", "warmup_steps": "--warmup-steps", "measure_steps": "--steps",
-             "workers": "--workers"}
+    flags = {
+        "n_trials": "--n-trials",
+        "timeout_s": "--timeout",
+        "trial_timeout_s": "--trial-timeout",
+        "patience": "--patience",
+        "warmup_steps": "--warmup-steps",
+        "measure_steps": "--steps",
+        "workers": "--workers",
+    }
     for key, flag in flags.items():
         value = values[key]
         minimum = 0 if key == "warmup_steps" else 1
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum or (
-                key in ("timeout_s", "trial_timeout_s") and value <= 0):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or value < minimum
+            or (key in ("timeout_s", "trial_timeout_s") and value <= 0)
+        ):
             raise ConfigError(f"{flag} {value!r} must be a number of at least {minimum}")
     headroom = values["headroom"]
     if not isinstance(headroom, (int, float)) or not 0 <= headroom < 0.9:

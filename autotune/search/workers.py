@@ -107,11 +107,13 @@ def gpu_slices(workers: int, ranks: int, device: Any) -> list[str | None]:
     if device.type != "cuda" or workers == 1:
         return [None] * workers
     if workers * ranks > device.count:
-        raise ConfigError(f"--workers {workers} x --nproc {ranks} needs {workers * ranks} GPUs, {device.count} "
-                          "visible: workers sharing a GPU would measure each other's memory; use fewer workers")
+        raise ConfigError(
+            f"--workers {workers} x --nproc {ranks} needs {workers * ranks} GPUs, {device.count} "
+            "visible: workers sharing a GPU would measure each other's memory; use fewer workers"
+        )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [i.strip() for i in visible.split(",")] if visible else [str(i) for i in range(device.count)]
-    return [",".join(ids[w * ranks:(w + 1) * ranks]) for w in range(workers)]
+    return [",".join(ids[w * ranks : (w + 1) * ranks]) for w in range(workers)]
 
 
 def start_helpers(spec: dict[str, Any], gpus: list[str | None]) -> list[subprocess.Popen[bytes]]:

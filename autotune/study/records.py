@@ -32,13 +32,23 @@ from autotune.trial.result import TOKENS_PER_S
 if TYPE_CHECKING:
     import optuna
 
-__all__ = ["load_summary", "load_summaries", "summarize", "records_of", "ranking", "retire_answers", "CONFIRM_PREFIX",
-           "DECISION_KEY", "ANSWER_ATTR", "ANSWER_CONSTRAINT"]
+__all__ = [
+    "load_summary",
+    "load_summaries",
+    "summarize",
+    "records_of",
+    "ranking",
+    "retire_answers",
+    "CONFIRM_PREFIX",
+    "DECISION_KEY",
+    "ANSWER_ATTR",
+    "ANSWER_CONSTRAINT",
+]
 
-CONFIRM_PREFIX = "confirm:"      # study user attribute per re-run winner candidate: confirm:<number>
-DECISION_KEY = "decision"        # study user attribute: the interleaved confirmation's order and lead
-ANSWER_ATTR = "answer_for"       # trial user attribute of the answer trial: the number it confirms
-ANSWER_CONSTRAINT = "answer"     # Optuna constraint: 0 on the answer trial, 1 on every measured one
+CONFIRM_PREFIX = "confirm:"  # study user attribute per re-run winner candidate: confirm:<number>
+DECISION_KEY = "decision"  # study user attribute: the interleaved confirmation's order and lead
+ANSWER_ATTR = "answer_for"  # trial user attribute of the answer trial: the number it confirms
+ANSWER_CONSTRAINT = "answer"  # Optuna constraint: 0 on the answer trial, 1 on every measured one
 _MEASURED = ("ok", "oom", "timeout", "crashed", "nan", "error")
 
 
@@ -59,16 +69,18 @@ def load_summary(*, study: str, storage: str | None = None, with_importances: bo
             if META_KEY not in read.studies[study].user_attrs:
                 raise not_autotune(study)
             return summarize(read.studies[study], url=storage)
-    return summarize(load_study(open_storage(storage), study, storage), url=storage,
-                     with_importances=with_importances)
+    return summarize(load_study(open_storage(storage), study, storage), url=storage, with_importances=with_importances)
 
 
 def load_summaries(storage: str | None = None) -> list[StudySummary]:
     """Every autotune study in ``storage``, by name (studies other tools keep there are left out)."""
     read = read_study_file(storage or DEFAULT_STORAGE)
     if read is not None:
-        return [summarize(read.studies[name], url=storage) for name in read.names
-                if META_KEY in read.studies[name].user_attrs]
+        return [
+            summarize(read.studies[name], url=storage)
+            for name in read.names
+            if META_KEY in read.studies[name].user_attrs
+        ]
     from autotune.errors import StorageError
     from autotune.study.storage import load_study, open_storage, study_names
 
@@ -89,8 +101,9 @@ def summarize(study: optuna.Study | StoredStudy, *, url: str | None, with_import
     ranked = ranking(records)
     best = next((r for r in ranked if r.confirmed), None)
     decision = study.user_attrs.get(DECISION_KEY) or {}
-    certainty = decision.get("certainty") if best is not None and decision.get("order", [None])[0] == best.number \
-        else None
+    certainty = (
+        decision.get("certainty") if best is not None and decision.get("order", [None])[0] == best.number else None
+    )
     workload = Workload.from_dict(meta["workload"])
     remember(workload, study.user_attrs.get(FACTS_KEY))  # what the tuner stored: show and export need no torch
     return StudySummary(
@@ -117,8 +130,9 @@ def memory_limit(meta: dict[str, Any]) -> int:
 def records_of(study: optuna.Study | StoredStudy) -> list[TrialRecord]:
     meta = study.user_attrs[META_KEY]
     limit = memory_limit(meta)
-    confirmations = {int(k.removeprefix(CONFIRM_PREFIX)): v for k, v in study.user_attrs.items()
-                     if k.startswith(CONFIRM_PREFIX)}
+    confirmations = {
+        int(k.removeprefix(CONFIRM_PREFIX)): v for k, v in study.user_attrs.items() if k.startswith(CONFIRM_PREFIX)
+    }
     order = (study.user_attrs.get(DECISION_KEY) or {}).get("order", [])
     records = []
     for trial in study.get_trials(deepcopy=False):
@@ -132,26 +146,29 @@ def records_of(study: optuna.Study | StoredStudy) -> list[TrialRecord]:
             status = trial.user_attrs.get("status", "interrupted")
         peak = result.get("peak_memory_bytes")
         confirm = confirmations.get(trial.number)
-        records.append(TrialRecord(
-            number=trial.number,
-            config=TrialConfig.from_dict(config_data),
-            status=status,
-            tokens_per_s=result.get("tokens_per_s"),
-            samples_per_s=result.get("samples_per_s"),
-            throughput_unit=result.get("throughput_unit") or TOKENS_PER_S,
-            peak_memory_bytes=peak,
-            fits=status == "ok" and peak is not None and peak <= limit,
-            duration_s=(trial.datetime_complete - trial.datetime_start).total_seconds()
-            if trial.datetime_complete and trial.datetime_start else None,
-            error=result.get("error") or trial.user_attrs.get("reason"),
-            predicted_peak_bytes=(trial.user_attrs.get("estimate") or {}).get("predicted_peak_bytes"),
-            confirmed=None if confirm is None else confirm["confirmed"],
-            confirmed_tokens_per_s=None if confirm is None else confirm.get("tokens_per_s"),
-            confirmed_samples_per_s=None if confirm is None else confirm.get("samples_per_s"),
-            confirmed_peak_memory_bytes=None if confirm is None else confirm.get("peak_memory_bytes"),
-            decided_rank=order.index(trial.number) if trial.number in order else None,
-            step_time_spread=result.get("step_time_spread"),
-        ))
+        records.append(
+            TrialRecord(
+                number=trial.number,
+                config=TrialConfig.from_dict(config_data),
+                status=status,
+                tokens_per_s=result.get("tokens_per_s"),
+                samples_per_s=result.get("samples_per_s"),
+                throughput_unit=result.get("throughput_unit") or TOKENS_PER_S,
+                peak_memory_bytes=peak,
+                fits=status == "ok" and peak is not None and peak <= limit,
+                duration_s=(trial.datetime_complete - trial.datetime_start).total_seconds()
+                if trial.datetime_complete and trial.datetime_start
+                else None,
+                error=result.get("error") or trial.user_attrs.get("reason"),
+                predicted_peak_bytes=(trial.user_attrs.get("estimate") or {}).get("predicted_peak_bytes"),
+                confirmed=None if confirm is None else confirm["confirmed"],
+                confirmed_tokens_per_s=None if confirm is None else confirm.get("tokens_per_s"),
+                confirmed_samples_per_s=None if confirm is None else confirm.get("samples_per_s"),
+                confirmed_peak_memory_bytes=None if confirm is None else confirm.get("peak_memory_bytes"),
+                decided_rank=order.index(trial.number) if trial.number in order else None,
+                step_time_spread=result.get("step_time_spread"),
+            )
+        )
     return records
 
 

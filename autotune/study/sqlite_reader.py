@@ -21,12 +21,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCHEMA_VERSION", "ALEMBIC_REVISION", "StoredTrial", "StoredStudy", "StudyFile", "read_study_file",
-           "sqlite_path"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "ALEMBIC_REVISION",
+    "StoredTrial",
+    "StoredStudy",
+    "StudyFile",
+    "read_study_file",
+    "sqlite_path",
+]
 
-SCHEMA_VERSION = 12               # optuna.storages._rdb.models.SCHEMA_VERSION this reader was written for
-ALEMBIC_REVISION = "v3.2.0.a"     # the head of Optuna's Alembic migrations, as stamped in alembic_version
-_LOCK_TIMEOUT_S = 60              # a writer's commit holds the file briefly: wait, as the Optuna path does
+SCHEMA_VERSION = 12  # optuna.storages._rdb.models.SCHEMA_VERSION this reader was written for
+ALEMBIC_REVISION = "v3.2.0.a"  # the head of Optuna's Alembic migrations, as stamped in alembic_version
+_LOCK_TIMEOUT_S = 60  # a writer's commit holds the file briefly: wait, as the Optuna path does
 # Only plain URLs whose path SQLAlchemy would take as it is (no %-escapes, query, or user/host part):
 # then the file opened and the URL shown are the same as on the Optuna path.
 _PLAIN_SQLITE = re.compile(r"^sqlite:///([^?#%@]+)$")
@@ -59,7 +66,7 @@ class StoredStudy:
 class StudyFile:
     """One consistent read of a study database: every study's name, and the studies asked for."""
 
-    names: list[str]                  # sorted, as autotune.study.storage.study_names gives them
+    names: list[str]  # sorted, as autotune.study.storage.study_names gives them
     studies: dict[str, StoredStudy]
 
 
@@ -101,19 +108,34 @@ def _known_schema(connection: sqlite3.Connection) -> bool:
 
 
 def _study(connection: sqlite3.Connection, name: str, study_id: int) -> StoredStudy:
-    user_attrs = {key: json.loads(value) for key, value in connection.execute(
-        "SELECT key, value_json FROM study_user_attributes WHERE study_id = ? ORDER BY study_user_attribute_id",
-        (study_id,))}
+    user_attrs = {
+        key: json.loads(value)
+        for key, value in connection.execute(
+            "SELECT key, value_json FROM study_user_attributes WHERE study_id = ? ORDER BY study_user_attribute_id",
+            (study_id,),
+        )
+    }
     trial_attrs: dict[int, dict[str, Any]] = {}
     for trial_id, key, value in connection.execute(
-            "SELECT a.trial_id, a.key, a.value_json FROM trial_user_attributes a JOIN trials t ON a.trial_id = "
-            "t.trial_id WHERE t.study_id = ? ORDER BY a.trial_user_attribute_id", (study_id,)):
+        "SELECT a.trial_id, a.key, a.value_json FROM trial_user_attributes a JOIN trials t ON a.trial_id = "
+        "t.trial_id WHERE t.study_id = ? ORDER BY a.trial_user_attribute_id",
+        (study_id,),
+    ):
         trial_attrs.setdefault(trial_id, {})[key] = json.loads(value)
-    trials = [StoredTrial(number=number, state=state, user_attrs=trial_attrs.get(trial_id, {}),
-                          datetime_start=_local(start), datetime_complete=_local(complete))
-              for trial_id, number, state, start, complete in connection.execute(
-                  "SELECT trial_id, number, state, datetime_start, datetime_complete FROM trials "
-                  "WHERE study_id = ? ORDER BY trial_id", (study_id,))]
+    trials = [
+        StoredTrial(
+            number=number,
+            state=state,
+            user_attrs=trial_attrs.get(trial_id, {}),
+            datetime_start=_local(start),
+            datetime_complete=_local(complete),
+        )
+        for trial_id, number, state, start, complete in connection.execute(
+            "SELECT trial_id, number, state, datetime_start, datetime_complete FROM trials "
+            "WHERE study_id = ? ORDER BY trial_id",
+            (study_id,),
+        )
+    ]
     return StoredStudy(study_name=name, user_attrs=user_attrs, trials=trials)
 
 

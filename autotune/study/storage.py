@@ -25,15 +25,26 @@ from autotune.errors import StorageError
 if TYPE_CHECKING:
     import optuna
 
-__all__ = ["DEFAULT_STORAGE", "open_storage", "display_url", "create_study", "load_study", "study_names",
-           "recover_stale_trials", "find_study_name", "stored_question", "META_KEY", "HEARTBEAT_S"]
+__all__ = [
+    "DEFAULT_STORAGE",
+    "open_storage",
+    "display_url",
+    "create_study",
+    "load_study",
+    "study_names",
+    "recover_stale_trials",
+    "find_study_name",
+    "stored_question",
+    "META_KEY",
+    "HEARTBEAT_S",
+]
 
 DEFAULT_STORAGE = "sqlite:///storage/autotune.db"
-META_KEY = "autotune"            # study user attribute: the question the study answers
-HEARTBEAT_S = 20                 # a running trial's heartbeat; 6 missed ones make it stale
+META_KEY = "autotune"  # study user attribute: the question the study answers
+HEARTBEAT_S = 20  # a running trial's heartbeat; 6 missed ones make it stale
 _GRACE_S = 6 * HEARTBEAT_S
-_SQLITE_LOCK_TIMEOUT_S = 60      # wait this long for another worker's write instead of failing
-_SCHEMA_ATTEMPTS = 10            # processes creating one fresh schema at once: each try gets further
+_SQLITE_LOCK_TIMEOUT_S = 60  # wait this long for another worker's write instead of failing
+_SCHEMA_ATTEMPTS = 10  # processes creating one fresh schema at once: each try gets further
 # The parts of the question that must match for a study to be resumed.
 _IDENTITY = ("workload", "space_digest", "device", "memory_budget_bytes", "headroom", "command")
 
@@ -48,24 +59,29 @@ def open_storage(url: str | None = None) -> optuna.storages.RDBStorage:
     try:
         parsed = make_url(url)
     except (sqlalchemy.exc.ArgumentError, ValueError):
-        raise StorageError(f"--storage {url!r} is not a database URL; use e.g. {DEFAULT_STORAGE} "
-                           "or postgresql://user@host/db") from None
+        raise StorageError(
+            f"--storage {url!r} is not a database URL; use e.g. {DEFAULT_STORAGE} or postgresql://user@host/db"
+        ) from None
     engine_kwargs: dict[str, Any] = {}
     if parsed.get_backend_name() == "sqlite":
         if parsed.database in (None, "", ":memory:"):
-            raise StorageError(f"--storage {url}: an in-memory SQLite database would be lost at exit; "
-                               f"name a file, e.g. {DEFAULT_STORAGE}")
+            raise StorageError(
+                f"--storage {url}: an in-memory SQLite database would be lost at exit; "
+                f"name a file, e.g. {DEFAULT_STORAGE}"
+            )
         database = Path(parsed.database).expanduser()
         database.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         # Studies hold model names, paths and hosts: readable by their owner only. SQLite's journal
         # and WAL files copy the database's permissions.
         database.touch(mode=0o600, exist_ok=True)
         engine_kwargs["connect_args"] = {"timeout": _SQLITE_LOCK_TIMEOUT_S}
+
     def rdb_storage() -> optuna.storages.RDBStorage:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats
-            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S,
-                                              grace_period=_GRACE_S)
+            return optuna.storages.RDBStorage(
+                url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=_GRACE_S
+            )
 
     try:
         for attempt in range(1, _SCHEMA_ATTEMPTS):
@@ -78,8 +94,9 @@ def open_storage(url: str | None = None) -> optuna.storages.RDBStorage:
         return rdb_storage()
     except ImportError:
         extra = " (pip install 'autotune[postgres]')" if parsed.get_backend_name() == "postgresql" else ""
-        raise StorageError(f"--storage {display_url(url)}: the database driver for "
-                           f"{parsed.drivername} is not installed{extra}") from None
+        raise StorageError(
+            f"--storage {display_url(url)}: the database driver for {parsed.drivername} is not installed{extra}"
+        ) from None
     except Exception as exc:  # server down, bad credentials, not a database file
         raise StorageError(f"--storage {display_url(url)}: cannot open it: {_one_line(exc)}") from None
 
@@ -96,8 +113,9 @@ def _lost_schema_race(exc: Exception) -> bool:
 
     if isinstance(exc, sqlalchemy.exc.IntegrityError):
         return True
-    return isinstance(exc, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.ProgrammingError)) and \
-        "already exists" in str(exc)
+    return isinstance(
+        exc, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.ProgrammingError)
+    ) and "already exists" in str(exc)
 
 
 @contextlib.contextmanager
@@ -144,7 +162,8 @@ def create_study(storage: optuna.storages.RDBStorage, name: str, meta: dict[str,
         if _canonical(stored.get(key)) != _canonical(meta.get(key)):
             raise StorageError(
                 f"--study {name} answers another question ({key} differs: stored {_short(stored.get(key))}, "
-                f"now {_short(meta.get(key))}); use a new --study name, or the same flags as before")
+                f"now {_short(meta.get(key))}); use a new --study name, or the same flags as before"
+            )
     return study
 
 

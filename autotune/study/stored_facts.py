@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FACTS_KEY", "record", "collect", "remember", "lora_where", "hidden_size", "adapter_config"]
 
-FACTS_KEY = "model_facts"   # study user attribute: {"hidden_size": int|None, "lora": {setting: {...}}}
+FACTS_KEY = "model_facts"  # study user attribute: {"hidden_size": int|None, "lora": {setting: {...}}}
 _KNOWN: dict[Workload, dict[str, Any]] = {}
 
 
@@ -36,8 +36,11 @@ def record(study: optuna.Study, workload: Workload, lora_choices: Iterable[str],
     if script:
         study.set_user_attr(FACTS_KEY, {"hidden_size": None, "lora": {}, "script": True})
     else:
-        targets = {None if not rest else tuple(rest.split(","))
-                   for rank, _, rest in (choice.partition(":") for choice in lora_choices) if rank != "off"}
+        targets = {
+            None if not rest else tuple(rest.split(","))
+            for rank, _, rest in (choice.partition(":") for choice in lora_choices)
+            if rank != "off"
+        }
         study.set_user_attr(FACTS_KEY, collect(workload, sorted(targets, key=_setting)))
 
 
@@ -87,8 +90,9 @@ def hidden_size(workload: Workload) -> int | None:
 def adapter_config(config: TrialConfig, workload: Workload) -> dict[str, Any]:
     """adapter_config.json's content, as ``LoraConfig.save_pretrained`` writes it for ``config``."""
     if _of_a_script(workload):  # PEFT picks its default targets for the script's model when it applies them
-        return _adapter_config_without_model(config.lora_targets, rank=config.lora_rank,
-                                             alpha=config.effective_lora_alpha)
+        return _adapter_config_without_model(
+            config.lora_targets, rank=config.lora_rank, alpha=config.effective_lora_alpha
+        )
     stored = _stored_lora(config, workload)
     template = stored.get("adapter_config") if stored is not None else None
     if isinstance(template, dict):  # r and lora_alpha are the only fields that follow the rank and alpha

@@ -29,19 +29,19 @@ class TrialRecord:
     status: str
     tokens_per_s: float | None = None
     samples_per_s: float | None = None
-    throughput_unit: str = TOKENS_PER_S         # of throughput: tokens/s, images/s or samples/s
+    throughput_unit: str = TOKENS_PER_S  # of throughput: tokens/s, images/s or samples/s
     peak_memory_bytes: int | None = None
-    fits: bool = False                          # ok and its peak is under the memory limit
-    duration_s: float | None = None             # wall time of the whole trial (start-up included)
+    fits: bool = False  # ok and its peak is under the memory limit
+    duration_s: float | None = None  # wall time of the whole trial (start-up included)
     error: str | None = None
-    predicted_peak_bytes: int | None = None     # the estimator's prediction, when it was asked
+    predicted_peak_bytes: int | None = None  # the estimator's prediction, when it was asked
     # The re-run of a winner candidate: None when not re-run; else whether it held up.
     confirmed: bool | None = None
     confirmed_tokens_per_s: float | None = None
     confirmed_samples_per_s: float | None = None
     confirmed_peak_memory_bytes: int | None = None
-    decided_rank: int | None = None             # place in the interleaved confirmation (0: the answer)
-    step_time_spread: float | None = None       # IQR / median of its step times (0.1 = within 10%)
+    decided_rank: int | None = None  # place in the interleaved confirmation (0: the answer)
+    step_time_spread: float | None = None  # IQR / median of its step times (0.1 = within 10%)
 
     @property
     def throughput(self) -> float | None:
@@ -80,17 +80,17 @@ class StudySummary:
     """A whole study: its question (workload, device, budget, space) and every trial."""
 
     name: str
-    storage: str                                # URL with any password masked
+    storage: str  # URL with any password masked
     workload: Workload
-    space: str                                  # preset name or file the study was created with
-    device: dict[str, Any]                      # type, name, count, total_memory_bytes
+    space: str  # preset name or file the study was created with
+    device: dict[str, Any]  # type, name, count, total_memory_bytes
     memory_budget_bytes: int
-    memory_limit_bytes: int                     # budget minus headroom: a config fits below it
+    memory_limit_bytes: int  # budget minus headroom: a config fits below it
     trials: list[TrialRecord] = field(default_factory=list)
-    best: TrialRecord | None = None             # the confirmed winner, if any
+    best: TrialRecord | None = None  # the confirmed winner, if any
     importances: dict[str, float] | None = None  # knob -> share of tokens/s variance (Optuna fANOVA)
-    certainty: str | None = None                # how sure the answer is, in words (from the confirmation)
-    command: list[str] | None = None            # script mode: the user's training command each trial ran
+    certainty: str | None = None  # how sure the answer is, in words (from the confirmation)
+    command: list[str] | None = None  # script mode: the user's training command each trial ran
 
     @property
     def throughput_unit(self) -> str:
@@ -142,20 +142,32 @@ def what_is_trained(config: TrialConfig, workload: Workload | None = None) -> di
     trains in full: as the study stored it at tune time, else from the model's config (and
     PEFT's table, only for default targets).
     """
-    precision = {"fp32": "fp32", "tf32": "fp32 with tf32 matmuls", "fp16": "fp16 mixed precision",
-                 "bf16": "bf16 mixed precision",
-                 "bf16-true": "bf16 throughout (weights, gradients and Adam states; no fp32 copy)"}[config.precision]
+    precision = {
+        "fp32": "fp32",
+        "tf32": "fp32 with tf32 matmuls",
+        "fp16": "fp16 mixed precision",
+        "bf16": "bf16 mixed precision",
+        "bf16-true": "bf16 throughout (weights, gradients and Adam states; no fp32 copy)",
+    }[config.precision]
     lora: dict[str, Any] | None = None
     note = f"all weights trained in {precision}"
     if config.uses_lora:
-        lora = {"rank": config.lora_rank, "alpha": config.effective_lora_alpha,
-                "targets": list(config.lora_targets) if config.lora_targets else None}
+        lora = {
+            "rank": config.lora_rank,
+            "alpha": config.effective_lora_alpha,
+            "targets": list(config.lora_targets) if config.lora_targets else None,
+        }
         note = f"LoRA adapters only trained in {precision}"
         where = lora_where(config, workload) if workload is not None else None
         if where is not None:
             lora["targets_note"], head = where
-            note = (f"LoRA r={config.lora_rank} adapters" + ("" if head else " only") + f", on {lora['targets_note']}"
-                    + (", plus the classification head in full" if head else "") + f", trained in {precision}")
+            note = (
+                f"LoRA r={config.lora_rank} adapters"
+                + ("" if head else " only")
+                + f", on {lora['targets_note']}"
+                + (", plus the classification head in full" if head else "")
+                + f", trained in {precision}"
+            )
         if config.precision in ("fp16", "bf16"):  # as PEFT recipes load it: dtype=the 16-bit type
             note += f"; the frozen base held in {config.precision}"
     return {"precision": config.precision, "lora": lora, "note": note}

@@ -64,8 +64,12 @@ def _run(spec: dict[str, Any], record: dict[str, Any]) -> None:
 
         record.update(use_rank_cores(spec["cpu_cores"], int(os.environ.get("LOCAL_RANK", "0")), workload.nproc, torch))
     world_size = _init_distributed(workload, config, device)
-    record.update(device=str(device), world_size=world_size, memory_budget_bytes=budget,
-                  grad_accum_steps=config.grad_accum_steps(workload))
+    record.update(
+        device=str(device),
+        world_size=world_size,
+        memory_budget_bytes=budget,
+        grad_accum_steps=config.grad_accum_steps(workload),
+    )
 
     tracker = None
     if device.type == "cuda":
@@ -83,21 +87,35 @@ def _run(spec: dict[str, Any], record: dict[str, Any]) -> None:
 
     try:
         with tracker if tracker is not None else contextlib.nullcontext():
-            _train(spec, record, workload=workload, config=config, device=device, world_size=world_size,
-                   peak_so_far=lambda: _peak_allocated(device, tracker))
+            _train(
+                spec,
+                record,
+                workload=workload,
+                config=config,
+                device=device,
+                world_size=world_size,
+                peak_so_far=lambda: _peak_allocated(device, tracker),
+            )
     finally:
         record_peaks(record, device, tracker)
 
 
-def _train(spec: dict[str, Any], record: dict[str, Any], *, workload: Any, config: Any,
-           device: Any, world_size: int, peak_so_far: Any) -> None:
+def _train(
+    spec: dict[str, Any],
+    record: dict[str, Any],
+    *,
+    workload: Any,
+    config: Any,
+    device: Any,
+    world_size: int,
+    peak_so_far: Any,
+) -> None:
     from autotune.trial.engine import build_engine
     from autotune.trial.measure import time_steps
     from autotune.trial.result import TOKENS_PER_S
 
     begin = time.perf_counter()
-    engine = build_engine(workload=workload, config=config, task=spec["task"], device=device,
-                          world_size=world_size)
+    engine = build_engine(workload=workload, config=config, task=spec["task"], device=device, world_size=world_size)
     record.update(trainable_params=engine.trainable_params, total_params=engine.total_params)
     record["phases"]["build_s"] = time.perf_counter() - begin
     record["build_peak_bytes"] = peak_so_far()  # tells a build-time peak from a training-step one
@@ -110,8 +128,14 @@ def _train(spec: dict[str, Any], record: dict[str, Any], *, workload: Any, confi
 
     if config.compile:
         record["eager_step_s"], record["phases"]["compile_s"] = _compile(engine, sync)
-    times = time_steps(engine.step, sync, warmup=spec["warmup_steps"], steps=spec["measure_steps"],
-                       max_steps=spec.get("max_measure_steps"), agree=_agreed(world_size, device))
+    times = time_steps(
+        engine.step,
+        sync,
+        warmup=spec["warmup_steps"],
+        steps=spec["measure_steps"],
+        max_steps=spec.get("max_measure_steps"),
+        agree=_agreed(world_size, device),
+    )
     # Per optimizer step, from the median step: a few steps slowed by another process move a
     # mean, not a median (the spread says how much they disagreed).
     record["phases"].update(warmup_s=times.warmup_s, measure_s=times.total_s)
@@ -131,8 +155,9 @@ def _train(spec: dict[str, Any], record: dict[str, Any], *, workload: Any, confi
     if config.compile:
         from autotune.trial.measure import compile_payoff_steps
 
-        record["compile_payoff_steps"] = compile_payoff_steps(record["phases"]["compile_s"], record["eager_step_s"],
-                                                              times.median_s)
+        record["compile_payoff_steps"] = compile_payoff_steps(
+            record["phases"]["compile_s"], record["eager_step_s"], times.median_s
+        )
 
 
 def _compile(engine: Any, sync: Any) -> tuple[float, float]:
@@ -188,8 +213,9 @@ def _init_distributed(workload: Any, config: Any, device: Any) -> int:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
+        )
     return dist.get_world_size()
 
 
@@ -206,8 +232,7 @@ def record_peaks(record: dict[str, Any], device: Any, tracker: Any) -> None:
         from autotune.trial.memory import cuda_peaks
 
         allocated, reserved = cuda_peaks(device)
-        record.update(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
-                      peak_memory_bytes=reserved)
+        record.update(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved, peak_memory_bytes=reserved)
     elif tracker is not None:
         record.update(peak_allocated_bytes=tracker.peak_bytes, peak_memory_bytes=tracker.peak_bytes)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 __all__ = ["free_cores", "pick_free_cores", "rank_cores", "use_cores", "use_rank_cores"]
 
-SAMPLE_S = 0.25   # long enough to see a spinning process, short beside a trial
+SAMPLE_S = 0.25  # long enough to see a spinning process, short beside a trial
 
 
 def free_cores(sample_s: float = SAMPLE_S) -> list[int] | None:
@@ -51,7 +51,7 @@ def rank_cores(cores: list[int], rank: int, nproc: int) -> tuple[list[int], int]
     per_rank = len(cores) // nproc
     if per_rank == 0:
         return list(cores), 1
-    return cores[rank * per_rank:(rank + 1) * per_rank], per_rank
+    return cores[rank * per_rank : (rank + 1) * per_rank], per_rank
 
 
 def use_cores(cores: list[int], threads: int, torch: Any) -> None:

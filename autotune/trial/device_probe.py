@@ -22,9 +22,9 @@ from autotune.config.knobs import sixteen_bit_type
 __all__ = ["probe_precisions", "relative_matmul_speed", "probe_profile", "measure_profile"]
 
 PROBE_TIMEOUT_S = 120.0
-_SIZE = {"cpu": 512, "cuda": 4096}   # big enough to be compute bound, small enough for a second
-_ROUNDS = 3                          # interleaved, the best of each kept: other processes only slow a run down
-_RUN_S = 0.1                         # seconds of matmuls per precision per round
+_SIZE = {"cpu": 512, "cuda": 4096}  # big enough to be compute bound, small enough for a second
+_ROUNDS = 3  # interleaved, the best of each kept: other processes only slow a run down
+_RUN_S = 0.1  # seconds of matmuls per precision per round
 
 
 def probe_precisions(device_type: str, precisions: list[str]) -> dict[str, float] | None:
@@ -88,8 +88,9 @@ def _in_own_process(device_type: str, what: str) -> Any:
     """This module run as a probe for ``what``: the JSON its last line prints, or None when it fails."""
     command = [sys.executable, "-m", "autotune.trial.device_probe", device_type, what]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
-                              stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL
+        )
         return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
     except (subprocess.TimeoutExpired, ValueError, IndexError):
         return None
@@ -105,7 +106,7 @@ def measure_profile(device_type: str, *, between_ranks: bool = True) -> dict[str
     size = _SIZE.get(device.type, 512)
     dtypes = ["float32", "bfloat16", "float16"] + (["tf32"] if device.type == "cuda" else [])
     flops: dict[str, float] = {}
-    elements = (64 if device.type == "cpu" else 512) * 2**20 // 4   # 64 MiB of fp32: past the caches
+    elements = (64 if device.type == "cpu" else 512) * 2**20 // 4  # 64 MiB of fp32: past the caches
     a, b = torch.ones(elements, device=device), torch.ones(elements, device=device)
     step, operators = _tiny_training_step(torch, device)
     bandwidth = dispatch = 0.0
@@ -120,20 +121,32 @@ def measure_profile(device_type: str, *, between_ranks: bool = True) -> dict[str
         per_op = _best_time(step, sync) / operators
         dispatch = per_op if not dispatch else min(dispatch, per_op)
     cores = torch.get_num_threads() if device.type == "cpu" else None
-    name = (torch.cuda.get_device_name(0) if device.type == "cuda" else f"this CPU ({cores} core{'s' if cores != 1 else ''})")
+    name = (
+        torch.cuda.get_device_name(0)
+        if device.type == "cuda"
+        else f"this CPU ({cores} core{'s' if cores != 1 else ''})"
+    )
     host_link = 25e9  # measured below on a GPU; a CPU has no link to its own memory
     if device.type == "cuda":
         pinned = torch.ones(elements, pin_memory=True)
-        host_link = max(pinned.numel() * 4 / _best_time(lambda: a.copy_(pinned, non_blocking=True), sync)
-                        for _ in range(_ROUNDS))
+        host_link = max(
+            pinned.numel() * 4 / _best_time(lambda: a.copy_(pinned, non_blocking=True), sync) for _ in range(_ROUNDS)
+        )
     collective = _gloo_collective_s() if device.type == "cpu" and between_ranks else None
-    return {"name": name, "type": device.type, "matmul_flops": flops, "memory_bandwidth": bandwidth,
-            "kernel_s": 0.0 if device.type == "cpu" else dispatch, "dispatch_s": dispatch,
-            **({"collective_s": collective} if collective is not None else {}),
-            # gloo between ranks on one host copies through memory: a quarter of its bandwidth is a guess
-            "link_bandwidth": bandwidth / 4 if device.type == "cpu" else host_link,
-            "host_link_bandwidth": host_link, "peak_flops": max(flops.values(), default=None),
-            "source": "measured by the device probe"}
+    return {
+        "name": name,
+        "type": device.type,
+        "matmul_flops": flops,
+        "memory_bandwidth": bandwidth,
+        "kernel_s": 0.0 if device.type == "cpu" else dispatch,
+        "dispatch_s": dispatch,
+        **({"collective_s": collective} if collective is not None else {}),
+        # gloo between ranks on one host copies through memory: a quarter of its bandwidth is a guess
+        "link_bandwidth": bandwidth / 4 if device.type == "cpu" else host_link,
+        "host_link_bandwidth": host_link,
+        "peak_flops": max(flops.values(), default=None),
+        "source": "measured by the device probe",
+    }
 
 
 _PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

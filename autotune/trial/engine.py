@@ -34,12 +34,19 @@ from autotune.trial.memory import storages_of
 __all__ = ["TrainingEngine", "build_engine"]
 
 
-
 class TrainingEngine:
     """Runs one optimizer step (all accumulation micro-steps) and reports model facts."""
 
-    def __init__(self, *, model: torch.nn.Module, batch: dict[str, Any], unit: str, config: TrialConfig,
-                 workload: Workload, device: torch.device) -> None:
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        batch: dict[str, Any],
+        unit: str,
+        config: TrialConfig,
+        workload: Workload,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.batch = batch  # one micro batch, fed at every micro-step
         self.throughput_unit = unit  # tokens/s, images/s or samples/s: what the trial's figure counts
@@ -65,8 +72,9 @@ class TorchEngine(TrainingEngine):
         super().__init__(**kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]
         # fused=None leaves PyTorch's default (foreach on CUDA, a per-tensor loop on a CPU)
-        self.optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.0,
-                                           fused=True if self.config.fused_optimizer else None)
+        self.optimizer = torch.optim.AdamW(
+            params, lr=LEARNING_RATE, weight_decay=0.0, fused=True if self.config.fused_optimizer else None
+        )
         self.autocast_dtype = getattr(torch, self.config.autocast_type) if self.config.autocast_type else None
         self.scaler = torch.amp.GradScaler(self.device.type) if self.config.precision == "fp16" else None
         self.forward_model = self.model
@@ -80,10 +88,13 @@ class TorchEngine(TrainingEngine):
         total = torch.zeros((), device=self.device)
         for micro in range(self.accum):
             last = micro == self.accum - 1
-            sync = contextlib.nullcontext() if last or self.forward_model is self.model else self.forward_model.no_sync()
+            sync = (
+                contextlib.nullcontext() if last or self.forward_model is self.model else self.forward_model.no_sync()
+            )
             with sync:
-                with torch.autocast(self.device.type, dtype=self.autocast_dtype,
-                                    enabled=self.autocast_dtype is not None):
+                with torch.autocast(
+                    self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+                ):
                     loss = loss_of(self.forward_model(**self.batch)) / self.accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach().float()
@@ -109,11 +120,13 @@ class DeepSpeedEngine(TrainingEngine):
         import deepspeed
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        ds_config = deepspeed_config(self.config, workload, device_type=self.device.type,
-                                     hidden_size=model_attr(self.model, "hidden_size"))
+        ds_config = deepspeed_config(
+            self.config, workload, device_type=self.device.type, hidden_size=model_attr(self.model, "hidden_size")
+        )
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=self.model, model_parameters=params, config=ds_config)
+            model=self.model, model_parameters=params, config=ds_config
+        )
 
     def step(self) -> float:
         total = torch.zeros((), device=self.device)
@@ -133,8 +146,9 @@ class DeepSpeedEngine(TrainingEngine):
         self.engine.compile(backend=backend)
 
 
-def build_engine(*, workload: Workload, config: TrialConfig, task: str, device: torch.device,
-                 world_size: int, mesh: Any = None) -> TrainingEngine:
+def build_engine(
+    *, workload: Workload, config: TrialConfig, task: str, device: torch.device, world_size: int, mesh: Any = None
+) -> TrainingEngine:
     """The trial's model, prepared and wrapped, and its optimizer. ``mesh``: FSDP's device mesh
     (default: every rank of the process group)."""
     if config.precision == "tf32":
@@ -148,13 +162,25 @@ def build_engine(*, workload: Workload, config: TrialConfig, task: str, device: 
     if make_batch is not None:  # the factory's own inputs, checked against the model it built
         batch = factory_batch(make_batch, model, micro_batch=config.micro_batch, device=device, source=workload.model)
     else:
-        batch = synthetic_batch(model, task=task, micro_batch=config.micro_batch, seq_len=workload.seq_len,
-                                target_len=workload.decoder_len, image_size=image_size(workload, model), device=device)
+        batch = synthetic_batch(
+            model,
+            task=task,
+            micro_batch=config.micro_batch,
+            seq_len=workload.seq_len,
+            target_len=workload.decoder_len,
+            image_size=image_size(workload, model),
+            device=device,
+        )
     # What a user's job applies the same way (FSDP's sharding last).
     model = prepare(model, config, workload=workload, task=task, device=device, mesh=mesh)
     model.train()
-    common = dict(model=model, batch=batch, unit=throughput_unit(task, own_batch=make_batch is not None),
-                  config=config, device=device)
+    common = dict(
+        model=model,
+        batch=batch,
+        unit=throughput_unit(task, own_batch=make_batch is not None),
+        config=config,
+        device=device,
+    )
     if config.uses_deepspeed:
         return DeepSpeedEngine(workload=workload, **common)
     return TorchEngine(workload=workload, world_size=world_size, **common)
@@ -178,8 +204,9 @@ def _built_where_it_lives(workload: Workload, config: TrialConfig, device: torch
         # DeepSpeed's view of the process group the trial joined: Init partitions over its ranks.
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
         stack = contextlib.ExitStack()
-        stack.enter_context(deepspeed.zero.Init(config_dict_or_path=deepspeed_config(config, workload,
-                                                                                     device_type=device.type)))
+        stack.enter_context(
+            deepspeed.zero.Init(config_dict_or_path=deepspeed_config(config, workload, device_type=device.type))
+        )
         # Transformers' weight init would index the empty partitions (an embedding's padding row:
         # IndexError since Transformers 5); _random_partitions fills each rank's partition instead.
         stack.enter_context(_no_transformers_init())
@@ -222,8 +249,11 @@ def _random_partitions(model: torch.nn.Module) -> None:
 def _state_bytes(optimizer: Any) -> int:
     """Bytes of optimizer state tensors (Adam moments), unwrapping DeepSpeed's optimizer wrappers."""
     seen: set[int] = set()
-    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer") \
-            and id(optimizer) not in seen:
+    while (
+        not isinstance(optimizer, torch.optim.Optimizer)
+        and hasattr(optimizer, "optimizer")
+        and id(optimizer) not in seen
+    ):
         seen.add(id(optimizer))
         optimizer = optimizer.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -235,4 +265,3 @@ def _state_bytes(optimizer: Any) -> int:
                 for storage in storages_of(value):  # FSDP's DTensor: this rank's shard
                     storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
-

@@ -16,7 +16,7 @@ import sys
 __all__ = ["die_with_parent", "name_process", "expected_parent", "PARENT_PID_ENV", "TRIAL_PROCESS_NAME"]
 
 PARENT_PID_ENV = "AUTOTUNE_PARENT_PID"
-TRIAL_PROCESS_NAME = "autotune-trial"   # what a trial forked by the trial server is called in ps
+TRIAL_PROCESS_NAME = "autotune-trial"  # what a trial forked by the trial server is called in ps
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 

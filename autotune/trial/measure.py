@@ -17,12 +17,19 @@ from typing import Callable
 
 from autotune.trial.failures import NonFiniteLossError
 
-__all__ = ["StepTimes", "time_steps", "unsettled", "compile_payoff_steps", "SETTLED_SPREAD", "DISTURBED_FACTOR",
-           "MAX_STEPS_FACTOR"]
+__all__ = [
+    "StepTimes",
+    "time_steps",
+    "unsettled",
+    "compile_payoff_steps",
+    "SETTLED_SPREAD",
+    "DISTURBED_FACTOR",
+    "MAX_STEPS_FACTOR",
+]
 
-SETTLED_SPREAD = 0.10      # steps have settled when their IQR is within 10% of their median
-DISTURBED_FACTOR = 1.25    # a step 25% slower than the median was disturbed (by another process, a GC, ...)
-MAX_STEPS_FACTOR = 3       # an unsettled measurement takes at most 3x the requested steps...
+SETTLED_SPREAD = 0.10  # steps have settled when their IQR is within 10% of their median
+DISTURBED_FACTOR = 1.25  # a step 25% slower than the median was disturbed (by another process, a GC, ...)
+MAX_STEPS_FACTOR = 3  # an unsettled measurement takes at most 3x the requested steps...
 MAX_EXTRA_TIME_FACTOR = 1  # ...and at most as much extra time as the requested steps took
 
 
@@ -68,9 +75,15 @@ class StepTimes:
         return sum(self.seconds)
 
 
-def time_steps(step: Callable[[], float], sync: Callable[[], None], *, warmup: int, steps: int,
-               max_steps: int | None = None,
-               agree: Callable[[bool], bool] = lambda more: more) -> StepTimes:
+def time_steps(
+    step: Callable[[], float],
+    sync: Callable[[], None],
+    *,
+    warmup: int,
+    steps: int,
+    max_steps: int | None = None,
+    agree: Callable[[bool], bool] = lambda more: more,
+) -> StepTimes:
     """Run ``warmup`` untimed and at least ``steps`` timed optimizer steps.
 
     ``step`` runs every accumulation micro-step of one optimizer step and returns the loss as a
@@ -99,8 +112,9 @@ def time_steps(step: Callable[[], float], sync: Callable[[], None], *, warmup: i
     for _ in range(steps):
         timed()
     deadline = time.perf_counter() + MAX_EXTRA_TIME_FACTOR * sum(times)
-    while agree(len(times) < max_steps and time.perf_counter() < deadline
-                and not StepTimes(times, warmup_s, loss).settled):
+    while agree(
+        len(times) < max_steps and time.perf_counter() < deadline and not StepTimes(times, warmup_s, loss).settled
+    ):
         timed()
     return StepTimes(times, warmup_s, loss)
 

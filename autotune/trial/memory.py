@@ -108,9 +108,11 @@ def _budget_exceeded_message(requested: int, *, live_bytes: int, budget_bytes: i
     """The tracker's OOM message. It opens with the CPU allocator's own words, which the batch
     size finders of Lightning (``is_oom_error``) and Accelerate (``should_reduce_batch_size``)
     match, so code that handles a real CPU OOM handles this one too."""
-    return (f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {requested} bytes "
-            f"(autotune's CPU memory budget exceeded: {live_bytes} bytes of live tensors "
-            f"> --memory-budget {budget_bytes} bytes)")
+    return (
+        f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {requested} bytes "
+        f"(autotune's CPU memory budget exceeded: {live_bytes} bytes of live tensors "
+        f"> --memory-budget {budget_bytes} bytes)"
+    )
 
 
 def limit_cuda_memory(budget_bytes: int, device: torch.device) -> None:

@@ -18,5 +18,15 @@ def free_port() -> int:
 def one_node_ranks(nproc: int) -> list[dict[str, str]]:
     """The environment torchrun gives each of ``nproc`` ranks on one node, one rendezvous port for all."""
     port = str(free_port())
-    return [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-             "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for r in range(nproc)]
+    return [
+        {
+            "RANK": str(r),
+            "LOCAL_RANK": str(r),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+        for r in range(nproc)
+    ]

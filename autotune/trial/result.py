@@ -23,12 +23,12 @@ def pick_throughput(unit: str, tokens_per_s: float | None, samples_per_s: float 
 
 
 class TrialStatus(str, enum.Enum):
-    OK = "ok"                # trained and measured
-    OOM = "oom"              # ran out of device memory (or of the --memory-budget)
-    TIMEOUT = "timeout"      # killed after --trial-timeout seconds
-    CRASHED = "crashed"      # the process died without a result (signal, hard exit)
-    NAN = "nan"              # the loss became NaN or infinite
-    ERROR = "error"          # any other exception: bad model, bad config, library error
+    OK = "ok"  # trained and measured
+    OOM = "oom"  # ran out of device memory (or of the --memory-budget)
+    TIMEOUT = "timeout"  # killed after --trial-timeout seconds
+    CRASHED = "crashed"  # the process died without a result (signal, hard exit)
+    NAN = "nan"  # the loss became NaN or infinite
+    ERROR = "error"  # any other exception: bad model, bad config, library error
 
     def __str__(self) -> str:
         return self.value
@@ -38,11 +38,11 @@ class TrialStatus(str, enum.Enum):
 class PhaseTimings:
     """Wall seconds of each phase of a trial, from the launch of its process."""
 
-    startup_s: float | None = None   # process launch to the trial code starting (interpreter + imports)
-    build_s: float | None = None     # model, LoRA, optimizer and engine
-    compile_s: float | None = None   # --compile: the first compiled step, compilation included
-    warmup_s: float | None = None    # untimed steps
-    measure_s: float | None = None   # timed steps
+    startup_s: float | None = None  # process launch to the trial code starting (interpreter + imports)
+    build_s: float | None = None  # model, LoRA, optimizer and engine
+    compile_s: float | None = None  # --compile: the first compiled step, compilation included
+    warmup_s: float | None = None  # untimed steps
+    measure_s: float | None = None  # timed steps
 
     @property
     def fixed_cost_s(self) -> float | None:
@@ -55,34 +55,34 @@ class PhaseTimings:
 class TrialResult:
     config: TrialConfig
     status: TrialStatus
-    tokens_per_s: float | None = None         # None where a sample is no sequence of tokens (images)
+    tokens_per_s: float | None = None  # None where a sample is no sequence of tokens (images)
     samples_per_s: float | None = None
-    throughput_unit: str = "tokens/s"          # what the tuner maximises: tokens/s, images/s or samples/s
+    throughput_unit: str = "tokens/s"  # what the tuner maximises: tokens/s, images/s or samples/s
     step_time_median_s: float | None = None
-    step_time_iqr_s: float | None = None       # spread: interquartile range of step times
-    step_time_spread: float | None = None      # that range over the median: 0.1 = the middle half within 10%
-    disturbed_steps: int | None = None         # steps 25% slower than the median (another process, ...)
+    step_time_iqr_s: float | None = None  # spread: interquartile range of step times
+    step_time_spread: float | None = None  # that range over the median: 0.1 = the middle half within 10%
+    disturbed_steps: int | None = None  # steps 25% slower than the median (another process, ...)
     measured_steps: int = 0
     grad_accum_steps: int | None = None
-    peak_memory_bytes: int | None = None       # reserved on CUDA, tracked tensor bytes on CPU; max over ranks
-    peak_allocated_bytes: int | None = None    # CUDA allocated (tracked bytes on CPU); max over ranks
-    peak_reserved_bytes: int | None = None     # CUDA only
-    build_peak_bytes: int | None = None        # allocated/tracked peak before the first step (model + engine build)
+    peak_memory_bytes: int | None = None  # reserved on CUDA, tracked tensor bytes on CPU; max over ranks
+    peak_allocated_bytes: int | None = None  # CUDA allocated (tracked bytes on CPU); max over ranks
+    peak_reserved_bytes: int | None = None  # CUDA only
+    build_peak_bytes: int | None = None  # allocated/tracked peak before the first step (model + engine build)
     peak_memory_per_rank: list[int] | None = None
-    optimizer_state_bytes: int | None = None   # per rank, max over ranks
+    optimizer_state_bytes: int | None = None  # per rank, max over ranks
     trainable_params: int | None = None
     total_params: int | None = None
     final_loss: float | None = None
-    eager_step_s: float | None = None          # --compile: one step of the same model uncompiled, for the payoff
-    compile_payoff_steps: int | None = None    # --compile: steps before compiling has paid for itself; None: never
+    eager_step_s: float | None = None  # --compile: one step of the same model uncompiled, for the payoff
+    compile_payoff_steps: int | None = None  # --compile: steps before compiling has paid for itself; None: never
     device: str | None = None
-    cpu_cores: list[int] | None = None         # CPU: the cores the trial ran on (the free ones; all ranks')
-    cpu_threads: int | None = None             # CPU: torch threads per rank
+    cpu_cores: list[int] | None = None  # CPU: the cores the trial ran on (the free ones; all ranks')
+    cpu_threads: int | None = None  # CPU: torch threads per rank
     world_size: int = 1
     memory_budget_bytes: int | None = None
     phases: PhaseTimings = field(default_factory=PhaseTimings)
-    error: str | None = None                   # the error's last lines, for anything but ok
-    exit_code: int | None = None               # the process's exit status; negative: killed by that signal
+    error: str | None = None  # the error's last lines, for anything but ok
+    exit_code: int | None = None  # the process's exit status; negative: killed by that signal
 
     @property
     def ok(self) -> bool:

@@ -32,18 +32,39 @@ from autotune.trial.failures import classify_exit, describe_exit
 from autotune.trial.lifeline import PARENT_PID_ENV, die_with_parent
 from autotune.trial.result import TOKENS_PER_S, PhaseTimings, TrialResult, TrialStatus
 
-__all__ = ["run_trial", "start_trial_server", "DEFAULT_TRIAL_TIMEOUT_S", "run_process_group", "read_rank_records", "combine_records",
-           "stderr_tail_of"]
+__all__ = [
+    "run_trial",
+    "start_trial_server",
+    "DEFAULT_TRIAL_TIMEOUT_S",
+    "run_process_group",
+    "read_rank_records",
+    "combine_records",
+    "stderr_tail_of",
+]
 
 DEFAULT_TRIAL_TIMEOUT_S = 600.0
 _STDERR_TAIL_LINES = 12
-_STATUS_PRECEDENCE = [TrialStatus.OOM, TrialStatus.NAN, TrialStatus.ERROR, TrialStatus.CRASHED,
-                      TrialStatus.TIMEOUT, TrialStatus.OK]
+_STATUS_PRECEDENCE = [
+    TrialStatus.OOM,
+    TrialStatus.NAN,
+    TrialStatus.ERROR,
+    TrialStatus.CRASHED,
+    TrialStatus.TIMEOUT,
+    TrialStatus.OK,
+]
 
 
-def run_trial(workload: Workload, config: TrialConfig, *, memory_budget_bytes: int | None = None,
-              timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S, warmup_steps: int = 1, measure_steps: int = 3,
-              device: DeviceInfo | None = None, env: dict[str, str] | None = None) -> TrialResult:
+def run_trial(
+    workload: Workload,
+    config: TrialConfig,
+    *,
+    memory_budget_bytes: int | None = None,
+    timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S,
+    warmup_steps: int = 1,
+    measure_steps: int = 3,
+    device: DeviceInfo | None = None,
+    env: dict[str, str] | None = None,
+) -> TrialResult:
     """Measure ``config`` on ``workload`` in a fresh process and say what happened.
 
     Raises ConfigError/WorkloadError (before starting anything) for a config that cannot run;
@@ -51,8 +72,10 @@ def run_trial(workload: Workload, config: TrialConfig, *, memory_budget_bytes: i
     """
     device = device or detect_device(workload.device)
     if device.type == "cuda" and workload.nproc > device.count:  # CPU ranks share the host's cores
-        raise WorkloadError(f"--nproc {workload.nproc} needs {workload.nproc} GPUs; {device.count} visible here "
-                            f"(use --nproc {device.count} or less, or --device cpu)")
+        raise WorkloadError(
+            f"--nproc {workload.nproc} needs {workload.nproc} GPUs; {device.count} visible here "
+            f"(use --nproc {device.count} or less, or --device cpu)"
+        )
     config.validate_for(workload, device)
     task = resolve_task(workload)
     refusal = refusal_before_trial(workload, config, task)
@@ -78,22 +101,40 @@ def run_trial(workload: Workload, config: TrialConfig, *, memory_budget_bytes: i
         if _SERVER.enabled():
             outcome = _SERVER.run(spec, work, timeout_s=timeout_s, env=_trial_env(env))
         if outcome is None:  # the server turned off, refusing or not starting: new interpreters (torchrun)
-            outcome = run_process_group(_command(workload.nproc, work / "spec.json", work), work,
-                                         timeout_s=timeout_s, env=env)
+            outcome = run_process_group(
+                _command(workload.nproc, work / "spec.json", work), work, timeout_s=timeout_s, env=env
+            )
         returncode, timed_out = outcome
         records = read_rank_records(work, workload.nproc)
         stderr_tail = stderr_tail_of(work / "stderr.log")
-    return combine_records(config, records, returncode=returncode, timed_out=timed_out, timeout_s=timeout_s,
-                    stderr_tail=stderr_tail, world_size=workload.nproc,
-                    memory_budget_bytes=memory_budget_bytes)
+    return combine_records(
+        config,
+        records,
+        returncode=returncode,
+        timed_out=timed_out,
+        timeout_s=timeout_s,
+        stderr_tail=stderr_tail,
+        world_size=workload.nproc,
+        memory_budget_bytes=memory_budget_bytes,
+    )
 
 
 def _command(nproc: int, spec: Path, out_dir: Path) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "autotune.trial.child", str(spec), str(out_dir)]
-    return [sys.executable, "-m", "autotune.trial.lifeline", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}",
-            "--max-restarts=0", "--module", "autotune.trial.child", str(spec), str(out_dir)]
+    return [
+        sys.executable,
+        "-m",
+        "autotune.trial.lifeline",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        "--module",
+        "autotune.trial.child",
+        str(spec),
+        str(out_dir),
+    ]
 
 
 def _trial_env(env: dict[str, str] | None) -> dict[str, str]:
@@ -104,15 +145,23 @@ def _trial_env(env: dict[str, str] | None) -> dict[str, str]:
     return child_env
 
 
-def run_process_group(command: list[str], work: Path, *, timeout_s: float,
-                       env: dict[str, str] | None) -> tuple[int, bool]:
+def run_process_group(
+    command: list[str], work: Path, *, timeout_s: float, env: dict[str, str] | None
+) -> tuple[int, bool]:
     """Run ``command`` in its own session; on timeout (or Ctrl-C) kill it and all its descendants."""
     child_env = _trial_env(env)
     us = os.getpid()
     with open(work / "stdout.log", "wb") as out, open(work / "stderr.log", "wb") as err:
         # Asked between fork and exec, and kept across exec: any command (a user's own) dies with us.
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=child_env,
-                                start_new_session=True, preexec_fn=lambda: die_with_parent(us))
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            env=child_env,
+            start_new_session=True,
+            preexec_fn=lambda: die_with_parent(us),
+        )
         try:
             return proc.wait(timeout=timeout_s), False
         except subprocess.TimeoutExpired:
@@ -129,25 +178,36 @@ def run_process_group(command: list[str], work: Path, *, timeout_s: float,
 class _TrialServer:
     """The runner's handle on one ``python -m autotune.trial.server`` process, started on first use."""
 
-    START_TIMEOUT_S = 120.0   # its imports, on a slow disk
+    START_TIMEOUT_S = 120.0  # its imports, on a slow disk
 
     def __init__(self) -> None:
         self._process: subprocess.Popen[str] | None = None
-        self._ready = False     # it said it has imported everything
-        self._refused = False   # it said it cannot fork safely (CUDA initialised): not asked again
+        self._ready = False  # it said it has imported everything
+        self._refused = False  # it said it cannot fork safely (CUDA initialised): not asked again
 
     def enabled(self) -> bool:
-        return not self._refused and \
-            os.environ.get("AUTOTUNE_TRIAL_SERVER", "on").lower() not in ("off", "0", "false", "no")
+        return not self._refused and os.environ.get("AUTOTUNE_TRIAL_SERVER", "on").lower() not in (
+            "off",
+            "0",
+            "false",
+            "no",
+        )
 
-    def run(self, spec: dict[str, Any], work: Path, *, timeout_s: float,
-            env: dict[str, str]) -> tuple[int, bool] | None:
+    def run(
+        self, spec: dict[str, Any], work: Path, *, timeout_s: float, env: dict[str, str]
+    ) -> tuple[int, bool] | None:
         """Fork the trial of ``work/spec.json``: its exit code, and whether it was killed on ``timeout_s``;
         None when the server is not there to fork it."""
         process = self.start()
         assert process.stdin is not None and process.stdout is not None
-        request = {"spec": str(work / "spec.json"), "out": str(work), "env": env, "cwd": os.getcwd(),
-                   "workload": spec["workload"], "nproc": spec["workload"]["nproc"]}
+        request = {
+            "spec": str(work / "spec.json"),
+            "out": str(work),
+            "env": env,
+            "cwd": os.getcwd(),
+            "workload": spec["workload"],
+            "nproc": spec["workload"]["nproc"],
+        }
         started = time.monotonic()
         try:
             self._wait_ready(process)
@@ -202,8 +262,14 @@ class _TrialServer:
         if self._process is None or self._process.poll() is not None:
             env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "autotune.trial.server"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=env)
+                [sys.executable, "-m", "autotune.trial.server"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+                env=env,
+            )
             self._ready = False
         return self._process
 
@@ -293,13 +359,24 @@ def read_rank_records(work: Path, nproc: int) -> list[dict[str, Any] | None]:
 
 
 def _is_record(record: Any) -> bool:
-    return isinstance(record, dict) and record.get("status") in {s.value for s in TrialStatus} \
+    return (
+        isinstance(record, dict)
+        and record.get("status") in {s.value for s in TrialStatus}
         and isinstance(record.get("config"), dict)
+    )
 
 
-def combine_records(config: TrialConfig, records: list[dict[str, Any] | None], *, returncode: int, timed_out: bool,
-             timeout_s: float, stderr_tail: str, world_size: int,
-             memory_budget_bytes: int | None) -> TrialResult:
+def combine_records(
+    config: TrialConfig,
+    records: list[dict[str, Any] | None],
+    *,
+    returncode: int,
+    timed_out: bool,
+    timeout_s: float,
+    stderr_tail: str,
+    world_size: int,
+    memory_budget_bytes: int | None,
+) -> TrialResult:
     """One TrialResult from every rank's record: the worst status, rank 0's timings, the largest peaks."""
     written = [r for r in records if r is not None]
     statuses = [TrialStatus(r["status"]) for r in written]
@@ -316,11 +393,26 @@ def combine_records(config: TrialConfig, records: list[dict[str, Any] | None], *
         error = failed.get("error") if status is not TrialStatus.OK else None
     base = records[0] or (written[0] if written else {})
     peaks = [r.get("peak_memory_bytes") for r in written if r.get("peak_memory_bytes") is not None]
-    fields: dict[str, Any] = {k: base.get(k) for k in (
-        "tokens_per_s", "samples_per_s", "throughput_unit", "step_time_median_s", "step_time_iqr_s", "step_time_spread",
-        "disturbed_steps", "grad_accum_steps",
-        "trainable_params", "total_params", "final_loss", "device", "cpu_threads", "eager_step_s",
-        "compile_payoff_steps")}
+    fields: dict[str, Any] = {
+        k: base.get(k)
+        for k in (
+            "tokens_per_s",
+            "samples_per_s",
+            "throughput_unit",
+            "step_time_median_s",
+            "step_time_iqr_s",
+            "step_time_spread",
+            "disturbed_steps",
+            "grad_accum_steps",
+            "trainable_params",
+            "total_params",
+            "final_loss",
+            "device",
+            "cpu_threads",
+            "eager_step_s",
+            "compile_payoff_steps",
+        )
+    }
     fields["throughput_unit"] = fields["throughput_unit"] or TOKENS_PER_S  # a trial that died before saying
     cores = sorted({c for r in written for c in r.get("cpu_cores") or []})
     return TrialResult(

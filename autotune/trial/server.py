@@ -136,9 +136,11 @@ def _run_trial_child(request: dict[str, Any], rank_env: dict[str, str], group: i
         os.setpgid(0, group)  # the first rank leads a new group, the others join it
         name_process(TRIAL_PROCESS_NAME)
         out = request["out"]
-        for fd, name, flags in ((0, os.devnull, os.O_RDONLY),
-                                (1, os.path.join(out, "stdout.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND),
-                                (2, os.path.join(out, "stderr.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)):
+        for fd, name, flags in (
+            (0, os.devnull, os.O_RDONLY),
+            (1, os.path.join(out, "stdout.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+            (2, os.path.join(out, "stderr.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+        ):
             target = os.open(name, flags, 0o600)
             os.dup2(target, fd)
             os.close(target)

@@ -27,15 +27,27 @@ WORKLOAD = Workload(model="builtin:gpt2-tiny", seq_len=32, global_batch=4, devic
 
 def test_the_cpu_fp16_answer_is_deepspeeds_own():
     code = "from deepspeed.accelerator import get_accelerator; print(bool(get_accelerator().is_fp16_supported()))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
-                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
     assert out.stdout.strip().splitlines()[-1] == str(CPU.fp16_deepspeed)
 
 
 def test_fp16_under_zero_trains_exactly_where_autotune_allows_it():
     # Skip autotune's own refusal and let DeepSpeed decide in a real 1-rank ZeRO-2 trial.
-    r = run_trial(WORKLOAD, FP16_ZERO2, device=dataclasses.replace(CPU, fp16_deepspeed=True),
-                  warmup_steps=1, measure_steps=1, timeout_s=300)
+    r = run_trial(
+        WORKLOAD,
+        FP16_ZERO2,
+        device=dataclasses.replace(CPU, fp16_deepspeed=True),
+        warmup_steps=1,
+        measure_steps=1,
+        timeout_s=300,
+    )
     if CPU.fp16_deepspeed:
         assert r.status is TrialStatus.OK, r.error
     else:
@@ -46,10 +58,28 @@ def test_fp16_under_zero_trains_exactly_where_autotune_allows_it():
 def test_trial_refuses_fp16_under_zero_in_one_line_where_deepspeed_has_no_fp16(tmp_path):
     if CPU.fp16_deepspeed:
         pytest.skip("DeepSpeed trains fp16 on this CPU: the trial test above checks that it does")
-    proc = subprocess.run([sys.executable, "-m", "autotune", "trial", "--device", "cpu", "--model", "builtin:gpt2-tiny",
-                           "--zero-stage", "2", "--precision", "fp16"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "trial",
+            "--device",
+            "cpu",
+            "--model",
+            "builtin:gpt2-tiny",
+            "--zero-stage",
+            "2",
+            "--precision",
+            "fp16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "autotune: error: --precision fp16 with --zero-stage: DeepSpeed's accelerator on this device has no fp16 "
-        "training; use bf16, or fp16 without --zero-stage"]
+        "training; use bf16, or fp16 without --zero-stage"
+    ]

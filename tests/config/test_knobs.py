@@ -19,23 +19,33 @@ def test_indivisible_micro_batch_names_both_flags():
 
 
 def test_round_trip_through_json_keeps_equality():
-    config = TrialConfig(micro_batch=2, precision="bf16", checkpointing=True, lora_rank=8,
-                         lora_targets=("q_proj", "v_proj"), zero_stage=3, offload="optimizer+params")
+    config = TrialConfig(
+        micro_batch=2,
+        precision="bf16",
+        checkpointing=True,
+        lora_rank=8,
+        lora_targets=("q_proj", "v_proj"),
+        zero_stage=3,
+        offload="optimizer+params",
+    )
     again = TrialConfig.from_dict(json.loads(json.dumps(config.to_dict())))
     assert again == config and hash(again) == hash(config)
 
 
-@pytest.mark.parametrize("kwargs, flag", [
-    (dict(micro_batch=0), "--micro-batch"),
-    (dict(precision="fp8"), "--precision"),
-    (dict(offload="optimizer"), "--offload optimizer needs ZeRO"),
-    (dict(zero_stage=0, offload="optimizer"), "--offload optimizer needs ZeRO"),
-    (dict(zero_stage=2, offload="optimizer+params"), "--zero-stage 3"),
-    (dict(lora_alpha=16), "--lora-alpha is set but LoRA is off"),
-    (dict(lora_rank=0), "--lora-rank"),
-    (dict(zero_stage=4), "--zero-stage"),
-    (dict(offload="disk"), "--offload"),
-])
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        (dict(micro_batch=0), "--micro-batch"),
+        (dict(precision="fp8"), "--precision"),
+        (dict(offload="optimizer"), "--offload optimizer needs ZeRO"),
+        (dict(zero_stage=0, offload="optimizer"), "--offload optimizer needs ZeRO"),
+        (dict(zero_stage=2, offload="optimizer+params"), "--zero-stage 3"),
+        (dict(lora_alpha=16), "--lora-alpha is set but LoRA is off"),
+        (dict(lora_rank=0), "--lora-rank"),
+        (dict(zero_stage=4), "--zero-stage"),
+        (dict(offload="disk"), "--offload"),
+    ],
+)
 def test_nonsense_is_refused_with_the_flag(kwargs, flag):
     with pytest.raises(ConfigError, match=flag):
         TrialConfig(**kwargs)
@@ -65,10 +75,16 @@ def test_unknown_knob_in_a_dict_is_named():
         TrialConfig.from_dict({"micro_batch": 1, "batch": 2})
 
 
-@pytest.mark.parametrize("kwargs, flag", [
-    (dict(global_batch=0), "--global-batch"), (dict(nproc=3, global_batch=16), "--nproc 3"),
-    (dict(task="translation"), "--task"), (dict(device="tpu"), "--device"), (dict(seq_len=-1), "--seq-len"),
-])
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        (dict(global_batch=0), "--global-batch"),
+        (dict(nproc=3, global_batch=16), "--nproc 3"),
+        (dict(task="translation"), "--task"),
+        (dict(device="tpu"), "--device"),
+        (dict(seq_len=-1), "--seq-len"),
+    ],
+)
 def test_bad_workloads_name_the_flag(kwargs, flag):
     with pytest.raises(WorkloadError, match=flag):
         Workload(**kwargs)

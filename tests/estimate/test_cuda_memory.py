@@ -18,10 +18,16 @@ def test_the_state_takes_the_freed_activations_blocks_and_the_next_forward_needs
     # gradient (gradient 100 MiB made and freed, state 200 MiB), then the step: activations 300 MiB
     # made and freed, the gradient 100 MiB made, the update frees it. Sizes >= 10 MiB get segments of
     # their own size (2 MiB multiples); cuBLAS's 8.125 MiB workspace (V100) takes a 20 MiB segment.
-    events = [(0, 100 * MiB),                                    # model
-              (1, 100 * MiB), (2, 200 * MiB), (1, 0),            # state made from a zero gradient
-              (3, 300 * MiB), (3, 0), (4, 100 * MiB),            # forward and backward
-              (4, 0)]                                            # update, zero_grad
+    events = [
+        (0, 100 * MiB),  # model
+        (1, 100 * MiB),
+        (2, 200 * MiB),
+        (1, 0),  # state made from a zero gradient
+        (3, 300 * MiB),
+        (3, 0),
+        (4, 100 * MiB),  # forward and backward
+        (4, 0),
+    ]  # update, zero_grad
     marks = TraceMarks(state=1, step=4, update=7)
     # Replayed as a real job runs: model 100 (segment 1); workspace (segment 2, 20 MiB); first step:
     # activations 300 (segment 3), freed; gradient 100 takes segment 3's first 100 MiB (the 200 MiB
@@ -30,8 +36,15 @@ def test_the_state_takes_the_freed_activations_blocks_and_the_next_forward_needs
     # The gradient takes segment 3's free 100 MiB. Third step: as the second. Reserved: 100 + 20 + 300
     # + 300 = 720 MiB.
     tensor_peak = 600 * MiB  # model + state + activations
-    cuda = predict_cuda_memory(events, marks, tensor_peak_bytes=tensor_peak, card=gpu_spec("V100-16GB"), ranks=1,
-                               ddp_gradient_bytes=0, alloc_conf=None)
+    cuda = predict_cuda_memory(
+        events,
+        marks,
+        tensor_peak_bytes=tensor_peak,
+        card=gpu_spec("V100-16GB"),
+        ranks=1,
+        ddp_gradient_bytes=0,
+        alloc_conf=None,
+    )
     workspace = 4096 * 1024 * 2 + 16 * 1024 * 8
     assert cuda.reserved_bytes == 720 * MiB
     assert cuda.cublas_workspace_bytes == workspace
@@ -44,8 +57,15 @@ def test_ddp_buckets_are_allocated_as_ddp_makes_them():
     # to 2 MiB multiples: 26, 26, 10) into a segment of its own, made when DDP wraps the model.
     events = [(0, 60 * MiB), (1, 60 * MiB), (1, 0)]
     marks = TraceMarks(state=1, step=3, update=3)
-    cuda = predict_cuda_memory(events, marks, tensor_peak_bytes=120 * MiB, card=gpu_spec("H100-80GB"), ranks=2,
-                               ddp_gradient_bytes=60 * MiB, alloc_conf=None)
+    cuda = predict_cuda_memory(
+        events,
+        marks,
+        tensor_peak_bytes=120 * MiB,
+        card=gpu_spec("H100-80GB"),
+        ranks=2,
+        ddp_gradient_bytes=60 * MiB,
+        alloc_conf=None,
+    )
     # model 60 + buckets 26 + 26 + 10 + workspace 32 (sm90) = 154 MiB reserved; the state phase
     # frees its gradient before the step, so nothing else is live.
     assert cuda.reserved_bytes == 154 * MiB
@@ -53,8 +73,24 @@ def test_ddp_buckets_are_allocated_as_ddp_makes_them():
 
 
 def _estimate_json(*flags: str, env: dict[str, str] | None = None) -> dict:
-    args = [sys.executable, "-m", "autotune", "estimate", "--model", "builtin:llama-tiny-32k", "--seq-len", "256",
-            "--global-batch", "8", "--micro-batch", "8", "--precision", "bf16", "--json", *flags]
+    args = [
+        sys.executable,
+        "-m",
+        "autotune",
+        "estimate",
+        "--model",
+        "builtin:llama-tiny-32k",
+        "--seq-len",
+        "256",
+        "--global-batch",
+        "8",
+        "--micro-batch",
+        "8",
+        "--precision",
+        "bf16",
+        "--json",
+        *flags,
+    ]
     done = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -62,8 +98,9 @@ def _estimate_json(*flags: str, env: dict[str, str] | None = None) -> dict:
 
 def test_estimate_for_a_named_card_names_three_figures_and_their_parts():
     result = _estimate_json("--gpu", "H100-80GB")
-    peak, reserved, device = (result[k] for k in ("predicted_peak_bytes", "predicted_reserved_bytes",
-                                                  "predicted_device_bytes"))
+    peak, reserved, device = (
+        result[k] for k in ("predicted_peak_bytes", "predicted_reserved_bytes", "predicted_device_bytes")
+    )
     parts = result["cuda_parts"]
     assert peak < reserved < device
     assert reserved == peak + parts["allocator cache"] + parts["cuBLAS workspace"]

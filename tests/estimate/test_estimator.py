@@ -91,8 +91,9 @@ PARTS_CASES = [  # one micro-step per optimizer step: the peak falls inside the 
 ]
 
 
-@pytest.mark.parametrize("model, nproc, config", PARTS_CASES,
-                         ids=[f"{m}-n{n}-{c.describe()}" for m, n, c in PARTS_CASES])
+@pytest.mark.parametrize(
+    "model, nproc, config", PARTS_CASES, ids=[f"{m}-n{n}-{c.describe()}" for m, n, c in PARTS_CASES]
+)
 def test_the_parts_add_up_to_the_peak_as_live_at_that_moment(model, nproc, config):
     workload = Workload(model=model, seq_len=128, global_batch=8 * nproc, nproc=nproc)
     estimate = predict_memory(workload, config)
@@ -105,18 +106,28 @@ def test_the_parts_add_up_to_the_peak_as_live_at_that_moment(model, nproc, confi
 
 
 def test_an_estimate_stored_before_the_parts_added_up_loads_with_the_remainder_named():
-    stored = {"config": TrialConfig(micro_batch=2).to_dict(), "describe": "mb=2 fp32",
-              "predicted_peak_bytes": 1000, "parameters_bytes": 300, "gradients_bytes": 300,
-              "optimizer_state_bytes": 400, "activations_bytes": 200, "temporaries_bytes": 0,
-              "overhead_bytes": None, "method": "fake-tensor training step", "seconds": 1.0}
+    stored = {
+        "config": TrialConfig(micro_batch=2).to_dict(),
+        "describe": "mb=2 fp32",
+        "predicted_peak_bytes": 1000,
+        "parameters_bytes": 300,
+        "gradients_bytes": 300,
+        "optimizer_state_bytes": 400,
+        "activations_bytes": 200,
+        "temporaries_bytes": 0,
+        "overhead_bytes": None,
+        "method": "fake-tensor training step",
+        "seconds": 1.0,
+    }
     estimate = MemoryEstimate.from_dict(stored)
     assert estimate.not_live_at_peak_bytes == -200 and sum(estimate.parts().values()) == 1000
     assert MemoryEstimate.from_dict(estimate.to_dict()) == estimate
 
 
 def test_a_cpu_workload_is_traced_with_cpu_kernels():
-    estimate = predict_memory(Workload(model="builtin:gpt2-tiny", seq_len=32, global_batch=4, device="cpu"),
-                              TrialConfig(micro_batch=4))
+    estimate = predict_memory(
+        Workload(model="builtin:gpt2-tiny", seq_len=32, global_batch=4, device="cpu"), TrialConfig(micro_batch=4)
+    )
     assert estimate.traced_device == "cpu" and estimate.device_note is None
 
 
@@ -127,7 +138,9 @@ ATTENTION_CASES = [  # CUDA would run: flash (16-bit, no mask), memory-efficient
 ]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU here traces on fake CUDA tensors (tests/test_estimator_gpu.py)")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a GPU here traces on fake CUDA tensors (tests/test_estimator_gpu.py)"
+)
 @pytest.mark.parametrize("model, config", ATTENTION_CASES, ids=[f"{m}-{c.describe()}" for m, c in ATTENTION_CASES])
 def test_a_cuda_workload_without_a_gpu_keeps_no_attention_scores_and_says_so(model, config):
     cpu = Workload(model=model, seq_len=256, global_batch=4, device="cpu")
@@ -137,10 +150,10 @@ def test_a_cuda_workload_without_a_gpu_keeps_no_attention_scores_and_says_so(mod
     assert sum(on_cuda.parts().values()) == on_cuda.predicted_peak_bytes
     # The CPU's attention with dropout keeps the s x s scores per head and layer (fp32 at least); CUDA's does not.
     layers, heads = (6, 4) if "gpt2" in model else (2, 4)
-    scores = layers * config.micro_batch * heads * 256 ** 2 * 4
+    scores = layers * config.micro_batch * heads * 256**2 * 4
     if not config.checkpointing:  # checkpointing keeps no layer's scores: only the peak's layer's, recomputed
         assert on_cuda.activations_bytes <= on_cpu.activations_bytes - scores
-    assert on_cuda.predicted_peak_bytes < on_cpu.predicted_peak_bytes - 256 ** 2 * 4
+    assert on_cuda.predicted_peak_bytes < on_cpu.predicted_peak_bytes - 256**2 * 4
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU here traces on fake CUDA tensors")
@@ -165,16 +178,19 @@ PSI = 1_000_000  # parameters, all trainable
 MODEL = SimpleNamespace(total_params=PSI, trainable_params=PSI)
 
 
-@pytest.mark.parametrize("stage, precision, offload, on_cpu, expected", [
-    # (parameters, gradients, optimizer state, step-time extra) in bytes per parameter, 8 ranks
-    (1, "bf16", "none", False, (2, 2, 12 / 8, 4 / 8)),
-    (2, "bf16", "none", False, (2, 2 / 8, 12 / 8, 4 / 8)),   # DeepSpeed's 2 + 18/N at the step
-    (3, "bf16", "none", False, (2 / 8, 2 / 8, 12 / 8, 4 / 8)),
-    (2, "fp32", "none", False, (4, 4 / 8, 12 / 8, 0)),         # the fp32 master is a clone even in fp32
-    (2, "bf16", "optimizer", False, (2, 2 / 8, 0, 0)),
-    (3, "bf16", "optimizer+params", False, (0, 2 / 8, 0, 0)),
-    (2, "bf16", "optimizer", True, (2, 2 / 8, (12 + 2 + 4) / 8, 4 / 8)),  # a CPU device keeps it all
-])
+@pytest.mark.parametrize(
+    "stage, precision, offload, on_cpu, expected",
+    [
+        # (parameters, gradients, optimizer state, step-time extra) in bytes per parameter, 8 ranks
+        (1, "bf16", "none", False, (2, 2, 12 / 8, 4 / 8)),
+        (2, "bf16", "none", False, (2, 2 / 8, 12 / 8, 4 / 8)),  # DeepSpeed's 2 + 18/N at the step
+        (3, "bf16", "none", False, (2 / 8, 2 / 8, 12 / 8, 4 / 8)),
+        (2, "fp32", "none", False, (4, 4 / 8, 12 / 8, 0)),  # the fp32 master is a clone even in fp32
+        (2, "bf16", "optimizer", False, (2, 2 / 8, 0, 0)),
+        (3, "bf16", "optimizer+params", False, (0, 2 / 8, 0, 0)),
+        (2, "bf16", "optimizer", True, (2, 2 / 8, (12 + 2 + 4) / 8, 4 / 8)),  # a CPU device keeps it all
+    ],
+)
 def test_zero_model_states_follow_deepspeed(stage, precision, offload, on_cpu, expected):
     config = TrialConfig(micro_batch=1, precision=precision, zero_stage=stage, offload=offload)
     states = _zero_states(MODEL, config, 8, offload_stays=on_cpu)
@@ -188,29 +204,88 @@ def test_zero3_keeps_deepspeeds_live_parameter_default():
 
 
 def test_estimate_command_json_lines():
-    proc = subprocess.run([sys.executable, "-m", "autotune", "estimate", "--model", "builtin:gpt2-tiny",
-                           "--seq-len", "32", "--micro-batch", "4", "--memory-budget", "8MiB", "--json"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "estimate",
+            "--model",
+            "builtin:gpt2-tiny",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "4",
+            "--memory-budget",
+            "8MiB",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert {"config", "predicted_peak_bytes", "parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
-            "activations_bytes", "temporaries_bytes", "traced_device", "device_note"} <= result.keys()
+    assert {
+        "config",
+        "predicted_peak_bytes",
+        "parameters_bytes",
+        "gradients_bytes",
+        "optimizer_state_bytes",
+        "activations_bytes",
+        "temporaries_bytes",
+        "traced_device",
+        "device_note",
+    } <= result.keys()
     assert result["fits"] is False and result["predicted_peak_bytes"] > 8 * 2**20
-    parts = ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes",
-             "temporaries_bytes", "not_live_at_peak_bytes")
+    parts = (
+        "parameters_bytes",
+        "gradients_bytes",
+        "optimizer_state_bytes",
+        "activations_bytes",
+        "temporaries_bytes",
+        "not_live_at_peak_bytes",
+    )
     assert sum(result[k] for k in parts) == result["predicted_peak_bytes"]
 
 
 def test_estimate_command_table_adds_up():
-    proc = subprocess.run([sys.executable, "-m", "autotune", "estimate", "--model", "builtin:gpt2-deep-tiny",
-                           "--seq-len", "64", "--global-batch", "8", "--micro-batch", "8", "--checkpointing", "on"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "estimate",
+            "--model",
+            "builtin:gpt2-deep-tiny",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "8",
+            "--micro-batch",
+            "8",
+            "--checkpointing",
+            "on",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     header, row = proc.stdout.splitlines()[:2]
-    assert header.split()[-9:] == ["params", "grads", "optimizer", "activations", "temporaries", "not", "live",
-                                   "step", "tokens/s"]
+    assert header.split()[-9:] == [
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "temporaries",
+        "not",
+        "live",
+        "step",
+        "tokens/s",
+    ]
     assert row.split()[5] == "=" and row.split()[-5].startswith("-")  # the negative part, shown
-    assert row.split()[-2] == "s" and float(row.split()[-3]) > 0      # the step predicted on this CPU, probed
+    assert row.split()[-2] == "s" and float(row.split()[-3]) > 0  # the step predicted on this CPU, probed
     assert proc.stdout.splitlines()[-2] == "traced with CPU kernels"
     assert "timed against this CPU" in proc.stdout.splitlines()[-1]
 

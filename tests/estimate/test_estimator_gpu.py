@@ -40,11 +40,29 @@ def test_a_cuda_estimate_traces_cuda_kernels_and_is_within_10_percent_of_the_tri
 
 
 def test_without_a_gpu_the_cpu_trace_with_cuda_attention_is_close_to_the_cuda_trace():
-    args = [sys.executable, "-m", "autotune", "estimate", "--model", "builtin:gpt2", "--seq-len", "512",
-            "--global-batch", "4", "--micro-batch", "4", "--precision", "bf16", "--device", "cuda", "--json"]
+    args = [
+        sys.executable,
+        "-m",
+        "autotune",
+        "estimate",
+        "--model",
+        "builtin:gpt2",
+        "--seq-len",
+        "512",
+        "--global-batch",
+        "4",
+        "--micro-batch",
+        "4",
+        "--precision",
+        "bf16",
+        "--device",
+        "cuda",
+        "--json",
+    ]
     on_gpu = json.loads(subprocess.run(args, capture_output=True, text=True, timeout=300, check=True).stdout)
-    hidden = subprocess.run(args, capture_output=True, text=True, timeout=300, check=True,
-                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    hidden = subprocess.run(
+        args, capture_output=True, text=True, timeout=300, check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    )
     without = json.loads(hidden.stdout)
     assert on_gpu["traced_device"] == "cuda" and without["traced_device"] == "cpu"
     assert "no CUDA GPU here" in without["device_note"]
@@ -85,9 +103,17 @@ def test_reserved_and_device_predictions_are_within_10_percent_of_the_card(model
     predicted = predict_memory(workload, config)
     free, total = torch.cuda.mem_get_info()
     used_before = total - free  # everything but the child: this process's context, other processes, the driver
-    measured = json.loads(subprocess.run(
-        [sys.executable, "-c", DEVICE_SCRIPT, json.dumps(workload.to_dict()), json.dumps(config.to_dict())],
-        capture_output=True, text=True, timeout=600, check=True).stdout.strip().splitlines()[-1])
+    measured = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", DEVICE_SCRIPT, json.dumps(workload.to_dict()), json.dumps(config.to_dict())],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     assert abs(predicted.predicted_peak_bytes / measured["allocated"] - 1) <= 0.10, (predicted.to_dict(), measured)
     assert abs(predicted.predicted_reserved_bytes / measured["reserved"] - 1) <= 0.10, (predicted.to_dict(), measured)
     device_measured = measured["used"] - used_before  # the child alone: its context, its reserve, its workspaces

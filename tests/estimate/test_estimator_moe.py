@@ -20,9 +20,17 @@ def mixtral(tmp_path_factory: pytest.TempPathFactory) -> str:
     from transformers import MixtralConfig
 
     folder = tmp_path_factory.mktemp("mixtral")
-    MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=512,
-                  max_position_embeddings=512).save_pretrained(folder)
+    MixtralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=512,
+        max_position_embeddings=512,
+    ).save_pretrained(folder)
     return str(folder / "config.json")
 
 
@@ -45,8 +53,25 @@ def test_a_mixture_of_experts_estimate_is_within_5_percent_of_its_trial(mixtral,
 
 
 def test_estimate_command_on_a_mixtral_config_json(mixtral):
-    proc = subprocess.run([sys.executable, "-m", "autotune", "estimate", "--model", mixtral, "--seq-len", "128",
-                           "--micro-batch", "4", "--precision", "bf16", "--json"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "estimate",
+            "--model",
+            mixtral,
+            "--seq-len",
+            "128",
+            "--micro-batch",
+            "4",
+            "--precision",
+            "bf16",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["predicted_peak_bytes"] > 0

@@ -61,28 +61,52 @@ def test_one_trace_answers_every_micro_batch_of_its_family():
 
 
 def _profile(kind: str) -> DeviceProfile:
-    return DeviceProfile(name="hand", type=kind, matmul_flops={"float32": 1e12}, memory_bandwidth=1e11,
-                         kernel_s=1e-5, dispatch_s=2e-5, link_bandwidth=1e10, host_link_bandwidth=1e10,
-                         peak_flops=2e12, collective_s=1e-4)
+    return DeviceProfile(
+        name="hand",
+        type=kind,
+        matmul_flops={"float32": 1e12},
+        memory_bandwidth=1e11,
+        kernel_s=1e-5,
+        dispatch_s=2e-5,
+        link_bandwidth=1e10,
+        host_link_bandwidth=1e10,
+        peak_flops=2e12,
+        collective_s=1e-4,
+    )
 
 
 def _hand_estimate(config: TrialConfig, costs: StepCosts) -> MemoryEstimate:
-    return MemoryEstimate(config=config, predicted_peak_bytes=0, parameters_bytes=0, gradients_bytes=4 * 10**9,
-                          optimizer_state_bytes=0, activations_bytes=0, temporaries_bytes=0, overhead_bytes=None,
-                          method="hand", seconds=0.0, step_costs=costs)
+    return MemoryEstimate(
+        config=config,
+        predicted_peak_bytes=0,
+        parameters_bytes=0,
+        gradients_bytes=4 * 10**9,
+        optimizer_state_bytes=0,
+        activations_bytes=0,
+        temporaries_bytes=0,
+        overhead_bytes=None,
+        method="hand",
+        seconds=0.0,
+        step_costs=costs,
+    )
 
 
-HAND = StepCosts((OpCost("forward", "matmul", "mm", "float32", 1e9, 0.0, 1e6, 1.0),       # compute-bound
-                  OpCost("backward", "other", "add", "float32", 0.0, 1e7, 1e8, 2.0),      # memory-bound
-                  OpCost("update", "other", "_foreach_add_", "float32", 0.0, 1e8, 0.0, 1.0)),
-                 forward_flops_per_sample=1e9, trainable_parameters=10**9)
+HAND = StepCosts(
+    (
+        OpCost("forward", "matmul", "mm", "float32", 1e9, 0.0, 1e6, 1.0),  # compute-bound
+        OpCost("backward", "other", "add", "float32", 0.0, 1e7, 1e8, 2.0),  # memory-bound
+        OpCost("update", "other", "_foreach_add_", "float32", 0.0, 1e8, 0.0, 1.0),
+    ),
+    forward_flops_per_sample=1e9,
+    trainable_parameters=10**9,
+)
 
 
 def test_each_operator_takes_the_longer_of_its_flops_and_its_bytes_plus_a_kernel():
     workload = Workload(model="builtin:llama-tiny", seq_len=128, global_batch=8, device="cpu")
     config = TrialConfig(micro_batch=2)  # 4 micro steps a step
-    matmul = 2 * 1e9 / 1e12 + 1e-5                  # 2 samples of FLOPs (their bytes would take 2e-5 s)
-    add = 2 * ((1e7 + 2 * 1e8) / 1e11 + 1e-5)       # model-state bytes once, the rest per sample
+    matmul = 2 * 1e9 / 1e12 + 1e-5  # 2 samples of FLOPs (their bytes would take 2e-5 s)
+    add = 2 * ((1e7 + 2 * 1e8) / 1e11 + 1e-5)  # model-state bytes once, the rest per sample
     update = 1e8 / 1e11 + 1e-5
     gpu = predict_step_time(_hand_estimate(config, HAND), workload.replace(device="auto"), _profile("cuda"))
     # On a GPU the host runs ahead: a micro step takes the longer of the device's work and the host's.
@@ -92,7 +116,9 @@ def test_each_operator_takes_the_longer_of_its_flops_and_its_bytes_plus_a_kernel
     cpu = predict_step_time(_hand_estimate(config, HAND), workload, _profile("cpu"))
     assert cpu.compute_s == pytest.approx(4 * (matmul + add + 3 * 2e-5))
     assert cpu.step_s == pytest.approx(cpu.compute_s + cpu.update_s)
-    assert cpu.samples_per_s == pytest.approx(8 / cpu.step_s) and cpu.tokens_per_s == pytest.approx(128 * 8 / cpu.step_s)
+    assert cpu.samples_per_s == pytest.approx(8 / cpu.step_s) and cpu.tokens_per_s == pytest.approx(
+        128 * 8 / cpu.step_s
+    )
     assert cpu.mfu == pytest.approx(3 * 1e9 * cpu.samples_per_s / 2e12)
 
 
@@ -130,8 +156,9 @@ def test_a_cuda_workload_is_timed_on_its_card_with_the_kernels_cuda_would_pick()
 def test_zero_communicates_as_deepspeed_runs_each_stage():
     """ZeRO-1 reduces once a step, ZeRO-2 every micro step, ZeRO-3 also gathers every weight (frozen ones
     too) in each forward and backward; each bucket (hidden^2 elements) and gathered tensor costs a latency."""
-    costs = dataclasses.replace(HAND, trainable_parameters=10**6, parameters=4 * 10**6, parameter_tensors=10,
-                                hidden_size=100)
+    costs = dataclasses.replace(
+        HAND, trainable_parameters=10**6, parameters=4 * 10**6, parameter_tensors=10, hidden_size=100
+    )
     workload = Workload(model="builtin:llama-tiny", seq_len=128, global_batch=16, nproc=2, device="cpu")
     profile = _profile("cpu")
 
@@ -139,7 +166,7 @@ def test_zero_communicates_as_deepspeed_runs_each_stage():
         config = TrialConfig(micro_batch=2, zero_stage=stage)  # 4 micro steps a rank
         return predict_step_time(_hand_estimate(config, costs), workload, profile).communication_s
 
-    weights, buckets, link = 4 * 10**6 * 0.5, 100, 1e10   # fp32 bytes over 2 ranks, 10**6 / 100**2 buckets
+    weights, buckets, link = 4 * 10**6 * 0.5, 100, 1e10  # fp32 bytes over 2 ranks, 10**6 / 100**2 buckets
     once = weights / link + buckets * 1e-4
     assert comm(1) == pytest.approx(2 * once)
     assert comm(2) == pytest.approx(4 * once + once)

@@ -9,14 +9,23 @@ from pathlib import Path
 
 import pytest
 
-MINE = {"model_type": "gpt2", "n_layer": 3, "n_embd": 48, "n_head": 2, "n_positions": 256, "vocab_size": 300,
-        "bos_token_id": 0, "eos_token_id": 0}
+MINE = {
+    "model_type": "gpt2",
+    "n_layer": 3,
+    "n_embd": 48,
+    "n_head": 2,
+    "n_positions": 256,
+    "vocab_size": 300,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
 DECOY = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 256, "vocab_size": 100}
 
 
 def autotune(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "autotune", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
 
 
 def _gpt2_params(config: dict) -> int:
@@ -28,12 +37,38 @@ def _gpt2_params(config: dict) -> int:
 def test_trial_and_estimate_build_the_named_file_not_the_config_json_beside_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(DECOY))
     (tmp_path / "my-model.json").write_text(json.dumps(MINE))
-    proc = autotune("trial", "--model", "my-model.json", "--seq-len", "16", "--global-batch", "2",
-                    "--micro-batch", "2", "--warmup-steps", "0", "--steps", "1", "--json", cwd=tmp_path)
+    proc = autotune(
+        "trial",
+        "--model",
+        "my-model.json",
+        "--seq-len",
+        "16",
+        "--global-batch",
+        "2",
+        "--micro-batch",
+        "2",
+        "--warmup-steps",
+        "0",
+        "--steps",
+        "1",
+        "--json",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["total_params"] == _gpt2_params(MINE) != _gpt2_params(DECOY)
-    proc = autotune("estimate", "--model", "my-model.json", "--seq-len", "16", "--global-batch", "2",
-                    "--micro-batch", "2", "--json", cwd=tmp_path)
+    proc = autotune(
+        "estimate",
+        "--model",
+        "my-model.json",
+        "--seq-len",
+        "16",
+        "--global-batch",
+        "2",
+        "--micro-batch",
+        "2",
+        "--json",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["parameters_bytes"] == 4 * _gpt2_params(MINE)
 

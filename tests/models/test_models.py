@@ -14,10 +14,15 @@ from autotune.models.sources import (
 )
 
 
-@pytest.mark.parametrize("spec, kind", [
-    ("builtin:gpt2-tiny", "builtin"), ("factories:tiny", "factory"), ("pkg.mod:make_model", "factory"),
-    ("meta-llama/Llama-2-7b-hf", "hub"),
-])
+@pytest.mark.parametrize(
+    "spec, kind",
+    [
+        ("builtin:gpt2-tiny", "builtin"),
+        ("factories:tiny", "factory"),
+        ("pkg.mod:make_model", "factory"),
+        ("meta-llama/Llama-2-7b-hf", "hub"),
+    ],
+)
 def test_parse_model_source(spec, kind):
     assert parse_model_source(spec).kind == kind
 
@@ -37,31 +42,38 @@ def test_every_preset_loads_with_its_task():
 
 
 def test_task_is_inferred_from_architectures(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]})
+    )
     assert resolve_task(Workload(model=str(tmp_path))) == "seq-cls"
     config = load_hf_config(ModelSource("builtin", "bert-tiny"))
     assert infer_task(config) == "seq-cls"
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "xlm-roberta", "architectures": ["XLMRobertaForMaskedLM"]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "xlm-roberta", "architectures": ["XLMRobertaForMaskedLM"]})
+    )
     assert resolve_task(Workload(model=str(tmp_path))) == "masked-lm"
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "mt5", "architectures": ["MT5ForConditionalGeneration"]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "mt5", "architectures": ["MT5ForConditionalGeneration"]})
+    )
     assert resolve_task(Workload(model=str(tmp_path))) == "seq2seq-lm"
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bart"}))  # no architectures: the config says
     assert resolve_task(Workload(model=str(tmp_path))) == "seq2seq-lm"
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "vit", "architectures": ["ViTForImageClassification"]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "vit", "architectures": ["ViTForImageClassification"]})
+    )
     assert resolve_task(Workload(model=str(tmp_path))) == "image-cls"
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "convnext"}))  # pixels in, no vocabulary
     assert resolve_task(Workload(model=str(tmp_path))) == "image-cls"
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("builtin:nope", "no such built-in model"),
-    ("./missing/config.json", "is neither builtin:NAME"),
-    ("not a model", "is neither builtin:NAME"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("builtin:nope", "no such built-in model"),
+        ("./missing/config.json", "is neither builtin:NAME"),
+        ("not a model", "is neither builtin:NAME"),
+    ],
+)
 def test_bad_sources_are_refused(spec, message):
     with pytest.raises(WorkloadError, match=message):
         parse_model_source(spec)
@@ -88,8 +100,16 @@ def test_directory_without_config_is_refused(tmp_path):
 
 
 # -- a config file is read as given ---------------------------------------------------------------
-MINE = {"model_type": "gpt2", "n_layer": 3, "n_embd": 48, "n_head": 2, "n_positions": 256, "vocab_size": 300,
-        "bos_token_id": 0, "eos_token_id": 0}
+MINE = {
+    "model_type": "gpt2",
+    "n_layer": 3,
+    "n_embd": 48,
+    "n_head": 2,
+    "n_positions": 256,
+    "vocab_size": 300,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
 DECOY = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 256, "vocab_size": 100}
 
 
@@ -112,10 +132,13 @@ def test_a_config_file_not_named_config_json_is_the_one_built(tmp_path):
     assert len(model.transformer.h) == 3 and model.lm_head.weight.shape == (300, 48)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("hidden: 64\nlayers: 2\n", r"is not JSON \(line 1: Expecting value\)"),
-    ("[1, 2, 3]", "is JSON but not a model config"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("hidden: 64\nlayers: 2\n", r"is not JSON \(line 1: Expecting value\)"),
+        ("[1, 2, 3]", "is JSON but not a model config"),
+    ],
+)
 def test_a_config_file_that_is_not_a_json_object_is_refused(tmp_path, text, message):
     path = tmp_path / "model.yaml"
     path.write_text(text)
@@ -133,8 +156,13 @@ def test_a_binary_file_is_refused_as_not_json(tmp_path):
 # Parameter counts of the published checkpoints (their model cards and config.json): the presets are
 # these models' shapes, built on the meta device here, not downloaded.
 PUBLISHED_PARAMS = {
-    "t5-base": 222.9e6, "mt5-base": 582.4e6, "xlm-roberta-base": 278.3e6, "xlm-roberta-large": 560.1e6,
-    "distilbert-base": 67.0e6, "vit-base": 86.6e6, "resnet-50": 25.6e6,
+    "t5-base": 222.9e6,
+    "mt5-base": 582.4e6,
+    "xlm-roberta-base": 278.3e6,
+    "xlm-roberta-large": 560.1e6,
+    "distilbert-base": 67.0e6,
+    "vit-base": 86.6e6,
+    "resnet-50": 25.6e6,
 }
 
 

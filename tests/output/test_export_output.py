@@ -22,7 +22,8 @@ from autotune.config.workload import Workload
 device = detect_device("cpu")
 meta = question(workload=Workload(model="builtin:gpt2-tiny"), space=load_space("lora"), device=device,
                 memory_budget_bytes=2**30, headroom=0.1)
-for name, config in (("done", TrialConfig(micro_batch=4, lora_rank=8)), ("zero", TrialConfig(micro_batch=4, zero_stage=2))):
+configs = (("done", TrialConfig(micro_batch=4, lora_rank=8)), ("zero", TrialConfig(micro_batch=4, zero_stage=2)))
+for name, config in configs:
     study = create_study(open_storage(None), name, meta)
     trial = study.ask()
     trial.set_user_attr("config", config.to_dict())
@@ -43,8 +44,13 @@ def work(tmp_path_factory) -> Path:
 
 
 def export(work: Path, *args: str, study: str = "done") -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "autotune", "export", "--study", study, *args],
-                          capture_output=True, text=True, timeout=300, cwd=work)
+    return subprocess.run(
+        [sys.executable, "-m", "autotune", "export", "--study", study, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=work,
+    )
 
 
 def test_an_accelerate_zero_export_is_the_yaml_and_the_deepspeed_config_it_names(work):
@@ -56,7 +62,8 @@ def test_an_accelerate_zero_export_is_the_yaml_and_the_deepspeed_config_it_names
     assert printed.returncode == 2 and printed.stdout == ""
     assert printed.stderr.strip().splitlines() == [
         "autotune: error: --format accelerate: mb=4 fp32 zero2 is two files, the Accelerate YAML and the DeepSpeed "
-        "config it names; add -o accelerate_config.yaml to write both"]
+        "config it names; add -o accelerate_config.yaml to write both"
+    ]
     proc = export(work, "--format", "accelerate", "-o", "zero/accelerate.yaml", study="zero")
     assert proc.returncode == 0, proc.stderr
     companion = Path("zero") / "accelerate.deepspeed.json"
@@ -97,10 +104,14 @@ def test_peft_to_a_json_name_writes_that_file(work):
     assert (work / "mine.json").is_file()
 
 
-@pytest.mark.parametrize("setup, output, message", [
-    ("taken", "taken/", "-o taken/: taken/autotune.json is a directory; name a file to write"),
-    ("a-file", "a-file/x.json", "-o a-file/x.json: cannot write a-file/x.json: "),
-], ids=["target-is-a-directory", "parent-is-a-file"])
+@pytest.mark.parametrize(
+    "setup, output, message",
+    [
+        ("taken", "taken/", "-o taken/: taken/autotune.json is a directory; name a file to write"),
+        ("a-file", "a-file/x.json", "-o a-file/x.json: cannot write a-file/x.json: "),
+    ],
+    ids=["target-is-a-directory", "parent-is-a-file"],
+)
 def test_a_place_that_cannot_be_written_is_one_line_exit_2(work, setup, output, message):
     if setup == "taken":
         (work / "taken" / "autotune.json").mkdir(parents=True)

@@ -34,8 +34,9 @@ LORA = TrialConfig(micro_batch=4, lora_rank=8)
 FUSED = TrialConfig(micro_batch=4, fused_optimizer=True)
 
 
-def _write(tmp_path: Path, config: TrialConfig, fmt: str, *, workload: Workload = WORKLOAD,
-           device_type: str = "cpu") -> Path:
+def _write(
+    tmp_path: Path, config: TrialConfig, fmt: str, *, workload: Workload = WORKLOAD, device_type: str = "cpu"
+) -> Path:
     path = tmp_path / DEFAULT_FILENAMES[fmt]
     path.write_text(export_config(config, workload, fmt=fmt, device_type=device_type))
     return path
@@ -53,8 +54,9 @@ def test_unknown_format_names_the_flag_and_the_choices() -> None:
 
 # -- json / yaml ------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["json", "yaml"])
-@pytest.mark.parametrize("config", [FULL_BF16, ZERO2_OFFLOAD, LORA.replace(lora_targets=("c_attn",))],
-                         ids=["bf16", "zero2", "lora"])
+@pytest.mark.parametrize(
+    "config", [FULL_BF16, ZERO2_OFFLOAD, LORA.replace(lora_targets=("c_attn",))], ids=["bf16", "zero2", "lora"]
+)
 def test_json_and_yaml_round_trip(fmt: str, config: TrialConfig) -> None:
     summary = {"study": "demo", "tokens_per_s": 1234.5}
     text = export_config(config, WORKLOAD, fmt=fmt, summary=summary)
@@ -116,21 +118,28 @@ def test_deepspeed_export_initialises_a_deepspeed_engine(tmp_path: Path) -> None
         (tmp_path / str(i)).mkdir()
         paths.append(str(_write(tmp_path / str(i), config, "deepspeed")))
     env = {**os.environ, **one_node_ranks(1)[0]}
-    proc = subprocess.run([sys.executable, "-c", _DEEPSPEED_INIT, *paths], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _DEEPSPEED_INIT, *paths], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
     seen = json.loads(result.removeprefix("RESULT "))
     assert seen == [
-        {"micro": c.micro_batch, "accum": c.grad_accum_steps(WORKLOAD), "stage": c.zero_stage or 0,
-         "bf16": c.precision == "bf16", "offload_optimizer": c.offload != "none",
-         "offload_params": c.offload == "optimizer+params"}
-        for c in configs]
+        {
+            "micro": c.micro_batch,
+            "accum": c.grad_accum_steps(WORKLOAD),
+            "stage": c.zero_stage or 0,
+            "bf16": c.precision == "bf16",
+            "offload_optimizer": c.offload != "none",
+            "offload_params": c.offload == "optimizer+params",
+        }
+        for c in configs
+    ]
 
 
 def test_deepspeed_buckets_follow_the_model_width_when_its_config_is_readable() -> None:
     zero = json.loads(export_config(ZERO2_OFFLOAD, WORKLOAD, fmt="deepspeed"))["zero_optimization"]
-    assert zero["reduce_bucket_size"] == GPT2_TINY_WIDTH ** 2
+    assert zero["reduce_bucket_size"] == GPT2_TINY_WIDTH**2
     factory = WORKLOAD.replace(model="factories:tiny")  # not imported: its width is unknown
     zero = json.loads(export_config(ZERO2_OFFLOAD, factory, fmt="deepspeed"))["zero_optimization"]
     assert "reduce_bucket_size" not in zero and zero["stage"] == 2
@@ -175,15 +184,18 @@ def test_hf_export_builds_training_arguments(tmp_path: Path, config: TrialConfig
 
 
 # -- PEFT -------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("config", "workload", "targets", "task_type"), [
-    (LORA, WORKLOAD, {"c_attn"}, "CAUSAL_LM"),  # PEFT's default for gpt2, named: what the trials adapted
-    (LORA.replace(lora_alpha=4, lora_targets=("c_attn", "c_proj")), WORKLOAD, {"c_attn", "c_proj"},
-     "CAUSAL_LM"),
-    (LORA.replace(lora_targets=("all-linear",)), Workload(model="builtin:bert-tiny"), "all-linear",
-     "SEQ_CLS"),
-], ids=["default-targets", "named-targets", "all-linear-seq-cls"])
-def test_peft_export_loads_as_lora_config(tmp_path: Path, config: TrialConfig, workload: Workload,
-                                          targets: Any, task_type: str) -> None:
+@pytest.mark.parametrize(
+    ("config", "workload", "targets", "task_type"),
+    [
+        (LORA, WORKLOAD, {"c_attn"}, "CAUSAL_LM"),  # PEFT's default for gpt2, named: what the trials adapted
+        (LORA.replace(lora_alpha=4, lora_targets=("c_attn", "c_proj")), WORKLOAD, {"c_attn", "c_proj"}, "CAUSAL_LM"),
+        (LORA.replace(lora_targets=("all-linear",)), Workload(model="builtin:bert-tiny"), "all-linear", "SEQ_CLS"),
+    ],
+    ids=["default-targets", "named-targets", "all-linear-seq-cls"],
+)
+def test_peft_export_loads_as_lora_config(
+    tmp_path: Path, config: TrialConfig, workload: Workload, targets: Any, task_type: str
+) -> None:
     from peft import LoraConfig
 
     _write(tmp_path, config, "peft", workload=workload)
@@ -200,8 +212,9 @@ def test_peft_export_applies_to_the_workload_model(tmp_path: Path) -> None:
     from autotune.models.sources import build_model
 
     _write(tmp_path, LORA, "peft")
-    model = get_peft_model(build_model(WORKLOAD, task="causal-lm", device=torch.device("cpu")),
-                           LoraConfig.from_pretrained(str(tmp_path)))
+    model = get_peft_model(
+        build_model(WORKLOAD, task="causal-lm", device=torch.device("cpu")), LoraConfig.from_pretrained(str(tmp_path))
+    )
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in name for name in trainable)
 
@@ -212,20 +225,25 @@ def test_peft_export_refuses_a_config_without_lora() -> None:
 
 
 # -- Accelerate -------------------------------------------------------------------------------
-@pytest.mark.parametrize(("config", "workload", "device_type", "distributed", "precision"), [
-    (FULL_BF16, WORKLOAD, "cpu", "NO", "bf16"),
-    (FULL_BF16, WORKLOAD.replace(nproc=2), "cpu", "MULTI_CPU", "bf16"),
-    (LORA.replace(micro_batch=2, precision="fp16"), WORKLOAD.replace(nproc=2), "cuda", "MULTI_GPU", "fp16"),
-    (ZERO3_OFFLOAD_ALL.replace(micro_batch=4), WORKLOAD.replace(nproc=2), "cuda", "DEEPSPEED", None),
-], ids=["single-cpu", "multi-cpu", "multi-gpu", "zero3"])
-def test_accelerate_export_loads_as_accelerate_config(tmp_path: Path, config: TrialConfig,
-                                                      workload: Workload, device_type: str, distributed: str,
-                                                      precision: str | None) -> None:
+@pytest.mark.parametrize(
+    ("config", "workload", "device_type", "distributed", "precision"),
+    [
+        (FULL_BF16, WORKLOAD, "cpu", "NO", "bf16"),
+        (FULL_BF16, WORKLOAD.replace(nproc=2), "cpu", "MULTI_CPU", "bf16"),
+        (LORA.replace(micro_batch=2, precision="fp16"), WORKLOAD.replace(nproc=2), "cuda", "MULTI_GPU", "fp16"),
+        (ZERO3_OFFLOAD_ALL.replace(micro_batch=4), WORKLOAD.replace(nproc=2), "cuda", "DEEPSPEED", None),
+    ],
+    ids=["single-cpu", "multi-cpu", "multi-gpu", "zero3"],
+)
+def test_accelerate_export_loads_as_accelerate_config(
+    tmp_path: Path, config: TrialConfig, workload: Workload, device_type: str, distributed: str, precision: str | None
+) -> None:
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.utils import DeepSpeedPlugin
 
-    files = export_files(config, workload, tmp_path / "accelerate_config.yaml", fmt="accelerate",
-                         device_type=device_type)
+    files = export_files(
+        config, workload, tmp_path / "accelerate_config.yaml", fmt="accelerate", device_type=device_type
+    )
     for path, text in files:
         path.write_text(text)
     loaded = load_config_from_file(str(files[0][0]))
@@ -237,8 +255,10 @@ def test_accelerate_export_loads_as_accelerate_config(tmp_path: Path, config: Tr
         assert loaded.deepspeed_config == {} and len(files) == 1
         return
     # The YAML names the DeepSpeed config written beside it; `accelerate launch` hands both to DeepSpeedPlugin.
-    assert loaded.deepspeed_config == {"deepspeed_config_file": str(tmp_path / "accelerate_config.deepspeed.json"),
-                                       "zero3_init_flag": True}
+    assert loaded.deepspeed_config == {
+        "deepspeed_config_file": str(tmp_path / "accelerate_config.deepspeed.json"),
+        "zero3_init_flag": True,
+    }
     plugin = DeepSpeedPlugin(hf_ds_config=loaded.deepspeed_config["deepspeed_config_file"], zero3_init_flag=True)
     zero = plugin.deepspeed_config["zero_optimization"]
     assert zero["stage"] == config.zero_stage == 3
@@ -253,22 +273,29 @@ def test_accelerate_export_loads_as_accelerate_config(tmp_path: Path, config: Tr
 
 def test_the_accelerate_export_of_a_zero_config_trains_under_accelerate_launch_with_the_trials_buckets(tmp_path):
     config = TrialConfig(micro_batch=2, precision="bf16", zero_stage=2)
-    for path, text in export_files(config, WORKLOAD, tmp_path / "accelerate_config.yaml", fmt="accelerate",
-                                   device_type="cpu"):
+    for path, text in export_files(
+        config, WORKLOAD, tmp_path / "accelerate_config.yaml", fmt="accelerate", device_type="cpu"
+    ):
         path.write_text(text)
     job = Path(__file__).parents[1] / "scripts" / "accelerate_zero_job.py"
-    ran = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_config.yaml",
-                          str(job), "1"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    ran = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_config.yaml", str(job), "1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert ran.returncode == 0, ran.stderr[-3000:]
-    seen = json.loads(next(line for line in ran.stdout.splitlines() if line.startswith("RESULT ")).removeprefix("RESULT "))
+    seen = json.loads(
+        next(line for line in ran.stdout.splitlines() if line.startswith("RESULT ")).removeprefix("RESULT ")
+    )
     del seen["peak_bytes"]  # bench/zero_buckets.py's figure
     # DeepSpeed's own buckets (5e8 elements) would be what accelerate launch builds from YAML keys alone.
     assert seen == {"stage": 2, "bf16": True, "reduce": GPT2_TINY_WIDTH**2, "allgather": GPT2_TINY_WIDTH**2}
 
 
 # -- Lightning --------------------------------------------------------------------------------
-def _lightning_kwargs(config: TrialConfig, *, device_type: str,
-                      workload: Workload = WORKLOAD) -> dict[str, Any]:
+def _lightning_kwargs(config: TrialConfig, *, device_type: str, workload: Workload = WORKLOAD) -> dict[str, Any]:
     text = export_config(config, workload, fmt="lightning", device_type=device_type)
     return yaml.safe_load(text)["trainer"]
 
@@ -276,8 +303,9 @@ def _lightning_kwargs(config: TrialConfig, *, device_type: str,
 def _trainer(tmp_path: Path, **kwargs: Any) -> Any:
     import lightning.pytorch as pl
 
-    return pl.Trainer(**kwargs, default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False)
+    return pl.Trainer(
+        **kwargs, default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False, enable_checkpointing=False
+    )
 
 
 def test_lightning_export_builds_a_trainer(tmp_path: Path) -> None:
@@ -298,8 +326,9 @@ def _strategy(spec: str | dict[str, Any]) -> Any:
 
 
 @pytest.mark.parametrize("config", [ZERO2_OFFLOAD, ZERO3_OFFLOAD_ALL], ids=["zero2", "zero3"])
-def test_lightning_deepspeed_export_builds_a_trainer_with_the_trials_buckets(tmp_path: Path,
-                                                                             config: TrialConfig) -> None:
+def test_lightning_deepspeed_export_builds_a_trainer_with_the_trials_buckets(
+    tmp_path: Path, config: TrialConfig
+) -> None:
     kwargs = _lightning_kwargs(config, device_type="cuda")
     assert kwargs.pop("accelerator") == "gpu"
     strategy = _strategy(kwargs.pop("strategy"))
@@ -321,11 +350,14 @@ def test_lightning_deepspeed_on_a_cpu_is_refused() -> None:
         export_config(ZERO2_OFFLOAD, WORKLOAD, fmt="lightning", device_type="cpu")
 
 
-@pytest.mark.parametrize(("config", "strategy"), [
-    (TrialConfig(micro_batch=2, zero_stage=1), "deepspeed_stage_1"),
-    (ZERO3_OFFLOAD_ALL, "deepspeed_stage_3_offload"),
-    (FULL_BF16, "ddp"),
-])
+@pytest.mark.parametrize(
+    ("config", "strategy"),
+    [
+        (TrialConfig(micro_batch=2, zero_stage=1), "deepspeed_stage_1"),
+        (ZERO3_OFFLOAD_ALL, "deepspeed_stage_3_offload"),
+        (FULL_BF16, "ddp"),
+    ],
+)
 def test_lightning_strategy_names_are_registered(config: TrialConfig, strategy: str) -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -335,12 +367,15 @@ def test_lightning_strategy_names_are_registered(config: TrialConfig, strategy: 
     assert strategy in StrategyRegistry
 
 
-@pytest.mark.parametrize("config", [
-    TrialConfig(micro_batch=2, zero_stage=0),
-    TrialConfig(micro_batch=2, zero_stage=3, offload="optimizer"),
-], ids=["stage0", "zero3-optimizer-offload"])
-def test_lightning_deepspeed_without_a_registered_name_uses_class_path(tmp_path: Path,
-                                                                       config: TrialConfig) -> None:
+@pytest.mark.parametrize(
+    "config",
+    [
+        TrialConfig(micro_batch=2, zero_stage=0),
+        TrialConfig(micro_batch=2, zero_stage=3, offload="optimizer"),
+    ],
+    ids=["stage0", "zero3-optimizer-offload"],
+)
+def test_lightning_deepspeed_without_a_registered_name_uses_class_path(tmp_path: Path, config: TrialConfig) -> None:
     kwargs = _lightning_kwargs(config, device_type="cuda", workload=WORKLOAD.replace(model="factories:tiny"))
     strategy = _strategy(kwargs.pop("strategy"))
     trainer = _trainer(tmp_path, **{**kwargs, "accelerator": "cpu"}, strategy=strategy)

@@ -15,9 +15,18 @@ MIB = 2**20
 
 
 def _summary(trials: list[TrialRecord], best: TrialRecord | None = None, **kwargs) -> StudySummary:
-    return StudySummary(name="s", storage="sqlite:///x.db", workload=Workload(model="builtin:gpt2-tiny"),
-                        space="quick", device={"type": "cpu", "name": "x86_64"}, memory_budget_bytes=100 * MIB,
-                        memory_limit_bytes=90 * MIB, trials=trials, best=best, **kwargs)
+    return StudySummary(
+        name="s",
+        storage="sqlite:///x.db",
+        workload=Workload(model="builtin:gpt2-tiny"),
+        space="quick",
+        device={"type": "cpu", "name": "x86_64"},
+        memory_budget_bytes=100 * MIB,
+        memory_limit_bytes=90 * MIB,
+        trials=trials,
+        best=best,
+        **kwargs,
+    )
 
 
 def _printed(summary: StudySummary) -> str:
@@ -29,8 +38,14 @@ def _printed(summary: StudySummary) -> str:
 def test_nothing_fits_says_what_was_tried_the_smallest_peak_and_what_to_change():
     trials = [
         TrialRecord(number=0, config=TrialConfig(micro_batch=4), status="oom", peak_memory_bytes=120 * MIB),
-        TrialRecord(number=1, config=TrialConfig(micro_batch=1), status="ok", tokens_per_s=10.0,
-                    peak_memory_bytes=95 * MIB, fits=False),
+        TrialRecord(
+            number=1,
+            config=TrialConfig(micro_batch=1),
+            status="ok",
+            tokens_per_s=10.0,
+            peak_memory_bytes=95 * MIB,
+            fits=False,
+        ),
         TrialRecord(number=2, config=TrialConfig(micro_batch=2), status="skipped", predicted_peak_bytes=110 * MIB),
     ]
     lines = nothing_fits(_summary(trials))
@@ -38,7 +53,7 @@ def test_nothing_fits_says_what_was_tried_the_smallest_peak_and_what_to_change()
     assert lines[0].startswith("no config fits: 2 trials measured (")
     assert "1 oom" in lines[0] and "1 over the memory limit" in lines[0] and "1 skipped" in lines[0]
     assert "smallest peak seen: 95.0 MiB (measured, mb=1 fp32) against the limit 90.0 MiB" in text
-    assert "--memory-budget 105.6 MiB or more" in text     # 95 MiB / (1 - 10% headroom)
+    assert "--memory-budget 105.6 MiB or more" in text  # 95 MiB / (1 - 10% headroom)
     assert "activation checkpointing" in text and "a 16-bit precision" in text and "LoRA" in text
     assert "no config fits" in _printed(_summary(trials))
 
@@ -48,11 +63,27 @@ def test_a_study_without_trials_says_so():
 
 
 def test_an_unsettled_figure_shows_its_spread_and_the_answer_says_how_sure_it_is():
-    noisy = TrialRecord(number=0, config=TrialConfig(micro_batch=2), status="ok", tokens_per_s=1000.0,
-                        peak_memory_bytes=10 * MIB, fits=True, step_time_spread=0.4)
-    steady = TrialRecord(number=1, config=TrialConfig(micro_batch=4), status="ok", tokens_per_s=1200.0,
-                         peak_memory_bytes=20 * MIB, fits=True, step_time_spread=0.02, confirmed=True,
-                         confirmed_tokens_per_s=1150.0, decided_rank=0)
+    noisy = TrialRecord(
+        number=0,
+        config=TrialConfig(micro_batch=2),
+        status="ok",
+        tokens_per_s=1000.0,
+        peak_memory_bytes=10 * MIB,
+        fits=True,
+        step_time_spread=0.4,
+    )
+    steady = TrialRecord(
+        number=1,
+        config=TrialConfig(micro_batch=4),
+        status="ok",
+        tokens_per_s=1200.0,
+        peak_memory_bytes=20 * MIB,
+        fits=True,
+        step_time_spread=0.02,
+        confirmed=True,
+        confirmed_tokens_per_s=1150.0,
+        decided_rank=0,
+    )
     text = _printed(_summary([noisy, steady], best=steady, certainty="clearly faster than the runner-up"))
     assert "1,000.0 ±20%" in text and "1,200.0 ±" not in text
     assert "how sure: clearly faster than the runner-up" in text
@@ -61,11 +92,27 @@ def test_an_unsettled_figure_shows_its_spread_and_the_answer_says_how_sure_it_is
 def test_an_image_study_counts_images_and_ranks_by_them():
     from autotune.study.records import ranking
 
-    slow = TrialRecord(number=0, config=TrialConfig(micro_batch=2), status="ok", samples_per_s=50.0,
-                       throughput_unit="images/s", peak_memory_bytes=10 * MIB, fits=True)
-    fast = TrialRecord(number=1, config=TrialConfig(micro_batch=4), status="ok", samples_per_s=80.0,
-                       throughput_unit="images/s", peak_memory_bytes=20 * MIB, fits=True, confirmed=True,
-                       confirmed_samples_per_s=78.0, decided_rank=0)
+    slow = TrialRecord(
+        number=0,
+        config=TrialConfig(micro_batch=2),
+        status="ok",
+        samples_per_s=50.0,
+        throughput_unit="images/s",
+        peak_memory_bytes=10 * MIB,
+        fits=True,
+    )
+    fast = TrialRecord(
+        number=1,
+        config=TrialConfig(micro_batch=4),
+        status="ok",
+        samples_per_s=80.0,
+        throughput_unit="images/s",
+        peak_memory_bytes=20 * MIB,
+        fits=True,
+        confirmed=True,
+        confirmed_samples_per_s=78.0,
+        decided_rank=0,
+    )
     assert slow.tokens_per_s is None and fast.throughput == 80.0 and fast.confirmed_throughput == 78.0
     assert ranking([slow, fast]) == [fast, slow]
     summary = _summary([slow, fast], best=fast)

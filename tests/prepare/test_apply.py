@@ -16,8 +16,9 @@ from autotune.output.exporters import export_config
 from autotune.trial.engine import build_engine
 
 WORKLOAD = Workload(model="builtin:llama-tiny-32k", seq_len=32, global_batch=4)
-CONFIG = TrialConfig(micro_batch=2, precision="bf16", checkpointing=True, checkpoint_every=2, lora_rank=8,
-                     loss="chunked:4")
+CONFIG = TrialConfig(
+    micro_batch=2, precision="bf16", checkpointing=True, checkpoint_every=2, lora_rank=8, loss="chunked:4"
+)
 
 
 def _facts(model: torch.nn.Module) -> dict:

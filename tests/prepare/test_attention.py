@@ -31,19 +31,40 @@ def test_eager_attention_keeps_the_scores_sdpa_does_not_and_the_estimator_predic
     sdpa, eager = results
     assert eager.peak_memory_bytes > 1.1 * sdpa.peak_memory_bytes  # 4 x heads x 256 x 256 scores per layer
     assert eager.final_loss == pytest.approx(sdpa.final_loss, abs=1e-3)  # the same maths
-    for config, result in zip(configs, results):
+    for config, result in zip(configs, results, strict=True):
         assert predict_memory(LONG, config).predicted_peak_bytes == pytest.approx(result.peak_memory_bytes, rel=0.05)
 
 
-@pytest.mark.parametrize(("attention", "reason"), [
-    ("flash_attention_2", "runs on CUDA GPUs only"),
-    ("flex_attention", "has no backward on a CPU"),
-    ("flux", "is not known; use one of auto, eager, sdpa, flash_attention_2, flex_attention"),
-])
+@pytest.mark.parametrize(
+    ("attention", "reason"),
+    [
+        ("flash_attention_2", "runs on CUDA GPUs only"),
+        ("flex_attention", "has no backward on a CPU"),
+        ("flux", "is not known; use one of auto, eager, sdpa, flash_attention_2, flex_attention"),
+    ],
+)
 def test_what_this_cpu_cannot_run_is_refused_in_one_line_before_a_trial(tmp_path, attention, reason):
-    proc = subprocess.run([sys.executable, "-m", "autotune", "trial", "--model", "builtin:llama-tiny", "--seq-len", "32",
-                           "--global-batch", "2", "--attention", attention, "--json"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "trial",
+            "--model",
+            "builtin:llama-tiny",
+            "--seq-len",
+            "32",
+            "--global-batch",
+            "2",
+            "--attention",
+            attention,
+            "--json",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--attention" in lines[0] and attention in lines[0] and reason in lines[0]
@@ -52,7 +73,8 @@ def test_what_this_cpu_cannot_run_is_refused_in_one_line_before_a_trial(tmp_path
 
 def test_what_the_model_cannot_take_is_refused_before_a_trial():
     assert "GPT2LMHeadModel (--model builtin:gpt2-tiny) does not support it" in attention_refusal(
-        Workload(model="builtin:gpt2-tiny"), "flex_attention", "causal-lm")
+        Workload(model="builtin:gpt2-tiny"), "flex_attention", "causal-lm"
+    )
     assert attention_refusal(Workload(model="builtin:llama-tiny"), "flex_attention", "causal-lm") is None
     assert "is a factory's" in attention_refusal(Workload(model="factories:mlp"), "eager", "causal-lm")
 

@@ -20,13 +20,16 @@ SIX_LAYERS = Workload(model="builtin:gpt2-deep-tiny", seq_len=128, global_batch=
 @pytest.mark.slow  # three real trials and their estimates: ~40 s on a busy 2-core machine
 def test_every_second_layer_lands_between_off_and_on_and_the_estimator_predicts_it():
     peaks = {}
-    for label, config in (("off", TrialConfig(micro_batch=8)),
-                          ("every-2", TrialConfig(micro_batch=8, checkpointing=True, checkpoint_every=2)),
-                          ("on", TrialConfig(micro_batch=8, checkpointing=True))):
+    for label, config in (
+        ("off", TrialConfig(micro_batch=8)),
+        ("every-2", TrialConfig(micro_batch=8, checkpointing=True, checkpoint_every=2)),
+        ("on", TrialConfig(micro_batch=8, checkpointing=True)),
+    ):
         result = run_trial(SIX_LAYERS, config, measure_steps=1)
         assert result.ok, result.error
         assert predict_memory(SIX_LAYERS, config).predicted_peak_bytes == pytest.approx(
-            result.peak_memory_bytes, rel=0.05), label
+            result.peak_memory_bytes, rel=0.05
+        ), label
         peaks[label] = result.peak_memory_bytes
     assert peaks["on"] < peaks["every-2"] < peaks["off"]
 
@@ -46,8 +49,9 @@ def test_the_config_and_the_space_speak_every_n(tmp_path):
     assert space.config_of(space.params_of(config)) == config
     factory = Workload(model="factories:checkpointable", seq_len=16, global_batch=2)
     assert space.choices(factory, cpu)["checkpointing"] == (False, True)
-    assert any(line.startswith("checkpointing every-2: --checkpointing every-N") for line in
-               space.dropped_knobs(factory, cpu))  # on/off stay: the factory has the method
+    assert any(
+        line.startswith("checkpointing every-2: --checkpointing every-N") for line in space.dropped_knobs(factory, cpu)
+    )  # on/off stay: the factory has the method
     (tmp_path / "bad.yaml").write_text("knobs:\n  checkpointing: [every-1]\n")
     with pytest.raises(ConfigError, match="knobs.checkpointing: 'every-1' is not allowed"):
         load_space(tmp_path / "bad.yaml")

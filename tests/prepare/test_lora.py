@@ -27,8 +27,9 @@ def distilbert(tmp_path_factory) -> Path:
     from transformers import DistilBertConfig
 
     folder = tmp_path_factory.mktemp("distilbert")
-    DistilBertConfig(vocab_size=256, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64,
-                     num_labels=2).save_pretrained(folder)
+    DistilBertConfig(
+        vocab_size=256, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64, num_labels=2
+    ).save_pretrained(folder)
     return folder
 
 
@@ -37,9 +38,17 @@ def mixtral(tmp_path_factory) -> Path:
     from transformers import MixtralConfig
 
     folder = tmp_path_factory.mktemp("mixtral")
-    MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                  max_position_embeddings=128).save_pretrained(folder)
+    MixtralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+    ).save_pretrained(folder)
     return folder
 
 
@@ -57,9 +66,32 @@ def test_distilbert_default_targets_are_every_linear_layer_but_the_head(distilbe
 
 @pytest.mark.slow  # a new interpreter and a real trial: about 20 s on a busy 2-core machine
 def test_distilbert_lora_trial_trains_adapters_and_the_classifier(distilbert):
-    proc = subprocess.run([sys.executable, "-m", "autotune", "trial", "--model", str(distilbert), "--lora-rank", "8",
-                           "--seq-len", "16", "--global-batch", "2", "--micro-batch", "2", "--warmup-steps", "0",
-                           "--steps", "1", "--json"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "trial",
+            "--model",
+            str(distilbert),
+            "--lora-rank",
+            "8",
+            "--seq-len",
+            "16",
+            "--global-batch",
+            "2",
+            "--micro-batch",
+            "2",
+            "--warmup-steps",
+            "0",
+            "--steps",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["status"] == "ok"
@@ -70,8 +102,10 @@ def test_distilbert_lora_trial_trains_adapters_and_the_classifier(distilbert):
 
 def test_distilbert_trains_line_says_which_layers(distilbert):
     note = what_is_trained(TrialConfig(micro_batch=2, lora_rank=8), Workload(model=str(distilbert), seq_len=16))["note"]
-    assert note == ("LoRA r=8 adapters, on every linear layer but the task head (PEFT has no default targets for "
-                    "distilbert), plus the classification head in full, trained in fp32")
+    assert note == (
+        "LoRA r=8 adapters, on every linear layer but the task head (PEFT has no default targets for "
+        "distilbert), plus the classification head in full, trained in fp32"
+    )
 
 
 def test_distilbert_peft_export_adapts_what_the_trial_adapted(distilbert, tmp_path):

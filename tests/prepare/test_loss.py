@@ -37,8 +37,9 @@ def _loss_and_grads(model_name: str, loss: str, *, lora: bool = False) -> tuple[
     return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("model_name,lora", [("builtin:llama-tiny", False), ("builtin:gpt2-tiny", False),
-                                             ("builtin:gpt2-tiny", True)])
+@pytest.mark.parametrize(
+    "model_name,lora", [("builtin:llama-tiny", False), ("builtin:gpt2-tiny", False), ("builtin:gpt2-tiny", True)]
+)
 def test_the_chunked_loss_and_its_gradients_are_the_models_own(model_name, lora):
     # GPT-2 ties its LM head to the embeddings; under LoRA the head sits inside PEFT's wrapper.
     standard, grads = _loss_and_grads(model_name, "standard", lora=lora)
@@ -85,8 +86,9 @@ def test_a_space_searches_the_loss_where_it_applies_and_says_where_not(tmp_path)
     assert set(full.choices(VOCAB_32K, cpu)["loss"]) == {"standard", "chunked"}
     bert = Workload(model="builtin:bert-tiny")
     assert full.choices(bert, cpu)["loss"] == ("standard",)
-    assert any(line.startswith("loss chunked: --loss chunked is a causal LM's loss") for line in
-               full.dropped_knobs(bert, cpu))
+    assert any(
+        line.startswith("loss chunked: --loss chunked is a causal LM's loss") for line in full.dropped_knobs(bert, cpu)
+    )
     # A space without the knob is the space it was before the knob existed: its studies still resume.
     (tmp_path / "old.yaml").write_text("knobs:\n  micro_batch: [1, 2]\n")
     (tmp_path / "same.yaml").write_text("knobs:\n  micro_batch: [1, 2]\n  loss: [standard]\n")
@@ -106,13 +108,15 @@ def test_exports_say_how_to_apply_the_chunked_loss(tmp_path):
     assert line is not None, header
     assert '"loss": "chunked:16"' in export_config(config, VOCAB_32K, fmt="json", device_type="cpu")
     # The line in the header is code a job can run: it trains the model the trials measured.
-    code = ("import torch, autotune; from autotune.config.workload import Workload; from autotune.models.sources import "
-            "build_model\n"
-            "model = build_model(Workload(model='builtin:llama-tiny-32k'), task='causal-lm', device=torch.device('cpu'))\n"
-            f"{line.group(1)}\n"
-            "assert type(model.loss_function).__name__ == '_ChunkedCrossEntropy'\n"
-            "ids = torch.randint(0, 32000, (2, 16)); model(input_ids=ids, labels=ids).loss.backward()\n"
-            "print('trained')")
+    code = (
+        "import torch, autotune; from autotune.config.workload import Workload; from autotune.models.sources import "
+        "build_model\n"
+        "model = build_model(Workload(model='builtin:llama-tiny-32k'), task='causal-lm', device=torch.device('cpu'))\n"
+        f"{line.group(1)}\n"
+        "assert type(model.loss_function).__name__ == '_ChunkedCrossEntropy'\n"
+        "ids = torch.randint(0, 32000, (2, 16)); model(input_ids=ids, labels=ids).loss.backward()\n"
+        "print('trained')"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "trained", proc.stderr[-1000:]
 
@@ -123,12 +127,38 @@ def test_find_picks_the_chunked_loss_where_the_standard_loss_does_not_fit(tmp_pa
 
     # Predicted peaks (exact on this CPU) at seq 64: standard 230/296 MiB at mb 4/8, chunked
     # 183/162 MiB; the limit is 210 MiB less 10% headroom = 189 MiB, so only the chunked loss fits.
-    (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [4, 8]\n  precision: [fp32]\n"
-                                         "  checkpointing: [false]\n  loss: [standard, chunked]\n")
-    proc = subprocess.run([sys.executable, "-m", "autotune", "find", "--model", "builtin:llama-tiny-32k",
-                           "--seq-len", "64", "--global-batch", "8", "--space", "space.yaml", "--steps", "1",
-                           "--memory-budget", "210MiB", "--export", "yaml", "-o", "job.yaml", "--json"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    (tmp_path / "space.yaml").write_text(
+        "knobs:\n  micro_batch: [4, 8]\n  precision: [fp32]\n  checkpointing: [false]\n  loss: [standard, chunked]\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "find",
+            "--model",
+            "builtin:llama-tiny-32k",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "8",
+            "--space",
+            "space.yaml",
+            "--steps",
+            "1",
+            "--memory-budget",
+            "210MiB",
+            "--export",
+            "yaml",
+            "-o",
+            "job.yaml",
+            "--json",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
     best = result["best"]

@@ -59,9 +59,27 @@ def test_bf16_true_is_refused_where_it_has_no_meaning():
         TrialConfig(micro_batch=1, precision="bf16-true").validate_for(WORKLOAD, old)
     with pytest.raises(ConfigError, match=r"--precision 'fp16-true' is not known"):
         TrialConfig(precision="fp16-true")
-    proc = subprocess.run([sys.executable, "-m", "autotune", "trial", "--model", "builtin:llama-tiny", "--seq-len", "64",
-                           "--global-batch", "4", "--precision", "bf16-true", "--zero-stage", "2"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "trial",
+            "--model",
+            "builtin:llama-tiny",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "4",
+            "--precision",
+            "bf16-true",
+            "--zero-stage",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "--zero-stage" in proc.stderr.strip().splitlines()[-1], proc.stderr
 
 
@@ -72,8 +90,13 @@ def test_exports_say_bf16_true_and_lightning_trains_it(tmp_path):
 
     config = TrialConfig(micro_batch=2, precision="bf16-true", lora_rank=8)
     trainer_kwargs = yaml.safe_load(export_config(config, WORKLOAD, fmt="lightning", device_type="cpu"))["trainer"]
-    trainer = pl.Trainer(**trainer_kwargs, default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
-                         enable_checkpointing=False)
+    trainer = pl.Trainer(
+        **trainer_kwargs,
+        default_root_dir=str(tmp_path),
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     assert trainer.precision == "bf16-true"
     header = export_config(config, WORKLOAD, fmt="yaml", device_type="cpu")
     assert "trains: LoRA" in header and "bf16 throughout (weights, gradients and Adam states" in header

@@ -42,7 +42,8 @@ _JOB = textwrap.dedent("""
         optimizer.zero_grad()
         losses.append(loss.item())
     if dist.get_rank() == 0:
-        print("RESULT", type(model).__name__, mine * 2 == whole, all(map(math.isfinite, losses)), losses[-1] < losses[0])
+        finite = all(map(math.isfinite, losses))
+        print("RESULT", type(model).__name__, mine * 2 == whole, finite, losses[-1] < losses[0])
     dist.destroy_process_group()
 """)
 
@@ -51,8 +52,13 @@ def test_the_json_export_applied_with_prepare_under_torchrun_shards_and_trains(t
     export = tmp_path / "config.json"
     export.write_text(export_config(CONFIG, WORKLOAD, fmt="json", device_type="cpu"))
     (tmp_path / "job.py").write_text(_JOB)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "job.py",
-                           str(export)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "job.py", str(export)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "RESULT FSDPLlamaForCausalLM True True True" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -67,8 +73,11 @@ def test_prepare_without_a_process_group_says_how_to_get_one():
 
 @pytest.mark.parametrize("fmt", ["hf", "accelerate", "lightning"])
 def test_library_exports_of_fsdp_on_a_cpu_are_refused_with_the_way_that_works(fmt):
-    with pytest.raises(ConfigError, match=rf"--format {fmt}: this config shards with --fsdp full on a cpu, where .* "
-                                          r"does not run FSDP \(it needs GPUs\); export --format json"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"--format {fmt}: this config shards with --fsdp full on a cpu, where .* "
+        r"does not run FSDP \(it needs GPUs\); export --format json",
+    ):
         export_config(CONFIG, WORKLOAD, fmt=fmt, device_type="cpu")
     assert json.loads(export_config(CONFIG, WORKLOAD, fmt="json", device_type="cpu"))["config"]["fsdp"] == "full"
 
@@ -103,6 +112,11 @@ def test_the_accelerate_export_of_an_fsdp_config_trains_fsdp_on_a_gpu(tmp_path):
     workload = Workload(model="builtin:llama-tiny", seq_len=32, global_batch=2, nproc=1)
     (tmp_path / "accelerate.yaml").write_text(export_config(config, workload, fmt="accelerate", device_type="cuda"))
     (tmp_path / "job.py").write_text(_ACCELERATE_JOB)
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate.yaml",
-                           "job.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate.yaml", "job.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert "RESULT DistributedType.FSDP FSDPLlamaForCausalLM True" in proc.stdout, proc.stderr[-3000:]

@@ -25,5 +25,7 @@ for index, batch in enumerate(data):
     if index + 1 >= int(sys.argv[1]) * accelerator.gradient_accumulation_steps:
         break
 zero = f" zero_stage={model.zero_optimization_stage()}" if hasattr(model, "zero_optimization_stage") else ""
-print(f"trained with micro_batch={micro} mixed_precision={accelerator.mixed_precision} "
-      f"gradient_accumulation_steps={accelerator.gradient_accumulation_steps}{zero}")
+print(
+    f"trained with micro_batch={micro} mixed_precision={accelerator.mixed_precision} "
+    f"gradient_accumulation_steps={accelerator.gradient_accumulation_steps}{zero}"
+)

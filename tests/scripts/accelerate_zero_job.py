@@ -25,7 +25,16 @@ with LiveBytesTracker(None) as tracker:
             optimizer.step()
             optimizer.zero_grad()
 zero = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
-print("RESULT " + json.dumps({"peak_bytes": tracker.peak_bytes, "stage": model.zero_optimization_stage(),
-                              "bf16": model.bfloat16_enabled(),
-                              # None: not in the config, so DeepSpeed's own default
-                              "reduce": zero.get("reduce_bucket_size"), "allgather": zero.get("allgather_bucket_size")}))
+print(
+    "RESULT "
+    + json.dumps(
+        {
+            "peak_bytes": tracker.peak_bytes,
+            "stage": model.zero_optimization_stage(),
+            "bf16": model.bfloat16_enabled(),
+            # None: not in the config, so DeepSpeed's own default
+            "reduce": zero.get("reduce_bucket_size"),
+            "allgather": zero.get("allgather_bucket_size"),
+        }
+    )
+)

@@ -5,7 +5,6 @@ from typing import Callable
 
 import psutil
 import pytest
-
 from processes import MARK_ENV, started_here
 
 

@@ -13,14 +13,24 @@ from transformers import LlamaConfig, LlamaForCausalLM
 settings = json.load(open(os.environ["AUTOTUNE_CONFIG"]))
 micro, accum = settings["config"]["micro_batch"], settings["grad_accum_steps"]
 deepspeed.init_distributed(dist_backend="gloo")
-model = LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                     num_attention_heads=4, vocab_size=1000))
-engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
-    "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
-    "zero_optimization": {"stage": settings["config"]["zero_stage"] or 0, "reduce_bucket_size": 128 * 128,
-                          "allgather_bucket_size": 128 * 128},
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}})
-for step in range(int(sys.argv[1])):
+model = LlamaForCausalLM(
+    LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000)
+)
+engine, _, _, _ = deepspeed.initialize(
+    model=model,
+    model_parameters=model.parameters(),
+    config={
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "zero_optimization": {
+            "stage": settings["config"]["zero_stage"] or 0,
+            "reduce_bucket_size": 128 * 128,
+            "allgather_bucket_size": 128 * 128,
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+    },
+)
+for _step in range(int(sys.argv[1])):
     for _ in range(accum):
         ids = torch.randint(0, 1000, (micro, 64))
         engine.backward(engine(input_ids=ids, labels=ids).loss)

@@ -26,9 +26,19 @@ class LanguageModel(pl.LightningModule):
 
 
 data = torch.utils.data.DataLoader(torch.randint(0, 1000, (4096, 64)), batch_size=micro)
-trainer = pl.Trainer(max_steps=int(sys.argv[1]), accelerator="cpu", devices=1, precision="32-true",
-                     accumulate_grad_batches=1, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False)
+trainer = pl.Trainer(
+    max_steps=int(sys.argv[1]),
+    accelerator="cpu",
+    devices=1,
+    precision="32-true",
+    accumulate_grad_batches=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
 trainer.fit(LanguageModel(), data)
-print(f"trained with micro_batch={micro} precision={trainer.precision} "
-      f"accumulate_grad_batches={trainer.accumulate_grad_batches} steps={trainer.global_step}")
+print(
+    f"trained with micro_batch={micro} precision={trainer.precision} "
+    f"accumulate_grad_batches={trainer.accumulate_grad_batches} steps={trainer.global_step}"
+)

@@ -1,5 +1,6 @@
 """A plain PyTorch training loop: it never imports autotune, and reads the trial's config from the
-JSON file AUTOTUNE_CONFIG names (micro batch, accumulation, precision). Argument: optimizer steps. It says at its end what it
+JSON file AUTOTUNE_CONFIG names (micro batch, accumulation, precision). Argument: optimizer steps.
+It says at its end what it
 trained with."""
 
 import json
@@ -14,11 +15,12 @@ settings = json.load(open(os.environ["AUTOTUNE_CONFIG"]))
 micro, accum = settings["config"]["micro_batch"], settings["grad_accum_steps"]
 seq_len = settings["workload"]["seq_len"]
 dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(settings["config"]["precision"])
-model = LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                     num_attention_heads=4, vocab_size=1000))
+model = LlamaForCausalLM(
+    LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000)
+)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 print(f"pid {os.getpid()}", flush=True)
-for step in range(int(sys.argv[1])):
+for _step in range(int(sys.argv[1])):
     for _ in range(accum):
         ids = torch.randint(0, 1000, (micro, seq_len))
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):

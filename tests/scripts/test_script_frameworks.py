@@ -22,12 +22,16 @@ TRAINER = [sys.executable, str(HERE / "trainer_script.py"), "30"]
 WORKLOAD = Workload(seq_len=64, global_batch=8)
 
 
-def test_a_trainer_script_trains_the_injected_micro_batch_and_checkpoints_through_its_arguments(tmp_path,
-                                                                                                monkeypatch):
+def test_a_trainer_script_trains_the_injected_micro_batch_and_checkpoints_through_its_arguments(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the script writes its output_dir here
     small, large, checkpointed = (
-        run_script_trial(TRAINER, WORKLOAD, config, measure_steps=2) for config in (
-            TrialConfig(micro_batch=1), TrialConfig(micro_batch=8), TrialConfig(micro_batch=8, checkpointing=True)))
+        run_script_trial(TRAINER, WORKLOAD, config, measure_steps=2)
+        for config in (
+            TrialConfig(micro_batch=1),
+            TrialConfig(micro_batch=8),
+            TrialConfig(micro_batch=8, checkpointing=True),
+        )
+    )
     for result in (small, large, checkpointed):
         assert result.status is TrialStatus.OK, result.error
         assert result.measured_steps == 2
@@ -38,26 +42,31 @@ def test_a_trainer_script_trains_the_injected_micro_batch_and_checkpoints_throug
 
 
 def test_a_trainer_script_runs_out_of_the_budget_with_its_own_allocations():
-    result = run_script_trial(TRAINER, WORKLOAD, TrialConfig(micro_batch=8), memory_budget_bytes=12 * 2**20,
-                              measure_steps=2)
+    result = run_script_trial(
+        TRAINER, WORKLOAD, TrialConfig(micro_batch=8), memory_budget_bytes=12 * 2**20, measure_steps=2
+    )
     assert result.status is TrialStatus.OOM, result.error
 
 
 def test_a_loop_that_ignores_the_injected_micro_batch_is_reported_not_measured():
-    result = run_script_trial([sys.executable, str(HERE / "fixed_batch_loop.py"), "20"], WORKLOAD,
-                              TrialConfig(micro_batch=2), measure_steps=2)
+    result = run_script_trial(
+        [sys.executable, str(HERE / "fixed_batch_loop.py"), "20"], WORKLOAD, TrialConfig(micro_batch=2), measure_steps=2
+    )
     assert result.status is TrialStatus.ERROR
     assert result.error.splitlines()[0] == (
         "the script ignored the injected micro batch: its DataLoader batches 4 samples, the config's micro "
-        "batch is 2; read it from AUTOTUNE_CONFIG (autotune.current_config().micro_batch) or let the Trainer batch")
+        "batch is 2; read it from AUTOTUNE_CONFIG (autotune.current_config().micro_batch) or let the Trainer batch"
+    )
 
 
 @pytest.mark.parametrize("script", ["lightning_script.py", "accelerate_script.py"])
 def test_a_lightning_or_accelerate_script_trains_the_trials_precision(script, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # Lightning writes its logs where it runs
     command = [sys.executable, str(HERE / script), "30"]
-    fp32, bf16 = (run_script_trial(command, WORKLOAD, TrialConfig(micro_batch=2, precision=p), measure_steps=2)
-                  for p in ("fp32", "bf16"))
+    fp32, bf16 = (
+        run_script_trial(command, WORKLOAD, TrialConfig(micro_batch=2, precision=p), measure_steps=2)
+        for p in ("fp32", "bf16")
+    )
     for result in (fp32, bf16):
         assert result.status is TrialStatus.OK, result.error
     # Each script asks for 32-bit (32-true, "no"): bf16 came from the trial (autocast keeps bf16 activations).
@@ -67,43 +76,87 @@ def test_a_lightning_or_accelerate_script_trains_the_trials_precision(script, tm
 
 def test_the_patched_lightning_trainer_keeps_its_signature_for_pl_trainer_defaults():
     # Lightning applies PL_TRAINER_* by reading its Trainer's signature: the patched __init__ must show it.
-    code = ("import inspect\n"
-            "from autotune.scripts.frameworks import FrameworkHooks\n"
-            "FrameworkHooks({}, {'precision': 'bf16-mixed'}, {}).install()\n"
-            "import lightning.pytorch as pl\n"
-            "from lightning.pytorch.utilities.argparse import _parse_env_variables\n"
-            "print('precision' in inspect.signature(pl.Trainer).parameters, vars(_parse_env_variables(pl.Trainer)))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PL_TRAINER_MAX_STEPS": "7"}, check=True)
+    code = (
+        "import inspect\n"
+        "from autotune.scripts.frameworks import FrameworkHooks\n"
+        "FrameworkHooks({}, {'precision': 'bf16-mixed'}, {}).install()\n"
+        "import lightning.pytorch as pl\n"
+        "from lightning.pytorch.utilities.argparse import _parse_env_variables\n"
+        "print('precision' in inspect.signature(pl.Trainer).parameters, vars(_parse_env_variables(pl.Trainer)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PL_TRAINER_MAX_STEPS": "7"},
+        check=True,
+    )
     assert out.stdout.strip().splitlines()[-1] == "True {'max_steps': 7}"
 
 
 def test_find_on_a_trainer_script_hands_over_a_command_that_trains_it_with_the_answer(tmp_path):
     (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2]\n  precision: [bf16]\n")
-    found = subprocess.run([sys.executable, "-m", "autotune", "find", "--seq-len", "64", "--global-batch", "8",
-                            "--space", "space.yaml", "--memory-budget", "1GiB", "--steps", "2", "--export", "json",
-                            "-o", "autotune.json", "--json", "--", *TRAINER],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    found = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "find",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "8",
+            "--space",
+            "space.yaml",
+            "--memory-budget",
+            "1GiB",
+            "--steps",
+            "2",
+            "--export",
+            "json",
+            "-o",
+            "autotune.json",
+            "--json",
+            "--",
+            *TRAINER,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert found.returncode == 0, found.stderr[-3000:]
     answer = json.loads(found.stdout)
     assert answer["best"]["config"]["micro_batch"] == 2
     assert answer["export"] == "autotune.json" and "export_files" not in answer  # one file
     assert answer["train_command"] == shlex.join(["autotune", "run", "--config", "autotune.json", "--", *TRAINER])
     # The user's job, trained to its end with the answer (3 steps here): the script says what it got.
-    trained = subprocess.run([sys.executable, "-m", "autotune", "run", "--config", "autotune.json", "--",
-                              TRAINER[0], TRAINER[1], "3"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    trained = subprocess.run(
+        [sys.executable, "-m", "autotune", "run", "--config", "autotune.json", "--", TRAINER[0], TRAINER[1], "3"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "trained with per_device_train_batch_size=2 gradient_accumulation_steps=4 bf16=True" in trained.stdout
 
 
 def test_run_refuses_a_config_file_that_is_not_an_export(tmp_path):
     (tmp_path / "notes.json").write_text('{"micro_batch": 2}')
-    proc = subprocess.run([sys.executable, "-m", "autotune", "run", "--config", "notes.json", "--", "true"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "autotune", "run", "--config", "notes.json", "--", "true"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         f"autotune: error: --config: {Path('notes.json')} has no config; write one with autotune export --format "
-        "json (or yaml)"]
+        "json (or yaml)"
+    ]
 
 
 def test_a_framework_class_built_with_positional_arguments_gets_the_trials_values_over_them():

@@ -36,8 +36,9 @@ for step in range(int(sys.argv[1])):
 WORKLOAD = Workload(seq_len=512, global_batch=16, device="cuda")
 
 
-@pytest.mark.parametrize("launcher", [[], ["-m", "torch.distributed.run", "--nproc-per-node", "1"]],
-                         ids=["python", "torchrun"])
+@pytest.mark.parametrize(
+    "launcher", [[], ["-m", "torch.distributed.run", "--nproc-per-node", "1"]], ids=["python", "torchrun"]
+)
 def test_a_cuda_script_is_capped_by_the_budget_in_the_process_that_trains(tmp_path: Path, launcher: list[str]):
     script = tmp_path / "cuda_loop.py"
     script.write_text(_CUDA_LOOP)
@@ -46,8 +47,13 @@ def test_a_cuda_script_is_capped_by_the_budget_in_the_process_that_trains(tmp_pa
     assert fits.status is TrialStatus.OK, fits.error
     assert fits.device.startswith("cuda") and fits.peak_reserved_bytes >= fits.peak_allocated_bytes > 0
     # The cap is set when the rank first uses CUDA (a launcher never does): half the peak is a real OOM.
-    capped = run_script_trial(command, WORKLOAD, TrialConfig(micro_batch=16), measure_steps=2,
-                              memory_budget_bytes=fits.peak_allocated_bytes // 2)
+    capped = run_script_trial(
+        command,
+        WORKLOAD,
+        TrialConfig(micro_batch=16),
+        measure_steps=2,
+        memory_budget_bytes=fits.peak_allocated_bytes // 2,
+    )
     assert capped.status is TrialStatus.OOM, capped.error
     assert "OutOfMemoryError" in capped.error
 
@@ -85,7 +91,8 @@ def test_a_lightning_script_on_cuda_trains_a_zero_config_through_the_strategy_it
     script = tmp_path / "lightning_cuda.py"
     script.write_text(_LIGHTNING_CUDA)
     command = [sys.executable, str(script), "20"]
-    result = run_script_trial(command, WORKLOAD, TrialConfig(micro_batch=4, precision="bf16", zero_stage=2),
-                              measure_steps=2)
+    result = run_script_trial(
+        command, WORKLOAD, TrialConfig(micro_batch=4, precision="bf16", zero_stage=2), measure_steps=2
+    )
     assert result.status is TrialStatus.OK, result.error  # an engine was built: not "trained without DeepSpeed"
     assert result.device.startswith("cuda") and result.peak_reserved_bytes > 0

@@ -21,8 +21,14 @@ LOOP = [sys.executable, str(Path(__file__).parent / "plain_loop.py"), "30"]
 
 def test_a_study_of_a_command_measures_it_and_is_resumed_only_for_that_command(tmp_path, capfd):
     (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2, 8]\n  precision: [fp32]\n")
-    common = dict(study="loop", workload=Workload(seq_len=64, global_batch=8), space=load_space(tmp_path / "space.yaml"),
-                  memory_budget_bytes=20 * 2**20, storage=f"sqlite:///{tmp_path}/db.sqlite", measure_steps=2)
+    common = dict(
+        study="loop",
+        workload=Workload(seq_len=64, global_batch=8),
+        space=load_space(tmp_path / "space.yaml"),
+        memory_budget_bytes=20 * 2**20,
+        storage=f"sqlite:///{tmp_path}/db.sqlite",
+        measure_steps=2,
+    )
     summary = tune(command=LOOP, workers=2, **common)  # two workers share the study (on a CPU, taking turns)
     statuses = {t.config.micro_batch: t.status for t in summary.trials if t.number < 2}
     assert statuses[8] == "oom" and statuses[2] == "ok", statuses  # the loop's own allocations, under the budget
@@ -36,27 +42,71 @@ def test_a_study_of_a_command_measures_it_and_is_resumed_only_for_that_command(t
     with pytest.raises(StorageError, match="answers another question \\(command differs"):
         tune(command=[sys.executable, "other.py"], **common)
     # The answer, exported, trains the loop: it says what it got.
-    subprocess.run([sys.executable, "-m", "autotune", "export", "--study", "loop", "--storage", common["storage"],
-                    "--format", "json", "-o", "autotune.json"], cwd=tmp_path, check=True, timeout=300)
-    ran = subprocess.run([sys.executable, "-m", "autotune", "run", "--config", "autotune.json", "--", *LOOP[:2], "2"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "export",
+            "--study",
+            "loop",
+            "--storage",
+            common["storage"],
+            "--format",
+            "json",
+            "-o",
+            "autotune.json",
+        ],
+        cwd=tmp_path,
+        check=True,
+        timeout=300,
+    )
+    ran = subprocess.run(
+        [sys.executable, "-m", "autotune", "run", "--config", "autotune.json", "--", *LOOP[:2], "2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "trained with micro_batch=2 grad_accum_steps=4 precision=fp32" in ran.stdout, ran.stderr[-3000:]
 
 
-@pytest.mark.parametrize("script, trained", [
-    ("lightning_script.py", "trained with micro_batch=2 precision=bf16-mixed accumulate_grad_batches=4 steps=3"),
-    ("accelerate_script.py", "trained with micro_batch=2 mixed_precision=bf16 gradient_accumulation_steps=4")])
+@pytest.mark.parametrize(
+    "script, trained",
+    [
+        ("lightning_script.py", "trained with micro_batch=2 precision=bf16-mixed accumulate_grad_batches=4 steps=3"),
+        ("accelerate_script.py", "trained with micro_batch=2 mixed_precision=bf16 gradient_accumulation_steps=4"),
+    ],
+)
 def test_a_framework_script_is_tuned_under_a_budget_and_its_answer_trains_it(tmp_path, script, trained):
     (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2, 8]\n  precision: [bf16]\n")
     command = [sys.executable, str(Path(__file__).parent / script)]
 
     def autotune(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "autotune", *args], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-m", "autotune", *args], cwd=tmp_path, capture_output=True, text=True, timeout=600
+        )
 
     # The script's own peaks here: about 16 MiB at micro batch 2 and 29 MiB at 8 (bf16).
-    tuned = autotune("tune", "--study", "s", "--seq-len", "64", "--global-batch", "8", "--space", "space.yaml",
-                     "--memory-budget", "24MiB", "--steps", "2", "--json", "--", *command, "30")
+    tuned = autotune(
+        "tune",
+        "--study",
+        "s",
+        "--seq-len",
+        "64",
+        "--global-batch",
+        "8",
+        "--space",
+        "space.yaml",
+        "--memory-budget",
+        "24MiB",
+        "--steps",
+        "2",
+        "--json",
+        "--",
+        *command,
+        "30",
+    )
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     trials = {t["config"]["micro_batch"]: t for t in json.loads(tuned.stdout)["trials"]}
     assert trials[8]["status"] == "oom" and trials[2]["status"] == "ok", trials
@@ -77,11 +127,33 @@ def test_stopping_a_script_tune_leaves_none_of_the_command_behind(tmp_path, stop
     import time
 
     (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2, 4]\n  precision: [fp32]\n")
-    tuner = subprocess.Popen([sys.executable, "-m", "autotune", "tune", "--study", "stop", "--seq-len", "64",
-                              "--global-batch", "8", "--space", "space.yaml", "--memory-budget", "1GiB",
-                              "--no-confirm", "--", *LOOP[:2], "1000"], cwd=tmp_path,
-                             env={**os.environ, "HANG_AFTER_FIRST_STEP": "1"},  # the trial's command hangs
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    tuner = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "tune",
+            "--study",
+            "stop",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "8",
+            "--space",
+            "space.yaml",
+            "--memory-budget",
+            "1GiB",
+            "--no-confirm",
+            "--",
+            *LOOP[:2],
+            "1000",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "HANG_AFTER_FIRST_STEP": "1"},  # the trial's command hangs
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not own_processes("plain_loop.py") and time.monotonic() < deadline:

@@ -30,15 +30,32 @@ def test_a_plan_ranks_what_fits_and_marks_the_configs_to_verify_first(tmp_path):
 
 def test_find_plan_prints_its_table_and_json_without_running_anything(tmp_path):
     (tmp_path / "space.yaml").write_text(SPACE)
-    args = [sys.executable, "-m", "autotune", "find", "--plan", "--device", "cuda", "--gpu", "H100-80GB",
-            "--model", "builtin:llama-tiny",
-            "--seq-len", "256", "--global-batch", "32", "--space", str(tmp_path / "space.yaml")]
+    args = [
+        sys.executable,
+        "-m",
+        "autotune",
+        "find",
+        "--plan",
+        "--device",
+        "cuda",
+        "--gpu",
+        "H100-80GB",
+        "--model",
+        "builtin:llama-tiny",
+        "--seq-len",
+        "256",
+        "--global-batch",
+        "32",
+        "--space",
+        str(tmp_path / "space.yaml"),
+    ]
     table = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert table.returncode == 0, table.stderr
     assert "plan for builtin:llama-tiny on 1 x H100-80GB (nothing was run)" in table.stdout
     assert "verify first" in table.stdout and "tokens/s per GPU" in table.stdout
-    data = json.loads(subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=600,
-                                     cwd=tmp_path).stdout)
+    data = json.loads(
+        subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=600, cwd=tmp_path).stdout
+    )
     assert data["device"] == "H100-80GB" and data["rows"][0]["verify_first"]
     assert {"tokens_per_s", "mfu", "memory_bytes", "device_bytes", "headroom_bytes"} <= set(data["rows"][0])
     assert not (tmp_path / "storage").exists()  # no study: nothing was measured

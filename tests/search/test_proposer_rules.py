@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from step_toys import TOY_CPU, toy_costs, toy_step_s
+
 from autotune.config.device import DeviceInfo
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
@@ -12,14 +14,18 @@ from autotune.estimate.estimator import MemoryEstimate
 from autotune.search.proposer import Proposer
 from autotune.search.space import load_space
 from autotune.study.summary import TrialRecord
-from step_toys import TOY_CPU, toy_costs, toy_step_s
 
 CPU = DeviceInfo("cpu", "test-cpu", 1, 16 * 2**30, bf16=True, fp16_deepspeed=False)
 MiB = 2**20
 
 
-def _proposer(tmp_path, sizes: str, per_sample_mib: dict[bool, float], asked: list[TrialConfig],
-              flops: dict[bool, int] | None = None) -> Proposer:
+def _proposer(
+    tmp_path,
+    sizes: str,
+    per_sample_mib: dict[bool, float],
+    asked: list[TrialConfig],
+    flops: dict[bool, int] | None = None,
+) -> Proposer:
     """Checkpointing off/on; an exact estimator: 4 MiB of states and ``per_sample_mib[checkpointing]`` a sample,
     and a toy traced step of ``flops[checkpointing]`` FLOPs a sample (100 and 150 unless given) timed on
     the toy CPU (tests/step_toys.py): at global batch 16, no checkpointing mb=4 takes 2.0 s, mb=2 2.4 s;
@@ -30,20 +36,42 @@ def _proposer(tmp_path, sizes: str, per_sample_mib: dict[bool, float], asked: li
     def estimate(config: TrialConfig) -> MemoryEstimate:
         asked.append(config)
         activations = int(config.micro_batch * per_sample_mib[config.checkpointing] * MiB)
-        return MemoryEstimate(config=config, predicted_peak_bytes=4 * MiB + activations, parameters_bytes=MiB,
-                              gradients_bytes=MiB, optimizer_state_bytes=2 * MiB, activations_bytes=activations,
-                              temporaries_bytes=0, overhead_bytes=None, method="test", seconds=0.0,
-                              step_costs=toy_costs(flops[config.checkpointing]))
+        return MemoryEstimate(
+            config=config,
+            predicted_peak_bytes=4 * MiB + activations,
+            parameters_bytes=MiB,
+            gradients_bytes=MiB,
+            optimizer_state_bytes=2 * MiB,
+            activations_bytes=activations,
+            temporaries_bytes=0,
+            overhead_bytes=None,
+            method="test",
+            seconds=0.0,
+            step_costs=toy_costs(flops[config.checkpointing]),
+        )
 
-    proposer = Proposer(load_space(str(tmp_path / "space.yaml")), Workload(global_batch=16), CPU, estimator=estimate,
-                        limit_bytes=50 * MiB, margin=0.05)
+    proposer = Proposer(
+        load_space(str(tmp_path / "space.yaml")),
+        Workload(global_batch=16),
+        CPU,
+        estimator=estimate,
+        limit_bytes=50 * MiB,
+        margin=0.05,
+    )
     proposer.profile = TOY_CPU
     return proposer
 
 
 def _measured(config: TrialConfig, tokens: float, peak_mib: float, predicted_mib: float) -> TrialRecord:
-    return TrialRecord(number=0, config=config, status="ok", tokens_per_s=tokens, fits=peak_mib <= 50,
-                       peak_memory_bytes=int(peak_mib * MiB), predicted_peak_bytes=int(predicted_mib * MiB))
+    return TrialRecord(
+        number=0,
+        config=config,
+        status="ok",
+        tokens_per_s=tokens,
+        fits=peak_mib <= 50,
+        peak_memory_bytes=int(peak_mib * MiB),
+        predicted_peak_bytes=int(predicted_mib * MiB),
+    )
 
 
 def test_a_config_predicted_over_the_limit_runs_only_while_the_estimator_may_be_high(tmp_path):
@@ -101,27 +129,41 @@ def test_the_study_records_as_skipped_only_what_is_over_the_skip_margin(tmp_path
 
     class Backend:
         def estimate(self, workload, config):
-            return MemoryEstimate(config=config, predicted_peak_bytes=predicted[config], parameters_bytes=0,
-                                  gradients_bytes=0, optimizer_state_bytes=0, activations_bytes=0,
-                                  temporaries_bytes=0, overhead_bytes=None, method="test", seconds=0.0)
+            return MemoryEstimate(
+                config=config,
+                predicted_peak_bytes=predicted[config],
+                parameters_bytes=0,
+                gradients_bytes=0,
+                optimizer_state_bytes=0,
+                activations_bytes=0,
+                temporaries_bytes=0,
+                overhead_bytes=None,
+                method="test",
+                seconds=0.0,
+            )
 
     proposer._ruled_out = [within, over]
     _record_ruled_out(study, proposer, _Oracle(Backend(), Workload(global_batch=16)), [], _Silent())
     trials = study.get_trials(deepcopy=False)
-    assert [(t.state.name, t.user_attrs.get("status"), t.user_attrs["config"]["micro_batch"]) for t in trials] \
-        == [("PRUNED", "skipped", 8)]
+    assert [(t.state.name, t.user_attrs.get("status"), t.user_attrs["config"]["micro_batch"]) for t in trials] == [
+        ("PRUNED", "skipped", 8)
+    ]
 
 
 def test_checkpointing_is_ranked_by_the_recompute_its_traced_step_holds(tmp_path):
     # The families of the test above: no checkpointing fits up to mb=2, checkpointing up to mb=8. With
     # a cheap recompute checkpointing mb=8 goes first (1.96 s a step against 2.4); with an expensive one
     # (250 FLOPs a sample against 100: 4.2 s) no checkpointing mb=2 does.
-    for flops, first in (({False: 100, True: 110}, TrialConfig(micro_batch=8, checkpointing=True)),
-                         ({False: 100, True: 250}, TrialConfig(micro_batch=2))):
+    for flops, first in (
+        ({False: 100, True: 110}, TrialConfig(micro_batch=8, checkpointing=True)),
+        ({False: 100, True: 250}, TrialConfig(micro_batch=2)),
+    ):
         (tmp_path / str(flops[True])).mkdir()
         proposer = _proposer(tmp_path / str(flops[True]), "[1, 2, 4, 8, 16]", {False: 20, True: 4}, [], flops)
         assert proposer.next_config([]) == first, flops
         ckpt, plain = TrialConfig(micro_batch=8, checkpointing=True), TrialConfig(micro_batch=2)
         expected = toy_step_s(flops[False], 16, 2) / toy_step_s(flops[True], 16, 8)
-        assert abs(proposer._predicted_throughput(ckpt) - proposer._predicted_throughput(plain)
-                   - math.log(expected)) < 1e-9
+        assert (
+            abs(proposer._predicted_throughput(ckpt) - proposer._predicted_throughput(plain) - math.log(expected))
+            < 1e-9
+        )

@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.estimate.estimator import MemoryEstimate
@@ -30,8 +28,24 @@ MiB = 2**20
 
 def test_grid_measures_each_config_once_and_resumes(tmp_path):
     (tmp_path / "space.yaml").write_text(SPACE.replace("[1, 2, 4, 8]", "[1]").replace("[false, true]", "[false]"))
-    command = [sys.executable, "-m", "autotune", "grid", "-o", "g.jsonl", "--model", "builtin:gpt2-tiny",
-               "--seq-len", "16", "--global-batch", "2", "--space", "space.yaml", "--steps", "1"]
+    command = [
+        sys.executable,
+        "-m",
+        "autotune",
+        "grid",
+        "-o",
+        "g.jsonl",
+        "--model",
+        "builtin:gpt2-tiny",
+        "--seq-len",
+        "16",
+        "--global-batch",
+        "2",
+        "--space",
+        "space.yaml",
+        "--steps",
+        "1",
+    ]
     first = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     assert "1 config(s) estimated now" in first.stderr
@@ -55,23 +69,38 @@ def test_grid_measures_each_config_once_and_resumes(tmp_path):
     line = json.loads((tmp_path / "g.jsonl").read_text())
     assert line["estimate"]["predicted_peak_bytes"] == predicted
     assert line["trial_seconds"] == lines[0]["trial_seconds"]
-    contradiction = subprocess.run([*command, "--re-estimate", "--no-estimate"], cwd=tmp_path,
-                                   capture_output=True, text=True, timeout=300)
+    contradiction = subprocess.run(
+        [*command, "--re-estimate", "--no-estimate"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert contradiction.returncode == 2 and "--re-estimate" in contradiction.stderr
 
 
-def _line(micro_batch: int, ckpt: bool, tokens: float, peak_mib: float, seconds: float,
-          with_estimate: bool = False) -> dict:
+def _line(
+    micro_batch: int, ckpt: bool, tokens: float, peak_mib: float, seconds: float, with_estimate: bool = False
+) -> dict:
     workload = Workload(model="builtin:gpt2-tiny", seq_len=16)
     config = TrialConfig(micro_batch=micro_batch, checkpointing=ckpt)
-    result = TrialResult(config=config, status=TrialStatus.OK, tokens_per_s=tokens,
-                         peak_memory_bytes=int(peak_mib * MiB))
+    result = TrialResult(
+        config=config, status=TrialStatus.OK, tokens_per_s=tokens, peak_memory_bytes=int(peak_mib * MiB)
+    )
     line = {**result.to_dict(), "trial_seconds": seconds, "workload": workload.to_dict()}
     if with_estimate:  # an exact estimate: model states 0, every byte per sample
-        line.update(estimate_seconds=1.0, estimator_start_s=2.0, estimate=MemoryEstimate(
-            config=config, predicted_peak_bytes=int(peak_mib * MiB), parameters_bytes=0, gradients_bytes=0,
-            optimizer_state_bytes=0, activations_bytes=int(peak_mib * MiB), temporaries_bytes=0,
-            overhead_bytes=None, method="test", seconds=1.0).to_dict())
+        line.update(
+            estimate_seconds=1.0,
+            estimator_start_s=2.0,
+            estimate=MemoryEstimate(
+                config=config,
+                predicted_peak_bytes=int(peak_mib * MiB),
+                parameters_bytes=0,
+                gradients_bytes=0,
+                optimizer_state_bytes=0,
+                activations_bytes=int(peak_mib * MiB),
+                temporaries_bytes=0,
+                overhead_bytes=None,
+                method="test",
+                seconds=1.0,
+            ).to_dict(),
+        )
     return line
 
 
@@ -80,13 +109,27 @@ def test_the_replayed_driver_with_estimates_finds_the_best_at_once_and_pays_for_
     # estimator (no trial): no-ckpt mb=4, ckpt mb=8 (24 MiB each; limit 36). The lines' estimates hold
     # no traced operators, so no step time is predicted: nothing tells the families apart but the
     # micro batch's saturation (8/10 against 4/6), and ckpt mb=8, the best, is the first trial.
-    lines = [_line(mb, ckpt, tokens=100 * mb * (0.75 if ckpt else 1), peak_mib=mb * (3 if ckpt else 6), seconds=10,
-                   with_estimate=True) for mb in (1, 2, 4, 8) for ckpt in (False, True)]
+    lines = [
+        _line(
+            mb,
+            ckpt,
+            tokens=100 * mb * (0.75 if ckpt else 1),
+            peak_mib=mb * (3 if ckpt else 6),
+            seconds=10,
+            with_estimate=True,
+        )
+        for mb in (1, 2, 4, 8)
+        for ckpt in (False, True)
+    ]
     grid = tmp_path / "toy.jsonl"
     grid.write_text("".join(json.dumps(line) + "\n" for line in lines))
     (tmp_path / "toy.yaml").write_text(SPACE)
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "search.py"), "--grid", str(grid),
-                           "--memory-budget", "40MiB", "--json"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "search.py"), "--grid", str(grid), "--memory-budget", "40MiB", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     driver = json.loads(proc.stdout)["strategies"]["driver"]
     assert driver["trials_to_2pct"] == 1 and driver["found_ratio"] == 1
@@ -98,14 +141,30 @@ def test_the_replayed_driver_with_estimates_finds_the_best_at_once_and_pays_for_
 def test_replay_scores_every_strategy_against_the_grid(tmp_path):
     # A hand-made grid: throughput grows with the micro batch, checkpointing costs a third and
     # halves the memory; mb=8 without checkpointing does not fit under 40 MiB (limit 36 MiB).
-    lines = [_line(mb, ckpt, tokens=100 * mb * (0.75 if ckpt else 1), peak_mib=mb * (3 if ckpt else 6), seconds=10)
-             for mb in (1, 2, 4, 8) for ckpt in (False, True)]
+    lines = [
+        _line(mb, ckpt, tokens=100 * mb * (0.75 if ckpt else 1), peak_mib=mb * (3 if ckpt else 6), seconds=10)
+        for mb in (1, 2, 4, 8)
+        for ckpt in (False, True)
+    ]
     grid = tmp_path / "toy.jsonl"
     grid.write_text("".join(json.dumps(line) + "\n" for line in lines))
     (tmp_path / "toy.yaml").write_text(SPACE)
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "search.py"), "--grid", str(grid),
-                           "--memory-budget", "40MiB", "--seeds", "2", "--json"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "search.py"),
+            "--grid",
+            str(grid),
+            "--memory-budget",
+            "40MiB",
+            "--seeds",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["best_tokens_per_s"] == 600  # mb=8 with checkpointing: 800 x 0.75

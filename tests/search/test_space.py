@@ -47,7 +47,9 @@ def test_precisions_the_device_lacks_are_dropped():
     precisions = {c.precision for c in load_space("default").candidates(Workload(), CPU)}
     assert "tf32" not in precisions and "fp32" in precisions
     # DeepSpeed's CPU accelerator has no fp16 here: no fp16 + ZeRO pair survives.
-    assert not any(c.precision == "fp16" and c.uses_deepspeed for c in load_space("default").candidates(Workload(), CPU))
+    assert not any(
+        c.precision == "fp16" and c.uses_deepspeed for c in load_space("default").candidates(Workload(), CPU)
+    )
 
 
 def test_zero_only_where_it_means_something_for_the_rank_count():
@@ -65,12 +67,17 @@ def test_offload_means_nothing_when_the_device_is_the_cpu():
     assert {c.offload for c in on_cpu} == {"none"} and any(c.zero_stage == 3 for c in on_cpu)
     assert {c.offload for c in space.candidates(Workload(nproc=2), GPU)} == {"none", "optimizer", "optimizer+params"}
     assert all(not c.uses_deepspeed for c in space.candidates(Workload(nproc=1), CPU))  # nothing left to shard
-    offload = "offload optimizer, optimizer+params: the device is the CPU, and offloading from the CPU to the CPU " \
-              "changes nothing"
+    offload = (
+        "offload optimizer, optimizer+params: the device is the CPU, and offloading from the CPU to the CPU "
+        "changes nothing"
+    )
     assert offload in space.dropped_knobs(Workload(nproc=2), CPU)
     assert not any(line.startswith("offload") for line in space.dropped_knobs(Workload(nproc=2), GPU))
-    with pytest.raises(ConfigError, match=r"zero: .*no pair means something on 1 rank\(s\) of a cpu .*offloading to the "
-                                          r"CPU changes nothing\); add off to zero_stage"):
+    with pytest.raises(
+        ConfigError,
+        match=r"zero: .*no pair means something on 1 rank\(s\) of a cpu .*offloading to the "
+        r"CPU changes nothing\); add off to zero_stage",
+    ):
         load_space("zero").candidates(Workload(nproc=1), CPU)
 
 
@@ -80,7 +87,8 @@ def test_checkpointing_is_dropped_for_a_factory_model_without_it():
     assert {c.checkpointing for c in space.candidates(plain, CPU)} == {False}
     assert space.choices(plain, CPU)["checkpointing"] == (False,)
     assert space.dropped_knobs(plain, CPU) == [
-        "checkpointing on: the model from --model factories:tiny has no gradient_checkpointing_enable()"]
+        "checkpointing on: the model from --model factories:tiny has no gradient_checkpointing_enable()"
+    ]
     able = plain.replace(model="factories:checkpointable")
     assert {c.checkpointing for c in space.candidates(able, CPU)} == {False, True}
     assert space.dropped_knobs(able, CPU) == []
@@ -90,8 +98,11 @@ def test_checkpointing_is_dropped_for_a_factory_model_without_it():
 def test_a_space_of_checkpointing_only_is_refused_for_a_model_without_it(tmp_path):
     path = tmp_path / "space.yaml"
     path.write_text("knobs:\n  checkpointing: [true]\n")
-    with pytest.raises(ConfigError, match=r"knobs.checkpointing \[true\]: the model from --model factories:tiny has "
-                                          r"no gradient_checkpointing_enable\(\); add false"):
+    with pytest.raises(
+        ConfigError,
+        match=r"knobs.checkpointing \[true\]: the model from --model factories:tiny has "
+        r"no gradient_checkpointing_enable\(\); add false",
+    ):
         load_space(str(path)).candidates(Workload(model="factories:tiny", global_batch=4, seq_len=8), CPU)
 
 
@@ -100,33 +111,42 @@ def test_missing_checkpointing_reads_the_model_class_without_building_a_model():
 
     assert missing_checkpointing(Workload(model="builtin:llama2-7b")) is None  # a 7B model: no time to build it
     assert missing_checkpointing(Workload(model="factories:mlp", seq_len=8)) == (
-        "the model from --model factories:mlp has no gradient_checkpointing_enable()")
+        "the model from --model factories:mlp has no gradient_checkpointing_enable()"
+    )
     assert missing_checkpointing(Workload(model="factories:broken", seq_len=8)) is None  # unknown: its trials say
 
 
 def test_a_users_file(tmp_path):
     path = tmp_path / "mine.yaml"
-    path.write_text("n_trials: 4\nknobs:\n  micro_batch: [2, 4]\n  checkpointing: [on, off]\n"
-                    "  lora_rank: [off, 8]\n  lora_targets: ['q_proj,v_proj']\n")
+    path.write_text(
+        "n_trials: 4\nknobs:\n  micro_batch: [2, 4]\n  checkpointing: [on, off]\n"
+        "  lora_rank: [off, 8]\n  lora_targets: ['q_proj,v_proj']\n"
+    )
     space = load_space(str(path))
     configs = space.candidates(Workload(model="builtin:llama-tiny"), CPU)
     assert space.n_trials == 4 and len(configs) == 8
     assert {c.lora_targets for c in configs if c.uses_lora} == {("q_proj", "v_proj")}
 
 
-@pytest.mark.parametrize("text, message", [
-    ("knobs:\n  micro_batchs: [1]\n", "unknown knob 'micro_batchs'; knobs: micro_batch, precision"),
-    ("knobs:\n  precision: [fp8]\n", "knobs.precision: 'fp8' is not allowed; allowed: a list of fp32, tf32, fp16, bf16"),
-    ("knobs:\n  micro_batch: [0]\n", "knobs.micro_batch: 0 is not allowed"),
-    ("knobs:\n  zero_stage: [4]\n", "knobs.zero_stage: 4 is not allowed; allowed: a list of off, 0, 1, 2, 3"),
-    ("knobs:\n  checkpointing: [maybe]\n", "knobs.checkpointing: 'maybe' is not allowed"),
-    ("knobs:\n  lora_rank: [8]\n  lora_alpha: [16, 32]\n", "knobs.lora_alpha: [16, 32] is not allowed"),
-    ("knobs:\n  offload: []\n", "knobs.offload is empty"),
-    ("knob:\n  precision: [fp32]\n", "unknown key 'knob'; allowed: description, knobs, n_trials, patience"),
-    ("n_trials: 0\nknobs:\n  precision: [fp32]\n", "n_trials: 0 must be a whole number of at least 1"),
-    ("- fp32\n", "a search space is a mapping"),
-    ("knobs: [\n", "not valid YAML (line"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("knobs:\n  micro_batchs: [1]\n", "unknown knob 'micro_batchs'; knobs: micro_batch, precision"),
+        (
+            "knobs:\n  precision: [fp8]\n",
+            "knobs.precision: 'fp8' is not allowed; allowed: a list of fp32, tf32, fp16, bf16",
+        ),
+        ("knobs:\n  micro_batch: [0]\n", "knobs.micro_batch: 0 is not allowed"),
+        ("knobs:\n  zero_stage: [4]\n", "knobs.zero_stage: 4 is not allowed; allowed: a list of off, 0, 1, 2, 3"),
+        ("knobs:\n  checkpointing: [maybe]\n", "knobs.checkpointing: 'maybe' is not allowed"),
+        ("knobs:\n  lora_rank: [8]\n  lora_alpha: [16, 32]\n", "knobs.lora_alpha: [16, 32] is not allowed"),
+        ("knobs:\n  offload: []\n", "knobs.offload is empty"),
+        ("knob:\n  precision: [fp32]\n", "unknown key 'knob'; allowed: description, knobs, n_trials, patience"),
+        ("n_trials: 0\nknobs:\n  precision: [fp32]\n", "n_trials: 0 must be a whole number of at least 1"),
+        ("- fp32\n", "a search space is a mapping"),
+        ("knobs: [\n", "not valid YAML (line"),
+    ],
+)
 def test_bad_files_are_refused_naming_the_file_and_the_key(tmp_path, text, message):
     path = tmp_path / "space.yaml"
     path.write_text(text)
@@ -146,15 +166,18 @@ def test_values_that_cannot_run_here_are_refused_when_the_workload_is_known(tmp_
 
 
 def test_unknown_preset_and_missing_file():
-    with pytest.raises(ConfigError, match="--space nope: no such preset; use one of default, full, lora, quick, sharding, zero"):
+    with pytest.raises(
+        ConfigError, match="--space nope: no such preset; use one of default, full, lora, quick, sharding, zero"
+    ):
         load_space("nope")
     with pytest.raises(ConfigError, match="--space missing.yaml: no such file"):
         load_space("missing.yaml")
 
 
 # -- the proposer ----------------------------------------------------------------------------------
-def _record(number: int, config: TrialConfig, status: str, *, tokens: float | None = None,
-            fits: bool = False) -> TrialRecord:
+def _record(
+    number: int, config: TrialConfig, status: str, *, tokens: float | None = None, fits: bool = False
+) -> TrialRecord:
     return TrialRecord(number=number, config=config, status=status, tokens_per_s=tokens, fits=fits)
 
 
@@ -180,7 +203,10 @@ def test_without_an_estimator_the_proposer_bisects_micro_batches_retries_and_nev
     assert proposer.next_config([]) == TrialConfig(micro_batch=4)
 
     interrupted = TrialConfig(micro_batch=8)
-    records = [_record(0, TrialConfig(micro_batch=4), "ok", tokens=10, fits=True), _record(1, interrupted, "interrupted")]
+    records = [
+        _record(0, TrialConfig(micro_batch=4), "ok", tokens=10, fits=True),
+        _record(1, interrupted, "interrupted"),
+    ]
     assert proposer.next_config(records) == interrupted
 
     # mb=4 fit, so the bisection goes up: mb=8 (between the fit and the unknown top).
@@ -206,11 +232,19 @@ def test_with_an_estimator_the_first_proposal_is_the_frontier_of_the_fastest_fam
     def estimate(config: TrialConfig) -> MemoryEstimate:  # 4 MiB of states; a sample: 10 MiB, 4 with ckpt
         asked.append(config)
         per_sample = (4 if config.checkpointing else 10) * MiB
-        return MemoryEstimate(config=config, predicted_peak_bytes=4 * MiB + config.micro_batch * per_sample,
-                              parameters_bytes=MiB, gradients_bytes=MiB, optimizer_state_bytes=2 * MiB,
-                              activations_bytes=config.micro_batch * per_sample, temporaries_bytes=0,
-                              overhead_bytes=None, method="test", seconds=0.0,
-                              step_costs=toy_costs(120 if config.checkpointing else 100))
+        return MemoryEstimate(
+            config=config,
+            predicted_peak_bytes=4 * MiB + config.micro_batch * per_sample,
+            parameters_bytes=MiB,
+            gradients_bytes=MiB,
+            optimizer_state_bytes=2 * MiB,
+            activations_bytes=config.micro_batch * per_sample,
+            temporaries_bytes=0,
+            overhead_bytes=None,
+            method="test",
+            seconds=0.0,
+            step_costs=toy_costs(120 if config.checkpointing else 100),
+        )
 
     proposer = _proposer(tmp_path, TWO_KNOBS, estimator=estimate, limit_bytes=50 * MiB, margin=0.05)
     proposer.profile = TOY_CPU
@@ -240,17 +274,23 @@ def test_the_throughput_model_starts_from_the_step_time_model_and_follows_the_me
 
     space = _proposer(tmp_path, TWO_KNOBS).space
     plain, ckpt = TrialConfig(micro_batch=4), TrialConfig(micro_batch=4, checkpointing=True)
-    predicted = {plain: math.log(100.0), ckpt: math.log(75.0)}   # the step-time model's figures
+    predicted = {plain: math.log(100.0), ckpt: math.log(75.0)}  # the step-time model's figures
     configs = [plain, ckpt, TrialConfig(micro_batch=8)]
     model = ThroughputModel(space.params_of, predicted.get, configs)
     assert model.predict(plain) == math.log(100.0) and model.predict(ckpt) == math.log(75.0)
     # Not predicted (no traced step): at the mean of the predicted ones, its micro batch's saturation aside.
     assert model.prior(TrialConfig(micro_batch=8)) > model.prior(TrialConfig(micro_batch=2))
-    unpredicted = ThroughputModel(space.params_of)                          # no model at all: nothing assumed
+    unpredicted = ThroughputModel(space.params_of)  # no model at all: nothing assumed
     assert unpredicted.predict(ckpt) == unpredicted.predict(plain)
     # Measured: checkpointing ran faster than the plain step at every size (some models do).
-    model.fit([(TrialConfig(micro_batch=2), 100.0), (TrialConfig(micro_batch=2, checkpointing=True), 300.0),
-               (TrialConfig(micro_batch=8), 150.0), (TrialConfig(micro_batch=8, checkpointing=True), 450.0)])
+    model.fit(
+        [
+            (TrialConfig(micro_batch=2), 100.0),
+            (TrialConfig(micro_batch=2, checkpointing=True), 300.0),
+            (TrialConfig(micro_batch=8), 150.0),
+            (TrialConfig(micro_batch=8, checkpointing=True), 450.0),
+        ]
+    )
     assert model.predict(ckpt) > model.predict(plain)
 
 
@@ -284,5 +324,7 @@ def test_the_sharding_space_offers_zero_and_fsdp_side_by_side_and_zero_is_its_ol
     assert {c.offload for c in one_gpu if c.uses_fsdp} == {"optimizer+params"}  # one rank: only with offload
     # The default space on several ranks includes FSDP; on one CPU rank it says why not.
     assert any(c.uses_fsdp for c in load_space("default").candidates(Workload(nproc=2), CPU))
-    assert any(line.startswith("fsdp full, grad-op: on one rank FSDP shards nothing")
-               for line in load_space("default").dropped_knobs(Workload(nproc=1), CPU))
+    assert any(
+        line.startswith("fsdp full, grad-op: on one rank FSDP shards nothing")
+        for line in load_space("default").dropped_knobs(Workload(nproc=1), CPU)
+    )

@@ -14,11 +14,11 @@ from pathlib import Path
 import optuna
 import pytest
 from optuna.trial import TrialState
+from processes import trial_processes
 
 from autotune.config.knobs import TrialConfig
 from autotune.study.records import ANSWER_ATTR, records_of
 from autotune.study.storage import open_storage
-from processes import trial_processes
 
 # gpt2-deep-tiny (6 layers, small vocabulary: activations dominate), seq 128, global batch 16, fp32;
 # tracked peaks on a CPU are exact: mb=2 ~55 MiB, mb=4 ~89 MiB -> OOM under 84 MiB, so the naive
@@ -37,8 +37,9 @@ knobs:
 
 
 def autotune(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "autotune", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +49,19 @@ def found(tmp_path_factory):
     (work / "space.yaml").write_text(SPACE)
     # Without the estimator, so that the configs that do not fit really run and OOM.
     # One timed step a trial (three on a re-run): what is tested here is the search, not a speed.
-    args = ("find", "--model", MODEL, "--memory-budget", BUDGET, "--space", "space.yaml", "--no-estimate",
-            "--steps", "1", "--json")
+    args = (
+        "find",
+        "--model",
+        MODEL,
+        "--memory-budget",
+        BUDGET,
+        "--space",
+        "space.yaml",
+        "--no-estimate",
+        "--steps",
+        "1",
+        "--json",
+    )
     first = autotune(*args, cwd=work)
     assert first.returncode == 0, first.stderr
     return work, args, json.loads(first.stdout), first
@@ -137,8 +149,20 @@ def test_show_studies_export_and_report_read_the_study(found):
 def test_a_study_is_only_resumed_for_the_same_question(found):
     work, _, result, _ = found
     before = len(_study(work, result["study"]).trials)
-    proc = autotune("tune", "--study", result["study"], "--model", MODEL, "--memory-budget", BUDGET,
-                    "--space", "space.yaml", "--global-batch", "32", cwd=work)
+    proc = autotune(
+        "tune",
+        "--study",
+        result["study"],
+        "--model",
+        MODEL,
+        "--memory-budget",
+        BUDGET,
+        "--space",
+        "space.yaml",
+        "--global-batch",
+        "32",
+        cwd=work,
+    )
     assert proc.returncode == 2
     assert "answers another question (workload differs" in proc.stderr and "use a new --study name" in proc.stderr
     assert len(_study(work, result["study"]).trials) == before
@@ -150,10 +174,30 @@ RESUME_SPACE = "n_trials: 3\nknobs:\n  micro_batch: [1, 2, 4, 8]\n  precision: [
 
 def _start_tune(work: Path) -> subprocess.Popen[str]:
     (work / "space.yaml").write_text(RESUME_SPACE)
-    return subprocess.Popen([sys.executable, "-m", "autotune", "tune", "--study", "resume", "--space", "space.yaml",
-                             "--model", "factories:slow_tiny", "--memory-budget", "1GiB", "--seq-len", "64",
-                             "--no-estimate", "--no-confirm"], cwd=work,  # resuming is tested, not re-runs
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "tune",
+            "--study",
+            "resume",
+            "--space",
+            "space.yaml",
+            "--model",
+            "factories:slow_tiny",
+            "--memory-budget",
+            "1GiB",
+            "--seq-len",
+            "64",
+            "--no-estimate",
+            "--no-confirm",
+        ],
+        cwd=work,  # resuming is tested, not re-runs
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_running_trial(work: Path, number: int, proc: subprocess.Popen[str]) -> None:
@@ -171,8 +215,6 @@ def _wait_for_running_trial(work: Path, number: int, proc: subprocess.Popen[str]
                 return
         time.sleep(0.3)
     pytest.fail(f"trial {number} never started")
-
-
 
 
 def _no_trial_left() -> bool:
@@ -199,8 +241,8 @@ def test_kill_9_during_a_trial_then_the_same_command_carries_on(tmp_path):
     records = records_of(study)
     measured = [r for r in records if r.status == "ok"]
     interrupted = [r for r in records if r.status == "interrupted"]
-    assert len(measured) == 3 and len(interrupted) == 1          # on to the requested count, once each
-    assert len({r.config for r in measured}) == 3                 # nothing measured twice
+    assert len(measured) == 3 and len(interrupted) == 1  # on to the requested count, once each
+    assert len({r.config for r in measured}) == 3  # nothing measured twice
     assert interrupted[0].config in {r.config for r in measured}  # the interrupted one was retried
     assert study.trials[0].state is TrialState.COMPLETE and study.trials[0].params == kept[0].params
 
@@ -221,10 +263,26 @@ def test_ctrl_c_stops_cleanly_and_marks_the_interrupted_trial(tmp_path):
 
 
 def test_the_estimator_skips_a_config_predicted_over_the_limit_and_show_lists_it(tmp_path):
-    (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2, 4]\n  precision: [fp32]\n"
-                                         "  checkpointing: [false]\n")
-    proc = autotune("tune", "--study", "est", "--model", MODEL, "--memory-budget", BUDGET, "--space", "space.yaml",
-                    "--n-trials", "2", "--steps", "2", "--no-confirm", cwd=tmp_path)
+    (tmp_path / "space.yaml").write_text(
+        "knobs:\n  micro_batch: [2, 4]\n  precision: [fp32]\n  checkpointing: [false]\n"
+    )
+    proc = autotune(
+        "tune",
+        "--study",
+        "est",
+        "--model",
+        MODEL,
+        "--memory-budget",
+        BUDGET,
+        "--space",
+        "space.yaml",
+        "--n-trials",
+        "2",
+        "--steps",
+        "2",
+        "--no-confirm",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "skipped mb=4 fp32: predicted peak" in proc.stderr
     study = _study(tmp_path, "est")
@@ -239,5 +297,7 @@ def test_the_estimator_skips_a_config_predicted_over_the_limit_and_show_lists_it
     # --no-confirm left its fit unconfirmed: export says how to confirm it, and writes nothing.
     refused = autotune("export", "--study", "est", "--format", "json", "-o", "best.json", cwd=tmp_path)
     assert refused.returncode == 2 and not (tmp_path / "best.json").exists()
-    assert refused.stderr.strip() == ("autotune: error: --study est has no confirmed config yet; run autotune tune "
-                                      "--study est (without --no-confirm) to confirm its fastest fitting config")
+    assert refused.stderr.strip() == (
+        "autotune: error: --study est has no confirmed config yet; run autotune tune "
+        "--study est (without --no-confirm) to confirm its fastest fitting config"
+    )

@@ -11,8 +11,14 @@ from autotune.study.summary import TrialRecord
 
 
 def _ok(number: int, micro_batch: int, tokens: float, *, fits: bool = True, **confirm) -> TrialRecord:
-    return TrialRecord(number=number, config=TrialConfig(micro_batch=micro_batch), status="ok",
-                       tokens_per_s=tokens, fits=fits, **confirm)
+    return TrialRecord(
+        number=number,
+        config=TrialConfig(micro_batch=micro_batch),
+        status="ok",
+        tokens_per_s=tokens,
+        fits=fits,
+        **confirm,
+    )
 
 
 def _failed(number: int, status: str, error: str = "boom") -> TrialRecord:
@@ -20,11 +26,15 @@ def _failed(number: int, status: str, error: str = "boom") -> TrialRecord:
 
 
 def test_stop_on_trial_count_counting_only_measured_trials():
-    records = [_ok(0, 1, 10), TrialRecord(number=1, config=TrialConfig(micro_batch=2), status="interrupted"),
-               _ok(2, 4, 20)]
+    records = [
+        _ok(0, 1, 10),
+        TrialRecord(number=1, config=TrialConfig(micro_batch=2), status="interrupted"),
+        _ok(2, 4, 20),
+    ]
     assert _stop_reason(records, target=3, patience=None, timeout_s=None, elapsed_s=0) is None
-    assert "2 trials measured (--n-trials 2)" in _stop_reason(records, target=2, patience=None, timeout_s=None,
-                                                             elapsed_s=0)
+    assert "2 trials measured (--n-trials 2)" in _stop_reason(
+        records, target=2, patience=None, timeout_s=None, elapsed_s=0
+    )
 
 
 def test_stop_on_time():
@@ -36,8 +46,9 @@ def test_stop_on_patience_counts_trials_since_the_last_faster_fit():
     records = [_ok(0, 1, 10), _ok(1, 2, 30), _failed(2, "oom"), _ok(3, 4, 50, fits=False), _ok(4, 8, 20)]
     # Since the best fit (trial 1): an OOM, one over the limit (faster but does not fit), a slower one.
     assert _stop_reason(records, target=99, patience=4, timeout_s=None, elapsed_s=0) is None
-    assert "in the last 3 trials (--patience 3)" in _stop_reason(records, target=99, patience=3, timeout_s=None,
-                                                                 elapsed_s=0)
+    assert "in the last 3 trials (--patience 3)" in _stop_reason(
+        records, target=99, patience=3, timeout_s=None, elapsed_s=0
+    )
 
 
 def test_stop_when_every_trial_fails_with_the_same_workload_error():
@@ -59,14 +70,17 @@ def test_ranking_compares_first_figures_and_drops_refuted_configs():
     assert [r.number for r in ranking([confirmed, steady, refuted, too_big])] == [0, 1]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"n_trials": 0}, "--n-trials 0 must be a number of at least 1"),
-    ({"timeout_s": 0}, "--timeout 0 must be a number of at least 1"),
-    ({"trial_timeout_s": -1}, "--trial-timeout -1"),
-    ({"patience": 0}, "--patience 0"),
-    ({"headroom": 0.95}, "--headroom 0.95 must be a fraction from 0 to 0.9"),
-    ({"measure_steps": 0}, "--steps 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"n_trials": 0}, "--n-trials 0 must be a number of at least 1"),
+        ({"timeout_s": 0}, "--timeout 0 must be a number of at least 1"),
+        ({"trial_timeout_s": -1}, "--trial-timeout -1"),
+        ({"patience": 0}, "--patience 0"),
+        ({"headroom": 0.95}, "--headroom 0.95 must be a fraction from 0 to 0.9"),
+        ({"measure_steps": 0}, "--steps 0"),
+    ],
+)
 def test_bad_numbers_are_refused_before_anything_starts(tmp_path, kwargs, message):
     from autotune.errors import ConfigError
 
@@ -79,8 +93,13 @@ class ScriptedBackend:
     """Trials answered from a table: first figures per micro batch, then each re-run's figure in turn
     (a list per micro batch: noisy conditions scripted run by run), or a status for a failing re-run."""
 
-    def __init__(self, first: dict[int, float], reruns: dict[int, list], probe: dict | None = None,
-                 precision_factor: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        first: dict[int, float],
+        reruns: dict[int, list],
+        probe: dict | None = None,
+        precision_factor: dict[str, float] | None = None,
+    ) -> None:
         self.first, self.reruns, self.runs = first, {k: list(v) for k, v in reruns.items()}, []
         self.probed, self._probe, self._factor = [], probe, precision_factor or {}
 
@@ -93,8 +112,13 @@ class ScriptedBackend:
         if tokens == "oom":
             return TrialResult(config=config, status=TrialStatus.OOM, peak_memory_bytes=2**31)
         tokens *= self._factor.get(config.precision, 1.0)
-        return TrialResult(config=config, status=TrialStatus.OK, tokens_per_s=tokens, peak_memory_bytes=2**20,
-                           measured_steps=measure_steps)
+        return TrialResult(
+            config=config,
+            status=TrialStatus.OK,
+            tokens_per_s=tokens,
+            peak_memory_bytes=2**20,
+            measured_steps=measure_steps,
+        )
 
     def estimate(self, workload, config):
         return None
@@ -109,9 +133,16 @@ def _tune(tmp_path, backend, knobs="  micro_batch: [1, 2, 4]\n  precision: [fp32
     from autotune.search.space import load_space
 
     (tmp_path / "space.yaml").write_text("knobs:\n" + knobs + "  checkpointing: [false]\n")
-    return tune(study="s", workload=Workload(model="builtin:gpt2-tiny"), space=load_space(tmp_path / "space.yaml"),
-                memory_budget_bytes=2**30, storage=f"sqlite:///{tmp_path}/db.sqlite", estimate=False,
-                backend=backend, **kwargs)
+    return tune(
+        study="s",
+        workload=Workload(model="builtin:gpt2-tiny"),
+        space=load_space(tmp_path / "space.yaml"),
+        memory_budget_bytes=2**30,
+        storage=f"sqlite:///{tmp_path}/db.sqlite",
+        estimate=False,
+        backend=backend,
+        **kwargs,
+    )
 
 
 def _confirming(backend):
@@ -144,7 +175,7 @@ def test_a_slow_re_run_never_turns_a_config_that_fits_into_no_answer(tmp_path):
     backend = ScriptedBackend(first={1: 100.0}, reruns={1: [10.0]})
     summary = _tune(tmp_path, backend, knobs="  micro_batch: [1]\n  precision: [fp32]\n")
     assert summary.best is not None and summary.best.config.micro_batch == 1
-    assert summary.best.confirmed_tokens_per_s == 10.0   # reported as re-measured, not hidden
+    assert summary.best.confirmed_tokens_per_s == 10.0  # reported as re-measured, not hidden
 
 
 def test_a_re_run_that_runs_out_of_memory_refutes_its_candidate(tmp_path):
@@ -181,8 +212,12 @@ def test_patience_waits_until_every_precision_was_measured_once(tmp_path):
     # The probe says bf16 matmuls crawl here (0.1x), so the model ranks every bf16 config last;
     # yet bf16 trains 1.5x faster on this (scripted) device. Patience 1 would stop after the first
     # slower fp32 trial: a bf16 config is measured first, then the model follows it.
-    backend = ScriptedBackend(first={1: 50.0, 2: 90.0, 4: 100.0}, reruns={4: [150.0] * 2, 2: [135.0] * 2},
-                              probe={"fp32": 1.0, "bf16": 0.1}, precision_factor={"bf16": 1.5})
+    backend = ScriptedBackend(
+        first={1: 50.0, 2: 90.0, 4: 100.0},
+        reruns={4: [150.0] * 2, 2: [135.0] * 2},
+        probe={"fp32": 1.0, "bf16": 0.1},
+        precision_factor={"bf16": 1.5},
+    )
     summary = _tune(tmp_path, backend, knobs="  micro_batch: [1, 2, 4]\n  precision: [fp32, bf16]\n", patience=1)
     measured = [config.precision for config, confirming in backend.runs if not confirming]
     assert "bf16" in measured
@@ -194,11 +229,15 @@ def test_patience_waits_until_every_precision_was_measured_once(tmp_path):
 
 def test_rounds_that_disagree_on_the_leader_get_a_third_round(tmp_path):
     # Round 1: mb=4 ahead; round 2 (a burst of load on mb=4's run): mb=2 ahead; round 3 decides.
-    backend = ScriptedBackend(first={1: 50.0, 2: 90.0, 4: 100.0}, reruns={4: [100.0, 50.0, 100.0], 2: [90.0, 80.0, 90.0]})
+    backend = ScriptedBackend(
+        first={1: 50.0, 2: 90.0, 4: 100.0}, reruns={4: [100.0, 50.0, 100.0], 2: [90.0, 80.0, 90.0]}
+    )
     summary = _tune(tmp_path, backend)
     assert _confirming(backend) == [4, 2, 4, 2, 4, 2]
     assert summary.best.config.micro_batch == 4
-    assert "within noise of the runner-up mb=2 fp32" in summary.certainty and "ahead in 2 of 3 rounds" in summary.certainty
+    assert (
+        "within noise of the runner-up mb=2 fp32" in summary.certainty and "ahead in 2 of 3 rounds" in summary.certainty
+    )
 
 
 class _Said:
@@ -222,8 +261,15 @@ def test_a_study_of_a_preset_that_grew_since_resumes_with_the_space_it_was_start
     older = dataclasses.replace(load_space("quick"), micro_batch=(1, 2), checkpointing=(False,))
     assert older.digest != load_space("quick").digest
     backend = ScriptedBackend(first={1: 50.0, 2: 60.0, 4: 70.0}, reruns={1: [50.0] * 4, 2: [60.0] * 4})
-    common = dict(study="s", workload=Workload(model="builtin:gpt2-tiny", global_batch=4), memory_budget_bytes=2**30,
-                  storage=f"sqlite:///{tmp_path}/db.sqlite", estimate=False, backend=backend, confirm=False)
+    common = dict(
+        study="s",
+        workload=Workload(model="builtin:gpt2-tiny", global_batch=4),
+        memory_budget_bytes=2**30,
+        storage=f"sqlite:///{tmp_path}/db.sqlite",
+        estimate=False,
+        backend=backend,
+        confirm=False,
+    )
     tune(space=older, n_trials=1, **common)
     said = _Said()
     summary = tune(space="quick", n_trials=3, progress=said, **common)

@@ -27,31 +27,48 @@ knobs:
   precision: [fp32]
   checkpointing: [false]
 """
-ARGS = ("--model", "builtin:gpt2-tiny", "--seq-len", "32", "--memory-budget", "28MiB", "--space", "space.yaml",
-        "--no-estimate", "--steps", "1", "--json")
+ARGS = (
+    "--model",
+    "builtin:gpt2-tiny",
+    "--seq-len",
+    "32",
+    "--memory-budget",
+    "28MiB",
+    "--space",
+    "space.yaml",
+    "--no-estimate",
+    "--steps",
+    "1",
+    "--json",
+)
 POSTGRES_URL = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
 
 
 def tune(work: Path, study: str, storage: str | None, workers: int) -> subprocess.CompletedProcess[str]:
     (work / "space.yaml").write_text(SPACE)
     extra = ("--storage", storage) if storage else ()
-    return subprocess.run([sys.executable, "-m", "autotune", "tune", "--study", study, *ARGS, *extra,
-                           "--workers", str(workers)], capture_output=True, text=True, timeout=600, cwd=work)
+    return subprocess.run(
+        [sys.executable, "-m", "autotune", "tune", "--study", study, *ARGS, *extra, "--workers", str(workers)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=work,
+    )
 
 
 def check_each_config_measured_once(storage: str, study: str, proc: subprocess.CompletedProcess[str]) -> dict:
     assert proc.returncode == 0, proc.stderr
     assert "locked" not in proc.stderr.lower() and "Traceback" not in proc.stderr, proc.stderr
     every = optuna.load_study(study_name=study, storage=open_storage(storage)).trials
-    trials = [t for t in every if ANSWER_ATTR not in t.user_attrs]    # measurements; the answer's copy aside
+    trials = [t for t in every if ANSWER_ATTR not in t.user_attrs]  # measurements; the answer's copy aside
     answers = [t for t in every if ANSWER_ATTR in t.user_attrs]
     best = json.loads(proc.stdout)["best"]
     assert [t.user_attrs["config"] for t in answers] == [best["config"]]  # the one confirmation, once
     configs = [t.user_attrs["config"]["micro_batch"] for t in trials]
-    assert sorted(configs) == [1, 4, 16], configs                      # each config once, none lost
+    assert sorted(configs) == [1, 4, 16], configs  # each config once, none lost
     assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}  # nothing left running
     assert {t.user_attrs["status"] for t in trials} == {"ok", "oom"}
-    assert len({t.user_attrs["worker"]["pid"] for t in trials}) >= 2   # really shared between workers
+    assert len({t.user_attrs["worker"]["pid"] for t in trials}) >= 2  # really shared between workers
     return json.loads(proc.stdout)
 
 
@@ -62,8 +79,10 @@ def test_three_workers_on_local_sqlite_measure_each_config_once_and_find_the_ans
     assert three["best"]["config"]["micro_batch"] == 4
 
 
-@pytest.mark.skipif(not POSTGRES_URL and not os.environ.get("CI"),
-                    reason="no PostgreSQL server: .ci/run starts one and sets AUTOTUNE_TEST_POSTGRES_URL")
+@pytest.mark.skipif(
+    not POSTGRES_URL and not os.environ.get("CI"),
+    reason="no PostgreSQL server: .ci/run starts one and sets AUTOTUNE_TEST_POSTGRES_URL",
+)
 def test_three_workers_on_a_postgresql_server(tmp_path):
     assert POSTGRES_URL, "CI must start PostgreSQL (.ci/postgres.sh) and set AUTOTUNE_TEST_POSTGRES_URL"
     study = f"workers-{uuid.uuid4().hex[:8]}"
@@ -85,10 +104,37 @@ knobs:
 
 def test_two_rank_zero_trials_in_a_study_report_the_largest_rank_peak(tmp_path):
     (tmp_path / "space.yaml").write_text(MULTI_RANK_SPACE)
-    proc = subprocess.run([sys.executable, "-m", "autotune", "tune", "--study", "ranks", "--model",
-                           "builtin:gpt2-tiny", "--seq-len", "32", "--global-batch", "8", "--nproc", "2",
-                           "--memory-budget", "1GiB", "--space", "space.yaml", "--no-estimate", "--steps", "2",
-                           "--no-confirm", "--json"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "tune",
+            "--study",
+            "ranks",
+            "--model",
+            "builtin:gpt2-tiny",
+            "--seq-len",
+            "32",
+            "--global-batch",
+            "8",
+            "--nproc",
+            "2",
+            "--memory-budget",
+            "1GiB",
+            "--space",
+            "space.yaml",
+            "--no-estimate",
+            "--steps",
+            "2",
+            "--no-confirm",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     storage = open_storage(f"sqlite:///{tmp_path}/storage/autotune.db")
     trials = optuna.load_study(study_name="ranks", storage=storage).trials

@@ -40,13 +40,20 @@ class Scripted:
     def run(self, workload, config, *, measure_steps, **_):
         figure = self.figures[config]
         if figure == "oom":
-            return TrialResult(config=config, status=TrialStatus.OOM, peak_memory_bytes=2**31,
-                               error="CPU out of memory")
+            return TrialResult(
+                config=config, status=TrialStatus.OOM, peak_memory_bytes=2**31, error="CPU out of memory"
+            )
         if figure == "error":
             return TrialResult(config=config, status=TrialStatus.ERROR, error="Traceback ...\nValueError: boom")
-        return TrialResult(config=config, status=TrialStatus.OK, tokens_per_s=figure * (0.9 if measure_steps > 3 else 1),
-                           samples_per_s=figure / 128, peak_memory_bytes=2**20 + config.micro_batch,
-                           step_time_spread=0.02 * config.micro_batch, measured_steps=measure_steps)
+        return TrialResult(
+            config=config,
+            status=TrialStatus.OK,
+            tokens_per_s=figure * (0.9 if measure_steps > 3 else 1),
+            samples_per_s=figure / 128,
+            peak_memory_bytes=2**20 + config.micro_batch,
+            step_time_spread=0.02 * config.micro_batch,
+            measured_steps=measure_steps,
+        )
 
     def estimate(self, workload, config):
         return None
@@ -56,8 +63,9 @@ class Scripted:
 
 
 def _space(tmp: Path, name: str, lora: str) -> object:
-    (tmp / f"{name}.yaml").write_text(f"n_trials: 12\nknobs:\n  micro_batch: [2, 4, 8]\n  precision: [fp32]\n"
-                                      f"  checkpointing: [false]\n{lora}")
+    (tmp / f"{name}.yaml").write_text(
+        f"n_trials: 12\nknobs:\n  micro_batch: [2, 4, 8]\n  precision: [fp32]\n  checkpointing: [false]\n{lora}"
+    )
     return load_space(tmp / f"{name}.yaml")
 
 
@@ -68,13 +76,27 @@ def _scripted_study(tmp: Path, url: str, name: str, model: str, lora: str, faste
     for params_lora in ("off", "8", "8:all-linear"):
         for micro_batch in (2, 4, 8):
             rank, _, targets = params_lora.partition(":")
-            config = space.config_of({"micro_batch": micro_batch, "precision": "fp32", "checkpointing": False,
-                                      "zero": "off", "lora": params_lora})
+            config = space.config_of(
+                {
+                    "micro_batch": micro_batch,
+                    "precision": "fp32",
+                    "checkpointing": False,
+                    "zero": "off",
+                    "lora": params_lora,
+                }
+            )
             figures[config] = 100.0 * micro_batch * (3 if fastest_lora and rank != "off" else 1) + len(targets)
     figures[next(c for c in figures if c.micro_batch == 2 and not c.uses_lora)] = "oom"
     figures[next(c for c in figures if c.micro_batch == 4 and not c.uses_lora)] = "error"
-    tune(study=name, workload=workload, space=space, memory_budget_bytes=2**30, storage=url, estimate=False,
-         backend=Scripted(figures))
+    tune(
+        study=name,
+        workload=workload,
+        space=space,
+        memory_budget_bytes=2**30,
+        storage=url,
+        estimate=False,
+        backend=Scripted(figures),
+    )
 
 
 def _odd_trials(url: str, name: str) -> None:
@@ -101,8 +123,14 @@ def _odd_trials(url: str, name: str) -> None:
 def studies(tmp_path_factory) -> tuple[Path, str]:
     tmp = tmp_path_factory.mktemp("read")
     url = f"sqlite:///{tmp}/studies.db"
-    _scripted_study(tmp, url, "lora", "builtin:gpt2-tiny", "  lora_rank: [off, 8]\n  lora_targets: [default, all-linear]\n",
-                    fastest_lora=True)
+    _scripted_study(
+        tmp,
+        url,
+        "lora",
+        "builtin:gpt2-tiny",
+        "  lora_rank: [off, 8]\n  lora_targets: [default, all-linear]\n",
+        fastest_lora=True,
+    )
     _scripted_study(tmp, url, "plain", "builtin:gpt2-tiny", "", fastest_lora=False)
     _scripted_study(tmp, url, "bert", "builtin:bert-tiny", "  lora_rank: [8]\n", fastest_lora=True)
     _odd_trials(url, "plain")
@@ -174,8 +202,10 @@ def test_anything_this_reader_does_not_know_goes_through_optuna(studies, tmp_pat
     assert read_study_file(f"sqlite:///{tmp_path}/missing.db") is None
     (tmp_path / "junk.db").write_text("not a database")
     assert read_study_file(f"sqlite:///{tmp_path}/junk.db") is None
-    for table, column, value in (("version_info", "schema_version", SCHEMA_VERSION + 1),
-                                 ("alembic_version", "version_num", "v9.9.9.z")):
+    for table, column, value in (
+        ("version_info", "schema_version", SCHEMA_VERSION + 1),
+        ("alembic_version", "version_num", "v9.9.9.z"),
+    ):
         changed = tmp_path / f"{table}.db"
         shutil.copy(tmp / "studies.db", changed)
         with sqlite3.connect(changed) as connection:
@@ -199,8 +229,17 @@ def test_the_reader_opens_the_file_read_only(studies, tmp_path):
     assert copy.read_bytes() == before
 
 
-@pytest.mark.parametrize("url", ["sqlite:///storage/autotune.db", "sqlite:////tmp/a b/x.db", "sqlite:///~/s.db",
-                                 "sqlite:///a%20b.db", "sqlite:///x.db?timeout=3", "postgresql://u:pw@h/db"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite:///storage/autotune.db",
+        "sqlite:////tmp/a b/x.db",
+        "sqlite:///~/s.db",
+        "sqlite:///a%20b.db",
+        "sqlite:///x.db?timeout=3",
+        "postgresql://u:pw@h/db",
+    ],
+)
 def test_display_url_without_sqlalchemy_shows_what_sqlalchemy_shows(url):
     from sqlalchemy.engine import make_url
 
@@ -217,8 +256,11 @@ def test_stored_facts_give_the_exports_the_model_gives(studies):
         summary = load_summary(study=name, storage=url)  # remembers the study's facts
         assert summary.workload in stored_facts._KNOWN
         configs = [t.config for t in summary.trials if t.status == "ok"]
-        configs += [TrialConfig(micro_batch=8, lora_rank=64, lora_alpha=16, lora_targets=t)
-                    for t in (None, ("all-linear",)) if name != "plain"]
+        configs += [
+            TrialConfig(micro_batch=8, lora_rank=64, lora_alpha=16, lora_targets=t)
+            for t in (None, ("all-linear",))
+            if name != "plain"
+        ]
         for fmt in FORMATS:
             for config in configs:
                 if fmt == "peft" and not config.uses_lora:
@@ -234,8 +276,10 @@ def test_stored_facts_give_the_exports_the_model_gives(studies):
 def test_a_classifier_study_stores_that_its_head_trains_in_full(studies):
     _, url = studies
     best = load_summary(study="bert", storage=url).to_dict()["best"]
-    assert best["trains"]["note"] == ("LoRA r=8 adapters, on query, value (PEFT's default targets for bert), plus the "
-                                      "classification head in full, trained in fp32")
+    assert best["trains"]["note"] == (
+        "LoRA r=8 adapters, on query, value (PEFT's default targets for bert), plus the "
+        "classification head in full, trained in fp32"
+    )
 
 
 def test_a_model_lora_cannot_adapt_is_tuned_without_lora_and_says_why(tmp_path):
@@ -245,16 +289,31 @@ def test_a_model_lora_cannot_adapt_is_tuned_without_lora_and_says_why(tmp_path):
     from autotune.errors import ConfigError, WorkloadError
 
     url = f"sqlite:///{tmp_path}/head-only.db"
-    (tmp_path / "space.yaml").write_text("n_trials: 2\nknobs:\n  micro_batch: [4, 8]\n  precision: [fp32]\n"
-                                         "  checkpointing: [false]\n  lora_rank: [null, 8]\n")
+    (tmp_path / "space.yaml").write_text(
+        "n_trials: 2\nknobs:\n  micro_batch: [4, 8]\n  precision: [fp32]\n"
+        "  checkpointing: [false]\n  lora_rank: [null, 8]\n"
+    )
     space = load_space(tmp_path / "space.yaml")
     workload = Workload(model="factories:tiny", seq_len=32, global_batch=8)
     assert space.choices(workload, detect_device("cpu"))["lora"] == ("off",)
-    assert any("no linear layer besides its task head" in line for line in space.dropped_knobs(workload, detect_device("cpu")))
-    configs = {space.config_of({"micro_batch": mb, "precision": "fp32", "checkpointing": False, "zero": "off",
-                                "lora": "off"}): 100.0 * mb for mb in (4, 8)}
-    tune(study="s", workload=workload, space=space, memory_budget_bytes=2**30, storage=url, estimate=False,
-         backend=Scripted(configs))
+    assert any(
+        "no linear layer besides its task head" in line for line in space.dropped_knobs(workload, detect_device("cpu"))
+    )
+    configs = {
+        space.config_of(
+            {"micro_batch": mb, "precision": "fp32", "checkpointing": False, "zero": "off", "lora": "off"}
+        ): 100.0 * mb
+        for mb in (4, 8)
+    }
+    tune(
+        study="s",
+        workload=workload,
+        space=space,
+        memory_budget_bytes=2**30,
+        storage=url,
+        estimate=False,
+        backend=Scripted(configs),
+    )
     summary = load_summary(study="s", storage=url)
     assert summary.trials and all(not t.config.uses_lora for t in summary.trials)
     (tmp_path / "lora.yaml").write_text("knobs:\n  micro_batch: [8]\n  precision: [fp32]\n  lora_rank: [8]\n")
@@ -262,8 +321,13 @@ def test_a_model_lora_cannot_adapt_is_tuned_without_lora_and_says_why(tmp_path):
     with pytest.raises(ConfigError, match="knobs.lora_rank \\[8\\]: .*no linear layer besides its task head"):
         lora_only.choices(workload, detect_device("cpu"))
     with pytest.raises(WorkloadError, match="no linear layer besides its task head"):
-        export_config(space.config_of({"micro_batch": 8, "precision": "fp32", "checkpointing": False,
-                                       "zero": "off", "lora": "8"}), workload, fmt="peft")
+        export_config(
+            space.config_of(
+                {"micro_batch": 8, "precision": "fp32", "checkpointing": False, "zero": "off", "lora": "8"}
+            ),
+            workload,
+            fmt="peft",
+        )
 
 
 def test_show_and_export_import_neither_torch_nor_optuna(studies):
@@ -280,7 +344,8 @@ from autotune.cli import main
 from autotune.study.records import load_summaries
 heavy = {HEAVY!r}
 assert [s.name for s in load_summaries({url!r})] == ["bert", "lora", "plain"]  # what autotune studies lists
-assert not [name for name in heavy if name in sys.modules], "load_summaries imported " + str(sys.modules.keys() & set(heavy))
+loaded = sys.modules.keys() & set(heavy)
+assert not loaded, "load_summaries imported " + str(loaded)
 for argv in json.loads(sys.argv[1]):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
         code = main(argv + ["--storage", {url!r}])
@@ -289,20 +354,28 @@ for argv in json.loads(sys.argv[1]):
     assert not loaded, f"autotune {{' '.join(argv)}} imported {{loaded}}"
 print("ok")
 """
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
-                          timeout=120, cwd=tmp)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True, timeout=120, cwd=tmp
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
     assert json.loads((tmp / "adapter" / "adapter_config.json").read_text())["r"] == 8
 
 
 @pytest.mark.slow  # real trials: ~25 s on a busy 2-core machine
 def test_a_real_tune_reads_the_same_through_either_path(tmp_path):
-    (tmp_path / "space.yaml").write_text("n_trials: 2\nknobs:\n  micro_batch: [4, 8]\n  precision: [fp32]\n"
-                                         "  checkpointing: [false]\n  lora_rank: [8]\n")
+    (tmp_path / "space.yaml").write_text(
+        "n_trials: 2\nknobs:\n  micro_batch: [4, 8]\n  precision: [fp32]\n  checkpointing: [false]\n  lora_rank: [8]\n"
+    )
     url = f"sqlite:///{tmp_path}/real.db"
-    summary = tune(study="real", workload=Workload(model="builtin:gpt2-tiny", seq_len=32, global_batch=8),
-                   space=load_space(tmp_path / "space.yaml"), memory_budget_bytes=2**30, storage=url, estimate=False,
-                   measure_steps=2)
+    summary = tune(
+        study="real",
+        workload=Workload(model="builtin:gpt2-tiny", seq_len=32, global_batch=8),
+        space=load_space(tmp_path / "space.yaml"),
+        memory_budget_bytes=2**30,
+        storage=url,
+        estimate=False,
+        measure_steps=2,
+    )
     assert summary.best is not None and summary.best.config.uses_lora
     assert read_study_file(url, only="real") is not None
     fast = load_summary(study="real", storage=url)
@@ -315,10 +388,21 @@ def test_a_script_study_says_nothing_of_a_model_it_did_not_train(tmp_path):
     # neither its layers nor its hidden size may reach the notes and exports.
     url = f"sqlite:///{tmp_path}/db.sqlite"
     space = _space(tmp_path, "script", "  lora_rank: [8]\n")
-    figures = {space.config_of({"micro_batch": mb, "precision": "fp32", "checkpointing": False, "zero": "off",
-                                "lora": "8"}): 100.0 * mb for mb in (2, 4, 8)}
-    tune(study="script", workload=Workload(seq_len=32, global_batch=8), space=space, memory_budget_bytes=2**30,
-         storage=url, backend=Scripted(figures), command=["python", "train.py"])
+    figures = {
+        space.config_of(
+            {"micro_batch": mb, "precision": "fp32", "checkpointing": False, "zero": "off", "lora": "8"}
+        ): 100.0 * mb
+        for mb in (2, 4, 8)
+    }
+    tune(
+        study="script",
+        workload=Workload(seq_len=32, global_batch=8),
+        space=space,
+        memory_budget_bytes=2**30,
+        storage=url,
+        backend=Scripted(figures),
+        command=["python", "train.py"],
+    )
     summary = load_summary(study="script", storage=url)
     assert summary.to_dict()["best"]["trains"]["note"] == "LoRA adapters only trained in fp32"
     peft = json.loads(export_config(summary.best.config, summary.workload, fmt="peft", device_type="cpu"))

@@ -10,7 +10,7 @@ from pathlib import Path
 from autotune.study.storage import create_study, open_storage
 
 PROCESSES = 8
-RACES = 3           # before the fix every race of 8 lost 4-6 processes (20 of 20 races failed)
+RACES = 3  # before the fix every race of 8 lost 4-6 processes (20 of 20 races failed)
 
 
 def _open_and_create(urls: list[str], barrier, results) -> None:
@@ -23,7 +23,7 @@ def _open_and_create(urls: list[str], barrier, results) -> None:
             results.put((url, "ok", study.study_name))
         except Exception as exc:
             results.put((url, "failed", f"{type(exc).__name__}: {exc}"))
-            barrier.abort()         # the others stop at the next race instead of waiting for this one
+            barrier.abort()  # the others stop at the next race instead of waiting for this one
             raise
 
 
@@ -40,7 +40,7 @@ def _rows(path: Path, table: str) -> list[tuple]:
 def test_eight_processes_open_one_fresh_sqlite_database_at_once(tmp_path):
     databases = [tmp_path / f"race{i}" / "autotune.db" for i in range(RACES)]
     urls = [f"sqlite:///{db}" for db in databases]
-    ctx = multiprocessing.get_context("spawn")   # fresh interpreters, as separate commands would be
+    ctx = multiprocessing.get_context("spawn")  # fresh interpreters, as separate commands would be
     barrier, results = ctx.Barrier(PROCESSES, timeout=120), ctx.Queue()
     processes = [ctx.Process(target=_open_and_create, args=(urls, barrier, results)) for _ in range(PROCESSES)]
     for p in processes:

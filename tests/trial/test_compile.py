@@ -20,21 +20,42 @@ WORKLOAD = Workload(model="builtin:llama-tiny", seq_len=32, global_batch=4)
 def test_the_payoff_is_the_compile_cost_over_what_each_step_saves():
     # 10.1 s to compile and run one 0.1 s compiled step; each step saves 0.05 s: 200 steps.
     assert compile_payoff_steps(10.1, 0.15, 0.10) == 200
-    assert compile_payoff_steps(0.05, 0.15, 0.10) == 1       # cheaper than a step: pays at once
-    assert compile_payoff_steps(10.0, 0.10, 0.10) is None    # no faster: never
+    assert compile_payoff_steps(0.05, 0.15, 0.10) == 1  # cheaper than a step: pays at once
+    assert compile_payoff_steps(10.0, 0.10, 0.10) is None  # no faster: never
     assert compile_payoff_steps(10.0, 0.09, 0.10) is None
 
 
 def test_compile_on_a_cpu_is_refused_in_one_line_with_the_reason(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "autotune", "trial", "--model", "builtin:llama-tiny", "--seq-len", "32",
-                           "--global-batch", "4", "--compile", "on"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "trial",
+            "--model",
+            "builtin:llama-tiny",
+            "--seq-len",
+            "32",
+            "--global-batch",
+            "4",
+            "--compile",
+            "on",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--compile on is measured on CUDA GPUs only" in lines[0], proc.stderr
     assert not list(tmp_path.iterdir())
-    bad = subprocess.run([sys.executable, "-m", "autotune", "estimate", "--model", "builtin:llama-tiny",
-                          "--compile", "maybe"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "autotune", "estimate", "--model", "builtin:llama-tiny", "--compile", "maybe"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--compile 'maybe' must be on or off" in bad.stderr
 
 
@@ -47,7 +68,9 @@ def test_compile_runs_on_a_gpu_with_or_without_zero_and_the_full_space_leaves_it
     space = load_space("full")
     cpu = detect_device("cpu")
     assert space.choices(WORKLOAD, cpu)["compile"] == (False,)
-    assert any(line.startswith("--compile on is measured on CUDA GPUs only") for line in space.dropped_knobs(WORKLOAD, cpu))
+    assert any(
+        line.startswith("--compile on is measured on CUDA GPUs only") for line in space.dropped_knobs(WORKLOAD, cpu)
+    )
     assert any(c.compile for c in space.candidates(WORKLOAD, gpu))
 
 
@@ -79,10 +102,17 @@ def test_a_zero_trial_compiles_through_deepspeeds_own_engine_compile(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}
-    proc = subprocess.run([sys.executable, "-c", _COMPILED_ZERO], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILED_ZERO], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert "RESULT True True True" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -95,7 +125,9 @@ def test_exports_compile_where_the_library_has_a_flag_and_say_how_where_not(tmp_
     kwargs.pop("deepspeed", None)
     assert TrainingArguments(output_dir=str(tmp_path), **{**kwargs, "use_cpu": True}).torch_compile is True
     assert "dynamo_backend: INDUCTOR" in export_config(config, WORKLOAD, fmt="accelerate", device_type="cuda")
-    assert "# compile: model = torch.compile(model)" in export_config(config, WORKLOAD, fmt="lightning", device_type="cuda")
+    assert "# compile: model = torch.compile(model)" in export_config(
+        config, WORKLOAD, fmt="lightning", device_type="cuda"
+    )
 
 
 def test_an_old_result_without_the_compile_fields_still_loads():

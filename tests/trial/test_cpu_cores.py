@@ -18,22 +18,23 @@ from autotune.trial.result import TrialResult, TrialStatus
 from autotune.trial.runner import run_trial
 
 TINY = Workload(model="factories:tiny", seq_len=16, global_batch=4)
-two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or 0 not in os.sched_getaffinity(0),
-                               reason="needs cores 0 and 1")
+two_cores = pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2 or 0 not in os.sched_getaffinity(0), reason="needs cores 0 and 1"
+)
 
 
 def test_free_cores_are_the_least_busy_as_many_as_their_idle_time_adds_up_to():
     assert pick_free_cores({0: 0.03, 1: 0.05}) == [0, 1]
-    assert pick_free_cores({0: 1.0, 1: 0.02}) == [1]            # a process spinning on core 0
-    assert pick_free_cores({0: 0.5, 1: 0.55}) == [0]            # one spinner hopping between the two
-    assert pick_free_cores({0: 1.0, 1: 0.97, 2: 1.0}) == [1]    # all busy: still one, the least busy
+    assert pick_free_cores({0: 1.0, 1: 0.02}) == [1]  # a process spinning on core 0
+    assert pick_free_cores({0: 0.5, 1: 0.55}) == [0]  # one spinner hopping between the two
+    assert pick_free_cores({0: 1.0, 1: 0.97, 2: 1.0}) == [1]  # all busy: still one, the least busy
     assert pick_free_cores({0: 0.0, 1: 1.0, 2: 0.1, 3: 0.9}) == [0, 2]
 
 
 def test_each_rank_gets_its_own_slice_where_there_are_enough_cores():
     assert [rank_cores([0, 1, 2, 3], r, 2) for r in (0, 1)] == [([0, 1], 2), ([2, 3], 2)]
     assert [rank_cores([1, 3, 5], r, 3) for r in (0, 1, 2)] == [([1], 1), ([3], 1), ([5], 1)]
-    assert rank_cores([1], 1, 2) == ([1], 1)                    # fewer cores than ranks: shared, a thread each
+    assert rank_cores([1], 1, 2) == ([1], 1)  # fewer cores than ranks: shared, a thread each
 
 
 def test_results_stored_before_the_cores_were_recorded_still_load():
@@ -92,7 +93,11 @@ def test_a_script_trial_leaves_out_the_busy_core_too(spinner_on_core_0):
     from autotune.scripts.runner import run_script_trial
 
     loop = Path(__file__).parents[1] / "scripts" / "plain_loop.py"
-    result = run_script_trial([sys.executable, str(loop), "20"], Workload(seq_len=64, global_batch=8),
-                              TrialConfig(micro_batch=8), measure_steps=2)
+    result = run_script_trial(
+        [sys.executable, str(loop), "20"],
+        Workload(seq_len=64, global_batch=8),
+        TrialConfig(micro_batch=8),
+        measure_steps=2,
+    )
     assert result.status is TrialStatus.OK, result.error
     assert result.cpu_cores == [1] and result.cpu_threads == 1

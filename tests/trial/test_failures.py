@@ -23,16 +23,19 @@ def _raised(exc: BaseException, cause: BaseException | None = None) -> BaseExcep
         return caught
 
 
-@pytest.mark.parametrize("exc, status", [
-    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), TrialStatus.OOM),
-    (MemoryError(), TrialStatus.OOM),
-    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"), TrialStatus.OOM),
-    (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"), TrialStatus.OOM),
-    (NonFiniteLossError("the training loss is nan"), TrialStatus.NAN),
-    (ValueError("bad"), TrialStatus.ERROR),
-    (RuntimeError("an error that mentions memory but is not an allocator failure"), TrialStatus.ERROR),
-    (KeyboardInterrupt(), TrialStatus.ERROR),
-])
+@pytest.mark.parametrize(
+    "exc, status",
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), TrialStatus.OOM),
+        (MemoryError(), TrialStatus.OOM),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"), TrialStatus.OOM),
+        (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"), TrialStatus.OOM),
+        (NonFiniteLossError("the training loss is nan"), TrialStatus.NAN),
+        (ValueError("bad"), TrialStatus.ERROR),
+        (RuntimeError("an error that mentions memory but is not an allocator failure"), TrialStatus.ERROR),
+        (KeyboardInterrupt(), TrialStatus.ERROR),
+    ],
+)
 def test_classify_by_exception_type(exc, status):
     assert classify_exception(exc) is status
 

@@ -34,13 +34,31 @@ EXPECTED = {  # micro batch -> (status, a piece of the recorded error)
     32: ("error", "the model's forward exploded on purpose"),
     64: ("oom", "CPU memory budget exceeded"),
 }
-COMMON = ("--global-batch", "64", "--seq-len", "8", "--memory-budget", "256MiB", "--trial-timeout", "10",
-          "--no-estimate", "--warmup-steps", "0", "--steps", "1")
+COMMON = (
+    "--global-batch",
+    "64",
+    "--seq-len",
+    "8",
+    "--memory-budget",
+    "256MiB",
+    "--trial-timeout",
+    "10",
+    "--no-estimate",
+    "--warmup-steps",
+    "0",
+    "--steps",
+    "1",
+)
 
 
 def tune(work: Path, study: str, model: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "autotune", "tune", "--study", study, "--model", model,
-                           *COMMON, *extra], capture_output=True, text=True, timeout=600, cwd=work)
+    return subprocess.run(
+        [sys.executable, "-m", "autotune", "tune", "--study", study, "--model", model, *COMMON, *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=work,
+    )
 
 
 def trials(work: Path, study: str) -> list[optuna.trial.FrozenTrial]:

@@ -17,12 +17,29 @@ from autotune.trial.runner import run_trial
 
 # Model states dominate: 8.6M parameters (fp32 Adam: 137 MB of states) against a few MB of
 # activations at 32 tokens per micro batch.
-WIDE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 384, "intermediate_size": 1024,
-        "num_hidden_layers": 4, "num_attention_heads": 6, "num_key_value_heads": 6, "vocab_size": 4000,
-        "max_position_embeddings": 64, "tie_word_embeddings": False}
+WIDE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 384,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 6,
+    "vocab_size": 4000,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
 # Many thin layers: a gathered layer is small beside the half of the model each rank keeps.
-DEEP = {**WIDE, "hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "num_hidden_layers": 16, "vocab_size": 1000, "tie_word_embeddings": True}
+DEEP = {
+    **WIDE,
+    "hidden_size": 256,
+    "intermediate_size": 704,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 16,
+    "vocab_size": 1000,
+    "tie_word_embeddings": True,
+}
 
 
 def _workload(tmp_path, config: dict, **kwargs) -> Workload:
@@ -33,10 +50,16 @@ def _workload(tmp_path, config: dict, **kwargs) -> Workload:
 
 def test_fsdp_full_and_grad_op_run_on_two_ranks_and_full_keeps_less_than_ddp(tmp_path):
     workload = _workload(tmp_path, WIDE, seq_len=32, global_batch=4)
-    runs = {label: run_trial(workload, TrialConfig(micro_batch=1, **knobs), measure_steps=2) for label, knobs in {
-        "ddp": {}, "full": {"fsdp": "full"}, "grad-op": {"fsdp": "grad-op"},
-        "full-bf16": {"fsdp": "full", "precision": "bf16"},
-        "full-offload": {"fsdp": "full", "offload": "optimizer+params"}}.items()}
+    runs = {
+        label: run_trial(workload, TrialConfig(micro_batch=1, **knobs), measure_steps=2)
+        for label, knobs in {
+            "ddp": {},
+            "full": {"fsdp": "full"},
+            "grad-op": {"fsdp": "grad-op"},
+            "full-bf16": {"fsdp": "full", "precision": "bf16"},
+            "full-offload": {"fsdp": "full", "offload": "optimizer+params"},
+        }.items()
+    }
     for label, result in runs.items():
         assert result.status is TrialStatus.OK, (label, result.error)
         assert math.isfinite(result.final_loss) and result.tokens_per_s > 0
@@ -64,8 +87,9 @@ def test_fsdp_full_and_grad_op_run_on_two_ranks_and_full_keeps_less_than_ddp(tmp
 def test_a_model_whose_weights_exceed_the_budget_trains_sharded_where_ddp_runs_out_while_building(tmp_path):
     workload = _workload(tmp_path, DEEP, seq_len=16, global_batch=2)
     budget = 44 * 2**20  # the model's fp32 weights: 50.5 MiB
-    sharded = run_trial(workload, TrialConfig(micro_batch=1, fsdp="full", lora_rank=8), memory_budget_bytes=budget,
-                        measure_steps=1)
+    sharded = run_trial(
+        workload, TrialConfig(micro_batch=1, fsdp="full", lora_rank=8), memory_budget_bytes=budget, measure_steps=1
+    )
     assert sharded.status is TrialStatus.OK, sharded.error
     full_weights = sharded.total_params * 4
     assert full_weights > budget  # the whole model alone would not fit on a rank
@@ -74,20 +98,32 @@ def test_a_model_whose_weights_exceed_the_budget_trains_sharded_where_ddp_runs_o
     assert whole.status is TrialStatus.OOM and whole.phases.build_s is None, whole.error  # while building
     # ZeRO-3 builds inside deepspeed.zero.Init: each layer is partitioned as it is made (built whole,
     # the model alone was over this budget). DeepSpeed's bf16 mode then gathers 16-bit weights.
-    zero3 = run_trial(workload, TrialConfig(micro_batch=1, zero_stage=3, lora_rank=8, precision="bf16",
-                                            checkpointing=True), memory_budget_bytes=budget, measure_steps=1)
+    zero3 = run_trial(
+        workload,
+        TrialConfig(micro_batch=1, zero_stage=3, lora_rank=8, precision="bf16", checkpointing=True),
+        memory_budget_bytes=budget,
+        measure_steps=1,
+    )
     assert zero3.status is TrialStatus.OK, zero3.error
     assert zero3.total_params == sharded.total_params and math.isfinite(zero3.final_loss)
     assert zero3.build_peak_bytes < 0.6 * full_weights and zero3.peak_memory_bytes <= budget
 
 
-@pytest.mark.parametrize("knobs, nproc, message", [
-    ({"fsdp": "banana"}, 2, "--fsdp 'banana' is not known; use off, full or grad-op"),
-    ({"fsdp": "full", "zero_stage": 3}, 2, "--fsdp full with --zero-stage 3: one sharding per config"),
-    ({"fsdp": "full", "offload": "optimizer"}, 2, "--offload optimizer with --fsdp"),
-    ({"fsdp": "full"}, 1, "--fsdp full on one rank shards nothing; add --nproc 2 or more, or --offload optimizer+params"),
-])
+@pytest.mark.parametrize(
+    "knobs, nproc, message",
+    [
+        ({"fsdp": "banana"}, 2, "--fsdp 'banana' is not known; use off, full or grad-op"),
+        ({"fsdp": "full", "zero_stage": 3}, 2, "--fsdp full with --zero-stage 3: one sharding per config"),
+        ({"fsdp": "full", "offload": "optimizer"}, 2, "--offload optimizer with --fsdp"),
+        (
+            {"fsdp": "full"},
+            1,
+            "--fsdp full on one rank shards nothing; add --nproc 2 or more, or --offload optimizer+params",
+        ),
+    ],
+)
 def test_fsdp_that_means_nothing_is_refused_before_a_trial(knobs, nproc, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
-        run_trial(Workload(model="builtin:llama-tiny", nproc=nproc, global_batch=4),
-                  TrialConfig(micro_batch=1, **knobs))
+        run_trial(
+            Workload(model="builtin:llama-tiny", nproc=nproc, global_batch=4), TrialConfig(micro_batch=1, **knobs)
+        )

@@ -22,7 +22,7 @@ def test_steps_that_disagree_are_measured_again_until_they_settle():
     times = time_steps(_steps([0.05, 0.15, 0.05, 0.05, 0.05, 0.05]), lambda: None, warmup=0, steps=2)
     assert 3 <= len(times.seconds) <= 6
     assert times.settled and times.spread <= 0.1
-    assert abs(times.median_s - 0.05) < 0.02   # the median ignores the disturbed step
+    assert abs(times.median_s - 0.05) < 0.02  # the median ignores the disturbed step
     assert times.disturbed_steps >= 1
 
 
@@ -33,7 +33,7 @@ def test_a_settled_measurement_takes_only_the_steps_asked_for():
 
 def test_a_measurement_that_never_settles_stops_at_its_bounds_and_says_so():
     times = time_steps(_steps([0.02, 0.08] * 20), lambda: None, warmup=0, steps=2, max_steps=3)
-    assert len(times.seconds) == 3 and not times.settled   # the step bound
+    assert len(times.seconds) == 3 and not times.settled  # the step bound
     times = time_steps(_steps([0.02, 0.08] * 20), lambda: None, warmup=0, steps=2)
     # The time bound: extra steps start only within as much time as the first steps took.
     first, extra = sum(times.seconds[:2]), times.seconds[2:]

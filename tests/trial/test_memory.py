@@ -22,13 +22,17 @@ def test_budget_raises_the_same_oom_as_a_device():
     with pytest.raises(torch.OutOfMemoryError, match="--memory-budget"):
         with LiveBytesTracker(budget_bytes=10_000):
             keep = [torch.empty(1000) for _ in range(10)]  # noqa: F841 - 40 kB live
-    
+
 
 def test_checkpointed_backward_runs_under_the_tracker_and_lowers_the_peak():
     from torch.utils.checkpoint import checkpoint
 
-    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(),
-                                                       torch.nn.Linear(1024, 256)) for _ in range(4)])
+    layers = torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+            for _ in range(4)
+        ]
+    )
 
     def peak(checkpointed: bool) -> int:
         x = torch.randn(64, 256, requires_grad=True)

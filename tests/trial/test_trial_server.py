@@ -55,7 +55,7 @@ def test_two_forked_ranks_measure_what_torchrun_s_ranks_measure(monkeypatch):
     assert forked.optimizer_state_bytes == torchrun.optimizer_state_bytes
     # The same peaks, but for the gradient buckets a rank still holds while the other catches up: on a
     # busy machine one CI run saw 3 more 64 KiB buckets (1.3%) live at rank 0's peak under torchrun.
-    for forked_peak, torchrun_peak in zip(forked.peak_memory_per_rank, torchrun.peak_memory_per_rank):
+    for forked_peak, torchrun_peak in zip(forked.peak_memory_per_rank, torchrun.peak_memory_per_rank, strict=True):
         assert forked_peak == pytest.approx(torchrun_peak, rel=0.02)
 
 
@@ -82,16 +82,18 @@ def test_a_killed_server_takes_its_trial_along_and_the_next_trial_starts_a_new_o
     killer = threading.Thread(target=kill_server_once_the_trial_runs)
     killer.start()
     try:
-        hung = _run(monkeypatch, "on", workload=Workload(model="factories:hang", seq_len=16, global_batch=4),
-                    timeout_s=120)
+        hung = _run(
+            monkeypatch, "on", workload=Workload(model="factories:hang", seq_len=16, global_batch=4), timeout_s=120
+        )
     finally:
         trial_over.set()
         killer.join()
     assert killed.is_set(), f"the hanging trial never showed up under the server: {hung.status.value}, {hung.error}"
     assert hung.status is TrialStatus.CRASHED, hung.error
     deadline = time.monotonic() + 10  # PR_SET_PDEATHSIG delivers the trial's SIGKILL
-    while any(p.info["name"] == TRIAL_PROCESS_NAME for p in psutil.process_iter(["name"])) \
-            and time.monotonic() < deadline:
+    while (
+        any(p.info["name"] == TRIAL_PROCESS_NAME for p in psutil.process_iter(["name"])) and time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     assert not any(p.info["name"] == TRIAL_PROCESS_NAME for p in psutil.process_iter(["name"]))
     after = _run(monkeypatch, "on")
@@ -103,14 +105,25 @@ def test_a_process_whose_parent_died_before_it_asked_to_die_with_it_exits_at_onc
     # The race a forked trial runs: its server is killed between fork() and die_with_parent(). Asked
     # against the pid taken before the fork, the orphan notices (getppid() now names its reaper).
     started = time.monotonic()
-    orphan = subprocess.run(["sh", "-c", (
-        f"{sys.executable} -c 'import sys, time; time.sleep(1); "
-        "from autotune.trial.lifeline import die_with_parent; die_with_parent(int(sys.argv[1])); "
-        "time.sleep(60); sys.exit(0)' $$ & echo $!")], capture_output=True, text=True, check=True)
+    orphan = subprocess.run(
+        [
+            "sh",
+            "-c",
+            (
+                f"{sys.executable} -c 'import sys, time; time.sleep(1); "
+                "from autotune.trial.lifeline import die_with_parent; die_with_parent(int(sys.argv[1])); "
+                "time.sleep(60); sys.exit(0)' $$ & echo $!"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     pid = int(orphan.stdout.strip())
     deadline = time.monotonic() + 30
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE \
-            and time.monotonic() < deadline:
+    while (
+        psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert time.monotonic() - started < 30  # it did not sleep its 60 s
@@ -119,10 +132,18 @@ def test_a_process_whose_parent_died_before_it_asked_to_die_with_it_exits_at_onc
 def test_trials_on_a_cpu_take_turns_across_processes():
     from autotune.search.workers import cpu_turn
 
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\nfrom autotune.search.workers import cpu_turn\n"
-        "with cpu_turn('cpu'):\n    print('holding', flush=True)\n    time.sleep(30)\n")],
-        stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time\nfrom autotune.search.workers import cpu_turn\n"
+                "with cpu_turn('cpu'):\n    print('holding', flush=True)\n    time.sleep(30)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "holding"
         lock = Path(tempfile.gettempdir()) / f"autotune-{os.getuid()}-cpu.turn.lock"

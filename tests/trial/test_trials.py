@@ -13,13 +13,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+from processes import started_here, trial_processes
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.trial.measure import MAX_STEPS_FACTOR
 from autotune.trial.result import TrialStatus
 from autotune.trial.runner import run_trial
-from processes import started_here, trial_processes
 
 GPT2 = Workload(model="builtin:gpt2-tiny", seq_len=64, global_batch=8)
 LLAMA = Workload(model="builtin:llama-tiny", seq_len=64, global_batch=8)
@@ -44,8 +44,9 @@ def test_a_trial_reports_what_it_measured(gpt2_baseline):
     assert r.step_time_median_s > 0 and r.step_time_iqr_s >= 0
     assert r.peak_memory_bytes > r.optimizer_state_bytes > 0
     assert r.trainable_params == r.total_params > 0
-    assert all(v is not None and v >= 0 for v in (r.phases.startup_s, r.phases.build_s, r.phases.warmup_s,
-                                                  r.phases.measure_s))
+    assert all(
+        v is not None and v >= 0 for v in (r.phases.startup_s, r.phases.build_s, r.phases.warmup_s, r.phases.measure_s)
+    )
     assert math.isfinite(r.final_loss)
 
 
@@ -70,8 +71,9 @@ def test_half_precisions_train_with_a_finite_loss(precision):
     assert math.isfinite(r.final_loss)
 
 
-@pytest.mark.parametrize("stage, offload", [(0, "none"), (1, "none"), (2, "none"), (3, "none"),
-                                            (2, "optimizer"), (3, "optimizer+params")])
+@pytest.mark.parametrize(
+    "stage, offload", [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "optimizer"), (3, "optimizer+params")]
+)
 def test_zero_stages_run_through_real_deepspeed(stage, offload):
     r = trial(GPT2, micro_batch=4, zero_stage=stage, offload=offload)
     assert r.status is TrialStatus.OK, r.error
@@ -140,13 +142,20 @@ def test_a_custom_factory_trains():
 
 
 def _sleepers() -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["cmdline"])
-            if (p.info["cmdline"] or [])[:2] == ["sleep", "317"] and started_here(p)]
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if (p.info["cmdline"] or [])[:2] == ["sleep", "317"] and started_here(p)
+    ]
 
 
 def test_a_budget_too_small_is_an_oom_and_leaves_no_process():
-    r = run_trial(Workload(model="factories:orphan_then_oom", seq_len=16, global_batch=4),
-                  TrialConfig(micro_batch=2), memory_budget_bytes=64 * 2**20, timeout_s=120)
+    r = run_trial(
+        Workload(model="factories:orphan_then_oom", seq_len=16, global_batch=4),
+        TrialConfig(micro_batch=2),
+        memory_budget_bytes=64 * 2**20,
+        timeout_s=120,
+    )
     assert r.status is TrialStatus.OOM, r.error
     assert "--memory-budget" in r.error
     assert r.peak_memory_bytes is not None and r.memory_budget_bytes == 64 * 2**20
@@ -162,8 +171,11 @@ def test_a_builtin_model_over_budget_is_an_oom():
 def test_a_hanging_factory_times_out_within_the_limit(nproc):
     before = _children_but_servers()
     start = time.monotonic()
-    r = run_trial(Workload(model="factories:hang", seq_len=16, global_batch=4, nproc=nproc),
-                  TrialConfig(micro_batch=2), timeout_s=8)  # hung at build or still starting: a timeout either way
+    r = run_trial(
+        Workload(model="factories:hang", seq_len=16, global_batch=4, nproc=nproc),
+        TrialConfig(micro_batch=2),
+        timeout_s=8,
+    )  # hung at build or still starting: a timeout either way
     elapsed = time.monotonic() - start
     assert r.status is TrialStatus.TIMEOUT
     assert elapsed < 8 + 10
@@ -172,22 +184,25 @@ def test_a_hanging_factory_times_out_within_the_limit(nproc):
 
 
 def test_a_segfault_is_a_crash():
-    r = run_trial(Workload(model="factories:segfault", seq_len=16, global_batch=4), TrialConfig(micro_batch=2),
-                  timeout_s=120)
+    r = run_trial(
+        Workload(model="factories:segfault", seq_len=16, global_batch=4), TrialConfig(micro_batch=2), timeout_s=120
+    )
     assert r.status is TrialStatus.CRASHED
     assert r.exit_code == -11 and "SIGSEGV" in r.error
 
 
 def test_a_nan_loss_is_nan():
-    r = run_trial(Workload(model="factories:nan_loss", seq_len=16, global_batch=4), TrialConfig(micro_batch=2),
-                  timeout_s=120)
+    r = run_trial(
+        Workload(model="factories:nan_loss", seq_len=16, global_batch=4), TrialConfig(micro_batch=2), timeout_s=120
+    )
     assert r.status is TrialStatus.NAN
     assert "NonFiniteLossError" in r.error
 
 
 def test_an_exception_in_the_factory_is_an_error_with_its_last_lines():
-    r = run_trial(Workload(model="factories:broken", seq_len=16, global_batch=4), TrialConfig(micro_batch=2),
-                  timeout_s=120)
+    r = run_trial(
+        Workload(model="factories:broken", seq_len=16, global_batch=4), TrialConfig(micro_batch=2), timeout_s=120
+    )
     assert r.status is TrialStatus.ERROR
     assert "ValueError: factory exploded on purpose" in r.error
 
@@ -197,9 +212,11 @@ def test_ctrl_c_during_a_trial_kills_it_and_leaves_no_process(tmp_path):
     import subprocess
     import sys
 
-    script = ("from autotune import TrialConfig, Workload, run_trial\n"
-              "run_trial(Workload(model='factories:hang', seq_len=16, global_batch=4), TrialConfig(micro_batch=2),"
-              " timeout_s=300)\n")
+    script = (
+        "from autotune import TrialConfig, Workload, run_trial\n"
+        "run_trial(Workload(model='factories:hang', seq_len=16, global_batch=4), TrialConfig(micro_batch=2),"
+        " timeout_s=300)\n"
+    )
     driver = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not trial_processes() and time.monotonic() < deadline:  # wait until the trial is running
@@ -221,5 +238,3 @@ def _children_but_servers() -> set[int]:
         except psutil.NoSuchProcess:
             pass
     return pids
-
-
