@@ -116,6 +116,13 @@ OPTIONS = {
         "Measured trials the study should hold (default: the space's); an unfinished study carries on to it.",
     ),
     "timeout": Option(Optional[float], None, ("--timeout",), "Stop starting trials after this many seconds."),
+    "max_time": Option(
+        Optional[str],
+        None,
+        ("--max-time",),
+        "End the whole command within this time (e.g. 60s, 5m, 1h): the search stops early enough to "
+        "confirm the best so far, and says what stayed untried.",
+    ),
     "patience": Option(
         Optional[int],
         None,
@@ -335,6 +342,7 @@ def find(
     space: str,
     n_trials: Optional[int],
     timeout: Optional[float],
+    max_time: Optional[str],
     trial_timeout: float,
     headroom: float,
     storage: Optional[str],
@@ -394,6 +402,7 @@ def find(
             memory_budget_bytes=_size(memory_budget),
             n_trials=n_trials,
             timeout_s=timeout,
+            max_time_s=_duration(max_time, "--max-time"),
             trial_timeout_s=trial_timeout,
             headroom=headroom,
             storage=storage,
@@ -468,6 +477,7 @@ def tune(
     space: str,
     n_trials: Optional[int],
     timeout: Optional[float],
+    max_time: Optional[str],
     trial_timeout: float,
     patience: Optional[int],
     headroom: float,
@@ -497,6 +507,7 @@ def tune(
             memory_budget_bytes=_size(memory_budget),
             n_trials=n_trials,
             timeout_s=timeout,
+            max_time_s=_duration(max_time, "--max-time"),
             trial_timeout_s=trial_timeout,
             patience=patience,
             headroom=headroom,
@@ -747,6 +758,12 @@ def _start_trial_server() -> None:
     from autotune.trial.runner import start_trial_server
 
     start_trial_server()
+
+
+def _duration(text: Optional[str], flag: str) -> Optional[float]:
+    from autotune.sizes import parse_duration
+
+    return parse_duration(text, flag=flag) if text is not None else None
 
 
 def _size(text: str | None) -> int | None:

@@ -1,4 +1,4 @@
-"""Byte sizes as people write them (``512MiB``, ``24GiB``, ``1.5GB``) and back."""
+"""Byte sizes as people write them (``512MiB``, ``24GiB``, ``1.5GB``) and back; durations (``90s``, ``5m``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 from autotune.errors import ConfigError
 
-__all__ = ["parse_size", "format_size"]
+__all__ = ["parse_size", "format_size", "parse_duration"]
 
 _UNITS = {
     "": 1,
@@ -49,3 +49,18 @@ def format_size(size: int | None) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.2f} TiB"
+
+
+_SECONDS = {"": 1.0, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str, *, flag: str) -> float:
+    """Return the seconds in ``text`` (``90``, ``90s``, ``5m``, ``1.5h``); raise ConfigError naming ``flag``."""
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _SECONDS:
+        raise ConfigError(f"{flag} {text!r} is not a duration; write a number with a unit, e.g. 90s, 5m or 1h")
+    seconds = float(match.group(1)) * _SECONDS[unit]
+    if seconds <= 0:
+        raise ConfigError(f"{flag} {text!r} must be longer than zero")
+    return seconds

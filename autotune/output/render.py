@@ -162,6 +162,8 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
     )
     if summary.certainty:
         console.print(f"  how sure: {summary.certainty}", highlight=False, markup=False)
+    if summary.stopped:
+        console.print(f"  search: {summary.stopped}", highlight=False, markup=False)
     samples = (
         f", {_num(best.confirmed_samples_per_s, '{:,.2f}')} samples/s" if best.throughput_unit == TOKENS_PER_S else ""
     )
@@ -305,6 +307,9 @@ class ConsoleProgress:
             f"space {name}: this study goes on with the {name} space it was started with{grown}; "
             "a new --study searches the grown space"
         )
+
+    def standing(self, *, text: str) -> None:
+        self._say(f"     how sure: {text}")
 
     def stopped(self, *, reason: str) -> None:
         self._say(f"stopped: {reason}")

@@ -17,6 +17,13 @@ Each proposal is the open config ranked first whose memory is known, or predicte
 A family's frontier is found by bisecting its micro batches with the memory estimator (no
 trial spent); without one, by measuring the middle of its unknown micro batches, so an OOM
 halves what is left. A retry of an interrupted trial comes before anything else.
+
+Evidence is owed before the search may end (:meth:`Proposer.owed_values`): for every knob value
+no trial has measured (a prior, the device probe's included, is not evidence about this step), and
+for a value whose one measurement beat what the model predicted for it without that measurement:
+its family is re-ranked by the surprise, and the new top one is measured too. Past that, the
+search has settled (:class:`Outlook`) when no open config's upper prediction (the corrected model
+plus its error) beats the best measured by more than the measurement noise.
 """
 
 from __future__ import annotations
@@ -39,10 +46,52 @@ if TYPE_CHECKING:
     from autotune.search.space import SearchSpace
     from autotune.study.summary import TrialRecord
 
-__all__ = ["Proposer", "implied_too_big", "implied_fits", "straight_line"]
+__all__ = ["Outlook", "Proposer", "implied_too_big", "implied_fits", "straight_line", "MEASUREMENT_NOISE"]
 
 Estimator = Callable[[TrialConfig], "MemoryEstimate | None"]  # None when it cannot say
 _LINE_SLACK = 0.05  # a size the straight line puts more than 5% past the threshold is not estimated
+SLOW_EVIDENCE = 4.0  # an owed value whose prior is this many times below the best waits for the rest: a slow trial
+MEASUREMENT_NOISE = 0.03  # two short trials of one config differ by about this much on a quiet machine
+
+Value = tuple[str, str]  # (knob, repr of its value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outlook:
+    """What the open configs may still bring, against the best measured: the stop on evidence."""
+
+    best: float  # throughput of the fastest config measured that fits; 0 before one
+    top: TrialConfig | None  # the open config predicted fastest among those that should fit
+    predicted: float | None  # its throughput by the corrected model, in the trials' unit
+    error: float | None  # the model's error in log throughput; None until enough trials
+    owed: frozenset[Value]  # knob values a measurement is owed for
+    untried: int  # open configs not known to run out of memory
+
+    @property
+    def upper(self) -> float | None:
+        """The top open config's throughput at the model's error above its prediction."""
+        if self.predicted is None or self.error is None:
+            return None
+        return self.predicted * math.exp(self.error)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing owed, and no open config can beat the best by more than the noise."""
+        upper = self.upper
+        return not self.owed and self.best > 0 and upper is not None and upper <= self.best * (1 + MEASUREMENT_NOISE)
+
+    def describe(self) -> str:
+        """How sure the best so far is, in words."""
+        if self.owed:
+            return "owed a first measurement: " + ", ".join(sorted(f"{k}={v.strip(chr(39))}" for k, v in self.owed))
+        if self.top is None or self.best <= 0:
+            return "nothing open predicted to fit"
+        if self.upper is None:
+            return f"too few trials to bound the {self.untried} untried configs"
+        gain = self.upper / self.best - 1
+        if gain <= MEASUREMENT_NOISE:
+            return f"no untried config predicted to beat it by more than the noise ({gain:+.0%} at most)"
+        return f"an untried config may be up to {gain:+.0%} faster ({self.top.describe()})"
 
 
 class Proposer:
@@ -62,6 +111,9 @@ class Proposer:
         self.candidates = space.candidates(workload, device)
         self.precision_speed = precision_speed
         self.profile: DeviceProfile | None = None  # this device's roofline: the step-time model's prior
+        # True while an answer is wanted before the ranking settles (--max-time, none yet): a proposal
+        # then traces its own family, not every family the re-ranking reaches on the way.
+        self.hurry: Callable[[], bool] = lambda: False
         self._workload = workload
         self._estimator = estimator
         self._limit = limit_bytes
@@ -82,15 +134,15 @@ class Proposer:
     def next_config(self, records: list[TrialRecord], *, unmeasured_only: bool = False) -> TrialConfig | None:
         """The next config to measure, or None when every runnable config is measured or implied.
 
-        ``unmeasured_only``: only configs with a knob value no trial has measured yet (see
-        :meth:`unmeasured_values`), so a prior never dismisses a value on its own.
+        ``unmeasured_only``: only configs with a knob value evidence is owed for (see
+        :meth:`owed_values`), so a prior never dismisses a value on its own.
         """
         too_big = _too_big(records)
         fitting = [r.config for r in records if r.fits]
         open_configs = self._open_configs(records)
         if unmeasured_only:
-            unmeasured = self.unmeasured_values(records)
-            open_configs = [c for c in open_configs if unmeasured & self._values(c)]
+            owed = self.owed_values(records)
+            open_configs = [c for c in open_configs if owed & self._values(c)]
         if not open_configs:
             return None
         retry = next((r.config for r in records if r.status == "interrupted" and r.config in open_configs), None)
@@ -99,8 +151,52 @@ class Proposer:
         while True:  # again when the ranking traced a family on the way (its frontier's estimates): it moved
             traced = len(self._traced)
             proposal = self._ranked_proposal(records, open_configs, fitting, too_big)
-            if len(self._traced) == traced:
+            if len(self._traced) == traced or self.hurry():
                 return proposal
+
+    def outlook(self, records: list[TrialRecord]) -> Outlook:
+        """The best measured, the open config predicted fastest that should fit, and how sure the model is."""
+        too_big = _too_big(records)
+        fitting = [r.config for r in records if r.fits]
+        open_configs = self._open_configs(records)
+        best = max((r.throughput or 0.0 for r in records if r.fits), default=0.0)
+        while True:
+            traced = len(self._traced)
+            model, ranked = self._ranking(records, open_configs)
+            threshold = self._threshold(records)
+            top = next((c for c in ranked if self._may_fit(c, fitting, too_big, threshold)), None)
+            if len(self._traced) == traced or self.hurry():
+                break
+        return Outlook(
+            best=best,
+            top=top,
+            predicted=math.exp(model.predict(top)) if top is not None and best > 0 else None,
+            error=model.error(),
+            owed=frozenset(self.owed_values(records)),
+            untried=len(open_configs),
+        )
+
+    def _ranking(
+        self, records: list[TrialRecord], open_configs: list[TrialConfig]
+    ) -> tuple[ThroughputModel, list[TrialConfig]]:
+        model = self._model(open_configs).fit(_throughputs(records))
+        order = {c: i for i, c in enumerate(self.candidates)}
+        return model, sorted(open_configs, key=lambda c: (-model.predict(c), order[c]))
+
+    def _model(self, configs: list[TrialConfig]) -> ThroughputModel:
+        speed = self.precision_speed or {}
+        return ThroughputModel(
+            self.params_of,
+            self._predicted_throughput,
+            configs,
+            unpredicted_factor=lambda c: math.log(speed.get(c.precision) or 1.0),
+        )
+
+    def _may_fit(
+        self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig], threshold: float
+    ) -> bool:
+        frontier = self._frontier(config, fitting, too_big, threshold)
+        return frontier is None or config.micro_batch <= frontier
 
     def _ranked_proposal(
         self,
@@ -109,40 +205,83 @@ class Proposer:
         fitting: list[TrialConfig],
         too_big: list[TrialConfig],
     ) -> TrialConfig | None:
-        model = ThroughputModel(self.params_of, self._predicted_throughput, open_configs).fit(
-            [(r.config, r.throughput) for r in records if r.status == "ok" and r.throughput]
-        )
-        order = {c: i for i, c in enumerate(self.candidates)}
-        ranked = sorted(open_configs, key=lambda c: (-model.predict(c), order[c]))
+        model, ranked = self._ranking(records, open_configs)
         threshold = self._threshold(records)
         best = max((r.throughput or 0.0 for r in records if r.fits), default=0.0)
-        # The device probe measured each precision's speed here: that is evidence, not a prior.
-        probed = {("precision", repr(p)) for p in self.precision_speed or {}}
-        unmeasured = self.unmeasured_values(records) - probed
-        first = None
+        owed = self.owed_values(records)
+        error = model.error()
+        first = possible = far_owed = None
         for config in ranked:
             frontier = self._frontier(config, fitting, too_big, threshold)
             if frontier is None:  # nothing can tell: measure the middle of what is unknown
                 return first or self._bisecting_trial(config, fitting, too_big, open_configs)
             if config.micro_batch > frontier:
                 continue
-            # Predicted faster than the best measured, or no value left unmeasured: measure it.
-            # Else no trial is expected to beat the best, and for the values no trial (nor the probe)
-            # has measured only a prior speaks: the fastest config that carries one goes first.
-            if math.exp(model.predict(config)) > best or not unmeasured or unmeasured & self._values(config):
-                return config
             first = first or config
-        return first  # None: every open config is predicted not to fit
+            predicted = math.exp(model.predict(config))
+            if predicted > best:  # predicted to beat the best measured: measure it
+                return first
+            if error is not None and predicted * math.exp(error) > best * (1 + MEASUREMENT_NOISE):
+                return first  # within the model's error of the best
+            if error is None:
+                possible = possible or config  # the error is unknown: within it, maybe
+            if owed & self._values(config):
+                # A value's first measurement: at its most promising family's frontier, where its
+                # throughput is highest (the micro batch saturates), not at a size the prior happens to like.
+                largest = config.replace(micro_batch=frontier)
+                chosen = largest if largest in open_configs else config
+                # Before the model's error is known, a value not yet measured tells it more than a
+                # neighbour of a measured config; unless its prior is far below the best, which makes
+                # its trial slow for the evidence it brings: then it waits, still owed, for the rest.
+                if error is not None or predicted * SLOW_EVIDENCE > best:
+                    return chosen
+                far_owed = far_owed or chosen
+        return possible or far_owed or first  # None: every open config is predicted not to fit
+
+    def owed_values(self, records: list[TrialRecord]) -> set[Value]:
+        """Knob values a measurement is owed for before the search may end: those no trial has
+        measured, and those whose one measured config beat its prediction made without it by more
+        than the noise (a surprise: the value's family is re-ranked, and its new top one measured)."""
+        owed = self.unmeasured_values(records)
+        open_configs = self._open_configs(records)
+        still_open = set().union(*(self._values(c) for c in open_configs))
+        points = _throughputs(records)
+        best = max((r.throughput or 0.0 for r in records if r.fits), default=0.0)
+        configs_with: dict[Value, set[TrialConfig]] = {}
+        for config, _ in points:
+            for value in self._values(config):
+                configs_with.setdefault(value, set()).add(config)
+        for value, configs in configs_with.items():
+            if len(configs) != 1 or value not in still_open or not self._multi_valued(value):
+                continue
+            (config,) = configs
+            others = [(c, t) for c, t in points if c != config]
+            if not others:
+                continue
+            without = self._model(open_configs).fit(others)
+            surprise = max(math.log(t) for c, t in points if c == config) - without.predict(config)
+            if surprise <= math.log1p(MEASUREMENT_NOISE):
+                continue  # no surprise: the ranking already holds what it says
+            # Re-ranked by the whole surprise (the fit shrinks one trial's say), does the value's family
+            # now promise more than the best?
+            promising = max(without.predict(c) for c in open_configs if value in self._values(c)) + surprise
+            if math.exp(promising) > best * (1 + MEASUREMENT_NOISE):
+                owed.add(value)
+        return owed
 
     def unmeasured_values(self, records: list[TrialRecord]) -> set[tuple[str, Any]]:
         """Knob values (micro batch aside) the space offers that no trial has measured and that
-        still have a config open: evidence is owed for them before the search may settle."""
-        offered = {
-            (k, repr(v)) for k, values in self.choices.items() if k != "micro_batch" and len(values) > 1 for v in values
-        }
-        seen = set().union(*(self._values(r.config) for r in measured(records)))
+        still have a config open: evidence is owed for them before the search may settle. An
+        out-of-memory trial measured its size, not its speed; one that failed otherwise did measure
+        that the value does not train (it is not owed again)."""
+        offered = {(k, repr(v)) for k, values in self.choices.items() for v in values if self._multi_valued((k, v))}
+        seen = set().union(*(self._values(r.config) for r in measured(records) if r.status != "oom"))
         still_open = set().union(*(self._values(c) for c in self._open_configs(records)))
         return (offered - seen) & still_open
+
+    def _multi_valued(self, value: tuple[str, Any]) -> bool:
+        """A knob (micro batch aside) the space lets move."""
+        return value[0] != "micro_batch" and len(self.choices.get(value[0], ())) > 1
 
     def _values(self, config: TrialConfig) -> set[tuple[str, Any]]:
         return {(k, repr(v)) for k, v in self.params_of(config).items() if k != "micro_batch"}
@@ -262,6 +401,11 @@ class Proposer:
         fit, big = self._known_bounds(family, fitting, too_big)
         middle = family[(fit + big) // 2] if big - fit > 1 else config
         return middle if middle in open_configs else config
+
+
+def _throughputs(records: list[TrialRecord]) -> list[tuple[TrialConfig, float]]:
+    """(config, throughput) of the trials that trained with a figure: what corrects the model."""
+    return [(r.config, r.throughput) for r in records if r.status == "ok" and r.throughput]
 
 
 def _too_big(records: list[TrialRecord]) -> list[TrialConfig]:

@@ -7,8 +7,12 @@ model's step on this device, with no hand-set factor. A config whose family has 
 only the micro batch's saturation ``mb / (mb + 2)`` telling its sizes apart. Measurements correct
 the prior: a ridge regression, in log space, of what was measured over the prior on one indicator
 per knob value and on the saturation term, so one surprising trial moves the ranking half-way,
-several agreeing trials move it all the way. Only the order matters: the driver measures the config
-predicted fastest among those that should fit.
+several agreeing trials move it all the way. The precision is the exception: its prior factor is the
+device probe's matmul speed, evidence about matmuls and not about this step, so once a step in a
+precision has been measured the measurement alone sets that precision's factor (a negligible ridge).
+
+The model also says how far to trust it: :meth:`ThroughputModel.error` is the spread of its
+leave-one-out residuals, which is what the driver's stop on evidence adds to a prediction.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ __all__ = ["ThroughputModel"]
 
 SATURATION_BATCH = 2.0  # per-rank micro batch at which throughput reaches half its plateau
 RIDGE = 0.5  # pull of the prior: a correction is shrunk by RIDGE / (RIDGE + evidence)
+MEASURED_RIDGE = 1e-3  # a measured precision's pull: enough to keep the fit solvable, too weak to matter
+UNTRUSTED_PRIORS = ("precision",)  # knobs whose prior counts only until a step with the value is measured
+MIN_HELD_OUT = 4  # trials the error needs, each predicted without itself, before it means anything
+MAX_LEVERAGE = 0.9  # a trial that alone sets its feature cannot be predicted without itself
 
 
 class ThroughputModel:
@@ -33,20 +41,27 @@ class ThroughputModel:
         params_of: Callable[[TrialConfig], dict[str, Any]],
         predicted: Callable[[TrialConfig], float | None] | None = None,
         configs: list[TrialConfig] = (),
+        unpredicted_factor: Callable[[TrialConfig], float] | None = None,
     ) -> None:  # type: ignore[assignment]
         """``predicted(config)``: the step-time model's log throughput of ``config`` (None where it has
-        none); ``configs``: those to rank, whose predicted ones place the rest (at their mean)."""
+        none); ``configs``: those to rank, whose predicted ones place the rest (at their mean);
+        ``unpredicted_factor(config)``: a log factor the rest carry beside the micro batch's saturation
+        (the device probe's matmul speed of their precision)."""
         self._params_of = params_of
         self._predicted = predicted or (lambda config: None)
+        self._factor = unpredicted_factor or (lambda config: 0.0)
         gaps = [p - self._saturation(c) for c in configs if (p := self._predicted(c)) is not None]
         self._unpredicted = sum(gaps) / len(gaps) if gaps else 0.0
         self._features: list[tuple[str, Any]] = []
         self._weights: list[float] = []
         self._intercept = 0.0
+        self._error: float | None = None
 
     def prior(self, config: TrialConfig) -> float:
         predicted = self._predicted(config)
-        return predicted if predicted is not None else self._unpredicted + self._saturation(config)
+        if predicted is not None:
+            return predicted
+        return self._unpredicted + self._saturation(config) + self._factor(config)
 
     def predict(self, config: TrialConfig) -> float:
         """log tokens/s up to a constant: comparable between configs, not a figure to report."""
@@ -68,10 +83,24 @@ class ThroughputModel:
         # Unpenalised intercept: centre, solve the ridge, put the mean back.
         x_mean, y_mean = X.mean(axis=0), y.mean()
         Xc, yc = X - x_mean, y - y_mean
-        w = np.linalg.solve(Xc.T @ Xc + RIDGE * np.eye(X.shape[1]), Xc.T @ yc)
+        penalty = np.diag([MEASURED_RIDGE if name in UNTRUSTED_PRIORS else RIDGE for name, _ in self._features])
+        inverse = np.linalg.inv(Xc.T @ Xc + penalty)
+        w = inverse @ Xc.T @ yc
         self._weights = [float(v) for v in w]
         self._intercept = float(y_mean - x_mean @ w)
+        # Leave-one-out residuals without refitting: a ridge's residual over (1 - leverage).
+        leverage = np.einsum("ij,jk,ik->i", Xc, inverse, Xc) + 1 / len(points)
+        residuals = yc - Xc @ w
+        held_out = [r / (1 - h) for r, h in zip(residuals, leverage, strict=True) if h <= MAX_LEVERAGE]
+        if len(held_out) >= MIN_HELD_OUT:
+            self._error = float(np.sqrt(np.mean(np.square(held_out))))
         return self
+
+    def error(self) -> float | None:
+        """How far a prediction of a measured knob value may be off, in log throughput: the root mean
+        square of the trials' residuals, each predicted by the fit without itself; None before
+        ``MIN_HELD_OUT`` such trials."""
+        return self._error
 
     def _vector(self, config: TrialConfig) -> list[float]:
         params = {(k, repr(v)) for k, v in self._params_of(config).items() if k != "micro_batch"}

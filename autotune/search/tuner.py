@@ -43,6 +43,7 @@ from autotune.study.records import (
     ANSWER_CONSTRAINT,
     CONFIRM_PREFIX,
     DECISION_KEY,
+    STOP_KEY,
     measured,
     memory_limit,
     ranking,
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
 
     from autotune.estimate.estimator import MemoryEstimate
     from autotune.estimate.step_time import DeviceProfile
-    from autotune.search.proposer import Proposer
+    from autotune.search.proposer import Outlook, Proposer
 
 __all__ = ["tune", "find", "Progress", "TrialBackend", "LocalBackend", "DEFAULT_HEADROOM"]
 
@@ -70,6 +71,8 @@ MAX_CONFIRM_ROUNDS = 3  # one more round when the first ones disagree on who lea
 CONTENDER_BAND = 0.3  # candidates whose first figure is within 30% of the top one's are compared
 MAX_CONTENDERS = 2  # ... at most this many (plus the answer decided before, if any)
 CONFIRM_NOISE = 0.03  # a lead under 3% in some round is "within noise"
+SEARCH_SHARE = 0.8  # under --max-time, the search's share of it at most: the rest confirms the winner
+CONFIRM_RESERVE = 2.5  # ... and at least this many trials' time is left for the leader's re-run
 MAX_CONFIRMATIONS = 3  # decisions per tune call (a new one when every contender of the last was refuted)
 PROBE_KEY = "device_probe"  # study user attribute: matmul speed per precision relative to fp32
 ROOFLINE_KEY = "device_roofline"  # study user attribute: the device profile the step-time model times against
@@ -87,6 +90,7 @@ class Progress(Protocol):
     def dropped(self, *, reasons: list[str]) -> None: ...
     def space_kept(self, *, name: str, added: list[str]) -> None: ...
     def confirming(self, *, record: TrialRecord, steps: int) -> None: ...
+    def standing(self, *, text: str) -> None: ...
     def stopped(self, *, reason: str) -> None: ...
 
 
@@ -111,6 +115,7 @@ def tune(
     memory_budget_bytes: int | None = None,
     n_trials: int | None = None,
     timeout_s: float | None = None,
+    max_time_s: float | None = None,
     trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S,
     patience: int | None = None,
     headroom: float = DEFAULT_HEADROOM,
@@ -128,8 +133,11 @@ def tune(
 
     ``n_trials`` is the study's total of measured trials (default: the space's), so running
     the same call again carries an unfinished study on to it. It stops early on ``timeout_s``
-    (this call's wall time), ``patience`` measured trials without a faster fit, or an
-    exhausted space; then re-runs the winner longer to confirm it. With ``estimate``, a config
+    (this call's wall time), when no untried config is predicted to beat the best by more than
+    the noise (the model's error included: see :class:`~autotune.search.proposer.Outlook`), after
+    ``patience`` measured trials without a faster fit, or on an exhausted space; then re-runs the
+    winner longer to confirm it. ``max_time_s`` bounds the whole call: the search stops early
+    enough to leave the confirmation its share, and the answer says what stayed untried. With ``estimate``, a config
     the memory estimator predicts over the limit by more than 5% is not run but recorded as
     ``skipped`` with its prediction.
 
@@ -144,11 +152,13 @@ def tune(
     from autotune.study.storage import create_study, open_storage, recover_stale_trials
     from autotune.study.stored_facts import record as record_model_facts
 
+    clock = _Clock(max_time_s)
     workload = workload or Workload()
     progress = progress or _Silent()
     _check_numbers(
         n_trials=n_trials,
         timeout_s=timeout_s,
+        max_time_s=max_time_s,
         trial_timeout_s=trial_timeout_s,
         patience=patience,
         headroom=headroom,
@@ -176,8 +186,10 @@ def tune(
     proposer = Proposer(
         space, workload, device, estimator=oracle.lookup if oracle else None, limit_bytes=limit, margin=SKIP_MARGIN
     )
-    proposer.precision_speed = _precision_speed(the_study, backend, proposer.choices.get("precision", ()))
     proposer.profile = _device_profile(the_study, backend) if estimate else None
+    if proposer.profile is None:  # no step-time model: the matmul probe orders the precisions until measured
+        proposer.precision_speed = _precision_speed(the_study, backend, proposer.choices.get("precision", ()))
+    proposer.hurry = clock.hurried
     # What show and export need about the model (LoRA's targets, hidden size), resolved as the trials resolve it.
     record_model_facts(the_study, workload, proposer.choices.get("lora", ()), script=bool(command))
     target = n_trials or space.n_trials
@@ -206,6 +218,7 @@ def tune(
             memory_budget_bytes=budget,
             n_trials=target,
             timeout_s=timeout_s,
+            max_time_s=max_time_s,
             trial_timeout_s=trial_timeout_s,
             patience=patience,
             headroom=headroom,
@@ -223,14 +236,21 @@ def tune(
             while True:
                 with proposal_lock(storage or DEFAULT_STORAGE, study):  # choose and take a config atomically
                     records = records_of(the_study)
-                    # Patience ends a search only once every knob value has been measured (or ruled out).
-                    owed = bool(proposer.unmeasured_values(records)) and _patience_spent(records, patience)
-                    reason = _stop_reason(
-                        records,
-                        target=target,
-                        patience=None if owed else patience,
-                        timeout_s=timeout_s,
-                        elapsed_s=time.monotonic() - started,
+                    outlook = proposer.outlook(records)
+                    if measured(records):
+                        progress.standing(text=outlook.describe())  # how sure the best so far is
+                    # Patience caps a search only once no evidence is owed (see Proposer.owed_values).
+                    owed = bool(outlook.owed) and _patience_spent(records, patience)
+                    reason = (
+                        _stop_reason(
+                            records,
+                            target=target,
+                            patience=None if owed else patience,
+                            timeout_s=timeout_s,
+                            elapsed_s=time.monotonic() - started,
+                        )
+                        or clock.search_over(outlook)
+                        or _settled_reason(outlook)
                     )
                     config = None if reason else proposer.next_config(records, unmeasured_only=owed)
                     if owed and config is None:
@@ -242,13 +262,15 @@ def tune(
                         trial, config = _ask(the_study, proposer, config)
                 if reason:
                     progress.stopped(reason=reason)
+                    the_study.set_user_attr(STOP_KEY, reason)
                     break
                 prediction = oracle.estimate(config, records) if oracle else None
                 if prediction is not None and _skip_if_too_big(the_study, trial, prediction, progress):
                     continue
                 retry = any(r.status == "interrupted" and r.config == config for r in records)
                 progress.trial_started(index=len(measured(records)) + 1, target=target, config=config, retry=retry)
-                record = _measure_in_study(the_study, trial, config, workload, measure, prediction, backend)
+                with clock.timing():
+                    record = _measure_in_study(the_study, trial, config, workload, measure, prediction, backend)
                 progress.trial_finished(
                     record=record,
                     best=next(iter(ranking(records_of(the_study))), None),
@@ -266,7 +288,7 @@ def tune(
                 helper.kill()
                 helper.wait()
     if confirm:
-        _confirm_winner(the_study, proposer, workload, measure, progress, backend)
+        _confirm_winner(the_study, proposer, workload, measure, progress, backend, clock)
     return summarize(the_study, url=storage)
 
 
@@ -294,6 +316,7 @@ def find(
     memory_budget_bytes: int | None = None,
     n_trials: int | None = None,
     timeout_s: float | None = None,
+    max_time_s: float | None = None,
     trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S,
     headroom: float = DEFAULT_HEADROOM,
     storage: str | None = None,
@@ -321,6 +344,7 @@ def find(
         memory_budget_bytes=budget,
         n_trials=n_trials,
         timeout_s=timeout_s,
+        max_time_s=max_time_s,
         trial_timeout_s=trial_timeout_s,
         headroom=headroom,
         storage=storage,
@@ -639,6 +663,54 @@ def _stored(result: TrialResult) -> dict[str, Any]:
     return data
 
 
+class _Clock:
+    """``--max-time``: the whole call's wall time. The search stops when its share is spent, or when the
+    next trial (timed as the median one so far) would overrun it; re-runs then take the rest."""
+
+    def __init__(self, max_time_s: float | None) -> None:
+        self.max_time_s = max_time_s
+        self.started = time.monotonic()
+        self.trial_seconds: list[float] = []
+        self.rerun_seconds: list[float] = []
+
+    @contextlib.contextmanager
+    def timing(self, *, rerun: bool = False) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            (self.rerun_seconds if rerun else self.trial_seconds).append(time.monotonic() - start)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def search_over(self, outlook: Outlook) -> str | None:
+        """Why the search must stop now to leave the confirmation its time; None while it need not."""
+        if self.max_time_s is None:
+            return None
+        next_trial = statistics.median(self.trial_seconds) if self.trial_seconds else 0.0
+        # The leader's first re-run measures CONFIRM_STEPS_FACTOR x the steps: about twice a trial's time.
+        reserve = max(CONFIRM_RESERVE * next_trial, self.max_time_s * (1 - SEARCH_SHARE))
+        if self.elapsed() + next_trial + reserve <= self.max_time_s:
+            return None
+        return (
+            f"--max-time {self.max_time_s:g} s: the search stopped at {self.elapsed():.0f} s to leave the rest "
+            f"for confirming the best; {outlook.untried} configs stayed untried ({outlook.describe()})"
+        )
+
+    def hurried(self) -> bool:
+        """Under --max-time, ranking does not trace on until it settles: a proposal measures what one
+        ranking pass reached (each family is traced when its frontier is first estimated)."""
+        return self.max_time_s is not None
+
+    def holds_a_rerun(self) -> bool:
+        """Whether one more re-run (timed as the longest so far) ends before --max-time."""
+        if self.max_time_s is None:
+            return True
+        longest = max(self.rerun_seconds, default=0.0)
+        return self.elapsed() + longest <= self.max_time_s
+
+
 # -- confirming the winner -----------------------------------------------------------------------
 def _confirm_winner(
     study: optuna.Study,
@@ -647,6 +719,7 @@ def _confirm_winner(
     measure: _Measure,
     progress: Progress,
     backend: TrialBackend,
+    clock: _Clock | None = None,
 ) -> None:
     """Re-run the top candidates longer, interleaved, until a decided answer fits (or re-runs are spent).
 
@@ -658,7 +731,11 @@ def _confirm_winner(
     round's mean, the median over rounds. A re-run that does not train or does not fit refutes
     its candidate (``confirmed`` False); a slower one only ranks it lower: a refuted speed
     demotes, it never turns "fits" into "nothing".
+
+    Under ``--max-time`` (``clock``) the leader's first re-run always runs, so the answer is confirmed;
+    a further re-run only where the time left holds it.
     """
+    clock = clock or _Clock(None)
     limit = memory_limit(study.user_attrs["autotune"])
     steps = measure.measure_steps * CONFIRM_STEPS_FACTOR
     for _ in range(MAX_CONFIRMATIONS):
@@ -674,19 +751,25 @@ def _confirm_winner(
             for record in contenders:
                 if any(not _holds(result, limit) for result in runs[record.number]):
                     continue  # refuted already: no need to time it again
+                if any(runs.values()) and not clock.holds_a_rerun():
+                    break
                 progress.confirming(record=record, steps=steps)
                 # It measures CONFIRM_STEPS_FACTOR x the steps, so it gets as many times the trial's time.
-                runs[record.number].append(
-                    backend.run(
-                        workload,
-                        record.config,
-                        memory_budget_bytes=measure.memory_budget_bytes,
-                        timeout_s=measure.trial_timeout_s * CONFIRM_STEPS_FACTOR,
-                        warmup_steps=measure.warmup_steps + 1,
-                        measure_steps=steps,
+                with clock.timing(rerun=True):
+                    runs[record.number].append(
+                        backend.run(
+                            workload,
+                            record.config,
+                            memory_budget_bytes=measure.memory_budget_bytes,
+                            timeout_s=measure.trial_timeout_s * CONFIRM_STEPS_FACTOR,
+                            warmup_steps=measure.warmup_steps + 1,
+                            measure_steps=steps,
+                        )
                     )
-                )
-        _store_decision(study, proposer, contenders, runs, limit)
+        # Cut short by --max-time: a contender never re-run is not refuted, just not compared.
+        _store_decision(study, proposer, [r for r in contenders if runs[r.number]], runs, limit)
+        if not clock.holds_a_rerun():
+            return
 
 
 def _rounds_agree(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], limit: int) -> bool:
@@ -845,6 +928,19 @@ def _stop_reason(
     return None
 
 
+def _settled_reason(outlook: Outlook) -> str | None:
+    """The stop on evidence: no untried config is predicted to beat the best by more than the noise."""
+    from autotune.search.proposer import MEASUREMENT_NOISE
+
+    if not outlook.settled or outlook.upper is None:
+        return None
+    return (
+        f"settled: the {outlook.untried} untried configs are predicted at most "
+        f"{outlook.upper / outlook.best - 1:+.0%} over the best (the model's error included), "
+        f"within the {MEASUREMENT_NOISE:.0%} noise of a trial"
+    )
+
+
 def _patience_spent(records: list[TrialRecord], patience: int | None) -> bool:
     return patience is not None and _since_improvement(measured(records)) >= patience
 
@@ -890,6 +986,7 @@ def _check_numbers(**values: Any) -> None:
         "timeout_s": "--timeout",
         "trial_timeout_s": "--trial-timeout",
         "patience": "--patience",
+        "max_time_s": "--max-time",
         "warmup_steps": "--warmup-steps",
         "measure_steps": "--steps",
         "workers": "--workers",

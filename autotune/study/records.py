@@ -47,6 +47,7 @@ __all__ = [
 
 CONFIRM_PREFIX = "confirm:"  # study user attribute per re-run winner candidate: confirm:<number>
 DECISION_KEY = "decision"  # study user attribute: the interleaved confirmation's order and lead
+STOP_KEY = "stopped"  # study user attribute: why the last search ended, and what it left untried
 ANSWER_ATTR = "answer_for"  # trial user attribute of the answer trial: the number it confirms
 ANSWER_CONSTRAINT = "answer"  # Optuna constraint: 0 on the answer trial, 1 on every measured one
 _MEASURED = ("ok", "oom", "timeout", "crashed", "nan", "error")
@@ -119,6 +120,7 @@ def summarize(study: optuna.Study | StoredStudy, *, url: str | None, with_import
         importances=_importances(study) if with_importances else None,
         certainty=certainty,
         command=meta.get("command"),
+        stopped=study.user_attrs.get(STOP_KEY),
     )
 
 

@@ -91,6 +91,7 @@ class StudySummary:
     importances: dict[str, float] | None = None  # knob -> share of tokens/s variance (Optuna fANOVA)
     certainty: str | None = None  # how sure the answer is, in words (from the confirmation)
     command: list[str] | None = None  # script mode: the user's training command each trial ran
+    stopped: str | None = None  # why the last search ended, and what it left untried
 
     @property
     def throughput_unit(self) -> str:
@@ -130,6 +131,7 @@ class StudySummary:
             "n_trials": self.n_trials,
             "best": best,
             "importances": self.importances,
+            "stopped": self.stopped,
             "trials": [t.to_dict() for t in self.trials],
         }
 
