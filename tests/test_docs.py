@@ -3,10 +3,12 @@ reference names every public name, and the README stays short, lists the site's 
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 import autotune
@@ -33,9 +35,13 @@ def _nav_pages(nav) -> list[str]:
 
 def test_the_cli_reference_is_the_commands_own_help() -> None:
     gen = _gen_cli()
-    assert gen.PAGE.read_text() == gen.render(), (
-        f"{gen.PAGE.relative_to(ROOT)} disagrees with the commands' --help: run `{gen.COMMAND}` and commit the page"
-    )
+    page, help_ = gen.PAGE.read_text(), gen.render()
+    if page != help_:
+        diff = difflib.unified_diff(page.splitlines(True), help_.splitlines(True), "the page", "the --help", n=0)
+        pytest.fail(
+            f"{gen.PAGE.relative_to(ROOT)} disagrees with the commands' --help: run `{gen.COMMAND}` and commit "
+            f"the page\n{''.join(diff)[:3000]}"
+        )
 
 
 def test_the_api_reference_documents_every_public_name() -> None:
