@@ -73,4 +73,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # this checkout's autotune, whichever one is installed
     sys.exit(main())
