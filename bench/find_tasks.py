@@ -1,5 +1,5 @@
 """`autotune find` on the new tasks, as a user runs it: a tiny T5 (seq2seq-lm), a tiny ViT (image-cls)
-and the README's factory that returns (model, make_batch) with images as its input; each answer
+and the factory of docs/guides/models.md that returns (model, make_batch) with images as its input; each answer
 exported and loaded by the library that reads it.
 
     python bench/find_tasks.py [--out bench/results/find_tasks_cpu.json]
@@ -39,8 +39,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "space.yaml").write_text(SPACE)
-        readme = (ROOT / "README.md").read_text()
-        example = re.search(r"```python\n( *# my_vision\.py.*?)\n *```", readme, re.S).group(1)
+        guide = (ROOT / "docs" / "guides" / "models.md").read_text()
+        example = re.search(r"```python\n( *# my_vision\.py.*?)\n *```", guide, re.S).group(1)
         (work / "my_vision.py").write_text(textwrap.dedent(example))
         for label, model, flags in CASES:
             started = time.perf_counter()

@@ -9,7 +9,7 @@
 * ``module:function``: a factory, called as ``function(task=..., seq_len=...)`` (it may
   declare only the arguments it wants) and returning a ``torch.nn.Module``, or
   ``(model, make_batch)`` where ``make_batch(micro_batch, device)`` returns the keyword
-  arguments of the model's forward: any input, not only token ids (see README).
+  arguments of the model's forward: any input, not only token ids (see docs/guides/models.md).
 
 Only configs are read: weights change neither speed nor memory, so models are randomly
 initialised, directly on the trial's device.

@@ -120,9 +120,9 @@ def test_an_image_classifier_counts_images_and_trains_its_head_under_lora():
     assert 0 < r.trainable_params < r.total_params
 
 
-def test_the_readmes_factory_with_its_own_batch_is_fed_that_batch(tmp_path, monkeypatch):
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    example = re.search(r"```python\n( *# my_vision\.py.*?)\n *```", readme, re.S).group(1)
+def test_the_docs_factory_with_its_own_batch_is_fed_that_batch(tmp_path, monkeypatch):
+    page = (Path(__file__).parents[2] / "docs" / "guides" / "models.md").read_text()
+    example = re.search(r"```python\n( *# my_vision\.py.*?)\n *```", page, re.S).group(1)
     (tmp_path / "my_vision.py").write_text(textwrap.dedent(example))
     monkeypatch.chdir(tmp_path)
     r = trial(Workload(model="my_vision:convnet", global_batch=4), micro_batch=2)
