@@ -14,7 +14,7 @@ predicted fastest among those that should fit.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
@@ -32,8 +32,8 @@ class ThroughputModel:
         self,
         params_of: Callable[[TrialConfig], dict[str, Any]],
         predicted: Callable[[TrialConfig], float | None] | None = None,
-        configs: list[TrialConfig] = (),
-    ) -> None:  # type: ignore[assignment]
+        configs: Sequence[TrialConfig] = (),
+    ) -> None:
         """``predicted(config)``: the step-time model's log throughput of ``config`` (None where it has
         none); ``configs``: those to rank, whose predicted ones place the rest (at their mean)."""
         self._params_of = params_of
