@@ -899,6 +899,7 @@ def _finish(
 
         print_summary(summary)
         if exported:
+            assert wanted_export is not None  # exported only when asked
             print(
                 f"wrote {', '.join(exported)} ({wanted_export}); "
                 f"{_trains_line(summary.best.config, wanted_export, summary.workload)}"

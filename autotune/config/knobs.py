@@ -186,7 +186,7 @@ class TrialConfig:
 
     @property
     def effective_lora_alpha(self) -> int | None:
-        if not self.uses_lora:
+        if self.lora_rank is None:  # not uses_lora
             return None
         return self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
 

@@ -101,10 +101,10 @@ class AllocatorSettings:
                     )
                 fields[bytes_field] = value * _MiB
         if "expandable_segments" in entries:
-            value = entries["expandable_segments"]
-            if value not in ("True", "False"):  # ConfigTokenizer::toBool takes only these two
-                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF expandable_segments:{_show(value)} must be True or False")
-            fields["expandable_segments"] = value == "True"
+            flag = entries["expandable_segments"]
+            if flag not in ("True", "False"):  # ConfigTokenizer::toBool takes only these two
+                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF expandable_segments:{_show(flag)} must be True or False")
+            fields["expandable_segments"] = flag == "True"
         if "roundup_power2_divisions" in entries:
             fields["roundup_power2_divisions"] = _conf_divisions(entries["roundup_power2_divisions"])
         if entries.get("backend", "native") != "native":
@@ -336,6 +336,7 @@ class CachingAllocatorModel:
                 block.size += mapped
                 block.next = None
                 segment.tail = block
+        assert block is not None  # size > 0 (_allocate returns early for 0): a free tail, new pages, or both
         return block
 
     def _new_segment(self, pool: _Pool, size: int, *, expandable: bool) -> _Segment:

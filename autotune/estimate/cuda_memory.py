@@ -15,7 +15,7 @@ Three figures, each the one before plus what it leaves out:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, Sequence
 
 from autotune.config.gpus import GpuSpec
 from autotune.estimate.cuda_allocator import AllocatorSettings, replay
@@ -63,7 +63,7 @@ class CudaMemory:
 
 
 def predict_cuda_memory(
-    events: list[tuple[Hashable, int]],
+    events: Sequence[tuple[Hashable, int]],
     marks: TraceMarks,
     *,
     tensor_peak_bytes: int,
@@ -111,7 +111,7 @@ def predict_cuda_memory(
 
 
 def _with_what_pytorch_adds(
-    events: list[tuple[Hashable, int]], marks: TraceMarks, workspace: int, buckets: list[int]
+    events: Sequence[tuple[Hashable, int]], marks: TraceMarks, workspace: int, buckets: list[int]
 ) -> Iterable[tuple[Hashable, int]]:
     """The trace's events in the order a real job makes them, with what PyTorch adds.
 

@@ -48,7 +48,7 @@ class DepthProxy:
     layers: int
     shallow: Workload
     deeper: Workload  # both with the workload's task, resolved
-    directory: tempfile.TemporaryDirectory  # type: ignore[type-arg]  # kept alive with the proxy
+    directory: tempfile.TemporaryDirectory[str]  # kept alive with the proxy
 
     def to_dict(self) -> dict[str, Any]:
         """What the estimate server needs to trace the copies and draw the line (``predict_memory(proxy=)``)."""

@@ -383,7 +383,7 @@ def trace_step(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autotune.models.sources import resolve_task
-    from autotune.trial.engine import build_engine
+    from autotune.trial.engine import TorchEngine, build_engine
 
     started = time.perf_counter()
     task = task or resolve_task(workload)
@@ -424,6 +424,7 @@ def trace_step(
                     world_size=ranks,
                     mesh=mesh,
                 )
+            assert isinstance(engine, TorchEngine)  # the plain config: ZeRO is arithmetic on it, never DeepSpeed
             if config.uses_deepspeed and engine.autocast_dtype is not None:
                 # DeepSpeed's fp16/bf16 modes train a 16-bit model (no autocast): 16-bit activations.
                 _to_16_bit(engine)
@@ -937,13 +938,15 @@ def _adapters_stay_put(device_type: str) -> Iterator[None]:
             return module  # everything is on the traced device, in that dtype, already
         return original_to(module, *args, **kwargs)
 
-    BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *args, **kwargs: None
-    torch.nn.Module.to = to_unless_a_no_op
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = (  # type: ignore[method-assign]  # patched inside
+        lambda self, *args, **kwargs: None
+    )
+    torch.nn.Module.to = to_unless_a_no_op  # type: ignore[method-assign,assignment]  # patched inside
     try:
         yield
     finally:
-        BaseTunerLayer._move_adapter_to_device_of_base_layer = original_move
-        torch.nn.Module.to = original_to
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = original_move  # type: ignore[method-assign]  # restored
+        torch.nn.Module.to = original_to  # type: ignore[method-assign]  # restored
 
 
 def _to_16_bit(engine: Any) -> None:

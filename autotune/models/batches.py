@@ -49,6 +49,7 @@ def synthetic_batch(
     """Random inputs and labels of the task's shapes. ``target_len``: an encoder-decoder's decoder
     tokens (default ``seq_len``); ``image_size``: image-cls pixels per side (required there)."""
     if task == "image-cls":
+        assert image_size is not None, "image-cls batches need image_size"
         channels = model_attr(model, "num_channels") or 3
         pixels = torch.randn((micro_batch, channels, image_size, image_size), device=device)
         labels = torch.randint(0, model_attr(model, "num_labels") or 2, (micro_batch,), device=device)

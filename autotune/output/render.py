@@ -53,7 +53,7 @@ def print_trial(
         (
             "step time (median, IQR)",
             "-"
-            if result.step_time_median_s is None
+            if result.step_time_median_s is None or result.step_time_iqr_s is None
             else f"{result.step_time_median_s * 1000:.1f} ms, IQR {result.step_time_iqr_s * 1000:.1f} ms"
             + ("" if result.step_time_spread is None else f" ({result.step_time_spread:.0%} of the median)"),
         ),
@@ -352,7 +352,9 @@ def print_plan(plan: Plan, workload: Workload, *, console: Console | None = None
     for name in ("", "config", f"{unit}{per}", "step", "MFU", "memory", "nvidia-smi", "headroom", ""):
         table.add_column(name, justify="left" if name in ("", "config") else "right", no_wrap=True)
     for rank, row in enumerate(plan.rows[:top], start=1):
-        figure = (row.step.tokens_per_s if unit == "tokens" else row.step.samples_per_s) / workload.nproc
+        per_step = row.step.tokens_per_s if unit == "tokens" else row.step.samples_per_s
+        assert per_step is not None  # one workload: every row counts tokens, or none does
+        figure = per_step / workload.nproc
         table.add_row(
             str(rank),
             row.config.describe(),

@@ -317,6 +317,16 @@ def _scatter_traces(
     return traces
 
 
+def _throughput_of(trial: TrialRecord) -> float:
+    assert trial.throughput is not None  # drawn only from the trials with a throughput
+    return trial.throughput
+
+
+def _peak_mib(trial: TrialRecord) -> float:
+    assert trial.peak_memory_bytes is not None  # drawn only from the trials with a peak
+    return trial.peak_memory_bytes / _MIB
+
+
 def _best_trace(best: TrialRecord, *, x: float, y: float) -> go.Scatter:
     import plotly.graph_objects as go
 
@@ -371,7 +381,7 @@ def _throughput_figure(summary: StudySummary) -> go.Figure:
     fig = go.Figure(
         layout=_base_layout(title=THROUGHPUT_TITLE, x_title="trial number", y_title=summary.throughput_unit)
     )
-    for trace in _scatter_traces(measured, x=lambda t: t.number, y=lambda t: t.throughput):
+    for trace in _scatter_traces(measured, x=lambda t: t.number, y=_throughput_of):
         fig.add_trace(trace)
     for trace in _scatter_traces(failed, x=lambda t: t.number, y=lambda t: 0, suffix=" (no throughput)"):
         fig.add_trace(trace)
@@ -402,11 +412,9 @@ def _memory_figure(summary: StudySummary) -> go.Figure:
     fig = go.Figure(
         layout=_base_layout(title=MEMORY_TITLE, x_title="peak memory (MiB)", y_title=summary.throughput_unit)
     )
-    for trace in _scatter_traces(both, x=lambda t: t.peak_memory_bytes / _MIB, y=lambda t: t.throughput):
+    for trace in _scatter_traces(both, x=_peak_mib, y=_throughput_of):
         fig.add_trace(trace)
-    for trace in _scatter_traces(
-        peak_only, x=lambda t: t.peak_memory_bytes / _MIB, y=lambda t: 0, suffix=" (no throughput)"
-    ):
+    for trace in _scatter_traces(peak_only, x=_peak_mib, y=lambda t: 0, suffix=" (no throughput)"):
         fig.add_trace(trace)
     for trace in _scatter_traces(
         oom_no_peak, x=lambda t: budget_mib, y=lambda t: 0, suffix=" (no peak recorded: drawn at the budget)"

@@ -52,12 +52,14 @@ def refusal_before_trial(workload: Workload, config: TrialConfig, task: str | No
     if config.loss_chunks is not None:
         from autotune.prepare.loss import chunked_loss_refusal
 
+        assert task is not None  # resolved above
         refusal = chunked_loss_refusal(workload, task)
         if refusal is not None:
             return refusal
     if config.attention != "auto":
         from autotune.prepare.attention import attention_refusal
 
+        assert task is not None  # resolved above
         refusal = attention_refusal(workload, config.attention, task)
         if refusal is not None:
             return refusal

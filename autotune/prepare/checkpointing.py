@@ -65,8 +65,9 @@ def enable_checkpointing(model: torch.nn.Module, every: int = 1, *, source: str 
                 f"--checkpointing every-{every}: {source} cannot checkpoint "
                 f"every n-th layer ({exc}); use --checkpointing on or off"
             ) from None
-    if hasattr(getattr(model, "config", None), "use_cache"):
-        model.config.use_cache = False
+    model_config = getattr(model, "config", None)
+    if model_config is not None and hasattr(model_config, "use_cache"):
+        model_config.use_cache = False
 
 
 def every_n_refusal(workload: Workload) -> str | None:

@@ -108,6 +108,7 @@ def apply_lora(model: torch.nn.Module, config: TrialConfig, workload: Workload, 
         plan = lora_targets(workload, config.lora_targets, task=task, model=model)
     except WorkloadError as exc:
         raise ConfigError(str(exc)) from exc
+    assert config.lora_rank is not None and config.effective_lora_alpha is not None, "a LoRA config only"
     lora = LoraConfig(
         r=config.lora_rank, lora_alpha=config.effective_lora_alpha, lora_dropout=0.0, **plan.peft_kwargs()
     )

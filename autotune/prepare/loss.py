@@ -46,7 +46,8 @@ def chunked_loss_refusal(workload: Workload, task: str) -> str | None:
 def chunk_loss(model: torch.nn.Module, chunks: int = DEFAULT_LOSS_CHUNKS, *, source: str = "the model") -> None:
     """Make ``model`` (a Hugging Face causal LM, or PEFT's wrapper of one) compute its loss in
     ``chunks`` slices of tokens, each recomputed in the backward; see the module's docstring."""
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
     head = getattr(base, "lm_head", None)
     if head is None or not hasattr(type(base), "loss_function"):
         raise ConfigError(
@@ -68,8 +69,8 @@ class _ChunkedCrossEntropy:
     def install(self, model: torch.nn.Module) -> None:
         # The head stays the same module (its weights, tying and hooks, e.g. ZeRO-3's gathering,
         # unchanged); only outside the loss does it hand its input through.
-        self.head.forward = self._forward  # type: ignore[method-assign]
-        model.loss_function = self
+        self.head.forward = self._forward
+        model.loss_function = self  # type: ignore[assignment]  # Module.__setattr__ is typed for tensors and modules
 
     def _forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self._head_forward(hidden, *args, **kwargs) if self._in_loss else hidden

@@ -36,13 +36,14 @@ def parameters_on_meta() -> Iterator[None]:
         register(module, name, param)
         if param is not None and param.device.type != "meta":
             kept = module._parameters[name]
+            assert kept is not None  # registered just now
             module._parameters[name] = torch.nn.Parameter(kept.to("meta"), requires_grad=kept.requires_grad)
 
-    torch.nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    torch.nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign,assignment]  # patched inside
     try:
         yield
     finally:
-        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]  # restored
 
 
 def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -58,7 +59,7 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
         for m in model.modules()
         if isinstance(m, torch.nn.ModuleList) and len(m) > 1 and len({type(block) for block in m}) == 1
     ]
-    return list(max(lists, key=len)) if lists else []
+    return [*max(lists, key=len)] if lists else []
 
 
 def shard_model(

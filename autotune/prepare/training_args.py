@@ -131,7 +131,7 @@ def lightning_strategy(
                 "state_dict_type": "sharded",
             },
         }
-    if not config.uses_deepspeed:
+    if config.zero_stage is None:  # not uses_deepspeed
         return "ddp" if workload.nproc > 1 else "auto"
     zero = deepspeed_config(config, workload, hidden_size=hidden_size)["zero_optimization"]
     buckets = {key: zero[key] for key in _LIGHTNING_BUCKETS if key in zero}

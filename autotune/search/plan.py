@@ -246,6 +246,7 @@ def plan_space(
     if profile is None:
         raise ConfigError("--plan: the device probe failed on this GPU; name the card with --gpu NAME instead")
     budget = memory_budget_bytes or device.total_memory_bytes
+    assert budget is not None  # a CUDA device's (or a named card's) memory is known
     proxy = depth_proxy(workload)
 
     # fp16 and bf16 hold the same tensors; where the card multiplies both as fast, one trace times both.

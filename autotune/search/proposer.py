@@ -368,6 +368,7 @@ class Proposer:
                 fit = index
             else:
                 big = index
+                assert self._limit is not None  # _estimate gives None without a limit
                 skip = self._limit * (1 + self._margin)  # what the study records as skipped; closer ones stay open
                 if estimate.predicted_peak_bytes > skip and family[index] not in self._ruled_out:
                     self._ruled_out.append(family[index])

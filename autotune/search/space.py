@@ -330,7 +330,7 @@ class SearchSpace:
             "fused_optimizer": config.fused_optimizer,
             "compile": config.compile,
             "zero": _fsdp_label(config.fsdp, config.offload)
-            if config.uses_fsdp
+            if config.fsdp is not None
             else _zero_label(config.zero_stage, config.offload),
             "lora": lora,
         }

@@ -18,7 +18,7 @@ leave-one-out residuals, which is what the driver's stop on evidence adds to a p
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
@@ -40,9 +40,9 @@ class ThroughputModel:
         self,
         params_of: Callable[[TrialConfig], dict[str, Any]],
         predicted: Callable[[TrialConfig], float | None] | None = None,
-        configs: list[TrialConfig] = (),
+        configs: Sequence[TrialConfig] = (),
         unpredicted_factor: Callable[[TrialConfig], float] | None = None,
-    ) -> None:  # type: ignore[assignment]
+    ) -> None:
         """``predicted(config)``: the step-time model's log throughput of ``config`` (None where it has
         none); ``configs``: those to rank, whose predicted ones place the rest (at their mean);
         ``unpredicted_factor(config)``: a log factor the rest carry beside the micro batch's saturation

@@ -259,11 +259,13 @@ def tune(
                     if reason is None and config is None:
                         reason = "every config of the space is measured, being measured or implied to run out of memory"
                     if not reason:
+                        assert config is not None  # no config: a reason was set above
                         trial, config = _ask(the_study, proposer, config)
                 if reason:
                     progress.stopped(reason=reason)
                     the_study.set_user_attr(STOP_KEY, reason)
                     break
+                assert config is not None  # no reason: a config was taken
                 prediction = oracle.estimate(config, records) if oracle else None
                 if prediction is not None and _skip_if_too_big(the_study, trial, prediction, progress):
                     continue
@@ -634,7 +636,7 @@ class _heartbeat:
     def __init__(self, study: optuna.Study, trial: optuna.Trial) -> None:
         from autotune.study.storage import HEARTBEAT_S
 
-        self._storage = study._storage
+        self._storage: Any = study._storage  # Optuna's RDB storage (maybe cached): BaseStorage has no heartbeat
         self._trial_id = trial._trial_id
         self._stop = threading.Event()
         self._interval = HEARTBEAT_S

@@ -42,6 +42,7 @@ def proposal_lock(url: str, study: str) -> Iterator[None]:
     backend = parsed.get_backend_name()
     with _local_lock:
         if backend == "sqlite":
+            assert parsed.database, "open_storage refuses an in-memory SQLite database"
             lock_path = Path(parsed.database).expanduser().with_suffix(".proposals.lock")
             with open(lock_path, "a") as handle:
                 os.chmod(lock_path, 0o600)
@@ -65,6 +66,7 @@ def _server_lock(url: str, backend: str, study: str) -> Iterator[None]:
     if engine is None:
         engine = _engines[url] = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
     key = int.from_bytes(hashlib.sha256(f"autotune:{study}".encode()).digest()[:8], "big", signed=True)
+    release: tuple[str, dict[str, Any]]
     with engine.connect() as connection:
         if backend == "postgresql":
             connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": key})

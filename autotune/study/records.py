@@ -214,10 +214,12 @@ def measured(records: list[TrialRecord]) -> list[TrialRecord]:
     return [r for r in records if r.status in _MEASURED]
 
 
-def _importances(study: optuna.Study) -> dict[str, float] | None:
+def _importances(study: optuna.Study | StoredStudy) -> dict[str, float] | None:
     """Share of the tokens/s variance each knob explains (Optuna's fANOVA); None with too few trials."""
     import optuna
     from optuna.trial import TrialState
+
+    assert isinstance(study, optuna.Study), "load_summary reads importances through Optuna"
 
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if len(complete) < 4:

@@ -89,6 +89,7 @@ def hidden_size(workload: Workload) -> int | None:
 
 def adapter_config(config: TrialConfig, workload: Workload) -> dict[str, Any]:
     """adapter_config.json's content, as ``LoraConfig.save_pretrained`` writes it for ``config``."""
+    assert config.lora_rank is not None and config.effective_lora_alpha is not None, "a LoRA config only"
     if _of_a_script(workload):  # PEFT picks its default targets for the script's model when it applies them
         return _adapter_config_without_model(
             config.lora_targets, rank=config.lora_rank, alpha=config.effective_lora_alpha

@@ -77,7 +77,7 @@ class TorchEngine(TrainingEngine):
         )
         self.autocast_dtype = getattr(torch, self.config.autocast_type) if self.config.autocast_type else None
         self.scaler = torch.amp.GradScaler(self.device.type) if self.config.precision == "fp16" else None
-        self.forward_model = self.model
+        self.forward_model: Any = self.model  # the model, DDP's wrapper of it, or torch.compile's
         if world_size > 1 and not self.config.uses_fsdp:  # FSDP reduces the gradients itself
             from torch.nn.parallel import DistributedDataParallel
 
@@ -155,7 +155,7 @@ def build_engine(
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     # bf16-true builds in bf16: the build's peak is then the 16-bit model's, not an fp32 copy's.
-    dtype = getattr(torch, config.sixteen_bit) if config.true_16_bit else None
+    dtype = getattr(torch, config.sixteen_bit) if config.true_16_bit and config.sixteen_bit else None
     with _built_where_it_lives(workload, config, device):
         model, make_batch = build_model_and_batch(workload, task=task, device=device, dtype=dtype)
     _random_partitions(model)
@@ -226,13 +226,13 @@ def _no_transformers_init() -> Iterator[None]:
         return
 
     def mark_done(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        module._is_hf_initialized = True
+        module._is_hf_initialized = True  # type: ignore[assignment]  # a flag; Module's __setattr__ types tensors
 
-    PreTrainedModel._initialize_weights = mark_done
+    PreTrainedModel._initialize_weights = mark_done  # type: ignore[method-assign]  # patched inside
     try:
         yield
     finally:
-        PreTrainedModel._initialize_weights = original
+        PreTrainedModel._initialize_weights = original  # type: ignore[method-assign]  # restored
 
 
 def _random_partitions(model: torch.nn.Module) -> None:

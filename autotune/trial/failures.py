@@ -6,6 +6,7 @@ Pure functions, tested on their own; no grepping of stderr.
 from __future__ import annotations
 
 import signal
+from typing import Iterator
 
 from autotune.trial.result import TrialStatus
 
@@ -27,7 +28,7 @@ class NonFiniteLossError(ArithmeticError):
     """The training loss became NaN or infinite."""
 
 
-def _chain(exc: BaseException):
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

@@ -13,7 +13,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeGuard
 
 from autotune.trial.failures import NonFiniteLossError
 
@@ -33,7 +33,7 @@ MAX_STEPS_FACTOR = 3  # an unsettled measurement takes at most 3x the requested 
 MAX_EXTRA_TIME_FACTOR = 1  # ...and at most as much extra time as the requested steps took
 
 
-def unsettled(spread: float | None) -> bool:
+def unsettled(spread: float | None) -> TypeGuard[float]:
     """Whether step times with this spread (IQR / median) still disagreed: a figure to read with it."""
     return spread is not None and spread > SETTLED_SPREAD
 

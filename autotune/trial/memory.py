@@ -58,7 +58,7 @@ class LiveBytesTracker(TorchDispatchMode):
             return out
 
         self._resize = resize
-        torch.UntypedStorage.resize_ = counted_resize  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = counted_resize  # type: ignore[method-assign,assignment]  # while tracking
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:

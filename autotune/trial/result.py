@@ -48,7 +48,8 @@ class PhaseTimings:
     def fixed_cost_s(self) -> float | None:
         """Launch to the first timed step: what every trial pays before it measures anything."""
         parts = (self.startup_s, self.build_s, self.warmup_s)
-        return None if any(p is None for p in parts) else sum(parts) + (self.compile_s or 0.0)
+        known = [p for p in parts if p is not None]
+        return None if len(known) < len(parts) else sum(known) + (self.compile_s or 0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +69,7 @@ class TrialResult:
     peak_allocated_bytes: int | None = None  # CUDA allocated (tracked bytes on CPU); max over ranks
     peak_reserved_bytes: int | None = None  # CUDA only
     build_peak_bytes: int | None = None  # allocated/tracked peak before the first step (model + engine build)
-    peak_memory_per_rank: list[int] | None = None
+    peak_memory_per_rank: list[int | None] | None = None  # None: a rank that wrote no record
     optimizer_state_bytes: int | None = None  # per rank, max over ranks
     trainable_params: int | None = None
     total_params: int | None = None

@@ -380,6 +380,7 @@ def combine_records(
     """One TrialResult from every rank's record: the worst status, rank 0's timings, the largest peaks."""
     written = [r for r in records if r is not None]
     statuses = [TrialStatus(r["status"]) for r in written]
+    error: str | None
     if timed_out:
         status = TrialStatus.TIMEOUT
         error = f"killed after --trial-timeout {timeout_s:g} s\n{stderr_tail}".rstrip()
@@ -392,7 +393,7 @@ def combine_records(
         failed = next(r for r in written if r["status"] == status.value)
         error = failed.get("error") if status is not TrialStatus.OK else None
     base = records[0] or (written[0] if written else {})
-    peaks = [r.get("peak_memory_bytes") for r in written if r.get("peak_memory_bytes") is not None]
+    peaks = [r["peak_memory_bytes"] for r in written if r.get("peak_memory_bytes") is not None]
     fields: dict[str, Any] = {
         k: base.get(k)
         for k in (
