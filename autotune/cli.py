@@ -150,7 +150,9 @@ OPTIONS = {
         Optional[str],
         None,
         ("--storage",),
-        "SQLAlchemy URL of the study database (default sqlite:///storage/autotune.db, under the current directory).",
+        "Where the study lives: a SQLAlchemy URL (default sqlite:///storage/autotune.db, under the current "
+        "directory; postgresql://... for workers on several machines) or journal:///shared/path/study.log "
+        "(a journal file on a shared file system).",
     ),
     "fmt": Option(str, "json", ("--format",), "json, yaml, deepspeed, hf, accelerate, lightning or peft."),
 }
