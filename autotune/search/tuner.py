@@ -50,6 +50,7 @@ from autotune.study.records import (
     retire_answers,
     summarize,
 )
+from autotune.study.stale import RETRY_ATTR, record_heartbeat, recover_stale_trials
 from autotune.study.summary import StudySummary, TrialRecord
 from autotune.trial.result import TrialResult, TrialStatus
 from autotune.trial.runner import DEFAULT_TRIAL_TIMEOUT_S, run_trial
@@ -75,6 +76,7 @@ PROBE_KEY = "device_probe"  # study user attribute: matmul speed per precision r
 ROOFLINE_KEY = "device_roofline"  # study user attribute: the device profile the step-time model times against
 SKIP_MARGIN = 0.05  # skip a config predicted more than 5% over the limit; closer ones still run
 _BROKEN_AFTER = 2  # stop when this many trials, and every one so far, errored or crashed
+_WATCH_S = 2.0  # how often a worker with nothing left to start looks at the others' trials
 
 
 class Progress(Protocol):
@@ -88,6 +90,7 @@ class Progress(Protocol):
     def space_kept(self, *, name: str, added: list[str]) -> None: ...
     def confirming(self, *, record: TrialRecord, steps: int) -> None: ...
     def stopped(self, *, reason: str) -> None: ...
+    def lost(self, *, numbers: list[int]) -> None: ...
 
 
 class _Silent:
@@ -141,7 +144,7 @@ def tune(
     search benchmarks pass one that replays a measured grid through this same driver.
     """
     from autotune.search.proposer import Proposer
-    from autotune.study.storage import create_study, open_storage, recover_stale_trials
+    from autotune.study.storage import create_study, open_storage
     from autotune.study.stored_facts import record as record_model_facts
 
     workload = workload or Workload()
@@ -218,10 +221,17 @@ def tune(
         gpus[1:],
     )
     started = time.monotonic()
+
+    def _timed_out() -> bool:
+        return timeout_s is not None and time.monotonic() - started >= timeout_s
+
     try:
         with _visible_gpus(gpus[0]):
             while True:
                 with proposal_lock(storage or DEFAULT_STORAGE, study):  # choose and take a config atomically
+                    lost = recover_stale_trials(the_study)  # trials of workers that died since
+                    if lost:
+                        progress.lost(numbers=lost)
                     records = records_of(the_study)
                     # Patience ends a search only once every knob value has been measured (or ruled out).
                     owed = bool(proposer.unmeasured_values(records)) and _patience_spent(records, patience)
@@ -238,16 +248,26 @@ def tune(
                     _record_ruled_out(the_study, proposer, oracle, records, progress)
                     if reason is None and config is None:
                         reason = "every config of the space is measured, being measured or implied to run out of memory"
+                    waiting = reason is not None and _waits_on_others(
+                        records, target=target, patience=None if owed else patience, timed_out=_timed_out()
+                    )
                     if not reason:
                         trial, config = _ask(the_study, proposer, config)
+                if waiting:  # another worker's trial may still be lost and owe a retry: watch until it ends
+                    time.sleep(_WATCH_S)
+                    continue
                 if reason:
                     progress.stopped(reason=reason)
                     break
                 prediction = oracle.estimate(config, records) if oracle else None
                 if prediction is not None and _skip_if_too_big(the_study, trial, prediction, progress):
                     continue
-                retry = any(r.status == "interrupted" and r.config == config for r in records)
-                progress.trial_started(index=len(measured(records)) + 1, target=target, config=config, retry=retry)
+                retry_of = _retry_of(records, config)
+                if retry_of is not None:
+                    trial.set_user_attr(RETRY_ATTR, retry_of)
+                progress.trial_started(
+                    index=len(measured(records)) + 1, target=target, config=config, retry=retry_of is not None
+                )
                 record = _measure_in_study(the_study, trial, config, workload, measure, prediction, backend)
                 progress.trial_finished(
                     record=record,
@@ -333,7 +353,7 @@ def find(
 
 
 def _space_to_resume(
-    storage: optuna.storages.RDBStorage, study: str, space: SearchSpace, progress: Progress
+    storage: optuna.storages.BaseStorage, study: str, space: SearchSpace, progress: Progress
 ) -> SearchSpace:
     """The space a study goes on with: a preset that grew since the study began resumes as the
     study stored it (its trials answer that question; the new values are a new study's)."""
@@ -591,7 +611,7 @@ def _too_big(study: optuna.Study, prediction: MemoryEstimate) -> bool:
 def _ask(study: optuna.Study, proposer: Proposer, config: TrialConfig) -> tuple[optuna.Trial, TrialConfig]:
     """A new trial of the study holding ``config`` (enqueued, so the sampler is not consulted),
     and the config it really holds."""
-    from autotune.study.storage import worker_id
+    from autotune.study.stale import worker_id
 
     study.enqueue_trial(proposer.params_of(config))
     with warnings.catch_warnings():
@@ -605,26 +625,26 @@ def _ask(study: optuna.Study, proposer: Proposer, config: TrialConfig) -> tuple[
 
 
 class _heartbeat:
-    """Record Optuna heartbeats while a trial runs, so other workers can tell it is alive."""
+    """Record heartbeats while a trial runs, so other workers can tell it is alive (:mod:`autotune.study.stale`)."""
 
     def __init__(self, study: optuna.Study, trial: optuna.Trial) -> None:
-        from autotune.study.storage import HEARTBEAT_S
+        from autotune.study.stale import heartbeat_s
 
         self._storage = study._storage
         self._trial_id = trial._trial_id
         self._stop = threading.Event()
-        self._interval = HEARTBEAT_S
+        self._interval = heartbeat_s()
         self._thread = threading.Thread(target=self._beat, name="autotune-heartbeat", daemon=True)
 
     def _beat(self) -> None:
         while not self._stop.wait(self._interval):
             try:
-                self._storage.record_heartbeat(self._trial_id)
+                record_heartbeat(self._storage, self._trial_id)
             except Exception:  # a missed beat is not worth failing the trial for
                 pass
 
     def __enter__(self) -> _heartbeat:
-        self._storage.record_heartbeat(self._trial_id)
+        record_heartbeat(self._storage, self._trial_id)
         self._thread.start()
         return self
 
@@ -843,6 +863,31 @@ def _stop_reason(
     if patience is not None and _since_improvement(done) >= patience:
         return f"no faster config that fits in the last {patience} trials (--patience {patience})"
     return None
+
+
+def _waits_on_others(records: list[TrialRecord], *, target: int, patience: int | None, timed_out: bool) -> bool:
+    """Whether a worker with nothing to start should watch the trials other workers are measuring
+    rather than end: one of them may yet be lost (its worker killed, preempted) and its config
+    re-queued, and the study is only done when none is left RUNNING. Not after ``--timeout``,
+    ``--patience`` or a broken workload: those end the search whatever the others measure."""
+    done = measured(records)
+    running = any(r.status == "running" for r in records)
+    return (
+        running
+        and len(done) < target
+        and not timed_out
+        and not _patience_spent(records, patience)
+        and not (len(done) >= _BROKEN_AFTER and all(r.status in ("error", "crashed") for r in done))
+    )
+
+
+def _retry_of(records: list[TrialRecord], config: TrialConfig) -> int | None:
+    """The interrupted trial of ``config`` that a trial of it now measures again (the latest), if any."""
+    retried = {r.retry_of for r in records if r.retry_of is not None}
+    return max(
+        (r.number for r in records if r.status == "interrupted" and r.config == config and r.number not in retried),
+        default=None,
+    )
 
 
 def _patience_spent(records: list[TrialRecord], patience: int | None) -> bool:

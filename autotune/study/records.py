@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.study.sqlite_reader import StoredStudy, read_study_file
+from autotune.study.stale import LOST_ATTR, RETRY_ATTR
 from autotune.study.storage import (
     DEFAULT_STORAGE,
     META_KEY,
@@ -167,6 +168,8 @@ def records_of(study: optuna.Study | StoredStudy) -> list[TrialRecord]:
                 confirmed_peak_memory_bytes=None if confirm is None else confirm.get("peak_memory_bytes"),
                 decided_rank=order.index(trial.number) if trial.number in order else None,
                 step_time_spread=result.get("step_time_spread"),
+                lost=trial.user_attrs.get(LOST_ATTR),
+                retry_of=trial.user_attrs.get(RETRY_ATTR),
             )
         )
     return records
