@@ -134,6 +134,8 @@ def _alive(pid: Any, started: Any) -> bool:
         return False
     try:
         process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:  # killed, and its parent (a tune with helpers) not told yet
+            return False
         # A recycled pid belongs to a process younger than the trial's worker.
         return not isinstance(started, (int, float)) or process.create_time() <= started + 1
     except psutil.NoSuchProcess:
