@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -121,6 +121,8 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
         f"space {summary.space}",
         highlight=False,
     )
+    if summary.worker_jobs:
+        console.print(f"  workers: {worker_jobs_line(summary.worker_jobs)}", highlight=False, markup=False)
     if all_trials:
         table = Table(show_edge=False)
         unit = summary.throughput_unit
@@ -178,6 +180,16 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
         highlight=False,
     )
     console.print(f"  trains: {_trains(best.config, summary.workload)}", highlight=False)
+
+
+def worker_jobs_line(jobs: list[dict[str, Any]]) -> str:
+    """The SLURM jobs that ran workers on a study, e.g. ``SLURM jobs 12 (worker 1 on node3), 13 (...)``."""
+    return "SLURM jobs " + ", ".join(
+        f"{job['job']} (worker {job.get('worker') or '?'} on {job.get('host') or '?'}"
+        + (f", requeued {job['restarts']}x" if job.get("restarts") else "")
+        + ")"
+        for job in jobs
+    )
 
 
 def _status(t: TrialRecord) -> str:

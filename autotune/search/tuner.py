@@ -50,7 +50,7 @@ from autotune.study.records import (
     retire_answers,
     summarize,
 )
-from autotune.study.stale import RETRY_ATTR, record_heartbeat, recover_stale_trials
+from autotune.study.stale import RETRY_ATTR, record_heartbeat, record_worker_job, recover_stale_trials
 from autotune.study.summary import StudySummary, TrialRecord
 from autotune.trial.result import TrialResult, TrialStatus
 from autotune.trial.runner import DEFAULT_TRIAL_TIMEOUT_S, run_trial
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from autotune.estimate.step_time import DeviceProfile
     from autotune.search.proposer import Proposer
 
-__all__ = ["tune", "find", "Progress", "TrialBackend", "LocalBackend", "DEFAULT_HEADROOM"]
+__all__ = ["tune", "find", "find_name", "Progress", "TrialBackend", "LocalBackend", "DEFAULT_HEADROOM"]
 
 DEFAULT_HEADROOM = 0.10  # a config fits when its peak stays 10% under the budget
 CONFIRM_STEPS_FACTOR = 3  # a candidate's re-run measures 3x as many steps
@@ -126,6 +126,7 @@ def tune(
     progress: Progress | None = None,
     backend: TrialBackend | None = None,
     command: list[str] | None = None,
+    worker_number: int | None = None,
 ) -> StudySummary:
     """Search ``space`` for the fastest config of ``workload`` that fits; return the study read back.
 
@@ -173,6 +174,7 @@ def tune(
         workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom, command=command
     )
     the_study = create_study(opened, study, meta)
+    record_worker_job(the_study, worker=worker_number)
     recovered = recover_stale_trials(the_study)
     limit = memory_limit(the_study.user_attrs["autotune"])
     oracle = _Oracle(backend, workload) if estimate else None
@@ -325,17 +327,13 @@ def find(
 ) -> StudySummary:
     """One question, one answer: ``tune`` under a study name derived from workload, device, budget, space.
     (How many steps a trial measures is how the question is answered, not part of it.)"""
-    from autotune.study.storage import find_study_name
-
     workload = workload or Workload()
-    device = detect_device(workload.device)
     space = space if isinstance(space, SearchSpace) else load_space(space)
-    budget = _budget(memory_budget_bytes, device)
-    meta = question(
-        workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom, command=command
+    name, budget = find_name(
+        workload=workload, space=space, memory_budget_bytes=memory_budget_bytes, headroom=headroom, command=command
     )
     return tune(
-        study=find_study_name(meta, space.name),
+        study=name,
         workload=workload,
         space=space,
         memory_budget_bytes=budget,
@@ -350,6 +348,26 @@ def find(
         progress=progress,
         command=command,
     )
+
+
+def find_name(
+    *,
+    workload: Workload,
+    space: SearchSpace,
+    memory_budget_bytes: int | None,
+    headroom: float = DEFAULT_HEADROOM,
+    command: list[str] | None = None,
+) -> tuple[str, int]:
+    """The study ``find`` keeps a question in, and the memory budget it resolves to on this device
+    (a SLURM worker derives both where it runs: the submitting machine may have no GPU)."""
+    from autotune.study.storage import find_study_name
+
+    device = detect_device(workload.device)
+    budget = _budget(memory_budget_bytes, device)
+    meta = question(
+        workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom, command=command
+    )
+    return find_study_name(meta, space.name), budget
 
 
 def _space_to_resume(

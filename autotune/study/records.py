@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.study.sqlite_reader import StoredStudy, read_study_file
-from autotune.study.stale import LOST_ATTR, RETRY_ATTR
+from autotune.study.stale import LOST_ATTR, RETRY_ATTR, worker_jobs
 from autotune.study.storage import (
     DEFAULT_STORAGE,
     META_KEY,
@@ -120,6 +120,7 @@ def summarize(study: optuna.Study | StoredStudy, *, url: str | None, with_import
         importances=_importances(study) if with_importances else None,
         certainty=certainty,
         command=meta.get("command"),
+        worker_jobs=worker_jobs(study.user_attrs),
     )
 
 

@@ -33,6 +33,9 @@ __all__ = [
     "LOST_ATTR",
     "RETRY_ATTR",
     "MAX_LOST",
+    "JOB_ATTR_PREFIX",
+    "record_worker_job",
+    "worker_jobs",
 ]
 
 HEARTBEAT_ENV = "AUTOTUNE_HEARTBEAT_S"  # seconds between a running trial's heartbeats (default 20)
@@ -41,6 +44,7 @@ _MISSED_BEATS = 6  # a trial is stale after this many missed heartbeats
 LOST_ATTR = "lost"  # trial user attribute: why its worker was taken for gone
 RETRY_ATTR = "retry_of"  # trial user attribute: the number of the lost trial this one measures again
 MAX_LOST = 2  # a config lost this many times (its first run and its one retry) is not re-queued
+JOB_ATTR_PREFIX = "slurm_job:"  # study user attribute per SLURM worker job: slurm_job:<id> -> who ran it
 _JOURNAL_BEAT = "autotune:heartbeat"  # trial system attribute on the journal storage: time.time()
 
 
@@ -140,3 +144,28 @@ def _alive(pid: Any, started: Any) -> bool:
         return not isinstance(started, (int, float)) or process.create_time() <= started + 1
     except psutil.NoSuchProcess:
         return False
+
+
+def record_worker_job(study: optuna.Study, worker: int | None = None) -> None:
+    """A worker inside a SLURM job names its job in the study (``show`` and ``studies`` list them)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return
+    who = {
+        "worker": worker,
+        "host": socket.gethostname(),
+        "nodes": os.environ.get("SLURM_JOB_NODELIST"),
+        "started": time.time(),
+        "restarts": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+    }
+    study.set_user_attr(f"{JOB_ATTR_PREFIX}{job}", who)
+
+
+def worker_jobs(user_attrs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The SLURM worker jobs a study names, oldest first: job id, worker number, host, start time."""
+    jobs = [
+        dict(value, job=key.removeprefix(JOB_ATTR_PREFIX))
+        for key, value in user_attrs.items()
+        if key.startswith(JOB_ATTR_PREFIX) and isinstance(value, dict)
+    ]
+    return sorted(jobs, key=lambda job: job.get("started") or 0)

@@ -95,6 +95,7 @@ class StudySummary:
     importances: dict[str, float] | None = None  # knob -> share of tokens/s variance (Optuna fANOVA)
     certainty: str | None = None  # how sure the answer is, in words (from the confirmation)
     command: list[str] | None = None  # script mode: the user's training command each trial ran
+    worker_jobs: list[dict[str, Any]] = field(default_factory=list)  # SLURM jobs that ran workers on it
 
     @property
     def throughput_unit(self) -> str:
@@ -127,6 +128,7 @@ class StudySummary:
             "storage": self.storage,
             "workload": self.workload.to_dict(),
             "command": self.command,
+            "worker_jobs": self.worker_jobs,
             "space": self.space,
             "device": self.device,
             "memory_budget_bytes": self.memory_budget_bytes,
