@@ -921,13 +921,11 @@ def _worker_spec(
     script: Optional[list[str]],
     **rest: Any,
 ) -> dict[str, Any]:
-    """What each SLURM worker tunes (the arguments of autotune.tune), as JSON; a space file by its
-    absolute path, since the jobs start in the submitting directory but may resolve it later."""
-    from pathlib import Path
-
+    """What each SLURM worker tunes (the arguments of autotune.tune), as JSON. A space file keeps the
+    name it was given: the jobs start in the submitting directory (sbatch's default), as a local run would."""
     return {
         "workload": workload.to_dict(),
-        "space": str(Path(space).resolve()) if Path(space).is_file() else space,
+        "space": space,
         "memory_budget_bytes": _size(memory_budget),
         "timeout_s": timeout,
         "trial_timeout_s": trial_timeout,
