@@ -1391,8 +1391,10 @@ def _on_preemption(name: str | None) -> list[int]:
         return came
 
     def interrupt(signum: int, frame: Any) -> None:
+        from autotune.search.tuner import interrupt_safely
+
         came.append(signum)
-        raise KeyboardInterrupt
+        interrupt_safely()
 
     signal.signal(number, interrupt)
     return came

@@ -45,6 +45,10 @@ __all__ = [
 ]
 
 _POLL_S = 2.0
+# States of a job that has ended for good (squeue lists them for MinJobAge, then forgets the job).
+_ENDED = frozenset(
+    {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT"}
+)
 _SIGNAL = re.compile(r"^(B:)?[A-Z0-9]+(@\d+)?$")
 
 
@@ -66,7 +70,8 @@ class SlurmResources:
     def sbatch_options(self) -> list[str]:
         ranks_per_node = -(-self.nproc // self.nodes)
         given = {key for key, _ in self.options}
-        options = [f"--nodes={self.nodes}", "--ntasks-per-node=1", "--requeue"]
+        # A requeued job appends to its log: what its first run said stays beside what the next one says.
+        options = [f"--nodes={self.nodes}", "--ntasks-per-node=1", "--requeue", "--open-mode=append"]
         if "cpus-per-task" not in given:
             options.append(f"--cpus-per-task={ranks_per_node}")
         for flag, value in (
@@ -174,11 +179,16 @@ def submit_workers(
 
 
 def live_jobs(ids: list[str]) -> dict[str, str]:
-    """The jobs of ``ids`` that SLURM still lists, with their state (PENDING, RUNNING, ...)."""
+    """The jobs of ``ids`` that have not ended, with their state (PENDING, RUNNING, REQUEUED, ...)."""
     if not ids:
         return {}
+    # Every state: a job being requeued passes through states squeue leaves out by default.
     done = subprocess.run(
-        ["squeue", "--noheader", "--me", "--format=%i %T"], capture_output=True, text=True, timeout=60, check=False
+        ["squeue", "--noheader", "--me", "--states=all", "--format=%i %T"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     if done.returncode != 0:
         raise ConfigError(f"--executor slurm: squeue failed: {' '.join(done.stderr.split())}")
@@ -186,7 +196,7 @@ def live_jobs(ids: list[str]) -> dict[str, str]:
     states = {}
     for line in done.stdout.splitlines():
         job, _, state = line.strip().partition(" ")
-        if job in wanted:
+        if job in wanted and state not in _ENDED:
             states[job] = state
     return states
 

@@ -79,6 +79,23 @@ _BROKEN_AFTER = 2  # stop when this many trials, and every one so far, errored o
 _WATCH_S = 2.0  # how often a worker with nothing left to start looks at the others' trials
 
 
+_stop = {"requested": False, "in_trial": False}
+
+
+def interrupt_safely() -> None:
+    """For a signal handler (a SLURM worker's pre-termination notice): interrupt the tuning as Ctrl-C
+    does, at once while a trial is measured, else at the next safe point, never inside a write to the
+    study (a journal's lock left held would stall every worker)."""
+    _stop["requested"] = True
+    if _stop["in_trial"]:
+        raise KeyboardInterrupt
+
+
+def _stop_point() -> None:
+    if _stop["requested"]:
+        raise KeyboardInterrupt
+
+
 class Progress(Protocol):
     """What the driver tells its caller while it works (the CLI prints it; the API ignores it)."""
 
@@ -230,6 +247,7 @@ def tune(
     try:
         with _visible_gpus(gpus[0]):
             while True:
+                _stop_point()
                 with proposal_lock(storage or DEFAULT_STORAGE, study):  # choose and take a config atomically
                     lost = recover_stale_trials(the_study)  # trials of workers that died since
                     if lost:
@@ -435,15 +453,21 @@ def _measure_in_study(
     if prediction is not None:
         trial.set_user_attr("estimate", prediction.to_dict())  # predicted next to measured, for show
     try:
+        _stop_point()
         with _heartbeat(study, trial):
-            result = backend.run(
-                workload,
-                config,
-                memory_budget_bytes=measure.memory_budget_bytes,
-                timeout_s=measure.trial_timeout_s,
-                warmup_steps=measure.warmup_steps,
-                measure_steps=measure.measure_steps,
-            )
+            _stop["in_trial"] = True
+            try:
+                _stop_point()
+                result = backend.run(
+                    workload,
+                    config,
+                    memory_budget_bytes=measure.memory_budget_bytes,
+                    timeout_s=measure.trial_timeout_s,
+                    warmup_steps=measure.warmup_steps,
+                    measure_steps=measure.measure_steps,
+                )
+            finally:
+                _stop["in_trial"] = False
     except KeyboardInterrupt:
         trial.set_user_attr("status", "interrupted")
         study.tell(trial, state=TrialState.FAIL)

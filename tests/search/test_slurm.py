@@ -212,3 +212,57 @@ def trial_jobs(storage: str) -> set[str]:
     """The study attributes of worker 2's job (worker 1 confirms: it is the one kept alive)."""
     attrs = optuna.load_study(study_name="cancel", storage=open_storage(storage)).user_attrs
     return {key for key, value in attrs.items() if key.startswith("slurm_job:") and value.get("worker") == 2}
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_the_pre_termination_signal_records_the_trial_as_interrupted_and_requeues_the_worker(tmp_path):
+    assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
+    (tmp_path / "space.yaml").write_text(SPACE)
+    storage = f"journal://{tmp_path}/shared/study.log"
+    command = [sys.executable, "-m", "autotune", "tune", "--study", "signal", *ARGS, "--steps", "8", "--json"]
+    command += ["--executor", "slurm", "--workers", "1", "--n-trials", "3", "--storage", storage]
+    command += ["--signal", "B:USR1@60"]
+    tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    signalled = None
+    try:
+        deadline = time.monotonic() + 300
+        while signalled is None and tune.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.3)
+            try:
+                trials = study_trials(storage, "signal")
+            except KeyError:
+                continue
+            running = [t for t in trials if t.state is TrialState.RUNNING and "config" in t.user_attrs]
+            if running:
+                time.sleep(1.0)
+                job = running[0].user_attrs["worker"]["slurm_job"]
+                # What SLURM sends --signal's seconds before the time limit, sent now to the batch shell.
+                subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+                signalled = (running[0].number, job)
+        assert signalled is not None, "the worker never started a trial"
+        number, job = signalled
+        shown = ["scontrol", "show", "job", job]
+        while "Restarts=1" not in subprocess.run(shown, capture_output=True, text=True).stdout:
+            time.sleep(0.3)
+        # A requeued job waits two minutes before it may start again: let it start now.
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+        stdout, stderr = tune.communicate(timeout=600)
+    finally:
+        if tune.poll() is None:
+            tune.kill()
+            tune.communicate()
+    assert tune.returncode == 0, stderr
+    every = study_trials(storage, "signal")
+    assert not [t for t in every if t.state is TrialState.RUNNING]
+    trials = {t.number: t for t in every if ANSWER_ATTR not in t.user_attrs}
+    interrupted = trials[number]
+    assert interrupted.state is TrialState.FAIL and interrupted.user_attrs["status"] == "interrupted"
+    assert LOST_ATTR not in interrupted.user_attrs  # its worker said so itself: not lost
+    retries = [t for t in trials.values() if t.user_attrs.get(RETRY_ATTR) == number]
+    assert len(retries) == 1 and retries[0].user_attrs["status"] == "ok"
+    assert retries[0].user_attrs["worker"]["slurm_job"] == job  # the same job, requeued
+    result = json.loads(stdout)
+    assert [(j["job"], j["restarts"]) for j in result["worker_jobs"]] == [(job, 1)]
+    assert result["best"] is not None
+    assert "requeued 1x" in autotune("show", "--study", "signal", "--storage", storage, cwd=tmp_path).stdout
