@@ -902,11 +902,6 @@ def _slurm_resources(executor: str, *, workload: Workload, nodes: int, **slurm: 
     )
     if slurm["slurm_signal"] is not None:
         resources = dataclasses.replace(resources, signal=slurm["slurm_signal"])
-    if nodes > 1:
-        raise ConfigError(
-            f"--nodes {nodes}: trials spanning several nodes are not run yet (one node per worker job); "
-            "use --nodes 1 with --nproc up to one node's GPUs"
-        )
     return resources
 
 
@@ -951,9 +946,11 @@ def _on_slurm(
         now = ", ".join(f"{job} {state}" for job, state in sorted(states.items())) or "all ended"
         print(f"worker jobs: {now}", file=sys.stderr, flush=True)
 
+    # Several ranks start with srun and a torchrun rendezvous inside the worker's allocation.
+    srun = spec["workload"]["nproc"] > 1
     name, _ = tune_on_slurm(
         study=study,
-        spec=dict(spec, storage=storage),
+        spec=dict(spec, storage=storage, srun=srun),
         workers=workers,
         confirm=confirm,
         resources=resources,

@@ -144,6 +144,7 @@ def tune(
     backend: TrialBackend | None = None,
     command: list[str] | None = None,
     worker_number: int | None = None,
+    srun: bool = False,
 ) -> StudySummary:
     """Search ``space`` for the fastest config of ``workload`` that fits; return the study read back.
 
@@ -182,8 +183,8 @@ def tune(
     budget = _budget(memory_budget_bytes, device)
     # A user's command: its model is its own, so nothing is estimated and every config is measured.
     estimate = estimate and not command
-    backend = backend or (ScriptBackend(device.type, command) if command else LocalBackend(device.type))
-    _check_workload(workload, device)
+    backend = backend or (ScriptBackend(device.type, command) if command else LocalBackend(device.type, srun=srun))
+    _check_workload(workload, device, nodes=_job_nodes() if srun else 1)
     gpus = gpu_slices(workers, workload.nproc, device)
     opened = open_storage(storage)
     space = _space_to_resume(opened, study, space, progress)
@@ -515,10 +516,13 @@ class LocalBackend:
     :func:`autotune.search.workers.cpu_turn`): they compute on the cores a trial is being timed on.
     """
 
-    def __init__(self, device_type: str) -> None:
+    def __init__(self, device_type: str, *, srun: bool = False) -> None:
         self._device_type = device_type
+        self._srun = srun  # a SLURM worker: the ranks start with srun across the job's nodes
 
     def run(self, workload: Workload, config: TrialConfig, **measure: Any) -> TrialResult:
+        if self._srun:  # the job's own cores (and nodes): nothing else of this machine's runs on them
+            return run_trial(workload, config, srun=True, **measure)
         with cpu_turn(self._device_type):
             return run_trial(workload, config, **measure)
 
@@ -961,13 +965,20 @@ def _budget(memory_budget_bytes: int | None, device: DeviceInfo) -> int:
     return device.total_memory_bytes
 
 
-def _check_workload(workload: Workload, device: DeviceInfo) -> None:
+def _job_nodes() -> int:
+    """The nodes of the SLURM job this worker runs in (its trials' ranks spread over them)."""
+    return int(os.environ.get("SLURM_JOB_NUM_NODES") or 1)
+
+
+def _check_workload(workload: Workload, device: DeviceInfo, *, nodes: int = 1) -> None:
     """Refuse a workload that no trial could run, before a study is created for it."""
     from autotune.errors import WorkloadError
     from autotune.models.sources import resolve_task
 
-    if device.type == "cuda" and workload.nproc > device.count:
-        raise WorkloadError(f"--nproc {workload.nproc} needs {workload.nproc} GPUs; {device.count} visible here")
+    if device.type == "cuda" and workload.nproc // nodes > device.count:
+        raise WorkloadError(
+            f"--nproc {workload.nproc} needs {workload.nproc // nodes} GPUs per node; {device.count} visible here"
+        )
     resolve_task(workload)
 
 

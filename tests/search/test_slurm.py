@@ -266,3 +266,43 @@ def test_the_pre_termination_signal_records_the_trial_as_interrupted_and_requeue
     assert [(j["job"], j["restarts"]) for j in result["worker_jobs"]] == [(job, 1)]
     assert result["best"] is not None
     assert "requeued 1x" in autotune("show", "--study", "signal", "--storage", storage, cwd=tmp_path).stdout
+
+
+DDP_SPACE = """\
+description: DDP on two ranks
+n_trials: 1
+knobs:
+  micro_batch: [2]
+  precision: [fp32]
+  checkpointing: [false]
+"""
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_a_two_rank_trial_runs_through_srun_inside_the_workers_allocation(tmp_path):
+    assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
+    (tmp_path / "space.yaml").write_text(DDP_SPACE)
+    storage = f"journal://{tmp_path}/shared/study.log"
+    command = [sys.executable, "-m", "autotune", "tune", "--study", "ranks", *ARGS, "--global-batch", "8"]
+    command += ["--nproc", "2", "--steps", "2", "--no-confirm", "--json", "--executor", "slurm", "--workers", "1"]
+    command += ["--storage", storage]
+    tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    steps: set[str] = set()
+    while tune.poll() is None:  # the trial is a job step of its own: srun inside the worker's job
+        listed = subprocess.run(
+            ["squeue", "--steps", "--me", "--noheader", "--format=%i %j"], capture_output=True, text=True
+        )
+        steps |= {
+            line.split()[0] for line in listed.stdout.splitlines() if not line.split()[0].endswith(("batch", "extern"))
+        }
+        time.sleep(0.3)
+    stdout, stderr = tune.communicate()
+    assert tune.returncode == 0, stderr
+    (trial,) = study_trials(storage, "ranks")
+    job = trial.user_attrs["worker"]["slurm_job"]
+    assert f"{job}.0" in steps, steps
+    result = trial.user_attrs["result"]
+    assert trial.user_attrs["status"] == "ok" and result["world_size"] == 2, result
+    assert len(result["peak_memory_per_rank"]) == 2 and all(p > 0 for p in result["peak_memory_per_rank"])
+    assert not list((tmp_path / "autotune-slurm" / "trials").iterdir())  # the trial's shared folder is gone
