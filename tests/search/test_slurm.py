@@ -306,3 +306,24 @@ def test_a_two_rank_trial_runs_through_srun_inside_the_workers_allocation(tmp_pa
     assert trial.user_attrs["status"] == "ok" and result["world_size"] == 2, result
     assert len(result["peak_memory_per_rank"]) == 2 and all(p > 0 for p in result["peak_memory_per_rank"])
     assert not list((tmp_path / "autotune-slurm" / "trials").iterdir())  # the trial's shared folder is gone
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_find_on_slurm_keeps_its_answer_where_a_local_find_asks_again(tmp_path):
+    assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
+    (tmp_path / "space.yaml").write_text(SPACE)
+    storage = f"journal://{tmp_path}/shared/study.log"
+    find = ("find", *ARGS, "--steps", "2", "--n-trials", "4", "--storage", storage, "--json")
+    slurm = autotune(*find, "--executor", "slurm", "--workers", "2", cwd=tmp_path)
+    assert slurm.returncode == 0, slurm.stderr
+    answer = json.loads(slurm.stdout)
+    assert answer["study"].startswith("find-gpt2-tiny-space-") and len(answer["worker_jobs"]) == 2
+    measured = len([t for t in study_trials(storage, answer["study"]) if ANSWER_ATTR not in t.user_attrs])
+    assert measured == 4
+    # The workers named the study where they ran; asked here, the same question finds it and its answer.
+    local = autotune(*find, cwd=tmp_path)
+    assert local.returncode == 0, local.stderr
+    again = json.loads(local.stdout)
+    assert again["study"] == answer["study"] and again["best"]["config"] == answer["best"]["config"]
+    assert len([t for t in study_trials(storage, answer["study"]) if ANSWER_ATTR not in t.user_attrs]) == measured
