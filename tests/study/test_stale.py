@@ -1,10 +1,13 @@
 """Heartbeats on the real storages: a trial whose worker elsewhere stopped beating is failed once,
-as interrupted with the reason, on SQLite (Optuna's heartbeat table) and on a journal file (the
-heartbeat kept in the journal); a live one is left alone."""
+as interrupted with the reason, on SQLite and PostgreSQL (Optuna's heartbeat table; the server is
+the one .ci/run starts, AUTOTUNE_TEST_POSTGRES_URL) and on a journal file (the heartbeat kept in the
+journal); a live one is left alone."""
 
 from __future__ import annotations
 
+import os
 import time
+import uuid
 import warnings
 
 import optuna
@@ -14,12 +17,24 @@ from optuna.trial import TrialState
 from autotune.study.stale import HEARTBEAT_ENV, LOST_ATTR, record_heartbeat, recover_stale_trials
 from autotune.study.storage import open_storage
 
+POSTGRES_URL = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
+needs_postgres = pytest.mark.skipif(
+    not POSTGRES_URL and not os.environ.get("CI"),
+    reason="no PostgreSQL server: .ci/run starts one and sets AUTOTUNE_TEST_POSTGRES_URL",
+)
 
-@pytest.mark.parametrize("scheme", ["sqlite", "journal"])
+
+@pytest.mark.parametrize("scheme", ["sqlite", "journal", pytest.param("postgresql", marks=needs_postgres)])
 def test_a_trial_whose_remote_worker_stopped_beating_is_failed_as_lost(tmp_path, monkeypatch, scheme):
     monkeypatch.setenv(HEARTBEAT_ENV, "1")  # grace: 6 missed beats
-    url = f"sqlite:///{tmp_path}/s.db" if scheme == "sqlite" else f"journal://{tmp_path}/s.log"
-    study = optuna.create_study(storage=open_storage(url), study_name="s")
+    urls = {
+        "sqlite": f"sqlite:///{tmp_path}/s.db",
+        "journal": f"journal://{tmp_path}/s.log",
+        "postgresql": POSTGRES_URL,
+    }
+    url = urls[scheme]
+    assert url, "CI must start PostgreSQL (.ci/postgres.sh) and set AUTOTUNE_TEST_POSTGRES_URL"
+    study = optuna.create_study(storage=open_storage(url), study_name=f"stale-{uuid.uuid4().hex[:8]}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Optuna: heartbeats are meant for Study.optimize
         dead, live = study.ask(), study.ask()
