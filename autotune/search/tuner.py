@@ -280,16 +280,18 @@ def tune(
                 if reason:
                     progress.stopped(reason=reason)
                     break
-                prediction = oracle.estimate(config, records) if oracle else None
-                if prediction is not None and _skip_if_too_big(the_study, trial, prediction, progress):
-                    continue
-                retry_of = _retry_of(records, config)
-                if retry_of is not None:
-                    trial.set_user_attr(RETRY_ATTR, retry_of)
-                progress.trial_started(
-                    index=len(measured(records)) + 1, target=target, config=config, retry=retry_of is not None
-                )
-                record = _measure_in_study(the_study, trial, config, workload, measure, prediction, backend)
+                # The trial beats from its start: a worker that dies while estimating is found out too.
+                with _heartbeat(the_study, trial):
+                    prediction = oracle.estimate(config, records) if oracle else None
+                    if prediction is not None and _skip_if_too_big(the_study, trial, prediction, progress):
+                        continue
+                    retry_of = _retry_of(records, config)
+                    if retry_of is not None:
+                        trial.set_user_attr(RETRY_ATTR, retry_of)
+                    progress.trial_started(
+                        index=len(measured(records)) + 1, target=target, config=config, retry=retry_of is not None
+                    )
+                    record = _measure_in_study(the_study, trial, config, workload, measure, prediction, backend)
                 progress.trial_finished(
                     record=record,
                     best=next(iter(ranking(records_of(the_study))), None),
@@ -455,20 +457,19 @@ def _measure_in_study(
         trial.set_user_attr("estimate", prediction.to_dict())  # predicted next to measured, for show
     try:
         _stop_point()
-        with _heartbeat(study, trial):
-            _stop["in_trial"] = True
-            try:
-                _stop_point()
-                result = backend.run(
-                    workload,
-                    config,
-                    memory_budget_bytes=measure.memory_budget_bytes,
-                    timeout_s=measure.trial_timeout_s,
-                    warmup_steps=measure.warmup_steps,
-                    measure_steps=measure.measure_steps,
-                )
-            finally:
-                _stop["in_trial"] = False
+        _stop["in_trial"] = True
+        try:
+            _stop_point()
+            result = backend.run(
+                workload,
+                config,
+                memory_budget_bytes=measure.memory_budget_bytes,
+                timeout_s=measure.trial_timeout_s,
+                warmup_steps=measure.warmup_steps,
+                measure_steps=measure.measure_steps,
+            )
+        finally:
+            _stop["in_trial"] = False
     except KeyboardInterrupt:
         trial.set_user_attr("status", "interrupted")
         study.tell(trial, state=TrialState.FAIL)
@@ -664,6 +665,7 @@ def _ask(study: optuna.Study, proposer: Proposer, config: TrialConfig) -> tuple[
         # Optuna warns that heartbeats are meant for Study.optimize; _heartbeat records them here.
         warnings.filterwarnings("ignore", message="Heartbeat of storage")
         trial = study.ask()
+    record_heartbeat(study._storage, trial._trial_id)  # a trial without one is never stale on an RDB storage
     config = proposer.suggest(trial)  # the enqueued params (another worker may have taken ours)
     trial.set_user_attr("config", config.to_dict())
     trial.set_user_attr("worker", worker_id())
