@@ -151,13 +151,43 @@ OPTIONS = {
         ("--confirm/--no-confirm",),
         "Re-run the winner longer at the end (leave it on for one worker of a study).",
     ),
+    # where the workers run
+    "executor": Option(
+        str,
+        "local",
+        ("--executor",),
+        "local: the --workers are processes on this machine; slurm: each worker is a SLURM job holding "
+        "one trial's nodes, GPUs and ranks (needs a journal or PostgreSQL --storage).",
+    ),
+    "nodes": Option(int, 1, ("--nodes",), "Nodes one trial spans (--executor slurm); --nproc counts its ranks in all."),
+    "gpus_per_node": Option(Optional[int], None, ("--gpus-per-node",), "GPUs each worker job asks for per node."),
+    "partition": Option(Optional[str], None, ("--partition",), "SLURM partition of the worker jobs."),
+    "account": Option(Optional[str], None, ("--account",), "SLURM account the worker jobs are charged to."),
+    "slurm_time": Option(Optional[str], None, ("--time",), "Time limit of each worker job, as sbatch takes it."),
+    "qos": Option(Optional[str], None, ("--qos",), "SLURM quality of service of the worker jobs."),
+    "constraint": Option(Optional[str], None, ("--constraint",), "SLURM node features the worker jobs need."),
+    "slurm_signal": Option(
+        Optional[str],
+        None,
+        ("--signal",),
+        "Signal SLURM sends a worker before its time limit or preemption (default B:USR1@120): its "
+        "running trial is recorded as interrupted and the job requeues itself.",
+    ),
+    "slurm_option": Option(
+        Optional[list[str]],
+        None,
+        ("--slurm-option",),
+        "Any other sbatch option as KEY=VALUE (repeat it), e.g. --slurm-option mem=64G.",
+    ),
     # studies
     "study": Option(str, _REQUIRED, ("--study",), "Study name (autotune studies lists them)."),
     "storage": Option(
         Optional[str],
         None,
         ("--storage",),
-        "SQLAlchemy URL of the study database (default sqlite:///storage/autotune.db, under the current directory).",
+        "Where the study lives: a SQLAlchemy URL (default sqlite:///storage/autotune.db, under the current "
+        "directory; postgresql://... for workers on several machines) or journal:///shared/path/study.log "
+        "(a journal file on a shared file system).",
     ),
     "fmt": Option(str, "json", ("--format",), "json, yaml, deepspeed, hf, accelerate, lightning or peft."),
 }
@@ -363,6 +393,17 @@ def find(
     ] = False,
     gpu: Optional[str] = None,
     as_json: bool = False,
+    workers: int = 1,
+    executor: str = "local",
+    nodes: int = 1,
+    gpus_per_node: Optional[int] = None,
+    partition: Optional[str] = None,
+    account: Optional[str] = None,
+    slurm_time: Optional[str] = None,
+    qos: Optional[str] = None,
+    constraint: Optional[str] = None,
+    slurm_signal: Optional[str] = None,
+    slurm_option: Optional[list[str]] = None,
     script: _Script = None,
 ) -> int:
     """Find the fastest config that fits: asking the same question again answers from its study.
@@ -393,6 +434,40 @@ def find(
         _check_format(export)
     elif output is not None:
         raise ConfigError("-o/--output is the file for --export; add --export FORMAT")
+    resources = _slurm_resources(
+        executor,
+        workload=workload,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        partition=partition,
+        account=account,
+        slurm_time=slurm_time,
+        qos=qos,
+        constraint=constraint,
+        slurm_signal=slurm_signal,
+        slurm_option=slurm_option,
+    )
+    if resources is not None:
+        spec = _worker_spec(
+            workload=workload,
+            space=space,
+            memory_budget=memory_budget,
+            n_trials=n_trials,
+            timeout=timeout,
+            trial_timeout=trial_timeout,
+            patience=None,
+            headroom=headroom,
+            storage=storage,
+            estimate=estimate,
+            warmup_steps=warmup_steps,
+            steps=steps,
+            script=script,
+        )
+        summary = _on_slurm(None, spec, workers=workers, confirm=True, resources=resources, storage=storage)
+        written = _export_best(summary, export, output) if export is not None and summary.best else None
+        return _finish(summary, as_json=as_json, exported=written, wanted_export=export)
+    if workers != 1:
+        raise ConfigError(f"--workers {workers} on find is for --executor slurm; use autotune tune --workers here")
     if not script:
         _start_trial_server()
     with _progress(quiet=as_json) as progress:
@@ -488,6 +563,16 @@ def tune(
     workers: int,
     confirm: bool,
     as_json: bool,
+    executor: str,
+    nodes: int,
+    gpus_per_node: Optional[int],
+    partition: Optional[str],
+    account: Optional[str],
+    slurm_time: Optional[str],
+    qos: Optional[str],
+    constraint: Optional[str],
+    slurm_signal: Optional[str],
+    slurm_option: Optional[list[str]],
     script: _Script = None,
 ) -> int:
     """Tune a named study; stop it any time (Ctrl-C) and run the same command to carry on.
@@ -497,6 +582,37 @@ def tune(
     """
     from autotune.search.tuner import tune as tune_study
 
+    resources = _slurm_resources(
+        executor,
+        workload=workload,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        partition=partition,
+        account=account,
+        slurm_time=slurm_time,
+        qos=qos,
+        constraint=constraint,
+        slurm_signal=slurm_signal,
+        slurm_option=slurm_option,
+    )
+    if resources is not None:
+        spec = _worker_spec(
+            workload=workload,
+            space=space,
+            memory_budget=memory_budget,
+            n_trials=n_trials,
+            timeout=timeout,
+            trial_timeout=trial_timeout,
+            patience=patience,
+            headroom=headroom,
+            storage=storage,
+            estimate=estimate,
+            warmup_steps=warmup_steps,
+            steps=steps,
+            script=script,
+        )
+        summary = _on_slurm(study, spec, workers=workers, confirm=confirm, resources=resources, storage=storage)
+        return _finish(summary, as_json=as_json, confirmed=confirm)
     if not script and workers == 1:  # several workers each start their own
         _start_trial_server()
     with _progress(quiet=as_json) as progress:
@@ -616,6 +732,7 @@ def studies(storage: Optional[str], as_json: bool) -> int:
                         "tokens_per_s": s.best.confirmed_tokens_per_s if s.best else None,
                         "throughput": s.best.confirmed_throughput if s.best else None,
                         "throughput_unit": s.throughput_unit,
+                        "worker_jobs": s.worker_jobs,
                     }
                     for s in rows
                 ]
@@ -631,6 +748,10 @@ def studies(storage: Optional[str], as_json: bool) -> int:
             else "no confirmed config"
         )
         print(f"{s.name}  {s.workload.model}  {s.n_trials} trials  best: {best}")
+        if s.worker_jobs:
+            from autotune.output.render import worker_jobs_line
+
+            print(f"  workers: {worker_jobs_line(s.worker_jobs)}")
     return 0
 
 
@@ -753,6 +874,104 @@ def report(
 
 
 # -- helpers of the commands ---------------------------------------------------------------------
+def _slurm_resources(executor: str, *, workload: Workload, nodes: int, **slurm: Any) -> Any:
+    """What each SLURM worker job holds (None: the local executor, where the SLURM flags are refused)."""
+    flags = {
+        "gpus_per_node": "--gpus-per-node",
+        "partition": "--partition",
+        "account": "--account",
+        "slurm_time": "--time",
+        "qos": "--qos",
+        "constraint": "--constraint",
+        "slurm_signal": "--signal",
+        "slurm_option": "--slurm-option",
+    }
+    if executor == "local":
+        if nodes != 1:
+            raise ConfigError(
+                f"--nodes {nodes}: the local executor runs a trial's ranks on this machine only; "
+                "add --executor slurm, or drop --nodes"
+            )
+        given = [flag for name, flag in flags.items() if slurm[name]]
+        if given:
+            raise ConfigError(f"{given[0]} is a SLURM job's option: add --executor slurm, or drop {given[0]}")
+        return None
+    if executor != "slurm":
+        raise ConfigError(f"--executor {executor!r} is not known; use local or slurm")
+    from autotune.search.slurm import SlurmResources, parse_slurm_options
+
+    resources = SlurmResources(
+        nodes=nodes,
+        nproc=workload.nproc,
+        gpus_per_node=slurm["gpus_per_node"],
+        partition=slurm["partition"],
+        account=slurm["account"],
+        time=slurm["slurm_time"],
+        qos=slurm["qos"],
+        constraint=slurm["constraint"],
+        options=parse_slurm_options(slurm["slurm_option"] or []),
+    )
+    if slurm["slurm_signal"] is not None:
+        resources = dataclasses.replace(resources, signal=slurm["slurm_signal"])
+    return resources
+
+
+def _worker_spec(
+    *,
+    workload: Workload,
+    space: str,
+    memory_budget: str | None,
+    timeout: float | None,
+    trial_timeout: float,
+    steps: int,
+    script: Optional[list[str]],
+    **rest: Any,
+) -> dict[str, Any]:
+    """What each SLURM worker tunes (the arguments of autotune.tune), as JSON. A space file keeps the
+    name it was given: the jobs start in the submitting directory (sbatch's default), as a local run would."""
+    return {
+        "workload": workload.to_dict(),
+        "space": space,
+        "memory_budget_bytes": _size(memory_budget),
+        "timeout_s": timeout,
+        "trial_timeout_s": trial_timeout,
+        "measure_steps": steps,
+        "command": list(script) if script else None,
+        **rest,
+    }
+
+
+def _on_slurm(
+    study: str | None, spec: dict[str, Any], *, workers: int, confirm: bool, resources: Any, storage: str | None
+) -> Any:
+    """Submit the worker jobs, say their ids and states on stderr while they run, read the study back."""
+    from autotune.search.slurm import tune_on_slurm
+
+    def submitted(ids: list[str], directory: Any) -> None:
+        confirms = " (worker 1 confirms the winner)" if confirm else ""
+        print(
+            f"submitted SLURM job(s) {', '.join(ids)}{confirms}; their logs: {directory}/", file=sys.stderr, flush=True
+        )
+
+    def changed(states: dict[str, str]) -> None:
+        now = ", ".join(f"{job} {state}" for job, state in sorted(states.items())) or "all ended"
+        print(f"worker jobs: {now}", file=sys.stderr, flush=True)
+
+    # Several ranks start with srun and a torchrun rendezvous inside the worker's allocation.
+    srun = spec["workload"]["nproc"] > 1
+    name, _ = tune_on_slurm(
+        study=study,
+        spec=dict(spec, storage=storage, srun=srun),
+        workers=workers,
+        confirm=confirm,
+        resources=resources,
+        storage=storage,
+        on_submitted=submitted,
+        on_change=changed,
+    )
+    return _summary(name, storage)
+
+
 def _start_trial_server() -> None:
     """Trials will run in this process: start their server now, its imports beside the checks before them."""
     from autotune.trial.runner import start_trial_server
@@ -1129,11 +1348,37 @@ def worker() -> int:
         import transformers  # noqa: F401
     spec = json.loads(sys.stdin.read())
     number = spec.pop("worker")
+    confirm = spec.pop("confirm", False)  # a SLURM worker 1 confirms; a local helper never does
     spec["workload"] = Workload.from_dict(spec["workload"])
+    preempted = _on_preemption(spec.pop("slurm_signal", None))
     try:
+        if spec.pop("find", False):  # the find study's name depends on the device here
+            from autotune.search.space import load_space
+            from autotune.search.tuner import find_name
+
+            spec["space"] = load_space(spec["space"])
+            spec["study"], spec["memory_budget_bytes"] = find_name(
+                workload=spec["workload"],
+                space=spec["space"],
+                memory_budget_bytes=spec["memory_budget_bytes"],
+                headroom=spec["headroom"],
+                command=spec["command"],
+            )
         with ConsoleProgress(prefix=f"[worker {number}] ") as progress:
-            tune(**spec, workers=1, confirm=False, progress=progress)
+            tune(**spec, workers=1, confirm=confirm, progress=progress, worker_number=number)
     except KeyboardInterrupt:
+        if preempted:
+            from autotune.search.slurm import requeue_self
+
+            requeued = requeue_self()
+            import signal
+
+            print(
+                f"autotune: worker {number}: {signal.Signals(preempted[0]).name} from SLURM before the job ends: "
+                f"its trial is recorded as interrupted; {'the job is requeued' if requeued else 'requeue failed'}",
+                file=sys.stderr,
+            )
+            return 0
         return _INTERRUPTED
     except AutotuneError as exc:
         print(f"autotune: worker {number}: error: {exc}", file=sys.stderr)
@@ -1142,6 +1387,32 @@ def worker() -> int:
 
 
 _INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+
+def _on_preemption(name: str | None) -> list[int]:
+    """In a SLURM job, turn the pre-termination signal its --signal asked for into an interrupt (the
+    running trial is recorded as interrupted, not as an error); the list it returns gets the signal's
+    number once it came."""
+    import os
+    import signal
+
+    came: list[int] = []
+    if not name or not os.environ.get("SLURM_JOB_ID"):
+        return came
+    number = getattr(signal, name if name.startswith("SIG") else f"SIG{name}", None)
+    if number is None and name.isdigit():
+        number = int(name)
+    if number is None:
+        return came
+
+    def interrupt(signum: int, frame: Any) -> None:
+        from autotune.search.tuner import interrupt_safely
+
+        came.append(signum)
+        interrupt_safely()
+
+    signal.signal(number, interrupt)
+    return came
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -121,6 +121,8 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
         f"space {summary.space}",
         highlight=False,
     )
+    if summary.worker_jobs:
+        console.print(f"  workers: {worker_jobs_line(summary.worker_jobs)}", highlight=False, markup=False)
     if all_trials:
         table = Table(show_edge=False)
         unit = summary.throughput_unit
@@ -138,13 +140,18 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
             table.add_row(
                 str(t.number),
                 t.config.describe(),
-                t.status,
+                _status(t),
                 _figure(t.throughput, t.step_time_spread),
                 peak,
                 "yes" if t.fits else "no",
                 rerun,
             )
         console.print(table)
+        for t in summary.trials:
+            if t.lost:
+                retries = [r.number for r in summary.trials if r.retry_of == t.number]
+                again = f"; measured again as trial {retries[0]}" if retries else ""
+                console.print(f"  trial {t.number} lost: {t.lost}{again}", highlight=False, markup=False)
     if all_trials and any(t.status == "ok" and unsettled(t.step_time_spread) for t in summary.trials):
         console.print(
             "  ±: half the spread of a trial's step times where they never settled; such a "
@@ -175,6 +182,23 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
         highlight=False,
     )
     console.print(f"  trains: {_trains(best.config, summary.workload)}", highlight=False)
+
+
+def worker_jobs_line(jobs: list[dict[str, Any]]) -> str:
+    """The SLURM jobs that ran workers on a study, e.g. ``SLURM jobs 12 (worker 1 on node3), 13 (...)``."""
+    return "SLURM jobs " + ", ".join(
+        f"{job['job']} (worker {job.get('worker') or '?'} on {job.get('host') or '?'}"
+        + (f", requeued {job['restarts']}x" if job.get("restarts") else "")
+        + ")"
+        for job in jobs
+    )
+
+
+def _status(t: TrialRecord) -> str:
+    """A trial's status, saying when its worker was lost and which trial a retry measures again."""
+    if t.lost:
+        return f"{t.status} (worker lost)"
+    return t.status if t.retry_of is None else f"{t.status} (retry of {t.retry_of})"
 
 
 def nothing_fits(summary: StudySummary) -> list[str]:
@@ -265,6 +289,9 @@ class ConsoleProgress:
         self._say(f"study {study} in {storage}: {measured} of {target} trials measured")
         if recovered:
             self._say(f"  trial(s) {', '.join(map(str, recovered))} were interrupted; retrying their configs")
+
+    def lost(self, *, numbers: list[int]) -> None:
+        self._say(f"trial(s) {', '.join(map(str, numbers))} lost their worker (killed or stopped); re-queued once")
 
     def trial_started(self, *, index: int, target: int, config: TrialConfig, retry: bool) -> None:
         text = f"trial {index}/{target}: {config.describe()}" + ("  (retry)" if retry else "")

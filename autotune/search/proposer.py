@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from autotune.config.knobs import TrialConfig
 from autotune.search.throughput import ThroughputModel
 from autotune.study.records import measured
+from autotune.study.stale import MAX_LOST
 
 if TYPE_CHECKING:
     import optuna
@@ -289,6 +290,11 @@ class Proposer:
     def _open_configs(self, records: list[TrialRecord]) -> list[TrialConfig]:
         done = {r.config for r in measured(records)}
         done |= {r.config for r in records if r.status in ("running", "skipped")}
+        lost: dict[TrialConfig, int] = {}
+        for r in records:
+            if r.lost:
+                lost[r.config] = lost.get(r.config, 0) + 1
+        done |= {c for c, n in lost.items() if n >= MAX_LOST}  # lost on its retry too: not a third time
         too_big = _too_big(records)
         return [c for c in self.candidates if c not in done and not implied_too_big(c, too_big)]
 

@@ -51,6 +51,7 @@ from autotune.study.records import (
     retire_answers,
     summarize,
 )
+from autotune.study.stale import RETRY_ATTR, record_heartbeat, record_worker_job, recover_stale_trials
 from autotune.study.summary import StudySummary, TrialRecord
 from autotune.trial.result import TrialResult, TrialStatus
 from autotune.trial.runner import DEFAULT_TRIAL_TIMEOUT_S, run_trial
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
     from autotune.estimate.step_time import DeviceProfile
     from autotune.search.proposer import Outlook, Proposer
 
-__all__ = ["tune", "find", "Progress", "TrialBackend", "LocalBackend", "DEFAULT_HEADROOM"]
+__all__ = ["tune", "find", "find_name", "Progress", "TrialBackend", "LocalBackend", "DEFAULT_HEADROOM"]
 
 DEFAULT_HEADROOM = 0.10  # a config fits when its peak stays 10% under the budget
 CONFIRM_STEPS_FACTOR = 3  # a candidate's re-run measures 3x as many steps
@@ -78,6 +79,24 @@ PROBE_KEY = "device_probe"  # study user attribute: matmul speed per precision r
 ROOFLINE_KEY = "device_roofline"  # study user attribute: the device profile the step-time model times against
 SKIP_MARGIN = 0.05  # skip a config predicted more than 5% over the limit; closer ones still run
 _BROKEN_AFTER = 2  # stop when this many trials, and every one so far, errored or crashed
+_WATCH_S = 2.0  # how often a worker with nothing left to start looks at the others' trials
+
+
+_stop = {"requested": False, "in_trial": False}
+
+
+def interrupt_safely() -> None:
+    """For a signal handler (a SLURM worker's pre-termination notice): interrupt the tuning as Ctrl-C
+    does, at once while a trial is measured, else at the next safe point, never inside a write to the
+    study (a journal's lock left held would stall every worker)."""
+    _stop["requested"] = True
+    if _stop["in_trial"]:
+        raise KeyboardInterrupt
+
+
+def _stop_point() -> None:
+    if _stop["requested"]:
+        raise KeyboardInterrupt
 
 
 class Progress(Protocol):
@@ -92,6 +111,7 @@ class Progress(Protocol):
     def confirming(self, *, record: TrialRecord, steps: int) -> None: ...
     def standing(self, *, text: str) -> None: ...
     def stopped(self, *, reason: str) -> None: ...
+    def lost(self, *, numbers: list[int]) -> None: ...
 
 
 class _Silent:
@@ -128,6 +148,8 @@ def tune(
     progress: Progress | None = None,
     backend: TrialBackend | None = None,
     command: list[str] | None = None,
+    worker_number: int | None = None,
+    srun: bool = False,
 ) -> StudySummary:
     """Search ``space`` for the fastest config of ``workload`` that fits; return the study read back.
 
@@ -149,7 +171,7 @@ def tune(
     search benchmarks pass one that replays a measured grid through this same driver.
     """
     from autotune.search.proposer import Proposer
-    from autotune.study.storage import create_study, open_storage, recover_stale_trials
+    from autotune.study.storage import create_study, open_storage
     from autotune.study.stored_facts import record as record_model_facts
 
     clock = _Clock(max_time_s)
@@ -171,8 +193,8 @@ def tune(
     budget = _budget(memory_budget_bytes, device)
     # A user's command: its model is its own, so nothing is estimated and every config is measured.
     estimate = estimate and not command
-    backend = backend or (ScriptBackend(device.type, command) if command else LocalBackend(device.type))
-    _check_workload(workload, device)
+    backend = backend or (ScriptBackend(device.type, command) if command else LocalBackend(device.type, srun=srun))
+    _check_workload(workload, device, nodes=_job_nodes() if srun else 1)
     gpus = gpu_slices(workers, workload.nproc, device)
     opened = open_storage(storage)
     space = _space_to_resume(opened, study, space, progress)
@@ -180,6 +202,7 @@ def tune(
         workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom, command=command
     )
     the_study = create_study(opened, study, meta)
+    record_worker_job(the_study, worker=worker_number)
     recovered = recover_stale_trials(the_study)
     limit = memory_limit(the_study.user_attrs["autotune"])
     oracle = _Oracle(backend, workload) if estimate else None
@@ -231,10 +254,18 @@ def tune(
         gpus[1:],
     )
     started = time.monotonic()
+
+    def _timed_out() -> bool:
+        return timeout_s is not None and time.monotonic() - started >= timeout_s
+
     try:
         with _visible_gpus(gpus[0]):
             while True:
+                _stop_point()
                 with proposal_lock(storage or DEFAULT_STORAGE, study):  # choose and take a config atomically
+                    lost = recover_stale_trials(the_study)  # trials of workers that died since
+                    if lost:
+                        progress.lost(numbers=lost)
                     records = records_of(the_study)
                     outlook = proposer.outlook(records)
                     if measured(records):
@@ -258,21 +289,36 @@ def tune(
                     _record_ruled_out(the_study, proposer, oracle, records, progress)
                     if reason is None and config is None:
                         reason = "every config of the space is measured, being measured or implied to run out of memory"
+                    waiting = reason is not None and _waits_on_others(
+                        records,
+                        target=target,
+                        patience=None if owed else patience,
+                        timed_out=_timed_out() or clock.search_over(outlook) is not None,
+                    )
                     if not reason:
                         assert config is not None  # no config: a reason was set above
                         trial, config = _ask(the_study, proposer, config)
+                if waiting:  # another worker's trial may still be lost and owe a retry: watch until it ends
+                    time.sleep(_WATCH_S)
+                    continue
                 if reason:
                     progress.stopped(reason=reason)
                     the_study.set_user_attr(STOP_KEY, reason)
                     break
                 assert config is not None  # no reason: a config was taken
-                prediction = oracle.estimate(config, records) if oracle else None
-                if prediction is not None and _skip_if_too_big(the_study, trial, prediction, progress):
-                    continue
-                retry = any(r.status == "interrupted" and r.config == config for r in records)
-                progress.trial_started(index=len(measured(records)) + 1, target=target, config=config, retry=retry)
-                with clock.timing():
-                    record = _measure_in_study(the_study, trial, config, workload, measure, prediction, backend)
+                # The trial beats from its start: a worker that dies while estimating is found out too.
+                with _heartbeat(the_study, trial):
+                    prediction = oracle.estimate(config, records) if oracle else None
+                    if prediction is not None and _skip_if_too_big(the_study, trial, prediction, progress):
+                        continue
+                    retry_of = _retry_of(records, config)
+                    if retry_of is not None:
+                        trial.set_user_attr(RETRY_ATTR, retry_of)
+                    progress.trial_started(
+                        index=len(measured(records)) + 1, target=target, config=config, retry=retry_of is not None
+                    )
+                    with clock.timing():
+                        record = _measure_in_study(the_study, trial, config, workload, measure, prediction, backend)
                 progress.trial_finished(
                     record=record,
                     best=next(iter(ranking(records_of(the_study))), None),
@@ -330,17 +376,13 @@ def find(
 ) -> StudySummary:
     """One question, one answer: ``tune`` under a study name derived from workload, device, budget, space.
     (How many steps a trial measures is how the question is answered, not part of it.)"""
-    from autotune.study.storage import find_study_name
-
     workload = workload or Workload()
-    device = detect_device(workload.device)
     space = space if isinstance(space, SearchSpace) else load_space(space)
-    budget = _budget(memory_budget_bytes, device)
-    meta = question(
-        workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom, command=command
+    name, budget = find_name(
+        workload=workload, space=space, memory_budget_bytes=memory_budget_bytes, headroom=headroom, command=command
     )
     return tune(
-        study=find_study_name(meta, space.name),
+        study=name,
         workload=workload,
         space=space,
         memory_budget_bytes=budget,
@@ -358,8 +400,28 @@ def find(
     )
 
 
+def find_name(
+    *,
+    workload: Workload,
+    space: SearchSpace,
+    memory_budget_bytes: int | None,
+    headroom: float = DEFAULT_HEADROOM,
+    command: list[str] | None = None,
+) -> tuple[str, int]:
+    """The study ``find`` keeps a question in, and the memory budget it resolves to on this device
+    (a SLURM worker derives both where it runs: the submitting machine may have no GPU)."""
+    from autotune.study.storage import find_study_name
+
+    device = detect_device(workload.device)
+    budget = _budget(memory_budget_bytes, device)
+    meta = question(
+        workload=workload, space=space, device=device, memory_budget_bytes=budget, headroom=headroom, command=command
+    )
+    return find_study_name(meta, space.name), budget
+
+
 def _space_to_resume(
-    storage: optuna.storages.RDBStorage, study: str, space: SearchSpace, progress: Progress
+    storage: optuna.storages.BaseStorage, study: str, space: SearchSpace, progress: Progress
 ) -> SearchSpace:
     """The space a study goes on with: a preset that grew since the study began resumes as the
     study stored it (its trials answer that question; the new values are a new study's)."""
@@ -423,7 +485,10 @@ def _measure_in_study(
     if prediction is not None:
         trial.set_user_attr("estimate", prediction.to_dict())  # predicted next to measured, for show
     try:
-        with _heartbeat(study, trial):
+        _stop_point()
+        _stop["in_trial"] = True
+        try:
+            _stop_point()
             result = backend.run(
                 workload,
                 config,
@@ -432,6 +497,8 @@ def _measure_in_study(
                 warmup_steps=measure.warmup_steps,
                 measure_steps=measure.measure_steps,
             )
+        finally:
+            _stop["in_trial"] = False
     except KeyboardInterrupt:
         trial.set_user_attr("status", "interrupted")
         study.tell(trial, state=TrialState.FAIL)
@@ -479,10 +546,13 @@ class LocalBackend:
     :func:`autotune.search.workers.cpu_turn`): they compute on the cores a trial is being timed on.
     """
 
-    def __init__(self, device_type: str) -> None:
+    def __init__(self, device_type: str, *, srun: bool = False) -> None:
         self._device_type = device_type
+        self._srun = srun  # a SLURM worker: the ranks start with srun across the job's nodes
 
     def run(self, workload: Workload, config: TrialConfig, **measure: Any) -> TrialResult:
+        if self._srun:  # the job's own cores (and nodes): nothing else of this machine's runs on them
+            return run_trial(workload, config, srun=True, **measure)
         with cpu_turn(self._device_type):
             return run_trial(workload, config, **measure)
 
@@ -617,13 +687,14 @@ def _too_big(study: optuna.Study, prediction: MemoryEstimate) -> bool:
 def _ask(study: optuna.Study, proposer: Proposer, config: TrialConfig) -> tuple[optuna.Trial, TrialConfig]:
     """A new trial of the study holding ``config`` (enqueued, so the sampler is not consulted),
     and the config it really holds."""
-    from autotune.study.storage import worker_id
+    from autotune.study.stale import worker_id
 
     study.enqueue_trial(proposer.params_of(config))
     with warnings.catch_warnings():
         # Optuna warns that heartbeats are meant for Study.optimize; _heartbeat records them here.
         warnings.filterwarnings("ignore", message="Heartbeat of storage")
         trial = study.ask()
+    record_heartbeat(study._storage, trial._trial_id)  # a trial without one is never stale on an RDB storage
     config = proposer.suggest(trial)  # the enqueued params (another worker may have taken ours)
     trial.set_user_attr("config", config.to_dict())
     trial.set_user_attr("worker", worker_id())
@@ -631,26 +702,26 @@ def _ask(study: optuna.Study, proposer: Proposer, config: TrialConfig) -> tuple[
 
 
 class _heartbeat:
-    """Record Optuna heartbeats while a trial runs, so other workers can tell it is alive."""
+    """Record heartbeats while a trial runs, so other workers can tell it is alive (:mod:`autotune.study.stale`)."""
 
     def __init__(self, study: optuna.Study, trial: optuna.Trial) -> None:
-        from autotune.study.storage import HEARTBEAT_S
+        from autotune.study.stale import heartbeat_s
 
         self._storage: Any = study._storage  # Optuna's RDB storage (maybe cached): BaseStorage has no heartbeat
         self._trial_id = trial._trial_id
         self._stop = threading.Event()
-        self._interval = HEARTBEAT_S
+        self._interval = heartbeat_s()
         self._thread = threading.Thread(target=self._beat, name="autotune-heartbeat", daemon=True)
 
     def _beat(self) -> None:
         while not self._stop.wait(self._interval):
             try:
-                self._storage.record_heartbeat(self._trial_id)
+                record_heartbeat(self._storage, self._trial_id)
             except Exception:  # a missed beat is not worth failing the trial for
                 pass
 
     def __enter__(self) -> _heartbeat:
-        self._storage.record_heartbeat(self._trial_id)
+        record_heartbeat(self._storage, self._trial_id)
         self._thread.start()
         return self
 
@@ -943,6 +1014,31 @@ def _settled_reason(outlook: Outlook) -> str | None:
     )
 
 
+def _waits_on_others(records: list[TrialRecord], *, target: int, patience: int | None, timed_out: bool) -> bool:
+    """Whether a worker with nothing to start should watch the trials other workers are measuring
+    rather than end: one of them may yet be lost (its worker killed, preempted) and its config
+    re-queued, and the study is only done when none is left RUNNING. Not after ``--timeout``,
+    ``--patience`` or a broken workload: those end the search whatever the others measure."""
+    done = measured(records)
+    running = any(r.status == "running" for r in records)
+    return (
+        running
+        and len(done) < target
+        and not timed_out
+        and not _patience_spent(records, patience)
+        and not (len(done) >= _BROKEN_AFTER and all(r.status in ("error", "crashed") for r in done))
+    )
+
+
+def _retry_of(records: list[TrialRecord], config: TrialConfig) -> int | None:
+    """The interrupted trial of ``config`` that a trial of it now measures again (the latest), if any."""
+    retried = {r.retry_of for r in records if r.retry_of is not None}
+    return max(
+        (r.number for r in records if r.status == "interrupted" and r.config == config and r.number not in retried),
+        default=None,
+    )
+
+
 def _patience_spent(records: list[TrialRecord], patience: int | None) -> bool:
     return patience is not None and _since_improvement(measured(records)) >= patience
 
@@ -972,13 +1068,20 @@ def _budget(memory_budget_bytes: int | None, device: DeviceInfo) -> int:
     return device.total_memory_bytes
 
 
-def _check_workload(workload: Workload, device: DeviceInfo) -> None:
+def _job_nodes() -> int:
+    """The nodes of the SLURM job this worker runs in (its trials' ranks spread over them)."""
+    return int(os.environ.get("SLURM_JOB_NUM_NODES") or 1)
+
+
+def _check_workload(workload: Workload, device: DeviceInfo, *, nodes: int = 1) -> None:
     """Refuse a workload that no trial could run, before a study is created for it."""
     from autotune.errors import WorkloadError
     from autotune.models.sources import resolve_task
 
-    if device.type == "cuda" and workload.nproc > device.count:
-        raise WorkloadError(f"--nproc {workload.nproc} needs {workload.nproc} GPUs; {device.count} visible here")
+    if device.type == "cuda" and workload.nproc // nodes > device.count:
+        raise WorkloadError(
+            f"--nproc {workload.nproc} needs {workload.nproc // nodes} GPUs per node; {device.count} visible here"
+        )
     resolve_task(workload)
 
 

@@ -33,29 +33,43 @@ _engines: dict[str, Any] = {}
 def proposal_lock(url: str, study: str) -> Iterator[None]:
     """Hold the study's proposal lock, across processes and machines that share the storage.
 
-    SQLite (one machine): an exclusive ``flock`` on a file next to the database. PostgreSQL and
-    MySQL: a server-side advisory lock named after the study, so workers anywhere wait their turn.
+    SQLite (one machine) and a journal file (on a shared file system: NFS passes ``flock`` on to
+    the server): an exclusive ``flock`` on a file next to it. PostgreSQL and MySQL: a server-side
+    advisory lock named after the study, so workers anywhere wait their turn.
     """
     from sqlalchemy.engine import make_url
 
-    parsed = make_url(url)
-    backend = parsed.get_backend_name()
+    from autotune.study.journal import journal_path
+
+    journal = journal_path(url)
+    parsed = make_url(url) if journal is None else None
+    backend = "journal" if parsed is None else parsed.get_backend_name()
     with _local_lock:
-        if backend == "sqlite":
-            assert parsed.database, "open_storage refuses an in-memory SQLite database"
-            lock_path = Path(parsed.database).expanduser().with_suffix(".proposals.lock")
-            with open(lock_path, "a") as handle:
-                os.chmod(lock_path, 0o600)
-                fcntl.flock(handle, fcntl.LOCK_EX)
-                try:
-                    yield
-                finally:
-                    fcntl.flock(handle, fcntl.LOCK_UN)
+        if parsed is None or backend == "sqlite":
+            if parsed is None:
+                assert journal is not None  # not a database URL: a journal file
+                database = journal
+            else:
+                assert parsed.database, "open_storage refuses an in-memory SQLite database"
+                database = Path(parsed.database).expanduser()
+            with _file_lock(database.with_suffix(".proposals.lock")):
+                yield
         elif backend in ("postgresql", "mysql"):
             with _server_lock(url, backend, study):
                 yield
         else:
             yield  # a backend without advisory locks: proposals may collide, nothing is lost
+
+
+@contextlib.contextmanager
+def _file_lock(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a") as handle:
+        os.chmod(lock_path, 0o600)
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.study.sqlite_reader import StoredStudy, read_study_file
+from autotune.study.stale import LOST_ATTR, RETRY_ATTR, worker_jobs
 from autotune.study.storage import (
     DEFAULT_STORAGE,
     META_KEY,
@@ -121,6 +122,7 @@ def summarize(study: optuna.Study | StoredStudy, *, url: str | None, with_import
         certainty=certainty,
         command=meta.get("command"),
         stopped=study.user_attrs.get(STOP_KEY),
+        worker_jobs=worker_jobs(study.user_attrs),
     )
 
 
@@ -169,6 +171,8 @@ def records_of(study: optuna.Study | StoredStudy) -> list[TrialRecord]:
                 confirmed_peak_memory_bytes=None if confirm is None else confirm.get("peak_memory_bytes"),
                 decided_rank=order.index(trial.number) if trial.number in order else None,
                 step_time_spread=result.get("step_time_spread"),
+                lost=trial.user_attrs.get(LOST_ATTR),
+                retry_of=trial.user_attrs.get(RETRY_ATTR),
             )
         )
     return records

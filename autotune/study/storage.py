@@ -1,4 +1,5 @@
-"""Where studies live: Optuna's RDB storage behind a SQLAlchemy URL, and what autotune keeps in it.
+"""Where studies live: Optuna's RDB storage behind a SQLAlchemy URL, or its journal storage behind
+``journal://PATH`` (:mod:`autotune.study.journal`), and what autotune keeps in it.
 
 The database stays a plain Optuna study (``optuna-dashboard`` and ``optuna.load_study`` read
 it). autotune adds, in the study's user attributes, the question the study answers
@@ -11,16 +12,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import random
 import re
-import socket
 import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from autotune.errors import StorageError
+from autotune.study.stale import grace_s, heartbeat_s, recover_stale_trials, worker_id
 
 if TYPE_CHECKING:
     import optuna
@@ -36,31 +36,37 @@ __all__ = [
     "find_study_name",
     "stored_question",
     "META_KEY",
-    "HEARTBEAT_S",
+    "worker_id",
 ]
 
 DEFAULT_STORAGE = "sqlite:///storage/autotune.db"
 META_KEY = "autotune"  # study user attribute: the question the study answers
-HEARTBEAT_S = 20  # a running trial's heartbeat; 6 missed ones make it stale
-_GRACE_S = 6 * HEARTBEAT_S
 _SQLITE_LOCK_TIMEOUT_S = 60  # wait this long for another worker's write instead of failing
 _SCHEMA_ATTEMPTS = 10  # processes creating one fresh schema at once: each try gets further
 # The parts of the question that must match for a study to be resumed.
 _IDENTITY = ("workload", "space_digest", "device", "memory_budget_bytes", "headroom", "command")
 
 
-def open_storage(url: str | None = None) -> optuna.storages.RDBStorage:
-    """Open (creating when missing) the storage at ``url``; default ``sqlite:///storage/autotune.db``."""
+def open_storage(url: str | None = None) -> optuna.storages.BaseStorage:
+    """Open (creating when missing) the storage at ``url``; default ``sqlite:///storage/autotune.db``.
+
+    ``journal://PATH`` opens Optuna's journal storage on that file; anything else is a SQLAlchemy URL.
+    """
     import optuna
     import sqlalchemy.exc
     from sqlalchemy.engine import make_url
 
+    from autotune.study.journal import journal_path, open_journal
+
     url = url or DEFAULT_STORAGE
+    if journal_path(url) is not None:
+        return open_journal(url)
     try:
         parsed = make_url(url)
     except (sqlalchemy.exc.ArgumentError, ValueError):
         raise StorageError(
-            f"--storage {url!r} is not a database URL; use e.g. {DEFAULT_STORAGE} or postgresql://user@host/db"
+            f"--storage {url!r} is not a database URL; use e.g. {DEFAULT_STORAGE}, postgresql://user@host/db "
+            "or journal:///shared/path/study.log"
         ) from None
     engine_kwargs: dict[str, Any] = {}
     if parsed.get_backend_name() == "sqlite":
@@ -80,7 +86,10 @@ def open_storage(url: str | None = None) -> optuna.storages.RDBStorage:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats
             return optuna.storages.RDBStorage(
-                url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=_GRACE_S
+                url,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=max(1, round(heartbeat_s())),
+                grace_period=max(2, round(grace_s())),
             )
 
     try:
@@ -136,7 +145,7 @@ def display_url(url: str | None) -> str:
     from autotune.study.sqlite_reader import sqlite_path
 
     url = url or DEFAULT_STORAGE
-    if sqlite_path(url) is not None:  # no password, and SQLAlchemy renders it unchanged: skip importing it
+    if sqlite_path(url) is not None or url.startswith("journal://"):  # no password: shown as it is
         return url
     from sqlalchemy.engine import make_url
 
@@ -146,7 +155,7 @@ def display_url(url: str | None) -> str:
         return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
 
 
-def create_study(storage: optuna.storages.RDBStorage, name: str, meta: dict[str, Any]) -> optuna.Study:
+def create_study(storage: optuna.storages.BaseStorage, name: str, meta: dict[str, Any]) -> optuna.Study:
     """Create study ``name``, or load it when it exists and asks the same question (``meta``)."""
     import optuna
 
@@ -167,7 +176,7 @@ def create_study(storage: optuna.storages.RDBStorage, name: str, meta: dict[str,
     return study
 
 
-def stored_question(storage: optuna.storages.RDBStorage, name: str) -> dict[str, Any] | None:
+def stored_question(storage: optuna.storages.BaseStorage, name: str) -> dict[str, Any] | None:
     """The question study ``name`` was made for (None: no such study, or not autotune's)."""
     try:
         study_id = storage.get_study_id_from_name(name)
@@ -176,7 +185,7 @@ def stored_question(storage: optuna.storages.RDBStorage, name: str) -> dict[str,
     return storage.get_study_user_attrs(study_id).get(META_KEY)
 
 
-def load_study(storage: optuna.storages.RDBStorage, name: str, url: str | None) -> optuna.Study:
+def load_study(storage: optuna.storages.BaseStorage, name: str, url: str | None) -> optuna.Study:
     import optuna
 
     try:
@@ -197,7 +206,7 @@ def not_autotune(name: str) -> StorageError:
     return StorageError(f"--study {name} was not created by autotune (no {META_KEY!r} attribute)")
 
 
-def study_names(storage: optuna.storages.RDBStorage) -> list[str]:
+def study_names(storage: optuna.storages.BaseStorage) -> list[str]:
     return sorted(s.study_name for s in storage.get_all_studies())
 
 
@@ -208,49 +217,6 @@ def find_study_name(meta: dict[str, Any], space_name: str) -> str:
     key = json.dumps({k: meta.get(k) for k in _IDENTITY if k != "command" or meta.get(k)}, sort_keys=True)
     space = re.sub(r"[^A-Za-z0-9.-]+", "-", Path(space_name).stem)
     return f"find-{model}-{space}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
-
-
-def worker_id() -> dict[str, Any]:
-    """Who runs a trial: recovery tells a dead local worker from a live remote one by this."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
-
-
-def recover_stale_trials(study: optuna.Study) -> list[int]:
-    """Mark RUNNING trials whose worker is gone as interrupted (FAIL); return their numbers.
-
-    A worker on this host is gone when its process is; one elsewhere when its heartbeat is
-    older than the grace period (Optuna's own stale-trial rule).
-    """
-    import optuna
-    from optuna.trial import TrialState
-
-    here = socket.gethostname()
-    stale = []
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        worker = trial.user_attrs.get("worker") or {}
-        if worker.get("host") == here and not _alive(worker.get("pid"), worker.get("started")):
-            study._storage.set_trial_user_attr(trial._trial_id, "status", "interrupted")
-            study.tell(trial.number, state=TrialState.FAIL)
-            stale.append(trial.number)
-    before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        optuna.storages.fail_stale_trials(study)  # remote workers whose heartbeat stopped
-    after = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
-    return sorted(stale + list(before - after))
-
-
-def _alive(pid: Any, started: Any) -> bool:
-    import psutil
-
-    if not isinstance(pid, int):
-        return False
-    try:
-        process = psutil.Process(pid)
-        # A recycled pid belongs to a process younger than the trial's worker.
-        return not isinstance(started, (int, float)) or process.create_time() <= started + 1
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _canonical(value: Any) -> str:

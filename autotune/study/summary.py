@@ -42,6 +42,8 @@ class TrialRecord:
     confirmed_peak_memory_bytes: int | None = None
     decided_rank: int | None = None  # place in the interleaved confirmation (0: the answer)
     step_time_spread: float | None = None  # IQR / median of its step times (0.1 = within 10%)
+    lost: str | None = None  # interrupted because its worker died: why it was taken for gone
+    retry_of: int | None = None  # the interrupted trial whose config this one measures again
 
     @property
     def throughput(self) -> float | None:
@@ -72,6 +74,8 @@ class TrialRecord:
             "confirmed_peak_memory_bytes": self.confirmed_peak_memory_bytes,
             "decided_rank": self.decided_rank,
             "step_time_spread": self.step_time_spread,
+            "lost": self.lost,
+            "retry_of": self.retry_of,
         }
 
 
@@ -92,6 +96,7 @@ class StudySummary:
     certainty: str | None = None  # how sure the answer is, in words (from the confirmation)
     command: list[str] | None = None  # script mode: the user's training command each trial ran
     stopped: str | None = None  # why the last search ended, and what it left untried
+    worker_jobs: list[dict[str, Any]] = field(default_factory=list)  # SLURM jobs that ran workers on it
 
     @property
     def throughput_unit(self) -> str:
@@ -124,6 +129,7 @@ class StudySummary:
             "storage": self.storage,
             "workload": self.workload.to_dict(),
             "command": self.command,
+            "worker_jobs": self.worker_jobs,
             "space": self.space,
             "device": self.device,
             "memory_budget_bytes": self.memory_budget_bytes,

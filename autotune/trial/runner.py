@@ -30,6 +30,7 @@ from autotune.trial.child import LAUNCH_TIME_ENV
 from autotune.trial.cpu_cores import free_cores
 from autotune.trial.failures import classify_exit, describe_exit
 from autotune.trial.lifeline import PARENT_PID_ENV, die_with_parent
+from autotune.trial.multinode import node_ranks
 from autotune.trial.result import TOKENS_PER_S, PhaseTimings, TrialResult, TrialStatus
 
 __all__ = [
@@ -64,14 +65,20 @@ def run_trial(
     measure_steps: int = 3,
     device: DeviceInfo | None = None,
     env: dict[str, str] | None = None,
+    srun: bool = False,
 ) -> TrialResult:
     """Measure ``config`` on ``workload`` in a fresh process and say what happened.
+
+    ``srun``: inside a SLURM job, start the ranks with ``srun`` and a torchrun rendezvous across the
+    job's nodes (:mod:`autotune.trial.multinode`), in a folder under the current directory that every
+    node sees (the submitting directory, on the shared file system).
 
     Raises ConfigError/WorkloadError (before starting anything) for a config that cannot run;
     every failure after the start is a TrialResult with its status instead.
     """
     device = device or detect_device(workload.device)
-    if device.type == "cuda" and workload.nproc > device.count:  # CPU ranks share the host's cores
+    nodes = len(node_ranks(os.environ, nproc=workload.nproc)) if srun else 1
+    if device.type == "cuda" and workload.nproc // nodes > device.count:  # CPU ranks share the host's cores
         raise WorkloadError(
             f"--nproc {workload.nproc} needs {workload.nproc} GPUs; {device.count} visible here "
             f"(use --nproc {device.count} or less, or --device cpu)"
@@ -81,7 +88,7 @@ def run_trial(
     refusal = refusal_before_trial(workload, config, task)
     if refusal is not None:
         raise ConfigError(refusal)
-    if _SERVER.enabled():
+    if _SERVER.enabled() and not srun:
         _SERVER.wait_until_ready()  # its imports done before the free cores are read below
     spec = {
         "workload": workload.to_dict(),
@@ -92,18 +99,26 @@ def run_trial(
         "warmup_steps": warmup_steps,
         "measure_steps": measure_steps,
         # Measured here, under the caller's CPU turn: the trial's ranks run only on the cores free now.
-        "cpu_cores": free_cores() if device.type == "cpu" else None,
+        # (srun: each node's ranks on the cores SLURM gave the job there)
+        "cpu_cores": free_cores() if device.type == "cpu" and not srun else None,
     }
-    with tempfile.TemporaryDirectory(prefix="autotune-trial-") as tmp:
+    shared = None
+    if srun:
+        shared = Path("autotune-slurm", "trials").absolute()
+        shared.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="autotune-trial-", dir=shared) as tmp:
         work = Path(tmp)
         (work / "spec.json").write_text(json.dumps(spec))
         outcome = None
-        if _SERVER.enabled():
+        if _SERVER.enabled() and not srun:
             outcome = _SERVER.run(spec, work, timeout_s=timeout_s, env=_trial_env(env))
         if outcome is None:  # the server turned off, refusing or not starting: new interpreters (torchrun)
-            outcome = run_process_group(
-                _command(workload.nproc, work / "spec.json", work), work, timeout_s=timeout_s, env=env
+            command = (
+                _srun_command(workload.nproc, work / "spec.json", work)
+                if srun
+                else _command(workload.nproc, work / "spec.json", work)
             )
+            outcome = run_process_group(command, work, timeout_s=timeout_s, env=env)
         returncode, timed_out = outcome
         records = read_rank_records(work, workload.nproc)
         stderr_tail = stderr_tail_of(work / "stderr.log")
@@ -135,6 +150,15 @@ def _command(nproc: int, spec: Path, out_dir: Path) -> list[str]:
         str(spec),
         str(out_dir),
     ]
+
+
+def _srun_command(nproc: int, spec: Path, out_dir: Path) -> list[str]:
+    """The trial's ranks across the SLURM job's nodes: srun, one torchrun per node, a c10d rendezvous."""
+    from autotune.trial.multinode import multinode_command
+    from autotune.trial.rendezvous import free_port
+
+    argv = ["--max-restarts=0", "--module", "autotune.trial.child", str(spec), str(out_dir)]
+    return multinode_command(os.environ, nproc=nproc, argv=argv, port=free_port())
 
 
 def _trial_env(env: dict[str, str] | None) -> dict[str, str]:

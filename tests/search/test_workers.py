@@ -1,5 +1,6 @@
-"""Many workers on one study: `autotune tune --workers 3` on the local SQLite default and on a
-real PostgreSQL server (started by .ci/run; its URL in AUTOTUNE_TEST_POSTGRES_URL)."""
+"""Many workers on one study: `autotune tune --workers 3` on the local SQLite default, on a
+real PostgreSQL server (started by .ci/run; its URL in AUTOTUNE_TEST_POSTGRES_URL), and on one
+journal file (Optuna's JournalStorage: a cluster's shared file system without a database server)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,30 @@ def test_three_workers_on_a_postgresql_server(tmp_path):
     study = f"workers-{uuid.uuid4().hex[:8]}"
     result = check_each_config_measured_once(POSTGRES_URL, study, tune(tmp_path, study, POSTGRES_URL, workers=3))
     assert result["best"]["config"]["micro_batch"] == 4
+
+
+@pytest.mark.slow
+def test_three_workers_on_one_journal_file(tmp_path):
+    storage = f"journal://{tmp_path}/shared/study.log"
+    result = check_each_config_measured_once(storage, "journal", tune(tmp_path, "journal", storage, workers=3))
+    assert result["best"]["config"]["micro_batch"] == 4
+    # Every command that reads a study reads it from the journal: studies, show, export.
+    reads = (
+        ["studies", "--json"],
+        ["show", "--study", "journal", "--json"],
+        ["export", "--study", "journal", "--format", "json"],
+    )
+    for command in reads:
+        read = subprocess.run(
+            [sys.executable, "-m", "autotune", *command, "--storage", storage],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+        assert read.returncode == 0, read.stderr
+        assert "mb=4" in read.stdout or '"micro_batch": 4' in read.stdout, read.stdout
+    assert not (tmp_path / "storage").exists()  # nothing went to the default SQLite file
 
 
 MULTI_RANK_SPACE = """\

@@ -1,0 +1,329 @@
+"""Workers as SLURM jobs, on a real one-node cluster (.ci/slurm.sh starts it and prints
+AUTOTUNE_TEST_SLURM_PARTITION; the cluster tests skip without it outside CI), and the bad input
+refused before anything is submitted (no cluster needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from autotune.search.slurm import SlurmResources, batch_script
+from autotune.study.records import ANSWER_ATTR
+from autotune.study.stale import LOST_ATTR, RETRY_ATTR
+from autotune.study.storage import open_storage
+
+PARTITION = os.environ.get("AUTOTUNE_TEST_SLURM_PARTITION")
+needs_cluster = pytest.mark.skipif(
+    not PARTITION and not os.environ.get("CI"),
+    reason="no SLURM cluster: .ci/run starts one (.ci/slurm.sh) and sets AUTOTUNE_TEST_SLURM_PARTITION",
+)
+
+# gpt2-tiny at seq 32: every config fits in 1 GiB; mb=16 runs clearly fastest, ahead of mb=8 by ~25%.
+SPACE = """\
+description: ten configs of a tiny model, all fit
+n_trials: 8
+knobs:
+  micro_batch: [1, 2, 4, 8, 16]
+  precision: [fp32]
+  checkpointing: [false, true]
+"""
+ARGS = ("--model", "builtin:gpt2-tiny", "--seq-len", "32", "--memory-budget", "1GiB", "--space", "space.yaml")
+
+
+def autotune(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600):
+    return subprocess.run(
+        [sys.executable, "-m", "autotune", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def refusal(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    return proc.stderr
+
+
+def test_bad_input_is_refused_in_one_line_before_anything_is_submitted(tmp_path):
+    (tmp_path / "space.yaml").write_text(SPACE)
+    journal = f"journal://{tmp_path}/study.log"
+    tune = ("tune", "--study", "s", *ARGS)
+    no_sbatch = tmp_path / "bin"  # a PATH with Python and without SLURM's commands
+    no_sbatch.mkdir()
+    (no_sbatch / "python").symlink_to(sys.executable)
+    env = dict(os.environ, PATH=str(no_sbatch))
+    assert "sbatch is not found on PATH" in refusal(
+        autotune(*tune, "--executor", "slurm", "--storage", journal, cwd=tmp_path, env=env)
+    )
+    for storage in ((), ("--storage", f"sqlite:///{tmp_path}/x.db")):
+        message = refusal(autotune(*tune, "--executor", "slurm", *storage, cwd=tmp_path))
+        assert "SQLite file" in message and "journal:///" in message and "postgresql://" in message
+    assert "add --executor slurm, or drop --nodes" in refusal(autotune(*tune, "--nodes", "2", cwd=tmp_path))
+    assert "--partition is a SLURM job's option" in refusal(autotune(*tune, "--partition", "gpu", cwd=tmp_path))
+    assert "--executor 'pbs' is not known" in refusal(autotune(*tune, "--executor", "pbs", cwd=tmp_path))
+    bad_option = ("--executor", "slurm", "--storage", journal, "--slurm-option", "mem")
+    assert "write KEY=VALUE" in refusal(autotune(*tune, *bad_option, cwd=tmp_path))
+    assert not (tmp_path / "autotune-slurm").exists() and not (tmp_path / "study.log").exists()  # nothing written
+
+
+def test_the_batch_script_holds_one_trials_resources_and_the_sites_options(tmp_path):
+    resources = SlurmResources(
+        nproc=4,
+        gpus_per_node=4,
+        partition="gpu",
+        account="proj",
+        time="01:00:00",
+        qos="high",
+        constraint="a100",
+        options=(("mem", "64G"), ("exclusive", "")),
+    )
+    spec = tmp_path / "worker-1.json"
+    script = batch_script(spec_file=spec, log_dir=tmp_path, name="autotune-x", resources=resources)
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    for option in (
+        "--nodes=1",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=4",  # a core per rank
+        "--gpus-per-node=4",
+        "--partition=gpu",
+        "--account=proj",
+        "--time=01:00:00",
+        "--qos=high",
+        "--constraint=a100",
+        "--signal=B:USR1@120",
+        "--requeue",
+        "--mem=64G",
+        "--exclusive=",
+    ):
+        assert f"#SBATCH {option}" in lines, (option, script)
+    assert lines[-1].startswith("exec ") and lines[-1].endswith(f"-m autotune worker < {tmp_path}/worker-1.json")
+
+
+def study_trials(storage: str, study: str) -> list[optuna.trial.FrozenTrial]:
+    return optuna.load_study(study_name=study, storage=open_storage(storage)).trials
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_two_slurm_workers_tune_a_study_as_a_local_run_does(tmp_path):
+    assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
+    (tmp_path / "space.yaml").write_text(SPACE)
+    storage = f"journal://{tmp_path}/shared/study.log"
+    command = [sys.executable, "-m", "autotune", "tune", "--study", "slurm", *ARGS, "--steps", "2", "--json"]
+    slurm = [*command, "--executor", "slurm", "--workers", "2", "--n-trials", "8", "--storage", storage]
+    slurm += ["--partition", PARTITION]
+    tune = subprocess.Popen(slurm, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: set[str] = set()
+    while tune.poll() is None:  # squeue lists the worker jobs while they run
+        listed = subprocess.run(["squeue", "--noheader", "--me", "--format=%j %T"], capture_output=True, text=True)
+        seen |= {line.split()[1] for line in listed.stdout.splitlines() if line.startswith("autotune-slurm ")}
+        time.sleep(0.5)
+    stdout, stderr = tune.communicate()
+    assert tune.returncode == 0, stderr
+    assert "RUNNING" in seen, seen
+    assert "submitted SLURM job(s) " in stderr and "worker jobs: all ended" in stderr
+
+    every = study_trials(storage, "slurm")
+    assert not [t for t in every if t.state is TrialState.RUNNING]
+    trials = [t for t in every if ANSWER_ATTR not in t.user_attrs]
+    configs = [json.dumps(t.user_attrs["config"], sort_keys=True) for t in trials]
+    assert len(configs) == 8 and len(set(configs)) == 8  # every trial once
+    jobs = {t.user_attrs["worker"]["slurm_job"] for t in trials}
+    assert len(jobs) == 2  # both jobs measured
+
+    result = json.loads(stdout)
+    assert sorted(str(j["job"]) for j in result["worker_jobs"]) == sorted(jobs)
+    show = autotune("show", "--study", "slurm", "--storage", storage, cwd=tmp_path)
+    assert show.returncode == 0 and "workers: SLURM jobs " in show.stdout, show.stderr
+
+    local = subprocess.run(
+        [*command, "--n-trials", "8", "--storage", f"sqlite:///{tmp_path}/local.db"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert local.returncode == 0, local.stderr
+    here = json.loads(local.stdout)
+    # The same answer, from the same kind of study: its question, what it measured, what it confirmed.
+    for key in ("workload", "space", "device", "memory_budget_bytes", "n_trials"):
+        assert result[key] == here[key], key
+    assert result["best"]["config"] == here["best"]["config"]
+    assert {t["status"] for t in result["trials"]} == {t["status"] for t in here["trials"]} == {"ok"}
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_scancel_of_one_worker_mid_trial_loses_its_trial_to_the_other(tmp_path):
+    assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
+    (tmp_path / "space.yaml").write_text(SPACE)
+    storage = f"journal://{tmp_path}/shared/study.log"
+    command = [sys.executable, "-m", "autotune", "tune", "--study", "cancel", *ARGS, "--steps", "8", "--json"]
+    command += ["--executor", "slurm", "--workers", "2", "--n-trials", "6", "--storage", storage]
+    tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cancelled = None
+    try:
+        deadline = time.monotonic() + 300
+        while cancelled is None and tune.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.3)
+            try:
+                trials = study_trials(storage, "cancel")
+            except KeyError:  # not created yet
+                continue
+            for trial in trials:
+                worker = trial.user_attrs.get("worker") or {}
+                # worker 2's job: worker 1 confirms the answer, and must live for show to have one
+                job = f"slurm_job:{worker.get('slurm_job')}"
+                if trial.state is TrialState.RUNNING and "config" in trial.user_attrs and job in trial_jobs(storage):
+                    time.sleep(1.0)  # inside its trial
+                    subprocess.run(["scancel", worker["slurm_job"]], check=True)
+                    cancelled = (trial.number, worker["slurm_job"])
+                    break
+        assert cancelled is not None, "worker 2 never started a trial"
+        stdout, stderr = tune.communicate(timeout=600)
+    finally:
+        if tune.poll() is None:
+            tune.kill()
+            tune.communicate()
+    assert tune.returncode == 0, stderr
+    every = study_trials(storage, "cancel")
+    assert not [t for t in every if t.state is TrialState.RUNNING]
+    trials = [t for t in every if ANSWER_ATTR not in t.user_attrs]
+    lost = [t for t in trials if LOST_ATTR in t.user_attrs]
+    assert [t.number for t in lost] == [cancelled[0]], [(t.number, t.user_attrs) for t in lost]
+    assert lost[0].state is TrialState.FAIL and lost[0].user_attrs["status"] == "interrupted"
+    assert f"SLURM job {cancelled[1]}" in lost[0].user_attrs[LOST_ATTR]
+    retries = [t for t in trials if t.user_attrs.get(RETRY_ATTR) == cancelled[0]]
+    assert len(retries) == 1 and retries[0].user_attrs["status"] == "ok"
+    assert retries[0].user_attrs["worker"]["slurm_job"] != cancelled[1]  # measured by the other worker
+    measured = [json.dumps(t.user_attrs["config"], sort_keys=True) for t in trials if LOST_ATTR not in t.user_attrs]
+    assert len(measured) == 6 and len(set(measured)) == 6
+    assert json.loads(stdout)["best"] is not None
+
+
+def trial_jobs(storage: str) -> set[str]:
+    """The study attributes of worker 2's job (worker 1 confirms: it is the one kept alive)."""
+    attrs = optuna.load_study(study_name="cancel", storage=open_storage(storage)).user_attrs
+    return {key for key, value in attrs.items() if key.startswith("slurm_job:") and value.get("worker") == 2}
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_the_pre_termination_signal_records_the_trial_as_interrupted_and_requeues_the_worker(tmp_path):
+    assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
+    (tmp_path / "space.yaml").write_text(SPACE)
+    storage = f"journal://{tmp_path}/shared/study.log"
+    command = [sys.executable, "-m", "autotune", "tune", "--study", "signal", *ARGS, "--steps", "8", "--json"]
+    command += ["--executor", "slurm", "--workers", "1", "--n-trials", "3", "--storage", storage]
+    command += ["--signal", "B:USR1@60"]
+    tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    signalled = None
+    try:
+        deadline = time.monotonic() + 300
+        while signalled is None and tune.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.3)
+            try:
+                trials = study_trials(storage, "signal")
+            except KeyError:
+                continue
+            running = [t for t in trials if t.state is TrialState.RUNNING and "config" in t.user_attrs]
+            if running:
+                time.sleep(1.0)
+                job = running[0].user_attrs["worker"]["slurm_job"]
+                # What SLURM sends --signal's seconds before the time limit, sent now to the batch shell.
+                subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+                signalled = (running[0].number, job)
+        assert signalled is not None, "the worker never started a trial"
+        number, job = signalled
+        shown = ["scontrol", "show", "job", job]
+        while "Restarts=1" not in subprocess.run(shown, capture_output=True, text=True).stdout:
+            time.sleep(0.3)
+        # A requeued job waits two minutes before it may start again: let it start now.
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+        stdout, stderr = tune.communicate(timeout=600)
+    finally:
+        if tune.poll() is None:
+            tune.kill()
+            tune.communicate()
+    assert tune.returncode == 0, stderr
+    every = study_trials(storage, "signal")
+    assert not [t for t in every if t.state is TrialState.RUNNING]
+    trials = {t.number: t for t in every if ANSWER_ATTR not in t.user_attrs}
+    interrupted = trials[number]
+    assert interrupted.state is TrialState.FAIL and interrupted.user_attrs["status"] == "interrupted"
+    assert LOST_ATTR not in interrupted.user_attrs  # its worker said so itself: not lost
+    retries = [t for t in trials.values() if t.user_attrs.get(RETRY_ATTR) == number]
+    assert len(retries) == 1 and retries[0].user_attrs["status"] == "ok"
+    assert retries[0].user_attrs["worker"]["slurm_job"] == job  # the same job, requeued
+    result = json.loads(stdout)
+    assert [(j["job"], j["restarts"]) for j in result["worker_jobs"]] == [(job, 1)]
+    assert result["best"] is not None
+    assert "requeued 1x" in autotune("show", "--study", "signal", "--storage", storage, cwd=tmp_path).stdout
+
+
+DDP_SPACE = """\
+description: DDP on two ranks
+n_trials: 1
+knobs:
+  micro_batch: [2]
+  precision: [fp32]
+  checkpointing: [false]
+"""
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_a_two_rank_trial_runs_through_srun_inside_the_workers_allocation(tmp_path):
+    assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
+    (tmp_path / "space.yaml").write_text(DDP_SPACE)
+    storage = f"journal://{tmp_path}/shared/study.log"
+    command = [sys.executable, "-m", "autotune", "tune", "--study", "ranks", *ARGS, "--global-batch", "8"]
+    command += ["--nproc", "2", "--steps", "2", "--no-confirm", "--json", "--executor", "slurm", "--workers", "1"]
+    command += ["--storage", storage]
+    tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    steps: set[str] = set()
+    while tune.poll() is None:  # the trial is a job step of its own: srun inside the worker's job
+        listed = subprocess.run(
+            ["squeue", "--steps", "--me", "--noheader", "--format=%i %j"], capture_output=True, text=True
+        )
+        steps |= {
+            line.split()[0] for line in listed.stdout.splitlines() if not line.split()[0].endswith(("batch", "extern"))
+        }
+        time.sleep(0.3)
+    stdout, stderr = tune.communicate()
+    assert tune.returncode == 0, stderr
+    (trial,) = study_trials(storage, "ranks")
+    job = trial.user_attrs["worker"]["slurm_job"]
+    assert f"{job}.0" in steps, steps
+    result = trial.user_attrs["result"]
+    assert trial.user_attrs["status"] == "ok" and result["world_size"] == 2, result
+    assert len(result["peak_memory_per_rank"]) == 2 and all(p > 0 for p in result["peak_memory_per_rank"])
+    assert not list((tmp_path / "autotune-slurm" / "trials").iterdir())  # the trial's shared folder is gone
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_find_on_slurm_keeps_its_answer_where_a_local_find_asks_again(tmp_path):
+    assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
+    (tmp_path / "space.yaml").write_text(SPACE)
+    storage = f"journal://{tmp_path}/shared/study.log"
+    find = ("find", *ARGS, "--steps", "2", "--n-trials", "4", "--storage", storage, "--json")
+    slurm = autotune(*find, "--executor", "slurm", "--workers", "2", cwd=tmp_path)
+    assert slurm.returncode == 0, slurm.stderr
+    answer = json.loads(slurm.stdout)
+    assert answer["study"].startswith("find-gpt2-tiny-space-") and len(answer["worker_jobs"]) == 2
+    measured = len([t for t in study_trials(storage, answer["study"]) if ANSWER_ATTR not in t.user_attrs])
+    assert measured == 4
+    # The workers named the study where they ran; asked here, the same question finds it and its answer.
+    local = autotune(*find, cwd=tmp_path)
+    assert local.returncode == 0, local.stderr
+    again = json.loads(local.stdout)
+    assert again["study"] == answer["study"] and again["best"]["config"] == answer["best"]["config"]
+    assert len([t for t in study_trials(storage, answer["study"]) if ANSWER_ATTR not in t.user_attrs]) == measured
