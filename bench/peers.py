@@ -19,6 +19,8 @@ out-of-memory error carrying the CPU allocator's own words, which the peers' OOM
 micro batch only (fp32, no checkpointing); each pick is then measured with ``autotune trial --json``
 at the same budget, as its job would run it: micro batch m, accumulation ``global // m`` (Accelerate's
 rule; the global batch is m x that), interleaved round by round with ``autotune find``'s pick.
+For each peer's pick, the time each ``find`` run took to hold an answer at least as good
+(``held_after``; the rule in ``HELD_RULE``), from the trials' times in its study.
 DeepSpeed's autotuner is listed but not run (see ``DEEPSPEED``).
 
     python bench/peers.py --remeasure --rounds 5   # the picks in the results, measured again
@@ -231,13 +233,16 @@ def tune_with_autotune(args: argparse.Namespace, space: str) -> dict[str, Any]:
         str(file) if file.is_file() else space,
     ]
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "autotune", "find", *flags, "--storage", f"sqlite:///{tmp}/autotune.db", "--json"]
+        storage = f"sqlite:///{tmp}/autotune.db"
+        cmd = [sys.executable, "-m", "autotune", "find", *flags, "--storage", storage, "--json"]
+        started_at = time.time()  # the wall clock, for the trials' stored times
         started = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, timeout=3600)
         wall = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise SystemExit(f"autotune find failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    study = json.loads(proc.stdout)
+        if proc.returncode != 0:
+            raise SystemExit(f"autotune find failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        study = json.loads(proc.stdout)
+        timeline = find_timeline(storage, study["study"], started_at)
     ran = [t for t in study["trials"] if t["status"] != "skipped"]
     return {
         "picked": study["best"],
@@ -249,8 +254,94 @@ def tune_with_autotune(args: argparse.Namespace, space: str) -> dict[str, Any]:
             {k: t.get(k) for k in ("describe", "status", "tokens_per_s", "peak_memory_bytes", "duration_s")}
             for t in study["trials"]
         ],
+        "timeline": timeline,
         "space": space,
         "command": "autotune find " + " ".join(flags[:-1] + [space]) + " --storage sqlite:///TMP/autotune.db --json",
+    }
+
+
+def find_timeline(storage: str, study_name: str, started_at: float) -> list[dict[str, Any]]:
+    """``timeline_of`` ``find``'s study ``study_name`` in ``storage``."""
+    from autotune.study.sqlite_reader import read_study_file
+
+    read = read_study_file(storage, only=study_name)
+    if read is not None:
+        return timeline_of(read.studies[study_name], started_at)
+    from autotune.study.storage import load_study, open_storage  # a schema the stdlib reader does not know
+
+    return timeline_of(load_study(open_storage(storage), study_name, storage), started_at)
+
+
+def timeline_of(study: Any, started_at: float) -> list[dict[str, Any]]:
+    """Every trial of ``find``'s study (an Optuna study, or as autotune's SQLite reader reads it):
+    its config, whether it fits, its first measured throughput (what the search compared) and
+    ``complete_s``, the wall seconds from ``started_at`` (the epoch time ``find``'s process was
+    started) until the trial completed."""
+    from autotune.study.records import records_of
+
+    completes = {t.number: t.datetime_complete for t in study.get_trials(deepcopy=False)}
+    return [
+        {
+            "number": r.number,
+            "describe": r.config.describe(),
+            "config": r.config.to_dict(),
+            "status": r.status,
+            "fits": r.fits,
+            "throughput": r.throughput,
+            # Optuna hands out naive local times: .timestamp() reads them as local, as time.time() counts
+            "complete_s": None if completes[r.number] is None else completes[r.number].timestamp() - started_at,
+        }
+        for r in records_of(study)
+    ]
+
+
+def held_after(
+    timeline: list[dict[str, Any]],
+    *,
+    peer_config: dict[str, Any],
+    same_global_batch: bool,
+    find_pick: int,
+    paired_ratio: float | None,
+) -> dict[str, Any]:
+    """How long ``find`` took to hold an answer at least as good as a peer's pick.
+
+    ``timeline``: ``find``'s trials (``find_timeline``). The peer's pick is put on the scale of
+    ``find``'s first figures: where ``find`` measured the pick's very config (``peer_config``, every
+    knob, at the same global batch), that trial's first throughput; else ``find``'s pick's
+    (trial ``find_pick``) first throughput times ``paired_ratio``, the median over the interleaved
+    rounds of the peer's pick's throughput over ``find``'s pick's. Returns the rule used, that
+    threshold, and the first trial to complete that fits and whose first figure is at least the
+    threshold, with ``held_s``, its ``complete_s``; ``held_s`` None when no trial was that good.
+    """
+    same = [
+        t
+        for t in timeline
+        if same_global_batch
+        and t["config"] == peer_config
+        and t["status"] == "ok"
+        and t["throughput"] is not None
+        and t["complete_s"] is not None
+    ]
+    pick = next((t for t in timeline if t["number"] == find_pick), None)
+    if same:
+        first = min(same, key=lambda t: t["complete_s"])
+        rule, threshold = f"same config: trial {first['number']}", first["throughput"]
+    elif paired_ratio is not None and pick is not None and pick["throughput"] is not None:
+        rule, threshold = f"paired ratio {paired_ratio:.3f} x trial {find_pick}", paired_ratio * pick["throughput"]
+    else:
+        return {"rule": None, "threshold": None, "held_s": None, "trial": None, "describe": None}
+    good = [
+        t
+        for t in timeline
+        if t["fits"] and t["throughput"] is not None and t["throughput"] >= threshold and t["complete_s"] is not None
+    ]
+    held = min(good, key=lambda t: t["complete_s"], default=None)
+    return {
+        "rule": rule,
+        "threshold": threshold,
+        "held_s": None if held is None else held["complete_s"],
+        "trial": None if held is None else held["number"],
+        "describe": None if held is None else held["describe"],
     }
 
 
@@ -346,17 +437,72 @@ def _figures(runs: list[dict[str, Any]]) -> str:
     return f"{head}; all: {statistics.median(every):,.0f} ({min(every):,.0f}-{max(every):,.0f})"
 
 
-def _paired(runs: list[dict[str, Any]], ours: list[dict[str, Any]]) -> str:
-    """The median over rounds of this pick's tokens/s over autotune's pick's in the same round:
-    a slow phase of the machine that spans a round slows both."""
-    ratios = [
+def _ratios(runs: list[dict[str, Any]], ours: list[dict[str, Any]]) -> list[float]:
+    """This pick's tokens/s over autotune's pick's, round by round (where both ran ok)."""
+    return [
         r["tokens_per_s"] / o["tokens_per_s"]
         for r, o in zip(runs, ours, strict=True)
         if r["status"] == o["status"] == "ok"
     ]
+
+
+def _paired(runs: list[dict[str, Any]], ours: list[dict[str, Any]]) -> str:
+    """The median over rounds of this pick's tokens/s over autotune's pick's in the same round:
+    a slow phase of the machine that spans a round slows both."""
+    ratios = _ratios(runs, ours)
     if not ratios:
         return "-"
     return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+HELD_RULE = (
+    "`find` held one as good after: for each `find` run, the wall seconds from the start of its process "
+    "(start-up included: what a user waits) until the first of its trials to complete that fits with headroom "
+    "and whose first measured tokens/s (what its search compared) is at least the peer's pick's, both on "
+    "`find`'s scale: where that `find` measured the pick's very config at the same global batch, that "
+    "trial's first figure (same config); else that `find`'s pick's first figure times the median over the "
+    "rounds above of the peer's pick's tokens/s over that `find` pick's (ratio). `-`: it never held one that good."
+)
+
+
+def add_held_after(rows: list[dict[str, Any]]) -> None:
+    """Into each peer's row, ``held_after``: per ``find`` run (by space), ``held_after()``'s answer."""
+    from autotune.config.knobs import TrialConfig
+
+    finds = [row for row in rows if row.get("peer", "").startswith("autotune:")]
+    for row in rows:
+        if row.get("peer") not in PEERS:
+            continue
+        row["held_after"] = {}
+        for found in finds:
+            timeline = found["tuned"].get("timeline")
+            if timeline is None:  # a report written before the trials' times were kept
+                row["held_after"][found["tuned"]["space"]] = {"rule": None, "held_s": None, "unrecorded": True}
+                continue
+            ratios = _ratios(row["measured"], found["measured"])
+            row["held_after"][found["tuned"]["space"]] = held_after(
+                timeline,
+                peer_config=TrialConfig.from_dict(row["config"]).to_dict(),
+                same_global_batch=row["global_batch"] == found["global_batch"],
+                find_pick=found["tuned"]["picked"]["number"],
+                paired_ratio=statistics.median(ratios) if ratios else None,
+            )
+
+
+def _held_cell(row: dict[str, Any]) -> str:
+    cells = []
+    for space, held in (row.get("held_after") or {}).items():
+        label = f"`{Path(space).stem}`"
+        if held.get("unrecorded"):
+            cells.append(f"{label}: not recorded")
+        elif held["rule"] is None:
+            cells.append(f"{label}: - (no figure to compare)")
+        elif held["held_s"] is None:
+            cells.append(f"{label}: -")
+        else:
+            how = "same config" if held["rule"].startswith("same config") else "ratio"
+            cells.append(f"{label}: {held['held_s']:.0f} s (trial {held['trial']} {held['describe']}; {how})")
+    return "; ".join(cells)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -372,16 +518,17 @@ def markdown(report: dict[str, Any]) -> str:
         f"<= {QUIET_SPREAD:.0%} of the median: not disturbed by other processes), then of all runs (min-max); "
         "next to it the median over the rounds of the pick's tokens/s over `autotune find`'s pick's "
         "in the same round (min-max). "
+        f"{HELD_RULE} "
         f"{_machine(report)}",
         "",
         "| tool | picked | measured as | tokens/s: settled runs; all runs | vs autotune's pick, same round | peak "
-        "| fits with headroom | tuning wall time |",
-        "|---|---|---|---|---|---|---|---|",
+        "| fits with headroom | tuning wall time | `find` held one as good after |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     ours = next(row["measured"] for row in report["rows"] if row.get("peer", "").startswith("autotune"))
     for row in report["rows"]:
         if row.get("not_run"):
-            lines.append(f"| {row['tool']} | {row['not_run']} | - | - | - | - | - | - |")
+            lines.append(f"| {row['tool']} | {row['not_run']} | - | - | - | - | - | - | - |")
             continue
         runs = row["measured"]
         peak = max((r["peak_memory_bytes"] or 0) for r in runs) or None
@@ -391,7 +538,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {row['tool']} | {row['picked']} | {row['measured_as']} | {_figures(runs)} "
             f"| {_paired(runs, ours)} | {_mib(peak)} "
-            f"| {fits} | {row['wall_s']:.0f} s{row['wall_note']} |"
+            f"| {fits} | {row['wall_s']:.0f} s{row['wall_note']} | {_held_cell(row)} |"
         )
     lines += ["", "How each tool got there:", ""]
     lines += [f"- {row['tool']}: {row['how']}" for row in report["rows"] if row.get("how")]
@@ -543,6 +690,7 @@ def main() -> None:
         }
     measuring_load = [os.getloadavg()[0]]
     measure_picks([row for row in report["rows"] if not row.get("not_run")], args)
+    add_held_after(report["rows"])
     report["load"]["measuring"] = [*measuring_load, os.getloadavg()[0]]
     report.update(memory_budget=args.memory_budget, rounds=args.rounds, steps=args.steps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
