@@ -91,7 +91,7 @@ class Outlook:
             return f"too few trials to bound the {self.untried} untried configs"
         gain = self.upper / self.best - 1
         if gain <= MEASUREMENT_NOISE:
-            return f"no untried config predicted to beat it by more than the noise ({gain:+.0%} at most)"
+            return f"no untried config predicted to beat it by more than the noise ({gain:+.0%} at best)"
         return f"an untried config may be up to {gain:+.0%} faster ({self.top.describe()})"
 
 

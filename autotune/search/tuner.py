@@ -1007,10 +1007,11 @@ def _settled_reason(outlook: Outlook) -> str | None:
 
     if not outlook.settled or outlook.upper is None:
         return None
+    gain = outlook.upper / outlook.best - 1
+    where = f"at most {gain:.0%} over the best" if gain >= 0 else f"at least {-gain:.0%} under the best"
     return (
-        f"settled: the {outlook.untried} untried configs are predicted at most "
-        f"{outlook.upper / outlook.best - 1:+.0%} over the best (the model's error included), "
-        f"within the {MEASUREMENT_NOISE:.0%} noise of a trial"
+        f"settled: the {outlook.untried} untried configs are predicted {where} (the model's error "
+        f"included), none more than a trial's {MEASUREMENT_NOISE:.0%} noise ahead"
     )
 
 
