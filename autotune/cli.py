@@ -573,6 +573,14 @@ def tune(
     constraint: Optional[str],
     slurm_signal: Optional[str],
     slurm_option: Optional[list[str]],
+    stop_on_evidence: Annotated[
+        bool,
+        typer.Option(
+            "--stop-on-evidence/--measure-all",
+            help="Stop when no untried config is predicted to beat the best by more than the noise; "
+            "--measure-all measures configs until --n-trials, --patience or the space runs out.",
+        ),
+    ] = True,
     script: _Script = None,
 ) -> int:
     """Tune a named study; stop it any time (Ctrl-C) and run the same command to carry on.
@@ -604,6 +612,7 @@ def tune(
             timeout=timeout,
             trial_timeout=trial_timeout,
             patience=patience,
+            stop_on_evidence=stop_on_evidence,
             headroom=headroom,
             storage=storage,
             estimate=estimate,
@@ -626,6 +635,7 @@ def tune(
             max_time_s=_duration(max_time, "--max-time"),
             trial_timeout_s=trial_timeout,
             patience=patience,
+            stop_on_evidence=stop_on_evidence,
             headroom=headroom,
             storage=storage,
             warmup_steps=warmup_steps,

@@ -138,6 +138,7 @@ def tune(
     max_time_s: float | None = None,
     trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S,
     patience: int | None = None,
+    stop_on_evidence: bool = True,
     headroom: float = DEFAULT_HEADROOM,
     storage: str | None = None,
     warmup_steps: int = 1,
@@ -157,7 +158,8 @@ def tune(
     the same call again carries an unfinished study on to it. It stops early on ``timeout_s``
     (this call's wall time), when no untried config is predicted to beat the best by more than
     the noise (the model's error included: see :class:`~autotune.search.proposer.Outlook`), after
-    ``patience`` measured trials without a faster fit, or on an exhausted space; then re-runs the
+    ``patience`` measured trials without a faster fit, or on an exhausted space (``stop_on_evidence``
+    off: not on the prediction, so configs are measured up to the other limits); then re-runs the
     winner longer to confirm it. ``max_time_s`` bounds the whole call: the search stops early
     enough to leave the confirmation its share, and the answer says what stayed untried. With ``estimate``, a config
     the memory estimator predicts over the limit by more than 5% is not run but recorded as
@@ -244,6 +246,7 @@ def tune(
             max_time_s=max_time_s,
             trial_timeout_s=trial_timeout_s,
             patience=patience,
+            stop_on_evidence=stop_on_evidence,
             headroom=headroom,
             storage=storage,
             warmup_steps=warmup_steps,
@@ -281,7 +284,7 @@ def tune(
                             elapsed_s=time.monotonic() - started,
                         )
                         or clock.search_over(outlook)
-                        or _settled_reason(outlook)
+                        or (_settled_reason(outlook) if stop_on_evidence else None)
                     )
                     config = None if reason else proposer.next_config(records, unmeasured_only=owed)
                     if owed and config is None:

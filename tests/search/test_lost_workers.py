@@ -29,6 +29,7 @@ knobs:
 """
 ARGS = ("--model", "builtin:gpt2-tiny", "--seq-len", "32", "--memory-budget", "1GiB", "--space", "space.yaml")
 MEASURE = ("--no-estimate", "--warmup-steps", "1", "--steps", "8")  # progress on stderr: the loss is said
+MEASURE_ALL = "--measure-all"  # the test counts trials: the stop on evidence would end it when it is sure
 
 
 def running_trial_of_another_worker(storage: str, study: str, main_pid: int) -> tuple[int, int] | None:
@@ -48,7 +49,19 @@ def running_trial_of_another_worker(storage: str, study: str, main_pid: int) -> 
 def test_a_worker_killed_mid_trial_loses_its_trial_to_the_other_worker(tmp_path: Path) -> None:
     (tmp_path / "space.yaml").write_text(SPACE)
     storage = f"sqlite:///{tmp_path}/storage/autotune.db"
-    command = [sys.executable, "-m", "autotune", "tune", "--study", "lost", *ARGS, *MEASURE, "--workers", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "autotune",
+        "tune",
+        "--study",
+        "lost",
+        *ARGS,
+        *MEASURE,
+        MEASURE_ALL,
+        "--workers",
+        "2",
+    ]
     tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300

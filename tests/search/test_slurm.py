@@ -36,6 +36,8 @@ knobs:
   checkpointing: [false, true]
 """
 ARGS = ("--model", "builtin:gpt2-tiny", "--seq-len", "32", "--memory-budget", "1GiB", "--space", "space.yaml")
+# Tests that count trials measure every config: the stop on evidence would end them when it is sure.
+MEASURE_ALL = "--measure-all"
 
 
 def autotune(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600):
@@ -116,7 +118,19 @@ def test_two_slurm_workers_tune_a_study_as_a_local_run_does(tmp_path):
     assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
     (tmp_path / "space.yaml").write_text(SPACE)
     storage = f"journal://{tmp_path}/shared/study.log"
-    command = [sys.executable, "-m", "autotune", "tune", "--study", "slurm", *ARGS, "--steps", "2", "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "autotune",
+        "tune",
+        "--study",
+        "slurm",
+        *ARGS,
+        MEASURE_ALL,
+        "--steps",
+        "2",
+        "--json",
+    ]
     slurm = [*command, "--executor", "slurm", "--workers", "2", "--n-trials", "8", "--storage", storage]
     slurm += ["--partition", PARTITION]
     tune = subprocess.Popen(slurm, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -165,7 +179,19 @@ def test_scancel_of_one_worker_mid_trial_loses_its_trial_to_the_other(tmp_path):
     assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
     (tmp_path / "space.yaml").write_text(SPACE)
     storage = f"journal://{tmp_path}/shared/study.log"
-    command = [sys.executable, "-m", "autotune", "tune", "--study", "cancel", *ARGS, "--steps", "8", "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "autotune",
+        "tune",
+        "--study",
+        "cancel",
+        *ARGS,
+        MEASURE_ALL,
+        "--steps",
+        "8",
+        "--json",
+    ]
     command += ["--executor", "slurm", "--workers", "2", "--n-trials", "6", "--storage", storage]
     tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cancelled = None

@@ -285,3 +285,17 @@ def test_a_space_file_that_changed_still_refuses_the_study(tmp_path):
     _tune(tmp_path, backend, n_trials=1, confirm=False)
     with pytest.raises(StorageError, match="space_digest differs"):
         _tune(tmp_path, backend, knobs="  micro_batch: [1, 2]\n  precision: [fp32]\n", n_trials=2, confirm=False)
+
+
+def test_measure_all_turns_the_stop_on_evidence_off(tmp_path):
+    # Throughput rising smoothly to mb=16: once the model has seen enough, the small micro batches
+    # left are predicted far below the best and the search may end; --measure-all measures them.
+    first = {1: 40.0, 2: 70.0, 4: 110.0, 8: 150.0, 16: 180.0}
+    knobs = "  micro_batch: [1, 2, 4, 8, 16]\n  precision: [fp32]\n"
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    reruns = {size: [tokens] * 4 for size, tokens in first.items()}
+    settled = _tune(tmp_path / "a", ScriptedBackend(first=first, reruns=reruns), knobs=knobs)
+    everything = _tune(tmp_path / "b", ScriptedBackend(first=first, reruns=reruns), knobs=knobs, stop_on_evidence=False)
+    assert settled.stopped.startswith("settled") and settled.n_trials < 5, (settled.stopped, settled.n_trials)
+    assert everything.n_trials == 5 and not everything.stopped.startswith("settled"), everything.stopped
+    assert settled.best.config.micro_batch == everything.best.config.micro_batch == 16
