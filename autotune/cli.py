@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import logging
 import sys
 from typing import Annotated, Any, Callable, Optional
 
@@ -21,6 +22,11 @@ import typer
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import DEFAULT_MODEL, Workload
 from autotune.errors import AutotuneError, ConfigError
+
+# torchao (8-bit AdamW) warns on import about each CUDA-only kernel library it cannot load, and torch's pytree
+# about the Enums torchao registers: noise on every command once it is installed (Transformers imports it).
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 app = typer.Typer(
     name="autotune",
@@ -82,6 +88,10 @@ KNOB_OPTIONS = {
     "attention": Option(str, "auto", ("--attention",), _help(TrialConfig, "attention")),
     "fused_optimizer": Option(
         str, "off", ("--fused-optimizer",), "off or on. " + _help(TrialConfig, "fused_optimizer")
+    ),
+    "optimizer": Option(str, "adamw", ("--optimizer",), _help(TrialConfig, "optimizer")),
+    "optimizer_in_backward": Option(
+        str, "off", ("--optimizer-in-backward",), "off or on. " + _help(TrialConfig, "optimizer_in_backward")
     ),
     "compile": Option(str, "off", ("--compile",), "off or on. " + _help(TrialConfig, "compile")),
     "lora_rank": Option(Optional[int], None, ("--lora-rank",), _help(TrialConfig, "lora_rank")),
@@ -234,6 +244,8 @@ def _knobs(
     loss: str,
     attention: str,
     fused_optimizer: str,
+    optimizer: str,
+    optimizer_in_backward: str,
     compile: str,
     lora_rank: int | None,
     lora_alpha: int | None,
@@ -249,6 +261,8 @@ def _knobs(
         loss=loss,
         attention=attention,
         fused_optimizer=_on_off(fused_optimizer, "--fused-optimizer"),
+        optimizer=optimizer,
+        optimizer_in_backward=_on_off(optimizer_in_backward, "--optimizer-in-backward"),
         compile=_on_off(compile, "--compile"),
         lora_rank=lora_rank,
         lora_alpha=lora_alpha,

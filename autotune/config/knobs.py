@@ -25,11 +25,15 @@ __all__ = [
     "ZERO_STAGES",
     "FSDP_MODES",
     "LOSSES",
+    "OPTIMIZERS",
     "DEFAULT_LOSS_CHUNKS",
     "is_loss",
     "sixteen_bit_type",
     "attention_device_refusal",
     "compile_device_refusal",
+    "in_backward_refusal",
+    "eight_bit_library",
+    "EIGHT_BIT_REFUSAL",
 ]
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "bf16-true")
@@ -42,6 +46,9 @@ ATTENTIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flex_attention")  #
 LOSSES = ("standard", "chunked")  # chunked also as chunked:K
 DEFAULT_LOSS_CHUNKS = 8
 OFFLOADS = ("none", "optimizer", "optimizer+params")
+# adamw: PyTorch's; adamw-8bit: Adam's moments in 8 bits (torchao or bitsandbytes); adafactor: Transformers'
+# (factored second moments, no first). They change the maths, like precision: searched where a space lists them.
+OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor")
 ZERO_STAGES = (0, 1, 2, 3)
 # FSDP2 (torch.distributed.fsdp.fully_shard): "full" reshards each unit's parameters after its
 # forward (like ZeRO-3); "grad-op" keeps them gathered from forward to backward (like ZeRO-2).
@@ -97,6 +104,20 @@ class TrialConfig:
         metadata={
             "help": "AdamW with fused=True (one kernel over all parameters) instead of PyTorch's default "
             "(foreach on CUDA, a loop over the tensors on a CPU). Same maths."
+        },
+    )
+    optimizer: str = field(
+        default="adamw",
+        metadata={
+            "help": "adamw (PyTorch's), adamw-8bit (Adam's moments in 8 bits: torchao, or bitsandbytes) or "
+            "adafactor (Transformers': factored second moments, no first). Changes the maths, like precision."
+        },
+    )
+    optimizer_in_backward: bool = field(
+        default=False,
+        metadata={
+            "help": "Step each parameter inside the backward as soon as its gradient is made, and free the "
+            "gradient: no whole gradient buffer. One rank, no accumulation, no fp16 loss scaling."
         },
     )
     compile: bool = field(
@@ -219,6 +240,15 @@ class TrialConfig:
             raise ConfigError(f"--compile {self.compile!r} must be on or off")
         if not isinstance(self.fused_optimizer, bool):
             raise ConfigError(f"--fused-optimizer {self.fused_optimizer!r} must be on or off")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"--optimizer {self.optimizer!r} is not known; use one of {', '.join(OPTIMIZERS)}")
+        if not isinstance(self.optimizer_in_backward, bool):
+            raise ConfigError(f"--optimizer-in-backward {self.optimizer_in_backward!r} must be on or off")
+        if self.fused_optimizer and self.optimizer != "adamw":
+            raise ConfigError(
+                f"--fused-optimizer on with --optimizer {self.optimizer}: fused is PyTorch AdamW's kernel; "
+                "use --fused-optimizer off"
+            )
         if not is_loss(self.loss):
             raise ConfigError(
                 f"--loss {self.loss!r} is not known; use standard, chunked, or chunked:K "
@@ -266,6 +296,21 @@ class TrialConfig:
                 "--fused-optimizer on with --zero-stage: DeepSpeed picks its own Adam kernel (fused on "
                 "CUDA); use --fused-optimizer off with ZeRO"
             )
+        if (self.optimizer != "adamw" or self.optimizer_in_backward) and (self.uses_deepspeed or self.uses_fsdp):
+            what = f"--optimizer {self.optimizer}" if self.optimizer != "adamw" else "--optimizer-in-backward on"
+            sharding = f"--zero-stage {self.zero_stage}" if self.uses_deepspeed else f"--fsdp {self.fsdp}"
+            why = (
+                "DeepSpeed builds and steps its own optimizer over its partitions"
+                if self.uses_deepspeed
+                else "it steps FSDP's sharded parameters, which autotune does not measure yet"
+            )
+            raise ConfigError(f"{what} with {sharding}: {why}; use --optimizer adamw without it, or drop the sharding")
+        if self.optimizer_in_backward:
+            refusal = in_backward_refusal(self, workload)
+            if refusal is not None:
+                raise ConfigError(refusal)
+        if self.optimizer == "adamw-8bit" and eight_bit_library() is None:
+            raise ConfigError(EIGHT_BIT_REFUSAL)
         refusal = attention_device_refusal(self.attention, device.type)
         if refusal is not None:
             raise ConfigError(refusal)
@@ -314,8 +359,12 @@ class TrialConfig:
             parts.append(f"attn={self.attention}")
         if self.loss != "standard":
             parts.append("chunked-loss" + ("" if self.loss == "chunked" else f":{self.loss_chunks}"))
+        if self.optimizer != "adamw":
+            parts.append(self.optimizer)
         if self.fused_optimizer:
             parts.append("fused-adam")
+        if self.optimizer_in_backward:
+            parts.append("step-in-bwd")
         if self.compile:
             parts.append("compiled")
         if self.uses_lora:
@@ -338,6 +387,43 @@ def attention_device_refusal(attention: str, device_type: str) -> str | None:
         return "--attention flash_attention_2 needs the flash-attn package, which is not installed; or use sdpa"
     if attention == "flex_attention" and device_type != "cuda":
         return "--attention flex_attention has no backward on a CPU in PyTorch; use sdpa or eager"
+    return None
+
+
+def eight_bit_library() -> str | None:
+    """The installed package that provides 8-bit AdamW: torchao (runs on a CPU and CUDA), else
+    bitsandbytes; None when neither is installed."""
+    for package in ("torchao", "bitsandbytes"):
+        if importlib.util.find_spec(package) is not None:
+            return package
+    return None
+
+
+EIGHT_BIT_REFUSAL = (
+    "--optimizer adamw-8bit needs torchao (pip install torchao; it runs on a CPU too) or bitsandbytes (CUDA), "
+    "and neither is installed; install one, or use adamw or adafactor"
+)
+
+
+def in_backward_refusal(config: TrialConfig, workload: Workload) -> str | None:
+    """Why ``config`` cannot step its optimizer inside the backward for ``workload`` (None: it can)."""
+    accum = config.grad_accum_steps(workload)
+    if accum > 1:
+        return (
+            f"--optimizer-in-backward on with {accum} accumulation steps (--global-batch {workload.global_batch} / "
+            f"--micro-batch {config.micro_batch}): each micro batch's backward would step the weights; "
+            f"use --micro-batch {workload.global_batch // workload.nproc} (no accumulation), or turn it off"
+        )
+    if workload.nproc > 1:
+        return (
+            f"--optimizer-in-backward on with --nproc {workload.nproc}: the step would run before DDP has "
+            "averaged the gradient over the ranks; use --nproc 1, or turn it off"
+        )
+    if config.precision == "fp16":
+        return (
+            "--optimizer-in-backward on with --precision fp16: loss scaling unscales and checks the whole "
+            "gradient before stepping; use bf16 or fp32, or turn it off"
+        )
     return None
 
 

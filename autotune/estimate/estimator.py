@@ -1011,7 +1011,8 @@ def _fake_steps(
     ]
     tracker.tag(states, "optimizer_state")
     for p in trainable:
-        p.register_post_accumulate_grad_hook(lambda p: tracker.tag([p.grad], "gradients"))
+        # After the step inside backward's own hook (registered first), which frees the gradient.
+        p.register_post_accumulate_grad_hook(lambda p: tracker.tag([p.grad] if p.grad is not None else [], "gradients"))
     tracker.reset_peak()
     tracker.mark("step")
     micro_steps = min(engine.accum, _MICRO_STEPS)

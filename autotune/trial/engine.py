@@ -28,6 +28,7 @@ from autotune.models.sources import (
     parse_model_source,
 )
 from autotune.prepare.apply import prepare
+from autotune.prepare.optimizer import StepInBackward, build_optimizer
 from autotune.prepare.sharding import INIT_STD, parameters_on_meta
 from autotune.trial.memory import storages_of
 
@@ -71,10 +72,8 @@ class TorchEngine(TrainingEngine):
     def __init__(self, *, world_size: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        # fused=None leaves PyTorch's default (foreach on CUDA, a per-tensor loop on a CPU)
-        self.optimizer = torch.optim.AdamW(
-            params, lr=LEARNING_RATE, weight_decay=0.0, fused=True if self.config.fused_optimizer else None
-        )
+        # Stepped inside the backward (optimizer_in_backward), its step() below finds no gradient left.
+        self.optimizer = build_optimizer(params, self.config, lr=LEARNING_RATE)
         self.autocast_dtype = getattr(torch, self.config.autocast_type) if self.config.autocast_type else None
         self.scaler = torch.amp.GradScaler(self.device.type) if self.config.precision == "fp16" else None
         self.forward_model: Any = self.model  # the model, DDP's wrapper of it, or torch.compile's
@@ -256,7 +255,7 @@ def _state_bytes(optimizer: Any) -> int:
     ):
         seen.add(id(optimizer))
         optimizer = optimizer.optimizer
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    if not isinstance(optimizer, (torch.optim.Optimizer, StepInBackward)):
         return 0
     storages: dict[int, int] = {}
     for state in optimizer.state.values():

@@ -1,0 +1,138 @@
+"""The optimizer a config trains with, built the same way in trials, in the estimator's trace and in users' loops.
+
+``adamw`` is PyTorch's. ``adamw-8bit`` keeps Adam's two moments in 8 bits with a scale per block of
+values: torchao's ``AdamW8bit`` (pure PyTorch, so it runs on a CPU too), else bitsandbytes'. ``adafactor``
+is Transformers' own, as the Trainer's ``optim="adafactor"`` builds it (a fixed learning rate; factored
+second moments: a row and a column vector per matrix, no first moment).
+
+With ``optimizer_in_backward`` each parameter is stepped by its own optimizer in a hook that runs as
+soon as its gradient is accumulated, and the gradient is freed right after (torchtune's
+``optimizer_in_bwd``; PyTorch's tutorial "How to save memory by fusing the optimizer step into the
+backward pass"): the whole gradient buffer never exists at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+from autotune.config.knobs import EIGHT_BIT_REFUSAL, TrialConfig, eight_bit_library
+from autotune.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["build_optimizer", "optimizer_library", "StepInBackward"]
+
+
+def optimizer_library(config: TrialConfig) -> str:
+    """Which class steps ``config``'s parameters, as the trial result names it."""
+    if config.optimizer == "adamw-8bit":
+        library = eight_bit_library()
+        name = "torchao.optim.AdamW8bit" if library == "torchao" else "bitsandbytes.optim.AdamW8bit"
+    elif config.optimizer == "adafactor":
+        name = "transformers.optimization.Adafactor"
+    else:
+        name = "torch.optim.AdamW" + (" (fused)" if config.fused_optimizer else "")
+    return name + (", stepped inside backward" if config.optimizer_in_backward else "")
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], config: TrialConfig, *, lr: float) -> Any:
+    """``config``'s optimizer over ``params`` (an optimizer, or :class:`StepInBackward` holding one per
+    parameter). Weight decay is 0, as in the trials; a user's loop sets its own."""
+    params = list(params)
+    if config.optimizer_in_backward:
+        return StepInBackward(params, lambda p: _one_optimizer([p], config, lr=lr))
+    return _one_optimizer(params, config, lr=lr)
+
+
+def _one_optimizer(params: list[torch.nn.Parameter], config: TrialConfig, *, lr: float) -> Any:
+    import torch
+
+    if config.optimizer == "adamw":
+        # fused=None leaves PyTorch's default (foreach on CUDA, a per-tensor loop on a CPU)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True if config.fused_optimizer else None)
+    if config.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # The Trainer's optim="adafactor": a fixed learning rate, not Adafactor's relative step.
+        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+    library = eight_bit_library()
+    if library == "torchao":
+        return _torchao_adamw_8bit()(params, lr=lr, weight_decay=0.0)
+    if library == "bitsandbytes":
+        import bitsandbytes
+
+        return bitsandbytes.optim.AdamW8bit(params, lr=lr, weight_decay=0.0)
+    raise ConfigError(EIGHT_BIT_REFUSAL)
+
+
+def _torchao_adamw_8bit() -> type:
+    """torchao's AdamW8bit, stepping eagerly where a dispatch mode is active. torchao compiles its
+    per-parameter step with ``fullgraph=True``, and TorchDynamo does not compile under a dispatch mode:
+    the CPU trial's memory tracker and the estimator's fake tensors are both one. The maths is the same
+    function, uncompiled; on CUDA trials (no mode) it compiles as in users' jobs."""
+    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
+    from torchao.optim import AdamW8bit
+    from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
+
+    with _disable_current_modes():  # its 256-value code tables, made (and cached) from real values
+        get_qmap_signed(), get_qmap_unsigned()
+
+    class AdamW8bitUnderDispatchModes(AdamW8bit):  # type: ignore[misc]
+        def step(self, closure: Any = None) -> Any:
+            if _get_current_dispatch_mode() is None:
+                return super().step(closure)
+            with _compile_is_the_function():
+                return super().step(closure)
+
+    return AdamW8bitUnderDispatchModes
+
+
+@contextlib.contextmanager
+def _compile_is_the_function() -> Iterator[None]:
+    import torch
+
+    compile_ = torch.compile
+    torch.compile = lambda model=None, **_: model
+    try:
+        yield
+    finally:
+        torch.compile = compile_
+
+
+class StepInBackward:
+    """One optimizer per parameter, each stepped (and its gradient freed) by a post-accumulate-grad hook
+    as soon as the backward has made that gradient.
+
+    It reads as one optimizer: ``state`` and ``param_groups`` are all of theirs, and ``step()`` steps the
+    parameters that still hold a gradient (none after a backward; the estimator sets gradients by hand to
+    make the state), so a training loop's ``optimizer.step(); optimizer.zero_grad()`` stays as it was.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], make: Any) -> None:
+        self.optimizers = {p: make(p) for p in params}
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._step_one)
+
+    def _step_one(self, param: torch.nn.Parameter) -> None:
+        optimizer = self.optimizers[param]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        return {p: s for optimizer in self.optimizers.values() for p, s in optimizer.state.items()}
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [group for optimizer in self.optimizers.values() for group in optimizer.param_groups]
+
+    def step(self, closure: Any = None) -> None:
+        for param in self.optimizers:
+            if param.grad is not None:
+                self._step_one(param)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=set_to_none)
