@@ -449,7 +449,7 @@ def find(
     )
     if resources is not None:
         spec = _worker_spec(
-            workload=workload,
+            workload=workload.replace(nodes=nodes),  # the study's question says the nodes: exports carry them
             space=space,
             memory_budget=memory_budget,
             n_trials=n_trials,
@@ -605,7 +605,7 @@ def tune(
     )
     if resources is not None:
         spec = _worker_spec(
-            workload=workload,
+            workload=workload.replace(nodes=nodes),  # the study's question says the nodes: exports carry them
             space=space,
             memory_budget=memory_budget,
             n_trials=n_trials,

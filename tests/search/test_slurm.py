@@ -74,6 +74,96 @@ def test_bad_input_is_refused_in_one_line_before_anything_is_submitted(tmp_path)
     assert not (tmp_path / "autotune-slurm").exists() and not (tmp_path / "study.log").exists()  # nothing written
 
 
+# -- the node count: part of the study's question (no cluster needed) --------------------------------
+_TWO_NODE_JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu-a[017-018]", "SLURM_JOB_NUM_NODES": "2"}
+TWO_NODES = {"model": "builtin:gpt2-tiny", "seq_len": 32, "global_batch": 8, "nproc": 4, "nodes": 2}
+
+
+def test_a_worker_in_a_job_of_another_node_count_is_refused_in_one_line_before_the_study_is_touched(tmp_path):
+    (tmp_path / "space.yaml").write_text(SPACE)
+    journal = tmp_path / "study.log"
+    spec = {
+        "study": "s",
+        "workload": dict(TWO_NODES, nproc=2),
+        "space": "space.yaml",
+        "memory_budget_bytes": 2**30,
+        "storage": f"journal://{journal}",
+        "srun": True,
+        "worker": 1,
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(_TWO_NODE_JOB, SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="gpu-a017")  # --slurm-option nodes=1
+    proc = subprocess.run(
+        [sys.executable, "-m", "autotune", "worker"],
+        input=json.dumps(spec),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(
+        "autotune: worker 1: error: --nodes 2: this worker's SLURM job 4242 spans 1 node(s), and the study's "
+        "trials span 2; submit its workers with --nodes 2"
+    ), proc.stderr
+    assert not journal.exists()
+
+
+def test_workers_for_another_node_count_than_the_studys_are_refused_before_any_is_submitted(tmp_path):
+    from autotune.config.device import DeviceInfo
+    from autotune.config.workload import Workload
+    from autotune.search.space import load_space
+    from autotune.search.tuner import question
+    from autotune.study.storage import create_study
+
+    (tmp_path / "space.yaml").write_text(SPACE)
+    storage = f"journal://{tmp_path}/study.log"
+    device = DeviceInfo("cpu", "cpu", 1, None, bf16=True, fp16_deepspeed=False)
+    two = Workload(**dict(TWO_NODES, nproc=2))
+    meta = question(
+        workload=two, space=load_space(tmp_path / "space.yaml"), device=device, memory_budget_bytes=2**30, headroom=0.1
+    )
+    create_study(open_storage(storage), "s", meta)
+    bin_dir = tmp_path / "bin"  # an sbatch that says when it is asked to submit
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path / 'submitted'}\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    tune = ("tune", "--study", "s", *ARGS, "--global-batch", "8", "--nproc", "2", "--storage", storage)
+    message = refusal(autotune(*tune, "--executor", "slurm", "--nodes", "1", cwd=tmp_path, env=env))
+    assert message == (
+        "autotune: error: --study s answers another question (--nodes differs: stored 2, now 1); "
+        "use a new --study name, or the same flags as before\n"
+    )
+    assert not (tmp_path / "submitted").exists() and not (tmp_path / "autotune-slurm").exists()
+
+
+def test_one_node_keeps_the_find_name_it_had_before_nodes_and_two_nodes_ask_another_question():
+    from autotune.config.device import DeviceInfo
+    from autotune.config.workload import Workload
+    from autotune.search.space import SearchSpace
+    from autotune.search.tuner import question
+    from autotune.study.storage import find_study_name
+
+    device = DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", 4, 80 * 2**30, bf16=True, fp16_deepspeed=True)
+    space = SearchSpace.from_dict({"name": "mine", "micro_batch": [1, 2], "precision": ["bf16"]})
+
+    def name(**workload):
+        meta = question(
+            workload=Workload(model="builtin:gpt2-tiny", global_batch=32, **workload),
+            space=space,
+            device=device,
+            memory_budget_bytes=80 * 2**30,
+            headroom=0.1,
+        )
+        return find_study_name(meta, space.name)
+
+    # The name main (7982f1d) gave this question before the workload had nodes: one node leaves it as it was.
+    assert name(nproc=4) == name(nproc=4, nodes=1) == "find-gpt2-tiny-mine-8fe51386a4"
+    assert name(nproc=4, nodes=2) != name(nproc=4)
+
+
 def test_the_batch_script_holds_one_trials_resources_and_the_sites_options(tmp_path):
     resources = SlurmResources(
         nproc=4,
