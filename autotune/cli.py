@@ -199,7 +199,13 @@ OPTIONS = {
         "directory; postgresql://... for workers on several machines) or journal:///shared/path/study.log "
         "(a journal file on a shared file system).",
     ),
-    "fmt": Option(str, "json", ("--format",), "json, yaml, deepspeed, hf, accelerate, lightning or peft."),
+    "fmt": Option(
+        str,
+        "json",
+        ("--format",),
+        "json, yaml, deepspeed, hf, accelerate, lightning, peft, or launch (a bash script that starts your "
+        "training script with the trials' ranks and nodes).",
+    ),
 }
 _OUTPUT_HELP = (
     "a directory (existing, or ending in /) gets the format's usual file name inside it; --format peft "
@@ -463,7 +469,7 @@ def find(
     )
     if resources is not None:
         spec = _worker_spec(
-            workload=workload,
+            workload=workload.replace(nodes=nodes),  # the study's question says the nodes: exports carry them
             space=space,
             memory_budget=memory_budget,
             n_trials=n_trials,
@@ -619,7 +625,7 @@ def tune(
     )
     if resources is not None:
         spec = _worker_spec(
-            workload=workload,
+            workload=workload.replace(nodes=nodes),  # the study's question says the nodes: exports carry them
             space=space,
             memory_budget=memory_budget,
             n_trials=n_trials,
@@ -823,6 +829,13 @@ def export(
             file=sys.stderr,
         )
     print(_trains_line(summary.best.config, fmt, summary.workload), file=sys.stderr)
+    if summary.workload.nodes > 1 and fmt != "launch":  # deepspeed and hf cannot say it in their files
+        w = summary.workload
+        print(
+            f"nodes: {w.nodes}, {w.ranks_per_node} ranks on each: autotune export --study {study} --format launch "
+            "writes the script that starts them",
+            file=sys.stderr,
+        )
     if fmt in ("json", "yaml") and output is not None and summary.command:
         print(f"train with it: {_train_with(summary, output)}", file=sys.stderr)
     return 0
@@ -1092,11 +1105,11 @@ def _export_best(summary: Any, fmt: str, output: str | None) -> list[str]:
         if file.is_dir():  # e.g. -o out/ where out/ds_config.json is itself a directory
             raise ConfigError(f"-o {output or path}: {file} is a directory; name a file to write, e.g. -o {path}.new")
     for file, text in reversed(files):
-        _write_whole(file, text, output=output or str(path))
+        _write_whole(file, text, output=output or str(path), mode=0o755 if fmt == "launch" else 0o644)
     return [str(file) for file, _ in files]
 
 
-def _write_whole(path: Any, text: str, *, output: str) -> None:
+def _write_whole(path: Any, text: str, *, output: str, mode: int = 0o644) -> None:
     """``path`` replaced by ``text`` whole or not at all (never a half-written config)."""
     import os
     import tempfile
@@ -1108,7 +1121,7 @@ def _write_whole(path: Any, text: str, *, output: str) -> None:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
         tmp = None
     except OSError as exc:

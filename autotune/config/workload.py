@@ -1,7 +1,7 @@
 """The workload: what the user trains. The tuner never changes it.
 
-Model, task, sequence length, global batch, ranks per trial, device and optimizer are fixed
-by the user; the knobs in :mod:`autotune.config.knobs` are what the tuner moves around them.
+Model, task, sequence length, global batch, ranks per trial (and the nodes they span), device and
+optimizer are fixed by the user; the knobs in :mod:`autotune.config.knobs` are what the tuner moves around them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ DEVICES = ("auto", "cuda", "cpu")
 OPTIMIZERS = ("adamw",)
 DEFAULT_MODEL = "builtin:gpt2-tiny"
 DEFAULT_IMAGE_SIZE = 224  # ImageNet training crops, when neither the flag nor the config says
-_ADDED_LATER = {"target_len": None, "image_size": None, "gpu": None}
+_ADDED_LATER = {"target_len": None, "image_size": None, "gpu": None, "nodes": 1}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +57,12 @@ class Workload:
         metadata={"help": "Samples per optimizer step over all ranks (micro batch x accumulation x ranks)."},
     )
     nproc: int = field(default=1, metadata={"help": "Ranks per trial; more than 1 runs under torchrun."})
+    nodes: int = field(
+        default=1,
+        metadata={
+            "help": "Nodes a trial's ranks span (a SLURM job's), the same ranks on each; --nproc counts them all."
+        },
+    )
     device: str = field(default="auto", metadata={"help": "auto (CUDA when visible), cuda or cpu."})
     gpu: str | None = field(
         default=None,
@@ -78,6 +84,7 @@ class Workload:
             ("--seq-len", self.seq_len),
             ("--global-batch", self.global_batch),
             ("--nproc", self.nproc),
+            ("--nodes", self.nodes),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise WorkloadError(f"{flag} {value!r} must be a whole number of at least 1")
@@ -111,6 +118,15 @@ class Workload:
             object.__setattr__(self, "device", "cuda")  # a named card means a CUDA workload
         if self.optimizer not in OPTIMIZERS:
             raise WorkloadError(f"optimizer {self.optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
+        if self.nproc < self.nodes:
+            raise WorkloadError(
+                f"--nodes {self.nodes} with --nproc {self.nproc}: each node runs at least one rank; "
+                f"use --nproc {self.nodes} or more"
+            )
+        if self.nproc % self.nodes:
+            raise WorkloadError(
+                f"--nproc {self.nproc} does not divide over --nodes {self.nodes}; give each node the same ranks"
+            )
         if self.global_batch % self.nproc:
             raise WorkloadError(
                 f"--global-batch {self.global_batch} does not split over --nproc {self.nproc} ranks; "
@@ -118,6 +134,11 @@ class Workload:
             )
         if not self.model:
             raise WorkloadError("--model is empty; use e.g. builtin:gpt2-tiny")
+
+    @property
+    def ranks_per_node(self) -> int:
+        """The ranks each of the trial's nodes runs (torchrun's --nproc-per-node)."""
+        return self.nproc // self.nodes
 
     @property
     def decoder_len(self) -> int:

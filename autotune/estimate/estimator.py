@@ -352,7 +352,7 @@ def trace_key(workload: Workload, config: TrialConfig, *, task: str | None = Non
     """What :func:`trace_step` traces for ``config``: equal keys, one trace."""
     return json.dumps(
         [
-            workload.replace(nproc=_traced_ranks(workload, config)).to_dict(),
+            _traced_workload(workload, config).to_dict(),
             _plain(config).to_dict(),
             config.uses_deepspeed,
             task,
@@ -365,6 +365,11 @@ def trace_key(workload: Workload, config: TrialConfig, *, task: str | None = Non
 def _traced_ranks(workload: Workload, config: TrialConfig) -> int:
     """Ranks of the traced step: FSDP2's, on a fake group of them; one for DDP and ZeRO (arithmetic)."""
     return workload.nproc if config.uses_fsdp else 1
+
+
+def _traced_workload(workload: Workload, config: TrialConfig) -> Workload:
+    """The workload of the traced step: its ranks (see :func:`_traced_ranks`), on one machine."""
+    return workload.replace(nproc=_traced_ranks(workload, config), nodes=1)
 
 
 def _plain(config: TrialConfig) -> TrialConfig:
@@ -417,7 +422,7 @@ def trace_step(
         with FakeTensorMode(allow_non_fake_inputs=True), _grouped_mm_in_any_dtype(), tracker, device:
             with _truncated_normal_without_resampling():
                 engine = build_engine(
-                    workload=workload.replace(nproc=ranks),
+                    workload=_traced_workload(workload, config),
                     config=plain,
                     task=task,
                     device=device,

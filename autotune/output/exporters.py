@@ -7,6 +7,11 @@ TrainingArguments JSON can hold neither comments nor extra keys: their precision
 and LoRA travels in the peft export (adapter_config.json). The model's facts these need (hidden
 size, LoRA's targets) come from the study when it stored them (:mod:`autotune.study.stored_facts`):
 then no format imports torch, transformers or PEFT.
+
+A trial over several nodes (``--nodes``, a SLURM job's) exports for as many: Accelerate's
+``num_machines``, Lightning's ``num_nodes``, and the launch script (``--format launch``) that starts
+the job's ranks as the trials started theirs: ``srun``, one torchrun per node and a c10d rendezvous
+on the first node, with DeepSpeed's hostfile lines for a ZeRO config.
 """
 
 from __future__ import annotations
@@ -29,10 +34,11 @@ from autotune.prepare.training_args import (
 )
 from autotune.study.stored_facts import adapter_config, hidden_size
 from autotune.study.summary import what_is_trained
+from autotune.trial.multinode import RDZV_PORT
 
 __all__ = ["FORMATS", "DEFAULT_FILENAMES", "export_config", "export_files", "deepspeed_companion", "in_code"]
 
-FORMATS = ("json", "yaml", "deepspeed", "hf", "accelerate", "lightning", "peft")
+FORMATS = ("json", "yaml", "deepspeed", "hf", "accelerate", "lightning", "peft", "launch")
 DEFAULT_FILENAMES = {
     "json": "autotune.json",
     "yaml": "autotune.yaml",
@@ -41,6 +47,7 @@ DEFAULT_FILENAMES = {
     "accelerate": "accelerate_config.yaml",
     "lightning": "lightning_trainer.yaml",
     "peft": "adapter_config.json",
+    "launch": "launch.sh",
 }
 
 _TF32_HINT = 'tf32: call torch.set_float32_matmul_precision("high") before training'
@@ -199,12 +206,17 @@ def _accelerate(
         "machine_rank": 0,
         "main_training_function": "main",
         "mixed_precision": accelerate_arguments(config, workload)["mixed_precision"],
-        "num_machines": 1,
-        "num_processes": workload.nproc,
+        "num_machines": workload.nodes,
+        "num_processes": workload.nproc,  # over all machines: accelerate launch starts nproc // nodes on each
         "rdzv_backend": "static",
         "same_network": True,
         "use_cpu": cpu,
     }
+    if workload.nodes > 1:
+        # The first node's address is the job's, so it is given on the command line (see the header);
+        # so is --rdzv_backend c10d: accelerate launch reads rdzv_backend and same_network from its
+        # flags alone (their defaults are not None, so the file's values never replace them).
+        data["main_process_port"] = RDZV_PORT
     if not cpu:
         data["gpu_ids"] = "all"
     if config.compile:  # Accelerator(dynamo_backend=...) compiles the prepared model
@@ -213,10 +225,20 @@ def _accelerate(
         # Only these two keys beside a file: Accelerate refuses accumulation, stage or offload keys that
         # the file would override (the file says them; the script's Accelerator reads them from it).
         data["deepspeed_config"] = {"deepspeed_config_file": deepspeed_file, "zero3_init_flag": config.zero_stage == 3}
+        if workload.nodes > 1:  # torchrun on each node, as for the other types (not pdsh and a hostfile)
+            data["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
         del data["mixed_precision"]  # likewise: the file's bf16/fp16 blocks say it
     if config.uses_fsdp:
         data["fsdp_config"] = _accelerate_fsdp(config, workload)
-    return _header(config, workload, summary) + _dump_yaml(data)
+    launch = _nodes_lines(workload)
+    if workload.nodes > 1:  # the same command on every node: a c10d rendezvous on the first, as the trials met
+        launch.append(
+            f"start it once on each of the {workload.nodes} nodes: accelerate launch --config_file THIS_FILE "
+            "--rdzv_backend c10d --main_process_ip FIRST_NODE TRAIN_SCRIPT (in a SLURM job: srun --nodes "
+            f"{workload.nodes} --ntasks-per-node 1 accelerate launch ..., FIRST_NODE from "
+            'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+        )
+    return _header(config, workload, summary, launch=launch) + _dump_yaml(data)
 
 
 def _accelerate_fsdp(config: TrialConfig, workload: Workload) -> dict[str, Any]:
@@ -244,11 +266,73 @@ def _lightning(config: TrialConfig, workload: Workload, *, device_type: str, sum
         )
     trainer = {
         "accelerator": "cpu" if device_type == "cpu" else "gpu",
-        "devices": workload.nproc,
+        "devices": workload.ranks_per_node,  # Lightning's devices are each node's
+        **({"num_nodes": workload.nodes} if workload.nodes > 1 else {}),
         **lightning_arguments(config, workload),
         "strategy": lightning_strategy(config, workload, hidden_size=hidden_size(workload)),
     }
     return _header(config, workload, summary) + _dump_yaml({"trainer": trainer})
+
+
+# -- the launch script --------------------------------------------------------------------------
+def _launch(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
+    """A bash script that starts the user's training script (its arguments) with the trials' ranks:
+    python for one rank; torchrun on one node; over several, ``srun`` placing one torchrun per node of
+    the SLURM job and a c10d rendezvous on its first node (the command the multi-node trials ran, see
+    :func:`autotune.trial.multinode.multinode_command`), with DeepSpeed's hostfile for a ZeRO config."""
+    nodes, per_node = workload.nodes, workload.ranks_per_node
+    if nodes > 1:
+        ranks = f"{workload.nproc} ranks over {nodes} nodes, {per_node} on each"
+    else:
+        ranks = f"{workload.nproc} rank{'s' if workload.nproc > 1 else ''} on one machine"
+    lines = ["#!/bin/bash", *_header(config, workload, summary, launch=[]).splitlines()]
+    lines += [
+        f"# Starts TRAIN_SCRIPT [ARGS...] with the trials' ranks: {ranks}.",
+        "# Run: sbatch THIS_SCRIPT train.py ARGS... (or bash THIS_SCRIPT train.py ARGS... "
+        + ("inside such a SLURM job)" if nodes > 1 else "here)"),
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+    ]
+    if device_type == "cuda":
+        lines.append(f"#SBATCH --gpus-per-node={per_node}")
+    lines += [
+        "set -euo pipefail",
+        'if [ "$#" -eq 0 ]; then',
+        f'  echo "usage: $0 TRAIN_SCRIPT [ARGS...]: starts it with {ranks}" >&2',
+        "  exit 2",
+        "fi",
+    ]
+    if nodes == 1:
+        if workload.nproc == 1 and not config.uses_deepspeed:
+            return "\n".join([*lines, 'exec "${PYTHON:-python}" "$@"']) + "\n"
+        # DeepSpeed finds its one rank's process group from torchrun's variables too.
+        return "\n".join([*lines, f'exec torchrun --standalone --nproc-per-node={per_node} "$@"']) + "\n"
+    lines += [
+        f"NODES={nodes}",
+        'if [ "${SLURM_JOB_NUM_NODES:-}" != "$NODES" ]; then',
+        '  echo "$0: this config trains over $NODES nodes: run it in a SLURM job of $NODES nodes '
+        '(sbatch $0 TRAIN_SCRIPT ...); SLURM_JOB_NUM_NODES here: ${SLURM_JOB_NUM_NODES:-unset}" >&2',
+        "  exit 2",
+        "fi",
+        'HOSTLIST=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        'mapfile -t HOSTS <<<"$HOSTLIST"',
+        "MASTER_ADDR=${HOSTS[0]}",
+        f"MASTER_PORT=${{MASTER_PORT:-{RDZV_PORT}}}",
+    ]
+    if config.uses_deepspeed:
+        lines += [
+            "# DeepSpeed's hostfile: a line per node, HOST slots=RANKS (deepspeed --hostfile reads it; the",
+            "# torchrun below does not need it)",
+            "HOSTFILE=${HOSTFILE:-hostfile}",
+            f'printf \'%s slots={per_node}\\n\' "${{HOSTS[@]}}" >"$HOSTFILE"',
+        ]
+    lines += [
+        "# One torchrun per node; they meet at a c10d rendezvous on the first node, as the trials' ranks did.",
+        f"exec srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
+        f"  torchrun --nnodes={nodes} --nproc-per-node={per_node} --rdzv-backend=c10d \\",
+        '  --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="autotune-$SLURM_JOB_ID" "$@"',
+    ]
+    return "\n".join(lines) + "\n"
 
 
 # -- PEFT -----------------------------------------------------------------------------------
@@ -264,14 +348,18 @@ def _peft(config: TrialConfig, workload: Workload, *, device_type: str, summary:
 
 
 # -- shared helpers -------------------------------------------------------------------------
-def _header(config: TrialConfig, workload: Workload, summary: dict[str, Any]) -> str:
-    """Comment lines for YAML formats: what is trained, and the knobs no YAML key carries."""
+def _header(
+    config: TrialConfig, workload: Workload, summary: dict[str, Any], *, launch: list[str] | None = None
+) -> str:
+    """Comment lines for YAML formats: what is trained, and the knobs no YAML key carries (``launch``:
+    how the job starts over its nodes, by default :func:`_nodes_lines`)."""
     trains = what_is_trained(config, workload)
     lines = [
         f"autotune export: {workload.model}, {config.describe()}",
         f"trains: {trains['note']}",
         f"micro batch: {config.micro_batch} per rank (the DataLoader's batch_size), "
         f"gradient accumulation: {config.grad_accum_steps(workload)}, global batch: {workload.global_batch}",
+        *(_nodes_lines(workload) if launch is None else launch),
         "activation checkpointing: "
         + (
             "on: model.gradient_checkpointing_enable("
@@ -296,6 +384,16 @@ def _header(config: TrialConfig, workload: Workload, summary: dict[str, Any]) ->
     lines += in_code(config, workload)
     lines += [f"{key}: {value}" for key, value in summary.items()]
     return "".join(f"# {' '.join(str(line).split())}\n" for line in lines)
+
+
+def _nodes_lines(workload: Workload) -> list[str]:
+    """A header line for a config over several nodes (none for one)."""
+    if workload.nodes == 1:
+        return []
+    return [
+        f"nodes: {workload.nodes}, {workload.ranks_per_node} ranks on each ({workload.nproc} in all); "
+        "autotune export --format launch writes the script that starts them under SLURM"
+    ]
 
 
 def in_code(config: TrialConfig, workload: Workload | None = None) -> list[str]:
@@ -359,4 +457,5 @@ _EXPORTERS: dict[str, Callable[..., str]] = {
     "accelerate": _accelerate,
     "lightning": _lightning,
     "peft": _peft,
+    "launch": _launch,
 }

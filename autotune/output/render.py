@@ -115,7 +115,8 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
     what = f"the command `{' '.join(summary.command)}`" if summary.command else w.model
     console.print(
         f"  {what}, seq {w.seq_len}{f' -> {w.target_len}' if w.target_len else ''}, "
-        f"global batch {w.global_batch}, {w.nproc} rank(s) on "
+        f"global batch {w.global_batch}, {w.nproc} rank(s)"
+        f"{f' over {w.nodes} nodes ({w.ranks_per_node} each)' if w.nodes > 1 else ''} on "
         f"{summary.device.get('name')} ({summary.device.get('type')}); budget "
         f"{format_size(summary.memory_budget_bytes)}, fits under {format_size(summary.memory_limit_bytes)}; "
         f"space {summary.space}",

@@ -126,7 +126,8 @@ def _header_html(summary: StudySummary) -> str:
         (
             "workload",
             f"seq_len {w.seq_len}{f', target_len {w.target_len}' if w.target_len else ''}, "
-            f"global batch {w.global_batch}, {w.nproc} rank(s) per trial, "
+            f"global batch {w.global_batch}, {w.nproc} rank(s) per trial"
+            f"{f' over {w.nodes} nodes' if w.nodes > 1 else ''}, "
             f"{w.optimizer}",
         ),
         ("device", _describe_device(summary.device)),

@@ -249,6 +249,8 @@ def tune_on_slurm(
     from autotune.errors import StorageError
 
     check_executor(storage=storage, resources=resources)
+    if study is not None:
+        _check_study(storage, study, spec["workload"])
     signal_name = None
     if resources.signal is not None:
         signal_name = resources.signal.removeprefix("B:").partition("@")[0]
@@ -274,6 +276,22 @@ def tune_on_slurm(
             f"their logs are in {run}/"
         )
     return name, ids
+
+
+def _check_study(storage: str | None, study: str, workload: dict[str, Any]) -> None:
+    """A study that exists answers its own question: workers for another workload (another --nodes,
+    say) would each refuse it, so refuse them here, before any is submitted."""
+    from autotune.errors import StorageError
+    from autotune.study.journal import journal_path
+    from autotune.study.storage import DEFAULT_STORAGE, open_storage, question_clash, stored_question
+
+    path = journal_path(storage or DEFAULT_STORAGE)
+    if path is not None and not path.exists():
+        return  # no study yet, and no journal file to create for nothing
+    stored = stored_question(open_storage(storage), study)
+    clash = None if stored is None else question_clash(study, stored, {"workload": workload}, keys=("workload",))
+    if clash is not None:
+        raise StorageError(clash)
 
 
 def _study_of_jobs(storage: str | None, ids: list[str]) -> str | None:

@@ -196,7 +196,8 @@ def tune(
     # A user's command: its model is its own, so nothing is estimated and every config is measured.
     estimate = estimate and not command
     backend = backend or (ScriptBackend(device.type, command) if command else LocalBackend(device.type, srun=srun))
-    _check_workload(workload, device, nodes=_job_nodes() if srun else 1)
+    _check_nodes(workload, srun=srun)  # before the storage is opened: a refused worker writes nothing
+    _check_workload(workload, device)
     gpus = gpu_slices(workers, workload.nproc, device)
     opened = open_storage(storage)
     space = _space_to_resume(opened, study, space, progress)
@@ -1077,14 +1078,33 @@ def _job_nodes() -> int:
     return int(os.environ.get("SLURM_JOB_NUM_NODES") or 1)
 
 
-def _check_workload(workload: Workload, device: DeviceInfo, *, nodes: int = 1) -> None:
+def _check_nodes(workload: Workload, *, srun: bool) -> None:
+    """A trial spans the nodes its workload says (the study's question): a SLURM worker's job must hold
+    that many, and a trial outside such a job (no ``srun``) runs on this machine alone."""
+    here = _job_nodes() if srun else 1
+    if workload.nodes == here:
+        return
+    if not srun:
+        raise ConfigError(
+            f"--nodes {workload.nodes}: a trial spans several nodes only in a SLURM worker job; "
+            "tune with --executor slurm, or drop --nodes"
+        )
+    job = os.environ.get("SLURM_JOB_ID", "?")
+    raise ConfigError(
+        f"--nodes {workload.nodes}: this worker's SLURM job {job} spans {here} node(s), and the study's "
+        f"trials span {workload.nodes}; submit its workers with --nodes {workload.nodes} "
+        "(and no --slurm-option nodes=...)"
+    )
+
+
+def _check_workload(workload: Workload, device: DeviceInfo) -> None:
     """Refuse a workload that no trial could run, before a study is created for it."""
     from autotune.errors import WorkloadError
     from autotune.models.sources import resolve_task
 
-    if device.type == "cuda" and workload.nproc // nodes > device.count:
+    if device.type == "cuda" and workload.ranks_per_node > device.count:
         raise WorkloadError(
-            f"--nproc {workload.nproc} needs {workload.nproc // nodes} GPUs per node; {device.count} visible here"
+            f"--nproc {workload.nproc} needs {workload.ranks_per_node} GPUs per node; {device.count} visible here"
         )
     resolve_task(workload)
 

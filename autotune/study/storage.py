@@ -35,6 +35,7 @@ __all__ = [
     "recover_stale_trials",
     "find_study_name",
     "stored_question",
+    "question_clash",
     "META_KEY",
     "worker_id",
 ]
@@ -167,13 +168,40 @@ def create_study(storage: optuna.storages.BaseStorage, name: str, meta: dict[str
             raise StorageError(f"--study {name} exists and was not created by autotune; use another --study name")
         study.set_user_attr(META_KEY, meta)
         return study
-    for key in _IDENTITY:
-        if _canonical(stored.get(key)) != _canonical(meta.get(key)):
-            raise StorageError(
-                f"--study {name} answers another question ({key} differs: stored {_short(stored.get(key))}, "
-                f"now {_short(meta.get(key))}); use a new --study name, or the same flags as before"
-            )
+    clash = question_clash(name, stored, meta)
+    if clash is not None:
+        raise StorageError(clash)
     return study
+
+
+def question_clash(
+    name: str, stored: dict[str, Any], meta: dict[str, Any], keys: tuple[str, ...] = _IDENTITY
+) -> str | None:
+    """Why study ``name``, made for question ``stored``, cannot answer ``meta`` (None: it can), on ``keys``.
+    A workload that differs is named by its flags (``--nodes differs: stored 2, now 1``)."""
+    for key in keys:
+        if _canonical(stored.get(key)) == _canonical(meta.get(key)):
+            continue
+        what = f"{key} differs: stored {_short(stored.get(key))}, now {_short(meta.get(key))}"
+        if key == "workload":
+            what = _workload_differences(stored.get(key), meta.get(key)) or what
+        return f"--study {name} answers another question ({what}); use a new --study name, or the same flags as before"
+    return None
+
+
+def _workload_differences(stored: Any, now: Any) -> str | None:
+    """The workload flags whose values differ, each field at its default where a dict leaves it out."""
+    import dataclasses
+
+    from autotune.config.workload import Workload
+    from autotune.errors import AutotuneError
+
+    try:
+        old, new = (dataclasses.asdict(Workload.from_dict(dict(w))) for w in (stored, now))
+    except (AutotuneError, TypeError, ValueError):
+        return None  # stored by a version this one cannot read: the plain difference says it
+    fields = [f for f in old if old[f] != new[f]]
+    return "; ".join(f"--{f.replace('_', '-')} differs: stored {old[f]}, now {new[f]}" for f in fields) or None
 
 
 def stored_question(storage: optuna.storages.BaseStorage, name: str) -> dict[str, Any] | None:

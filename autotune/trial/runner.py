@@ -78,10 +78,16 @@ def run_trial(
     """
     device = device or detect_device(workload.device)
     nodes = len(node_ranks(os.environ, nproc=workload.nproc)) if srun else 1
-    if device.type == "cuda" and workload.nproc // nodes > device.count:  # CPU ranks share the host's cores
+    if nodes != workload.nodes:
         raise WorkloadError(
-            f"--nproc {workload.nproc} needs {workload.nproc} GPUs; {device.count} visible here "
-            f"(use --nproc {device.count} or less, or --device cpu)"
+            f"--nodes {workload.nodes}: this trial would start its ranks on {nodes} node(s); "
+            + (f"run it in a SLURM job of {workload.nodes} nodes" if srun else "several nodes need --executor slurm")
+        )
+    if device.type == "cuda" and workload.ranks_per_node > device.count:  # CPU ranks share the host's cores
+        per_node = " per node" if workload.nodes > 1 else ""
+        raise WorkloadError(
+            f"--nproc {workload.nproc} needs {workload.ranks_per_node} GPUs{per_node}; {device.count} visible here "
+            f"(use --nproc {device.count * workload.nodes} or less, or --device cpu)"
         )
     config.validate_for(workload, device)
     task = resolve_task(workload)

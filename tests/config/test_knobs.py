@@ -96,3 +96,38 @@ def test_more_ranks_than_gpus_are_refused_before_anything_starts():
 
     with pytest.raises(Refused, match="--nproc 2 needs 2 GPUs; 1 visible"):
         runner.run_trial(Workload(nproc=2, global_batch=4), TrialConfig(micro_batch=2), device=GPU)
+
+
+def test_a_trial_over_several_nodes_runs_only_in_a_slurm_job_of_as_many():
+    from autotune.errors import WorkloadError as Refused
+    from autotune.trial import runner
+
+    two_nodes = Workload(nproc=2, nodes=2, global_batch=4)
+    with pytest.raises(Refused, match="--nodes 2: this trial would start its ranks on 1 node.*--executor slurm"):
+        runner.run_trial(two_nodes, TrialConfig(micro_batch=2), device=CPU)
+    one_node_job = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "vm", "SLURM_JOB_NUM_NODES": "1"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in one_node_job.items():
+            patch.setenv(name, value)
+        with pytest.raises(Refused, match="--nodes 2: .* on 1 node.*a SLURM job of 2 nodes"):
+            runner.run_trial(two_nodes, TrialConfig(micro_batch=2), device=CPU, srun=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(nproc=1, nodes=2), "--nodes 2 with --nproc 1: each node runs at least one rank; use --nproc 2"),
+        (dict(nproc=3, nodes=2, global_batch=12), "--nproc 3 does not divide over --nodes 2"),
+        (dict(nodes=0), "--nodes 0 must be a whole number of at least 1"),
+    ],
+)
+def test_nodes_that_cannot_share_the_ranks_are_refused(kwargs, message):
+    with pytest.raises(WorkloadError, match=message):
+        Workload(**kwargs)
+    assert Workload(nproc=4, nodes=2).ranks_per_node == 2
+
+
+def test_a_workload_on_one_node_stores_as_before_nodes_and_two_nodes_round_trip():
+    assert "nodes" not in Workload(nproc=4).to_dict()  # a one-node study's question, byte for byte
+    two = Workload(nproc=4, nodes=2)
+    assert two.to_dict()["nodes"] == 2 and Workload.from_dict(two.to_dict()) == two

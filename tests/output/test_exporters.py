@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -421,3 +422,174 @@ def test_fsdp_exports_load_in_their_libraries_with_the_trials_sharding(tmp_path,
     built = FSDPStrategy(**strategy["init_args"])
     assert built.sharding_strategy.name == ("FULL_SHARD" if reshard else "SHARD_GRAD_OP")
     assert built.cpu_offload.offload_params
+
+
+# -- several nodes ----------------------------------------------------------------------------
+TWO_NODES = WORKLOAD.replace(nproc=4, nodes=2)  # 2 ranks on each node
+
+
+@pytest.mark.parametrize("fmt", ["json", "yaml"])
+def test_the_record_of_a_two_node_config_says_its_nodes_and_a_one_node_one_says_nothing_new(fmt: str) -> None:
+    load = json.loads if fmt == "json" else yaml.safe_load
+    loaded = load(export_config(FULL_BF16, TWO_NODES, fmt=fmt))
+    assert loaded["workload"]["nodes"] == 2 and Workload.from_dict(loaded["workload"]) == TWO_NODES
+    assert "nodes" not in load(export_config(FULL_BF16, WORKLOAD, fmt=fmt))["workload"]  # as before --nodes
+    if fmt == "yaml":
+        assert "# nodes: 2, 2 ranks on each (4 in all); " in export_config(FULL_BF16, TWO_NODES, fmt=fmt)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [FULL_BF16, ZERO3_OFFLOAD_ALL.replace(micro_batch=2), TrialConfig(micro_batch=2, fsdp="full")],
+    ids=["ddp", "zero3", "fsdp"],
+)
+def test_accelerate_launch_starts_a_two_node_export_as_the_trials_ranks_met(tmp_path: Path, config: TrialConfig):
+    """accelerate launch's own argument handling, up to the torchrun launch config it would run on each node."""
+    import torch.distributed.run as torchrun
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import _filter_args, prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    files = export_files(config, TWO_NODES, tmp_path / "accelerate_config.yaml", fmt="accelerate", device_type="cuda")
+    for path, text in files:
+        path.write_text(text)
+    loaded = load_config_from_file(str(files[0][0]))
+    assert (loaded.num_machines, loaded.num_processes, loaded.main_process_port) == (2, 4, 29500)
+    # What the header says to run on every node (FIRST_NODE: the job's first host).
+    header = files[0][1]
+    assert "--rdzv_backend c10d --main_process_ip FIRST_NODE TRAIN_SCRIPT" in header
+    argv = ["--config_file", str(files[0][0]), "--rdzv_backend", "c10d", "--main_process_ip", "gpu-a017", "train.py"]
+    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+    if config.uses_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = list(defaults.deepspeed_config)  # as launch_command sets it
+        command, _ = prepare_deepspeed_cmd_env(args)
+        assert command is None  # torchrun on each node, not DeepSpeed's pdsh launcher and its hostfile
+    else:
+        prepare_multi_gpu_env(args)
+    parsed = _filter_args(args, torchrun.get_args_parser(), ["--training_script", "train.py"])
+    launch, _, _ = torchrun.config_from_args(parsed)
+    assert (launch.min_nodes, launch.max_nodes, launch.nproc_per_node) == (2, 2, 2)  # num_processes: over all
+    assert (launch.rdzv_backend, launch.rdzv_endpoint) == ("c10d", "gpu-a017:29500")
+
+
+def test_a_one_node_accelerate_export_is_as_before() -> None:
+    loaded = yaml.safe_load(export_config(FULL_BF16, WORKLOAD.replace(nproc=2), fmt="accelerate"))
+    assert (loaded["num_machines"], loaded["num_processes"]) == (1, 2) and "main_process_port" not in loaded
+
+
+def test_lightning_runs_a_two_node_export_on_each_nodes_devices(tmp_path: Path) -> None:
+    kwargs = _lightning_kwargs(FULL_BF16, device_type="cpu", workload=TWO_NODES)
+    assert (kwargs["num_nodes"], kwargs["devices"]) == (2, 2)
+    trainer = _trainer(tmp_path, **kwargs)
+    assert trainer.num_nodes == 2 and trainer.num_devices == 2 and trainer.world_size == 4
+    assert "num_nodes" not in _lightning_kwargs(FULL_BF16, device_type="cpu")
+
+
+# -- the launch script ------------------------------------------------------------------------
+_RANK = textwrap.dedent("""
+    import sys
+    import torch, torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)
+    said = f"RANK {dist.get_rank()} OF {dist.get_world_size()} SUM {int(total.item())} ARGS {sys.argv[1:]}"
+    open(f"rank-{dist.get_rank()}.txt", "w").write(said)  # a file each: the ranks' stdout lines interleave
+""")
+_ONE = 'import sys\nprint(f"ONE ARGS {sys.argv[1:]}")\n'
+
+
+def _launch(tmp_path: Path, config: TrialConfig, workload: Workload, device_type: str = "cpu") -> Path:
+    path = tmp_path / DEFAULT_FILENAMES["launch"]
+    path.write_text(export_config(config, workload, fmt="launch", device_type=device_type))
+    return path
+
+
+def _bash(script: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(script), *args], cwd=script.parent, capture_output=True, text=True, timeout=300, env=env
+    )
+
+
+@pytest.mark.parametrize("workload", [WORKLOAD, WORKLOAD.replace(nproc=2), TWO_NODES], ids=["1", "2", "2x2"])
+@pytest.mark.parametrize("config", [FULL_BF16, ZERO2_OFFLOAD], ids=["ddp", "zero2"])
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_every_launch_script_is_bash_that_sbatch_reads(tmp_path, workload, config, device_type) -> None:
+    script = _launch(tmp_path, config, workload, device_type)
+    checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    lines = script.read_text().splitlines()
+    assert lines[0] == "#!/bin/bash"
+    # sbatch reads #SBATCH lines up to the first command: all of them come before it.
+    first_command = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
+    options = [line for line in lines if line.startswith("#SBATCH")]
+    assert all(lines.index(option) < first_command for option in options)
+    assert f"#SBATCH --nodes={workload.nodes}" in options and "#SBATCH --ntasks-per-node=1" in options
+    assert (f"#SBATCH --gpus-per-node={workload.ranks_per_node}" in options) == (device_type == "cuda")
+    usage = _bash(script)
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: ") and len(usage.stderr.splitlines()) == 1
+
+
+def _local_env() -> dict[str, str]:
+    """This Python's torchrun first on PATH, and no SLURM job around the script."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", "PYTHON": sys.executable}
+
+
+def test_a_one_node_launch_script_starts_the_trials_ranks(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(_RANK)
+    script = _launch(tmp_path, FULL_BF16, WORKLOAD.replace(nproc=2))
+    assert script.read_text().splitlines()[-1] == 'exec torchrun --standalone --nproc-per-node=2 "$@"'
+    ran = _bash(script, "train.py", "--lr", "1e-4", env=_local_env())
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    said = [(tmp_path / f"rank-{r}.txt").read_text() for r in (0, 1)]
+    assert said == [f"RANK {r} OF 2 SUM 1 ARGS ['--lr', '1e-4']" for r in (0, 1)]
+
+
+def test_a_one_rank_launch_script_runs_python(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(_ONE)
+    ran = _bash(_launch(tmp_path, FULL_BF16, WORKLOAD), "train.py", "--x", env=_local_env())
+    assert ran.returncode == 0 and ran.stdout == "ONE ARGS ['--x']\n", ran.stderr
+
+
+# What SLURM sets in a batch job of two nodes (tests/trial/test_multinode.py's recorded allocation).
+_TWO_NODE_JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu-a[017-018]", "SLURM_JOB_NUM_NODES": "2"}
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="SLURM's scontrol expands the job's host list")
+@pytest.mark.parametrize("config", [FULL_BF16, ZERO2_OFFLOAD], ids=["ddp", "zero2"])
+def test_a_two_node_launch_script_runs_the_trials_command_and_writes_deepspeeds_hostfile(tmp_path, config) -> None:
+    """In a recorded 2-node job, with SLURM's own scontrol: srun (here, one that records what it was asked to
+    run: the job is not real) gets the command the multi-node trials ran; a ZeRO config's hostfile lines are
+    what DeepSpeed's launcher reads."""
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    from autotune.trial.multinode import multinode_command
+
+    script = _launch(tmp_path, config, TWO_NODES)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun = bin_dir / "srun"
+    srun.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path / "srun.args"}\n')
+    srun.chmod(0o755)
+    env = {**_local_env(), **_TWO_NODE_JOB}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    ran = _bash(script, "train.py", "--lr", "1e-4", env=env)
+    assert ran.returncode == 0, ran.stderr
+    asked = (tmp_path / "srun.args").read_text().splitlines()
+    trial = multinode_command(_TWO_NODE_JOB, nproc=4, argv=["train.py", "--lr", "1e-4"], python="python")
+    assert ["srun", *asked] == [*trial[:5], "torchrun", *trial[8:]]  # python -m torch.distributed.run: torchrun
+    hostfile = tmp_path / "hostfile"
+    if not config.uses_deepspeed:
+        assert not hostfile.exists()
+        return
+    assert fetch_hostfile(str(hostfile)) == {"gpu-a017": 2, "gpu-a018": 2}
+
+
+def test_a_two_node_launch_script_outside_a_two_node_job_says_so_and_starts_nothing(tmp_path: Path) -> None:
+    script = _launch(tmp_path, ZERO2_OFFLOAD, TWO_NODES)
+    for job in ({}, {**_TWO_NODE_JOB, "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "vm"}):
+        ran = _bash(script, "train.py", env={**_local_env(), **job})
+        assert ran.returncode == 2 and len(ran.stderr.splitlines()) == 1, ran.stderr
+        assert "this config trains over 2 nodes: run it in a SLURM job of 2 nodes" in ran.stderr
+        assert not (tmp_path / "hostfile").exists()

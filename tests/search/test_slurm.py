@@ -13,6 +13,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import yaml
 from optuna.trial import TrialState
 
 from autotune.search.slurm import SlurmResources, batch_script
@@ -72,6 +73,196 @@ def test_bad_input_is_refused_in_one_line_before_anything_is_submitted(tmp_path)
     bad_option = ("--executor", "slurm", "--storage", journal, "--slurm-option", "mem")
     assert "write KEY=VALUE" in refusal(autotune(*tune, *bad_option, cwd=tmp_path))
     assert not (tmp_path / "autotune-slurm").exists() and not (tmp_path / "study.log").exists()  # nothing written
+
+
+# -- the node count: part of the study's question (no cluster needed) --------------------------------
+_TWO_NODE_JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu-a[017-018]", "SLURM_JOB_NUM_NODES": "2"}
+TWO_NODES = {"model": "builtin:gpt2-tiny", "seq_len": 32, "global_batch": 8, "nproc": 4, "nodes": 2}
+
+
+class _Replayed:
+    """Trials answered from a table of tokens/s per micro batch: what the 2-node ranks would have measured."""
+
+    tokens = {1: 50.0, 2: 90.0}
+
+    def run(self, workload, config, *, measure_steps, **_):
+        from autotune.trial.result import TrialResult, TrialStatus
+
+        tokens = self.tokens[config.micro_batch]
+        return TrialResult(
+            config=config, status=TrialStatus.OK, tokens_per_s=tokens, peak_memory_bytes=2**20, measured_steps=2
+        )
+
+    def estimate(self, workload, config):
+        return None
+
+    def probe(self, precisions):
+        return None
+
+
+def test_a_study_tuned_in_a_two_node_job_exports_for_two_nodes(tmp_path, monkeypatch):
+    """The node count is the workload's, so the study's question: show, export and the JSON output say it."""
+    from autotune.config.workload import Workload
+    from autotune.search.space import load_space
+    from autotune.search.tuner import tune
+
+    (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [1, 2]\n  precision: [fp32]\n")
+    for name, value in _TWO_NODE_JOB.items():
+        monkeypatch.setenv(name, value)
+    storage = f"sqlite:///{tmp_path}/db.sqlite"
+    summary = tune(
+        study="two-nodes",
+        workload=Workload(**TWO_NODES, device="cpu"),
+        space=load_space(tmp_path / "space.yaml"),
+        memory_budget_bytes=2**30,
+        storage=storage,
+        estimate=False,
+        backend=_Replayed(),
+        srun=True,  # a SLURM worker: its trials span the job's nodes
+    )
+    assert summary.best is not None and summary.best.config.micro_batch == 2
+    for name in _TWO_NODE_JOB:
+        monkeypatch.delenv(name)
+    shown = json.loads(autotune("show", "--study", "two-nodes", "--storage", storage, "--json", cwd=tmp_path).stdout)
+    assert shown["workload"]["nodes"] == 2 and shown["workload"]["nproc"] == 4
+    text = autotune("show", "--study", "two-nodes", "--storage", storage, cwd=tmp_path).stdout
+    assert "4 rank(s) over 2 nodes (2 each)" in text
+    export = ("export", "--study", "two-nodes", "--storage", storage, "--format")
+    accelerate = autotune(*export, "accelerate", cwd=tmp_path)
+    assert accelerate.returncode == 0, accelerate.stderr
+    deepspeed = autotune(*export, "deepspeed", cwd=tmp_path)  # a file with no room to say it: stderr does
+    assert "nodes: 2, 2 ranks on each: autotune export --study two-nodes --format launch" in deepspeed.stderr
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    (tmp_path / "accelerate.yaml").write_text(accelerate.stdout)
+    loaded = ClusterConfig.from_yaml_file(str(tmp_path / "accelerate.yaml"))
+    assert (loaded.num_machines, loaded.num_processes) == (2, 4)
+    lightning = autotune(*export, "lightning", cwd=tmp_path)
+    trainer = yaml.safe_load(lightning.stdout)["trainer"]
+    assert (trainer["num_nodes"], trainer["devices"]) == (2, 2)
+    launch = autotune(*export, "launch", "-o", "launch.sh", cwd=tmp_path)
+    assert launch.returncode == 0, launch.stderr
+    script = tmp_path / "launch.sh"
+    assert os.access(script, os.X_OK) and "torchrun --nnodes=2 --nproc-per-node=2" in script.read_text()
+
+
+_RANKS = """\
+import sys, torch.distributed as dist
+dist.init_process_group("gloo")
+open(f"rank-{dist.get_rank()}.txt", "w").write(f"{dist.get_rank()} of {dist.get_world_size()} {sys.argv[1:]}")
+"""
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_a_one_node_launch_export_runs_as_a_batch_job(tmp_path):
+    """sbatch takes the script's #SBATCH lines, and the job starts the trials' ranks."""
+    from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
+    from autotune.output.exporters import export_config
+
+    assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
+    workload = Workload(model="builtin:gpt2-tiny", global_batch=8, nproc=2)
+    script = export_config(TrialConfig(micro_batch=2), workload, fmt="launch", device_type="cpu")
+    (tmp_path / "launch.sh").write_text(script)
+    (tmp_path / "train.py").write_text(_RANKS)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    job = subprocess.run(
+        ["sbatch", "--wait", f"--partition={PARTITION}", "--output=job.out", "launch.sh", "train.py", "--x"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    log = tmp_path / "job.out"
+    assert job.returncode == 0, (job.stderr, log.read_text()[-3000:] if log.exists() else "")
+    assert [(tmp_path / f"rank-{r}.txt").read_text() for r in (0, 1)] == [f"{r} of 2 ['--x']" for r in (0, 1)]
+
+
+def test_a_worker_in_a_job_of_another_node_count_is_refused_in_one_line_before_the_study_is_touched(tmp_path):
+    (tmp_path / "space.yaml").write_text(SPACE)
+    journal = tmp_path / "study.log"
+    spec = {
+        "study": "s",
+        "workload": dict(TWO_NODES, nproc=2),
+        "space": "space.yaml",
+        "memory_budget_bytes": 2**30,
+        "storage": f"journal://{journal}",
+        "srun": True,
+        "worker": 1,
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(_TWO_NODE_JOB, SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="gpu-a017")  # --slurm-option nodes=1
+    proc = subprocess.run(
+        [sys.executable, "-m", "autotune", "worker"],
+        input=json.dumps(spec),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(
+        "autotune: worker 1: error: --nodes 2: this worker's SLURM job 4242 spans 1 node(s), and the study's "
+        "trials span 2; submit its workers with --nodes 2"
+    ), proc.stderr
+    assert not journal.exists()
+
+
+def test_workers_for_another_node_count_than_the_studys_are_refused_before_any_is_submitted(tmp_path):
+    from autotune.config.device import DeviceInfo
+    from autotune.config.workload import Workload
+    from autotune.search.space import load_space
+    from autotune.search.tuner import question
+    from autotune.study.storage import create_study
+
+    (tmp_path / "space.yaml").write_text(SPACE)
+    storage = f"journal://{tmp_path}/study.log"
+    device = DeviceInfo("cpu", "cpu", 1, None, bf16=True, fp16_deepspeed=False)
+    two = Workload(**dict(TWO_NODES, nproc=2))
+    meta = question(
+        workload=two, space=load_space(tmp_path / "space.yaml"), device=device, memory_budget_bytes=2**30, headroom=0.1
+    )
+    create_study(open_storage(storage), "s", meta)
+    bin_dir = tmp_path / "bin"  # an sbatch that says when it is asked to submit
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path / 'submitted'}\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    tune = ("tune", "--study", "s", *ARGS, "--global-batch", "8", "--nproc", "2", "--storage", storage)
+    message = refusal(autotune(*tune, "--executor", "slurm", "--nodes", "1", cwd=tmp_path, env=env))
+    assert message == (
+        "autotune: error: --study s answers another question (--nodes differs: stored 2, now 1); "
+        "use a new --study name, or the same flags as before\n"
+    )
+    assert not (tmp_path / "submitted").exists() and not (tmp_path / "autotune-slurm").exists()
+
+
+def test_one_node_keeps_the_find_name_it_had_before_nodes_and_two_nodes_ask_another_question():
+    from autotune.config.device import DeviceInfo
+    from autotune.config.workload import Workload
+    from autotune.search.space import SearchSpace
+    from autotune.search.tuner import question
+    from autotune.study.storage import find_study_name
+
+    device = DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", 4, 80 * 2**30, bf16=True, fp16_deepspeed=True)
+    space = SearchSpace.from_dict({"name": "mine", "micro_batch": [1, 2], "precision": ["bf16"]})
+
+    def name(**workload):
+        meta = question(
+            workload=Workload(model="builtin:gpt2-tiny", global_batch=32, **workload),
+            space=space,
+            device=device,
+            memory_budget_bytes=80 * 2**30,
+            headroom=0.1,
+        )
+        return find_study_name(meta, space.name)
+
+    # The name main (7982f1d) gave this question before the workload had nodes: one node leaves it as it was.
+    assert name(nproc=4) == name(nproc=4, nodes=1) == "find-gpt2-tiny-mine-8fe51386a4"
+    assert name(nproc=4, nodes=2) != name(nproc=4)
 
 
 def test_the_batch_script_holds_one_trials_resources_and_the_sites_options(tmp_path):

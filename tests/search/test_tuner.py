@@ -164,7 +164,8 @@ def test_a_study_is_only_resumed_for_the_same_question(found):
         cwd=work,
     )
     assert proc.returncode == 2
-    assert "answers another question (workload differs" in proc.stderr and "use a new --study name" in proc.stderr
+    assert "answers another question (--global-batch differs: stored 16, now 32)" in proc.stderr
+    assert "use a new --study name" in proc.stderr
     assert len(_study(work, result["study"]).trials) == before
 
 
