@@ -244,11 +244,6 @@ class TrialConfig:
             raise ConfigError(f"--optimizer {self.optimizer!r} is not known; use one of {', '.join(OPTIMIZERS)}")
         if not isinstance(self.optimizer_in_backward, bool):
             raise ConfigError(f"--optimizer-in-backward {self.optimizer_in_backward!r} must be on or off")
-        if self.fused_optimizer and self.optimizer != "adamw":
-            raise ConfigError(
-                f"--fused-optimizer on with --optimizer {self.optimizer}: fused is PyTorch AdamW's kernel; "
-                "use --fused-optimizer off"
-            )
         if not is_loss(self.loss):
             raise ConfigError(
                 f"--loss {self.loss!r} is not known; use standard, chunked, or chunked:K "
@@ -295,6 +290,11 @@ class TrialConfig:
             raise ConfigError(
                 "--fused-optimizer on with --zero-stage: DeepSpeed picks its own Adam kernel (fused on "
                 "CUDA); use --fused-optimizer off with ZeRO"
+            )
+        if self.fused_optimizer and self.optimizer != "adamw":
+            raise ConfigError(
+                f"--fused-optimizer on with --optimizer {self.optimizer}: fused is PyTorch AdamW's kernel; "
+                "use --fused-optimizer off"
             )
         if (self.optimizer != "adamw" or self.optimizer_in_backward) and (self.uses_deepspeed or self.uses_fsdp):
             what = f"--optimizer {self.optimizer}" if self.optimizer != "adamw" else "--optimizer-in-backward on"

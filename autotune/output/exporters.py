@@ -25,6 +25,7 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.prepare.model_facts import layer_classes
+from autotune.prepare.optimizer import optimizer_line
 from autotune.prepare.training_args import (
     accelerate_arguments,
     accelerate_deepspeed_plugin,
@@ -370,6 +371,7 @@ def _header(
             else "off"
         ),
     ]
+    lines.append(f"optimizer: {optimizer_line(config)}")
     if config.uses_lora:
         lora = trains["lora"]
         targets = lora.get("targets_note") or (",".join(lora["targets"]) if lora["targets"] else "default")

@@ -22,11 +22,13 @@ from autotune.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["build_optimizer", "optimizer_library", "StepInBackward"]
+__all__ = ["build_optimizer", "optimizer_library", "optimizer_line", "StepInBackward"]
 
 
 def optimizer_library(config: TrialConfig) -> str:
     """Which class steps ``config``'s parameters, as the trial result names it."""
+    if config.uses_deepspeed:
+        return "DeepSpeed's Adam (its config's optimizer block)"
     if config.optimizer == "adamw-8bit":
         library = eight_bit_library()
         name = "torchao.optim.AdamW8bit" if library == "torchao" else "bitsandbytes.optim.AdamW8bit"
@@ -35,6 +37,31 @@ def optimizer_library(config: TrialConfig) -> str:
     else:
         name = "torch.optim.AdamW" + (" (fused)" if config.fused_optimizer else "")
     return name + (", stepped inside backward" if config.optimizer_in_backward else "")
+
+
+def optimizer_line(config: TrialConfig) -> str:
+    """The optimizer as a training loop (or a LightningModule's ``configure_optimizers``) constructs it."""
+    if config.uses_deepspeed:
+        return "DeepSpeed's, from its config (the optimizer block of the DeepSpeed JSON)"
+    if config.optimizer == "adamw-8bit":
+        made = (
+            "torchao.optim.AdamW8bit(params, lr=LR)"
+            if eight_bit_library() == "torchao"
+            else "bitsandbytes.optim.AdamW8bit(params, lr=LR)"
+        )
+    elif config.optimizer == "adafactor":
+        made = (
+            "transformers.optimization.Adafactor(params, lr=LR, scale_parameter=False, relative_step=False, "
+            "warmup_init=False)"
+        )
+    else:
+        made = "torch.optim.AdamW(params, lr=LR" + (", fused=True)" if config.fused_optimizer else ")")
+    if config.optimizer_in_backward:
+        return (
+            f"{made}, one per parameter, stepped inside backward: "
+            "autotune.prepare.optimizer.build_optimizer(params, config, lr=LR) builds them and their hooks"
+        )
+    return made
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], config: TrialConfig, *, lr: float) -> Any:

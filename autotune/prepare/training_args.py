@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from autotune.config.deepspeed_config import deepspeed_config
-from autotune.config.knobs import TrialConfig
+from autotune.config.knobs import TrialConfig, eight_bit_library
 from autotune.config.workload import Workload
+from autotune.errors import ConfigError
 from autotune.prepare.checkpointing import EVERY_N_SINCE, transformers_release
 
 __all__ = [
@@ -72,7 +73,19 @@ def trainer_arguments(
         "bf16": config.sixteen_bit == "bfloat16",  # bf16-true: autocast on a bf16 model changes nothing
         "fp16": config.precision == "fp16",
     }
-    if not config.uses_deepspeed:  # what the trials ran (Transformers 5's default is the fused one)
+    if config.optimizer_in_backward:
+        raise ConfigError(
+            "--format hf: this config steps the optimizer inside backward, which the Trainer has no argument "
+            "for; export --format json and build it in your loop with "
+            "autotune.prepare.optimizer.build_optimizer(params, config, lr=...), or pick a config without it"
+        )
+    if config.uses_deepspeed:
+        pass  # DeepSpeed's optimizer block says it
+    elif config.optimizer == "adamw-8bit":  # the Trainer's names for the two libraries' AdamW8bit
+        kwargs["optim"] = "adamw_torch_8bit" if eight_bit_library() == "torchao" else "adamw_bnb_8bit"
+    elif config.optimizer == "adafactor":  # the Trainer's Adafactor: a fixed learning rate, as the trials ran
+        kwargs["optim"] = "adafactor"
+    else:  # what the trials ran (Transformers 5's default is the fused one)
         kwargs["optim"] = "adamw_torch_fused" if config.fused_optimizer else "adamw_torch"
     if config.compile:
         kwargs["torch_compile"] = True

@@ -21,13 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.config.knobs import (
     ATTENTIONS,
+    EIGHT_BIT_REFUSAL,
     FSDP_MODES,
     OFFLOADS,
+    OPTIMIZERS,
     PRECISIONS,
     ZERO_STAGES,
     TrialConfig,
     attention_device_refusal,
     compile_device_refusal,
+    eight_bit_library,
     is_loss,
     sixteen_bit_type,
 )
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
     from autotune.config.workload import Workload
 
-__all__ = ["SearchSpace", "load_space", "preset_names", "is_preset", "KNOBS"]
+__all__ = ["SearchSpace", "load_space", "preset_names", "is_preset", "KNOBS", "LATER_KNOBS"]
 
 # Knob -> what the file may give it (said in errors).
 KNOBS = {
@@ -47,6 +50,8 @@ KNOBS = {
     "loss": "a list of standard, chunked or chunked:K (K slices of 2 or more)",
     "attention": f"a list of {', '.join(ATTENTIONS)}",
     "fused_optimizer": "a list of true/false",
+    "optimizer": f"a list of {', '.join(OPTIMIZERS)} (they change the maths, like precision)",
+    "optimizer_in_backward": "a list of true/false (true: one rank, no accumulation, no fp16)",
     "compile": "a list of true/false (true: CUDA only)",
     "zero_stage": "a list of off, 0, 1, 2, 3",
     "fsdp": "a list of off, full, grad-op (FSDP2 instead of ZeRO)",
@@ -55,6 +60,8 @@ KNOBS = {
     "lora_alpha": "one whole number >= 1, or null for 2 x rank",
     "lora_targets": "a list of default, all-linear or comma-separated module names",
 }
+# Knobs that are tuner parameters only in the spaces that move them (see SearchSpace.choices).
+LATER_KNOBS = ("optimizer", "optimizer_in_backward")
 _TOP_LEVEL = {"description", "knobs", "n_trials", "patience"}
 _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "micro_batch": ("auto",),
@@ -63,6 +70,8 @@ _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "loss": ("standard",),
     "attention": ("auto",),
     "fused_optimizer": (False,),
+    "optimizer": ("adamw",),
+    "optimizer_in_backward": (False,),
     "compile": (False,),
     "zero_stage": (None,),
     "fsdp": (None,),
@@ -84,6 +93,8 @@ class SearchSpace:
     loss: tuple[str, ...] = ("standard",)
     attention: tuple[str, ...] = ("auto",)
     fused_optimizer: tuple[bool, ...] = (False,)
+    optimizer: tuple[str, ...] = ("adamw",)
+    optimizer_in_backward: tuple[bool, ...] = (False,)
     compile: tuple[bool, ...] = (False,)
     zero_stage: tuple[int | None, ...] = (None,)
     fsdp: tuple[str | None, ...] = (None,)  # None: off; else an FSDP2 mode (full, grad-op)
@@ -104,6 +115,8 @@ class SearchSpace:
             ("fused_optimizer", [False]),
             ("compile", [False]),
             ("fsdp", [None]),
+            ("optimizer", ["adamw"]),
+            ("optimizer_in_backward", [False]),
         ):
             if knobs[knob] == old:
                 del knobs[knob]  # a knob added later, at its old behaviour: studies made before it still resume
@@ -119,6 +132,8 @@ class SearchSpace:
             "loss": list(self.loss),
             "attention": list(self.attention),
             "fused_optimizer": list(self.fused_optimizer),
+            "optimizer": list(self.optimizer),
+            "optimizer_in_backward": list(self.optimizer_in_backward),
             "compile": list(self.compile),
             "zero_stage": list(self.zero_stage),
             "fsdp": list(self.fsdp),
@@ -233,7 +248,10 @@ class SearchSpace:
                     f"{self.name}: knobs.lora_rank {list(self.lora_rank)}: {refusal}; add null "
                     "(LoRA off), or name lora_targets"
                 )
-        return {
+        optimizer = tuple(o for o in self.optimizer if o != "adamw-8bit" or eight_bit_library() is not None)
+        if not optimizer:
+            raise ConfigError(f"{self.name}: knobs.optimizer [adamw-8bit]: {EIGHT_BIT_REFUSAL}")
+        choices = {
             "micro_batch": tuple(micro),
             "precision": precision,
             "checkpointing": checkpointing,
@@ -244,6 +262,13 @@ class SearchSpace:
             "zero": tuple(dict.fromkeys(zero)),
             "lora": lora,
         }
+        # Knobs added later are parameters only where the space moves them: the studies, grids and samplers of
+        # the spaces before them see the parameters they always had.
+        if self.optimizer != ("adamw",):
+            choices["optimizer"] = optimizer
+        if self.optimizer_in_backward != (False,):
+            choices["optimizer_in_backward"] = self.optimizer_in_backward
+        return choices
 
     def _default_lora(self) -> bool:
         """Whether the space offers LoRA on its default targets."""
@@ -274,6 +299,8 @@ class SearchSpace:
         refusal = compile_device_refusal(device.type) if True in self.compile else None
         if refusal is not None:
             dropped.append(refusal)
+        if "adamw-8bit" in self.optimizer and eight_bit_library() is None:
+            dropped.append(EIGHT_BIT_REFUSAL)
         offloads = [o for o in self.offload if o != "none"]
         modes = [m for m in self.fsdp if m]
         if modes and workload.nproc == 1 and (device.type == "cpu" or "optimizer+params" not in self.offload):
@@ -304,6 +331,8 @@ class SearchSpace:
             loss=params.get("loss", "standard"),
             attention=params.get("attention", "auto"),
             fused_optimizer=params.get("fused_optimizer", False),
+            optimizer=params.get("optimizer", "adamw"),
+            optimizer_in_backward=params.get("optimizer_in_backward", False),
             compile=params.get("compile", False),
             zero_stage=None if stage == "off" else int(stage),
             fsdp=fsdp,
@@ -329,6 +358,8 @@ class SearchSpace:
             "attention": config.attention,
             "fused_optimizer": config.fused_optimizer,
             "compile": config.compile,
+            **({} if config.optimizer == "adamw" else {"optimizer": config.optimizer}),
+            **({"optimizer_in_backward": True} if config.optimizer_in_backward else {}),
             "zero": _fsdp_label(config.fsdp, config.offload)
             if config.fsdp is not None
             else _zero_label(config.zero_stage, config.offload),
@@ -505,6 +536,13 @@ def _parse(data: Any, label: str) -> SearchSpace:
             values["fused_optimizer"], label, "fused_optimizer", lambda v: v if isinstance(v, bool) else None
         ),
         compile=_each(values["compile"], label, "compile", lambda v: v if isinstance(v, bool) else None),
+        optimizer=_each(values["optimizer"], label, "optimizer", lambda v: v if v in OPTIMIZERS else None),
+        optimizer_in_backward=_each(
+            values["optimizer_in_backward"],
+            label,
+            "optimizer_in_backward",
+            lambda v: v if isinstance(v, bool) else None,
+        ),
         zero_stage=_each(values["zero_stage"], label, "zero_stage", _zero_stage),
         fsdp=_each(values["fsdp"], label, "fsdp", lambda v: v if v in FSDP_MODES else None),
         offload=_each(values["offload"], label, "offload", lambda v: v if v in OFFLOADS else None),

@@ -110,6 +110,7 @@ def _train(
     world_size: int,
     peak_so_far: Any,
 ) -> None:
+    from autotune.prepare.optimizer import optimizer_library
     from autotune.trial.engine import build_engine
     from autotune.trial.measure import time_steps
     from autotune.trial.result import TOKENS_PER_S
@@ -151,6 +152,7 @@ def _train(
         measured_steps=len(times.seconds),
         final_loss=times.last_loss,
         optimizer_state_bytes=engine.optimizer_state_bytes(),
+        optimizer=optimizer_library(config),
     )
     if config.compile:
         from autotune.trial.measure import compile_payoff_steps

@@ -442,6 +442,7 @@ def combine_records(
             "cpu_threads",
             "eager_step_s",
             "compile_payoff_steps",
+            "optimizer",
         )
     }
     fields["throughput_unit"] = fields["throughput_unit"] or TOKENS_PER_S  # a trial that died before saying

@@ -167,7 +167,7 @@ def test_values_that_cannot_run_here_are_refused_when_the_workload_is_known(tmp_
 
 def test_unknown_preset_and_missing_file():
     with pytest.raises(
-        ConfigError, match="--space nope: no such preset; use one of default, full, lora, quick, sharding, zero"
+        ConfigError, match="--space nope: no such preset; use one of default, full, lean, lora, quick, sharding, zero"
     ):
         load_space("nope")
     with pytest.raises(ConfigError, match="--space missing.yaml: no such file"):
