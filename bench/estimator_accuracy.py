@@ -3,6 +3,7 @@
     python bench/estimator_accuracy.py [--out bench/results/estimator_accuracy_cpu.json]
     python bench/estimator_accuracy.py --set levers   # results/estimator_accuracy_levers_cpu.json
     python bench/estimator_accuracy.py --set fsdp     # results/estimator_accuracy_fsdp_cpu.json
+    python bench/estimator_accuracy.py --set lean     # results/estimator_accuracy_lean_cpu.json
 
 ``--set levers``: the knobs of 2026 (true bf16, LoRA's 16-bit base, checkpointing every 2nd layer,
 the chunked loss, eager attention, the fused AdamW), one rank, on the same models; a config a
@@ -11,6 +12,11 @@ model cannot take (the chunked loss on a classifier) is left out with the reason
 ``--set fsdp``: FSDP2 (``--fsdp full|grad-op``) on 2 ranks under torchrun, fp32 and bf16, with
 checkpointing, CPU offload and LoRA, and one rank with offload. The estimator runs FSDP's own
 step on fake tensors over a fake process group of the same ranks.
+
+``--set lean``: the optimizer levers of fine-tuning on one card (8-bit AdamW, Adafactor, the step inside
+backward, alone and with bf16-true), one rank, at sequence 32 unless ``--seq-len`` says otherwise (the model
+states weigh more there). Each row also measures the plain config (AdamW, stepped after the backward) of the
+same micro batch and precision, and prints the lever's saving against it.
 
 Each config is measured by a real trial (on a CPU: the live-bytes tracker's peak, i.e. tensor
 bytes, which is what the estimator predicts; on CUDA: max_memory_allocated, with reserved
@@ -70,15 +76,24 @@ FSDP_CONFIGS = [
     (2, TrialConfig(micro_batch=4, precision="bf16", fsdp="full", lora_rank=8)),
     (1, TrialConfig(micro_batch=4, precision="bf16", fsdp="full", offload="optimizer+params")),
 ]
-SETS = {"base": CONFIGS, "levers": LEVER_CONFIGS, "fsdp": FSDP_CONFIGS}
+LEAN_CONFIGS = [
+    (1, TrialConfig(micro_batch=4, optimizer="adamw-8bit")),
+    (1, TrialConfig(micro_batch=4, optimizer="adafactor")),
+    (1, TrialConfig(micro_batch=16, optimizer_in_backward=True)),  # no accumulation: the per-rank batch
+    (1, TrialConfig(micro_batch=16, optimizer="adafactor", optimizer_in_backward=True)),
+    (1, TrialConfig(micro_batch=4, precision="bf16-true", optimizer="adamw-8bit")),
+    (1, TrialConfig(micro_batch=16, precision="bf16", checkpointing=True, optimizer_in_backward=True)),
+]
+SETS = {"base": CONFIGS, "levers": LEVER_CONFIGS, "fsdp": FSDP_CONFIGS, "lean": LEAN_CONFIGS}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", choices=sorted(SETS), default="base")
     parser.add_argument("--out", type=Path, help="default: bench/results/estimator_accuracy[_levers]_cpu.json")
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, help="default: 128 (--set lean: 32)")
     args = parser.parse_args()
+    args.seq_len = args.seq_len or (32 if args.set == "lean" else 128)
     suffix = "" if args.set == "base" else f"_{args.set}"
     args.out = args.out or Path(f"bench/results/estimator_accuracy{suffix}_cpu.json")
 
@@ -98,6 +113,16 @@ def main() -> None:
                 continue
             reference = measured.peak_allocated_bytes or measured.peak_memory_bytes
             error = predicted.predicted_peak_bytes / reference - 1
+            lean = {}
+            if args.set == "lean":  # the lever's saving: the plain config of the same batch and precision
+                plain = run_trial(
+                    workload,
+                    config.replace(optimizer="adamw", optimizer_in_backward=False),
+                    warmup_steps=1,
+                    measure_steps=1,
+                )
+                plain_bytes = plain.peak_allocated_bytes or plain.peak_memory_bytes if plain.ok else None
+                lean = {"plain_measured_bytes": plain_bytes, "optimizer": measured.optimizer}
             rows.append(
                 {
                     "model": model,
@@ -108,12 +133,19 @@ def main() -> None:
                     "measured_reserved_bytes": measured.peak_reserved_bytes,
                     "relative_error": error,
                     "estimate_seconds": predicted.seconds,
+                    **lean,
                 }
             )
             print(
                 f"{model:<24} {ranks} rank(s) {config.describe():<36} "
                 f"predicted {predicted.predicted_peak_bytes / 2**20:8.1f} MiB  "
-                f"measured {reference / 2**20:8.1f} MiB  error {error:+.1%}",
+                f"measured {reference / 2**20:8.1f} MiB  error {error:+.1%}"
+                + (
+                    f"  saving {(1 - reference / lean['plain_measured_bytes']):+.1%} of the plain "
+                    f"{lean['plain_measured_bytes'] / 2**20:.1f} MiB"
+                    if lean.get("plain_measured_bytes")
+                    else ""
+                ),
                 flush=True,
             )
     errors = [abs(r["relative_error"]) for r in rows]

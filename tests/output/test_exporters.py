@@ -495,6 +495,9 @@ _RANK = textwrap.dedent("""
     dist.all_reduce(total)
     said = f"RANK {dist.get_rank()} OF {dist.get_world_size()} SUM {int(total.item())} ARGS {sys.argv[1:]}"
     open(f"rank-{dist.get_rank()}.txt", "w").write(said)  # a file each: the ranks' stdout lines interleave
+    # Without it a rank can exit while gloo's threads still run: "terminate called without an active
+    # exception", SIGABRT (seen once in CI).
+    dist.destroy_process_group()
 """)
 _ONE = 'import sys\nprint(f"ONE ARGS {sys.argv[1:]}")\n'
 
