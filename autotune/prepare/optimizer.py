@@ -25,17 +25,21 @@ if TYPE_CHECKING:
 __all__ = ["build_optimizer", "optimizer_library", "optimizer_line", "StepInBackward"]
 
 
+def _class_and_arguments(config: TrialConfig) -> tuple[str, str]:
+    """The class that steps ``config``'s parameters and the arguments beyond ``(params, lr=LR)`` it is built with."""
+    if config.optimizer == "adamw-8bit":
+        return ("torchao" if eight_bit_library() == "torchao" else "bitsandbytes") + ".optim.AdamW8bit", ""
+    if config.optimizer == "adafactor":
+        return "transformers.optimization.Adafactor", ", scale_parameter=False, relative_step=False, warmup_init=False"
+    return "torch.optim.AdamW", ", fused=True" if config.fused_optimizer else ""
+
+
 def optimizer_library(config: TrialConfig) -> str:
     """Which class steps ``config``'s parameters, as the trial result names it."""
     if config.uses_deepspeed:
         return "DeepSpeed's Adam (its config's optimizer block)"
-    if config.optimizer == "adamw-8bit":
-        library = eight_bit_library()
-        name = "torchao.optim.AdamW8bit" if library == "torchao" else "bitsandbytes.optim.AdamW8bit"
-    elif config.optimizer == "adafactor":
-        name = "transformers.optimization.Adafactor"
-    else:
-        name = "torch.optim.AdamW" + (" (fused)" if config.fused_optimizer else "")
+    name, arguments = _class_and_arguments(config)
+    name += " (fused)" if config.fused_optimizer else ""
     return name + (", stepped inside backward" if config.optimizer_in_backward else "")
 
 
@@ -43,19 +47,8 @@ def optimizer_line(config: TrialConfig) -> str:
     """The optimizer as a training loop (or a LightningModule's ``configure_optimizers``) constructs it."""
     if config.uses_deepspeed:
         return "DeepSpeed's, from its config (the optimizer block of the DeepSpeed JSON)"
-    if config.optimizer == "adamw-8bit":
-        made = (
-            "torchao.optim.AdamW8bit(params, lr=LR)"
-            if eight_bit_library() == "torchao"
-            else "bitsandbytes.optim.AdamW8bit(params, lr=LR)"
-        )
-    elif config.optimizer == "adafactor":
-        made = (
-            "transformers.optimization.Adafactor(params, lr=LR, scale_parameter=False, relative_step=False, "
-            "warmup_init=False)"
-        )
-    else:
-        made = "torch.optim.AdamW(params, lr=LR" + (", fused=True)" if config.fused_optimizer else ")")
+    name, arguments = _class_and_arguments(config)
+    made = f"{name}(params, lr=LR{arguments})"
     if config.optimizer_in_backward:
         return (
             f"{made}, one per parameter, stepped inside backward: "

@@ -49,19 +49,8 @@ def running_trial_of_another_worker(storage: str, study: str, main_pid: int) -> 
 def test_a_worker_killed_mid_trial_loses_its_trial_to_the_other_worker(tmp_path: Path) -> None:
     (tmp_path / "space.yaml").write_text(SPACE)
     storage = f"sqlite:///{tmp_path}/storage/autotune.db"
-    command = [
-        sys.executable,
-        "-m",
-        "autotune",
-        "tune",
-        "--study",
-        "lost",
-        *ARGS,
-        *MEASURE,
-        MEASURE_ALL,
-        "--workers",
-        "2",
-    ]
+    command = [sys.executable, "-m", "autotune", "tune", "--study", "lost", *ARGS, *MEASURE, MEASURE_ALL]
+    command += ["--workers", "2"]
     tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300

@@ -309,19 +309,8 @@ def test_two_slurm_workers_tune_a_study_as_a_local_run_does(tmp_path):
     assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
     (tmp_path / "space.yaml").write_text(SPACE)
     storage = f"journal://{tmp_path}/shared/study.log"
-    command = [
-        sys.executable,
-        "-m",
-        "autotune",
-        "tune",
-        "--study",
-        "slurm",
-        *ARGS,
-        MEASURE_ALL,
-        "--steps",
-        "2",
-        "--json",
-    ]
+    command = [sys.executable, "-m", "autotune", "tune", "--study", "slurm", *ARGS, MEASURE_ALL]
+    command += ["--steps", "2", "--json"]
     slurm = [*command, "--executor", "slurm", "--workers", "2", "--n-trials", "8", "--storage", storage]
     slurm += ["--partition", PARTITION]
     tune = subprocess.Popen(slurm, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -370,19 +359,8 @@ def test_scancel_of_one_worker_mid_trial_loses_its_trial_to_the_other(tmp_path):
     assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
     (tmp_path / "space.yaml").write_text(SPACE)
     storage = f"journal://{tmp_path}/shared/study.log"
-    command = [
-        sys.executable,
-        "-m",
-        "autotune",
-        "tune",
-        "--study",
-        "cancel",
-        *ARGS,
-        MEASURE_ALL,
-        "--steps",
-        "8",
-        "--json",
-    ]
+    command = [sys.executable, "-m", "autotune", "tune", "--study", "cancel", *ARGS, MEASURE_ALL]
+    command += ["--steps", "8", "--json"]
     command += ["--executor", "slurm", "--workers", "2", "--n-trials", "6", "--storage", storage]
     tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cancelled = None
