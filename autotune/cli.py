@@ -27,6 +27,9 @@ from autotune.errors import AutotuneError, ConfigError
 # about the Enums torchao registers: noise on every command once it is installed (Transformers imports it).
 logging.getLogger("torchao").setLevel(logging.ERROR)
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+# bitsandbytes (a quantized base) warns on import, on a CPU with bf16 instructions, that its optional inference
+# kernel package is missing: training never uses that kernel.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 app = typer.Typer(
     name="autotune",
@@ -97,6 +100,7 @@ KNOB_OPTIONS = {
     "lora_rank": Option(Optional[int], None, ("--lora-rank",), _help(TrialConfig, "lora_rank")),
     "lora_alpha": Option(Optional[int], None, ("--lora-alpha",), _help(TrialConfig, "lora_alpha")),
     "lora_targets": Option(Optional[str], None, ("--lora-targets",), _help(TrialConfig, "lora_targets")),
+    "quantize_base": Option(str, "off", ("--quantize-base",), _help(TrialConfig, "quantize_base")),
     "zero_stage": Option(str, "off", ("--zero-stage",), _help(TrialConfig, "zero_stage")),
     "fsdp": Option(str, "off", ("--fsdp",), _help(TrialConfig, "fsdp")),
     "offload": Option(str, "none", ("--offload",), _help(TrialConfig, "offload")),
@@ -203,8 +207,9 @@ OPTIONS = {
         str,
         "json",
         ("--format",),
-        "json, yaml, deepspeed, hf, accelerate, lightning, peft, or launch (a bash script that starts your "
-        "training script with the trials' ranks and nodes).",
+        "json, yaml, deepspeed, hf, accelerate, lightning, peft, bnb (BitsAndBytesConfig's arguments for a "
+        "quantized base), or launch (a bash script that starts your training script with the trials' ranks and "
+        "nodes).",
     ),
 }
 _OUTPUT_HELP = (
@@ -256,6 +261,7 @@ def _knobs(
     lora_rank: int | None,
     lora_alpha: int | None,
     lora_targets: str | None,
+    quantize_base: str,
     zero_stage: str,
     fsdp: str,
     offload: str,
@@ -273,6 +279,7 @@ def _knobs(
         lora_rank=lora_rank,
         lora_alpha=lora_alpha,
         lora_targets=tuple(t.strip() for t in lora_targets.split(",")) if lora_targets is not None else None,
+        quantize_base=quantize_base,
         zero_stage=_zero_stage(zero_stage),
         fsdp=None if fsdp.lower() in ("off", "none") else fsdp.lower(),
         offload=offload,

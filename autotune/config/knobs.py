@@ -26,6 +26,7 @@ __all__ = [
     "FSDP_MODES",
     "LOSSES",
     "OPTIMIZERS",
+    "QUANTIZATIONS",
     "DEFAULT_LOSS_CHUNKS",
     "is_loss",
     "sixteen_bit_type",
@@ -34,6 +35,9 @@ __all__ = [
     "in_backward_refusal",
     "eight_bit_library",
     "EIGHT_BIT_REFUSAL",
+    "QUANTIZE_REFUSAL",
+    "quantize_refusal",
+    "quantize_library_refusal",
 ]
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "bf16-true")
@@ -49,6 +53,8 @@ OFFLOADS = ("none", "optimizer", "optimizer+params")
 # adamw: PyTorch's; adamw-8bit: Adam's moments in 8 bits (torchao or bitsandbytes); adafactor: Transformers'
 # (factored second moments, no first). They change the maths, like precision: searched where a space lists them.
 OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor")
+# QLoRA's frozen base under LoRA: off, NF4 (4-bit, double-quantized scales) or LLM.int8() (bitsandbytes).
+QUANTIZATIONS = ("off", "nf4", "int8")
 ZERO_STAGES = (0, 1, 2, 3)
 # FSDP2 (torch.distributed.fsdp.fully_shard): "full" reshards each unit's parameters after its
 # forward (like ZeRO-3); "grad-op" keeps them gathered from forward to backward (like ZeRO-2).
@@ -140,6 +146,14 @@ class TrialConfig:
         metadata={
             "help": "Comma-separated module names LoRA adapts, or all-linear "
             "(default: PEFT's choice for the architecture)."
+        },
+    )
+    quantize_base: str = field(
+        default="off",
+        metadata={
+            "help": "With LoRA: hold the frozen base's linear layers quantized (bitsandbytes, as "
+            "BitsAndBytesConfig loads them): nf4 (QLoRA's 4-bit NormalFloat, double-quantized scales), "
+            "int8 (LLM.int8()) or off. Changes the maths, like precision."
         },
     )
     zero_stage: int | None = field(
@@ -258,6 +272,15 @@ class TrialConfig:
             raise ConfigError(f"--lora-alpha {self.lora_alpha!r} must be a whole number of at least 1")
         if self.lora_targets is not None and (not self.lora_targets or not all(self.lora_targets)):
             raise ConfigError("--lora-targets is empty; name modules (e.g. q_proj,v_proj) or use all-linear")
+        if self.quantize_base not in QUANTIZATIONS:
+            raise ConfigError(
+                f"--quantize-base {self.quantize_base!r} is not known; use one of {', '.join(QUANTIZATIONS)}"
+            )
+        if self.quantize_base != "off" and not self.uses_lora:
+            raise ConfigError(
+                f"--quantize-base {self.quantize_base} quantizes the frozen base that LoRA trains adapters on; "
+                "add --lora-rank R, or use --quantize-base off"
+            )
         if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
             raise ConfigError(f"--zero-stage {self.zero_stage!r} is not known; use off, 0, 1, 2 or 3")
         if self.offload not in OFFLOADS:
@@ -311,6 +334,10 @@ class TrialConfig:
                 raise ConfigError(refusal)
         if self.optimizer == "adamw-8bit" and eight_bit_library() is None:
             raise ConfigError(EIGHT_BIT_REFUSAL)
+        if self.quantize_base != "off":
+            refusal = quantize_refusal(self)
+            if refusal is not None:
+                raise ConfigError(refusal)
         refusal = attention_device_refusal(self.attention, device.type)
         if refusal is not None:
             raise ConfigError(refusal)
@@ -369,6 +396,8 @@ class TrialConfig:
             parts.append("compiled")
         if self.uses_lora:
             parts.append(f"lora{self.lora_rank}" + (":" + ",".join(self.lora_targets) if self.lora_targets else ""))
+        if self.quantize_base != "off":
+            parts.append(self.quantize_base)
         if self.uses_deepspeed:
             parts.append(f"zero{self.zero_stage}" + ("" if self.offload == "none" else f"+{self.offload}"))
         if self.uses_fsdp:
@@ -403,6 +432,31 @@ EIGHT_BIT_REFUSAL = (
     "--optimizer adamw-8bit needs torchao (pip install torchao; it runs on a CPU too) or bitsandbytes (CUDA), "
     "and neither is installed; install one, or use adamw or adafactor"
 )
+
+
+QUANTIZE_REFUSAL = (
+    "--quantize-base needs bitsandbytes (pip install 'bitsandbytes>=0.48'; it runs on a CPU too), "
+    "which is not installed; install it, or use --quantize-base off"
+)
+
+
+def quantize_library_refusal() -> str | None:
+    """Why no base can be quantized here (bitsandbytes is not installed), or None."""
+    return QUANTIZE_REFUSAL if importlib.util.find_spec("bitsandbytes") is None else None
+
+
+def quantize_refusal(config: TrialConfig) -> str | None:
+    """Why ``config``'s base cannot be quantized here (None: it can)."""
+    if quantize_library_refusal() is not None:
+        return QUANTIZE_REFUSAL
+    if config.uses_deepspeed or config.uses_fsdp:
+        sharding = f"--zero-stage {config.zero_stage}" if config.uses_deepspeed else f"--fsdp {config.fsdp}"
+        return (
+            f"--quantize-base {config.quantize_base} with {sharding}: sharding a bitsandbytes-quantized base "
+            "needs its storage type set to the compute type, which autotune does not measure yet; "
+            "use --quantize-base off, or drop the sharding (a quantized base with LoRA fits on one rank)"
+        )
+    return None
 
 
 def in_backward_refusal(config: TrialConfig, workload: Workload) -> str | None:

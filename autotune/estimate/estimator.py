@@ -998,8 +998,10 @@ def _fake_steps(
     import torch
 
     from autotune.models.batches import loss_of
+    from autotune.prepare.quantize import quantization_constants
 
-    parameters = [*engine.model.parameters(), *engine.model.buffers()]
+    # A quantized base's scales are model states like the weights they scale.
+    parameters = [*engine.model.parameters(), *engine.model.buffers(), *quantization_constants(engine.model)]
     tracker.tag(parameters, "parameters")
     trainable = [p for p in engine.model.parameters() if p.requires_grad]
     if record:

@@ -26,6 +26,7 @@ from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.prepare.model_facts import layer_classes
 from autotune.prepare.optimizer import optimizer_line
+from autotune.prepare.quantize import bitsandbytes_config, quantization_lines
 from autotune.prepare.training_args import (
     accelerate_arguments,
     accelerate_deepspeed_plugin,
@@ -39,7 +40,7 @@ from autotune.trial.multinode import RDZV_PORT
 
 __all__ = ["FORMATS", "DEFAULT_FILENAMES", "export_config", "export_files", "deepspeed_companion", "in_code"]
 
-FORMATS = ("json", "yaml", "deepspeed", "hf", "accelerate", "lightning", "peft", "launch")
+FORMATS = ("json", "yaml", "deepspeed", "hf", "accelerate", "lightning", "peft", "bnb", "launch")
 DEFAULT_FILENAMES = {
     "json": "autotune.json",
     "yaml": "autotune.yaml",
@@ -48,6 +49,7 @@ DEFAULT_FILENAMES = {
     "accelerate": "accelerate_config.yaml",
     "lightning": "lightning_trainer.yaml",
     "peft": "adapter_config.json",
+    "bnb": "quantization_config.json",
     "launch": "launch.sh",
 }
 
@@ -348,6 +350,16 @@ def _peft(config: TrialConfig, workload: Workload, *, device_type: str, summary:
     return json.dumps(adapter_config(config, workload), indent=2, sort_keys=True, default=str) + "\n"
 
 
+def _bnb(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
+    """``BitsAndBytesConfig`` keyword arguments (``BitsAndBytesConfig(**json.load(f))``) for ``from_pretrained``."""
+    if config.quantize_base == "off":
+        raise ConfigError(
+            "--format bnb: this config holds its base unquantized (--quantize-base off), so there is no "
+            "quantization config; tune with --space lean to search quantized bases"
+        )
+    return _dump_json(bitsandbytes_config(config))
+
+
 # -- shared helpers -------------------------------------------------------------------------
 def _header(
     config: TrialConfig, workload: Workload, summary: dict[str, Any], *, launch: list[str] | None = None
@@ -383,6 +395,7 @@ def _header(
         lines.append("LoRA: off (all weights trained)")
     if config.precision == "tf32":
         lines.append(_TF32_HINT)
+    lines += quantization_lines(config)
     lines += in_code(config, workload)
     lines += [f"{key}: {value}" for key, value in summary.items()]
     return "".join(f"# {' '.join(str(line).split())}\n" for line in lines)
@@ -459,5 +472,6 @@ _EXPORTERS: dict[str, Callable[..., str]] = {
     "accelerate": _accelerate,
     "lightning": _lightning,
     "peft": _peft,
+    "bnb": _bnb,
     "launch": _launch,
 }

@@ -72,6 +72,7 @@ def print_trial(
         ("memory budget", format_size(result.memory_budget_bytes)),
         ("optimizer state", format_size(result.optimizer_state_bytes)),
         ("optimizer", result.optimizer or "-"),
+        *([("quantized base", result.quantized_base)] if result.quantized_base else []),
         ("trainable / total params", f"{_num(result.trainable_params, '{:,}')} / {_num(result.total_params, '{:,}')}"),
         ("device x ranks", f"{result.device or '-'} x {result.world_size}"),
         ("start-up / build", f"{_num(phases.startup_s, '{:.2f}')} s / {_num(phases.build_s, '{:.2f}')} s"),

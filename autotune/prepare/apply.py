@@ -1,7 +1,8 @@
 """``autotune.prepare(model, config)``: apply to a built model what a trial applied to its own.
 
 The trial's engine calls this same function, so what was measured is what the user's job runs:
-the attention kernel, activation checkpointing (every N-th layer too), LoRA adapters, where each weight is held for
+the attention kernel, activation checkpointing (every N-th layer too), LoRA adapters on a base quantized or
+not, where each weight is held for
 the precision (a 16-bit frozen base, bf16-true), the chunked loss and FSDP's sharding. What a training loop does
 itself is not here: the optimizer, autocast and the loss scaler, the micro batch and the
 accumulation (the exports carry those, in the target library's own keys).
@@ -61,7 +62,13 @@ def prepare(
                 "prepare(): LoRA's targets depend on the model; pass workload=Workload(model=...), "
                 "or the path of the autotune export, which carries it"
             )
-        model = apply_lora(model, config, workload, task=task or resolve_task(workload))
+        task = task or resolve_task(workload)
+        if config.quantize_base != "off":  # before LoRA, which wraps the quantized layers
+            from autotune.prepare.model_facts import head_names
+            from autotune.prepare.quantize import quantize_base
+
+            quantize_base(model, config, heads=tuple(head_names(model, task=task)), device=device)
+        model = apply_lora(model, config, workload, task=task)
     from autotune.prepare.precision import hold_weights
 
     hold_weights(model, config)  # after LoRA: PEFT makes its adapters fp32

@@ -22,7 +22,14 @@ if TYPE_CHECKING:
 
     from autotune.config.workload import Workload
 
-__all__ = ["factory_facts", "checkpointing_gap", "linear_layers_but_heads", "hf_model_class", "layer_classes"]
+__all__ = [
+    "factory_facts",
+    "checkpointing_gap",
+    "linear_layers_but_heads",
+    "head_names",
+    "hf_model_class",
+    "layer_classes",
+]
 
 # A head is a direct child by one of these names (PEFT's classifier names, causal LMs' lm_head,
 # common names in factories), or the output embeddings; heads are never adapted.
@@ -98,27 +105,29 @@ def linear_layers_but_heads(model: torch.nn.Module, *, task: str) -> tuple[tuple
         linear += (Conv1D,)
     except ImportError:
         pass
-    head_names = _head_names(model, task=task)
-    leaves = {head.rpartition(".")[2] for head in head_names}
+    heads = head_names(model, task=task)
+    leaves = {head.rpartition(".")[2] for head in heads}
     # A classifier trains in full: PEFT wraps every module whose name *ends with* a modules_to_save
     # name (its SEQ_CLS adds classifier and score), DistilBERT's pre_classifier included.
     saved = leaves | {"classifier", "score"} if task in CLASSIFIER_TASKS else set()
     targets = set()
     for name, module in model.named_modules():
-        in_head = any(name == head or name.startswith(head + ".") for head in head_names)
+        in_head = any(name == head or name.startswith(head + ".") for head in heads)
         if isinstance(module, linear) and not in_head and not any(name.endswith(s) for s in saved):
             targets.add(name.rpartition(".")[2])
     return tuple(sorted(targets - leaves)), tuple(sorted(leaves))
 
 
-def _head_names(model: torch.nn.Module, *, task: str) -> list[str]:
+def head_names(model: torch.nn.Module, *, task: str) -> list[str]:
     """The task head: the output embeddings (an LM's vocabulary projection) or a classifier."""
     heads = [module for name, module in model.named_children() if name in _HEAD_NAMES]
     output = getattr(model, "get_output_embeddings", lambda: None)()
     if output is not None:
         heads.append(output)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or getattr(model, "vocab_size", None)
-    if task == "causal-lm" and isinstance(vocab, int):  # a factory's projection onto the vocabulary
+    # A factory's projection onto the vocabulary, which only its size tells (a model that names its output
+    # embeddings has said which it is: a layer as wide as the vocabulary, e.g. where hidden = vocab, is no head).
+    if output is None and task == "causal-lm" and isinstance(vocab, int):
         heads += [m for m in model.modules() if getattr(m, "out_features", None) == vocab]
     ids = {id(m) for m in heads}
     return [name for name, module in model.named_modules() if id(module) in ids and name]

@@ -26,12 +26,15 @@ from autotune.config.knobs import (
     OFFLOADS,
     OPTIMIZERS,
     PRECISIONS,
+    QUANTIZATIONS,
+    QUANTIZE_REFUSAL,
     ZERO_STAGES,
     TrialConfig,
     attention_device_refusal,
     compile_device_refusal,
     eight_bit_library,
     is_loss,
+    quantize_library_refusal,
     sixteen_bit_type,
 )
 from autotune.errors import ConfigError
@@ -59,6 +62,7 @@ KNOBS = {
     "lora_rank": "a list of off and/or whole numbers >= 1",
     "lora_alpha": "one whole number >= 1, or null for 2 x rank",
     "lora_targets": "a list of default, all-linear or comma-separated module names",
+    "quantize_base": f"a list of {', '.join(QUANTIZATIONS)} (with LoRA: the frozen base quantized; changes the maths)",
 }
 # Knobs that are tuner parameters only in the spaces that move them (see SearchSpace.choices).
 LATER_KNOBS = ("optimizer", "optimizer_in_backward")
@@ -78,6 +82,7 @@ _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "offload": ("none",),
     "lora_rank": (None,),
     "lora_targets": ("default",),
+    "quantize_base": ("off",),
 }
 
 
@@ -102,6 +107,7 @@ class SearchSpace:
     lora_rank: tuple[int | None, ...] = (None,)
     lora_alpha: int | None = None
     lora_targets: tuple[str, ...] = ("default",)  # "default", "all-linear" or "a,b,c"
+    quantize_base: tuple[str, ...] = ("off",)  # with LoRA: off, nf4, int8
     n_trials: int = 30
     patience: int | None = None
 
@@ -117,6 +123,7 @@ class SearchSpace:
             ("fsdp", [None]),
             ("optimizer", ["adamw"]),
             ("optimizer_in_backward", [False]),
+            ("quantize_base", ["off"]),
         ):
             if knobs[knob] == old:
                 del knobs[knob]  # a knob added later, at its old behaviour: studies made before it still resume
@@ -141,6 +148,7 @@ class SearchSpace:
             "lora_rank": list(self.lora_rank),
             "lora_alpha": self.lora_alpha,
             "lora_targets": list(self.lora_targets),
+            "quantize_base": list(self.quantize_base),
             "n_trials": self.n_trials,
             "patience": self.patience,
         }
@@ -237,8 +245,17 @@ class SearchSpace:
         compile_ = tuple(c for c in self.compile if not c or compile_device_refusal(device.type) is None)
         if not compile_:
             raise ConfigError(f"{self.name}: knobs.compile [true]: {compile_device_refusal(device.type)}; add false")
+        # A quantized base only under LoRA: each rank's labels with each quantization (16/nf4:q_proj,v_proj).
+        quantize = tuple(q for q in self.quantize_base if q == "off" or quantize_library_refusal() is None)
+        if not quantize:
+            raise ConfigError(f"{self.name}: knobs.quantize_base {list(self.quantize_base)}: {QUANTIZE_REFUSAL}")
         lora = tuple(
-            dict.fromkeys(_lora_label(rank, targets) for rank in self.lora_rank for targets in self.lora_targets)
+            dict.fromkeys(
+                _lora_label(rank, targets, q)
+                for rank in self.lora_rank
+                for targets in self.lora_targets
+                for q in quantize
+            )
         )
         refusal = _default_lora_refusal(workload) if self._default_lora() else None
         if refusal is not None:  # the model has nothing PEFT's defaults (or our fallback) would adapt
@@ -301,6 +318,8 @@ class SearchSpace:
             dropped.append(refusal)
         if "adamw-8bit" in self.optimizer and eight_bit_library() is None:
             dropped.append(EIGHT_BIT_REFUSAL)
+        if set(self.quantize_base) - {"off"} and quantize_library_refusal() is not None:
+            dropped.append(QUANTIZE_REFUSAL)
         offloads = [o for o in self.offload if o != "none"]
         modes = [m for m in self.fsdp if m]
         if modes and workload.nproc == 1 and (device.type == "cpu" or "optimizer+params" not in self.offload):
@@ -320,7 +339,8 @@ class SearchSpace:
         sharding, _, offload = params["zero"].partition("+")
         fsdp = sharding.removeprefix("fsdp-") if sharding.startswith("fsdp-") else None
         stage = "off" if fsdp else sharding
-        rank, _, targets = params["lora"].partition(":")
+        rank_and_quantization, _, targets = params["lora"].partition(":")
+        rank, _, quantization = rank_and_quantization.partition("/")
         checkpointing = params["checkpointing"]
         every = int(checkpointing.removeprefix("every-")) if isinstance(checkpointing, str) else 1
         return TrialConfig(
@@ -340,6 +360,7 @@ class SearchSpace:
             lora_rank=None if rank == "off" else int(rank),
             lora_alpha=self.lora_alpha if rank != "off" else None,
             lora_targets=tuple(targets.split(",")) if targets else None,
+            quantize_base=quantization or "off",
         )
 
     @staticmethod
@@ -347,7 +368,11 @@ class SearchSpace:
         """The inverse of :meth:`config_of`."""
         lora = "off"
         if config.uses_lora:
-            lora = str(config.lora_rank) + (":" + ",".join(config.lora_targets) if config.lora_targets else "")
+            lora = _lora_label(
+                config.lora_rank,
+                ",".join(config.lora_targets) if config.lora_targets else "default",
+                config.quantize_base,
+            )
         return {
             "micro_batch": config.micro_batch,
             "precision": config.precision,
@@ -464,10 +489,11 @@ def _zero_label(stage: int | None, offload: str) -> str:
     return str(stage) if offload == "none" else f"{stage}+{offload}"
 
 
-def _lora_label(rank: int | None, targets: str) -> str:
+def _lora_label(rank: int | None, targets: str, quantization: str = "off") -> str:
     if rank is None:
         return "off"
-    return str(rank) if targets == "default" else f"{rank}:{targets}"
+    rank_part = str(rank) if quantization == "off" else f"{rank}/{quantization}"
+    return rank_part if targets == "default" else f"{rank_part}:{targets}"
 
 
 # A preset's former name -> the preset it became (studies made under the old name still resume).
@@ -549,6 +575,7 @@ def _parse(data: Any, label: str) -> SearchSpace:
         lora_rank=_each(values["lora_rank"], label, "lora_rank", _lora_rank),
         lora_alpha=_lora_alpha(knobs.get("lora_alpha"), label),
         lora_targets=_each(values["lora_targets"], label, "lora_targets", _lora_target),
+        quantize_base=_each(values["quantize_base"], label, "quantize_base", _quantization),
         n_trials=_count(data.get("n_trials", 30), label, "n_trials"),
         patience=None if data.get("patience") is None else _count(data["patience"], label, "patience"),
     )
@@ -556,6 +583,12 @@ def _parse(data: Any, label: str) -> SearchSpace:
 
 # -- one knob's values ---------------------------------------------------------------------------
 _OFF = object()  # marks a value the parser refused (None is a real value: "off")
+
+
+def _quantization(value: Any) -> str | None:
+    if value is False:  # YAML reads a bare off as false
+        return "off"
+    return value if value in QUANTIZATIONS else None
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -111,6 +111,7 @@ def _train(
     peak_so_far: Any,
 ) -> None:
     from autotune.prepare.optimizer import optimizer_library
+    from autotune.prepare.quantize import quantization_line
     from autotune.trial.engine import build_engine
     from autotune.trial.measure import time_steps
     from autotune.trial.result import TOKENS_PER_S
@@ -153,6 +154,7 @@ def _train(
         final_loss=times.last_loss,
         optimizer_state_bytes=engine.optimizer_state_bytes(),
         optimizer=optimizer_library(config),
+        quantized_base=quantization_line(config) or None,
     )
     if config.compile:
         from autotune.trial.measure import compile_payoff_steps

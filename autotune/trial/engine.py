@@ -29,6 +29,7 @@ from autotune.models.sources import (
 )
 from autotune.prepare.apply import prepare
 from autotune.prepare.optimizer import StepInBackward, build_optimizer
+from autotune.prepare.quantize import parameter_numel
 from autotune.prepare.sharding import INIT_STD, parameters_on_meta
 from autotune.trial.memory import storages_of
 
@@ -55,7 +56,8 @@ class TrainingEngine:
         self.accum = config.grad_accum_steps(workload)
         self.device = device
         # ZeRO-3 partitions from the build on: a parameter's own numel is then 0, its ds_numel the whole.
-        self.total_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        # NF4 packs two weights in a byte: its tensor has half the elements the layer has weights.
+        self.total_params = sum(getattr(p, "ds_numel", parameter_numel(p)) for p in model.parameters())
         self.trainable_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
 
     def step(self) -> float:
@@ -189,7 +191,8 @@ def _built_where_it_lives(workload: Workload, config: TrialConfig, device: torch
     """Where a sharded model's parameters are made, so that no rank ever holds the whole model.
 
     FSDP: a Hugging Face model's parameters on the meta device, each rank then makes its shard
-    (:mod:`autotune.prepare.sharding`; a factory's model is built whole). ZeRO-3: inside
+    (:mod:`autotune.prepare.sharding`; a factory's model is built whole). A quantized base: the same,
+    each layer then made and quantized in turn (:mod:`autotune.prepare.quantize`). ZeRO-3: inside
     ``deepspeed.zero.Init``, which partitions each layer's parameters as soon as it is built.
     Fake tensors (the estimator's) hold no memory to save: built as they are.
     """
@@ -197,6 +200,8 @@ def _built_where_it_lives(workload: Workload, config: TrialConfig, device: torch
         return contextlib.nullcontext()
     if config.uses_fsdp and parse_model_source(workload.model).kind != "factory":
         return parameters_on_meta()
+    if config.quantize_base != "off" and parse_model_source(workload.model).kind != "factory":
+        return parameters_on_meta()  # each linear layer made and quantized in turn, as from_pretrained loads it
     if config.zero_stage == 3:
         import deepspeed
 

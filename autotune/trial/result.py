@@ -72,6 +72,7 @@ class TrialResult:
     peak_memory_per_rank: list[int | None] | None = None  # None: a rank that wrote no record
     optimizer_state_bytes: int | None = None  # per rank, max over ranks
     optimizer: str | None = None  # the class that stepped the weights (torchao's 8-bit AdamW, DeepSpeed's, ...)
+    quantized_base: str | None = None  # what held a quantized frozen base (bitsandbytes' NF4 layer, ...)
     trainable_params: int | None = None
     total_params: int | None = None
     final_loss: float | None = None

@@ -443,6 +443,7 @@ def combine_records(
             "eager_step_s",
             "compile_payoff_steps",
             "optimizer",
+            "quantized_base",
         )
     }
     fields["throughput_unit"] = fields["throughput_unit"] or TOKENS_PER_S  # a trial that died before saying
