@@ -302,3 +302,27 @@ def test_the_traced_step_counts_its_flops_and_checkpointing_s_recompute():
     assert predict_memory(workload, TrialConfig(micro_batch=4)).flops_per_sample == plain  # per sample
     recompute = predict_memory(workload, TrialConfig(micro_batch=2, checkpointing=True)).flops_per_sample - plain
     assert recompute == 2 * layers * (12 * d * d * s + 2 * s * s * d)  # one forward of every layer again
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_a_cuda_estimate_with_activation_offload_keeps_the_saved_activations_on_the_host(checkpointing):
+    # A causal LM whose activations outweigh its model states (seq 512, 8 samples), traced for an A100.
+    workload = Workload(model="builtin:llama-tiny", seq_len=512, global_batch=8, device="cuda", gpu="A100-80GB")
+    config = TrialConfig(micro_batch=8, precision="bf16", checkpointing=checkpointing)
+    kept = predict_memory(workload, config)
+    moved = predict_memory(workload, config.replace(activation_offload=True))
+    assert moved.predicted_peak_bytes < kept.predicted_peak_bytes
+    # The allocator reserves in segments (2 MiB, 20 MiB, ...): on a model this small, the same ones, or fewer.
+    assert moved.predicted_reserved_bytes <= kept.predicted_reserved_bytes
+    assert moved.predicted_device_bytes <= kept.predicted_device_bytes
+    # What the forward saved is on the host at the peak (tensors under 1 KiB stay); what the backward copies
+    # back, one node's inputs at a time, is among the temporaries; the model states do not move.
+    assert moved.activations_bytes < 0.01 * kept.activations_bytes, (moved.to_dict(), kept.to_dict())
+    assert moved.temporaries_bytes >= kept.temporaries_bytes
+    assert moved.parameters_bytes + moved.optimizer_state_bytes == kept.parameters_bytes + kept.optimizer_state_bytes
+    assert sum(moved.parts().values()) == moved.predicted_peak_bytes
+
+
+def test_activation_offload_is_refused_for_a_cpu_workloads_estimate():
+    with pytest.raises(Exception, match="--activation-offload on .* on a cpu device"):
+        predict_memory(Workload(model="builtin:llama-tiny", device="cpu"), TrialConfig(activation_offload=True))
