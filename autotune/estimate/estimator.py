@@ -443,6 +443,8 @@ def trace_step(
                 # The same hooks the trial's forward runs in, their host copies left out of the device's bytes
                 # (on a CPU trace of a CUDA step the host is the traced device too); no pinning on fake tensors.
                 engine.offload = ActivationOffload(device_type=traced, pin_memory=False, host=tracker.on_host)
+            if target == "cuda" and plain.optimizer == "adamw-8bit":
+                _steps_as_one_kernel(engine.optimizer, tracker)
             whole, flops_per_sample, step_costs = _fake_steps(
                 engine, tracker, keep_gradients=pytorch1_step, record=target == "cuda"
             )
@@ -629,6 +631,21 @@ def _card(workload: Workload) -> GpuSpec | None:
         if card.name.split("-")[0] in name.replace(" ", "") and abs(card.memory_bytes - total) < 0.1 * total:
             return card
     return None
+
+
+def _steps_as_one_kernel(optimizer: Any, tracker: Any) -> None:
+    """8-bit AdamW steps each parameter in one kernel on CUDA: bitsandbytes' fused CUDA kernel, or torchao's
+    step compiled by Inductor. The trace runs torchao's step eagerly (no compile under fake tensors), whose
+    dequantized fp32 moments, casts and updates are tensors of the parameter's size each, none of which those
+    kernels allocate: what a step makes and frees is left out of the count; what it keeps (its state) is counted."""
+    for one in getattr(optimizer, "optimizers", {}).values() or [optimizer]:  # StepInBackward: one per parameter
+        step = one.step
+
+        def fused_step(*args: Any, step: Any = step, **kwargs: Any) -> Any:
+            with tracker.one_kernel():
+                return step(*args, **kwargs)
+
+        one.step = fused_step
 
 
 def _step_tensors_together(optimizer: Any, foreach: bool) -> None:
@@ -820,6 +837,23 @@ def _peak_parts_tracker_class() -> type:
             # Storages made in host memory while the device's are counted (activation offload's copies): never counted.
             self._host: weakref.WeakSet[Any] = weakref.WeakSet()
             self._on_host = 0
+            # Storages made inside one fused kernel's stand-in: counted at its end, if they outlive it.
+            self._in_kernel: weakref.WeakKeyDictionary[Any, None] = weakref.WeakKeyDictionary()  # in their order
+            self._kernel_depth = 0
+
+        @contextlib.contextmanager
+        def one_kernel(self) -> Iterator[None]:
+            """What is traced inside runs as one kernel on the device: the storages it makes and frees again are
+            never live outside it; those it keeps are counted when it ends."""
+            self._kernel_depth += 1
+            try:
+                yield
+            finally:
+                self._kernel_depth -= 1
+                if not self._kernel_depth:
+                    kept, self._in_kernel = list(self._in_kernel), weakref.WeakKeyDictionary()
+                    for storage in kept:
+                        self._count(storage)
 
         @contextlib.contextmanager
         def on_host(self) -> Iterator[None]:
@@ -892,6 +926,9 @@ def _peak_parts_tracker_class() -> type:
         def _count(self, storage: Any) -> None:
             if storage in self._host or self._on_host and storage not in self._counted:
                 self._host.add(storage)
+                return
+            if self._kernel_depth and storage not in self._counted:
+                self._in_kernel[storage] = None
                 return
             counter = self._counted.get(storage)
             new, before, peak = counter is None, 0 if counter is None else counter[0], self.peak_bytes

@@ -326,3 +326,20 @@ def test_a_cuda_estimate_with_activation_offload_keeps_the_saved_activations_on_
 def test_activation_offload_is_refused_for_a_cpu_workloads_estimate():
     with pytest.raises(Exception, match="--activation-offload on .* on a cpu device"):
         predict_memory(Workload(model="builtin:llama-tiny", device="cpu"), TrialConfig(activation_offload=True))
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step-after", "step-in-bwd"])
+def test_on_cuda_the_8_bit_step_is_one_kernel_like_fused_adamw(in_backward):
+    # Model states set the peak here (one sample of 16 tokens): the optimizer step's temporaries show.
+    cuda = Workload(model="builtin:gpt2-tiny", seq_len=16, global_batch=1, device="cuda", gpu="A100-80GB")
+    fused = predict_memory(cuda, TrialConfig(fused_optimizer=True, optimizer_in_backward=in_backward))
+    eight_bit = predict_memory(cuda, TrialConfig(optimizer="adamw-8bit", optimizer_in_backward=in_backward))
+    # bitsandbytes' kernel and torchao's compiled step allocate nothing but their state, as fused AdamW: the same
+    # step but for the state's bytes (the trace runs torchao's step eagerly, its temporaries left out).
+    assert eight_bit.optimizer_state_bytes < fused.optimizer_state_bytes / 3
+    # (but for the step counters' scalars, which each optimizer keeps in its own way).
+    without_state = eight_bit.predicted_peak_bytes - eight_bit.optimizer_state_bytes
+    assert without_state == pytest.approx(fused.predicted_peak_bytes - fused.optimizer_state_bytes, abs=256)
+    # On a CPU the trial steps torchao's AdamW8bit eagerly (tests/trial/test_optimizers.py measures it): kept there.
+    on_cpu = predict_memory(cuda.replace(device="cpu", gpu=None), eight_bit.config)
+    assert on_cpu.temporaries_bytes > eight_bit.temporaries_bytes
