@@ -40,8 +40,8 @@ def test_a_space_that_only_offloads_is_refused_on_a_cpu_device_before_a_study_is
     assert [p.name for p in tmp_path.iterdir()] == ["offload.yaml"]  # no storage/autotune.db
 
 
-# A causal LM whose saved activations outweigh its model states many times (GPT-2 124M: 0.5 GiB of fp32 weights,
-# ~9 GiB of activations at micro batch 8 x 1,024 tokens in bf16), so offloading them must lower the peak.
+# A causal LM whose saved activations outweigh its model states many times (GPT-2 124M: 1.9 GiB of model states,
+# 8.3 GiB of activations predicted at micro batch 8 x 1,024 tokens under bf16), so offloading them lowers the peak.
 GPT2_LONG = Workload(model="builtin:gpt2", seq_len=1024, global_batch=8, device="cuda")
 OFFLOAD_CASES = [
     TrialConfig(micro_batch=8, precision="bf16"),
