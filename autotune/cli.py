@@ -96,6 +96,9 @@ KNOB_OPTIONS = {
     "optimizer_in_backward": Option(
         str, "off", ("--optimizer-in-backward",), "off or on. " + _help(TrialConfig, "optimizer_in_backward")
     ),
+    "activation_offload": Option(
+        str, "off", ("--activation-offload",), "off or on. " + _help(TrialConfig, "activation_offload")
+    ),
     "compile": Option(str, "off", ("--compile",), "off or on. " + _help(TrialConfig, "compile")),
     "lora_rank": Option(Optional[int], None, ("--lora-rank",), _help(TrialConfig, "lora_rank")),
     "lora_alpha": Option(Optional[int], None, ("--lora-alpha",), _help(TrialConfig, "lora_alpha")),
@@ -257,6 +260,7 @@ def _knobs(
     fused_optimizer: str,
     optimizer: str,
     optimizer_in_backward: str,
+    activation_offload: str,
     compile: str,
     lora_rank: int | None,
     lora_alpha: int | None,
@@ -275,6 +279,7 @@ def _knobs(
         fused_optimizer=_on_off(fused_optimizer, "--fused-optimizer"),
         optimizer=optimizer,
         optimizer_in_backward=_on_off(optimizer_in_backward, "--optimizer-in-backward"),
+        activation_offload=_on_off(activation_offload, "--activation-offload"),
         compile=_on_off(compile, "--compile"),
         lora_rank=lora_rank,
         lora_alpha=lora_alpha,

@@ -51,10 +51,22 @@ def _model(name: str) -> str:
     return str(DATA / f"{name}.json")
 
 
-def _bert(mb: int, precision: str, checkpointing: bool) -> tuple[Workload, TrialConfig]:
+def _bert(mb: int, precision: str, checkpointing: bool, optimizer: str = "adamw") -> tuple[Workload, TrialConfig]:
     # The Trainer's batch of 4: micro batch 4, or 1 with 4 accumulation steps.
     workload = Workload(model=_model("bert-large"), task="seq-cls", seq_len=512, global_batch=4, gpu="V100-16GB")
-    return workload, TrialConfig(micro_batch=mb, precision=precision, checkpointing=checkpointing, attention="eager")
+    return workload, TrialConfig(
+        micro_batch=mb, precision=precision, checkpointing=checkpointing, attention="eager", optimizer=optimizer
+    )
+
+
+def _torchtune(**levers: object) -> tuple[Workload, TrialConfig]:
+    # torchtune's sweep from T4 on: pure bf16, every layer checkpointed, compiled, chunked cross-entropy (8 chunks).
+    workload = Workload(model=_model("llama-3.2-3b"), task="causal-lm", seq_len=4096, global_batch=2, gpu="A100-80GB")
+    # Its AdamW is fused (torchtune's AdamW configs set fused: True; the sweep's unpacked baseline, 25.5 GiB
+    # beside 24 GiB of model states, leaves no room for foreach AdamW's 6 GiB temporary); 8-bit AdamW is not.
+    base = TrialConfig(micro_batch=2, precision="bf16-true", checkpointing=True, loss="chunked", compile=True)
+    fused = levers.get("optimizer", "adamw") == "adamw"
+    return workload, base.replace(fused_optimizer=fused, **levers)
 
 
 def _litgpt_lora(model: str, mb: int) -> tuple[Workload, TrialConfig]:
@@ -83,6 +95,22 @@ _LITGPT_NOTE = (
     "1,304 tokens. LitGPT's LoRA on its fused qkv projection zero-pads the q and v updates to the "
     "whole qkv width and keeps its grouped conv1d's input for the backward: PEFT's separate q_proj "
     "and v_proj keep neither, the likely share of the shortfall"
+)
+_ADAFACTOR_NOTE = (
+    "the Trainer's optim=adafactor (scale_parameter, relative_step and warmup_init off, no first moment): "
+    "Transformers' Adafactor, as autotune builds it"
+)
+_EIGHT_BIT_NOTE = (
+    "bitsandbytes' Adam8bit (the docs' optimizers=(bnb.optim.Adam8bit(...), None)) traced as torchao's AdamW8bit: "
+    "the same state bytes (uint8 moments, an fp32 scale per block of 256; tensors under 4,096 values keep "
+    "32-bit moments in both), step temporaries of the eager torchao step where bitsandbytes runs one kernel"
+)
+_TORCHTUNE_NOTE = (
+    "torchtune's own Llama (packed: flex attention with a block-causal mask, kept as flash keeps it) rebuilt as "
+    "Transformers' Llama; fused AdamW; torch.compile predicted as eager (every layer is checkpointed, so compile's "
+    "share is the recomputed layer; the savings compare rows that all compile). torchtune's chunked "
+    "cross-entropy keeps its 8 chunks' bf16 logits (1.96 GiB here) for the backward; autotune's recomputes each "
+    "chunk's LM head in the backward: the start of the backward holds less here (a different lever under one name)"
 )
 _PEFT_NOTE = (
     "twitter_complaints tweets with their prompt, padded to the longest in the batch: not published, "
@@ -204,14 +232,102 @@ ROWS: list[Row] = [
     ),
 ]
 
+ROWS += [
+    Row(
+        "H6",
+        "BERT-L mb4 fp32 Adafactor",
+        *_bert(4, "fp32", False, "adafactor"),
+        "device",
+        12_295 * MiB,
+        "12,295 MB (nvidia-smi)",
+        pytorch1_step=True,
+        notes=[_BERT_NOTE, _ADAFACTOR_NOTE],
+    ),
+    Row(
+        "H7",
+        "BERT-L mb1 x4 fp16 ckpt Adafactor",
+        *_bert(1, "fp16", True, "adafactor"),
+        "device",
+        4_847 * MiB,
+        "4,847 MB (nvidia-smi)",
+        pytorch1_step=True,
+        notes=[_BERT_NOTE, _ADAFACTOR_NOTE],
+    ),
+    Row(
+        "H8",
+        "BERT-L mb4 fp32 8-bit Adam",
+        *_bert(4, "fp32", False, "adamw-8bit"),
+        "device",
+        13_085 * MiB,
+        "13,085 MB (nvidia-smi)",
+        pytorch1_step=True,
+        notes=[_BERT_NOTE, _EIGHT_BIT_NOTE],
+    ),
+    Row(
+        "H9",
+        "BERT-L mb1 x4 fp16 ckpt 8-bit Adam",
+        *_bert(1, "fp16", True, "adamw-8bit"),
+        "device",
+        5_363 * MiB,
+        "5,363 MB (nvidia-smi)",
+        pytorch1_step=True,
+        notes=[_BERT_NOTE, _EIGHT_BIT_NOTE],
+    ),
+    Row(
+        "T4",
+        "Llama-3.2-3B pure bf16 ckpt chunked-CE compiled, fused AdamW",
+        *_torchtune(),
+        "allocated",
+        int(24.9 * GiB),
+        "24.9 GiB (active)",
+        notes=[_TORCHTUNE_NOTE],
+    ),
+    Row(
+        "T5",
+        "T4 + optimizer step in backward",
+        *_torchtune(optimizer_in_backward=True),
+        "allocated",
+        int(23.1 * GiB),
+        "23.1 GiB (active)",
+        notes=[_TORCHTUNE_NOTE],
+    ),
+    Row(
+        "T5+offload",
+        "T5 + activation offload",
+        *_torchtune(optimizer_in_backward=True, activation_offload=True),
+        "allocated",
+        int(21.8 * GiB),
+        "21.8 GiB (active)",
+        notes=[_TORCHTUNE_NOTE],
+    ),
+    Row(
+        "T5+8bit",
+        "T5 + activation offload + 8-bit AdamW",
+        *_torchtune(optimizer_in_backward=True, activation_offload=True, optimizer="adamw-8bit"),
+        "allocated",
+        int(17.6 * GiB),
+        "17.6 GiB (active)",
+        notes=[_TORCHTUNE_NOTE, _EIGHT_BIT_NOTE],
+    ),
+]
+
+# Published savings between rows that differ in one lever (each pair compiles, or neither does).
+SAVINGS = [
+    ("T4", "T5", "the optimizer step in backward"),
+    ("T5", "T5+offload", "activation offload"),
+    ("T5+offload", "T5+8bit", "8-bit AdamW"),
+    ("H1", "H6", "Adafactor for AdamW, fp32 mb4"),
+    ("H5", "H7", "Adafactor for AdamW, fp16 mb1 x4 ckpt"),
+    ("H1", "H8", "8-bit Adam for AdamW, fp32 mb4"),
+    ("H5", "H9", "8-bit Adam for AdamW, fp16 mb1 x4 ckpt"),
+]
+
 NOT_EXPRESSIBLE = {
-    "T2-T4": "torch.compile: the estimator traces the eager step, and compile's fused kernels keep less "
-    "(T2 holds 9 GiB less than T1)",
-    "T5": "the optimizer step inside backward, activation offload and bitsandbytes' 8-bit AdamW: the lean "
-    "fine-tuning issue's levers, not knobs yet",
-    "T6": "LoRA on top of T2-T5's levers (compile, in-backward, offload), not LoRA alone",
-    "H6, H7": "Adafactor: not an optimizer autotune trains with yet (the lean fine-tuning issue)",
-    "H8, H9": "bitsandbytes' 8-bit Adam: not yet (the lean fine-tuning issue)",
+    "T2, T3": "torch.compile without checkpointing: compile's fused kernels keep 9 GiB less than the eager step "
+    "(T1 -> T2), and the estimator traces the eager step. T4-T5 compile too, but checkpoint every layer, so "
+    "compile's share is one recomputed layer: they are rebuilt, and their savings compared",
+    "T6": "LoRA with torchtune's 3B defaults on T4's levers plus offload, and its NF4 line: the QLoRA part of "
+    "the lean fine-tuning issue",
     "L3 (NF4), L4": "an NF4-quantized base (QLoRA): not yet (the lean fine-tuning issue)",
     "F1-F7": "throughput only (no memory figure): the planning issue's check",
 }
@@ -236,6 +352,21 @@ def predict(row: Row) -> dict[str, object]:
         "pytorch1_step": row.pytorch1_step,
         "notes": row.notes,
         "seconds": time.perf_counter() - started,
+    }
+
+
+def saving(before: dict[str, object], after: dict[str, object], what: str) -> dict[str, object]:
+    """What one lever saves, published and predicted, between two rows in the same metric."""
+    published = int(after["published_bytes"]) - int(before["published_bytes"])  # type: ignore[call-overload]
+    predicted = int(after["predicted_bytes"]) - int(before["predicted_bytes"])  # type: ignore[call-overload]
+    return {
+        "from": before["row"],
+        "to": after["row"],
+        "lever": what,
+        "published_bytes": published,
+        "predicted_bytes": predicted,
+        "same_sign": (published < 0) == (predicted < 0),
+        "error_of_size": predicted / published - 1,
     }
 
 
@@ -291,6 +422,22 @@ def main() -> None:
         )  # type: ignore[arg-type]
     lines.append("")
     lines.append(f"median |error| {statistics.median(errors):.1%}, largest {max(errors):.1%} over {len(errors)} rows")
+    by_key = {str(r["row"]): r for r in results}
+    savings = [saving(by_key[a], by_key[b], what) for a, b, what in SAVINGS if a in by_key and b in by_key]
+    if savings:
+        lines += [
+            "",
+            "Savings of one lever (rows that differ in it alone, each in its own metric):",
+            "",
+            "| from | to | lever | published | predicted | same sign | error of its size |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {d['from']} | {d['to']} | {d['lever']} | {int(d['published_bytes']) / GiB:+.2f} GiB | "  # type: ignore[call-overload]
+            f"{int(d['predicted_bytes']) / GiB:+.2f} GiB | {'yes' if d['same_sign'] else 'no'} | "  # type: ignore[call-overload]
+            f"{float(d['error_of_size']):+.0%} |"  # type: ignore[arg-type]
+            for d in savings
+        ]
     lines.append("")
     lines.append("Not expressible:")
     lines += [f"- {key}: {why}" for key, why in NOT_EXPRESSIBLE.items()]
@@ -299,7 +446,10 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python bench/gpu_published.py" + (f" --rows {args.rows}" if args.rows else "")
     args.out.write_text(
-        json.dumps({"command": command, "rows": results, "not_expressible": NOT_EXPRESSIBLE}, indent=2) + "\n"
+        json.dumps(
+            {"command": command, "rows": results, "savings": savings, "not_expressible": NOT_EXPRESSIBLE}, indent=2
+        )
+        + "\n"
     )
     args.out.with_suffix(".txt").write_text(f"$ {command}\n\n{table}\n")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -21,6 +22,15 @@ def _offline_and_factories(monkeypatch: pytest.MonkeyPatch) -> None:
     # Trials never reach the Hub in tests, and find tests/factories.py as `factories:NAME`.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+
+
+@pytest.fixture
+def _fresh_accelerate_state() -> Iterator[None]:
+    """TrainingArguments sets Accelerate's process-wide state; leave none behind for other tests."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

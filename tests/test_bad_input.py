@@ -54,6 +54,9 @@ BAD_INPUTS = [
     (["trial", "--precision", "fp8"], "--precision 'fp8' is not known"),
     (["trial", "--precision", "tf32", "--device", "cpu"], "--precision tf32 only exists on CUDA"),
     (["trial", "--device", "cuda"], "--device cuda: no CUDA device is visible"),
+    (["trial", "--device", "cpu", "--activation-offload", "on"], "--activation-offload on moves saved activations"),
+    (["estimate", "--device", "cpu", "--activation-offload", "on"], "on a cpu device they are in host memory already"),
+    (["trial", "--activation-offload", "maybe"], "--activation-offload 'maybe' must be on or off"),
     # batches
     (
         ["trial", "--micro-batch", "3", "--global-batch", "32"],

@@ -33,6 +33,7 @@ __all__ = [
     "attention_device_refusal",
     "compile_device_refusal",
     "in_backward_refusal",
+    "offload_device_refusal",
     "eight_bit_library",
     "EIGHT_BIT_REFUSAL",
     "QUANTIZE_REFUSAL",
@@ -124,6 +125,13 @@ class TrialConfig:
         metadata={
             "help": "Step each parameter inside the backward as soon as its gradient is made, and free the "
             "gradient: no whole gradient buffer. One rank, no accumulation, no fp16 loss scaling."
+        },
+    )
+    activation_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "Move the tensors the forward saves for the backward to pinned host memory and bring each "
+            "back when the backward needs it (CUDA only). With checkpointing, only the checkpoints' inputs move."
         },
     )
     compile: bool = field(
@@ -258,6 +266,8 @@ class TrialConfig:
             raise ConfigError(f"--optimizer {self.optimizer!r} is not known; use one of {', '.join(OPTIMIZERS)}")
         if not isinstance(self.optimizer_in_backward, bool):
             raise ConfigError(f"--optimizer-in-backward {self.optimizer_in_backward!r} must be on or off")
+        if not isinstance(self.activation_offload, bool):
+            raise ConfigError(f"--activation-offload {self.activation_offload!r} must be on or off")
         if not is_loss(self.loss):
             raise ConfigError(
                 f"--loss {self.loss!r} is not known; use standard, chunked, or chunked:K "
@@ -344,6 +354,9 @@ class TrialConfig:
         refusal = compile_device_refusal(device.type) if self.compile else None
         if refusal is not None:
             raise ConfigError(refusal)
+        refusal = offload_device_refusal(device.type) if self.activation_offload else None
+        if refusal is not None:
+            raise ConfigError(refusal)
         if self.precision == "tf32" and device.type != "cuda":
             raise ConfigError("--precision tf32 only exists on CUDA tensor cores; use fp32 or bf16 on a CPU")
         if self.sixteen_bit == "bfloat16" and not device.bf16:
@@ -392,6 +405,8 @@ class TrialConfig:
             parts.append("fused-adam")
         if self.optimizer_in_backward:
             parts.append("step-in-bwd")
+        if self.activation_offload:
+            parts.append("act-offload")
         if self.compile:
             parts.append("compiled")
         if self.uses_lora:
@@ -477,6 +492,16 @@ def in_backward_refusal(config: TrialConfig, workload: Workload) -> str | None:
         return (
             "--optimizer-in-backward on with --precision fp16: loss scaling unscales and checks the whole "
             "gradient before stepping; use bf16 or fp32, or turn it off"
+        )
+    return None
+
+
+def offload_device_refusal(device_type: str) -> str | None:
+    """Why ``--activation-offload on`` means nothing on a device of ``device_type`` (None: it can run)."""
+    if device_type != "cuda":
+        return (
+            f"--activation-offload on moves saved activations from a CUDA GPU to host memory; on a {device_type} "
+            "device they are in host memory already; use --activation-offload off"
         )
     return None
 

@@ -48,16 +48,18 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
 from autotune.config.gpus import GPUS, GpuSpec, gpu_spec
-from autotune.config.knobs import TrialConfig
+from autotune.config.knobs import TrialConfig, offload_device_refusal
 from autotune.config.workload import Workload
 from autotune.errors import AutotuneError, ConfigError
 from autotune.estimate.cuda_autocast import cuda_fp32_policy
 from autotune.estimate.cuda_memory import TraceMarks, predict_cuda_memory
 from autotune.estimate.step_costs import BACKWARD, FORWARD, UPDATE, CostRecorder, StepCosts
+from autotune.prepare.offload import ActivationOffload
 
 
 class _Proxy(Protocol):
@@ -399,6 +401,9 @@ def trace_step(
             f"--fsdp {config.fsdp} --offload {config.offload}: the estimator does not predict what "
             "FSDP's CPU offload keeps on a GPU yet; a trial measures it"
         )
+    refusal = offload_device_refusal(target) if config.activation_offload else None
+    if refusal is not None:
+        raise ConfigError(refusal)
     plain = _plain(config)
     device = torch.device(traced)
     card = _card(workload) if target == "cuda" else None
@@ -434,6 +439,12 @@ def trace_step(
                 # DeepSpeed's fp16/bf16 modes train a 16-bit model (no autocast): 16-bit activations.
                 _to_16_bit(engine)
             _step_tensors_together(engine.optimizer, target == "cuda" and not pytorch1_step)
+            if engine.offload is not None:
+                # The same hooks the trial's forward runs in, their host copies left out of the device's bytes
+                # (on a CPU trace of a CUDA step the host is the traced device too); no pinning on fake tensors.
+                engine.offload = ActivationOffload(device_type=traced, pin_memory=False, host=tracker.on_host)
+            if target == "cuda" and plain.optimizer == "adamw-8bit":
+                _steps_as_one_kernel(engine.optimizer, tracker)
             whole, flops_per_sample, step_costs = _fake_steps(
                 engine, tracker, keep_gradients=pytorch1_step, record=target == "cuda"
             )
@@ -622,6 +633,21 @@ def _card(workload: Workload) -> GpuSpec | None:
     return None
 
 
+def _steps_as_one_kernel(optimizer: Any, tracker: Any) -> None:
+    """8-bit AdamW steps each parameter in one kernel on CUDA: bitsandbytes' fused CUDA kernel, or torchao's
+    step compiled by Inductor. The trace runs torchao's step eagerly (no compile under fake tensors), whose
+    dequantized fp32 moments, casts and updates are tensors of the parameter's size each, none of which those
+    kernels allocate: what a step makes and frees is left out of the count; what it keeps (its state) is counted."""
+    for one in getattr(optimizer, "optimizers", {}).values() or [optimizer]:  # StepInBackward: one per parameter
+        step = one.step
+
+        def fused_step(*args: Any, step: Any = step, **kwargs: Any) -> Any:
+            with tracker.one_kernel():
+                return step(*args, **kwargs)
+
+        one.step = fused_step
+
+
 def _step_tensors_together(optimizer: Any, foreach: bool) -> None:
     """An unfused optimizer steps with ``foreach`` (each operation over the list of all tensors at
     once: PyTorch's default on CUDA, one temporary the size of all the moments) or tensor by tensor
@@ -808,6 +834,35 @@ def _peak_parts_tracker_class() -> type:
             self.marks: dict[str, int] = {}  # phase -> where its events begin
             self.peak_before: dict[str, tuple[int, dict[str, int]]] = {}  # phase -> the peak before it, its parts
             self._next_key = 0
+            # Storages made in host memory while the device's are counted (activation offload's copies): never counted.
+            self._host: weakref.WeakSet[Any] = weakref.WeakSet()
+            self._on_host = 0
+            # Storages made inside one fused kernel's stand-in: counted at its end, if they outlive it.
+            self._in_kernel: weakref.WeakKeyDictionary[Any, None] = weakref.WeakKeyDictionary()  # in their order
+            self._kernel_depth = 0
+
+        @contextlib.contextmanager
+        def one_kernel(self) -> Iterator[None]:
+            """What is traced inside runs as one kernel on the device: the storages it makes and frees again are
+            never live outside it; those it keeps are counted when it ends."""
+            self._kernel_depth += 1
+            try:
+                yield
+            finally:
+                self._kernel_depth -= 1
+                if not self._kernel_depth:
+                    kept, self._in_kernel = list(self._in_kernel), weakref.WeakKeyDictionary()
+                    for storage in kept:
+                        self._count(storage)
+
+        @contextlib.contextmanager
+        def on_host(self) -> Iterator[None]:
+            """The storages first seen inside are host memory: not the device's bytes."""
+            self._on_host += 1
+            try:
+                yield
+            finally:
+                self._on_host -= 1
 
         def start_recording(self) -> None:
             """From now on, record; the storages live now are allocated first, in the order they were made."""
@@ -869,6 +924,12 @@ def _peak_parts_tracker_class() -> type:
             self.at_peak = dict(self.live)
 
         def _count(self, storage: Any) -> None:
+            if storage in self._host or self._on_host and storage not in self._counted:
+                self._host.add(storage)
+                return
+            if self._kernel_depth and storage not in self._counted:
+                self._in_kernel[storage] = None
+                return
             counter = self._counted.get(storage)
             new, before, peak = counter is None, 0 if counter is None else counter[0], self.peak_bytes
             super()._count(storage)
@@ -1026,7 +1087,10 @@ def _fake_steps(
     tracker.count_flops = True
     for _ in range(micro_steps):
         tracker.in_forward, tracker.costs.phase = True, FORWARD
-        with torch.autocast(engine.device.type, dtype=engine.autocast_dtype, enabled=engine.autocast_dtype is not None):
+        with (
+            torch.autocast(engine.device.type, dtype=engine.autocast_dtype, enabled=engine.autocast_dtype is not None),
+            engine.saving(),
+        ):
             loss = loss_of(engine.forward_model(**engine.batch)) / engine.accum
         tracker.in_forward, tracker.costs.phase = False, BACKWARD
         loss.backward()

@@ -445,6 +445,14 @@ def in_code(config: TrialConfig, workload: Workload | None = None) -> list[str]:
         )
     if config.fused_optimizer:
         lines.append("optimizer: torch.optim.AdamW(..., fused=True) (the hf export sets optim adamw_torch_fused)")
+    if config.activation_offload:
+        lines.append(
+            "activation offload: no library's config has it; run the forward (not the backward) inside "
+            "`autotune.prepare.offload.offload_activations()`: a plain loop or a LightningModule's training_step "
+            "`with offload_activations(): loss = model(**batch).loss`; the hf Trainer has no argument for it: "
+            "subclass Trainer with compute_loss_context_manager returning super()'s ExitStack after "
+            "stack.enter_context(offload_activations())"
+        )
     if config.loss_chunks is None:
         return lines
     return lines + [

@@ -1,6 +1,7 @@
 """What a config does to a model: LoRA adapters, activation checkpointing, the chunked loss, where
-weights are held per precision (next, attention and compile), applied the same way in trials and in
-users' jobs, and the facts about a model that say which of them it can take, found before any trial.
+weights are held per precision (next, attention and compile), the optimizer and activation offload's
+saved-tensor hooks, applied the same way in trials and in users' jobs, and the facts about a model
+that say which of them it can take, found before any trial.
 
 This folder is also the public function: ``autotune.prepare(model, config)`` (:mod:`.apply`).
 May import ``config`` and ``models``; trials and the estimator use it.

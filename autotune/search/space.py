@@ -34,6 +34,7 @@ from autotune.config.knobs import (
     compile_device_refusal,
     eight_bit_library,
     is_loss,
+    offload_device_refusal,
     quantize_library_refusal,
     sixteen_bit_type,
 )
@@ -55,6 +56,7 @@ KNOBS = {
     "fused_optimizer": "a list of true/false",
     "optimizer": f"a list of {', '.join(OPTIMIZERS)} (they change the maths, like precision)",
     "optimizer_in_backward": "a list of true/false (true: one rank, no accumulation, no fp16)",
+    "activation_offload": "a list of true/false (true: CUDA only; left out on a CPU device)",
     "compile": "a list of true/false (true: CUDA only)",
     "zero_stage": "a list of off, 0, 1, 2, 3",
     "fsdp": "a list of off, full, grad-op (FSDP2 instead of ZeRO)",
@@ -65,7 +67,7 @@ KNOBS = {
     "quantize_base": f"a list of {', '.join(QUANTIZATIONS)} (with LoRA: the frozen base quantized; changes the maths)",
 }
 # Knobs that are tuner parameters only in the spaces that move them (see SearchSpace.choices).
-LATER_KNOBS = ("optimizer", "optimizer_in_backward")
+LATER_KNOBS = ("optimizer", "optimizer_in_backward", "activation_offload")
 _TOP_LEVEL = {"description", "knobs", "n_trials", "patience"}
 _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "micro_batch": ("auto",),
@@ -76,6 +78,7 @@ _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "fused_optimizer": (False,),
     "optimizer": ("adamw",),
     "optimizer_in_backward": (False,),
+    "activation_offload": (False,),
     "compile": (False,),
     "zero_stage": (None,),
     "fsdp": (None,),
@@ -100,6 +103,7 @@ class SearchSpace:
     fused_optimizer: tuple[bool, ...] = (False,)
     optimizer: tuple[str, ...] = ("adamw",)
     optimizer_in_backward: tuple[bool, ...] = (False,)
+    activation_offload: tuple[bool, ...] = (False,)
     compile: tuple[bool, ...] = (False,)
     zero_stage: tuple[int | None, ...] = (None,)
     fsdp: tuple[str | None, ...] = (None,)  # None: off; else an FSDP2 mode (full, grad-op)
@@ -123,6 +127,7 @@ class SearchSpace:
             ("fsdp", [None]),
             ("optimizer", ["adamw"]),
             ("optimizer_in_backward", [False]),
+            ("activation_offload", [False]),
             ("quantize_base", ["off"]),
         ):
             if knobs[knob] == old:
@@ -141,6 +146,7 @@ class SearchSpace:
             "fused_optimizer": list(self.fused_optimizer),
             "optimizer": list(self.optimizer),
             "optimizer_in_backward": list(self.optimizer_in_backward),
+            "activation_offload": list(self.activation_offload),
             "compile": list(self.compile),
             "zero_stage": list(self.zero_stage),
             "fsdp": list(self.fsdp),
@@ -268,6 +274,11 @@ class SearchSpace:
         optimizer = tuple(o for o in self.optimizer if o != "adamw-8bit" or eight_bit_library() is not None)
         if not optimizer:
             raise ConfigError(f"{self.name}: knobs.optimizer [adamw-8bit]: {EIGHT_BIT_REFUSAL}")
+        offload = tuple(o for o in self.activation_offload if not o or offload_device_refusal(device.type) is None)
+        if not offload:
+            raise ConfigError(
+                f"{self.name}: knobs.activation_offload [true]: {offload_device_refusal(device.type)}; add false"
+            )
         choices = {
             "micro_batch": tuple(micro),
             "precision": precision,
@@ -285,6 +296,8 @@ class SearchSpace:
             choices["optimizer"] = optimizer
         if self.optimizer_in_backward != (False,):
             choices["optimizer_in_backward"] = self.optimizer_in_backward
+        if offload != (False,):  # on a CPU device the knob stays at off: no parameter, as in spaces without it
+            choices["activation_offload"] = offload
         return choices
 
     def _default_lora(self) -> bool:
@@ -314,6 +327,9 @@ class SearchSpace:
             if refusal is not None:
                 dropped.append(refusal)  # it names the flag and the value
         refusal = compile_device_refusal(device.type) if True in self.compile else None
+        if refusal is not None:
+            dropped.append(refusal)
+        refusal = offload_device_refusal(device.type) if True in self.activation_offload else None
         if refusal is not None:
             dropped.append(refusal)
         if "adamw-8bit" in self.optimizer and eight_bit_library() is None:
@@ -353,6 +369,7 @@ class SearchSpace:
             fused_optimizer=params.get("fused_optimizer", False),
             optimizer=params.get("optimizer", "adamw"),
             optimizer_in_backward=params.get("optimizer_in_backward", False),
+            activation_offload=params.get("activation_offload", False),
             compile=params.get("compile", False),
             zero_stage=None if stage == "off" else int(stage),
             fsdp=fsdp,
@@ -385,6 +402,7 @@ class SearchSpace:
             "compile": config.compile,
             **({} if config.optimizer == "adamw" else {"optimizer": config.optimizer}),
             **({"optimizer_in_backward": True} if config.optimizer_in_backward else {}),
+            **({"activation_offload": True} if config.activation_offload else {}),
             "zero": _fsdp_label(config.fsdp, config.offload)
             if config.fsdp is not None
             else _zero_label(config.zero_stage, config.offload),
@@ -567,6 +585,12 @@ def _parse(data: Any, label: str) -> SearchSpace:
             values["optimizer_in_backward"],
             label,
             "optimizer_in_backward",
+            lambda v: v if isinstance(v, bool) else None,
+        ),
+        activation_offload=_each(
+            values["activation_offload"],
+            label,
+            "activation_offload",
             lambda v: v if isinstance(v, bool) else None,
         ),
         zero_stage=_each(values["zero_stage"], label, "zero_stage", _zero_stage),

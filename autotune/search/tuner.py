@@ -198,6 +198,7 @@ def tune(
     backend = backend or (ScriptBackend(device.type, command) if command else LocalBackend(device.type, srun=srun))
     _check_nodes(workload, srun=srun)  # before the storage is opened: a refused worker writes nothing
     _check_workload(workload, device)
+    space.choices(workload, device)  # a space with nothing to run here is refused before a study is written
     gpus = gpu_slices(workers, workload.nproc, device)
     opened = open_storage(storage)
     space = _space_to_resume(opened, study, space, progress)

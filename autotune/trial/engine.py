@@ -28,6 +28,7 @@ from autotune.models.sources import (
     parse_model_source,
 )
 from autotune.prepare.apply import prepare
+from autotune.prepare.offload import ActivationOffload
 from autotune.prepare.optimizer import StepInBackward, build_optimizer
 from autotune.prepare.quantize import parameter_numel
 from autotune.prepare.sharding import INIT_STD, parameters_on_meta
@@ -59,6 +60,12 @@ class TrainingEngine:
         # NF4 packs two weights in a byte: its tensor has half the elements the layer has weights.
         self.total_params = sum(getattr(p, "ds_numel", parameter_numel(p)) for p in model.parameters())
         self.trainable_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+        # What the forward saves for the backward: in device memory, or (activation offload) in pinned host memory.
+        self.offload = ActivationOffload(device_type=device.type) if config.activation_offload else None
+
+    def saving(self) -> Any:
+        """The context the forward runs in: activation offload's saved-tensor hooks, or nothing."""
+        return self.offload.hooks() if self.offload is not None else contextlib.nullcontext()
 
     def step(self) -> float:
         raise NotImplementedError
@@ -93,9 +100,10 @@ class TorchEngine(TrainingEngine):
                 contextlib.nullcontext() if last or self.forward_model is self.model else self.forward_model.no_sync()
             )
             with sync:
-                with torch.autocast(
+                autocast = torch.autocast(
                     self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
-                ):
+                )
+                with autocast, self.saving():
                     loss = loss_of(self.forward_model(**self.batch)) / self.accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach().float()
@@ -132,7 +140,8 @@ class DeepSpeedEngine(TrainingEngine):
     def step(self) -> float:
         total = torch.zeros((), device=self.device)
         for _ in range(self.accum):
-            loss = loss_of(self.engine(**self.batch))
+            with self.saving():
+                loss = loss_of(self.engine(**self.batch))
             self.engine.backward(loss)
             self.engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             total += loss.detach().float() / self.accum

@@ -302,3 +302,44 @@ def test_the_traced_step_counts_its_flops_and_checkpointing_s_recompute():
     assert predict_memory(workload, TrialConfig(micro_batch=4)).flops_per_sample == plain  # per sample
     recompute = predict_memory(workload, TrialConfig(micro_batch=2, checkpointing=True)).flops_per_sample - plain
     assert recompute == 2 * layers * (12 * d * d * s + 2 * s * s * d)  # one forward of every layer again
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_a_cuda_estimate_with_activation_offload_keeps_the_saved_activations_on_the_host(checkpointing):
+    # A causal LM whose activations outweigh its model states (seq 512, 8 samples), traced for an A100.
+    workload = Workload(model="builtin:llama-tiny", seq_len=512, global_batch=8, device="cuda", gpu="A100-80GB")
+    config = TrialConfig(micro_batch=8, precision="bf16", checkpointing=checkpointing)
+    kept = predict_memory(workload, config)
+    moved = predict_memory(workload, config.replace(activation_offload=True))
+    assert moved.predicted_peak_bytes < kept.predicted_peak_bytes
+    # The allocator reserves in segments (2 MiB, 20 MiB, ...): on a model this small, the same ones, or fewer.
+    assert moved.predicted_reserved_bytes <= kept.predicted_reserved_bytes
+    assert moved.predicted_device_bytes <= kept.predicted_device_bytes
+    # What the forward saved is on the host at the peak (tensors under 1 KiB stay); what the backward copies
+    # back, one node's inputs at a time, is among the temporaries; the model states do not move.
+    assert moved.activations_bytes < 0.01 * kept.activations_bytes, (moved.to_dict(), kept.to_dict())
+    assert moved.temporaries_bytes >= kept.temporaries_bytes
+    assert moved.parameters_bytes + moved.optimizer_state_bytes == kept.parameters_bytes + kept.optimizer_state_bytes
+    assert sum(moved.parts().values()) == moved.predicted_peak_bytes
+
+
+def test_activation_offload_is_refused_for_a_cpu_workloads_estimate():
+    with pytest.raises(Exception, match="--activation-offload on .* on a cpu device"):
+        predict_memory(Workload(model="builtin:llama-tiny", device="cpu"), TrialConfig(activation_offload=True))
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step-after", "step-in-bwd"])
+def test_on_cuda_the_8_bit_step_is_one_kernel_like_fused_adamw(in_backward):
+    # Model states set the peak here (one sample of 16 tokens): the optimizer step's temporaries show.
+    cuda = Workload(model="builtin:gpt2-tiny", seq_len=16, global_batch=1, device="cuda", gpu="A100-80GB")
+    fused = predict_memory(cuda, TrialConfig(fused_optimizer=True, optimizer_in_backward=in_backward))
+    eight_bit = predict_memory(cuda, TrialConfig(optimizer="adamw-8bit", optimizer_in_backward=in_backward))
+    # bitsandbytes' kernel and torchao's compiled step allocate nothing but their state, as fused AdamW: the same
+    # step but for the state's bytes (the trace runs torchao's step eagerly, its temporaries left out).
+    assert eight_bit.optimizer_state_bytes < fused.optimizer_state_bytes / 3
+    # (but for the step counters' scalars, which each optimizer keeps in its own way).
+    without_state = eight_bit.predicted_peak_bytes - eight_bit.optimizer_state_bytes
+    assert without_state == pytest.approx(fused.predicted_peak_bytes - fused.optimizer_state_bytes, abs=256)
+    # On a CPU the trial steps torchao's AdamW8bit eagerly (tests/trial/test_optimizers.py measures it): kept there.
+    on_cpu = predict_memory(cuda.replace(device="cpu", gpu=None), eight_bit.config)
+    assert on_cpu.temporaries_bytes > eight_bit.temporaries_bytes

@@ -147,15 +147,6 @@ def test_deepspeed_buckets_follow_the_model_width_when_its_config_is_readable() 
 
 
 # -- Hugging Face TrainingArguments -----------------------------------------------------------
-@pytest.fixture
-def _fresh_accelerate_state() -> Any:
-    """TrainingArguments sets Accelerate's process-wide state; leave none behind for other tests."""
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
 @pytest.mark.usefixtures("_fresh_accelerate_state")
 @pytest.mark.filterwarnings("error:`gradient_checkpointing:FutureWarning")  # the deprecated name is not written
 @pytest.mark.parametrize("config", [FULL_BF16, ZERO2_OFFLOAD, LORA, FUSED], ids=["bf16", "zero2", "lora", "fused"])
@@ -596,3 +587,50 @@ def test_a_two_node_launch_script_outside_a_two_node_job_says_so_and_starts_noth
         assert ran.returncode == 2 and len(ran.stderr.splitlines()) == 1, ran.stderr
         assert "this config trains over 2 nodes: run it in a SLURM job of 2 nodes" in ran.stderr
         assert not (tmp_path / "hostfile").exists()
+
+
+# -- activation offload: a knob no library's config has ----------------------------------------
+OFFLOAD = TrialConfig(micro_batch=4, precision="bf16", checkpointing=True, activation_offload=True)
+
+
+@pytest.mark.parametrize("fmt", ["yaml", "lightning", "accelerate"])
+def test_yaml_exports_say_how_to_offload_activations(fmt: str) -> None:
+    header = [line for line in export_config(OFFLOAD, WORKLOAD, fmt=fmt).splitlines() if line.startswith("#")]
+    offload = [line for line in header if line.startswith("# activation offload:")]
+    assert len(offload) == 1 and "offload_activations()" in offload[0] and "compute_loss_context_manager" in offload[0]
+    assert not any("activation offload" in line for line in export_config(FULL_BF16, WORKLOAD, fmt=fmt).splitlines())
+
+
+@pytest.mark.usefixtures("_fresh_accelerate_state")
+def test_the_hf_exports_trainer_offloads_its_forward_as_the_line_beside_it_says(tmp_path: Path) -> None:
+    """The hf export's TrainingArguments have no key for it; the Trainer subclass the export's line describes
+    runs each forward (not the backward) inside the offload hooks."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from autotune.cli import _trains_line
+    from autotune.models.sources import build_model_and_batch
+    from autotune.prepare.offload import ActivationOffload
+
+    kwargs = json.loads(export_config(OFFLOAD, WORKLOAD, fmt="hf", device_type="cpu"))
+    assert not any("offload" in key for key in kwargs)
+    assert "subclass Trainer with compute_loss_context_manager" in _trains_line(OFFLOAD, "hf", WORKLOAD)
+    packed: list[torch.Size] = []
+
+    class Counting(ActivationOffload):  # the CPU standing in for the GPU, counting what it would move
+        def pack(self, tensor: torch.Tensor) -> object:
+            packed.append(tensor.shape)
+            return super().pack(tensor)
+
+    class OffloadTrainer(Trainer):
+        def compute_loss_context_manager(self):  # type: ignore[no-untyped-def]
+            stack = super().compute_loss_context_manager()
+            stack.enter_context(Counting(device_type="cpu", pin_memory=False).hooks())
+            return stack
+
+    model, _ = build_model_and_batch(WORKLOAD, task="causal-lm", device=torch.device("cpu"))
+    ids = torch.randint(0, model.config.vocab_size, (4, 16))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], save_strategy="no", **kwargs)
+    OffloadTrainer(model=model, args=args, train_dataset=data).train()
+    assert packed  # the forward ran inside the hooks, and the step trained with what they gave back

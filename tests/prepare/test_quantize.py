@@ -143,15 +143,6 @@ knobs:
 """
 
 
-@pytest.fixture
-def _fresh_accelerate_state():
-    """TrainingArguments sets Accelerate's process-wide state; leave none behind for other tests."""
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
 @pytest.mark.slow
 @pytest.mark.usefixtures("_fresh_accelerate_state")
 def test_find_answers_with_a_quantized_base_where_none_other_fits_and_its_exports_train(wide, tmp_path):

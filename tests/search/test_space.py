@@ -81,6 +81,32 @@ def test_offload_means_nothing_when_the_device_is_the_cpu():
         load_space("zero").candidates(Workload(nproc=1), CPU)
 
 
+def test_activation_offload_is_left_out_on_a_cpu_device_and_offered_on_cuda(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text("knobs:\n  micro_batch: [4]\n  activation_offload: [false, true]\n")
+    space = load_space(str(path))
+    workload = Workload(global_batch=16)
+    # On the CPU the knob is no tuner parameter at all (the sampler can never propose it), as in a space without it.
+    assert "activation_offload" not in space.choices(workload, CPU)
+    assert [c.activation_offload for c in space.candidates(workload, CPU)] == [False]
+    dropped = space.dropped_knobs(workload, CPU)
+    assert any("--activation-offload on" in line and "cpu device" in line for line in dropped)
+    assert space.choices(workload, GPU)["activation_offload"] == (False, True)
+    on_gpu = space.candidates(workload, GPU)
+    assert {c.activation_offload for c in on_gpu} == {False, True}
+    assert all(space.config_of(space.params_of(c)) == c for c in on_gpu)
+    assert not any("activation-offload" in line for line in space.dropped_knobs(workload, GPU))
+    path.write_text("knobs:\n  activation_offload: [true]\n")
+    with pytest.raises(ConfigError, match=r"knobs.activation_offload \[true\]: .*on a cpu device.*; add false"):
+        load_space(str(path)).candidates(workload, CPU)
+    # A space that never lists it searches what it searched before the knob existed (old studies resume).
+    assert "activation_offload" not in load_space("default").choices(workload, GPU)
+    path.write_text("knobs:\n  micro_batch: [4]\n")
+    before = load_space(str(path)).digest
+    path.write_text("knobs:\n  micro_batch: [4]\n  activation_offload: [false]\n")
+    assert load_space(str(path)).digest == before
+
+
 def test_checkpointing_is_dropped_for_a_factory_model_without_it():
     space = load_space("quick")
     plain = Workload(model="factories:tiny", global_batch=4, seq_len=8)  # TinyLM: no gradient_checkpointing_enable()

@@ -123,15 +123,6 @@ knobs:
 """
 
 
-@pytest.fixture
-def _fresh_accelerate_state():
-    """TrainingArguments sets Accelerate's process-wide state; leave none behind for other tests."""
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
 @pytest.mark.slow
 @pytest.mark.usefixtures("_fresh_accelerate_state")
 def test_find_answers_with_a_lean_optimizer_where_adamw_does_not_fit_and_its_export_trains(tmp_path):
