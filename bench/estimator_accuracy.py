@@ -13,10 +13,11 @@ model cannot take (the chunked loss on a classifier) is left out with the reason
 checkpointing, CPU offload and LoRA, and one rank with offload. The estimator runs FSDP's own
 step on fake tensors over a fake process group of the same ranks.
 
-``--set lean``: the optimizer levers of fine-tuning on one card (8-bit AdamW, Adafactor, the step inside
-backward, alone and with bf16-true), one rank, at sequence 32 unless ``--seq-len`` says otherwise (the model
-states weigh more there). Each row also measures the plain config (AdamW, stepped after the backward) of the
-same micro batch and precision, and prints the lever's saving against it.
+``--set lean``: the levers of fine-tuning on one card (8-bit AdamW, Adafactor, the step inside
+backward, alone and with bf16-true; NF4 and int8 bases under LoRA), one rank, at sequence 32 unless
+``--seq-len`` says otherwise (the model states weigh more there). Each row also measures the plain
+config (AdamW, stepped after the backward) of the same micro batch and precision (LoRA on the unquantized
+base for a quantized one), and prints the lever's saving against it.
 
 Each config is measured by a real trial (on a CPU: the live-bytes tracker's peak, i.e. tensor
 bytes, which is what the estimator predicts; on CUDA: max_memory_allocated, with reserved
@@ -83,6 +84,10 @@ LEAN_CONFIGS = [
     (1, TrialConfig(micro_batch=16, optimizer="adafactor", optimizer_in_backward=True)),
     (1, TrialConfig(micro_batch=4, precision="bf16-true", optimizer="adamw-8bit")),
     (1, TrialConfig(micro_batch=16, precision="bf16", checkpointing=True, optimizer_in_backward=True)),
+    # QLoRA's base: each beside LoRA on the unquantized base
+    (1, TrialConfig(micro_batch=4, lora_rank=16, quantize_base="nf4")),
+    (1, TrialConfig(micro_batch=4, lora_rank=16, quantize_base="int8")),
+    (1, TrialConfig(micro_batch=4, precision="bf16-true", lora_rank=16, quantize_base="nf4")),
 ]
 SETS = {"base": CONFIGS, "levers": LEVER_CONFIGS, "fsdp": FSDP_CONFIGS, "lean": LEAN_CONFIGS}
 
@@ -117,7 +122,7 @@ def main() -> None:
             if args.set == "lean":  # the lever's saving: the plain config of the same batch and precision
                 plain = run_trial(
                     workload,
-                    config.replace(optimizer="adamw", optimizer_in_backward=False),
+                    config.replace(optimizer="adamw", optimizer_in_backward=False, quantize_base="off"),
                     warmup_steps=1,
                     measure_steps=1,
                 )

@@ -69,11 +69,16 @@ def _torchtune(**levers: object) -> tuple[Workload, TrialConfig]:
     return workload, base.replace(fused_optimizer=fused, **levers)
 
 
-def _litgpt_lora(model: str, mb: int) -> tuple[Workload, TrialConfig]:
+def _litgpt_lora(model: str, mb: int, quantize_base: str = "off") -> tuple[Workload, TrialConfig]:
     # LitGPT's LoRA defaults: r 8, alpha 16 on the query and value projections; bf16-true.
     workload = Workload(model=_model(model), task="causal-lm", seq_len=1304, global_batch=mb, gpu="A100-40GB")
     return workload, TrialConfig(
-        micro_batch=mb, precision="bf16-true", lora_rank=8, lora_alpha=16, lora_targets=("q_proj", "v_proj")
+        micro_batch=mb,
+        precision="bf16-true",
+        lora_rank=8,
+        lora_alpha=16,
+        lora_targets=("q_proj", "v_proj"),
+        quantize_base=quantize_base,
     )
 
 
@@ -104,6 +109,17 @@ _EIGHT_BIT_NOTE = (
     "bitsandbytes' Adam8bit (the docs' optimizers=(bnb.optim.Adam8bit(...), None)) traced as torchao's AdamW8bit: "
     "the same state bytes (uint8 moments, an fp32 scale per block of 256; tensors under 4,096 values keep "
     "32-bit moments in both), step temporaries of the eager torchao step where bitsandbytes runs one kernel"
+)
+# torchtune's llama3_2/3B_lora_single_device: rank 64, alpha 128, on q, v and the output projection and the MLP.
+_TORCHTUNE_LORA: dict[str, object] = {
+    "lora_rank": 64,
+    "lora_alpha": 128,
+    "lora_targets": ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+_NF4_NOTE = (
+    "NF4 rebuilt as bitsandbytes' Linear4bit with double-quantized scales (0.516 bytes a weight); torchtune's "
+    "torchao NF4 tensor also quantizes its scales (block 64, scaler block 256); LitGPT's bnb.nf4 keeps fp32 "
+    "scales (0.5625 bytes a weight): 0.6 GB more on 13B than predicted here"
 )
 _TORCHTUNE_NOTE = (
     "torchtune's own Llama (packed: flex attention with a block-causal mask, kept as flash keeps it) rebuilt as "
@@ -309,6 +325,42 @@ ROWS += [
         "17.6 GiB (active)",
         notes=[_TORCHTUNE_NOTE, _EIGHT_BIT_NOTE],
     ),
+    Row(
+        "T6",
+        "T4 + activation offload, LoRA r64 on q,v,o and the MLP (torchtune's 3B defaults)",
+        *_torchtune(activation_offload=True, **_TORCHTUNE_LORA),
+        "allocated",
+        int(8.5 * GiB),
+        "8.5 GiB (active)",
+        notes=[_TORCHTUNE_NOTE],
+    ),
+    Row(
+        "T6+NF4",
+        "T6 on an NF4 base (QLoRA)",
+        *_torchtune(activation_offload=True, quantize_base="nf4", **_TORCHTUNE_LORA),
+        "allocated",
+        int(4.6 * GiB),
+        "4.6 GiB (active)",
+        notes=[_TORCHTUNE_NOTE, _NF4_NOTE],
+    ),
+    Row(
+        "L3+NF4",
+        "Llama-2-13B LoRA r8 q,v, NF4 base, bf16 compute mb1",
+        *_litgpt_lora("llama-2-13b", 1, quantize_base="nf4"),
+        "allocated",
+        int(23.14 * GB),
+        "23.14 GB (allocated)",
+        notes=[_LITGPT_NOTE, _NF4_NOTE],
+    ),
+    Row(
+        "L4",
+        "Llama-2-7B LoRA r8 q,v, NF4 base, bf16 compute mb1",
+        *_litgpt_lora("llama-2-7b", 1, quantize_base="nf4"),
+        "allocated",
+        int(14.14 * GB),
+        "14.14 GB (allocated)",
+        notes=[_LITGPT_NOTE, _NF4_NOTE],
+    ),
 ]
 
 # Published savings between rows that differ in one lever (each pair compiles, or neither does).
@@ -316,6 +368,8 @@ SAVINGS = [
     ("T4", "T5", "the optimizer step in backward"),
     ("T5", "T5+offload", "activation offload"),
     ("T5+offload", "T5+8bit", "8-bit AdamW"),
+    ("T6", "T6+NF4", "an NF4 base under LoRA"),
+    ("L3", "L3+NF4", "an NF4 base under LoRA"),
     ("H1", "H6", "Adafactor for AdamW, fp32 mb4"),
     ("H5", "H7", "Adafactor for AdamW, fp16 mb1 x4 ckpt"),
     ("H1", "H8", "8-bit Adam for AdamW, fp32 mb4"),
@@ -326,9 +380,6 @@ NOT_EXPRESSIBLE = {
     "T2, T3": "torch.compile without checkpointing: compile's fused kernels keep 9 GiB less than the eager step "
     "(T1 -> T2), and the estimator traces the eager step. T4-T5 compile too, but checkpoint every layer, so "
     "compile's share is one recomputed layer: they are rebuilt, and their savings compared",
-    "T6": "LoRA with torchtune's 3B defaults on T4's levers plus offload, and its NF4 line: the QLoRA part of "
-    "the lean fine-tuning issue",
-    "L3 (NF4), L4": "an NF4-quantized base (QLoRA): not yet (the lean fine-tuning issue)",
     "F1-F7": "throughput only (no memory figure): the planning issue's check",
 }
 

@@ -404,6 +404,12 @@ def trace_step(
     refusal = offload_device_refusal(target) if config.activation_offload else None
     if refusal is not None:
         raise ConfigError(refusal)
+    if config.quantize_base == "int8" and target == "cuda":
+        raise EstimateError(
+            "--quantize-base int8: on CUDA bitsandbytes trains LLM.int8() through its own kernels (outlier "
+            "columns kept in 16 bits, found from the data), and the estimator traces only its CPU path; "
+            "it does not predict int8 on a GPU yet: a trial measures it"
+        )
     plain = _plain(config)
     device = torch.device(traced)
     card = _card(workload) if target == "cuda" else None

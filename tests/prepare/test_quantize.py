@@ -200,3 +200,14 @@ def test_find_answers_with_a_quantized_base_where_none_other_fits_and_its_export
     training = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=1, report_to=[], **kwargs)
     trainer = Trainer(model=model, args=training, train_dataset=[sample])
     assert trainer.train().global_step == 1
+
+
+def test_the_cuda_prediction_holds_nf4_and_leaves_int8_to_a_trial(wide):
+    from autotune.estimate.estimator import EstimateError
+
+    on_a100 = wide.replace(gpu="A100-80GB")
+    plain = predict_memory(on_a100, TrialConfig(lora_rank=16, precision="bf16-true"))
+    nf4 = predict_memory(on_a100, TrialConfig(lora_rank=16, precision="bf16-true", quantize_base="nf4"))
+    assert nf4.parameters_bytes < plain.parameters_bytes / 2, (nf4.parameters_bytes, plain.parameters_bytes)
+    with pytest.raises(EstimateError, match="int8"):
+        predict_memory(on_a100, TrialConfig(lora_rank=16, quantize_base="int8"))
