@@ -1097,16 +1097,19 @@ def _fake_steps(
             torch.autocast(engine.device.type, dtype=engine.autocast_dtype, enabled=engine.autocast_dtype is not None),
             engine.saving(),
         ):
+            # Assigned over the last micro step's, as the trial's loop (and a user's) does: its graph lives
+            # until then, and with it what a backward node keeps outside its saved tensors (bitsandbytes' int8
+            # layers keep their input as an attribute of the node).
             loss = loss_of(engine.forward_model(**engine.batch)) / engine.accum
         tracker.in_forward, tracker.costs.phase = False, BACKWARD
         loss.backward()
-        del loss
     tracker.count_flops = False
     gradients = _bytes(p.grad for p in trainable if p.grad is not None)
     tracker.mark("update")
     tracker.costs.phase = UPDATE
     engine.optimizer.step()
     engine.optimizer.zero_grad(set_to_none=not keep_gradients)
+    del loss  # the last micro step's graph, alive through the update as in the trial's step
     tracker.costs.phase = None
     samples = micro_steps * engine.config.micro_batch
     every = list(engine.model.parameters())
