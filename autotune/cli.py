@@ -124,7 +124,10 @@ OPTIONS = {
     "gpu": Option(Optional[str], None, ("--gpu",), _help(Workload, "gpu") + " --memory-budget defaults to its memory."),
     # tuning
     "space": Option(
-        str, "default", ("--space",), "Search space: a preset (default, full, lean, lora, quick, sharding) or a YAML file."
+        str,
+        "default",
+        ("--space",),
+        "Search space: a preset (default, full, lean, lora, quick, sharding) or a YAML file.",
     ),
     "n_trials": Option(
         Optional[int],
