@@ -209,7 +209,7 @@ class GridBackend:
     def probe(self, precisions: list[str]) -> dict[str, float] | None:
         return {p: v for p, v in self._probe.items() if p in precisions} if self._probe else None
 
-    def profile(self) -> dict[str, Any] | None:
+    def profile(self, **_: Any) -> dict[str, Any] | None:
         return grid_roofline(self._grid_path, self._probe)[0]
 
     def run(self, workload: Workload, config: TrialConfig, **_: Any) -> TrialResult:
