@@ -359,7 +359,9 @@ def test_scancel_of_one_worker_mid_trial_loses_its_trial_to_the_other(tmp_path):
     assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
     (tmp_path / "space.yaml").write_text(SPACE)
     storage = f"journal://{tmp_path}/shared/study.log"
-    command = [sys.executable, "-m", "autotune", "tune", "--study", "cancel", *ARGS, MEASURE_ALL]
+    # Without the estimator: what is tested is the lost trial, and each worker's start pays the device
+    # probe and the estimate server's imports otherwise (find_on_slurm keeps the estimator in a SLURM worker).
+    command = [sys.executable, "-m", "autotune", "tune", "--study", "cancel", *ARGS, MEASURE_ALL, "--no-estimate"]
     command += ["--steps", "8", "--json"]
     command += ["--executor", "slurm", "--workers", "2", "--n-trials", "6", "--storage", storage]
     tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -415,7 +417,9 @@ def test_the_pre_termination_signal_records_the_trial_as_interrupted_and_requeue
     assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
     (tmp_path / "space.yaml").write_text(SPACE)
     storage = f"journal://{tmp_path}/shared/study.log"
-    command = [sys.executable, "-m", "autotune", "tune", "--study", "signal", *ARGS, "--steps", "8", "--json"]
+    # Without the estimator, as in the scancel test above: the requeued worker starts twice.
+    command = [sys.executable, "-m", "autotune", "tune", "--study", "signal", *ARGS, "--no-estimate"]
+    command += ["--steps", "8", "--json"]
     command += ["--executor", "slurm", "--workers", "1", "--n-trials", "3", "--storage", storage]
     command += ["--signal", "B:USR1@60"]
     tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
