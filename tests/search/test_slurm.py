@@ -444,6 +444,9 @@ def test_the_pre_termination_signal_records_the_trial_as_interrupted_and_requeue
         shown = ["scontrol", "show", "job", job]
         while "Restarts=1" not in subprocess.run(shown, capture_output=True, text=True).stdout:
             time.sleep(0.3)
+        # The node refuses to launch a job again in the second its last run was killed in (slurmctld.log:
+        # "Killing non-startable batch JobId=N: Job credential revoked"; the job then ends for good).
+        time.sleep(1.1)
         # A requeued job waits two minutes before it may start again: let it start now.
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
         stdout, stderr = tune.communicate(timeout=600)
