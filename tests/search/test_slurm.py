@@ -490,7 +490,10 @@ def test_a_two_rank_trial_runs_through_srun_inside_the_workers_allocation(tmp_pa
     (tmp_path / "space.yaml").write_text(DDP_SPACE)
     storage = f"journal://{tmp_path}/shared/study.log"
     command = [sys.executable, "-m", "autotune", "tune", "--study", "ranks", *ARGS, "--global-batch", "8"]
-    command += ["--nproc", "2", "--steps", "2", "--no-confirm", "--json", "--executor", "slurm", "--workers", "1"]
+    # Without the estimator: one trial of a fixed config, whose two ranks are what is tested (the device
+    # probe of a 2-rank study also times a collective between two more processes).
+    command += ["--nproc", "2", "--steps", "2", "--no-confirm", "--no-estimate", "--json"]
+    command += ["--executor", "slurm", "--workers", "1"]
     command += ["--storage", storage]
     tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     steps: set[str] = set()
