@@ -309,10 +309,7 @@ def test_two_slurm_workers_tune_a_study_as_a_local_run_does(tmp_path):
     assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
     (tmp_path / "space.yaml").write_text(SPACE)
     storage = f"journal://{tmp_path}/shared/study.log"
-    # Both runs without the estimator: the same kind of study either way, and each worker's start and the
-    # local run paid the device probe and the estimate server's imports (find_on_slurm below keeps the
-    # estimator in SLURM workers and checks their answer where a local find reads it).
-    command = [sys.executable, "-m", "autotune", "tune", "--study", "slurm", *ARGS, MEASURE_ALL, "--no-estimate"]
+    command = [sys.executable, "-m", "autotune", "tune", "--study", "slurm", *ARGS, MEASURE_ALL]
     command += ["--steps", "2", "--json"]
     slurm = [*command, "--executor", "slurm", "--workers", "2", "--n-trials", "8", "--storage", storage]
     slurm += ["--partition", PARTITION]
