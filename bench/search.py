@@ -120,24 +120,27 @@ def _device_probe(grid_path: Path, precisions: tuple[str, ...]) -> dict[str, flo
     return json.loads(path.read_text())
 
 
-_THIS_CPU: dict[str, Any] = {}
+_THIS_CPU: dict[bool, dict[str, Any]] = {}  # between_ranks -> this CPU's probed profile
 
 
-def grid_roofline(grid_path: Path, probe: dict[str, float] | None) -> tuple[dict[str, Any] | None, str]:
+def grid_roofline(
+    grid_path: Path, probe: dict[str, float] | None, *, between_ranks: bool = True
+) -> tuple[dict[str, Any] | None, str]:
     """The step-time model's device profile for a grid, and where it comes from: the one measured
     beside it before its trials (``GRID.roofline.json``, written by ``autotune grid``); for a grid
     without one, this CPU's, probed once per run, its 16-bit matmul speeds set to the grid machine's,
-    relative to fp32, where the grid's probe file has them (only the order of configs matters)."""
+    relative to fp32, where the grid's probe file has them (only the order of configs matters).
+    ``between_ranks``: the probe also times a collective between ranks (what only several ranks need)."""
     from autotune.search.grid import roofline_path
     from autotune.trial.device_probe import probe_profile
 
     if roofline_path(grid_path).exists():
         return json.loads(roofline_path(grid_path).read_text()), "the grid machine's roofline, probed before its trials"
-    if not _THIS_CPU:
-        _THIS_CPU.update(probe_profile("cpu") or {})
-    if not _THIS_CPU:
+    if between_ranks not in _THIS_CPU:
+        _THIS_CPU[between_ranks] = probe_profile("cpu", between_ranks=between_ranks) or {}
+    if not _THIS_CPU[between_ranks]:
         return None, "none: the device probe failed"
-    profile = json.loads(json.dumps(_THIS_CPU))
+    profile = json.loads(json.dumps(_THIS_CPU[between_ranks]))
     flops = profile["matmul_flops"]
     scaled = []
     for precision, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
@@ -209,8 +212,8 @@ class GridBackend:
     def probe(self, precisions: list[str]) -> dict[str, float] | None:
         return {p: v for p, v in self._probe.items() if p in precisions} if self._probe else None
 
-    def profile(self) -> dict[str, Any] | None:
-        return grid_roofline(self._grid_path, self._probe)[0]
+    def profile(self, *, between_ranks: bool = True, **_: Any) -> dict[str, Any] | None:
+        return grid_roofline(self._grid_path, self._probe, between_ranks=between_ranks)[0]
 
     def run(self, workload: Workload, config: TrialConfig, **_: Any) -> TrialResult:
         return self.tally.measure(config)

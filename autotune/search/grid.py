@@ -54,7 +54,8 @@ def measure_grid(
     if todo and not roofline.exists():
         from autotune.trial.device_probe import probe_profile
 
-        profile = probe_profile(detect_device(workload.device).type)
+        # The collective's latency only where the grid's trials have several ranks: one communicates nothing.
+        profile = probe_profile(detect_device(workload.device).type, between_ranks=workload.nproc > 1)
         if profile is not None:
             roofline.write_text(json.dumps(profile, indent=1) + "\n")
     with out.open("a") as sink:

@@ -24,7 +24,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 from autotune.config.device import DeviceInfo, detect_device
 from autotune.config.knobs import TrialConfig
@@ -213,7 +213,7 @@ def tune(
     proposer = Proposer(
         space, workload, device, estimator=oracle.lookup if oracle else None, limit_bytes=limit, margin=SKIP_MARGIN
     )
-    proposer.profile = _device_profile(the_study, backend) if estimate else None
+    proposer.profile = _device_profile(the_study, backend, ranks=workload.nproc) if estimate else None
     if proposer.profile is None:  # no step-time model: the matmul probe orders the precisions until measured
         proposer.precision_speed = _precision_speed(the_study, backend, proposer.choices.get("precision", ()))
     proposer.hurry = clock.hurried
@@ -567,11 +567,16 @@ class LocalBackend:
         with cpu_turn(self._device_type):
             return probe_precisions(self._device_type, precisions)
 
-    def profile(self) -> dict[str, Any] | None:
+    def profile(
+        self, *, between_ranks: bool = True, stored: Callable[[], dict[str, Any] | None] | None = None
+    ) -> dict[str, Any] | None:
+        """The device probe's roofline; ``stored``: what another worker of the study may have stored while
+        this one waited for its turn on the cores (workers on one machine would each probe in turn)."""
         from autotune.trial.device_probe import probe_profile
 
         with cpu_turn(self._device_type):
-            return probe_profile(self._device_type)
+            already = stored() if stored is not None else None
+            return already if already is not None else probe_profile(self._device_type, between_ranks=between_ranks)
 
     def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None:
         from autotune.estimate.estimator import EstimateError, predict_memory
@@ -614,14 +619,17 @@ def _precision_speed(
     return stored["speed"] or None
 
 
-def _device_profile(study: optuna.Study, backend: TrialBackend) -> DeviceProfile | None:
+def _device_profile(study: optuna.Study, backend: TrialBackend, *, ranks: int) -> DeviceProfile | None:
     """This device's roofline (matmul FLOP/s per dtype, bandwidth, per-operator time), probed once per
-    study and stored; None where the backend cannot probe or the probe failed."""
+    study and stored; None where the backend cannot probe or the probe failed. The latency of a
+    collective between ranks (two more processes on a CPU, seconds) only where the study's trials
+    have several ranks: one rank communicates nothing, and the study's workload is fixed."""
     from autotune.estimate.step_time import DeviceProfile
 
     if ROOFLINE_KEY not in study.user_attrs:
         probe = getattr(backend, "profile", None)
-        study.set_user_attr(ROOFLINE_KEY, (probe() if probe is not None else None) or {})
+        probed = probe(between_ranks=ranks > 1, stored=lambda: study.user_attrs.get(ROOFLINE_KEY)) if probe else None
+        study.set_user_attr(ROOFLINE_KEY, probed or {})
     stored = study.user_attrs[ROOFLINE_KEY]
     return DeviceProfile.from_dict(stored) if stored else None
 

@@ -172,3 +172,14 @@ def test_zero_communicates_as_deepspeed_runs_each_stage():
     assert comm(2) == pytest.approx(4 * once + once)
     gathers = 2 * 4 * (4 * 4 * 10**6 * 0.5) / link + 2 * 4 * 10 * 1e-4  # nothing hidden on a CPU
     assert comm(3) == pytest.approx(5 * once + gathers)
+
+
+def test_the_cpu_probe_of_a_study_of_several_ranks_times_a_collective_between_two_processes():
+    """What a 2-rank study's roofline holds beyond a 1-rank one's (the tuner asks for it only then:
+    tests/search/test_tuner_rules.py): the gloo all-reduce's latency, measured between two real processes."""
+    from autotune.trial.device_probe import probe_profile
+
+    probed = probe_profile("cpu", between_ranks=True)
+    assert probed is not None, "the device probe failed"
+    assert 0 < probed["collective_s"] < 1.0, probed
+    assert DeviceProfile.from_dict(probed).collective_s == probed["collective_s"]

@@ -359,7 +359,9 @@ def test_scancel_of_one_worker_mid_trial_loses_its_trial_to_the_other(tmp_path):
     assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
     (tmp_path / "space.yaml").write_text(SPACE)
     storage = f"journal://{tmp_path}/shared/study.log"
-    command = [sys.executable, "-m", "autotune", "tune", "--study", "cancel", *ARGS, MEASURE_ALL]
+    # Without the estimator: what is tested is the lost trial, and each worker's start pays the device
+    # probe and the estimate server's imports otherwise (find_on_slurm keeps the estimator in a SLURM worker).
+    command = [sys.executable, "-m", "autotune", "tune", "--study", "cancel", *ARGS, MEASURE_ALL, "--no-estimate"]
     command += ["--steps", "8", "--json"]
     command += ["--executor", "slurm", "--workers", "2", "--n-trials", "6", "--storage", storage]
     tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -415,7 +417,9 @@ def test_the_pre_termination_signal_records_the_trial_as_interrupted_and_requeue
     assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
     (tmp_path / "space.yaml").write_text(SPACE)
     storage = f"journal://{tmp_path}/shared/study.log"
-    command = [sys.executable, "-m", "autotune", "tune", "--study", "signal", *ARGS, "--steps", "8", "--json"]
+    # Without the estimator, as in the scancel test above: the requeued worker starts twice.
+    command = [sys.executable, "-m", "autotune", "tune", "--study", "signal", *ARGS, "--no-estimate"]
+    command += ["--steps", "8", "--json"]
     command += ["--executor", "slurm", "--workers", "1", "--n-trials", "3", "--storage", storage]
     command += ["--signal", "B:USR1@60"]
     tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -440,6 +444,9 @@ def test_the_pre_termination_signal_records_the_trial_as_interrupted_and_requeue
         shown = ["scontrol", "show", "job", job]
         while "Restarts=1" not in subprocess.run(shown, capture_output=True, text=True).stdout:
             time.sleep(0.3)
+        # The node refuses to launch a job again in the second its last run was killed in (slurmctld.log:
+        # "Killing non-startable batch JobId=N: Job credential revoked"; the job then ends for good).
+        time.sleep(1.1)
         # A requeued job waits two minutes before it may start again: let it start now.
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
         stdout, stderr = tune.communicate(timeout=600)
@@ -480,7 +487,10 @@ def test_a_two_rank_trial_runs_through_srun_inside_the_workers_allocation(tmp_pa
     (tmp_path / "space.yaml").write_text(DDP_SPACE)
     storage = f"journal://{tmp_path}/shared/study.log"
     command = [sys.executable, "-m", "autotune", "tune", "--study", "ranks", *ARGS, "--global-batch", "8"]
-    command += ["--nproc", "2", "--steps", "2", "--no-confirm", "--json", "--executor", "slurm", "--workers", "1"]
+    # Without the estimator: one trial of a fixed config, whose two ranks are what is tested (the device
+    # probe of a 2-rank study also times a collective between two more processes).
+    command += ["--nproc", "2", "--steps", "2", "--no-confirm", "--no-estimate", "--json"]
+    command += ["--executor", "slurm", "--workers", "1"]
     command += ["--storage", storage]
     tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     steps: set[str] = set()

@@ -299,3 +299,71 @@ def test_measure_all_turns_the_stop_on_evidence_off(tmp_path):
     assert settled.stopped.startswith("settled") and settled.n_trials < 5, (settled.stopped, settled.n_trials)
     assert everything.n_trials == 5 and not everything.stopped.startswith("settled"), everything.stopped
     assert settled.best.config.micro_batch == everything.best.config.micro_batch == 16
+
+
+class _ProfilingBackend(ScriptedBackend):
+    """Records what the tuner asks of the device probe. ``meanwhile``: what another worker does while this
+    one waits for its turn on the cores (LocalBackend reads ``stored`` once the turn comes)."""
+
+    def __init__(self, meanwhile=lambda: None) -> None:
+        super().__init__(first={1: 50.0, 2: 90.0}, reruns={1: [50.0, 50.0], 2: [90.0, 90.0]})
+        self.asked: list[bool] = []
+        self.probed = 0
+        self._meanwhile = meanwhile
+
+    def profile(self, *, between_ranks, stored):
+        self.asked.append(between_ranks)
+        self._meanwhile()
+        if stored() is not None:
+            return stored()
+        self.probed += 1
+        return dict(_ROOFLINE, name="probed here")
+
+
+_ROOFLINE = {
+    "name": "cpu",
+    "type": "cpu",
+    "matmul_flops": {"float32": 1e10},
+    "memory_bandwidth": 1e10,
+    "kernel_s": 0.0,
+    "dispatch_s": 1e-5,
+    "link_bandwidth": 1e9,
+    "host_link_bandwidth": 1e9,
+}
+
+
+def test_the_device_probe_times_a_collective_only_for_a_study_of_several_ranks(tmp_path):
+    from autotune.config.workload import Workload
+    from autotune.search.space import load_space
+
+    (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [1, 2]\n  precision: [fp32]\n")
+    for nproc in (1, 2):
+        backend = _ProfilingBackend()
+        tune(
+            study=f"ranks-{nproc}",
+            workload=Workload(model="builtin:gpt2-tiny", global_batch=8, nproc=nproc),
+            space=load_space(tmp_path / "space.yaml"),
+            memory_budget_bytes=2**30,
+            storage=f"sqlite:///{tmp_path}/db.sqlite",
+            estimate=True,
+            backend=backend,
+            confirm=False,
+        )
+        assert backend.asked == [nproc > 1], (nproc, backend.asked)  # one rank communicates nothing
+        assert backend.probed == 1
+
+
+def test_a_worker_that_waited_its_turn_takes_the_roofline_another_worker_stored():
+    from autotune.search.tuner import ROOFLINE_KEY, _device_profile
+
+    class _Study:  # the study's user attributes, as another worker's process sees them
+        user_attrs: dict = {}
+
+        def set_user_attr(self, key, value):
+            self.user_attrs = {**self.user_attrs, key: value}
+
+    study = _Study()
+    backend = _ProfilingBackend(meanwhile=lambda: study.set_user_attr(ROOFLINE_KEY, _ROOFLINE))
+    profile = _device_profile(study, backend, ranks=1)
+    assert backend.probed == 0, "probed again what another worker had stored"
+    assert profile is not None and profile.name == "cpu" and study.user_attrs[ROOFLINE_KEY] == _ROOFLINE
