@@ -3,7 +3,7 @@
     python bench/find_lean.py [--out bench/results/find_lean_cpu.json]
 
 The model is a 2-layer Llama whose linear layers hold most of its weights (hidden 256, MLP 1,024, a
-512-token vocabulary; the config is written here), at 16 tokens of one sample, against a 4 MiB budget
+512-token vocabulary: ``bench/data/llama-wide.json``), at 16 tokens of one sample, against a 4 MiB budget
 (3.6 MiB after the 10% headroom). LoRA on the bf16 base needs 4.6 MiB at its leanest and full fine-tuning
 far more, so only LoRA on an NF4 or int8 base fits. The run records the answer, how many trials ran and
 how long the whole find took; then the hf export is loaded by TrainingArguments, the peft export by
@@ -20,23 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
-WIDE_LLAMA = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 256,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
-FLAGS = ["--model", "llama-wide.json", "--seq-len", "16", "--global-batch", "1", "--memory-budget", "4MiB"]
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS = ["--model", "bench/data/llama-wide.json", "--seq-len", "16", "--global-batch", "1", "--memory-budget", "4MiB"]
 
 
-def _autotune(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "autotune", *args], cwd=cwd, capture_output=True, text=True)
+def _autotune(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "autotune", *args], cwd=ROOT, capture_output=True, text=True)
 
 
 def main() -> None:
@@ -45,9 +34,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        (work / "llama-wide.json").write_text(json.dumps(WIDE_LLAMA))
+        storage = f"sqlite:///{work / 'lean.db'}"
         started = time.perf_counter()
-        proc = _autotune("find", *FLAGS, "--space", "lean", "--storage", "sqlite:///lean.db", "--json", cwd=work)
+        proc = _autotune("find", *FLAGS, "--space", "lean", "--storage", storage, "--json")
         seconds = time.perf_counter() - started
         if proc.returncode != 0:
             sys.exit(f"find failed: {proc.stderr.strip().splitlines()[-1]}")
@@ -56,25 +45,15 @@ def main() -> None:
         for trial in answer["trials"]:
             statuses[trial["status"]] = statuses.get(trial["status"], 0) + 1
         loaded = {}
-        for fmt, out in (("hf", "hf.json"), ("peft", "adapter"), ("bnb", "bnb.json")):
-            export = _autotune(
-                "export",
-                "--study",
-                answer["study"],
-                "--storage",
-                "sqlite:///lean.db",
-                "--format",
-                fmt,
-                "-o",
-                out,
-                cwd=work,
-            )
-            loaded[fmt] = export.returncode == 0 and _loads(fmt, work / out)
+        for fmt, name in (("hf", "hf.json"), ("peft", "adapter"), ("bnb", "bnb.json")):
+            out = str(work / name)
+            export = _autotune("export", "--study", answer["study"], "--storage", storage, "--format", fmt, "-o", out)
+            loaded[fmt] = export.returncode == 0 and _loads(fmt, Path(out))
     best = answer["best"]
     row = {
         "command": "autotune find " + " ".join(FLAGS) + " --space lean",
         "seconds": round(seconds, 1),
-        "answer": best["describe"] if "describe" in best else best["config"],
+        "answer": best["describe"],
         "answer_config": best["config"],
         "tokens_per_s": best.get("tokens_per_s"),
         "peak_memory_bytes": best.get("peak_memory_bytes"),

@@ -462,8 +462,9 @@ def quantize_library_refusal() -> str | None:
 
 def quantize_refusal(config: TrialConfig) -> str | None:
     """Why ``config``'s base cannot be quantized here (None: it can)."""
-    if quantize_library_refusal() is not None:
-        return QUANTIZE_REFUSAL
+    refusal = quantize_library_refusal()
+    if refusal is not None:
+        return refusal
     if config.uses_deepspeed or config.uses_fsdp:
         sharding = f"--zero-stage {config.zero_stage}" if config.uses_deepspeed else f"--fsdp {config.fsdp}"
         return (

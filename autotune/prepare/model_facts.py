@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from autotune.config.workload import CLASSIFIER_TASKS
 from autotune.models.sources import (
@@ -27,6 +27,7 @@ __all__ = [
     "checkpointing_gap",
     "linear_layers_but_heads",
     "head_names",
+    "is_under",
     "hf_model_class",
     "layer_classes",
 ]
@@ -112,10 +113,15 @@ def linear_layers_but_heads(model: torch.nn.Module, *, task: str) -> tuple[tuple
     saved = leaves | {"classifier", "score"} if task in CLASSIFIER_TASKS else set()
     targets = set()
     for name, module in model.named_modules():
-        in_head = any(name == head or name.startswith(head + ".") for head in heads)
+        in_head = is_under(name, heads)
         if isinstance(module, linear) and not in_head and not any(name.endswith(s) for s in saved):
             targets.add(name.rpartition(".")[2])
     return tuple(sorted(targets - leaves)), tuple(sorted(leaves))
+
+
+def is_under(name: str, modules: Iterable[str]) -> bool:
+    """Whether the module called ``name`` is one of ``modules`` (full names) or inside one."""
+    return any(name == module or name.startswith(module + ".") for module in modules)
 
 
 def head_names(model: torch.nn.Module, *, task: str) -> list[str]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.config.knobs import quantize_library_refusal
 from autotune.errors import ConfigError
+from autotune.prepare.model_facts import is_under
 
 if TYPE_CHECKING:
     import torch
@@ -101,9 +102,6 @@ def quantize_base(
 
     compute = getattr(torch, config.sixteen_bit) if config.sixteen_bit else torch.float32
 
-    def in_head(name: str) -> bool:
-        return any(name == head or name.startswith(head + ".") for head in heads)
-
     # A LoRA layer's adapters, when LoRA came first: PEFT's layers wrap the layer they adapt as base_layer.
     adapters = [
         f"{name}.{child_name}" if name else child_name
@@ -116,7 +114,7 @@ def quantize_base(
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
-            if in_head(full) or any(full == a or full.startswith(a + ".") for a in adapters):
+            if is_under(full, heads) or is_under(full, adapters):
                 continue
             if isinstance(child, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
                 held += 1  # quantized already: loaded with a BitsAndBytesConfig
@@ -132,7 +130,7 @@ def quantize_base(
     for module_name, module in model.named_modules():
         for name, param in module._parameters.items():
             if param is not None and param.is_meta:  # the rest of a base built on the meta device
-                dtype = param.dtype if in_head(module_name) else compute
+                dtype = param.dtype if is_under(module_name, heads) else compute
                 made = _made(param, dtype, device)
                 module._parameters[name] = torch.nn.Parameter(made, requires_grad=param.requires_grad)
     if not replaced + held:

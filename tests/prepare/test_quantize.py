@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from refusals import trial_refusal
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
@@ -22,18 +24,7 @@ bnb = pytest.importorskip("bitsandbytes")
 
 # Linear layers hold most of its weights (hidden 256, MLP 1024, a 512-token vocabulary), and 16 tokens of one
 # sample keep the activations small: the base's bytes set the peak, which is what quantizing it acts on.
-WIDE_LLAMA = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 256,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
+WIDE_LLAMA = Path(__file__).resolve().parents[2] / "bench" / "data" / "llama-wide.json"
 QUANTIZED = [
     TrialConfig(lora_rank=16, quantize_base="nf4"),
     TrialConfig(lora_rank=16, quantize_base="int8"),
@@ -42,10 +33,8 @@ QUANTIZED = [
 
 
 @pytest.fixture(scope="module")
-def wide(tmp_path_factory) -> Workload:
-    path = tmp_path_factory.mktemp("models") / "llama-wide.json"
-    path.write_text(json.dumps(WIDE_LLAMA))
-    return Workload(model=str(path), seq_len=16, global_batch=1)
+def wide() -> Workload:
+    return Workload(model=str(WIDE_LLAMA), seq_len=16, global_batch=1)
 
 
 @pytest.fixture(scope="module")
@@ -101,17 +90,8 @@ def test_prepare_quantizes_every_linear_layer_but_the_head_and_leaves_a_quantize
     assert trained and all(p.grad is not None for p in trained)
 
 
-def _refusal(*args: str, python: list[str] | None = None) -> str:
-    """``python``: what runs autotune instead of ``-m autotune``."""
-    proc = subprocess.run(
-        [sys.executable, *(python or ["-m", "autotune"]), "trial", "--model", "builtin:llama-tiny", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    return proc.stderr
+def _refusal(*args: str, without: tuple[str, ...] = ()) -> str:
+    return trial_refusal(*args, model="builtin:llama-tiny", without=without)
 
 
 def test_bad_input_is_one_line_and_exit_2():
@@ -121,13 +101,7 @@ def test_bad_input_is_one_line_and_exit_2():
 
 
 def test_a_quantized_base_without_bitsandbytes_names_the_package_to_install():
-    hide = (  # None in sys.modules: import fails and importlib.util.find_spec says "not installed"
-        "import sys, runpy\n"
-        "sys.modules['bitsandbytes'] = None\n"
-        "sys.argv[0] = 'autotune'\n"
-        "runpy.run_module('autotune', run_name='__main__')\n"
-    )
-    refusal = _refusal("--lora-rank", "4", "--quantize-base", "int8", python=["-c", hide])
+    refusal = _refusal("--lora-rank", "4", "--quantize-base", "int8", without=("bitsandbytes",))
     assert "pip install 'bitsandbytes>=0.48'" in refusal
 
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from refusals import trial_refusal
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
@@ -71,16 +72,8 @@ def test_the_step_inside_backward_is_the_same_step():
         torch.testing.assert_close(a, b)
 
 
-def _refusal(*args: str, python: list[str] | None = None) -> str:
-    proc = subprocess.run(
-        [sys.executable, *(python or []), "-m", "autotune", "trial", "--model", "builtin:gpt2-tiny", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    return proc.stderr
+def _refusal(*args: str, without: tuple[str, ...] = ()) -> str:
+    return trial_refusal(*args, model="builtin:gpt2-tiny", without=without)
 
 
 def test_bad_input_is_one_line_and_exit_2():
@@ -95,21 +88,8 @@ def test_bad_input_is_one_line_and_exit_2():
 
 def test_adamw_8bit_without_a_library_names_the_packages_to_install():
     # A Python where neither torchao nor bitsandbytes can be found, as on a machine without them.
-    hide = (  # None in sys.modules: import fails and importlib.util.find_spec says "not installed"
-        "import sys, runpy\n"
-        "sys.modules['torchao'] = sys.modules['bitsandbytes'] = None\n"
-        "sys.argv[0] = 'autotune'\n"
-        "runpy.run_module('autotune', run_name='__main__')\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", hide, "trial", "--model", "builtin:gpt2-tiny", "--optimizer", "adamw-8bit"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "pip install torchao" in proc.stderr and "bitsandbytes" in proc.stderr
+    refusal = _refusal("--optimizer", "adamw-8bit", without=("torchao", "bitsandbytes"))
+    assert "pip install torchao" in refusal and "bitsandbytes" in refusal
 
 
 LEAN_FULL_FINE_TUNING = """\
