@@ -107,6 +107,12 @@ KNOB_OPTIONS = {
     "zero_stage": Option(str, "off", ("--zero-stage",), _help(TrialConfig, "zero_stage")),
     "fsdp": Option(str, "off", ("--fsdp",), _help(TrialConfig, "fsdp")),
     "offload": Option(str, "none", ("--offload",), _help(TrialConfig, "offload")),
+    "tp": Option(int, 1, ("--tp",), _help(TrialConfig, "tp")),
+    "sequence_parallel": Option(
+        str, "off", ("--sequence-parallel",), "off or on. " + _help(TrialConfig, "sequence_parallel")
+    ),
+    "pp": Option(int, 1, ("--pp",), _help(TrialConfig, "pp")),
+    "pp_schedule": Option(str, "1f1b", ("--pp-schedule",), _help(TrialConfig, "pp_schedule")),
 }
 # -- every other option shared by commands: a command takes one by naming its parameter so --------
 OPTIONS = {
@@ -272,6 +278,10 @@ def _knobs(
     zero_stage: str,
     fsdp: str,
     offload: str,
+    tp: int,
+    sequence_parallel: str,
+    pp: int,
+    pp_schedule: str,
 ) -> TrialConfig:
     return TrialConfig(
         micro_batch=micro_batch,
@@ -291,6 +301,10 @@ def _knobs(
         zero_stage=_zero_stage(zero_stage),
         fsdp=None if fsdp.lower() in ("off", "none") else fsdp.lower(),
         offload=offload,
+        tp=tp,
+        sequence_parallel=_on_off(sequence_parallel, "--sequence-parallel"),
+        pp=pp,
+        pp_schedule=pp_schedule,
     )
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "OFFLOADS",
     "ZERO_STAGES",
     "FSDP_MODES",
+    "PP_SCHEDULES",
     "LOSSES",
     "OPTIMIZERS",
     "QUANTIZATIONS",
@@ -60,6 +61,10 @@ ZERO_STAGES = (0, 1, 2, 3)
 # FSDP2 (torch.distributed.fsdp.fully_shard): "full" reshards each unit's parameters after its
 # forward (like ZeRO-3); "grad-op" keeps them gathered from forward to backward (like ZeRO-2).
 FSDP_MODES = ("full", "grad-op")
+# torch.distributed.pipelining's schedules: GPipe (every micro batch's forward, then every backward), 1F1B
+# (one forward, one backward: at most `pp` micro batches' activations in flight) and interleaved 1F1B
+# (two stages per rank, a smaller bubble for more communication).
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,6 +189,36 @@ class TrialConfig:
         },
     )
 
+    tp: int = field(
+        default=1,
+        metadata={
+            "help": "Tensor-parallel ranks: each decoder layer's attention and MLP weights split over this many "
+            "ranks (the model's Transformers tp_plan, applied with PyTorch's parallelize_module); they all see "
+            "the same micro batch. The other --nproc / (tp x pp) ranks are data parallel."
+        },
+    )
+    sequence_parallel: bool = field(
+        default=False,
+        metadata={
+            "help": "With --tp: the norms' activations (and the residual stream between layers) split over the "
+            "tensor-parallel ranks along the sequence, instead of held whole on each."
+        },
+    )
+    pp: int = field(
+        default=1,
+        metadata={
+            "help": "Pipeline stages: the decoder layers split in order over this many ranks "
+            "(torch.distributed.pipelining); the accumulation steps are the pipeline's micro batches."
+        },
+    )
+    pp_schedule: str = field(
+        default="1f1b",
+        metadata={
+            "help": "With --pp: gpipe (all forwards, then all backwards), 1f1b (at most --pp micro batches in "
+            "flight) or interleaved-1f1b (two stages per rank: a smaller bubble, more transfers)."
+        },
+    )
+
     def __post_init__(self) -> None:
         # Normalise list-like targets so equal configs compare (and hash) equal.
         if self.lora_targets is not None and not isinstance(self.lora_targets, tuple):
@@ -202,6 +237,15 @@ class TrialConfig:
     @property
     def uses_fsdp(self) -> bool:
         return self.fsdp is not None
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks one copy of the model is spread over: tensor x pipeline parallel."""
+        return self.tp * self.pp
+
+    def data_parallel(self, workload: Workload) -> int:
+        """Ranks that each train on their own micro batches: --nproc / (tp x pp)."""
+        return max(1, workload.nproc // self.model_parallel)
 
     @property
     def sixteen_bit(self) -> str | None:
@@ -234,13 +278,20 @@ class TrialConfig:
         return self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
 
     def grad_accum_steps(self, workload: Workload) -> int:
-        """Micro-steps per optimizer step so that micro x accumulation x ranks = global batch."""
-        per_step = self.micro_batch * workload.nproc
+        """Micro-steps per optimizer step so that micro x accumulation x data-parallel ranks = global batch
+        (tensor- and pipeline-parallel ranks share their micro batches)."""
+        ranks = self.data_parallel(workload)
+        per_step = self.micro_batch * ranks
         if workload.global_batch % per_step:
+            over = (
+                f"--nproc {workload.nproc}"
+                if ranks == workload.nproc
+                else f"{ranks} data-parallel ranks (--nproc {workload.nproc} / {self.model_parallel})"
+            )
             raise ConfigError(
-                f"--micro-batch {self.micro_batch} x --nproc {workload.nproc} does not divide "
+                f"--micro-batch {self.micro_batch} x {over} does not divide "
                 f"--global-batch {workload.global_batch}; pick a micro batch from "
-                f"{_divisors(workload.global_batch // workload.nproc)}"
+                f"{_divisors(workload.global_batch // ranks) if workload.global_batch % ranks == 0 else [1]}"
             )
         return workload.global_batch // per_step
 
@@ -311,6 +362,59 @@ class TrialConfig:
             raise ConfigError("--offload optimizer needs ZeRO; add --zero-stage 1, 2 or 3")
         if self.offload == "optimizer+params" and self.zero_stage != 3 and not self.uses_fsdp:
             raise ConfigError("--offload optimizer+params needs --zero-stage 3 or --fsdp (only they shard parameters)")
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """Tensor and pipeline parallel: the values, and the combinations no framework runs."""
+        for flag, value in (("--tp", self.tp), ("--pp", self.pp)):
+            if not _is_count(value):
+                raise ConfigError(f"{flag} {value!r} must be a whole number of at least 1 (1: off)")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(f"--pp-schedule {self.pp_schedule!r} is not known; use one of {', '.join(PP_SCHEDULES)}")
+        if self.pp_schedule != "1f1b" and self.pp == 1:
+            raise ConfigError(f"--pp-schedule {self.pp_schedule} schedules pipeline stages; add --pp 2 or more")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"--sequence-parallel {self.sequence_parallel!r} must be on or off")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError(
+                "--sequence-parallel on splits activations over tensor-parallel ranks; add --tp 2 or more"
+            )
+        if self.model_parallel == 1:
+            return
+        layout = " ".join(f"{flag} {value}" for flag, value in (("--tp", self.tp), ("--pp", self.pp)) if value > 1)
+        if self.uses_deepspeed:
+            raise ConfigError(
+                f"{layout} with --zero-stage {self.zero_stage}: DeepSpeed partitions its own flat buffers, not "
+                "PyTorch's tensor-parallel and pipeline modules; shard the data-parallel ranks with --fsdp full "
+                "(FSDP x TP, as torchtitan builds it), or use --zero-stage off"
+            )
+        if self.uses_lora or self.quantize_base != "off":
+            raise ConfigError(
+                f"{layout} with LoRA: PEFT's adapters on split layers are not measured yet; "
+                "use --lora-rank off, or --tp 1 --pp 1"
+            )
+        if self.pp > 1 and (self.tp > 1 or self.uses_fsdp):
+            with_what = f"--tp {self.tp}" if self.tp > 1 else f"--fsdp {self.fsdp}"
+            raise ConfigError(
+                f"--pp {self.pp} with {with_what}: pipeline stages that are also split are not measured yet; "
+                "use --pp alone (data parallel over the rest), or --pp 1"
+            )
+        if self.offload != "none":
+            raise ConfigError(f"{layout} with --offload {self.offload}: not measured yet; use --offload none")
+        if self.pp == 1:
+            return
+        pipeline_refusals = (
+            (self.precision == "fp16", "--precision fp16's loss scaling would span the stages; use bf16 or fp32"),
+            (self.loss != "standard", f"--loss {self.loss} replaces the head the last stage runs; use standard"),
+            (
+                self.attention in ("eager", "flex_attention"),
+                f"--attention {self.attention} needs the causal mask the stages do not build; use sdpa or auto",
+            ),
+            (self.compile, "--compile on is not measured on pipeline stages yet; use --compile off"),
+        )
+        for refused, why in pipeline_refusals:
+            if refused:
+                raise ConfigError(f"--pp {self.pp}: {why}")
 
     def validate_for(self, workload: Workload, device: DeviceInfo) -> None:
         """Refuse combinations that cannot run for this workload on this device."""
@@ -329,13 +433,23 @@ class TrialConfig:
                 f"--fused-optimizer on with --optimizer {self.optimizer}: fused is PyTorch AdamW's kernel; "
                 "use --fused-optimizer off"
             )
-        if (self.optimizer != "adamw" or self.optimizer_in_backward) and (self.uses_deepspeed or self.uses_fsdp):
+        self._check_layout_for(workload)
+        split = self.uses_deepspeed or self.uses_fsdp or self.model_parallel > 1
+        if (self.optimizer != "adamw" or self.optimizer_in_backward) and split:
             what = f"--optimizer {self.optimizer}" if self.optimizer != "adamw" else "--optimizer-in-backward on"
-            sharding = f"--zero-stage {self.zero_stage}" if self.uses_deepspeed else f"--fsdp {self.fsdp}"
+            sharding = (
+                f"--zero-stage {self.zero_stage}"
+                if self.uses_deepspeed
+                else f"--fsdp {self.fsdp}"
+                if self.uses_fsdp
+                else f"--tp {self.tp}"
+                if self.tp > 1
+                else f"--pp {self.pp}"
+            )
             why = (
                 "DeepSpeed builds and steps its own optimizer over its partitions"
                 if self.uses_deepspeed
-                else "it steps FSDP's sharded parameters, which autotune does not measure yet"
+                else "it steps sharded parameters (DTensors), which autotune does not measure yet"
             )
             raise ConfigError(f"{what} with {sharding}: {why}; use --optimizer adamw without it, or drop the sharding")
         if self.optimizer_in_backward:
@@ -370,6 +484,38 @@ class TrialConfig:
             raise ConfigError(
                 "--precision fp16 with --zero-stage: DeepSpeed's accelerator on this device has no fp16 "
                 "training; use bf16, or fp16 without --zero-stage"
+            )
+
+    def _check_layout_for(self, workload: Workload) -> None:
+        """The layout's ranks against the workload's: tp x pp divides --nproc, and what runs the rest."""
+        if self.model_parallel == 1:
+            return
+        if workload.nproc % self.model_parallel:
+            layout = " x ".join(f"{flag} {n}" for flag, n in (("--tp", self.tp), ("--pp", self.pp)) if n > 1)
+            fits = [d for d in _divisors(workload.nproc) if d > 1] or "none (add ranks)"
+            what = "product" if self.tp > 1 and self.pp > 1 else "value"
+            raise ConfigError(
+                f"{layout} does not divide --nproc {workload.nproc}: the ranks split as data x tensor x pipeline "
+                f"parallel; use a {what} from {fits}"
+            )
+        data = self.data_parallel(workload)
+        if self.tp > 1 and data > 1 and not self.uses_fsdp:
+            raise ConfigError(
+                f"--tp {self.tp} on --nproc {workload.nproc} leaves {data} data-parallel copies, which DDP cannot "
+                "hold (its buckets are not tensor-parallel); shard them with --fsdp full or grad-op (FSDP x TP), "
+                f"or use --tp {workload.nproc}"
+            )
+        if self.pp > 1 and data > 1:
+            raise ConfigError(
+                f"--pp {self.pp} on --nproc {workload.nproc} leaves {data} data-parallel copies of each stage, "
+                f"which autotune does not measure yet; use --pp {workload.nproc}"
+            )
+        if self.pp > 1 and self.grad_accum_steps(workload) < self.pp and self.pp_schedule != "gpipe":
+            accum = self.grad_accum_steps(workload)
+            raise ConfigError(
+                f"--pp {self.pp} --pp-schedule {self.pp_schedule} with {accum} accumulation step(s): the pipeline's "
+                f"micro batches are the accumulation steps and 1F1B needs at least one per stage; use a micro batch "
+                f"of at most {workload.global_batch // self.data_parallel(workload) // self.pp}, or --pp-schedule gpipe"
             )
 
     # -- (de)serialisation ----------------------------------------------------------------
@@ -417,6 +563,10 @@ class TrialConfig:
             parts.append(f"zero{self.zero_stage}" + ("" if self.offload == "none" else f"+{self.offload}"))
         if self.uses_fsdp:
             parts.append(f"fsdp-{self.fsdp}" + ("" if self.offload == "none" else "+offload"))
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""))
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}:{self.pp_schedule}")
         return " ".join(parts)
 
 

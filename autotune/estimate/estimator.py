@@ -365,8 +365,9 @@ def trace_key(workload: Workload, config: TrialConfig, *, task: str | None = Non
 
 
 def _traced_ranks(workload: Workload, config: TrialConfig) -> int:
-    """Ranks of the traced step: FSDP2's, on a fake group of them; one for DDP and ZeRO (arithmetic)."""
-    return workload.nproc if config.uses_fsdp else 1
+    """Ranks of the traced step: FSDP2's and tensor parallel's, on a fake group of them; one for DDP and
+    ZeRO (arithmetic)."""
+    return workload.nproc if config.uses_fsdp or config.tp > 1 else 1
 
 
 def _traced_workload(workload: Workload, config: TrialConfig) -> Workload:
@@ -395,7 +396,7 @@ def trace_step(
     started = time.perf_counter()
     task = task or resolve_task(workload)
     target, traced, note = _devices(workload)
-    sharded = config.uses_fsdp
+    sharded = config.uses_fsdp or config.tp > 1
     if sharded and config.offload != "none" and target != "cpu":
         raise EstimateError(
             f"--fsdp {config.fsdp} --offload {config.offload}: the estimator does not predict what "
@@ -425,7 +426,9 @@ def trace_step(
         _adapters_stay_put(traced),
         _unpacked_batches(),
         as_on_cuda,
-        _fake_process_group(ranks, traced, gloo=target == "cpu") if sharded else contextlib.nullcontext() as mesh,
+        _fake_process_group(ranks, traced, gloo=target == "cpu", tp=config.tp)
+        if sharded
+        else contextlib.nullcontext() as mesh,
     ):
         warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
         # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
@@ -456,7 +459,10 @@ def trace_step(
             )
     method = "fake-tensor training step"
     if sharded:
-        method += f" of FSDP2 on a fake process group of {ranks} ranks"
+        split = " x ".join(
+            part for part, on in ((f"tensor parallel {config.tp}", config.tp > 1), ("FSDP2", config.uses_fsdp)) if on
+        )
+        method += f" of {split} on a fake process group of {ranks} ranks"
     backward_peak, backward_parts = tracker.peak_before["update"]
     return TracedStep(
         peak_bytes=tracker.peak_bytes,
@@ -512,7 +518,7 @@ def estimate_from_trace(
         peak, whole = max(backward_peak, step_peak), zero_whole
         at_peak, activations = (zero_at_peak, activations) if backward_peak >= step_peak else (zero_whole, 0)
         method += " + ZeRO model-state arithmetic"
-    elif workload.nproc > 1 and not config.uses_fsdp:
+    elif config.data_parallel(workload) > 1 and not config.uses_fsdp:
         # DDP copies every gradient into its all-reduce buckets (gradient_as_bucket_view is off),
         # allocated when DDP wraps the model: live all along.
         buckets = ddp_buckets = whole.gradients
@@ -568,9 +574,10 @@ def estimate_from_trace(
 
 
 @contextlib.contextmanager
-def _fake_process_group(ranks: int, device_type: str, *, gloo: bool) -> Iterator[Any]:
+def _fake_process_group(ranks: int, device_type: str, *, gloo: bool, tp: int = 1) -> Iterator[Any]:
     """A process group of ``ranks`` whose collectives move nothing (PyTorch's "fake" backend), this
-    process as rank 0, and its device mesh, made before fake tensors (the mesh reads real values).
+    process as rank 0, and its device mesh, made before fake tensors (the mesh reads real values):
+    1-D, or (data, tensor) parallel named ``dp`` and ``tp`` when ``tp`` > 1.
 
     ``gloo``: the trials' CPU backend. Its reduce-scatter reduces a copy of its whole input
     (measured: a 50 MB input takes 50 MB more while it runs), which NCCL does not.
@@ -581,7 +588,7 @@ def _fake_process_group(ranks: int, device_type: str, *, gloo: bool) -> Iterator
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise EstimateError("FSDP is traced on a process group of its own; this process has one already")
+        raise EstimateError("FSDP and TP are traced on a process group of their own; this process has one already")
     dist.init_process_group("fake", rank=0, world_size=ranks, store=FakeStore())
     reduce_scatter = dist.reduce_scatter_single
 
@@ -592,7 +599,10 @@ def _fake_process_group(ranks: int, device_type: str, *, gloo: bool) -> Iterator
     if gloo:
         dist.reduce_scatter_single = gloo_reduce_scatter
     try:
-        yield init_device_mesh(device_type, (ranks,))
+        if tp > 1:
+            yield init_device_mesh(device_type, (ranks // tp, tp), mesh_dim_names=("dp", "tp"))
+        else:
+            yield init_device_mesh(device_type, (ranks,))
     finally:
         dist.reduce_scatter_single = reduce_scatter
         dist.destroy_process_group()

@@ -64,6 +64,18 @@ def refusal_before_trial(workload: Workload, config: TrialConfig, task: str | No
         refusal = attention_refusal(workload, config.attention, task)
         if refusal is not None:
             return refusal
+    if config.tp > 1:
+        from autotune.prepare.tensor_parallel import tensor_parallel_refusal
+
+        refusal = tensor_parallel_refusal(workload, config)
+        if refusal is not None:
+            return refusal
+    if config.pp > 1:
+        from autotune.prepare.pipeline import pipeline_refusal
+
+        refusal = pipeline_refusal(workload, config)
+        if refusal is not None:
+            return refusal
     if config.checkpoint_every > 1:
         from autotune.prepare.checkpointing import every_n_refusal
 

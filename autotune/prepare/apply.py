@@ -2,10 +2,10 @@
 
 The trial's engine calls this same function, so what was measured is what the user's job runs:
 the attention kernel, activation checkpointing (every N-th layer too), LoRA adapters on a base quantized or
-not, where each weight is held for
-the precision (a 16-bit frozen base, bf16-true), the chunked loss and FSDP's sharding. What a training loop does
-itself is not here: the optimizer, autocast and the loss scaler, the micro batch and the
-accumulation (the exports carry those, in the target library's own keys).
+not, where each weight is held for the precision (a 16-bit frozen base, bf16-true), the chunked loss,
+tensor parallel, FSDP's sharding and pipeline stages. What a training loop does itself is not here: the
+optimizer, autocast and the loss scaler, the micro batch and the accumulation (the exports carry those,
+in the target library's own keys).
 """
 
 from __future__ import annotations
@@ -76,11 +76,42 @@ def prepare(
         from autotune.prepare.loss import chunk_loss
 
         chunk_loss(model, config.loss_chunks, source=source)
+    if config.pp > 1:  # this rank's stages, and the schedule that runs them
+        from autotune.prepare.pipeline import Pipeline
+        from autotune.prepare.sharding import torch_device
+
+        if workload is None:
+            raise ConfigError(
+                "prepare(): --pp's micro batches are the accumulation steps, which depend on the global batch; "
+                "pass workload=Workload(...), or the path of the autotune export, which carries it"
+            )
+        return Pipeline(
+            model, config, micro_batches=config.grad_accum_steps(workload), device=device or torch_device(model)
+        )
+    if config.tp > 1:  # then FSDP, if set, over the other ranks (2-D: FSDP x TP)
+        mesh = _tensor_parallel(model, config, device, mesh)
     if config.uses_fsdp:
         from autotune.prepare.sharding import shard_model
 
         model = shard_model(model, config, device, mesh)
     return model
+
+
+def _tensor_parallel(model: torch.nn.Module, config: TrialConfig, device: torch.device | None, mesh: Any) -> Any:
+    """Split the model's layers over the ``tp`` ranks of ``mesh`` (default: the process group's ranks as a
+    (dp, tp) mesh); returns the mesh FSDP shards the data-parallel copies over (its ``dp`` ranks)."""
+    from autotune.prepare.sharding import materialise, torch_device
+    from autotune.prepare.tensor_parallel import layout_mesh, tensor_parallel
+
+    device = device or torch_device(model)
+    if mesh is None:
+        mesh = layout_mesh(config, device.type)
+    if mesh.mesh_dim_names is None or "tp" not in mesh.mesh_dim_names:
+        raise ConfigError(f"prepare(): --tp {config.tp} needs a device mesh with a 'tp' dimension (and 'dp' for FSDP)")
+    tensor_parallel(model, config, mesh["tp"])
+    if not config.uses_fsdp:  # FSDP makes its own shards of what is still on the meta device
+        materialise(model, device)
+    return mesh["dp"] if "dp" in mesh.mesh_dim_names else None
 
 
 def _resolve(

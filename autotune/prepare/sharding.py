@@ -18,7 +18,7 @@ import torch
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
 
-__all__ = ["parameters_on_meta", "shard_model", "shard_units", "INIT_STD"]
+__all__ = ["materialise", "torch_device", "parameters_on_meta", "shard_model", "shard_units", "INIT_STD"]
 
 INIT_STD = 0.02  # random weights: their values change neither speed nor memory, only stay finite
 
@@ -82,8 +82,7 @@ def shard_model(
             f"--fsdp {config.fsdp} shards over the ranks of a process group: run the job under "
             "torchrun and call torch.distributed.init_process_group() before autotune.prepare"
         )
-    if device is None:  # where the user's model is (a GPU job moves it there before preparing)
-        device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    device = device or torch_device(model)
 
     options: dict[str, Any] = {"reshard_after_forward": config.fsdp == "full", "mesh": mesh}
     if config.autocast_type is not None:  # mixed precision: 16-bit compute copies, fp32 gradient reduction
@@ -97,21 +96,34 @@ def shard_model(
     for unit in shard_units(model):
         fully_shard(unit, **options)
     fully_shard(model, **options)
-    _materialise(model, config, device)
+    # Offloaded shards live in CPU memory, the others on the device (torchtitan does the same).
+    materialise(model, torch.device("cpu") if config.offload == "optimizer+params" else device)
     return model
 
 
-def _materialise(model: torch.nn.Module, config: TrialConfig, device: torch.device) -> None:
+def torch_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s parameters are (a GPU job moves it there before preparing); the CPU when all are
+    on the meta device (a trial's sharded build)."""
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+
+
+def materialise(model: torch.nn.Module, device: torch.device) -> None:
+    """Make a model's meta parameters (each rank's shard of them, for DTensors) on ``device``, random.
+
+    Every rank draws the same values: a parameter whole on every rank (a norm, the embedding beside
+    tensor-parallel layers) must hold the same weights everywhere for the ranks to compute the same step.
+    """
     if not any(p.device.type == "meta" for p in model.parameters()):
         return
     # Buffers are real (only parameters went to meta) and where FSDP put them: to_empty would
     # replace them with empty ones, so the same tensors go back in.
     buffers = [(module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()]
-    # Offloaded shards live in CPU memory, the others on the device (torchtitan does the same).
-    model.to_empty(device=torch.device("cpu") if config.offload == "optimizer+params" else device)
+    model.to_empty(device=device)
     for module, name, buffer in buffers:
         module._buffers[name] = buffer
+    draws = torch.Generator(device=device)
+    draws.manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():
             local = param.to_local() if hasattr(param, "to_local") else param
-            local.normal_(0.0, INIT_STD)
+            local.normal_(0.0, INIT_STD, generator=draws)

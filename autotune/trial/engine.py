@@ -78,15 +78,16 @@ class TrainingEngine:
 
 
 class TorchEngine(TrainingEngine):
-    def __init__(self, *, world_size: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *, world_size: int, workload: Workload, **kwargs: Any) -> None:
+        super().__init__(workload=workload, **kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]
         # Stepped inside the backward (optimizer_in_backward), its step() below finds no gradient left.
         self.optimizer = build_optimizer(params, self.config, lr=LEARNING_RATE)
         self.autocast_dtype = getattr(torch, self.config.autocast_type) if self.config.autocast_type else None
         self.scaler = torch.amp.GradScaler(self.device.type) if self.config.precision == "fp16" else None
         self.forward_model: Any = self.model  # the model, DDP's wrapper of it, or torch.compile's
-        if world_size > 1 and not self.config.uses_fsdp:  # FSDP reduces the gradients itself
+        # FSDP reduces the gradients itself; tensor-parallel ranks share their batch (no copies to average).
+        if world_size > 1 and self.config.data_parallel(workload) > 1 and not self.config.uses_fsdp:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -121,6 +122,43 @@ class TorchEngine(TrainingEngine):
     def compile(self, backend: str = "inductor") -> None:
         """From the next step on, the forward (and, through AOTAutograd, the backward) runs compiled."""
         self.forward_model = torch.compile(self.forward_model, backend=backend)
+
+
+class PipelineEngine(TrainingEngine):
+    """Pipeline parallel: the model is this rank's stages (:class:`autotune.prepare.pipeline.Pipeline`), and
+    the batch one optimizer step's whole batch, which the schedule cuts into the micro batches."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        import torch.distributed as dist
+
+        # The stages' parameters on every rank together: the model's, as the other engines count it.
+        counts = torch.tensor([self.total_params, self.trainable_params], dtype=torch.long, device=self.device)
+        dist.all_reduce(counts)
+        self.total_params, self.trainable_params = (int(n) for n in counts.tolist())
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(params, self.config, lr=LEARNING_RATE)
+        self.autocast_dtype = getattr(torch, self.config.autocast_type) if self.config.autocast_type else None
+
+    def step(self) -> float:
+        import torch.distributed as dist
+
+        autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+        pipeline: Any = self.model  # a Pipeline (autotune.prepare.pipeline), whose step runs the schedule
+        with autocast, self.saving():
+            loss = pipeline.step(**self.batch)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # Every rank reports the loss the last stage computed (the others hold none).
+        total = loss.detach().float() if loss is not None else torch.zeros((), device=self.device)
+        dist.all_reduce(total)
+        return total.item()
+
+    def optimizer_state_bytes(self) -> int:
+        return _state_bytes(self.optimizer)
+
+    def compile(self, backend: str = "inductor") -> None:
+        raise NotImplementedError("--compile is refused with --pp")
 
 
 class DeepSpeedEngine(TrainingEngine):
@@ -169,13 +207,15 @@ def build_engine(
     with _built_where_it_lives(workload, config, device):
         model, make_batch = build_model_and_batch(workload, task=task, device=device, dtype=dtype)
     _random_partitions(model)
+    # A pipeline is fed one optimizer step's batch at once: its schedule cuts it into the micro batches.
+    fed = config.micro_batch * (config.grad_accum_steps(workload) if config.pp > 1 else 1)
     if make_batch is not None:  # the factory's own inputs, checked against the model it built
         batch = factory_batch(make_batch, model, micro_batch=config.micro_batch, device=device, source=workload.model)
     else:
         batch = synthetic_batch(
             model,
             task=task,
-            micro_batch=config.micro_batch,
+            micro_batch=fed,
             seq_len=workload.seq_len,
             target_len=workload.decoder_len,
             image_size=image_size(workload, model),
@@ -193,6 +233,8 @@ def build_engine(
     )
     if config.uses_deepspeed:
         return DeepSpeedEngine(workload=workload, **common)
+    if config.pp > 1:
+        return PipelineEngine(workload=workload, **common)
     return TorchEngine(workload=workload, world_size=world_size, **common)
 
 
@@ -207,8 +249,8 @@ def _built_where_it_lives(workload: Workload, config: TrialConfig, device: torch
     """
     if device.type == "meta" or torch._guards.active_fake_mode() is not None:
         return contextlib.nullcontext()
-    if config.uses_fsdp and parse_model_source(workload.model).kind != "factory":
-        return parameters_on_meta()
+    if (config.uses_fsdp or config.model_parallel > 1) and parse_model_source(workload.model).kind != "factory":
+        return parameters_on_meta()  # each rank then makes its own shards
     if config.quantize_base != "off" and parse_model_source(workload.model).kind != "factory":
         return parameters_on_meta()  # each linear layer made and quantized in turn, as from_pretrained loads it
     if config.zero_stage == 3:
