@@ -402,6 +402,11 @@ def trace_step(
             f"--fsdp {config.fsdp} --offload {config.offload}: the estimator does not predict what "
             "FSDP's CPU offload keeps on a GPU yet; a trial measures it"
         )
+    if config.pp > 1:
+        raise EstimateError(
+            f"--pp {config.pp}: the estimator does not predict pipeline stages yet (PyTorch's schedules vote on "
+            "their buffers with values fake tensors do not have); a trial measures each stage's rank"
+        )
     refusal = offload_device_refusal(target) if config.activation_offload else None
     if refusal is not None:
         raise ConfigError(refusal)
@@ -434,7 +439,7 @@ def trace_step(
         # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
         # model code allocates without naming a device is born on the traced one (PEFT's adapters).
         with FakeTensorMode(allow_non_fake_inputs=True), _grouped_mm_in_any_dtype(), tracker, device:
-            with _truncated_normal_without_resampling():
+            with _truncated_normal_without_resampling(), _meshes_on_real_values():
                 engine = build_engine(
                     workload=_traced_workload(workload, config),
                     config=plain,
@@ -771,6 +776,27 @@ def _grouped_mm_in_any_dtype() -> Any:
             return func(*args, **kwargs)
 
     return GroupedMMInAnyDtype()
+
+
+@contextlib.contextmanager
+def _meshes_on_real_values() -> Iterator[None]:
+    """Device meshes made during the trace (FSDP x TP joins the data- and tensor-parallel meshes into one)
+    are made on real values: a mesh finds this rank's coordinates with ``nonzero``, which fake tensors,
+    whose values are unknown, cannot answer."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    made = DeviceMesh.__init__
+
+    def made_for_real(self: Any, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            made(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = made_for_real  # type: ignore[method-assign]  # patched inside
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = made  # type: ignore[method-assign]  # restored
 
 
 @contextlib.contextmanager

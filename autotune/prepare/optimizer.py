@@ -22,7 +22,7 @@ from autotune.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["build_optimizer", "optimizer_library", "optimizer_line", "StepInBackward"]
+__all__ = ["build_optimizer", "optimizer_library", "optimizer_line", "parameter_groups", "StepInBackward"]
 
 
 def _class_and_arguments(config: TrialConfig) -> tuple[str, str]:
@@ -66,12 +66,24 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], config: TrialConfig, *
     return _one_optimizer(params, config, lr=lr)
 
 
+def parameter_groups(params: list[torch.nn.Parameter]) -> list[Any]:
+    """``params`` as the optimizer's groups: tensor-parallel layers' DTensors apart from the whole (plain)
+    weights beside them, since a foreach or fused step runs over one group's tensors at once and cannot mix
+    the two kinds. One group where there is one kind."""
+    from torch.distributed.tensor import DTensor
+
+    split = [p for p in params if isinstance(p, DTensor)]
+    whole = [p for p in params if not isinstance(p, DTensor)]
+    return [{"params": split}, {"params": whole}] if split and whole else params
+
+
 def _one_optimizer(params: list[torch.nn.Parameter], config: TrialConfig, *, lr: float) -> Any:
     import torch
 
     if config.optimizer == "adamw":
         # fused=None leaves PyTorch's default (foreach on CUDA, a per-tensor loop on a CPU)
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True if config.fused_optimizer else None)
+        fused = True if config.fused_optimizer else None
+        return torch.optim.AdamW(parameter_groups(params), lr=lr, weight_decay=0.0, fused=fused)
     if config.optimizer == "adafactor":
         from transformers.optimization import Adafactor
 
