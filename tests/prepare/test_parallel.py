@@ -1,0 +1,152 @@
+"""Tensor, sequence and pipeline parallel in a user's job: ``autotune.prepare`` under torchrun splits the
+user's own model, and the split model computes the whole model's loss and gradients (the knobs are exact
+up to rounding). Bad layouts are refused in one line before anything runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from autotune.config.device import detect_device
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.errors import ConfigError
+from autotune.prepare import refusal_before_trial
+
+# A user's script: their own model and batch; the reference is the same model whole, on every rank.
+_JOB = textwrap.dedent("""
+    import copy, json
+    import torch, torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import autotune
+    from autotune.config.workload import Workload
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)  # the same weights on every rank
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                         tie_word_embeddings=False, attn_implementation="sdpa"))
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    whole = copy.deepcopy(model)
+    reference = whole(input_ids=ids, labels=ids).loss
+    reference.backward()
+    first, last = whole.model.layers[0].mlp.down_proj.weight.grad, whole.lm_head.weight.grad
+    found = {"reference": reference.item()}
+
+    for name, knobs in (("tp", {"tp": 2}), ("tp+sp", {"tp": 2, "sequence_parallel": True})):
+        split = autotune.prepare(copy.deepcopy(model), **knobs)
+        loss = split(input_ids=ids, labels=ids).loss
+        loss.backward()
+        weight = split.model.layers[0].mlp.down_proj.weight
+        found[name] = {
+            "kind": type(weight).__name__,
+            "local": list(weight.to_local().shape),
+            "loss": loss.item(),
+            "grad": (weight.grad.full_tensor() - first).abs().max().item(),
+        }
+
+    workload = Workload(model="builtin:llama-tiny", seq_len=16, global_batch=4, nproc=2)
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
+        pipeline = autotune.prepare(copy.deepcopy(model), workload=workload, micro_batch=1, pp=2,
+                                    pp_schedule=schedule)
+        loss = pipeline.step(input_ids=ids, labels=ids)
+        layers = [len(stage.layers) for stage in pipeline.stages]
+        ends = {"loss": None if loss is None else loss.item(), "layers": layers}
+        if pipeline.first:  # stage 0: the first layer's gradient
+            ends["grad"] = (pipeline.stages[0].layers[0].mlp.down_proj.weight.grad - first).abs().max().item()
+        if pipeline.last:  # the last stage: the head's
+            ends["head grad"] = (pipeline.stages[-1].lm_head.weight.grad - last).abs().max().item()
+        found[schedule] = ends
+    print("RESULT", rank, json.dumps(found), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_split_models_compute_the_whole_models_loss_and_gradients_under_torchrun(tmp_path):
+    (tmp_path / "job.py").write_text(_JOB)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "job.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            _, rank, found = line.split(" ", 2)
+            ranks[int(rank)] = json.loads(found)
+    assert sorted(ranks) == [0, 1], proc.stdout[-2000:]
+    reference = ranks[0]["reference"]
+    for rank, found in ranks.items():
+        assert found["reference"] == pytest.approx(reference, rel=1e-6)  # the same model on every rank
+        for name in ("tp", "tp+sp"):
+            assert found[name]["kind"] == "DTensor"
+            assert found[name]["local"] == [64, 64]  # down_proj's 128 inputs split over 2 ranks
+            assert found[name]["loss"] == pytest.approx(reference, rel=1e-5), (rank, name)
+            assert found[name]["grad"] < 1e-5, (rank, name)
+        for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
+            # Two stages of two layers each, or (interleaved) four stages of one, two on each rank.
+            assert found[schedule]["layers"] == ([1, 1] if schedule == "interleaved-1f1b" else [2])
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
+        assert ranks[0][schedule]["loss"] is None  # the first stage computes no loss
+        assert ranks[1][schedule]["loss"] == pytest.approx(reference, rel=1e-5), schedule
+        assert ranks[0][schedule]["grad"] < 1e-5, schedule  # the batch's mean gradient, over 4 micro batches
+        assert ranks[1][schedule]["head grad"] < 1e-5, schedule
+
+
+def test_layouts_that_do_not_fit_the_ranks_or_the_model_are_refused_before_any_trial():
+    cpu = detect_device("cpu")
+    with pytest.raises(ConfigError, match=r"--tp 3 does not divide --nproc 2"):
+        TrialConfig(tp=3).validate_for(Workload(model="builtin:llama-tiny", nproc=2), cpu)
+    with pytest.raises(ConfigError, match=r"leaves 2 data-parallel copies, which DDP cannot hold .* --fsdp full"):
+        TrialConfig(tp=2, micro_batch=2).validate_for(Workload(model="builtin:llama-tiny", nproc=4), cpu)
+    # 2 accumulation steps for 4 stages: 1F1B needs a micro batch per stage.
+    with pytest.raises(ConfigError, match=r"1F1B needs at least one per stage; use a micro batch of at most 1"):
+        TrialConfig(pp=4, micro_batch=2).validate_for(
+            Workload(model="builtin:llama-tiny", nproc=4, global_batch=4), cpu
+        )
+    refusal = refusal_before_trial(Workload(model="builtin:llama-tiny", nproc=4), TrialConfig(pp=4, micro_batch=4))
+    assert refusal is not None and "has 2 decoder layers, fewer than the 4 stages" in refusal
+
+
+def test_static_refusals_name_the_flag():
+    with pytest.raises(ConfigError, match=r"--tp 2 with --zero-stage 3"):
+        TrialConfig(tp=2, zero_stage=3)
+    with pytest.raises(ConfigError, match=r"--sequence-parallel on .* add --tp 2"):
+        TrialConfig(sequence_parallel=True)
+    with pytest.raises(ConfigError, match=r"--pp-schedule gpipe .* add --pp 2"):
+        TrialConfig(pp_schedule="gpipe")
+    with pytest.raises(ConfigError, match=r"--pp 2: --precision fp16"):
+        TrialConfig(pp=2, precision="fp16")
+    with pytest.raises(ConfigError, match=r"--tp 2 with LoRA"):
+        TrialConfig(tp=2, lora_rank=8)
+
+
+def test_a_model_whose_heads_do_not_split_is_refused(tmp_path):
+    config = tmp_path / "three-heads.json"
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 96,
+                "intermediate_size": 256,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 3,
+                "num_key_value_heads": 3,
+                "vocab_size": 256,
+            }
+        )
+    )
+    refusal = refusal_before_trial(Workload(model=str(config), nproc=2), TrialConfig(tp=2))
+    assert refusal is not None and "3 attention heads, which 2 ranks cannot split evenly" in refusal
+    gpt2 = refusal_before_trial(Workload(model="builtin:gpt2-tiny", nproc=2), TrialConfig(tp=2))
+    assert gpt2 is not None and "has no tensor-parallel plan" in gpt2

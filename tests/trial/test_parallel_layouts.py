@@ -1,0 +1,72 @@
+"""Tensor, sequence and pipeline parallel trials on gloo ranks: each rank holds less than a DDP copy of a
+model whose states dominate, pipeline schedules trade memory as they should (GPipe holds every micro
+batch's activations, 1F1B at most one per stage), and the estimator predicts each tensor-parallel rank."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.estimate.estimator import predict_memory
+from autotune.trial.runner import run_trial
+
+# Four wide layers over a small vocabulary: the layers' weights (which TP and PP split) dominate.
+_LAYERS = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture(scope="module")
+def layers_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "llama-layers.json"
+    path.write_text(json.dumps(_LAYERS))
+    return str(path)
+
+
+def _trial(model: str, nproc: int, **knobs):
+    workload = Workload(model=model, seq_len=32, global_batch=4, nproc=nproc, device="cpu")
+    config = TrialConfig(**{"micro_batch": 1, **knobs})
+    return workload, config, run_trial(workload, config, warmup_steps=1, measure_steps=2, timeout_s=300)
+
+
+def test_two_rank_layouts_hold_less_than_ddp_and_the_estimator_predicts_each_tensor_parallel_rank(layers_model):
+    _, _, ddp = _trial(layers_model, 2, micro_batch=2)
+    assert ddp.status.value == "ok", ddp.error
+    trials = {
+        "tp": _trial(layers_model, 2, tp=2),
+        "tp+sp": _trial(layers_model, 2, tp=2, sequence_parallel=True),
+        "pp 1f1b": _trial(layers_model, 2, pp=2),
+        "pp gpipe": _trial(layers_model, 2, pp=2, pp_schedule="gpipe"),
+    }
+    for name, (workload, config, result) in trials.items():
+        assert result.status.value == "ok", (name, result.error)
+        assert len(result.peak_memory_per_rank) == 2
+        assert result.peak_memory_bytes < ddp.peak_memory_bytes, (name, result.peak_memory_bytes, ddp.peak_memory_bytes)
+        assert result.grad_accum_steps == 4  # ranks that split one model share its micro batches
+    for name in ("tp", "tp+sp"):
+        workload, config, result = trials[name]
+        predicted = predict_memory(workload, config).predicted_peak_bytes
+        assert predicted == pytest.approx(result.peak_memory_bytes, rel=0.05), name
+    # The first stage holds the activations of every micro batch under GPipe, of at most two under 1F1B.
+    first_1f1b, last_1f1b = trials["pp 1f1b"][2].peak_memory_per_rank
+    first_gpipe, _ = trials["pp gpipe"][2].peak_memory_per_rank
+    assert first_gpipe > first_1f1b
+
+
+def test_fsdp_over_tensor_parallel_pairs_trains_on_four_ranks_as_the_estimator_predicts(layers_model):
+    workload, config, result = _trial(layers_model, 4, tp=2, fsdp="full")
+    assert result.status.value == "ok", result.error
+    assert len(result.peak_memory_per_rank) == 4
+    assert result.grad_accum_steps == 2  # two data-parallel pairs
+    assert predict_memory(workload, config).predicted_peak_bytes == pytest.approx(result.peak_memory_bytes, rel=0.05)
