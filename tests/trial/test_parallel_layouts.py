@@ -49,7 +49,7 @@ def test_two_rank_layouts_hold_less_than_ddp_and_the_estimator_predicts_each_ten
         "pp 1f1b": _trial(layers_model, 2, pp=2),
         "pp gpipe": _trial(layers_model, 2, pp=2, pp_schedule="gpipe"),
     }
-    for name, (workload, config, result) in trials.items():
+    for name, (_, _, result) in trials.items():
         assert result.status.value == "ok", (name, result.error)
         assert len(result.peak_memory_per_rank) == 2
         assert result.peak_memory_bytes < ddp.peak_memory_bytes, (name, result.peak_memory_bytes, ddp.peak_memory_bytes)
@@ -59,7 +59,7 @@ def test_two_rank_layouts_hold_less_than_ddp_and_the_estimator_predicts_each_ten
         predicted = predict_memory(workload, config).predicted_peak_bytes
         assert predicted == pytest.approx(result.peak_memory_bytes, rel=0.05), name
     # The first stage holds the activations of every micro batch under GPipe, of at most two under 1F1B.
-    first_1f1b, last_1f1b = trials["pp 1f1b"][2].peak_memory_per_rank
+    first_1f1b, _ = trials["pp 1f1b"][2].peak_memory_per_rank
     first_gpipe, _ = trials["pp gpipe"][2].peak_memory_per_rank
     assert first_gpipe > first_1f1b
 
