@@ -84,6 +84,9 @@ def export_config(
             "export --format json and apply it with autotune.prepare(model, 'config.json') in a "
             "torchrun job, or pick a config without FSDP"
         )
+    refusal = layout_refusal(config, fmt)
+    if refusal is not None:
+        raise ConfigError(refusal)
     if fmt == "accelerate":
         return _accelerate(
             config,
@@ -93,6 +96,31 @@ def export_config(
             deepspeed_file=deepspeed_file or str(deepspeed_companion(Path(DEFAULT_FILENAMES[fmt]))),
         )
     return exporter(config, workload, device_type=device_type, summary=summary or {})
+
+
+# Formats that carry a tensor-parallel layout (json and yaml through autotune.prepare, Lightning's
+# ModelParallelStrategy) or start the ranks whatever they run (launch); pipeline stages: json and yaml.
+_TENSOR_PARALLEL_FORMATS = ("json", "yaml", "launch", "lightning")
+_PIPELINE_FORMATS = ("json", "yaml", "launch")
+
+
+def layout_refusal(config: TrialConfig, fmt: str) -> str | None:
+    """Why format ``fmt`` cannot carry ``config``'s tensor or pipeline parallel layout (None: it can).
+    A format that cannot must not drop it: the job would train another layout than the one measured."""
+    if config.pp > 1 and fmt not in _PIPELINE_FORMATS:
+        return (
+            f"--format {fmt}: this config runs --pp {config.pp} pipeline stages, which autotune cannot express in "
+            f"{fmt}'s config; export --format json and run autotune.prepare(model, 'autotune.json') under torchrun "
+            "(it returns the pipeline: pipeline.step(input_ids=..., labels=...) each optimizer step), or pick a "
+            "config without --pp"
+        )
+    if config.tp > 1 and fmt not in _TENSOR_PARALLEL_FORMATS:
+        return (
+            f"--format {fmt}: this config splits layers with --tp {config.tp}, which autotune cannot express in "
+            f"{fmt}'s config yet; export --format json and apply it with autotune.prepare(model, 'autotune.json') "
+            "under torchrun, or --format lightning (ModelParallelStrategy), or pick a config without --tp"
+        )
+    return None
 
 
 def export_files(
@@ -442,6 +470,22 @@ def in_code(config: TrialConfig, workload: Workload | None = None) -> list[str]:
         lines.append(
             f"fsdp: one unit per {units}, then the root (the hf and accelerate exports say so; "
             "in Lightning: FSDPStrategy(auto_wrap_policy={those classes}))"
+        )
+    if config.tp > 1:
+        sp = " and sequence parallel" if config.sequence_parallel else ""
+        lines.append(
+            f"tensor parallel: {config.tp} ranks split each layer (the model's tp_plan{sp}): "
+            "`model = autotune.prepare(model, 'autotune.json')` under torchrun after init_process_group (with "
+            "Lightning: in configure_model, `autotune.prepare(self.model, 'autotune.json', mesh=self.device_mesh)`); "
+            "give the optimizer `autotune.prepare.optimizer.parameter_groups(list(model.parameters()))`, which "
+            "keeps the split and the whole weights apart (a foreach or fused AdamW cannot mix them)"
+        )
+    if config.pp > 1:
+        lines.append(
+            f"pipeline parallel: {config.pp} stages, {config.pp_schedule}: `pipeline = autotune.prepare(model, "
+            "'autotune.json')` under torchrun holds this rank's stages; each optimizer step, "
+            "`pipeline.step(input_ids=batch, labels=batch)` on the step's whole batch (its micro batches are the "
+            "accumulation steps), then the optimizer over pipeline.parameters()"
         )
     if config.fused_optimizer:
         lines.append("optimizer: torch.optim.AdamW(..., fused=True) (the hf export sets optim adamw_torch_fused)")

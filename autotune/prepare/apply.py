@@ -106,12 +106,19 @@ def _tensor_parallel(model: torch.nn.Module, config: TrialConfig, device: torch.
     device = device or torch_device(model)
     if mesh is None:
         mesh = layout_mesh(config, device.type)
-    if mesh.mesh_dim_names is None or "tp" not in mesh.mesh_dim_names:
-        raise ConfigError(f"prepare(): --tp {config.tp} needs a device mesh with a 'tp' dimension (and 'dp' for FSDP)")
-    tensor_parallel(model, config, mesh["tp"])
+    names = tuple(mesh.mesh_dim_names or ())
+    # autotune's own names, or Lightning ModelParallelStrategy's (its device_mesh in configure_model).
+    tensor = next((name for name in ("tp", "tensor_parallel") if name in names), None)
+    data = next((name for name in ("dp", "data_parallel") if name in names), None)
+    if tensor is None:
+        raise ConfigError(
+            f"prepare(): --tp {config.tp} needs a device mesh with a 'tp' (or 'tensor_parallel') dimension, and "
+            f"'dp' (or 'data_parallel') for FSDP; this one has {names or 'no names'}"
+        )
+    tensor_parallel(model, config, mesh[tensor])
     if not config.uses_fsdp:  # FSDP makes its own shards of what is still on the meta device
         materialise(model, device)
-    return mesh["dp"] if "dp" in mesh.mesh_dim_names else None
+    return mesh[data] if data is not None else None
 
 
 def _resolve(

@@ -135,6 +135,11 @@ def lightning_strategy(
     """``lightning.pytorch.Trainer``'s ``strategy``: a registered name, or LightningCLI's class_path form
     where the knobs need arguments. ``hidden_size``: the model's, for the trial's DeepSpeed bucket sizes
     (None: Lightning's own, 2e8 elements)."""
+    if config.tp > 1:  # its configure_model applies autotune.prepare over the strategy's (data, tensor) mesh
+        return {
+            "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+            "init_args": {"data_parallel_size": config.data_parallel(workload), "tensor_parallel_size": config.tp},
+        }
     if config.uses_fsdp:  # the same sharding; Lightning's FSDPStrategy wraps with FSDP's first API
         return {
             "class_path": "lightning.pytorch.strategies.FSDPStrategy",

@@ -16,6 +16,7 @@ from autotune.config.device import detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
+from autotune.output.exporters import export_config
 from autotune.prepare import refusal_before_trial
 
 # A user's script: their own model and batch; the reference is the same model whole, on every rank.
@@ -150,3 +151,70 @@ def test_a_model_whose_heads_do_not_split_is_refused(tmp_path):
     assert refusal is not None and "3 attention heads, which 2 ranks cannot split evenly" in refusal
     gpt2 = refusal_before_trial(Workload(model="builtin:gpt2-tiny", nproc=2), TrialConfig(tp=2))
     assert gpt2 is not None and "has no tensor-parallel plan" in gpt2
+
+
+# A user's LightningModule: its configure_model applies the json export over the strategy's mesh.
+_LIGHTNING_JOB = textwrap.dedent("""
+    import importlib, sys
+    import yaml, torch
+    import lightning.pytorch as L
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import autotune
+    from autotune.prepare.optimizer import parameter_groups
+
+    trainer_args = yaml.safe_load(open(sys.argv[1]))["trainer"]
+    spec = trainer_args.pop("strategy")  # built from its class_path, as LightningCLI builds it
+    module, _, name = spec["class_path"].rpartition(".")
+    strategy = getattr(importlib.import_module(module), name)(**spec["init_args"])
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+        def configure_model(self):
+            self.model = autotune.prepare(self.model, sys.argv[2], mesh=self.device_mesh)
+        def training_step(self, batch, _):
+            return self.model(input_ids=batch, labels=batch).loss
+        def configure_optimizers(self):
+            return torch.optim.AdamW(parameter_groups(list(self.parameters())), lr=1e-3)
+
+    data = torch.utils.data.DataLoader(torch.randint(0, 256, (16, 32)), batch_size=2)
+    trainer = L.Trainer(**trainer_args, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Module(), data)
+    weight = trainer.lightning_module.model.model.layers[0].mlp.down_proj.weight
+    print("RESULT", trainer.global_rank, type(strategy).__name__, type(weight).__name__, trainer.global_step)
+""")
+
+
+def test_the_lightning_export_of_a_tensor_parallel_config_trains_under_model_parallel_strategy(tmp_path):
+    workload = Workload(model="builtin:llama-tiny", seq_len=32, global_batch=4, nproc=2)
+    config = TrialConfig(micro_batch=2, tp=2)
+    (tmp_path / "trainer.yaml").write_text(export_config(config, workload, fmt="lightning", device_type="cpu"))
+    (tmp_path / "autotune.json").write_text(export_config(config, workload, fmt="json", device_type="cpu"))
+    (tmp_path / "job.py").write_text(_LIGHTNING_JOB)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "job.py", "trainer.yaml"]
+        + ["autotune.json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = sorted(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    assert results == [["0", "ModelParallelStrategy", "DTensor", "3"], ["1", "ModelParallelStrategy", "DTensor", "3"]]
+
+
+@pytest.mark.parametrize("fmt", ["hf", "accelerate", "deepspeed"])
+def test_formats_that_cannot_carry_the_layout_refuse_it_rather_than_drop_it(fmt):
+    workload = Workload(model="builtin:llama-tiny", seq_len=32, global_batch=4, nproc=2)
+    with pytest.raises(ConfigError, match=rf"--format {fmt}: this config splits layers with --tp 2"):
+        export_config(TrialConfig(micro_batch=2, tp=2), workload, fmt=fmt, device_type="cpu")
+    with pytest.raises(ConfigError, match=rf"--format {fmt}: this config runs --pp 2 pipeline stages"):
+        export_config(TrialConfig(micro_batch=1, pp=2), workload, fmt=fmt, device_type="cpu")
+    with pytest.raises(ConfigError, match=r"--format lightning: this config runs --pp 2"):
+        export_config(TrialConfig(micro_batch=1, pp=2), workload, fmt="lightning", device_type="cpu")
