@@ -499,6 +499,11 @@ class TrialConfig:
                 f"parallel; use a {what} from {fits}"
             )
         data = self.data_parallel(workload)
+        if self.tp > 1 and data == 1 and self.uses_fsdp:
+            raise ConfigError(
+                f"--fsdp {self.fsdp} with --tp {self.tp} on --nproc {workload.nproc}: FSDP shards over the "
+                "data-parallel ranks, and there is one; use --fsdp off, or more ranks (--nproc a multiple of --tp)"
+            )
         if self.tp > 1 and data > 1 and not self.uses_fsdp:
             raise ConfigError(
                 f"--tp {self.tp} on --nproc {workload.nproc} leaves {data} data-parallel copies, which DDP cannot "

@@ -61,9 +61,14 @@ def pipeline_refusal(workload: Workload, config: TrialConfig) -> str | None:
     layers = getattr(hf, "num_hidden_layers", None) or 0
     if layers < stages:
         per = " (two per rank under interleaved-1f1b)" if stages > config.pp else ""
+        fix = (
+            "use --pp-schedule 1f1b or gpipe (one stage per rank)"
+            if layers >= config.pp
+            else f"use a --pp of at most {layers}"
+        )
         return (
-            f"--pp {config.pp}: {workload.model} has {layers} decoder layers, fewer than the {stages} stages{per}; "
-            f"use a --pp of at most {layers // stages_per_rank(config)}"
+            f"--pp {config.pp}{' --pp-schedule ' + config.pp_schedule if per else ''}: {workload.model} has "
+            f"{layers} decoder layers, fewer than the {stages} stages{per}; {fix}"
         )
     return None
 

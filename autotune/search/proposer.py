@@ -33,7 +33,7 @@ import math
 from typing import TYPE_CHECKING, Any, Callable
 
 from autotune.config.knobs import TrialConfig
-from autotune.search.space import LATER_KNOBS
+from autotune.search.space import LATER_KNOBS, later_knob_value
 from autotune.search.throughput import ThroughputModel
 from autotune.study.records import measured
 from autotune.study.stale import MAX_LOST
@@ -134,7 +134,8 @@ class Proposer:
         """The config's value of each of the study's parameters (a knob the space moves only sometimes, such as
         the optimizer, is left out of ``SearchSpace.params_of`` at its default)."""
         params = self.space.params_of(config)
-        return {**{name: getattr(config, name) for name in LATER_KNOBS if name in self.choices}, **params}
+        later = {name: later_knob_value(config, name) for name in LATER_KNOBS if name in self.choices}
+        return {**later, **params}
 
     def next_config(self, records: list[TrialRecord], *, unmeasured_only: bool = False) -> TrialConfig | None:
         """The next config to measure, or None when every runnable config is measured or implied.

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import itertools
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -25,6 +26,7 @@ from autotune.config.knobs import (
     FSDP_MODES,
     OFFLOADS,
     OPTIMIZERS,
+    PP_SCHEDULES,
     PRECISIONS,
     QUANTIZATIONS,
     QUANTIZE_REFUSAL,
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
     from autotune.config.workload import Workload
 
-__all__ = ["SearchSpace", "load_space", "preset_names", "is_preset", "KNOBS", "LATER_KNOBS"]
+__all__ = ["SearchSpace", "load_space", "preset_names", "is_preset", "KNOBS", "LATER_KNOBS", "later_knob_value"]
 
 # Knob -> what the file may give it (said in errors).
 KNOBS = {
@@ -65,9 +67,11 @@ KNOBS = {
     "lora_alpha": "one whole number >= 1, or null for 2 x rank",
     "lora_targets": "a list of default, all-linear or comma-separated module names",
     "quantize_base": f"a list of {', '.join(QUANTIZATIONS)} (with LoRA: the frozen base quantized; changes the maths)",
+    "layout": "auto (every split of --nproc into data x tensor x pipeline parallel), or a list of dp, tpN, tpN+sp, "
+    f"ppN or ppN:SCHEDULE ({', '.join(PP_SCHEDULES)})",
 }
 # Knobs that are tuner parameters only in the spaces that move them (see SearchSpace.choices).
-LATER_KNOBS = ("optimizer", "optimizer_in_backward", "activation_offload")
+LATER_KNOBS = ("optimizer", "optimizer_in_backward", "activation_offload", "layout")
 _TOP_LEVEL = {"description", "knobs", "n_trials", "patience"}
 _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "micro_batch": ("auto",),
@@ -86,6 +90,7 @@ _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "lora_rank": (None,),
     "lora_targets": ("default",),
     "quantize_base": ("off",),
+    "layout": ("dp",),
 }
 
 
@@ -112,6 +117,7 @@ class SearchSpace:
     lora_alpha: int | None = None
     lora_targets: tuple[str, ...] = ("default",)  # "default", "all-linear" or "a,b,c"
     quantize_base: tuple[str, ...] = ("off",)  # with LoRA: off, nf4, int8
+    layout: tuple[str, ...] = ("dp",)  # "dp" (data parallel only), "tp2", "tp2+sp", "pp2:1f1b", ... or "auto"
     n_trials: int = 30
     patience: int | None = None
 
@@ -129,6 +135,7 @@ class SearchSpace:
             ("optimizer_in_backward", [False]),
             ("activation_offload", [False]),
             ("quantize_base", ["off"]),
+            ("layout", ["dp"]),
         ):
             if knobs[knob] == old:
                 del knobs[knob]  # a knob added later, at its old behaviour: studies made before it still resume
@@ -155,6 +162,7 @@ class SearchSpace:
             "lora_alpha": self.lora_alpha,
             "lora_targets": list(self.lora_targets),
             "quantize_base": list(self.quantize_base),
+            "layout": list(self.layout),
             "n_trials": self.n_trials,
             "patience": self.patience,
         }
@@ -298,7 +306,20 @@ class SearchSpace:
             choices["optimizer_in_backward"] = self.optimizer_in_backward
         if offload != (False,):  # on a CPU device the knob stays at off: no parameter, as in spaces without it
             choices["activation_offload"] = offload
+        layouts = tuple(label for label in self._layouts(workload) if _layout_refusal(workload, label) is None)
+        if layouts != ("dp",):
+            choices["layout"] = layouts or ("dp",)
         return choices
+
+    def _layouts(self, workload: Workload) -> tuple[str, ...]:
+        """The layout labels the space offers for the workload's ranks: ``auto`` expands to every split."""
+        if "auto" not in self.layout:
+            return self.layout
+        splits = [n for n in range(2, workload.nproc + 1) if workload.nproc % n == 0]
+        found = ["dp"]
+        found += [label for n in splits for label in (f"tp{n}", f"tp{n}+sp")]
+        found += [f"pp{n}:{schedule}" for n in splits for schedule in PP_SCHEDULES]
+        return tuple(dict.fromkeys([*found, *(label for label in self.layout if label != "auto")]))
 
     def _default_lora(self) -> bool:
         """Whether the space offers LoRA on its default targets."""
@@ -336,6 +357,8 @@ class SearchSpace:
             dropped.append(EIGHT_BIT_REFUSAL)
         if set(self.quantize_base) - {"off"} and quantize_library_refusal() is not None:
             dropped.append(QUANTIZE_REFUSAL)
+        refusals = [_layout_refusal(workload, label) for label in self._layouts(workload)]
+        dropped += list(dict.fromkeys(refusal for refusal in refusals if refusal is not None))
         offloads = [o for o in self.offload if o != "none"]
         modes = [m for m in self.fsdp if m]
         if modes and workload.nproc == 1 and (device.type == "cpu" or "optimizer+params" not in self.offload):
@@ -378,6 +401,7 @@ class SearchSpace:
             lora_alpha=self.lora_alpha if rank != "off" else None,
             lora_targets=tuple(targets.split(",")) if targets else None,
             quantize_base=quantization or "off",
+            **layout_knobs(params.get("layout", "dp")),
         )
 
     @staticmethod
@@ -403,6 +427,7 @@ class SearchSpace:
             **({} if config.optimizer == "adamw" else {"optimizer": config.optimizer}),
             **({"optimizer_in_backward": True} if config.optimizer_in_backward else {}),
             **({"activation_offload": True} if config.activation_offload else {}),
+            **({} if config.model_parallel == 1 else {"layout": layout_label(config)}),
             "zero": _fsdp_label(config.fsdp, config.offload)
             if config.fsdp is not None
             else _zero_label(config.zero_stage, config.offload),
@@ -414,9 +439,9 @@ class SearchSpace:
         choices = self.choices(workload, device)
         found, refused = [], []
         for combo in itertools.product(*choices.values()):
-            config = self.config_of(dict(zip(choices, combo, strict=True)))
-            try:
-                config.validate_for(workload, device)  # e.g. fp16 with ZeRO where DeepSpeed has no fp16
+            try:  # e.g. --tp with ZeRO (refused as made), fp16 with ZeRO where DeepSpeed has no fp16
+                config = self.config_of(dict(zip(choices, combo, strict=True)))
+                config.validate_for(workload, device)
             except ConfigError as exc:
                 refused.append(str(exc))
                 continue
@@ -600,6 +625,7 @@ def _parse(data: Any, label: str) -> SearchSpace:
         lora_alpha=_lora_alpha(knobs.get("lora_alpha"), label),
         lora_targets=_each(values["lora_targets"], label, "lora_targets", _lora_target),
         quantize_base=_each(values["quantize_base"], label, "quantize_base", _quantization),
+        layout=_each(values["layout"], label, "layout", lambda v: v if v == "auto" or _is_layout(v) else None),
         n_trials=_count(data.get("n_trials", 30), label, "n_trials"),
         patience=None if data.get("patience") is None else _count(data["patience"], label, "patience"),
     )
@@ -613,6 +639,55 @@ def _quantization(value: Any) -> str | None:
     if value is False:  # YAML reads a bare off as false
         return "off"
     return value if value in QUANTIZATIONS else None
+
+
+def later_knob_value(config: TrialConfig, knob: str) -> Any:
+    """The config's value of one of :data:`LATER_KNOBS` as the tuner's parameter holds it."""
+    return layout_label(config) if knob == "layout" else getattr(config, knob)
+
+
+def layout_knobs(label: str) -> dict[str, Any]:
+    """The TrialConfig knobs of a layout label: ``dp``, ``tp2``, ``tp2+sp``, ``pp2`` or ``pp2:gpipe``."""
+    if label == "dp":
+        return {}
+    if label.startswith("tp"):
+        degree, _, sp = label.removeprefix("tp").partition("+")
+        return {"tp": int(degree), "sequence_parallel": sp == "sp"}
+    degree, _, schedule = label.removeprefix("pp").partition(":")
+    return {"pp": int(degree), "pp_schedule": schedule or "1f1b"}
+
+
+def layout_label(config: TrialConfig) -> str:
+    """The inverse of :func:`layout_knobs`."""
+    if config.tp > 1:
+        return f"tp{config.tp}" + ("+sp" if config.sequence_parallel else "")
+    if config.pp > 1:
+        return f"pp{config.pp}:{config.pp_schedule}"
+    return "dp"
+
+
+def _is_layout(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    if value == "dp":
+        return True
+    match = re.fullmatch(r"tp(\d+)(\+sp)?|pp(\d+)(:[a-z0-9-]+)?", value)
+    if match is None or int(match.group(1) or match.group(3)) < 2:
+        return False
+    return match.group(4) is None or match.group(4)[1:] in PP_SCHEDULES
+
+
+def _layout_refusal(workload: Workload, label: str) -> str | None:
+    """Why the layout cannot split the workload's ranks or model (None: it can), said before any trial."""
+    knobs = layout_knobs(label)
+    if not knobs:
+        return None
+    degree = knobs.get("tp", 1) * knobs.get("pp", 1)
+    if workload.nproc % degree:
+        return f"layout {label}: {degree} ranks do not divide --nproc {workload.nproc}"
+    from autotune.prepare import refusal_before_trial
+
+    return refusal_before_trial(workload, TrialConfig(**knobs))
 
 
 def _as_list(value: Any) -> list[Any]:

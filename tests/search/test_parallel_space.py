@@ -1,0 +1,141 @@
+"""The ``parallel`` space: layouts of the ranks searched beside data parallel. Where a DDP copy of the model
+does not fit, ``find`` answers a split layout, and its json export trains the user's model under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from autotune.config.device import detect_device
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.output.exporters import export_config
+from autotune.search.space import SearchSpace, layout_label, load_space
+from autotune.search.tuner import find
+
+# Four wide layers over a small vocabulary: the layers' weights (which TP and PP split) dominate.
+_LAYERS = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
+_SPACE = """
+description: data parallel against a tensor- and a pipeline-parallel split, fp32
+n_trials: 6
+knobs:
+  micro_batch: [1]
+  precision: [fp32]
+  layout: [dp, tp2, pp2:1f1b]
+"""
+
+# The user's job: the same model built on every rank, prepared from the export, 3 optimizer steps.
+_JOB = textwrap.dedent("""
+    import json, math, sys
+    import torch, torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+    import autotune
+    from autotune.prepare.optimizer import parameter_groups
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]))
+    export = json.load(open(sys.argv[2]))
+    prepared = autotune.prepare(model, sys.argv[2])
+    optimizer = torch.optim.AdamW(parameter_groups(list(prepared.parameters())), lr=1e-3)
+    batch = torch.randint(0, 256, (export["workload"]["global_batch"], export["workload"]["seq_len"]))
+    losses = []
+    for _ in range(3):
+        if export["config"]["pp"] > 1:  # the pipeline runs the step's whole batch through its stages
+            loss = prepared.step(input_ids=batch, labels=batch)
+        else:  # tensor-parallel ranks all see the batch; accumulation as in the trial
+            accum = len(batch) // export["config"]["micro_batch"]
+            for micro in batch.chunk(accum):
+                loss = prepared(input_ids=micro, labels=micro).loss / accum
+                loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if loss is not None:
+            losses.append(loss.item())
+    result = [type(prepared).__name__, len(losses), all(map(math.isfinite, losses))]
+    open(f"result-{dist.get_rank()}.json", "w").write(json.dumps(result))  # one file per rank: no interleaving
+    dist.destroy_process_group()
+""")
+
+
+@pytest.fixture(scope="module")
+def layers_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model")
+    (folder / "config.json").write_text(json.dumps(_LAYERS))
+    return str(folder)
+
+
+def test_find_answers_a_split_layout_where_a_ddp_copy_does_not_fit_and_its_export_trains(
+    layers_model, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "space.yaml").write_text(_SPACE)
+    workload = Workload(model=layers_model, seq_len=32, global_batch=4, nproc=2, device="cpu")
+    # A DDP rank holds ~50 MiB here (weights, gradients, DDP's buckets, Adam), a tensor-parallel one ~22 MiB.
+    summary = find(workload=workload, space="space.yaml", memory_budget_bytes=40 * 2**20, measure_steps=2)
+    result = summary.to_dict()
+    best = TrialConfig.from_dict(result["best"]["config"])
+    assert best.model_parallel == 2, result["best"]
+    assert result["best"]["peak_memory_bytes"] <= result["memory_limit_bytes"]
+    layouts = {layout_label(TrialConfig.from_dict(t["config"])): t for t in result["trials"]}
+    assert "dp" not in layouts or not layouts["dp"]["fits"], layouts.get("dp")  # measured OOM, or predicted over
+
+    (tmp_path / "autotune.json").write_text(export_config(best, workload, fmt="json", device_type="cpu"))
+    (tmp_path / "job.py").write_text(_JOB)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "job.py", layers_model]
+        + ["autotune.json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in range(2)]
+    kind = "Pipeline" if best.pp > 1 else "LlamaForCausalLM"
+    # Every tensor-parallel rank computes the loss; only the pipeline's last stage does.
+    steps = [0, 3] if best.pp > 1 else [3, 3]
+    assert results == [[kind, n, True] for n in steps]
+
+
+def test_the_parallel_preset_offers_every_split_the_model_takes_and_says_which_it_drops():
+    space = load_space("parallel")
+    workload = Workload(model="builtin:llama-tiny", nproc=2, global_batch=8, seq_len=32)
+    device = detect_device("cpu")
+    offered = space.choices(workload, device)["layout"]
+    # llama-tiny's 2 layers cannot make 4 stages: interleaved 1F1B (two stages per rank) is left out, said once.
+    assert offered == ("dp", "tp2", "tp2+sp", "pp2:gpipe", "pp2:1f1b")
+    assert any("fewer than the 4 stages" in line for line in space.dropped_knobs(workload, device))
+    configs = space.candidates(workload, device)
+    for config in configs:  # the tuner's parameters of a config give the config back
+        assert space.config_of(space.params_of(config)) == config
+    assert not any(c.tp > 1 and c.uses_deepspeed for c in configs)  # refused combinations never proposed
+    assert {layout_label(c) for c in configs} == set(offered)
+    # A model without a tensor-parallel plan keeps data parallel and the layouts it can take.
+    gpt2 = Workload(model="builtin:gpt2-tiny", nproc=2, global_batch=8, seq_len=32)
+    assert "tp2" not in space.choices(gpt2, device).get("layout", ("dp",))
+
+
+def test_spaces_without_the_layout_knob_keep_their_digest():
+    # Studies made before the knob resume: a space at data parallel only hashes as it did.
+    before = SearchSpace.from_dict({**load_space("default").to_dict()} | {"layout": ["dp"]})
+    assert before.digest == load_space("default").digest
+    assert "layout" not in load_space("default").choices(
+        Workload(model="builtin:llama-tiny", nproc=2, global_batch=8, seq_len=32), detect_device("cpu")
+    )
