@@ -1310,11 +1310,16 @@ def estimate(
             + (f" {step.step_s:>7.3g} s {_rate(step):>12,.0f}" if step is not None else ""),
             flush=True,
         )
+        if result.peak_per_rank_bytes is not None:  # pipeline stages: the row is the rank that holds the most
+            ranks = ", ".join(format_size(peak) for peak in result.peak_per_rank_bytes)
+            print(f"{'':<34} per rank (stage 0 first): {ranks}", flush=True)
     if not as_json:
         print(
             "peak = the parts; activations and temporaries: live at the peak; not live: model states "
             "not allocated at the peak (gradients the backward has not made yet)"
         )
+        if any(config.model_parallel > 1 or config.uses_fsdp or config.uses_deepspeed for config in configs):
+            print("figures are one rank's: a split or sharded model's share of it (pipeline: its largest stage)")
         if result.predicted_reserved_bytes is not None:
             print(_cuda_footer(result, limit))
         print(result.device_note or f"traced with {result.traced_device.upper()} kernels")

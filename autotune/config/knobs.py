@@ -393,11 +393,11 @@ class TrialConfig:
                 f"{layout} with LoRA: PEFT's adapters on split layers are not measured yet; "
                 "use --lora-rank off, or --tp 1 --pp 1"
             )
-        if self.pp > 1 and (self.tp > 1 or self.uses_fsdp):
-            with_what = f"--tp {self.tp}" if self.tp > 1 else f"--fsdp {self.fsdp}"
+        if self.pp > 1 and (self.sequence_parallel or self.uses_fsdp):
+            with_what = "--sequence-parallel on" if self.sequence_parallel else f"--fsdp {self.fsdp}"
             raise ConfigError(
-                f"--pp {self.pp} with {with_what}: pipeline stages that are also split are not measured yet; "
-                "use --pp alone (data parallel over the rest), or --pp 1"
+                f"--pp {self.pp} with {with_what}: pipeline stages that are also sharded so are not measured yet; "
+                "use --pp with --tp alone, or --pp 1"
             )
         if self.offload != "none":
             raise ConfigError(f"{layout} with --offload {self.offload}: not measured yet; use --offload none")

@@ -113,6 +113,8 @@ class MemoryEstimate:
     attention_kernels: dict[str, int] | None = None  # SDPA backend -> calls, as CUDA would pick them
     # Every operator of the traced step, FLOPs and bytes (device-free): estimate.step_time times them.
     step_costs: StepCosts | None = None
+    # Pipeline stages: each rank's predicted peak tensor bytes (the figures above are the largest rank's).
+    peak_per_rank_bytes: list[int] | None = None
 
     def fits(self, limit_bytes: int) -> bool:
         """Within ``limit_bytes``: what a CUDA job reserves (a trial's budget caps the allocator), or a
@@ -154,6 +156,7 @@ class MemoryEstimate:
             "gpu": self.gpu,
             "attention_kernels": self.attention_kernels,
             "step_costs": self.step_costs.to_dict() if self.step_costs is not None else None,
+            "peak_per_rank_bytes": self.peak_per_rank_bytes,
         }
 
     @classmethod
@@ -322,6 +325,7 @@ class TracedStep:
     card: GpuSpec | None
     method: str
     seconds: float
+    rank_peak_bytes: list[int] | None = None  # pipeline stages: each rank's traced peak (this step is the largest)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON): how a trace leaves the process that made it."""
@@ -365,9 +369,9 @@ def trace_key(workload: Workload, config: TrialConfig, *, task: str | None = Non
 
 
 def _traced_ranks(workload: Workload, config: TrialConfig) -> int:
-    """Ranks of the traced step: FSDP2's and tensor parallel's, on a fake group of them; one for DDP and
-    ZeRO (arithmetic)."""
-    return workload.nproc if config.uses_fsdp or config.tp > 1 else 1
+    """Ranks of the traced step: FSDP2's, tensor and pipeline parallel's, on a fake group of them; one for DDP
+    and ZeRO (arithmetic)."""
+    return workload.nproc if config.uses_fsdp or config.model_parallel > 1 else 1
 
 
 def _traced_workload(workload: Workload, config: TrialConfig) -> Workload:
@@ -384,28 +388,43 @@ def _plain(config: TrialConfig) -> TrialConfig:
 
 
 def trace_step(
-    workload: Workload, config: TrialConfig, *, task: str | None = None, pytorch1_step: bool = False
+    workload: Workload,
+    config: TrialConfig,
+    *,
+    task: str | None = None,
+    pytorch1_step: bool = False,
+    pipeline_rank: int | None = None,
 ) -> TracedStep:
-    """Trace ``config``'s plain step (see :func:`_plain`) on fake tensors, in this process."""
+    """Trace ``config``'s plain step (see :func:`_plain`) on fake tensors, in this process.
+
+    Pipeline stages hold different layers: each rank's step is traced (``pipeline_rank``, as that rank of a
+    fake process group), and the step of the rank that holds the most stands for the config, with every
+    rank's peak beside it."""
+    if config.pp > 1 and pipeline_rank is None:
+        stages = [
+            trace_step(workload, config, task=task, pytorch1_step=pytorch1_step, pipeline_rank=rank)
+            for rank in range(config.pp)
+        ]
+        most = max(stages, key=lambda traced: traced.peak_bytes)
+        return dataclasses.replace(
+            most,
+            rank_peak_bytes=[traced.peak_bytes for traced in stages],
+            seconds=sum(traced.seconds for traced in stages),
+        )
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autotune.models.sources import resolve_task
-    from autotune.trial.engine import TorchEngine, build_engine
+    from autotune.trial.engine import PipelineEngine, TorchEngine, build_engine
 
     started = time.perf_counter()
     task = task or resolve_task(workload)
     target, traced, note = _devices(workload)
-    sharded = config.uses_fsdp or config.tp > 1
+    sharded = config.uses_fsdp or config.model_parallel > 1
     if sharded and config.offload != "none" and target != "cpu":
         raise EstimateError(
             f"--fsdp {config.fsdp} --offload {config.offload}: the estimator does not predict what "
             "FSDP's CPU offload keeps on a GPU yet; a trial measures it"
-        )
-    if config.pp > 1:
-        raise EstimateError(
-            f"--pp {config.pp}: the estimator does not predict pipeline stages yet (PyTorch's schedules vote on "
-            "their buffers with values fake tensors do not have); a trial measures each stage's rank"
         )
     refusal = offload_device_refusal(target) if config.activation_offload else None
     if refusal is not None:
@@ -431,9 +450,11 @@ def trace_step(
         _adapters_stay_put(traced),
         _unpacked_batches(),
         as_on_cuda,
-        _fake_process_group(ranks, traced, gloo=target == "cpu", tp=config.tp)
+        # A pipeline stage's ranks: stage k holds ranks k x tp to k x tp + tp - 1 (its tensor-parallel pairs).
+        _fake_process_group(ranks, traced, gloo=target == "cpu", tp=config.tp, rank=(pipeline_rank or 0) * config.tp)
         if sharded
         else contextlib.nullcontext() as mesh,
+        _pipeline_shapes_given(),
     ):
         warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
         # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
@@ -448,7 +469,8 @@ def trace_step(
                     world_size=ranks,
                     mesh=mesh,
                 )
-            assert isinstance(engine, TorchEngine)  # the plain config: ZeRO is arithmetic on it, never DeepSpeed
+            # The plain config: ZeRO is arithmetic on it, never DeepSpeed.
+            assert isinstance(engine, (TorchEngine, PipelineEngine))
             if config.uses_deepspeed and engine.autocast_dtype is not None:
                 # DeepSpeed's fp16/bf16 modes train a 16-bit model (no autocast): 16-bit activations.
                 _to_16_bit(engine)
@@ -459,13 +481,20 @@ def trace_step(
                 engine.offload = ActivationOffload(device_type=traced, pin_memory=False, host=tracker.on_host)
             if target == "cuda" and plain.optimizer == "adamw-8bit":
                 _steps_as_one_kernel(engine.optimizer, tracker)
-            whole, flops_per_sample, step_costs = _fake_steps(
+            fake_steps = _fake_pipeline_step if isinstance(engine, PipelineEngine) else _fake_steps
+            whole, flops_per_sample, step_costs = fake_steps(
                 engine, tracker, keep_gradients=pytorch1_step, record=target == "cuda"
             )
     method = "fake-tensor training step"
     if sharded:
         split = " x ".join(
-            part for part, on in ((f"tensor parallel {config.tp}", config.tp > 1), ("FSDP2", config.uses_fsdp)) if on
+            part
+            for part, on in (
+                (f"tensor parallel {config.tp}", config.tp > 1),
+                ("FSDP2", config.uses_fsdp),
+                (f"pipeline stages ({config.pp_schedule}), rank {pipeline_rank} of", config.pp > 1),
+            )
+            if on
         )
         method += f" of {split} on a fake process group of {ranks} ranks"
     backward_peak, backward_parts = tracker.peak_before["update"]
@@ -575,13 +604,14 @@ def estimate_from_trace(
         method=method,
         flops_per_sample=traced.flops_per_sample,
         seconds=traced.seconds + time.perf_counter() - started,
+        peak_per_rank_bytes=traced.rank_peak_bytes,
     )
 
 
 @contextlib.contextmanager
-def _fake_process_group(ranks: int, device_type: str, *, gloo: bool, tp: int = 1) -> Iterator[Any]:
+def _fake_process_group(ranks: int, device_type: str, *, gloo: bool, tp: int = 1, rank: int = 0) -> Iterator[Any]:
     """A process group of ``ranks`` whose collectives move nothing (PyTorch's "fake" backend), this
-    process as rank 0, and its device mesh, made before fake tensors (the mesh reads real values):
+    process as rank ``rank``, and its device mesh, made before fake tensors (the mesh reads real values):
     1-D, or (data, tensor) parallel named ``dp`` and ``tp`` when ``tp`` > 1.
 
     ``gloo``: the trials' CPU backend. Its reduce-scatter reduces a copy of its whole input
@@ -594,7 +624,7 @@ def _fake_process_group(ranks: int, device_type: str, *, gloo: bool, tp: int = 1
 
     if dist.is_initialized():
         raise EstimateError("FSDP and TP are traced on a process group of their own; this process has one already")
-    dist.init_process_group("fake", rank=0, world_size=ranks, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=ranks, store=FakeStore())
     reduce_scatter = dist.reduce_scatter_single
 
     def gloo_reduce_scatter(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
@@ -779,24 +809,51 @@ def _grouped_mm_in_any_dtype() -> Any:
 
 
 @contextlib.contextmanager
-def _meshes_on_real_values() -> Iterator[None]:
-    """Device meshes made during the trace (FSDP x TP joins the data- and tensor-parallel meshes into one)
-    are made on real values: a mesh finds this rank's coordinates with ``nonzero``, which fake tensors,
-    whose values are unknown, cannot answer."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
+def _pipeline_shapes_given() -> Iterator[None]:
+    """Pipeline schedules skip their first exchange between the ranks, which votes (with ``.item()``) on
+    whether each stage's shapes are known: on fake tensors they are, given by the stages
+    (:class:`autotune.prepare.pipeline.Pipeline`'s ``shapes``)."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import InferenceMode
 
-    made = DeviceMesh.__init__
+    original = schedules._PipelineSchedule._warmup_p2p
+
+    def shapes_given(self: Any, stages: list[Any], *args: Any, **kwargs: Any) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedules._PipelineSchedule._warmup_p2p = shapes_given  # type: ignore[method-assign]  # patched inside
+    try:
+        yield
+    finally:
+        schedules._PipelineSchedule._warmup_p2p = original  # type: ignore[method-assign]  # restored
+
+
+@contextlib.contextmanager
+def _meshes_on_real_values() -> Iterator[None]:
+    """Device meshes made during the trace (FSDP x TP joins the data- and tensor-parallel meshes into one; a
+    pipeline of tensor-parallel stages makes its own) are made on real values: a mesh finds this rank's coordinates with ``nonzero``, which fake tensors,
+    whose values are unknown, cannot answer."""
+    import torch.distributed.device_mesh as device_mesh
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    made, init = device_mesh.DeviceMesh.__init__, device_mesh.init_device_mesh
 
     def made_for_real(self: Any, *args: Any, **kwargs: Any) -> None:
         with unset_fake_temporarily():
             made(self, *args, **kwargs)
 
-    DeviceMesh.__init__ = made_for_real  # type: ignore[method-assign]  # patched inside
+    def init_for_real(*args: Any, **kwargs: Any) -> Any:  # a pipeline's (pp, tp) mesh: its rank map too
+        with unset_fake_temporarily():
+            return init(*args, **kwargs)
+
+    device_mesh.DeviceMesh.__init__ = made_for_real  # type: ignore[method-assign]  # patched inside
+    device_mesh.init_device_mesh = init_for_real
     try:
         yield
     finally:
-        DeviceMesh.__init__ = made  # type: ignore[method-assign]  # restored
+        device_mesh.DeviceMesh.__init__ = made  # type: ignore[method-assign]  # restored
+        device_mesh.init_device_mesh = init
 
 
 @contextlib.contextmanager
@@ -1157,6 +1214,68 @@ def _fake_steps(
         parameters=sum(p.numel() for p in every),
         parameter_tensors=len(every),
         hidden_size=hidden if isinstance(hidden, int) else None,
+    )
+    return ModelStates(_bytes(parameters), gradients, _bytes(states)), tracker.flops // samples, costs
+
+
+def _fake_pipeline_step(
+    engine: Any, tracker: Any, *, keep_gradients: bool = False, record: bool = False
+) -> tuple[ModelStates, int, StepCosts]:
+    """One rank's pipeline step on fake tensors (see :func:`_fake_steps`): its stages' optimizer state made
+    first, then the schedule's forwards and backwards of every micro batch in the schedule's order (the
+    stages' forwards marked as forward, everything else the schedule runs as backward), then the update."""
+    import torch
+
+    parameters = [*engine.model.parameters(), *engine.model.buffers()]
+    tracker.tag(parameters, "parameters")
+    trainable = [p for p in engine.model.parameters() if p.requires_grad]
+    if record:
+        tracker.start_recording()
+    tracker.mark("state")
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    engine.optimizer.step()
+    engine.optimizer.zero_grad(set_to_none=not keep_gradients)
+    states = [
+        v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1
+    ]
+    tracker.tag(states, "optimizer_state")
+    for p in trainable:
+        p.register_post_accumulate_grad_hook(lambda p: tracker.tag([p.grad] if p.grad is not None else [], "gradients"))
+
+    def forward_begins(*_: Any) -> None:
+        tracker.in_forward, tracker.costs.phase = True, FORWARD
+
+    def forward_ends(*_: Any) -> None:
+        tracker.in_forward, tracker.costs.phase = False, BACKWARD
+
+    hooks = [h for stage in engine.model.stages for h in (stage.register_forward_pre_hook(forward_begins),)]
+    hooks += [stage.register_forward_hook(forward_ends) for stage in engine.model.stages]
+    tracker.reset_peak()
+    tracker.mark("step")
+    tracker.count_flops = True
+    tracker.costs.phase = BACKWARD
+    with torch.autocast(engine.device.type, dtype=engine.autocast_dtype, enabled=engine.autocast_dtype is not None):
+        loss = engine.model.step(**engine.batch)
+    tracker.count_flops = False
+    for hook in hooks:
+        hook.remove()
+    gradients = _bytes(p.grad for p in trainable if p.grad is not None)
+    tracker.mark("update")
+    tracker.costs.phase = UPDATE
+    engine.optimizer.step()
+    engine.optimizer.zero_grad(set_to_none=not keep_gradients)
+    del loss
+    tracker.costs.phase = None
+    samples = engine.accum * engine.config.micro_batch  # every micro batch of the step went through
+    every = list(engine.model.parameters())
+    costs = tracker.costs.costs(
+        micro_batch=engine.config.micro_batch,
+        micro_steps=engine.accum,
+        trainable_parameters=sum(p.numel() for p in trainable),
+        parameters=sum(p.numel() for p in every),
+        parameter_tensors=len(every),
+        hidden_size=engine.model.stages[0].hidden_size,
     )
     return ModelStates(_bytes(parameters), gradients, _bytes(states)), tracker.flops // samples, costs
 

@@ -187,6 +187,8 @@ def predict_step_time(
     else:
         compute = accum * max(micro_device, micro_host)
         update = max(update_device, update_host)
+    if config.pp > 1:  # the pipeline's bubble: each stage idles while the first micro batches fill the others
+        compute *= 1 + _pipeline_bubble(config, accum)
     communication = _communication_s(estimate, workload, profile, compute, backward, accum * traced_collectives)
     offload = _offload_s(estimate, workload, profile)
     step = compute + update + communication + offload
@@ -269,6 +271,8 @@ def _communication_s(
     spread = (ranks - 1) / ranks
     if config.uses_fsdp:
         return max(traced - compute, 0.0) + _NOT_HIDDEN * traced
+    if config.model_parallel > 1:  # no copies to average: tensor parallel's traced all-reduces wait in line
+        return traced
     if config.uses_deepspeed:
         return _zero_s(estimate, workload, profile, compute, link)
     gradients = estimate.gradients_bytes / 2  # DDP's estimate counts its buckets: a second copy
@@ -279,6 +283,13 @@ def _communication_s(
         + min(_DDP_BUCKET, gradients) * 2 * spread / link
         + math.ceil(gradients / _DDP_BUCKET) * _collective_latency(profile)
     )
+
+
+def _pipeline_bubble(config: TrialConfig, micro_batches: int) -> float:
+    """The idle share of a pipeline step, over its busy time: (pp - 1) / micro batches for GPipe and 1F1B,
+    divided by the stages each rank holds for interleaved 1F1B (Narayanan et al., 2021, section 2.2)."""
+    per_rank = 2 if config.pp_schedule == "interleaved-1f1b" else 1
+    return (config.pp - 1) / (per_rank * micro_batches)
 
 
 def _collective_latency(profile: DeviceProfile) -> float:

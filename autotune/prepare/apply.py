@@ -78,15 +78,21 @@ def prepare(
         chunk_loss(model, config.loss_chunks, source=source)
     if config.pp > 1:  # this rank's stages, and the schedule that runs them
         from autotune.prepare.pipeline import Pipeline
-        from autotune.prepare.sharding import torch_device
+        from autotune.prepare.sharding import torch_device, torch_fake_mode_active
 
         if workload is None:
             raise ConfigError(
                 "prepare(): --pp's micro batches are the accumulation steps, which depend on the global batch; "
                 "pass workload=Workload(...), or the path of the autotune export, which carries it"
             )
+        # Traced on fake tensors (the estimator), the stages are told their shapes: they cannot vote on them.
+        traced = torch_fake_mode_active()
         return Pipeline(
-            model, config, micro_batches=config.grad_accum_steps(workload), device=device or torch_device(model)
+            model,
+            config,
+            micro_batches=config.grad_accum_steps(workload),
+            device=device or torch_device(model),
+            shapes=(config.micro_batch, workload.seq_len) if traced else None,
         )
     if config.tp > 1:  # then FSDP, if set, over the other ranks (2-D: FSDP x TP)
         mesh = _tensor_parallel(model, config, device, mesh)

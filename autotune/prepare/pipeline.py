@@ -83,6 +83,7 @@ class _Stage(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, layers: range, *, first: bool, last: bool) -> None:
         super().__init__()
         base = _base_model(model)
+        self.hidden_size: int = getattr(model, "config").hidden_size  # noqa: B009 - Module's getattr types it
         self.embed_tokens = base.embed_tokens if first else None
         self.layers = torch.nn.ModuleList(base.layers[i] for i in layers)
         self.rotary_emb = base.rotary_emb
@@ -106,6 +107,29 @@ def _base_model(model: torch.nn.Module) -> Any:
     return getattr(model, str(model.base_model_prefix))
 
 
+def _static_shapes(
+    stage: Any, shapes: tuple[int, int] | None, config: TrialConfig, device: torch.device
+) -> dict[str, Any]:
+    """``PipelineStage``'s ``input_args`` and ``output_args`` for one micro batch (none without ``shapes``):
+    token ids into the first stage, hidden states (the weights' dtype: the residual stream keeps it under
+    autocast) between stages, logits (autocast's dtype where it computes the head) out of the last."""
+    if shapes is None:
+        return {}
+    micro, seq = shapes
+    weights = next(stage.parameters()).dtype
+    if stage.embed_tokens is not None:
+        inputs = torch.zeros(micro, seq, dtype=torch.long, device=device)
+    else:
+        inputs = torch.zeros(micro, seq, stage.hidden_size, dtype=weights, device=device, requires_grad=True)
+    if stage.lm_head is not None:
+        logits = getattr(torch, config.autocast_type) if config.autocast_type else weights
+        vocab = stage.lm_head.out_features
+        outputs = torch.zeros(micro, seq, vocab, dtype=logits, device=device, requires_grad=True)
+    else:
+        outputs = torch.zeros(micro, seq, stage.hidden_size, dtype=weights, device=device, requires_grad=True)
+    return {"input_args": (inputs,), "output_args": (outputs,)}
+
+
 def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of one micro batch, in fp32 (as Transformers' causal-LM loss upcasts)."""
     return torch.nn.functional.cross_entropy(
@@ -115,7 +139,11 @@ def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class Pipeline(torch.nn.Module):
     """This rank's stages of ``model`` and the schedule that runs them; ``step`` runs one optimizer step's
-    forwards and backwards (the optimizer's step is the caller's, over ``parameters()``)."""
+    forwards and backwards (the optimizer's step is the caller's, over ``parameters()``).
+
+    ``shapes``: (micro batch, sequence) of every micro batch, to give the stages their inputs' and outputs'
+    shapes instead of learning them from a first exchange between the ranks (which votes with values: the
+    estimator's fake tensors have none)."""
 
     def __init__(
         self,
@@ -125,6 +153,7 @@ class Pipeline(torch.nn.Module):
         micro_batches: int,
         device: torch.device,
         group: Any = None,
+        shapes: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         import torch.distributed as dist
@@ -142,11 +171,20 @@ class Pipeline(torch.nn.Module):
                 f"--pp {config.pp} runs stages on the ranks of a process group: run the job under torchrun "
                 "and call torch.distributed.init_process_group() before autotune.prepare"
             )
+        tensor_mesh = None
+        if config.tp > 1 and group is None:  # stages split over tensor-parallel ranks: a (pp, tp) mesh
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(device.type, (config.pp, config.tp), mesh_dim_names=("pp", "tp"))
+            group, tensor_mesh = mesh["pp"].get_group(), mesh["tp"]
         ranks = dist.get_world_size(group)
         if ranks != config.pp:
             raise ConfigError(f"--pp {config.pp} needs a process group of {config.pp} ranks; it has {ranks}")
         self.config = config
         self.rank = dist.get_rank(group)
+        # The whole model's parameters (all stages'), counted before this rank keeps only its own.
+        self.whole_parameters = sum(p.numel() for p in model.parameters())
+        self.whole_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         per_rank = stages_per_rank(config)
         count = config.pp * per_rank
         layers = len(_base_model(model).layers)
@@ -154,13 +192,20 @@ class Pipeline(torch.nn.Module):
         self.stages = torch.nn.ModuleList(
             _Stage(model, stage_layers(layers, count, i), first=i == 0, last=i == count - 1) for i in indices
         )
+        if tensor_mesh is not None:  # each stage's layers by the model's plan (the stage keeps their names)
+            from autotune.prepare.tensor_parallel import tensor_parallel
+
+            plan = getattr(model, "config").base_model_tp_plan  # noqa: B009 - Module's getattr types it
+            for stage in self.stages:
+                tensor_parallel(stage, config, tensor_mesh, plan=plan)
         self.first = 0 in indices
         self.last = count - 1 in indices
         from autotune.prepare.sharding import materialise
 
         materialise(self, device)  # a trial builds the whole model on the meta device: only this rank's stages
         stages: list[Any] = [
-            PipelineStage(stage, i, count, device, group=group) for stage, i in zip(self.stages, indices, strict=True)
+            PipelineStage(stage, i, count, device, group=group, **_static_shapes(stage, shapes, config, device))
+            for stage, i in zip(self.stages, indices, strict=True)
         ]
         self.schedule: Any
         if config.pp_schedule == "interleaved-1f1b":

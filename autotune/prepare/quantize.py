@@ -169,7 +169,9 @@ def _quantized_layer(bnb: Any, kind: str, weight: torch.Tensor, bias: Any, compu
     from torch.utils._python_dispatch import _disable_current_modes
 
     out_features, in_features = weight.shape
-    fake = torch._guards.active_fake_mode() is not None
+    from autotune.prepare.sharding import torch_fake_mode_active
+
+    fake = torch_fake_mode_active()
     # Made empty on the meta device with no mode active: under fake tensors its meta weight would be
     # a fake one, which bitsandbytes' parameter classes cannot wrap (see _fake_nf4).
     with _disable_current_modes():

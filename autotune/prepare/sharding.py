@@ -18,7 +18,15 @@ import torch
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
 
-__all__ = ["materialise", "torch_device", "parameters_on_meta", "shard_model", "shard_units", "INIT_STD"]
+__all__ = [
+    "materialise",
+    "torch_device",
+    "torch_fake_mode_active",
+    "parameters_on_meta",
+    "shard_model",
+    "shard_units",
+    "INIT_STD",
+]
 
 INIT_STD = 0.02  # random weights: their values change neither speed nor memory, only stay finite
 
@@ -99,6 +107,11 @@ def shard_model(
     # Offloaded shards live in CPU memory, the others on the device (torchtitan does the same).
     materialise(model, torch.device("cpu") if config.offload == "optimizer+params" else device)
     return model
+
+
+def torch_fake_mode_active() -> bool:
+    """Whether this runs on fake tensors (the estimator's trace), where values are unknown."""
+    return torch._guards.active_fake_mode() is not None
 
 
 def torch_device(model: torch.nn.Module) -> torch.device:

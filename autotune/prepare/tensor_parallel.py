@@ -67,8 +67,12 @@ def tensor_parallel_refusal(workload: Workload, config: TrialConfig) -> str | No
     return None
 
 
-def tensor_parallel_plan(model: torch.nn.Module, *, sequence_parallel: bool = False) -> dict[str, Any]:
-    """The model's plan as PyTorch styles, keyed by module paths in ``model`` (``*`` for every layer)."""
+def tensor_parallel_plan(
+    model: torch.nn.Module, *, sequence_parallel: bool = False, plan: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The model's plan as PyTorch styles, keyed by module paths in ``model`` (``*`` for every layer).
+    ``plan``: Transformers' plan for a module that is not the model but holds its layers under the same
+    names (a pipeline stage's ``layers``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -79,11 +83,10 @@ def tensor_parallel_plan(model: torch.nn.Module, *, sequence_parallel: bool = Fa
 
     from autotune.errors import ConfigError
 
-    config = getattr(model, "config", None)
-    plan = getattr(config, "base_model_tp_plan", None)
+    base = "" if plan is not None else _base_prefix(model)
+    plan = plan if plan is not None else getattr(getattr(model, "config", None), "base_model_tp_plan", None)
     if not plan:
         raise ConfigError(f"--tp: {type(model).__name__} has no tensor-parallel plan (base_model_tp_plan)")
-    base = _base_prefix(model)
     styles: dict[str, Any] = {}
     for pattern, style in plan.items():
         if style not in _STYLES:
@@ -121,11 +124,15 @@ def tensor_parallel_plan(model: torch.nn.Module, *, sequence_parallel: bool = Fa
     return styles
 
 
-def tensor_parallel(model: torch.nn.Module, config: TrialConfig, mesh: Any) -> torch.nn.Module:
-    """Split ``model``'s layers over ``mesh`` (1-D, the tensor-parallel ranks), in place; returns it."""
+def tensor_parallel(
+    model: torch.nn.Module, config: TrialConfig, mesh: Any, *, plan: dict[str, str] | None = None
+) -> torch.nn.Module:
+    """Split ``model``'s layers over ``mesh`` (1-D, the tensor-parallel ranks), in place; returns it.
+    ``plan``: see :func:`tensor_parallel_plan`."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=config.sequence_parallel))
+    styles = tensor_parallel_plan(model, sequence_parallel=config.sequence_parallel, plan=plan)
+    parallelize_module(model, mesh, styles)
     return model
 
 

@@ -31,7 +31,7 @@ from autotune.prepare.apply import prepare
 from autotune.prepare.offload import ActivationOffload
 from autotune.prepare.optimizer import StepInBackward, build_optimizer
 from autotune.prepare.quantize import parameter_numel
-from autotune.prepare.sharding import INIT_STD, parameters_on_meta
+from autotune.prepare.sharding import INIT_STD, parameters_on_meta, torch_fake_mode_active
 from autotune.trial.memory import storages_of
 
 __all__ = ["TrainingEngine", "build_engine"]
@@ -130,12 +130,8 @@ class PipelineEngine(TrainingEngine):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        import torch.distributed as dist
-
-        # The stages' parameters on every rank together: the model's, as the other engines count it.
-        counts = torch.tensor([self.total_params, self.trainable_params], dtype=torch.long, device=self.device)
-        dist.all_reduce(counts)
-        self.total_params, self.trainable_params = (int(n) for n in counts.tolist())
+        # The whole model's parameters, as the other engines count them (this rank holds its stages').
+        self.total_params, self.trainable_params = self.model.whole_parameters, self.model.whole_trainable
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(params, self.config, lr=LEARNING_RATE)
         self.autocast_dtype = getattr(torch, self.config.autocast_type) if self.config.autocast_type else None
@@ -247,7 +243,7 @@ def _built_where_it_lives(workload: Workload, config: TrialConfig, device: torch
     ``deepspeed.zero.Init``, which partitions each layer's parameters as soon as it is built.
     Fake tensors (the estimator's) hold no memory to save: built as they are.
     """
-    if device.type == "meta" or torch._guards.active_fake_mode() is not None:
+    if device.type == "meta" or torch_fake_mode_active():
         return contextlib.nullcontext()
     if (config.uses_fsdp or config.model_parallel > 1) and parse_model_source(workload.model).kind != "factory":
         return parameters_on_meta()  # each rank then makes its own shards
