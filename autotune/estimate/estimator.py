@@ -832,8 +832,8 @@ def _pipeline_shapes_given() -> Iterator[None]:
 @contextlib.contextmanager
 def _meshes_on_real_values() -> Iterator[None]:
     """Device meshes made during the trace (FSDP x TP joins the data- and tensor-parallel meshes into one; a
-    pipeline of tensor-parallel stages makes its own) are made on real values: a mesh finds this rank's coordinates with ``nonzero``, which fake tensors,
-    whose values are unknown, cannot answer."""
+    pipeline of tensor-parallel stages makes its own) are made on real values: a mesh finds this rank's
+    coordinates with ``nonzero``, which fake tensors, whose values are unknown, cannot answer."""
     import torch.distributed.device_mesh as device_mesh
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
