@@ -154,6 +154,21 @@ def test_a_cuda_workload_is_timed_on_its_card_with_the_kernels_cuda_would_pick()
     assert dataclasses.asdict(step) == step.to_dict()
 
 
+def test_a_cuda_8bit_step_is_one_kernel_that_moves_each_tensor_once():
+    # bitsandbytes' fused 8-bit step, traced as torchao's eager one: none of its fp32 temporaries goes
+    # through memory; it reads the weights, gradients and moments once and writes weights and moments back.
+    workload = Workload(model="builtin:llama-tiny", seq_len=128, global_batch=8, gpu="A100-80GB")
+    eight = predict_memory(workload, TrialConfig(micro_batch=8, precision="bf16", optimizer="adamw-8bit"))
+    plain = predict_memory(workload, TrialConfig(micro_batch=8, precision="bf16"))
+    update = [op for op in eight.step_costs.ops if op.phase == "update"]
+    assert [op.name for op in update] == ["one_kernel"]
+    params, moved = eight.step_costs.trainable_parameters, update[0].fixed_bytes + update[0].sample_bytes
+    # fp32 weight and gradient, two uint8 moments (tensors under 4,096 values keep fp32 ones), read;
+    # weight and moments written back: 16 bytes a parameter, and the block scales
+    assert 16 * params <= moved < 20 * params
+    assert moved < sum(op.fixed_bytes + op.sample_bytes for op in plain.step_costs.ops if op.phase == "update")
+
+
 def test_zero_communicates_as_deepspeed_runs_each_stage():
     """ZeRO-1 reduces once a step, ZeRO-2 every micro step, ZeRO-3 also gathers every weight (frozen ones
     too) in each forward and backward; each bucket (hidden^2 elements) and gathered tensor costs a latency."""
