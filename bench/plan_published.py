@@ -39,8 +39,10 @@ mixed precision (bf16 gradient reduction), rebuilt as bf16 autocast with fp32 re
 llm-foundry's benchmark ran MPT's ``attn_impl: triton`` (the default of its submit_benchmarks.py,
 a FlashAttention-1-era Triton kernel), timed here as PyTorch's flash SDPA (FlashAttention-2). Its
 H100 and A100 tables ran the same software (the image column of scripts/train/benchmarking/
-h100new.md: mosaicml/pytorch:2.1.0_cu121-nightly20230827 on both cards; the README's "TODO: Update
-tables with torch 2.0" is older than its tables), and its rows disagree with each other by 9%: MPT-760m at
+h100new.md, in the branch of llm-foundry PR #543 that wrote the tables, commit beb8dee, removed
+before the merge: mosaicml/pytorch:2.1.0_cu121-nightly20230827 for both cards' rows; the README's
+"TODO: Update tables with torch 2.0" is older than its tables), and its rows disagree with each
+other by 9%: MPT-760m at
 seq 2048 made 63,147 tokens/s per GPU on 8 H100s (micro batch 24, accumulation 2) and 68,551 on 16
 (micro batch 24, accumulation 1), though more steps of accumulation only save optimizer steps.
 The grids' Spearman follows this machine's probe, taken anew each run: on a busy machine it moved
