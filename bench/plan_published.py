@@ -17,10 +17,13 @@ samples/s where the source printed that (the bert-large rows). Then the median a
   50368, tied head, no dropout); GPT-2 has biases where MPT has none, and SDPA stands for MPT's
   flash/triton attention. n_positions is the row's sequence (the 7b rows at 4096 and 8192 have
   files of their own), so the parameter count matches llm-foundry's NumParams.
-* torchtune Llama-3.2-3B (T1-T4, T6): one A100 80GB, packed 4096 tokens, micro batch 2, no
-  accumulation, pure bf16 (``bf16-true``); each row adds one lever as torchtune's table does.
-* Transformers docs bert-large on a V100 (H1-H5): ``bench/gpu_published.py``'s rows reused as
-  they are (eager attention, the PyTorch 1.x optimizer step).
+* torchtune Llama-3.2-3B (T1-T6): one A100 80GB, packed 4096 tokens, micro batch 2, no
+  accumulation, pure bf16 (``bf16-true``); each row adds one lever as torchtune's table does. T5
+  (the optimizer step inside the backward), its activation-offload and 8-bit AdamW lines, T6
+  (LoRA on T4's levers and activation offload) and T6's NF4 line are ``bench/gpu_published.py``'s rows.
+* Transformers docs bert-large on a V100 (H1-H9: AdamW, Adafactor, bitsandbytes' 8-bit Adam):
+  ``bench/gpu_published.py``'s rows reused as they are (eager attention, the PyTorch 1.x optimizer
+  step), against the ``train_samples_per_second`` the docs printed.
 
 Part 2, CPU grids. Each committed grid ``bench/data/GRID.jsonl`` is predicted line by line with
 the roofline measured beside it before its trials (``GRID.roofline.json``; for an older grid
@@ -29,13 +32,17 @@ without one, this machine's probed profile with the grid's 16-bit matmul speeds 
 and measured tokens/s.
 
 Known limits: ``compile`` is traced as eager and timed with its elementwise chains fused, no more
-(T2-T4, T6); torchtune's chunked cross-entropy (T3 on) is rebuilt as autotune's, which recomputes
-the LM head; torchtune's and llm-foundry's own model code is rebuilt as Transformers' Llama /
-GPT-2; llm-foundry's F7 rows ran FSDP "PURE" mixed precision (bf16 gradient reduction), rebuilt as
-bf16 autocast with fp32 reduction; T6 leaves out the activation offloading, the optimizer step in
-backward and the 8-bit AdamW it was stacked on (T5's levers: -0.1%, +1.4%, -4.7% of tokens/s in the
-source). llm-foundry's tables predate torch 2.0 (its benchmarking README: "TODO: Update tables with
-torch 2.0 after next Composer release"), and its rows disagree with each other by 9%: MPT-760m at
+(T2-T6); torchtune's chunked cross-entropy (T3 on) is rebuilt as autotune's, which recomputes
+the LM head (no knob rebuilds torchtune's, which recomputes nothing); torchtune's and llm-foundry's
+own model code is rebuilt as Transformers' Llama / GPT-2; llm-foundry's F7 rows ran FSDP "PURE"
+mixed precision (bf16 gradient reduction), rebuilt as bf16 autocast with fp32 reduction;
+llm-foundry's benchmark ran MPT's ``attn_impl: triton`` (the default of its submit_benchmarks.py,
+a FlashAttention-1-era Triton kernel), timed here as PyTorch's flash SDPA (FlashAttention-2). Its
+H100 and A100 tables ran the same software (the image column of scripts/train/benchmarking/
+h100new.md, in the branch of llm-foundry PR #543 that wrote the tables, commit beb8dee, removed
+before the merge: mosaicml/pytorch:2.1.0_cu121-nightly20230827 for both cards' rows; the README's
+"TODO: Update tables with torch 2.0" is older than its tables), and its rows disagree with each
+other by 9%: MPT-760m at
 seq 2048 made 63,147 tokens/s per GPU on 8 H100s (micro batch 24, accumulation 2) and 68,551 on 16
 (micro batch 24, accumulation 1), though more steps of accumulation only save optimizer steps.
 The grids' Spearman follows this machine's probe, taken anew each run: on a busy machine it moved
@@ -144,49 +151,71 @@ def _mpt_rows() -> list[Row]:
 
 _COMPILE_NOTE = "torch.compile traced as eager, timed with each chain of elementwise operators as one kernel"
 _CHUNKED_NOTE = (
-    "autotune's chunked loss, which recomputes each slice's LM head in the backward (one more "
-    "LM-head matmul); torchtune's chunks only the logits' fp32 upcast and recomputes nothing"
+    "autotune's chunked loss, which recomputes each slice's LM head in the backward (one more LM-head "
+    "matmul, 4% of T2's FLOPs here); torchtune's chunks the LM head's output and its fp32 upcast and recomputes "
+    "nothing: the same kernels as T2's standard loss in 8 slices, which a roofline times as T2 (a tie). No knob "
+    "of autotune's is torchtune's lever: the row times autotune's, a different computation under one name, "
+    "which is why T3 reads below T2 here and above it (by 2%) in torchtune's table"
+)
+_T5_NOTE = (
+    "gpu_published.py's rows as they are: T4's levers with torchtune's fused AdamW (T1-T4 here keep "
+    "gpu_published's T1 foreach AdamW), the optimizer step inside the backward, activation offload (its copies "
+    "timed as device memory traffic; torchtune's streams overlap the host link) and bitsandbytes' 8-bit AdamW "
+    "(traced as torchao's, one kernel on CUDA)"
+)
+
+
+_EIGHT_BIT_TIME_NOTE = (
+    "the 8-bit step timed as the one kernel bitsandbytes runs: weights, gradients and 8-bit moments read once, "
+    "weights and moments written back (16 bytes a parameter in fp32, where AdamW moves 28); its launch per "
+    "parameter and the Python around it are not counted"
 )
 
 
 def _torchtune_rows() -> list[Row]:
-    """T1 as gpu_published.py rebuilds it, then torchtune's levers one by one (its README's table)."""
+    """T1 as gpu_published.py rebuilds it, then torchtune's levers one by one (its README's table); T5's
+    lines and T6 (with its NF4 line) as gpu_published.py rebuilds them, on T5's activation offload."""
     t1 = next(row for row in gpu_published.ROWS if row.key == "T1")
     base, note = t1.config, t1.notes[0]
     compiled = base.replace(compile=True)
     chunked = compiled.replace(loss="chunked")
     checkpointed = chunked.replace(checkpointing=True)
-    # torchtune's 3B LoRA single-device defaults: r 64, alpha 128 on q, v, output and the MLP.
-    lora = checkpointed.replace(
-        lora_rank=64, lora_alpha=128, lora_targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    )
     steps = [
         ("T1", "Llama-3.2-3B pure bf16, seq 4096 mb2", base, 7_075, ()),
         ("T2", "T1 + torch.compile", compiled, 8_998, (_COMPILE_NOTE,)),
         ("T3", "T2 + chunked cross-entropy", chunked, 9_174, (_COMPILE_NOTE, _CHUNKED_NOTE)),
         ("T4", "T3 + checkpointing every layer", checkpointed, 7_210, (_COMPILE_NOTE, _CHUNKED_NOTE)),
-        (
-            "T6",
-            "T4 + LoRA r64 (q,v,o,MLP)",
-            lora,
-            8_210,
-            (
-                _COMPILE_NOTE,
-                _CHUNKED_NOTE,
-                "without T5's levers it was stacked on (activation offload, optimizer in backward, "
-                "8-bit AdamW); the LoRA weights in bf16 as the frozen base",
-            ),
-        ),
     ]
-    return [
+    rows = [
         Row(key, what, t1.workload, config, tokens, "tokens/s", notes=(note, *extra))
         for key, what, config, tokens, extra in steps
     ]
+    # The rest, each with its tokens/s per GPU as torchtune's table printed it.
+    published = {"T5": 7_309, "T5+offload": 7_301, "T5+8bit": 6_960, "T6": 8_210, "T6+NF4": 8_035}
+    for row in gpu_published.ROWS:
+        if row.key in published:
+            extra = (_COMPILE_NOTE, _CHUNKED_NOTE) + ((_T5_NOTE,) if row.key.startswith("T5") else ())
+            extra += (_EIGHT_BIT_TIME_NOTE,) if row.config.optimizer == "adamw-8bit" else ()
+            what = row.what.replace("T4 + activation offload, LoRA", "T4 + offload + LoRA")
+            rows.append(
+                Row(row.key, what, row.workload, row.config, published[row.key], "tokens/s", notes=(note, *extra))
+            )
+    return rows
 
 
 def _bert_rows() -> list[Row]:
-    """gpu_published.py's H1-H5 as they are: Trainer batch 4, samples/s as the docs printed them."""
-    samples = {"H1": 8.86, "H2": 7.75, "H3": 5.99, "H4": 18.64, "H5": 10.09}
+    """gpu_published.py's H1-H9 as they are: Trainer batch 4, train_samples_per_second as the docs printed it."""
+    samples = {
+        "H1": 8.86,
+        "H2": 7.75,
+        "H3": 5.99,
+        "H4": 18.64,
+        "H5": 10.09,
+        "H6": 7.96,
+        "H7": 9.06,
+        "H8": 9.15,
+        "H9": 10.35,
+    }
     return [
         Row(
             row.key,
@@ -196,7 +225,7 @@ def _bert_rows() -> list[Row]:
             samples[row.key],
             "samples/s",
             pytorch1_step=row.pytorch1_step,
-            notes=tuple(row.notes),
+            notes=(*row.notes, *((_EIGHT_BIT_TIME_NOTE,) if row.config.optimizer == "adamw-8bit" else ())),
         )
         for row in gpu_published.ROWS
         if row.key in samples
@@ -214,12 +243,11 @@ SWEEPS: dict[str, list[str]] = {
     "MPT-7b seq 4096 vs 8192 (F2)": ["F2 7b/4096", "F2 7b/8192"],
     "torchtune levers (T1-T4, T6)": ["T3", "T2", "T6", "T4", "T1"],
     "bert-large V100 (H1-H5)": ["H4", "H5", "H1", "H2", "H3"],
+    "bert-large V100 optimizers, fp32 mb4 (H1, H6, H8)": ["H8", "H1", "H6"],
+    "bert-large V100 optimizers, fp16 mb1 x4 ckpt (H5, H7, H9)": ["H9", "H5", "H7"],
 }
 
 NOT_EXPRESSIBLE = {
-    "T5": "the optimizer step inside backward, activation offload and bitsandbytes' 8-bit AdamW: not knobs yet",
-    "H6, H7": "Adafactor: not an optimizer autotune trains with yet",
-    "H8, H9": "bitsandbytes' 8-bit Adam: not yet",
     "L1-L4, P1, P2": "memory only (no throughput published, L1's 2.36 min per 1k steps is on unpadded samples)",
 }
 

@@ -945,11 +945,13 @@ def _peak_parts_tracker_class() -> type:
             """What is traced inside runs as one kernel on the device: the storages it makes and frees again are
             never live outside it; those it keeps are counted when it ends."""
             self._kernel_depth += 1
+            self.costs.begin_kernel()
             try:
                 yield
             finally:
                 self._kernel_depth -= 1
                 if not self._kernel_depth:
+                    self.costs.end_kernel()
                     kept, self._in_kernel = list(self._in_kernel), weakref.WeakKeyDictionary()
                     for storage in kept:
                         self._count(storage)

@@ -149,6 +149,24 @@ class CostRecorder:
         self._derived: set[Any] = set()  # storages made from model states alone (autocast's weight copies)
         self._last_written: set[Any] = set()  # what the last elementwise operator wrote (a chain continues from it)
         self._forward_flops = 0.0
+        self._kernel: _OneKernel | None = None  # operators traced as one kernel (see begin_kernel)
+
+    def begin_kernel(self) -> None:
+        """What is dispatched until :meth:`end_kernel` runs as one kernel on the device (bitsandbytes' fused
+        8-bit step, traced as torchao's eager one): one operator that reads each tensor from before it once
+        and writes each it changes once; the tensors made inside never go through memory."""
+        if self._kernel is None and self.phase is not None:
+            self._kernel = _OneKernel()
+
+    def end_kernel(self) -> None:
+        kernel, self._kernel = self._kernel, None
+        if kernel is None or self.phase is None or not kernel.moved:
+            return
+        fixed = sum(nbytes for nbytes, state in kernel.moved.values() if state)
+        sample = sum(nbytes for nbytes, state in kernel.moved.values() if not state)
+        self._last_written = set()
+        key = (self.phase, OTHER, "one_kernel", kernel.dtype or "float32", kernel.flops, fixed, sample, False)
+        self._ops[key] += 1
 
     def record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, flops: float) -> None:
         """One dispatched operator; ``flops`` from PyTorch's flop counter (0 where it counts none)."""
@@ -168,6 +186,9 @@ class CostRecorder:
         kind = _kind(name)
         if kind != COLLECTIVE and (not (outputs or mutates) or (not mutates and _aliases(outputs, inputs))):
             return  # a query (prim.device) or a view by another name (_unsafe_view, alias): no kernel
+        if self._kernel is not None:
+            self._kernel.add(inputs, outputs, mutates, flops, self._state)
+            return
         fixed = sample = 0.0
         # A collective is timed by the whole buffer it gathers or scatters (its largest tensor).
         tensors = (*inputs, *outputs) if kind != COLLECTIVE else [max((*inputs, *outputs), key=_bytes_touched)]
@@ -224,6 +245,34 @@ class CostRecorder:
         )
 
 
+class _OneKernel:
+    """The operators of one fused kernel: the bytes it reads of the tensors made before it (once each) and
+    writes of those it changes (once each); FLOPs summed."""
+
+    def __init__(self) -> None:
+        self.made: set[Any] = set()  # storages made inside: registers, never memory
+        self.moved: dict[Any, tuple[float, bool]] = {}  # storage -> (bytes, a model state)
+        self.written: set[Any] = set()
+        self.flops = 0.0
+        self.dtype: str | None = None
+
+    def add(self, inputs: list[Any], outputs: list[Any], mutates: bool, flops: float, state: Any) -> None:
+        self.flops += flops
+        for tensor in inputs:
+            storage = _storage(tensor)
+            if storage not in self.made and storage not in self.moved:
+                self.moved[storage] = (_bytes_touched(tensor), bool(state(tensor)))
+                self.dtype = self.dtype or str(tensor.dtype).removeprefix("torch.")
+        for tensor in outputs:
+            storage = _storage(tensor)
+            if storage in self.moved and mutates and storage not in self.written:  # changed in place: written back
+                self.written.add(storage)
+                nbytes, is_state = self.moved[storage]
+                self.moved[storage] = (2 * nbytes, is_state)
+            elif storage not in self.moved:
+                self.made.add(storage)
+
+
 def _is_tensor(value: Any) -> bool:
     import torch
 
@@ -250,7 +299,10 @@ def _aliases(outputs: list[Any], inputs: list[Any]) -> bool:
 
 def _bytes_touched(tensor: Any) -> float:
     """What a kernel reads or writes of ``tensor``: its elements, at most its storage (a broadcast
-    view is read once)."""
+    view is read once); of a wrapper subclass (torchao's 8-bit optimizer state), the tensors it holds."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is not None:
+        return float(sum(_bytes_touched(getattr(tensor, name)) for name in flatten()[0]))
     elements = tensor.numel() * tensor.element_size()
     try:
         return float(min(elements, tensor.untyped_storage().nbytes()))

@@ -43,16 +43,35 @@ if TYPE_CHECKING:
 
 __all__ = ["DeviceProfile", "StepTime", "card_profile", "profile_for", "predict_step_time"]
 
-# Matmul FLOP/s reachable on each card over its dense peak: the "maximum achievable matmul FLOPS"
-# (MAMF) that S. Bekman's mamf-finder measured (ml-engineering, compute/accelerator README, bf16:
-# A100 SXM 271.2 of 312 TFLOP/s, H100 SXM 794.5 of 989, "H200 is the same", MI300X 781.9 of 1,300
-# on ROCm 6.2). Cards it has not measured take the A100/H100 figure between them (0.8), a guess.
-_MAMF = {"A100-40GB": 0.869, "A100-80GB": 0.869, "H100-80GB": 0.803, "H200": 0.803, "MI300X": 0.601}
-_MAMF_UNMEASURED = 0.8
-# Small and thin matmuls fall short of MAMF: XLA's measured sm_90 table (72 bf16 shapes on an H100,
-# b x m x n x k from 1x256x512x256 at 11.5 TFLOP/s to 1x4096^3 at 783; xla/service/gpu/model/
+# Matmul FLOP/s a card sustains through a training run, over its dense peak. A matmul that keeps the
+# card busy draws it to its power limit, and the clock settles below boost: the burst a short benchmark
+# catches (the "maximum achievable matmul FLOPS", MAMF) is not what a run of back-to-back steps holds.
+# S. Bekman's mamf-finder measures both (ml-engineering, compute/accelerator/benchmarks/README.md, "How
+# MAMF and MSMF are defined"); its MSMF, "the steady rate under full load, which matches real training
+# throughput", is what is used here:
+# - H100 SXM and H200: 745 of 989 TFLOP/s bf16 (75.3%): an H200's MSMF, 743-746 over five runs (GPU0
+#   alone 744.8, all 8 GPUs busy 755.5; its burst MAMF 848). The H100 SXM is the same GH100 chip at the
+#   same 1,830 MHz, 989 TFLOP/s and 700 W (the MAMF table: "H200 is the same" as the H100's 794.5).
+# - A100 SXM (both memories): 257 of 312 (82.4%): no MSMF is published for it; H. He measured cuBLAS's
+#   8192^3 bf16 matmul on one at 257 TFLOP/s with random inputs, 295 with zeros, the card held to its
+#   400 W ("Strangely, Matrix Multiplications on GPUs Run Faster When Given 'Predictable' Data",
+#   thonking.ai, 2024); its MAMF is 271.2 (86.9%).
+# - MI300X: 781.9 of 1,300 (60.1%, MAMF on ROCm 6.2), which mamf-finder's notes call power-capped
+#   already ("the card hits its 750 W cap within one BF16 kernel").
+# Cards without a measurement take 80%, between the A100's and the H100's: a guess.
+_SUSTAINED = {
+    "A100-40GB": 257 / 312,
+    "A100-80GB": 257 / 312,
+    "H100-80GB": 745 / 989,
+    "H200": 745 / 989,
+    "MI300X": 781.9 / 1300,
+}
+_SUSTAINED_UNMEASURED = 0.8
+# Small and thin matmuls fall short of the large ones: XLA's measured sm_90 table (72 bf16 shapes on an
+# H100, b x m x n x k from 1x256x512x256 at 11.5 TFLOP/s to 1x4096^3 at 783; xla/service/gpu/model/
 # matmul_interpolator_data.h) fits time = max(FLOPs / MAMF, bytes / (80% of HBM's bandwidth)) + 6 us
-# with a root-mean-square error of 9.5% (the worst shape 33%); see bench/README.md.
+# with a root-mean-square error of 9.5% (the worst shape 33%); see bench/README.md. XLA times short
+# bursts (its large shapes reach MAMF); a training run holds the sustained rate above instead.
 _GPU_KERNEL_S = 6e-6
 _GPU_BANDWIDTH_EFFICIENCY = 0.8
 # Fused attention reaches less of the peak than a matmul: FlashAttention-2 "50-73% of the theoretical
@@ -123,7 +142,7 @@ class StepTime:
 
 def card_profile(card: GpuSpec) -> DeviceProfile:
     """A card that is not here: its published peaks, at the efficiencies measured on such cards."""
-    efficiency = _MAMF.get(card.name, _MAMF_UNMEASURED)
+    efficiency = _SUSTAINED.get(card.name, _SUSTAINED_UNMEASURED)
     flops = {"float32": card.fp32_flops * efficiency, "float16": card.fp16_flops * efficiency}
     if card.bf16_flops is not None:
         flops["bfloat16"] = card.bf16_flops * efficiency
@@ -141,7 +160,7 @@ def card_profile(card: GpuSpec) -> DeviceProfile:
         link_bandwidth=card.link_bandwidth * _LINK_EFFICIENCY,
         host_link_bandwidth=card.host_link_bandwidth,
         peak_flops=card.bf16_flops or card.fp16_flops,
-        source=f"published peaks, matmuls at {efficiency:.0%} of theirs (see autotune.estimate.step_time)",
+        source=f"published peaks, matmuls at the {efficiency:.0%} of them a run sustains (autotune.estimate.step_time)",
     )
 
 
