@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -19,17 +20,7 @@ from autotune.search.space import SearchSpace, layout_label, load_space
 from autotune.search.tuner import find
 
 # Four wide layers over a small vocabulary: the layers' weights (which TP and PP split) dominate.
-_LAYERS = {
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
+_LAYERS = json.loads((Path(__file__).parents[2] / "bench" / "data" / "llama-layers.json").read_text())
 
 _SPACE = """
 description: data parallel against a tensor- and a pipeline-parallel split, fp32

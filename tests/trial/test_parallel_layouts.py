@@ -4,7 +4,7 @@ batch's activations, 1F1B at most one per stage), and the estimator predicts eve
 
 from __future__ import annotations
 
-import json
+from pathlib import Path
 
 import pytest
 
@@ -13,25 +13,11 @@ from autotune.config.workload import Workload
 from autotune.estimate.estimator import predict_memory
 from autotune.trial.runner import run_trial
 
-# Four wide layers over a small vocabulary: the layers' weights (which TP and PP split) dominate.
-_LAYERS = {
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
-
 
 @pytest.fixture(scope="module")
-def layers_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "llama-layers.json"
-    path.write_text(json.dumps(_LAYERS))
-    return str(path)
+def layers_model():
+    """Four wide layers over a small vocabulary: the layers' weights (which TP and PP split) dominate."""
+    return str(Path(__file__).parents[2] / "bench" / "data" / "llama-layers.json")
 
 
 def _trial(model: str, nproc: int, **knobs):
@@ -40,7 +26,7 @@ def _trial(model: str, nproc: int, **knobs):
     return workload, config, run_trial(workload, config, warmup_steps=1, measure_steps=2, timeout_s=300)
 
 
-def test_two_rank_layouts_hold_less_than_ddp_and_the_estimator_predicts_each_tensor_parallel_rank(layers_model):
+def test_two_rank_layouts_hold_less_than_ddp_and_the_estimator_predicts_every_rank(layers_model):
     _, _, ddp = _trial(layers_model, 2, micro_batch=2)
     assert ddp.status.value == "ok", ddp.error
     trials = {
