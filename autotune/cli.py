@@ -133,7 +133,7 @@ OPTIONS = {
         str,
         "default",
         ("--space",),
-        "Search space: a preset (default, full, lean, lora, quick, sharding) or a YAML file.",
+        "Search space: a preset (default, full, lean, lora, parallel, quick, sharding) or a YAML file.",
     ),
     "n_trials": Option(
         Optional[int],

@@ -192,9 +192,8 @@ def test_values_that_cannot_run_here_are_refused_when_the_workload_is_known(tmp_
 
 
 def test_unknown_preset_and_missing_file():
-    with pytest.raises(
-        ConfigError, match="--space nope: no such preset; use one of default, full, lean, lora, quick, sharding, zero"
-    ):
+    presets = "default, full, lean, lora, parallel, quick, sharding, zero"
+    with pytest.raises(ConfigError, match=f"--space nope: no such preset; use one of {presets}"):
         load_space("nope")
     with pytest.raises(ConfigError, match="--space missing.yaml: no such file"):
         load_space("missing.yaml")
