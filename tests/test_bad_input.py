@@ -28,6 +28,15 @@ BAD_INPUTS = [
     (["trial", "--zero-stage", "two"], "--zero-stage 'two' is not known"),
     (["trial", "--offload", "optimizer"], "--offload optimizer needs ZeRO"),
     (["trial", "--lora-alpha", "16"], "--lora-alpha is set but LoRA is off"),
+    # layouts of the ranks
+    (["trial", "--nproc", "2", "--tp", "3"], "--tp 3 does not divide --nproc 2"),
+    (["trial", "--nproc", "2", "--tp", "2", "--model", "three_heads.json"], "3 attention heads, which 2 ranks cannot"),
+    (
+        ["trial", "--nproc", "4", "--pp", "4", "--micro-batch", "4", "--model", "builtin:llama-tiny"],
+        "has 2 decoder layers, fewer than the 4 stages",
+    ),
+    (["trial", "--nproc", "2", "--tp", "2", "--zero-stage", "3"], "--tp 2 with --zero-stage 3: DeepSpeed partitions"),
+    (["estimate", "--nproc", "2", "--tp", "2", "--model", "builtin:gpt2-tiny"], "has no tensor-parallel plan"),
     (["trial", "--fsdp", "banana"], "--fsdp 'banana' is not known; use off, full or grad-op"),
     (["trial", "--fsdp", "full", "--zero-stage", "3", "--nproc", "2"], "--fsdp full with --zero-stage 3: one sharding"),
     (["tune", "--study", "kept", "--fsdp", "full"], "No such option: --fsdp"),
@@ -142,10 +151,17 @@ def work(tmp_path_factory) -> Path:
     (work / "unknown.yaml").write_text(UNKNOWN_KNOB)
     (work / "list.yaml").write_text(NOT_A_MAPPING)
     (work / "empty_dir").mkdir()
+    (work / "three_heads.json").write_text(THREE_HEADS)
     proc = subprocess.run([sys.executable, "-c", _SEED], cwd=work, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return work
 
+
+# A Llama whose 3 attention heads 2 tensor-parallel ranks cannot split.
+THREE_HEADS = (
+    '{"model_type": "llama", "hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 2, '
+    '"num_attention_heads": 3, "num_key_value_heads": 3, "vocab_size": 256}'
+)
 
 # The study `kept` as `tune --study kept` (all defaults) would create it, with one finished trial.
 _SEED = """
