@@ -115,10 +115,19 @@ def layout_refusal(config: TrialConfig, fmt: str) -> str | None:
             "config without --pp"
         )
     if config.tp > 1 and fmt not in _TENSOR_PARALLEL_FORMATS:
+        # Accelerate's ParallelismConfig (and the Trainer's, through it) loads the model with Transformers' own
+        # tp_plan="auto", which splits the head too: another layout than the trials', and GPU-only (it refuses
+        # a multi-CPU job).
+        why = (
+            "Accelerate's ParallelismConfig (the Trainer's too) splits the model by Transformers' own plan, head "
+            "included, which is not the layout measured"
+            if fmt in ("hf", "accelerate")
+            else f"{fmt}'s config has no tensor-parallel layout"
+        )
         return (
-            f"--format {fmt}: this config splits layers with --tp {config.tp}, which autotune cannot express in "
-            f"{fmt}'s config yet; export --format json and apply it with autotune.prepare(model, 'autotune.json') "
-            "under torchrun, or --format lightning (ModelParallelStrategy), or pick a config without --tp"
+            f"--format {fmt}: this config splits layers with --tp {config.tp}, and {why}; export --format json "
+            "and apply it with autotune.prepare(model, 'autotune.json') under torchrun, or --format lightning "
+            "(ModelParallelStrategy), or pick a config without --tp"
         )
     return None
 
