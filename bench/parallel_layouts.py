@@ -23,6 +23,7 @@ from pathlib import Path
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.estimate.estimator import predict_memory
+from autotune.estimate.step_time import predict_step_time, profile_for
 from autotune.trial.runner import run_trial
 
 MODEL = "bench/data/llama-layers.json"
@@ -59,9 +60,12 @@ def main() -> None:
                 raise SystemExit(f"{name} on {ranks} ranks: {result.status.value}: {result.error}")
             runs[i].append(result)
     rows = []
+    profiles = {ranks: profile_for(_workload(ranks), "cpu") for ranks in {r for r, _, _ in LAYOUTS}}
     for i, (ranks, name, knobs) in enumerate(LAYOUTS):
         workload, config = _workload(ranks), TrialConfig(micro_batch=MICRO_BATCH, **knobs)
         estimate = predict_memory(workload, config)
+        profile = profiles[ranks]
+        step = predict_step_time(estimate, workload, profile) if profile is not None else None
         first = runs[i][0]
         speeds = [r.tokens_per_s for r in runs[i]]
         predicted = estimate.peak_per_rank_bytes or [estimate.predicted_peak_bytes]
@@ -77,12 +81,13 @@ def main() -> None:
                 "predicted_per_rank_bytes": [predicted[r // per_stage] for r in range(ranks)],
                 "tokens_per_s_median": statistics.median(speeds),
                 "tokens_per_s": speeds,
+                "predicted_tokens_per_s": step.tokens_per_s if step is not None else None,
                 "final_loss": first.final_loss,
             }
         )
         print(_line(rows[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    machine = f"{platform.machine()} {platform.processor() or ''}".strip()
+    machine = _machine()
     command = f"python bench/parallel_layouts.py --rounds {args.rounds}"
     args.out.write_text(json.dumps({"machine": machine, "command": command, "rows": rows}, indent=1) + "\n")
     table = args.out.with_suffix(".md")
@@ -90,8 +95,21 @@ def main() -> None:
     print(f"wrote {args.out} and {table}")
 
 
+def _machine() -> str:
+    """The CPU's model name (platform.processor() is empty on Linux) and its core count."""
+    import os
+
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return f"{names[0] if names else platform.machine()}, {os.cpu_count()} cores"
+
+
 def _workload(ranks: int) -> Workload:
     return Workload(model=MODEL, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, nproc=ranks, device="cpu")
+
+
+def _rate(tokens_per_s: float | None) -> str:
+    return "-" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
 
 
 def _mib(n: int) -> str:
@@ -111,10 +129,12 @@ def _line(row: dict) -> str:
 def _table(rows: list[dict], machine: str, command: str) -> str:
     lines = [
         f"`{command}` on {machine}; model {MODEL}, seq {SEQ_LEN}, global batch {GLOBAL_BATCH}, micro batch "
-        f"{MICRO_BATCH}; tokens/s: median of the rounds (range)",
+        f"{MICRO_BATCH}; tokens/s: median of the rounds (range); predicted: the step-time model on this CPU's "
+        "probed roofline",
         "",
-        "| ranks | layout | accumulation | peak per rank (MiB) | estimate (MiB) | largest vs estimate | tokens/s |",
-        "|---|---|---|---|---|---|---|",
+        "| ranks | layout | accumulation | peak per rank (MiB) | estimate (MiB) | largest vs estimate | tokens/s "
+        "| predicted tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         peaks, predicted = row["peak_per_rank_bytes"], row["predicted_per_rank_bytes"]
@@ -123,7 +143,8 @@ def _table(rows: list[dict], machine: str, command: str) -> str:
         lines.append(
             f"| {row['ranks']} | {row['layout']} | {row['accumulation']} | {' / '.join(_mib(p) for p in peaks)} "
             f"| {' / '.join(_mib(p) for p in predicted)} | {miss:.1%} "
-            f"| {row['tokens_per_s_median']:,.0f} ({min(speeds):,.0f}-{max(speeds):,.0f}) |"
+            f"| {row['tokens_per_s_median']:,.0f} ({min(speeds):,.0f}-{max(speeds):,.0f}) "
+            f"| {_rate(row['predicted_tokens_per_s'])} |"
         )
     return "\n".join(lines) + "\n"
 

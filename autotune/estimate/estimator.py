@@ -211,7 +211,8 @@ def predict_memory(
         "config": config.to_dict(),
         "task": task,
         "pytorch1_step": pytorch1_step,
-        "proxy": None if proxy is None else proxy.to_dict(),
+        # Pipeline stages cut the real depth into stages: a 2- or 4-layer copy has too few layers for them.
+        "proxy": None if proxy is None or config.pp > 1 else proxy.to_dict(),
     }
     reply = _SERVER.ask(request, timeout_s)
     if "error" in reply:
