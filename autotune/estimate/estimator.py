@@ -908,10 +908,14 @@ def _peak_parts_tracker_class() -> type:
     was live at that moment and the untagged rest is the temporaries.
     """
     import torch
-    from torch.utils._pytree import tree_leaves
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves, tree_map
     from torch.utils.flop_counter import flop_registry
 
     from autotune.trial.memory import LiveBytesTracker, storages_of
+
+    def local(value: Any) -> Any:
+        return value.to_local() if isinstance(value, DTensor) else value
 
     class PeakPartsTracker(LiveBytesTracker):
         def __init__(self) -> None:
@@ -990,12 +994,18 @@ def _peak_parts_tracker_class() -> type:
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
+            # This mode sees a tensor-parallel op on its DTensors, whose shapes are the whole layer's: a rank
+            # computes and moves its shards only, so the op is counted on them.
+            if any(isinstance(leaf, DTensor) for leaf in tree_leaves((args, kwargs, out))):
+                args, kwargs, costed = tree_map(local, args), tree_map(local, kwargs), tree_map(local, out)
+            else:
+                costed = out
             counting = self.count_flops or self.costs.phase is not None
             count = flop_registry.get(func.overloadpacket) if counting else None
-            flops = count(*args, **(kwargs or {}), out_val=out) if count is not None else 0
+            flops = count(*args, **(kwargs or {}), out_val=costed) if count is not None else 0
             if self.count_flops:
                 self.flops += flops
-            self.costs.record(func, args, kwargs or {}, out, flops)
+            self.costs.record(func, args, kwargs or {}, costed, flops)
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
                     for storage in storages_of(leaf):

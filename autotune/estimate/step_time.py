@@ -214,7 +214,9 @@ def predict_step_time(
     samples_per_s = workload.global_batch / step
     tokens_per_sample = _tokens_per_sample(workload, task)
     tokens_per_s = samples_per_s * tokens_per_sample if tokens_per_sample else None
-    model_flops = 3 * costs.forward_flops_per_sample * samples_per_s / ranks
+    # The traced FLOPs are one rank's: the whole model's under data parallel (each rank its share of the
+    # samples), its shards' or its stage's under tensor and pipeline parallel (each of them every sample).
+    model_flops = 3 * costs.forward_flops_per_sample * samples_per_s / config.data_parallel(workload)
     mfu = model_flops / profile.peak_flops if profile.peak_flops else None
     return StepTime(
         step_s=step,
