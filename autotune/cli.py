@@ -495,6 +495,7 @@ def find(
         constraint=constraint,
         slurm_signal=slurm_signal,
         slurm_option=slurm_option,
+        script=script,
     )
     if resources is not None:
         spec = _worker_spec(
@@ -651,6 +652,7 @@ def tune(
         constraint=constraint,
         slurm_signal=slurm_signal,
         slurm_option=slurm_option,
+        script=script,
     )
     if resources is not None:
         spec = _worker_spec(
@@ -940,8 +942,12 @@ def report(
 
 
 # -- helpers of the commands ---------------------------------------------------------------------
-def _slurm_resources(executor: str, *, workload: Workload, nodes: int, **slurm: Any) -> Any:
+def _slurm_resources(executor: str, *, workload: Workload, nodes: int, script: list[str] | None, **slurm: Any) -> Any:
     """What each SLURM worker job holds (None: the local executor, where the SLURM flags are refused)."""
+    if script and nodes > 1:
+        from autotune.scripts.runner import SCRIPT_NODES_REFUSAL
+
+        raise ConfigError(SCRIPT_NODES_REFUSAL.format(nodes=nodes))
     flags = {
         "gpus_per_node": "--gpus-per-node",
         "partition": "--partition",

@@ -332,6 +332,8 @@ def _launch(config: TrialConfig, workload: Workload, *, device_type: str, summar
         + ("inside such a SLURM job)" if nodes > 1 else "here)"),
         f"#SBATCH --nodes={nodes}",
         "#SBATCH --ntasks-per-node=1",
+        # A core for each of the node's ranks, as the trials' worker jobs asked (raise it for DataLoader workers).
+        f"#SBATCH --cpus-per-task={per_node}",
     ]
     if device_type == "cuda":
         lines.append(f"#SBATCH --gpus-per-node={per_node}")
@@ -367,8 +369,12 @@ def _launch(config: TrialConfig, workload: Workload, *, device_type: str, summar
             f'printf \'%s slots={per_node}\\n\' "${{HOSTS[@]}}" >"$HOSTFILE"',
         ]
     lines += [
+        "# Each node's torchrun gets the job's CPUs there (the fewest, where nodes differ): srun does not inherit",
+        "# sbatch's --cpus-per-task (SLURM 22.05+), and one CPU per task would bind all of a node's ranks to one.",
+        "CPUS=$(tr , '\\n' <<<\"$SLURM_JOB_CPUS_PER_NODE\" | sed 's/(x[0-9]*)//' | sort -n | head -1)",
         "# One torchrun per node; they meet at a c10d rendezvous on the first node, as the trials' ranks did.",
-        f"exec srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
+        f'exec srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 --cpus-per-task="$CPUS" \\',
+        "  --kill-on-bad-exit=1 \\",
         f"  torchrun --nnodes={nodes} --nproc-per-node={per_node} --rdzv-backend=c10d \\",
         '  --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="autotune-$SLURM_JOB_ID" "$@"',
     ]

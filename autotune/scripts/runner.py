@@ -31,7 +31,14 @@ from autotune.trial.runner import (
     stderr_tail_of,
 )
 
-__all__ = ["run_script_trial", "run_with_config", "command_with_config"]
+__all__ = ["run_script_trial", "run_with_config", "command_with_config", "SCRIPT_NODES_REFUSAL"]
+
+# A script trial runs the user's command where the trial runs (a SLURM worker's batch node): its ranks
+# would not reach the job's other nodes, and the records they write are not on a shared folder.
+SCRIPT_NODES_REFUSAL = (
+    "--nodes {nodes}: a script trial runs your command on one node only (multi-node script trials are not "
+    "supported yet); drop --nodes, or tune the model itself (--model, no command), whose trials span the nodes"
+)
 
 _HOOK_DIR = Path(__file__).parent / "hook"
 
@@ -57,6 +64,8 @@ def run_script_trial(
         raise ConfigError("no command to run: write it after --, e.g. autotune trial ... -- python train.py")
     if shutil.which(command[0]) is None:
         raise ConfigError(f"the command {command[0]!r} does not exist (not a file, and not on PATH)")
+    if workload.nodes > 1:
+        raise ConfigError(SCRIPT_NODES_REFUSAL.format(nodes=workload.nodes))
     device = device or detect_device(workload.device)
     config.validate_for(workload, device)
     with tempfile.TemporaryDirectory(prefix="autotune-script-") as tmp:

@@ -3,8 +3,13 @@ node, and torchrun's c10d rendezvous on the first node joins them (``--nodes M -
 all, N/M on each node, numbered node by node).
 
 Everything here is read from the allocation's environment (``SLURM_JOB_NODELIST``, ``SLURM_JOB_ID``,
-``SLURM_JOB_NUM_NODES``), so it is checked against the environment of a recorded allocation; the
-runner does not start multi-node trials yet (``--nodes 2`` is refused before anything runs).
+``SLURM_JOB_NUM_NODES``, ``SLURM_JOB_CPUS_PER_NODE``), so it is checked against the environment of a
+recorded allocation as well as run in real ones (a SLURM worker's trials, :mod:`autotune.trial.runner`).
+
+Each node's one srun task (its torchrun, which starts the node's ranks) is given the CPUs the job holds
+on that node: since SLURM 22.05, srun no longer inherits sbatch's ``--cpus-per-task``, and a step asks
+for one CPU per task by default, so on a cluster that binds tasks to their CPUs (task/affinity,
+task/cgroup) every rank of a node would share one core.
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ from typing import Mapping
 
 from autotune.errors import ConfigError
 
-__all__ = ["expand_nodelist", "NodeRanks", "node_ranks", "multinode_command", "RDZV_PORT"]
+__all__ = ["expand_nodelist", "NodeRanks", "node_ranks", "cpus_per_node", "multinode_command", "RDZV_PORT"]
 
 RDZV_PORT = 29500  # torchrun's default rendezvous port, on the first node of the allocation
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_CPUS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")  # SLURM_JOB_CPUS_PER_NODE's items: 72(x2),36
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -85,13 +91,31 @@ def node_ranks(env: Mapping[str, str], *, nproc: int) -> list[NodeRanks]:
     ]
 
 
+def cpus_per_node(env: Mapping[str, str]) -> int | None:
+    """The CPUs the job holds on each of its nodes, the fewest where they differ (``SLURM_JOB_CPUS_PER_NODE``:
+    ``4(x2)``, ``72,36``): what each node's one srun task can be given, the same on every node. ``None``
+    outside a job that says."""
+    value = env.get("SLURM_JOB_CPUS_PER_NODE") or env.get("SLURM_CPUS_ON_NODE")
+    if not value:
+        return None
+    counts = []
+    for item in value.split(","):
+        match = _CPUS.match(item.strip())
+        if match is None:
+            raise ConfigError(f"SLURM_JOB_CPUS_PER_NODE {value!r}: cannot read {item!r}")
+        counts.append(int(match.group(1)))
+    return min(counts)
+
+
 def multinode_command(
     env: Mapping[str, str], *, nproc: int, argv: list[str], port: int = RDZV_PORT, python: str | None = None
 ) -> list[str]:
     """The command that starts ``argv`` (a Python script and its arguments) as ``nproc`` ranks across the
     allocation: ``srun`` places one torchrun on each node, which joins the others at a c10d rendezvous on
-    the first node (named by the job id, so two trials of one job never meet) and starts its ranks."""
+    the first node (named by the job id, so two trials of one job never meet) and starts its ranks. Each
+    node's torchrun gets the job's CPUs on that node (``--cpus-per-task``), which its ranks share."""
     nodes = node_ranks(env, nproc=nproc)
+    cpus = cpus_per_node(env)
     job = env.get("SLURM_JOB_ID")
     if not job:
         raise ConfigError("--nodes: no SLURM_JOB_ID here; multi-node trials run inside a SLURM allocation")
@@ -100,6 +124,7 @@ def multinode_command(
         f"--nodes={len(nodes)}",
         f"--ntasks={len(nodes)}",
         "--ntasks-per-node=1",
+        *([f"--cpus-per-task={cpus}"] if cpus is not None else []),  # srun does not inherit sbatch's (22.05+)
         "--kill-on-bad-exit=1",  # a rank that dies takes the trial down, not a hang in a collective
         python or sys.executable,
         "-m",

@@ -519,6 +519,7 @@ def test_every_launch_script_is_bash_that_sbatch_reads(tmp_path, workload, confi
     options = [line for line in lines if line.startswith("#SBATCH")]
     assert all(lines.index(option) < first_command for option in options)
     assert f"#SBATCH --nodes={workload.nodes}" in options and "#SBATCH --ntasks-per-node=1" in options
+    assert f"#SBATCH --cpus-per-task={workload.ranks_per_node}" in options  # a core for each rank of a node
     assert (f"#SBATCH --gpus-per-node={workload.ranks_per_node}" in options) == (device_type == "cuda")
     usage = _bash(script)
     assert usage.returncode == 2 and usage.stderr.startswith("usage: ") and len(usage.stderr.splitlines()) == 1
@@ -547,15 +548,27 @@ def test_a_one_rank_launch_script_runs_python(tmp_path: Path) -> None:
 
 
 # What SLURM sets in a batch job of two nodes (tests/trial/test_multinode.py's recorded allocation).
-_TWO_NODE_JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu-a[017-018]", "SLURM_JOB_NUM_NODES": "2"}
+_TWO_NODE_JOB = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NODELIST": "gpu-a[017-018]",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_JOB_CPUS_PER_NODE": "4(x2)",
+}
 
 
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="SLURM's scontrol expands the job's host list")
-@pytest.mark.parametrize("config", [FULL_BF16, ZERO2_OFFLOAD], ids=["ddp", "zero2"])
-def test_a_two_node_launch_script_runs_the_trials_command_and_writes_deepspeeds_hostfile(tmp_path, config) -> None:
+@pytest.mark.parametrize(
+    ("config", "cpus", "per_task"),
+    [(FULL_BF16, "4(x2)", "4"), (ZERO2_OFFLOAD, "4(x2)", "4"), (FULL_BF16, "12,8", "8")],
+    ids=["ddp", "zero2", "ddp-uneven-nodes"],
+)
+def test_a_two_node_launch_script_runs_the_trials_command_and_writes_deepspeeds_hostfile(
+    tmp_path, config, cpus, per_task
+) -> None:
     """In a recorded 2-node job, with SLURM's own scontrol: srun (here, one that records what it was asked to
-    run: the job is not real) gets the command the multi-node trials ran; a ZeRO config's hostfile lines are
-    what DeepSpeed's launcher reads."""
+    run: the job is not real) gets the command the multi-node trials ran, each node's torchrun with the job's
+    CPUs there (the fewest where the nodes differ); a ZeRO config's hostfile lines are what DeepSpeed's
+    launcher reads."""
     from deepspeed.launcher.runner import fetch_hostfile
 
     from autotune.trial.multinode import multinode_command
@@ -566,13 +579,16 @@ def test_a_two_node_launch_script_runs_the_trials_command_and_writes_deepspeeds_
     srun = bin_dir / "srun"
     srun.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path / "srun.args"}\n')
     srun.chmod(0o755)
-    env = {**_local_env(), **_TWO_NODE_JOB}
+    job = {**_TWO_NODE_JOB, "SLURM_JOB_CPUS_PER_NODE": cpus}
+    env = {**_local_env(), **job}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     ran = _bash(script, "train.py", "--lr", "1e-4", env=env)
     assert ran.returncode == 0, ran.stderr
     asked = (tmp_path / "srun.args").read_text().splitlines()
-    trial = multinode_command(_TWO_NODE_JOB, nproc=4, argv=["train.py", "--lr", "1e-4"], python="python")
-    assert ["srun", *asked] == [*trial[:5], "torchrun", *trial[8:]]  # python -m torch.distributed.run: torchrun
+    assert f"--cpus-per-task={per_task}" in asked
+    trial = multinode_command(job, nproc=4, argv=["train.py", "--lr", "1e-4"], python="python")
+    python = trial.index("python")  # python -m torch.distributed.run: torchrun
+    assert ["srun", *asked] == [*trial[:python], "torchrun", *trial[python + 3 :]]
     hostfile = tmp_path / "hostfile"
     if not config.uses_deepspeed:
         assert not hostfile.exists()

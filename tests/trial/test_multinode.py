@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from autotune.errors import ConfigError
-from autotune.trial.multinode import expand_nodelist, multinode_command, node_ranks
+from autotune.trial.multinode import cpus_per_node, expand_nodelist, multinode_command, node_ranks
 
 # What SLURM sets in a batch job holding two nodes (names and forms as recorded from `srun env` on the
 # one-node test cluster: SLURM_JOB_NODELIST=vm, SLURM_JOB_NUM_NODES=1, ...), for gpu-a017 and gpu-a018.
@@ -47,6 +47,7 @@ def test_four_ranks_over_two_nodes_of_a_recorded_allocation():
         "--nodes=2",
         "--ntasks=2",
         "--ntasks-per-node=1",
+        "--cpus-per-task=4",  # the job's CPUs on each node (SLURM_JOB_CPUS_PER_NODE), for the node's two ranks
         "--kill-on-bad-exit=1",
         "python3",
         "-m",
@@ -68,6 +69,27 @@ def test_an_allocation_that_does_not_fit_the_ranks_is_refused():
         node_ranks({}, nproc=2)
     with pytest.raises(ConfigError, match="names 2 nodes and SLURM_JOB_NUM_NODES says 3"):
         node_ranks(dict(TWO_NODES, SLURM_JOB_NUM_NODES="3"), nproc=4)
+
+
+@pytest.mark.parametrize(
+    ("env", "cpus"),
+    [
+        ({"SLURM_JOB_CPUS_PER_NODE": "4(x2)"}, 4),
+        ({"SLURM_JOB_CPUS_PER_NODE": "72(x2),36"}, 36),  # nodes of two sizes: what every node can give
+        ({"SLURM_JOB_CPUS_PER_NODE": "8,16"}, 8),
+        ({"SLURM_CPUS_ON_NODE": "6"}, 6),
+        ({}, None),
+    ],
+)
+def test_each_nodes_task_gets_the_cpus_the_job_holds_there(env, cpus):
+    assert cpus_per_node(env) == cpus
+    command = multinode_command({**TWO_NODES, "SLURM_JOB_CPUS_PER_NODE": "", **env}, nproc=4, argv=["t.py"])
+    assert [a for a in command if a.startswith("--cpus-per-task")] == ([f"--cpus-per-task={cpus}"] if cpus else [])
+
+
+def test_a_cpu_count_slurm_never_writes_is_refused():
+    with pytest.raises(ConfigError, match="SLURM_JOB_CPUS_PER_NODE '4x2': cannot read '4x2'"):
+        cpus_per_node({"SLURM_JOB_CPUS_PER_NODE": "4x2"})
 
 
 LISTS = ["vm", "gpu-a[017-018]", "n[1-3,7],login1", "rack1-n[08-11]", "a[09-10],b[1,3]"]
