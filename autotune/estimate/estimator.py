@@ -369,6 +369,17 @@ def trace_key(workload: Workload, config: TrialConfig, *, task: str | None = Non
     )
 
 
+def pipeline_step(stages: list[TracedStep]) -> TracedStep:
+    """A pipeline's step from each stage's (in stage order): the largest stands for it, every rank's peak
+    beside it."""
+    most = max(stages, key=lambda traced: traced.peak_bytes)
+    return dataclasses.replace(
+        most,
+        rank_peak_bytes=[traced.peak_bytes for traced in stages],
+        seconds=sum(traced.seconds for traced in stages),
+    )
+
+
 def _traced_ranks(workload: Workload, config: TrialConfig) -> int:
     """Ranks of the traced step: FSDP2's, tensor and pipeline parallel's, on a fake group of them; one for DDP
     and ZeRO (arithmetic)."""
@@ -402,15 +413,11 @@ def trace_step(
     fake process group), and the step of the rank that holds the most stands for the config, with every
     rank's peak beside it."""
     if config.pp > 1 and pipeline_rank is None:
-        stages = [
-            trace_step(workload, config, task=task, pytorch1_step=pytorch1_step, pipeline_rank=rank)
-            for rank in range(config.pp)
-        ]
-        most = max(stages, key=lambda traced: traced.peak_bytes)
-        return dataclasses.replace(
-            most,
-            rank_peak_bytes=[traced.peak_bytes for traced in stages],
-            seconds=sum(traced.seconds for traced in stages),
+        return pipeline_step(
+            [
+                trace_step(workload, config, task=task, pytorch1_step=pytorch1_step, pipeline_rank=rank)
+                for rank in range(config.pp)
+            ]
         )
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -66,7 +66,12 @@ class _Traces:
         if key in self._kept:
             self._kept.move_to_end(key)
             return self._kept[key]
-        traced = _trace_in_child(workload, config, task, pytorch1_step)
+        if config.pp > 1:  # each stage's rank traced in a child of its own, as many at once as there are cores
+            from autotune.estimate.estimator import pipeline_step
+
+            traced = pipeline_step(_stages_in_children(workload, config, task, pytorch1_step))
+        else:
+            traced = _collect(*_fork_trace(workload, config, task, pytorch1_step))
         self._kept[key] = traced
         while len(self._kept) > _KEPT_TRACES:
             self._kept.popitem(last=False)
@@ -110,18 +115,46 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}"
 
 
-def _trace_in_child(workload: Any, config: Any, task: str | None, pytorch1_step: bool) -> Any:
-    """Fork; the child traces and writes the result (or why it failed) to a pipe as JSON, then exits."""
-    from autotune.estimate.estimator import TracedStep
+def _stages_in_children(workload: Any, config: Any, task: str | None, pytorch1_step: bool) -> list[Any]:
+    """Every pipeline stage's traced step, in stage order, ``os.cpu_count()`` children at a time."""
+    at_once = max(1, os.cpu_count() or 1)
+    traced: list[Any] = []
+    for first in range(0, config.pp, at_once):
+        children = [
+            _fork_trace(workload, config, task, pytorch1_step, pipeline_rank=rank)
+            for rank in range(first, min(first + at_once, config.pp))
+        ]
+        failed: _TraceFailed | None = None
+        for child in children:  # every child collected, so none is left behind when one failed
+            try:
+                traced.append(_collect(*child))
+            except _TraceFailed as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+    return traced
 
+
+def _fork_trace(
+    workload: Any, config: Any, task: str | None, pytorch1_step: bool, pipeline_rank: int | None = None
+) -> tuple[int, int]:
+    """Fork; the child traces and writes the result (or why it failed) to a pipe as JSON, then exits.
+    Returns the child's pid and the pipe's read end, for :func:`_collect`."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(read_end)
         with os.fdopen(write_end, "w") as out:
-            out.write(json.dumps(_trace(workload, config, task, pytorch1_step)))
+            out.write(json.dumps(_trace(workload, config, task, pytorch1_step, pipeline_rank)))
         os._exit(0)  # skip teardown: the traced state's finalisers are not worth waiting (or crashing) for
     os.close(write_end)
+    return pid, read_end
+
+
+def _collect(pid: int, read_end: int) -> Any:
+    """The traced step a child of :func:`_fork_trace` wrote, once it has exited."""
+    from autotune.estimate.estimator import TracedStep
+
     with os.fdopen(read_end) as reply:
         text = reply.read()
     _, status = os.waitpid(pid, 0)
@@ -133,11 +166,14 @@ def _trace_in_child(workload: Any, config: Any, task: str | None, pytorch1_step:
     return TracedStep.from_dict(result["ok"])
 
 
-def _trace(workload: Any, config: Any, task: str | None, pytorch1_step: bool) -> dict[str, Any]:
+def _trace(
+    workload: Any, config: Any, task: str | None, pytorch1_step: bool, pipeline_rank: int | None = None
+) -> dict[str, Any]:
     from autotune.estimate.estimator import trace_step
 
     try:
-        return {"ok": trace_step(workload, config, task=task, pytorch1_step=pytorch1_step).to_dict()}
+        traced = trace_step(workload, config, task=task, pytorch1_step=pytorch1_step, pipeline_rank=pipeline_rank)
+        return {"ok": traced.to_dict()}
     except Exception as exc:
         return {"error": _one_line(exc)}
 
