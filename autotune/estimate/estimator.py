@@ -75,6 +75,7 @@ __all__ = [
     "estimate_memory",
     "predict_memory",
     "start_estimate_server",
+    "wait_for_estimate_server",
     "trace_key",
     "trace_step",
 ]
@@ -219,8 +220,11 @@ def predict_memory(
 class _EstimateServer:
     """The caller's handle on one ``python -m autotune.estimate.worker`` process."""
 
+    START_TIMEOUT_S = 120.0  # its imports, on a slow disk
+
     def __init__(self) -> None:
         self._process: subprocess.Popen[str] | None = None
+        self._ready = False  # it said it has imported everything
         self._lock = threading.Lock()
 
     def ask(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -229,19 +233,37 @@ class _EstimateServer:
             assert process.stdin is not None and process.stdout is not None
             process.stdin.write(json.dumps(request) + "\n")
             process.stdin.flush()
-            ready, _, _ = select.select([process.stdout], [], [], timeout_s)
-            line = process.stdout.readline() if ready else ""
-            if not line:
-                self.close()  # a late answer must not be read as the next request's
-                if not ready:
-                    raise EstimateError(f"the estimate took more than {timeout_s:g} s")
-                raise EstimateError("the estimate server exited")
-            return json.loads(line)
+            started = time.monotonic()
+            self._read_ready(process, timeout_s)  # the request waits in its pipe meanwhile
+            return self._line(process, timeout_s - (time.monotonic() - started))
 
     def start(self) -> None:
         """Start the server now, if it is not running, without waiting for its imports."""
         with self._lock:
             self._running()
+
+    def wait_if_starting(self) -> None:
+        """Wait until a server started already has imported everything (a server that died is left for
+        the next estimate to find out); nothing where none was started."""
+        with self._lock:
+            if self._process is not None and self._process.poll() is None:
+                with contextlib.suppress(EstimateError):
+                    self._read_ready(self._process, self.START_TIMEOUT_S)
+
+    def _read_ready(self, process: subprocess.Popen[str], timeout_s: float) -> None:
+        if not self._ready:
+            self._ready = "ready" in self._line(process, timeout_s)
+
+    def _line(self, process: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], max(timeout_s, 0.0))
+        line = process.stdout.readline() if ready else ""
+        if not line:
+            self.close()  # a late answer must not be read as the next request's
+            if not ready:
+                raise EstimateError(f"the estimate took more than {timeout_s:g} s")
+            raise EstimateError("the estimate server exited")
+        return json.loads(line)
 
     def _running(self) -> subprocess.Popen[str]:
         if self._process is None or self._process.poll() is not None:
@@ -253,6 +275,7 @@ class _EstimateServer:
                 text=True,
                 start_new_session=True,
             )
+            self._ready = False
         return self._process
 
     def close(self) -> None:
@@ -269,9 +292,15 @@ atexit.register(_SERVER.close)
 
 def start_estimate_server() -> None:
     """Start the estimate server in the background now, its imports beside the caller's own checks;
-    the first estimate's request waits in its pipe until it reads it. Not beside trials: its imports
-    would take a core the trial's free cores are read from."""
+    the first estimate's request waits in its pipe until it reads it. Not beside trials or the device
+    probe: its imports would take a core their free cores are read from (:func:`wait_for_estimate_server`)."""
     _SERVER.start()
+
+
+def wait_for_estimate_server() -> None:
+    """Wait until an estimate server started in the background has done its imports (nothing where none
+    was started): before what reads the free cores, as the device probe does."""
+    _SERVER.wait_if_starting()
 
 
 class EstimateError(AutotuneError):

@@ -7,7 +7,8 @@ server (``python -m autotune.estimate.worker``) imports them once, then for each
 on stdin forks a child that traces, writes the traced step's figures to a pipe as JSON and exits without
 teardown; the server keeps the traced steps, derives the estimate from one (ZeRO and DDP are
 arithmetic on the plain step, so configs differing only there share a trace) and writes one JSON
-line per request on stdout. It dies with the process that started it.
+line per request on stdout, after a first ``{"ready": 1}`` once its imports are done. It dies with the
+process that started it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def serve() -> None:
 
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # model code's stray prints must not land in the replies
+    replies.write(json.dumps({"ready": 1}) + "\n")  # a device probe waits for these imports to end
+    replies.flush()
     traces = _Traces()
     for line in sys.stdin:
         if line.strip():

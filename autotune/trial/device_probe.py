@@ -6,7 +6,9 @@ them they emulate and crawl, and on a GPU tensor cores decide; only measuring te
 runs in a process of its own (``python -m autotune.trial.device_probe cpu fp32,bf16``), so the driver
 never imports torch or holds a CUDA context, and prints one JSON object: precision -> matmul
 speed relative to fp32 (precisions the device cannot run are left out). On a CPU it computes only
-on the cores free when it starts, as a trial does.
+on the cores free when it starts, as a trial does. Where trials will be forked from the trial server
+(:mod:`autotune.trial.server`), the probe is forked from it too: the same measurement in a process of
+its own, without the seconds a new interpreter pays to import torch.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ _ROUNDS = 3  # interleaved, the best of each kept: other processes only slow a r
 _RUN_S = 0.1  # seconds of matmuls per precision per round
 
 
-def probe_precisions(device_type: str, precisions: list[str]) -> dict[str, float] | None:
-    """Matmul speed of each precision relative to fp32 on ``device_type``; None when the probe fails."""
-    speeds = _in_own_process(device_type, ",".join(precisions))
+def probe_precisions(device_type: str, precisions: list[str], *, trial_server: bool = False) -> dict[str, float] | None:
+    """Matmul speed of each precision relative to fp32 on ``device_type``; None when the probe fails.
+    ``trial_server``: forked from the trial server (started if need be) unless it is turned off."""
+    speeds = _in_own_process(device_type, ",".join(precisions), trial_server=trial_server)
     if not isinstance(speeds, dict):
         return None
     return {str(k): float(v) for k, v in speeds.items() if isinstance(v, (int, float)) and v > 0}
@@ -76,16 +79,26 @@ def _matmul_rate(torch: Any, device: Any, precision: str, size: int) -> float:
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
-def probe_profile(device_type: str, *, between_ranks: bool = True) -> dict[str, Any] | None:
+def probe_profile(device_type: str, *, between_ranks: bool = True, trial_server: bool = False) -> dict[str, Any] | None:
     """This device's roofline (:class:`autotune.estimate.step_time.DeviceProfile` as a dict), measured
     in a process of its own; None when the probe fails. ``between_ranks``: also a collective's latency
-    on a CPU (two more processes, about 3 s; what only a workload of several ranks needs)."""
-    profile = _in_own_process(device_type, "--profile" if between_ranks else "--profile-one-rank")
+    on a CPU (two more processes, about 3 s; what only a workload of several ranks needs).
+    ``trial_server``: forked from the trial server (started if need be) unless it is turned off."""
+    what = "--profile" if between_ranks else "--profile-one-rank"
+    profile = _in_own_process(device_type, what, trial_server=trial_server)
     return profile if isinstance(profile, dict) else None
 
 
-def _in_own_process(device_type: str, what: str) -> Any:
-    """This module run as a probe for ``what``: the JSON its last line prints, or None when it fails."""
+def _in_own_process(device_type: str, what: str, *, trial_server: bool = False) -> Any:
+    """This module run as a probe for ``what``: the JSON its last line prints, or None when it fails.
+    With ``trial_server``, forked from the trial server where it runs (a server that cannot fork or dies
+    leaves the probe to a new interpreter, as it leaves trials)."""
+    if trial_server:
+        from autotune.trial.runner import probe_in_trial_server
+
+        forked = probe_in_trial_server(device_type, what, timeout_s=PROBE_TIMEOUT_S)
+        if forked is not None:
+            return forked
     command = [sys.executable, "-m", "autotune.trial.device_probe", device_type, what]
     try:
         done = subprocess.run(
@@ -244,9 +257,14 @@ def _use_free_cores(device_type: str) -> None:
         use_cores(cores, len(cores), torch)
 
 
+def run_probe(device_type: str, what: str) -> Any:
+    """In the probe's own process (new or forked): ``--profile``, ``--profile-one-rank`` or a comma-separated
+    list of precisions, measured on the cores free now; what it prints as JSON."""
+    _use_free_cores(device_type)
+    if what in ("--profile", "--profile-one-rank"):
+        return measure_profile(device_type, between_ranks=what == "--profile")
+    return relative_matmul_speed(device_type, what.split(","))
+
+
 if __name__ == "__main__":
-    _use_free_cores(sys.argv[1])
-    if sys.argv[2] in ("--profile", "--profile-one-rank"):
-        print(json.dumps(measure_profile(sys.argv[1], between_ranks=sys.argv[2] == "--profile")))
-    else:
-        print(json.dumps(relative_matmul_speed(sys.argv[1], sys.argv[2].split(","))))
+    print(json.dumps(run_probe(sys.argv[1], sys.argv[2])))

@@ -17,6 +17,10 @@ group on a timeout), then
 ``{"exit_code"}`` once it is reaped (negative: the signal that ended it); or ``{"error"}`` when
 it cannot fork safely, and the runner starts trials in new interpreters from then on. It dies
 with the process that started it.
+
+The device probe (:mod:`autotune.trial.device_probe`) is forked the same way, for the same reason (its
+new interpreter's ``import torch`` is most of its time): ``{"probe": [device type, what], "env"}`` in,
+``{"pid"}`` (its process group) then ``{"probe": the JSON it measured, or null}`` out.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import sys
 from typing import IO, Any
 
 __all__ = ["serve"]
+
+PROBE_PROCESS_NAME = "autotune-probe"  # what the device probe forked by the server is called in ps
 
 
 def serve() -> None:
@@ -49,15 +55,16 @@ def serve() -> None:
     _reply(replies, {"ready": 1})  # the runner measures a trial's free cores once these imports are done
     for line in sys.stdin:
         if line.strip():
-            _serve_one(json.loads(line), replies)
+            request = json.loads(line)
+            if "probe" in request:
+                _serve_probe(request, replies)
+            else:
+                _serve_one(request, replies)
 
 
 def _serve_one(request: dict[str, Any], replies: IO[str]) -> None:
-    import torch
-
     _preload_model_module(request["workload"])
-    if torch.cuda.is_initialized():  # some import did it anyway: a fork would inherit a dead context
-        _reply(replies, {"error": "CUDA was initialised in the trial server; trials start in new interpreters"})
+    if not _can_fork(replies):
         return
     nproc = int(request.get("nproc", 1))
     ranks = _rank_envs(nproc)
@@ -74,6 +81,64 @@ def _serve_one(request: dict[str, Any], replies: IO[str]) -> None:
         pids.append(pid)
     _reply(replies, {"pid": leader})
     _reply(replies, {"exit_code": _reap(pids, leader)})
+
+
+def _can_fork(replies: IO[str]) -> bool:
+    import torch
+
+    if torch.cuda.is_initialized():  # some import did it anyway: a fork would inherit a dead context
+        _reply(replies, {"error": "CUDA was initialised in the trial server; trials start in new interpreters"})
+        return False
+    return True
+
+
+def _serve_probe(request: dict[str, Any], replies: IO[str]) -> None:
+    """Fork the device probe into a process group of its own; what it measured comes back through a pipe."""
+    if not _can_fork(replies):
+        return
+    device_type, what = request["probe"]
+    read_end, write_end = os.pipe()
+    server = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        _run_probe_child(device_type, what, request["env"], write_end, server)  # never returns
+    os.close(write_end)
+    with contextlib.suppress(PermissionError, ProcessLookupError):  # the child may have done it already
+        os.setpgid(pid, pid)
+    _reply(replies, {"pid": pid})
+    with os.fdopen(read_end) as pipe:
+        text = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    try:
+        measured = json.loads(text) if os.waitstatus_to_exitcode(status) == 0 else None
+    except ValueError:
+        measured = None
+    _reply(replies, {"probe": measured})
+
+
+def _run_probe_child(device_type: str, what: str, env: dict[str, str], write_end: int, server: int) -> None:
+    """In the forked child: the probe, as ``python -m autotune.trial.device_probe`` runs it; exit without teardown."""
+    code = 1
+    try:
+        from autotune.trial.lifeline import die_with_parent, name_process
+
+        die_with_parent(server)
+        os.setpgid(0, 0)  # its own group, with the collective's ranks it spawns: killed whole on a timeout
+        name_process(PROBE_PROCESS_NAME)
+        os.environ.clear()
+        os.environ.update(env)
+        from autotune.trial.device_probe import run_probe
+
+        with os.fdopen(write_end, "w") as out:
+            out.write(json.dumps(run_probe(device_type, what)))
+        code = 0
+    except BaseException:  # noqa: BLE001 - whatever happened, this process must not return to the server loop
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
 
 
 def _rank_envs(nproc: int) -> list[dict[str, str]]:
