@@ -39,6 +39,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import select
@@ -76,6 +77,7 @@ __all__ = [
     "predict_memory",
     "start_estimate_server",
     "wait_for_estimate_server",
+    "may_hold_adapters",
     "trace_key",
     "trace_step",
 ]
@@ -451,7 +453,7 @@ def trace_step(
     ranks = _traced_ranks(workload, config)
     with (
         warnings.catch_warnings(),
-        _adapters_stay_put(traced),
+        _adapters_stay_put(traced, adapters=may_hold_adapters(workload, config)),
         _unpacked_batches(),
         as_on_cuda,
         _fake_process_group(ranks, traced, gloo=target == "cpu") if sharded else contextlib.nullcontext() as mesh,
@@ -1017,19 +1019,36 @@ def _unpacked_batches() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = original
 
 
+def may_hold_adapters(workload: Workload, config: TrialConfig) -> bool:
+    """Whether ``config``'s traced model may hold PEFT adapters: LoRA's, or whatever a factory's or remote
+    code makes (a model Transformers ships code for makes none of its own)."""
+    from autotune.models.sources import parse_model_source
+
+    return (
+        config.lora_rank is not None
+        or workload.trust_remote_code
+        or parse_model_source(workload.model).kind == "factory"
+    )
+
+
 @contextlib.contextmanager
-def _adapters_stay_put(device_type: str) -> Iterator[None]:
+def _adapters_stay_put(device_type: str, *, adapters: bool) -> Iterator[None]:
     """PEFT moves each new adapter to its base layer's device (and, for an adapted parameter such as
     fused experts, dtype), which fake parameters cannot do (``Module._apply`` cannot swap them).
-    Under fake tensors both are on the traced device already."""
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:
+    Under fake tensors both are on the traced device already. PEFT is imported for it only where
+    the model may hold ``adapters`` (:func:`may_hold_adapters`): over a second, and none are made otherwise."""
+    if importlib.util.find_spec("peft") is None:
         yield
         return
     import torch
 
-    original_move = BaseTunerLayer._move_adapter_to_device_of_base_layer
+    if adapters or "peft.tuners.tuners_utils" in sys.modules:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        tuner_layer: Any = BaseTunerLayer
+        original_move = tuner_layer._move_adapter_to_device_of_base_layer
+    else:
+        tuner_layer = original_move = None
     original_to = torch.nn.Module.to
 
     def to_unless_a_no_op(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
@@ -1039,14 +1058,14 @@ def _adapters_stay_put(device_type: str) -> Iterator[None]:
             return module  # everything is on the traced device, in that dtype, already
         return original_to(module, *args, **kwargs)
 
-    BaseTunerLayer._move_adapter_to_device_of_base_layer = (  # type: ignore[method-assign]  # patched inside
-        lambda self, *args, **kwargs: None
-    )
+    if tuner_layer is not None:
+        tuner_layer._move_adapter_to_device_of_base_layer = lambda self, *args, **kwargs: None
     torch.nn.Module.to = to_unless_a_no_op  # type: ignore[method-assign,assignment]  # patched inside
     try:
         yield
     finally:
-        BaseTunerLayer._move_adapter_to_device_of_base_layer = original_move  # type: ignore[method-assign]  # restored
+        if tuner_layer is not None:
+            tuner_layer._move_adapter_to_device_of_base_layer = original_move
         torch.nn.Module.to = original_to  # type: ignore[method-assign]  # restored
 
 

@@ -3,7 +3,8 @@
 A traced estimate leaves its process unfit for another (fake tensors, PEFT and some models'
 code leave state that can crash a later trace), so each estimate needs a fresh process, and
 starting one from scratch pays PyTorch's, Transformers' and PEFT's imports every time. This
-server (``python -m autotune.estimate.worker``) imports them once, then for each request line
+server (``python -m autotune.estimate.worker``) imports them once (PEFT at the first trace that may make
+adapters), then for each request line
 on stdin forks a child that traces, writes the traced step's figures to a pipe as JSON and exits without
 teardown; the server keeps the traced steps, derives the estimate from one (ZeRO and DDP are
 arithmetic on the plain step, so configs differing only there share a trace) and writes one JSON
@@ -14,6 +15,7 @@ process that started it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,8 +31,7 @@ def serve() -> None:
     # tensors (which make one): nothing here may create one. torch.cuda.is_available(), which some
     # imports call, then asks NVML instead of initialising the CUDA driver.
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    import peft  # noqa: F401 - imported once here, inherited by every forked estimate
-    import torch  # noqa: F401
+    import torch  # noqa: F401 - imported once here, inherited by every forked estimate
     from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
     from transformers import (  # noqa: F401
         AutoConfig,
@@ -69,11 +70,22 @@ class _Traces:
         if key in self._kept:
             self._kept.move_to_end(key)
             return self._kept[key]
+        _preload_peft(workload, config)
         traced = _trace_in_child(workload, config, task, pytorch1_step)
         self._kept[key] = traced
         while len(self._kept) > _KEPT_TRACES:
             self._kept.popitem(last=False)
         return traced
+
+
+def _preload_peft(workload: Any, config: Any) -> None:
+    """Import PEFT here, once, before the first trace that may make adapters (LoRA's, a factory's): over
+    half of this server's imports, which an estimate without adapters never needs."""
+    from autotune.estimate.estimator import may_hold_adapters
+
+    if "peft" not in sys.modules and may_hold_adapters(workload, config):
+        with contextlib.suppress(ImportError):  # the trace says what is missing
+            import peft  # noqa: F401
 
 
 def _answer(request: dict[str, Any], traces: _Traces) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 A trial in a fresh interpreter pays ``import torch``, Transformers' model module and PEFT every
 time: over 4 seconds before a tiny model's first step on this project's CPU, against a
 quarter of a second forked (``bench/fixed_cost.py``). This server (``python -m autotune.trial.server``)
-imports them once, then for each request line on stdin forks the trial's ranks, each running
+imports them once (the model's module and PEFT at the first trial that needs them), then for each
+request line on stdin forks the trial's ranks, each running
 exactly as ``python -m autotune.trial.child`` would (stdout and stderr to the trial's files, the
 request's environment, and for several ranks what torchrun's agent would set: RANK, WORLD_SIZE,
 MASTER_ADDR/PORT...), all in one new process group, and exiting without teardown; when one rank
@@ -41,8 +42,7 @@ def serve() -> None:
     # A CUDA context does not survive fork: nothing here may create one. torch.cuda.is_available(),
     # which some imports call, then asks NVML instead of initialising the CUDA driver.
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    import peft  # noqa: F401 - imported once here, inherited by every forked trial
-    import torch  # noqa: F401
+    import torch  # noqa: F401 - imported once here, inherited by every forked trial
     import transformers  # noqa: F401
 
     import autotune.trial.child  # noqa: F401
@@ -64,6 +64,7 @@ def serve() -> None:
 
 def _serve_one(request: dict[str, Any], replies: IO[str]) -> None:
     _preload_model_module(request["workload"])
+    _preload_peft(request["spec"])
     if not _can_fork(replies):
         return
     nproc = int(request.get("nproc", 1))
@@ -181,6 +182,20 @@ def _preload_model_module(workload: dict[str, Any]) -> None:
             if type(config) in auto._model_mapping:
                 auto._model_mapping[type(config)]  # noqa: B018 - the lookup imports the module
     except Exception:  # noqa: BLE001 - the trial itself will report what is wrong with the model
+        return
+
+
+def _preload_peft(spec_path: str) -> None:
+    """Import PEFT here, once, before the first LoRA trial (what a trial without LoRA never imports: over
+    half of the server's imports, which a study without LoRA would pay for nothing)."""
+    if "peft" in sys.modules:
+        return
+    try:
+        with open(spec_path) as spec:
+            lora = json.load(spec)["config"].get("lora_rank") is not None
+        if lora:
+            import peft  # noqa: F401
+    except Exception:  # noqa: BLE001 - the trial itself will report what is wrong
         return
 
 
