@@ -77,6 +77,7 @@ __all__ = [
     "predict_memory",
     "start_estimate_server",
     "wait_for_estimate_server",
+    "probe_in_estimate_server",
     "may_hold_adapters",
     "trace_key",
     "trace_step",
@@ -297,6 +298,16 @@ def start_estimate_server() -> None:
     the first estimate's request waits in its pipe until it reads it. Not beside trials or the device
     probe: its imports would take a core their free cores are read from (:func:`wait_for_estimate_server`)."""
     _SERVER.start()
+
+
+def probe_in_estimate_server(device_type: str, what: str, *, timeout_s: float) -> Any:
+    """The device probe's ``what`` (see :func:`autotune.trial.device_probe.run_probe`) forked from the estimate
+    server, started now if it is not running, once its imports are done: what it measured, or None where it
+    failed (the caller then probes in a new interpreter)."""
+    try:
+        return _SERVER.ask({"probe": [device_type, what], "env": dict(os.environ)}, timeout_s).get("probe")
+    except EstimateError:
+        return None
 
 
 def wait_for_estimate_server() -> None:

@@ -9,7 +9,8 @@ on stdin forks a child that traces, writes the traced step's figures to a pipe a
 teardown; the server keeps the traced steps, derives the estimate from one (ZeRO and DDP are
 arithmetic on the plain step, so configs differing only there share a trace) and writes one JSON
 line per request on stdout, after a first ``{"ready": 1}`` once its imports are done. It dies with the
-process that started it.
+process that started it. A ``{"probe": [device type, what], "env"}`` request forks the device probe
+(:mod:`autotune.trial.device_probe`) instead: ``{"probe": what it measured, or null}``.
 """
 
 from __future__ import annotations
@@ -49,8 +50,19 @@ def serve() -> None:
     traces = _Traces()
     for line in sys.stdin:
         if line.strip():
-            replies.write(json.dumps(_answer(json.loads(line), traces)) + "\n")
+            request = json.loads(line)
+            reply = _probe(request) if "probe" in request else _answer(request, traces)
+            replies.write(json.dumps(reply) + "\n")
             replies.flush()
+
+
+def _probe(request: dict[str, Any]) -> dict[str, Any]:
+    """{"probe": what the device probe measured, or None}: forked from here, as the trial server forks it
+    (:func:`autotune.trial.device_probe.forked_probe`), instead of a new interpreter importing torch."""
+    from autotune.trial.device_probe import forked_probe
+
+    device_type, what = request["probe"]
+    return {"probe": forked_probe(device_type, what, request["env"], forked=lambda pid: None)}
 
 
 _KEPT_TRACES = 128  # a plan's families at two proxy depths; a 7B's whole trace is 20k allocation events

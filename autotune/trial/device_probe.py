@@ -13,15 +13,25 @@ its own, without the seconds a new interpreter pays to import torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from autotune.config.knobs import sixteen_bit_type
 
-__all__ = ["probe_precisions", "relative_matmul_speed", "probe_profile", "measure_profile"]
+__all__ = [
+    "probe_precisions",
+    "relative_matmul_speed",
+    "probe_profile",
+    "profile_request",
+    "measure_profile",
+    "run_probe",
+    "forked_probe",
+]
 
 PROBE_TIMEOUT_S = 120.0
 _SIZE = {"cpu": 512, "cuda": 4096}  # big enough to be compute bound, small enough for a second
@@ -84,9 +94,13 @@ def probe_profile(device_type: str, *, between_ranks: bool = True, trial_server:
     in a process of its own; None when the probe fails. ``between_ranks``: also a collective's latency
     on a CPU (two more processes, about 3 s; what only a workload of several ranks needs).
     ``trial_server``: forked from the trial server (started if need be) unless it is turned off."""
-    what = "--profile" if between_ranks else "--profile-one-rank"
-    profile = _in_own_process(device_type, what, trial_server=trial_server)
+    profile = _in_own_process(device_type, profile_request(between_ranks), trial_server=trial_server)
     return profile if isinstance(profile, dict) else None
+
+
+def profile_request(between_ranks: bool) -> str:
+    """What :func:`run_probe` is asked for a roofline, with or without the collective between ranks."""
+    return "--profile" if between_ranks else "--profile-one-rank"
 
 
 def _in_own_process(device_type: str, what: str, *, trial_server: bool = False) -> Any:
@@ -264,6 +278,54 @@ def run_probe(device_type: str, what: str) -> Any:
     if what in ("--profile", "--profile-one-rank"):
         return measure_profile(device_type, between_ranks=what == "--profile")
     return relative_matmul_speed(device_type, what.split(","))
+
+
+def forked_probe(device_type: str, what: str, env: dict[str, str], *, forked: Callable[[int], None]) -> Any:
+    """In a server that has imported torch already (the trial server, the estimate server): :func:`run_probe`
+    in a forked child, in a process group of its own, with ``env`` for its environment; what it measured (None:
+    it failed). ``forked`` hears the child's pid (its group) as soon as it exists."""
+    read_end, write_end = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        _run_forked(device_type, what, env, write_end, parent)  # never returns
+    os.close(write_end)
+    with contextlib.suppress(PermissionError, ProcessLookupError):  # the child may have done it already
+        os.setpgid(pid, pid)
+    forked(pid)
+    with os.fdopen(read_end) as pipe:
+        text = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    try:
+        return json.loads(text) if os.waitstatus_to_exitcode(status) == 0 else None
+    except ValueError:
+        return None
+
+
+def _run_forked(device_type: str, what: str, env: dict[str, str], write_end: int, parent: int) -> None:
+    """In the forked child: the probe, as ``python -m autotune.trial.device_probe`` runs it; exit without teardown."""
+    code = 1
+    try:
+        from autotune.trial.lifeline import die_with_parent, name_process
+
+        die_with_parent(parent)
+        os.setpgid(0, 0)  # its own group, with the collective's ranks it spawns: killed whole on a timeout
+        name_process(PROBE_PROCESS_NAME)
+        os.environ.clear()
+        os.environ.update(env)
+        with os.fdopen(write_end, "w") as out:
+            out.write(json.dumps(run_probe(device_type, what)))
+        code = 0
+    except BaseException:  # noqa: BLE001 - whatever happened, this process must not return to its server's loop
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+PROBE_PROCESS_NAME = "autotune-probe"  # what a probe forked by a server is called in ps
 
 
 if __name__ == "__main__":

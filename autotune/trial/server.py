@@ -35,8 +35,6 @@ from typing import IO, Any
 
 __all__ = ["serve"]
 
-PROBE_PROCESS_NAME = "autotune-probe"  # what the device probe forked by the server is called in ps
-
 
 def serve() -> None:
     # A CUDA context does not survive fork: nothing here may create one. torch.cuda.is_available(),
@@ -94,52 +92,14 @@ def _can_fork(replies: IO[str]) -> bool:
 
 
 def _serve_probe(request: dict[str, Any], replies: IO[str]) -> None:
-    """Fork the device probe into a process group of its own; what it measured comes back through a pipe."""
+    """Fork the device probe; its pid (process group) as soon as it exists, then what it measured."""
+    from autotune.trial.device_probe import forked_probe
+
     if not _can_fork(replies):
         return
     device_type, what = request["probe"]
-    read_end, write_end = os.pipe()
-    server = os.getpid()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        _run_probe_child(device_type, what, request["env"], write_end, server)  # never returns
-    os.close(write_end)
-    with contextlib.suppress(PermissionError, ProcessLookupError):  # the child may have done it already
-        os.setpgid(pid, pid)
-    _reply(replies, {"pid": pid})
-    with os.fdopen(read_end) as pipe:
-        text = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    try:
-        measured = json.loads(text) if os.waitstatus_to_exitcode(status) == 0 else None
-    except ValueError:
-        measured = None
+    measured = forked_probe(device_type, what, request["env"], forked=lambda pid: _reply(replies, {"pid": pid}))
     _reply(replies, {"probe": measured})
-
-
-def _run_probe_child(device_type: str, what: str, env: dict[str, str], write_end: int, server: int) -> None:
-    """In the forked child: the probe, as ``python -m autotune.trial.device_probe`` runs it; exit without teardown."""
-    code = 1
-    try:
-        from autotune.trial.lifeline import die_with_parent, name_process
-
-        die_with_parent(server)
-        os.setpgid(0, 0)  # its own group, with the collective's ranks it spawns: killed whole on a timeout
-        name_process(PROBE_PROCESS_NAME)
-        os.environ.clear()
-        os.environ.update(env)
-        from autotune.trial.device_probe import run_probe
-
-        with os.fdopen(write_end, "w") as out:
-            out.write(json.dumps(run_probe(device_type, what)))
-        code = 0
-    except BaseException:  # noqa: BLE001 - whatever happened, this process must not return to the server loop
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        os._exit(code)
 
 
 def _rank_envs(nproc: int) -> list[dict[str, str]]:
