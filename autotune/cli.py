@@ -519,7 +519,7 @@ def find(
     if workers != 1:
         raise ConfigError(f"--workers {workers} on find is for --executor slurm; use autotune tune --workers here")
     if not script:
-        _start_trial_server()
+        _start_trial_server(estimate=estimate)
     with _progress(quiet=as_json) as progress:
         summary = find_config(
             workload=workload,
@@ -674,7 +674,7 @@ def tune(
         summary = _on_slurm(study, spec, workers=workers, confirm=confirm, resources=resources, storage=storage)
         return _finish(summary, as_json=as_json, confirmed=confirm)
     if not script and workers == 1:  # several workers each start their own
-        _start_trial_server()
+        _start_trial_server(estimate=estimate)
     with _progress(quiet=as_json) as progress:
         summary = tune_study(
             study=study,
@@ -1044,11 +1044,16 @@ def _on_slurm(
     return _summary(name, storage)
 
 
-def _start_trial_server() -> None:
-    """Trials will run in this process: start their server now, its imports beside the checks before them."""
+def _start_trial_server(*, estimate: bool = False) -> None:
+    """Trials will run in this process: start their server now, its imports beside the checks before them;
+    with ``estimate``, the estimate server's too (the tuner's device probe waits for both)."""
     from autotune.trial.runner import start_trial_server
 
     start_trial_server()
+    if estimate:
+        from autotune.estimate.estimator import start_estimate_server
+
+        start_estimate_server()
 
 
 def _duration(text: Optional[str], flag: str) -> Optional[float]:

@@ -39,6 +39,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import select
@@ -75,6 +76,9 @@ __all__ = [
     "estimate_memory",
     "predict_memory",
     "start_estimate_server",
+    "wait_for_estimate_server",
+    "probe_in_estimate_server",
+    "may_hold_adapters",
     "trace_key",
     "trace_step",
 ]
@@ -223,8 +227,11 @@ def predict_memory(
 class _EstimateServer:
     """The caller's handle on one ``python -m autotune.estimate.worker`` process."""
 
+    START_TIMEOUT_S = 120.0  # its imports, on a slow disk
+
     def __init__(self) -> None:
         self._process: subprocess.Popen[str] | None = None
+        self._ready = False  # it said it has imported everything
         self._lock = threading.Lock()
 
     def ask(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -233,19 +240,37 @@ class _EstimateServer:
             assert process.stdin is not None and process.stdout is not None
             process.stdin.write(json.dumps(request) + "\n")
             process.stdin.flush()
-            ready, _, _ = select.select([process.stdout], [], [], timeout_s)
-            line = process.stdout.readline() if ready else ""
-            if not line:
-                self.close()  # a late answer must not be read as the next request's
-                if not ready:
-                    raise EstimateError(f"the estimate took more than {timeout_s:g} s")
-                raise EstimateError("the estimate server exited")
-            return json.loads(line)
+            started = time.monotonic()
+            self._read_ready(process, timeout_s)  # the request waits in its pipe meanwhile
+            return self._line(process, timeout_s - (time.monotonic() - started))
 
     def start(self) -> None:
         """Start the server now, if it is not running, without waiting for its imports."""
         with self._lock:
             self._running()
+
+    def wait_if_starting(self) -> None:
+        """Wait until a server started already has imported everything (a server that died is left for
+        the next estimate to find out); nothing where none was started."""
+        with self._lock:
+            if self._process is not None and self._process.poll() is None:
+                with contextlib.suppress(EstimateError):
+                    self._read_ready(self._process, self.START_TIMEOUT_S)
+
+    def _read_ready(self, process: subprocess.Popen[str], timeout_s: float) -> None:
+        if not self._ready:
+            self._ready = "ready" in self._line(process, timeout_s)
+
+    def _line(self, process: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], max(timeout_s, 0.0))
+        line = process.stdout.readline() if ready else ""
+        if not line:
+            self.close()  # a late answer must not be read as the next request's
+            if not ready:
+                raise EstimateError(f"the estimate took more than {timeout_s:g} s")
+            raise EstimateError("the estimate server exited")
+        return json.loads(line)
 
     def _running(self) -> subprocess.Popen[str]:
         if self._process is None or self._process.poll() is not None:
@@ -257,6 +282,7 @@ class _EstimateServer:
                 text=True,
                 start_new_session=True,
             )
+            self._ready = False
         return self._process
 
     def close(self) -> None:
@@ -273,9 +299,25 @@ atexit.register(_SERVER.close)
 
 def start_estimate_server() -> None:
     """Start the estimate server in the background now, its imports beside the caller's own checks;
-    the first estimate's request waits in its pipe until it reads it. Not beside trials: its imports
-    would take a core the trial's free cores are read from."""
+    the first estimate's request waits in its pipe until it reads it. Not beside trials or the device
+    probe: its imports would take a core their free cores are read from (:func:`wait_for_estimate_server`)."""
     _SERVER.start()
+
+
+def probe_in_estimate_server(device_type: str, what: str, *, timeout_s: float) -> Any:
+    """The device probe's ``what`` (see :func:`autotune.trial.device_probe.run_probe`) forked from the estimate
+    server, started now if it is not running, once its imports are done: what it measured, or None where it
+    failed (the caller then probes in a new interpreter)."""
+    try:
+        return _SERVER.ask({"probe": [device_type, what], "env": dict(os.environ)}, timeout_s).get("probe")
+    except EstimateError:
+        return None
+
+
+def wait_for_estimate_server() -> None:
+    """Wait until an estimate server started in the background has done its imports (nothing where none
+    was started): before what reads the free cores, as the device probe does."""
+    _SERVER.wait_if_starting()
 
 
 class EstimateError(AutotuneError):
@@ -455,7 +497,7 @@ def trace_step(
     ranks = _traced_ranks(workload, config)
     with (
         warnings.catch_warnings(),
-        _adapters_stay_put(traced),
+        _adapters_stay_put(traced, adapters=may_hold_adapters(workload, config)),
         _unpacked_batches(),
         as_on_cuda,
         # A pipeline stage's ranks: stage k holds ranks k x tp to k x tp + tp - 1 (its tensor-parallel pairs).
@@ -1101,19 +1143,36 @@ def _unpacked_batches() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = original
 
 
+def may_hold_adapters(workload: Workload, config: TrialConfig) -> bool:
+    """Whether ``config``'s traced model may hold PEFT adapters: LoRA's, or whatever a factory's or remote
+    code makes (a model Transformers ships code for makes none of its own)."""
+    from autotune.models.sources import parse_model_source
+
+    return (
+        config.lora_rank is not None
+        or workload.trust_remote_code
+        or parse_model_source(workload.model).kind == "factory"
+    )
+
+
 @contextlib.contextmanager
-def _adapters_stay_put(device_type: str) -> Iterator[None]:
+def _adapters_stay_put(device_type: str, *, adapters: bool) -> Iterator[None]:
     """PEFT moves each new adapter to its base layer's device (and, for an adapted parameter such as
     fused experts, dtype), which fake parameters cannot do (``Module._apply`` cannot swap them).
-    Under fake tensors both are on the traced device already."""
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:
+    Under fake tensors both are on the traced device already. PEFT is imported for it only where
+    the model may hold ``adapters`` (:func:`may_hold_adapters`): over a second, and none are made otherwise."""
+    if importlib.util.find_spec("peft") is None:
         yield
         return
     import torch
 
-    original_move = BaseTunerLayer._move_adapter_to_device_of_base_layer
+    if adapters or "peft.tuners.tuners_utils" in sys.modules:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        tuner_layer: Any = BaseTunerLayer
+        original_move = tuner_layer._move_adapter_to_device_of_base_layer
+    else:
+        tuner_layer = original_move = None
     original_to = torch.nn.Module.to
 
     def to_unless_a_no_op(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
@@ -1123,14 +1182,14 @@ def _adapters_stay_put(device_type: str) -> Iterator[None]:
             return module  # everything is on the traced device, in that dtype, already
         return original_to(module, *args, **kwargs)
 
-    BaseTunerLayer._move_adapter_to_device_of_base_layer = (  # type: ignore[method-assign]  # patched inside
-        lambda self, *args, **kwargs: None
-    )
+    if tuner_layer is not None:
+        tuner_layer._move_adapter_to_device_of_base_layer = lambda self, *args, **kwargs: None
     torch.nn.Module.to = to_unless_a_no_op  # type: ignore[method-assign,assignment]  # patched inside
     try:
         yield
     finally:
-        BaseTunerLayer._move_adapter_to_device_of_base_layer = original_move  # type: ignore[method-assign]  # restored
+        if tuner_layer is not None:
+            tuner_layer._move_adapter_to_device_of_base_layer = original_move
         torch.nn.Module.to = original_to  # type: ignore[method-assign]  # restored
 
 

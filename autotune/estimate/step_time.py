@@ -173,9 +173,15 @@ def profile_for(workload: Workload, device_type: str | None) -> DeviceProfile | 
         return card_profile(gpu_spec(workload.gpu))
     if device_type is None:
         return None
-    from autotune.trial.device_probe import probe_profile
+    from autotune.estimate.estimator import probe_in_estimate_server
+    from autotune.trial.device_probe import PROBE_TIMEOUT_S, probe_profile, profile_request
 
-    probed = probe_profile(device_type, between_ranks=workload.nproc > 1)  # one rank communicates nothing
+    between_ranks = workload.nproc > 1  # one rank communicates nothing
+    # Forked from the estimate server the estimates come from (no interpreter of its own to start), once its
+    # imports are done: the probe computes on the cores free when it starts.
+    probed = probe_in_estimate_server(device_type, profile_request(between_ranks), timeout_s=PROBE_TIMEOUT_S)
+    if not isinstance(probed, dict):
+        probed = probe_profile(device_type, between_ranks=between_ranks)
     return DeviceProfile.from_dict(probed) if probed else None
 
 

@@ -3,16 +3,20 @@
 A traced estimate leaves its process unfit for another (fake tensors, PEFT and some models'
 code leave state that can crash a later trace), so each estimate needs a fresh process, and
 starting one from scratch pays PyTorch's, Transformers' and PEFT's imports every time. This
-server (``python -m autotune.estimate.worker``) imports them once, then for each request line
+server (``python -m autotune.estimate.worker``) imports them once (PEFT at the first trace that may make
+adapters), then for each request line
 on stdin forks a child that traces, writes the traced step's figures to a pipe as JSON and exits without
 teardown; the server keeps the traced steps, derives the estimate from one (ZeRO and DDP are
 arithmetic on the plain step, so configs differing only there share a trace) and writes one JSON
-line per request on stdout. It dies with the process that started it.
+line per request on stdout, after a first ``{"ready": 1}`` once its imports are done. It dies with the
+process that started it. A ``{"probe": [device type, what], "env"}`` request forks the device probe
+(:mod:`autotune.trial.device_probe`) instead: ``{"probe": what it measured, or null}``.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,8 +32,7 @@ def serve() -> None:
     # tensors (which make one): nothing here may create one. torch.cuda.is_available(), which some
     # imports call, then asks NVML instead of initialising the CUDA driver.
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    import peft  # noqa: F401 - imported once here, inherited by every forked estimate
-    import torch  # noqa: F401
+    import torch  # noqa: F401 - imported once here, inherited by every forked estimate
     from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
     from transformers import (  # noqa: F401
         AutoConfig,
@@ -42,11 +45,24 @@ def serve() -> None:
 
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # model code's stray prints must not land in the replies
+    replies.write(json.dumps({"ready": 1}) + "\n")  # a device probe waits for these imports to end
+    replies.flush()
     traces = _Traces()
     for line in sys.stdin:
         if line.strip():
-            replies.write(json.dumps(_answer(json.loads(line), traces)) + "\n")
+            request = json.loads(line)
+            reply = _probe(request) if "probe" in request else _answer(request, traces)
+            replies.write(json.dumps(reply) + "\n")
             replies.flush()
+
+
+def _probe(request: dict[str, Any]) -> dict[str, Any]:
+    """{"probe": what the device probe measured, or None}: forked from here, as the trial server forks it
+    (:func:`autotune.trial.device_probe.forked_probe`), instead of a new interpreter importing torch."""
+    from autotune.trial.device_probe import forked_probe
+
+    device_type, what = request["probe"]
+    return {"probe": forked_probe(device_type, what, request["env"], forked=lambda pid: None)}
 
 
 _KEPT_TRACES = 128  # a plan's families at two proxy depths; a 7B's whole trace is 20k allocation events
@@ -66,6 +82,7 @@ class _Traces:
         if key in self._kept:
             self._kept.move_to_end(key)
             return self._kept[key]
+        _preload_peft(workload, config)
         if config.pp > 1:  # each stage's rank traced in a child of its own, as many at once as there are cores
             from autotune.estimate.estimator import pipeline_step
 
@@ -76,6 +93,16 @@ class _Traces:
         while len(self._kept) > _KEPT_TRACES:
             self._kept.popitem(last=False)
         return traced
+
+
+def _preload_peft(workload: Any, config: Any) -> None:
+    """Import PEFT here, once, before the first trace that may make adapters (LoRA's, a factory's): over
+    half of this server's imports, which an estimate without adapters never needs."""
+    from autotune.estimate.estimator import may_hold_adapters
+
+    if "peft" not in sys.modules and may_hold_adapters(workload, config):
+        with contextlib.suppress(ImportError):  # the trace says what is missing
+            import peft  # noqa: F401
 
 
 def _answer(request: dict[str, Any], traces: _Traces) -> dict[str, Any]:

@@ -55,7 +55,10 @@ def measure_grid(
         from autotune.trial.device_probe import probe_profile
 
         # The collective's latency only where the grid's trials have several ranks: one communicates nothing.
-        profile = probe_profile(detect_device(workload.device).type, between_ranks=workload.nproc > 1)
+        # Forked from the trial server the trials below are forked from (no interpreter of its own to start).
+        profile = probe_profile(
+            detect_device(workload.device).type, between_ranks=workload.nproc > 1, trial_server=True
+        )
         if profile is not None:
             roofline.write_text(json.dumps(profile, indent=1) + "\n")
     with out.open("a") as sink:

@@ -199,6 +199,8 @@ def tune(
     _check_nodes(workload, srun=srun)  # before the storage is opened: a refused worker writes nothing
     _check_workload(workload, device)
     space.choices(workload, device)  # a space with nothing to run here is refused before a study is written
+    if isinstance(backend, LocalBackend):
+        backend.start(estimate=estimate)  # their imports beside the storage's opening (the CLI started them sooner)
     gpus = gpu_slices(workers, workload.nproc, device)
     opened = open_storage(storage)
     space = _space_to_resume(opened, study, space, progress)
@@ -554,6 +556,19 @@ class LocalBackend:
     def __init__(self, device_type: str, *, srun: bool = False) -> None:
         self._device_type = device_type
         self._srun = srun  # a SLURM worker: the ranks start with srun across the job's nodes
+        # Where trials are forked from the trial server, the device probe is too (no interpreter to start).
+        self._probe_in_trial_server = not srun
+
+    def start(self, *, estimate: bool) -> None:
+        """Start the servers the trials (and estimates) will be forked from, their imports beside the
+        caller's checks before the first trial."""
+        from autotune.estimate.estimator import start_estimate_server
+        from autotune.trial.runner import start_trial_server
+
+        if self._probe_in_trial_server:
+            start_trial_server()
+        if estimate:
+            start_estimate_server()
 
     def run(self, workload: Workload, config: TrialConfig, **measure: Any) -> TrialResult:
         if self._srun:  # the job's own cores (and nodes): nothing else of this machine's runs on them
@@ -564,8 +579,8 @@ class LocalBackend:
     def probe(self, precisions: list[str]) -> dict[str, float] | None:
         from autotune.trial.device_probe import probe_precisions
 
-        with cpu_turn(self._device_type):
-            return probe_precisions(self._device_type, precisions)
+        with self._probe_turn():
+            return probe_precisions(self._device_type, precisions, trial_server=self._probe_in_trial_server)
 
     def profile(
         self, *, between_ranks: bool = True, stored: Callable[[], dict[str, Any] | None] | None = None
@@ -574,9 +589,23 @@ class LocalBackend:
         this one waited for its turn on the cores (workers on one machine would each probe in turn)."""
         from autotune.trial.device_probe import probe_profile
 
-        with cpu_turn(self._device_type):
+        with self._probe_turn():
             already = stored() if stored is not None else None
-            return already if already is not None else probe_profile(self._device_type, between_ranks=between_ranks)
+            if already is not None:
+                return already
+            return probe_profile(
+                self._device_type, between_ranks=between_ranks, trial_server=self._probe_in_trial_server
+            )
+
+    @contextlib.contextmanager
+    def _probe_turn(self) -> Iterator[None]:
+        """The device probe's turn on the cores, once the estimate server started beside it has done its
+        imports: the probe computes on the cores free when it starts, as a trial does."""
+        from autotune.estimate.estimator import wait_for_estimate_server
+
+        wait_for_estimate_server()  # before the turn: other processes' trials need not wait on these imports
+        with cpu_turn(self._device_type):
+            yield
 
     def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None:
         from autotune.estimate.estimator import EstimateError, predict_memory
@@ -594,6 +623,7 @@ class ScriptBackend(LocalBackend):
     def __init__(self, device_type: str, command: list[str]) -> None:
         super().__init__(device_type)
         self._command = list(command)
+        self._probe_in_trial_server = False  # script trials start the user's command, not from the server
 
     def run(self, workload: Workload, config: TrialConfig, **measure: Any) -> TrialResult:
         from autotune.scripts.runner import run_script_trial

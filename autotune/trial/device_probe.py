@@ -6,20 +6,32 @@ them they emulate and crawl, and on a GPU tensor cores decide; only measuring te
 runs in a process of its own (``python -m autotune.trial.device_probe cpu fp32,bf16``), so the driver
 never imports torch or holds a CUDA context, and prints one JSON object: precision -> matmul
 speed relative to fp32 (precisions the device cannot run are left out). On a CPU it computes only
-on the cores free when it starts, as a trial does.
+on the cores free when it starts, as a trial does. Where trials will be forked from the trial server
+(:mod:`autotune.trial.server`), the probe is forked from it too: the same measurement in a process of
+its own, without the seconds a new interpreter pays to import torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from autotune.config.knobs import sixteen_bit_type
 
-__all__ = ["probe_precisions", "relative_matmul_speed", "probe_profile", "measure_profile"]
+__all__ = [
+    "probe_precisions",
+    "relative_matmul_speed",
+    "probe_profile",
+    "profile_request",
+    "measure_profile",
+    "run_probe",
+    "forked_probe",
+]
 
 PROBE_TIMEOUT_S = 120.0
 _SIZE = {"cpu": 512, "cuda": 4096}  # big enough to be compute bound, small enough for a second
@@ -27,9 +39,10 @@ _ROUNDS = 3  # interleaved, the best of each kept: other processes only slow a r
 _RUN_S = 0.1  # seconds of matmuls per precision per round
 
 
-def probe_precisions(device_type: str, precisions: list[str]) -> dict[str, float] | None:
-    """Matmul speed of each precision relative to fp32 on ``device_type``; None when the probe fails."""
-    speeds = _in_own_process(device_type, ",".join(precisions))
+def probe_precisions(device_type: str, precisions: list[str], *, trial_server: bool = False) -> dict[str, float] | None:
+    """Matmul speed of each precision relative to fp32 on ``device_type``; None when the probe fails.
+    ``trial_server``: forked from the trial server (started if need be) unless it is turned off."""
+    speeds = _in_own_process(device_type, ",".join(precisions), trial_server=trial_server)
     if not isinstance(speeds, dict):
         return None
     return {str(k): float(v) for k, v in speeds.items() if isinstance(v, (int, float)) and v > 0}
@@ -76,16 +89,30 @@ def _matmul_rate(torch: Any, device: Any, precision: str, size: int) -> float:
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
-def probe_profile(device_type: str, *, between_ranks: bool = True) -> dict[str, Any] | None:
+def probe_profile(device_type: str, *, between_ranks: bool = True, trial_server: bool = False) -> dict[str, Any] | None:
     """This device's roofline (:class:`autotune.estimate.step_time.DeviceProfile` as a dict), measured
     in a process of its own; None when the probe fails. ``between_ranks``: also a collective's latency
-    on a CPU (two more processes, about 3 s; what only a workload of several ranks needs)."""
-    profile = _in_own_process(device_type, "--profile" if between_ranks else "--profile-one-rank")
+    on a CPU (two more processes, about 3 s; what only a workload of several ranks needs).
+    ``trial_server``: forked from the trial server (started if need be) unless it is turned off."""
+    profile = _in_own_process(device_type, profile_request(between_ranks), trial_server=trial_server)
     return profile if isinstance(profile, dict) else None
 
 
-def _in_own_process(device_type: str, what: str) -> Any:
-    """This module run as a probe for ``what``: the JSON its last line prints, or None when it fails."""
+def profile_request(between_ranks: bool) -> str:
+    """What :func:`run_probe` is asked for a roofline, with or without the collective between ranks."""
+    return "--profile" if between_ranks else "--profile-one-rank"
+
+
+def _in_own_process(device_type: str, what: str, *, trial_server: bool = False) -> Any:
+    """This module run as a probe for ``what``: the JSON its last line prints, or None when it fails.
+    With ``trial_server``, forked from the trial server where it runs (a server that cannot fork or dies
+    leaves the probe to a new interpreter, as it leaves trials)."""
+    if trial_server:
+        from autotune.trial.runner import probe_in_trial_server
+
+        forked = probe_in_trial_server(device_type, what, timeout_s=PROBE_TIMEOUT_S)
+        if forked is not None:
+            return forked
     command = [sys.executable, "-m", "autotune.trial.device_probe", device_type, what]
     try:
         done = subprocess.run(
@@ -244,9 +271,62 @@ def _use_free_cores(device_type: str) -> None:
         use_cores(cores, len(cores), torch)
 
 
+def run_probe(device_type: str, what: str) -> Any:
+    """In the probe's own process (new or forked): ``--profile``, ``--profile-one-rank`` or a comma-separated
+    list of precisions, measured on the cores free now; what it prints as JSON."""
+    _use_free_cores(device_type)
+    if what in ("--profile", "--profile-one-rank"):
+        return measure_profile(device_type, between_ranks=what == "--profile")
+    return relative_matmul_speed(device_type, what.split(","))
+
+
+def forked_probe(device_type: str, what: str, env: dict[str, str], *, forked: Callable[[int], None]) -> Any:
+    """In a server that has imported torch already (the trial server, the estimate server): :func:`run_probe`
+    in a forked child, in a process group of its own, with ``env`` for its environment; what it measured (None:
+    it failed). ``forked`` hears the child's pid (its group) as soon as it exists."""
+    read_end, write_end = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        _run_forked(device_type, what, env, write_end, parent)  # never returns
+    os.close(write_end)
+    with contextlib.suppress(PermissionError, ProcessLookupError):  # the child may have done it already
+        os.setpgid(pid, pid)
+    forked(pid)
+    with os.fdopen(read_end) as pipe:
+        text = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    try:
+        return json.loads(text) if os.waitstatus_to_exitcode(status) == 0 else None
+    except ValueError:
+        return None
+
+
+def _run_forked(device_type: str, what: str, env: dict[str, str], write_end: int, parent: int) -> None:
+    """In the forked child: the probe, as ``python -m autotune.trial.device_probe`` runs it; exit without teardown."""
+    code = 1
+    try:
+        from autotune.trial.lifeline import die_with_parent, name_process
+
+        die_with_parent(parent)
+        os.setpgid(0, 0)  # its own group, with the collective's ranks it spawns: killed whole on a timeout
+        name_process(PROBE_PROCESS_NAME)
+        os.environ.clear()
+        os.environ.update(env)
+        with os.fdopen(write_end, "w") as out:
+            out.write(json.dumps(run_probe(device_type, what)))
+        code = 0
+    except BaseException:  # noqa: BLE001 - whatever happened, this process must not return to its server's loop
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+PROBE_PROCESS_NAME = "autotune-probe"  # what a probe forked by a server is called in ps
+
+
 if __name__ == "__main__":
-    _use_free_cores(sys.argv[1])
-    if sys.argv[2] in ("--profile", "--profile-one-rank"):
-        print(json.dumps(measure_profile(sys.argv[1], between_ranks=sys.argv[2] == "--profile")))
-    else:
-        print(json.dumps(relative_matmul_speed(sys.argv[1], sys.argv[2].split(","))))
+    print(json.dumps(run_probe(sys.argv[1], sys.argv[2])))

@@ -35,6 +35,7 @@ from autotune.trial.result import TOKENS_PER_S, PhaseTimings, TrialResult, Trial
 
 __all__ = [
     "run_trial",
+    "probe_in_trial_server",
     "start_trial_server",
     "DEFAULT_TRIAL_TIMEOUT_S",
     "run_process_group",
@@ -239,21 +240,9 @@ class _TrialServer:
             "nproc": spec["workload"]["nproc"],
         }
         started = time.monotonic()
-        try:
-            self._wait_ready(process)
-            process.stdin.write(json.dumps(request) + "\n")
-            process.stdin.flush()
-            pid = self._read(process, "pid", self.START_TIMEOUT_S)
-        except _Refused:
-            self._refused = True
-            self.close()
+        pid = self._send(process, request)
+        if pid is None:
             return None
-        except (BrokenPipeError, _ServerGone):
-            self.close()
-            return None
-        except BaseException:
-            self.close()  # it cannot be trusted with the next trial
-            raise
         try:
             code = self._read(process, "exit_code", timeout_s - (time.monotonic() - started))
             _kill_group(pid)  # anything the trial left behind in its group
@@ -271,7 +260,54 @@ class _TrialServer:
                 self.close()
             raise
 
+    def probe(self, device_type: str, what: str, *, timeout_s: float) -> Any:
+        """The device probe forked from the server (see :mod:`autotune.trial.device_probe`): what it measured;
+        None when it failed or the server is not there to fork it."""
+        process = self.start()
+        try:
+            pid = self._send(process, {"probe": [device_type, what], "env": dict(os.environ)})
+        except TimeoutError:  # no answer from the server: the probe runs in an interpreter of its own
+            return None
+        if pid is None:
+            return None
+        try:
+            return self._reply(process, "probe", timeout_s)["probe"]
+        except _ServerGone:
+            return None
+        except BaseException as exc:  # a timeout or Ctrl-C: the probe goes, reaped by the server
+            _kill_tree(pid)
+            try:
+                self._reply(process, "probe", 30.0)
+            except (TimeoutError, _ServerGone):
+                self.close()
+            if isinstance(exc, TimeoutError):
+                return None
+            raise
+
+    def _send(self, process: subprocess.Popen[str], request: dict[str, Any]) -> int | None:
+        """Hand ``request`` to the server once it is ready: the pid (process group) of what it forked, or None
+        when the server is not there to fork it (refusing, or gone)."""
+        assert process.stdin is not None
+        try:
+            self._wait_ready(process)
+            process.stdin.write(json.dumps(request) + "\n")
+            process.stdin.flush()
+            return self._read(process, "pid", self.START_TIMEOUT_S)
+        except _Refused:
+            self._refused = True
+            self.close()
+            return None
+        except (BrokenPipeError, _ServerGone):
+            self.close()
+            return None
+        except BaseException:
+            self.close()  # it cannot be trusted with the next request
+            raise
+
     def _read(self, process: subprocess.Popen[str], key: str, timeout_s: float) -> int:
+        return int(self._reply(process, key, timeout_s)[key])
+
+    def _reply(self, process: subprocess.Popen[str], key: str, timeout_s: float) -> dict[str, Any]:
         import select
 
         assert process.stdout is not None
@@ -282,10 +318,10 @@ class _TrialServer:
         if not line:
             self.close()
             raise _ServerGone()
-        reply = json.loads(line)
+        reply: dict[str, Any] = json.loads(line)
         if "error" in reply:
             raise _Refused(reply["error"])
-        return int(reply[key])
+        return reply
 
     def start(self) -> subprocess.Popen[str]:
         """The server process, started now (without waiting for its imports) if it is not running."""
@@ -334,6 +370,13 @@ class _Refused(RuntimeError):
 
 _SERVER = _TrialServer()
 atexit.register(_SERVER.close)
+
+
+def probe_in_trial_server(device_type: str, what: str, *, timeout_s: float) -> Any:
+    """The device probe's ``what`` forked from the trial server, started now if it is not running: what it
+    measured, or None where it failed or the server is off or cannot fork (the caller then probes in a new
+    interpreter, as trials then start in one)."""
+    return _SERVER.probe(device_type, what, timeout_s=timeout_s) if _SERVER.enabled() else None
 
 
 def start_trial_server() -> None:

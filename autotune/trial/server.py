@@ -3,7 +3,8 @@
 A trial in a fresh interpreter pays ``import torch``, Transformers' model module and PEFT every
 time: over 4 seconds before a tiny model's first step on this project's CPU, against a
 quarter of a second forked (``bench/fixed_cost.py``). This server (``python -m autotune.trial.server``)
-imports them once, then for each request line on stdin forks the trial's ranks, each running
+imports them once (the model's module and PEFT at the first trial that needs them), then for each
+request line on stdin forks the trial's ranks, each running
 exactly as ``python -m autotune.trial.child`` would (stdout and stderr to the trial's files, the
 request's environment, and for several ranks what torchrun's agent would set: RANK, WORLD_SIZE,
 MASTER_ADDR/PORT...), all in one new process group, and exiting without teardown; when one rank
@@ -17,6 +18,10 @@ group on a timeout), then
 ``{"exit_code"}`` once it is reaped (negative: the signal that ended it); or ``{"error"}`` when
 it cannot fork safely, and the runner starts trials in new interpreters from then on. It dies
 with the process that started it.
+
+The device probe (:mod:`autotune.trial.device_probe`) is forked the same way, for the same reason (its
+new interpreter's ``import torch`` is most of its time): ``{"probe": [device type, what], "env"}`` in,
+``{"pid"}`` (its process group) then ``{"probe": the JSON it measured, or null}`` out.
 """
 
 from __future__ import annotations
@@ -35,8 +40,7 @@ def serve() -> None:
     # A CUDA context does not survive fork: nothing here may create one. torch.cuda.is_available(),
     # which some imports call, then asks NVML instead of initialising the CUDA driver.
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    import peft  # noqa: F401 - imported once here, inherited by every forked trial
-    import torch  # noqa: F401
+    import torch  # noqa: F401 - imported once here, inherited by every forked trial
     import transformers  # noqa: F401
 
     import autotune.trial.child  # noqa: F401
@@ -49,15 +53,17 @@ def serve() -> None:
     _reply(replies, {"ready": 1})  # the runner measures a trial's free cores once these imports are done
     for line in sys.stdin:
         if line.strip():
-            _serve_one(json.loads(line), replies)
+            request = json.loads(line)
+            if "probe" in request:
+                _serve_probe(request, replies)
+            else:
+                _serve_one(request, replies)
 
 
 def _serve_one(request: dict[str, Any], replies: IO[str]) -> None:
-    import torch
-
     _preload_model_module(request["workload"])
-    if torch.cuda.is_initialized():  # some import did it anyway: a fork would inherit a dead context
-        _reply(replies, {"error": "CUDA was initialised in the trial server; trials start in new interpreters"})
+    _preload_peft(request["spec"])
+    if not _can_fork(replies):
         return
     nproc = int(request.get("nproc", 1))
     ranks = _rank_envs(nproc)
@@ -74,6 +80,26 @@ def _serve_one(request: dict[str, Any], replies: IO[str]) -> None:
         pids.append(pid)
     _reply(replies, {"pid": leader})
     _reply(replies, {"exit_code": _reap(pids, leader)})
+
+
+def _can_fork(replies: IO[str]) -> bool:
+    import torch
+
+    if torch.cuda.is_initialized():  # some import did it anyway: a fork would inherit a dead context
+        _reply(replies, {"error": "CUDA was initialised in the trial server; trials start in new interpreters"})
+        return False
+    return True
+
+
+def _serve_probe(request: dict[str, Any], replies: IO[str]) -> None:
+    """Fork the device probe; its pid (process group) as soon as it exists, then what it measured."""
+    from autotune.trial.device_probe import forked_probe
+
+    if not _can_fork(replies):
+        return
+    device_type, what = request["probe"]
+    measured = forked_probe(device_type, what, request["env"], forked=lambda pid: _reply(replies, {"pid": pid}))
+    _reply(replies, {"probe": measured})
 
 
 def _rank_envs(nproc: int) -> list[dict[str, str]]:
@@ -116,6 +142,20 @@ def _preload_model_module(workload: dict[str, Any]) -> None:
             if type(config) in auto._model_mapping:
                 auto._model_mapping[type(config)]  # noqa: B018 - the lookup imports the module
     except Exception:  # noqa: BLE001 - the trial itself will report what is wrong with the model
+        return
+
+
+def _preload_peft(spec_path: str) -> None:
+    """Import PEFT here, once, before the first LoRA trial (what a trial without LoRA never imports: over
+    half of the server's imports, which a study without LoRA would pay for nothing)."""
+    if "peft" in sys.modules:
+        return
+    try:
+        with open(spec_path) as spec:
+            lora = json.load(spec)["config"].get("lora_rank") is not None
+        if lora:
+            import peft  # noqa: F401
+    except Exception:  # noqa: BLE001 - the trial itself will report what is wrong
         return
 
 

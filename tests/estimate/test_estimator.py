@@ -343,3 +343,21 @@ def test_on_cuda_the_8_bit_step_is_one_kernel_like_fused_adamw(in_backward):
     # On a CPU the trial steps torchao's AdamW8bit eagerly (tests/trial/test_optimizers.py measures it): kept there.
     on_cpu = predict_memory(cuda.replace(device="cpu", gpu=None), eight_bit.config)
     assert on_cpu.temporaries_bytes > eight_bit.temporaries_bytes
+
+
+def test_a_trace_without_adapters_leaves_peft_unimported():
+    # The estimate server imports PEFT only before a trace that may make adapters (LoRA's, a factory's):
+    # a trace without them must not import it in every forked estimate instead.
+    code = (
+        "import sys\n"
+        "from autotune.config.knobs import TrialConfig\n"
+        "from autotune.config.workload import Workload\n"
+        "from autotune.estimate.estimator import estimate_memory, may_hold_adapters\n"
+        "w = Workload(model='builtin:gpt2-tiny', seq_len=32, global_batch=4)\n"
+        "estimate_memory(w, TrialConfig(micro_batch=2, checkpointing=True))\n"
+        "print('peft' in sys.modules)\n"
+        "factory, plain = w.replace(model='factories:tiny'), TrialConfig(micro_batch=2)\n"
+        "print(may_hold_adapters(w, plain.replace(lora_rank=4)), may_hold_adapters(factory, plain))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["False", "True", "True"], out.stderr[-2000:]

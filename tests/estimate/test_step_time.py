@@ -199,3 +199,18 @@ def test_the_cpu_probe_of_a_study_of_several_ranks_times_a_collective_between_tw
     assert probed is not None, "the device probe failed"
     assert 0 < probed["collective_s"] < 1.0, probed
     assert DeviceProfile.from_dict(probed).collective_s == probed["collective_s"]
+
+
+def test_the_roofline_an_estimate_is_timed_on_is_probed_in_a_fork_of_the_estimate_server(monkeypatch):
+    """`autotune estimate` times its configs on this CPU's roofline: probed in a process forked from the
+    estimate server (after its imports), not in a new interpreter importing torch."""
+    from autotune.estimate.step_time import profile_for
+    from autotune.trial import device_probe
+
+    def no_interpreter(*args, **kwargs):
+        raise AssertionError(f"the probe started an interpreter of its own: {args}")
+
+    monkeypatch.setattr(device_probe.subprocess, "run", no_interpreter)
+    profile = profile_for(Workload(model="builtin:gpt2-tiny", global_batch=2), "cpu")
+    assert profile is not None and profile.source == "measured by the device probe"
+    assert profile.collective_s is None and profile.matmul_flops["float32"] > 0  # one rank: no collective timed

@@ -156,3 +156,40 @@ def test_trials_on_a_cpu_take_turns_across_processes():
         holder.wait()
     with cpu_turn("cpu"):
         pass  # released with the process that held it
+
+
+def test_the_device_probe_forked_from_the_server_measures_what_its_own_interpreter_measures(monkeypatch):
+    from autotune.trial import device_probe
+
+    monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", "off")  # no server to fork from: an interpreter of its own
+    fresh = device_probe.probe_profile("cpu", between_ranks=False, trial_server=True)
+    monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", "on")
+
+    def no_interpreter(*args, **kwargs):
+        raise AssertionError(f"the probe started an interpreter of its own: {args}")
+
+    monkeypatch.setattr(device_probe.subprocess, "run", no_interpreter)
+    # Two ranks' roofline: the collective's two processes are spawned from the forked probe.
+    forked = device_probe.probe_profile("cpu", between_ranks=True, trial_server=True)
+    assert fresh is not None and forked is not None, "the device probe failed"
+    assert forked.keys() - {"collective_s"} == fresh.keys() and 0 < forked["collective_s"] < 1.0, forked
+    assert forked["source"] == fresh["source"] == "measured by the device probe"
+    assert forked["matmul_flops"].keys() == fresh["matmul_flops"].keys() and forked["memory_bandwidth"] > 0
+    speeds = device_probe.probe_precisions("cpu", ["fp32", "bf16"], trial_server=True)
+    assert speeds is not None and speeds["fp32"] == 1.0 and speeds["bf16"] > 0
+
+
+def test_the_server_imports_peft_only_before_a_lora_trial(tmp_path):
+    # Over half of the server's imports, which a study without LoRA never needs (a trial without LoRA
+    # does not import PEFT: the server imports it once, at the first LoRA trial).
+    code = (
+        "import json, sys\n"
+        "from autotune.trial.server import _preload_peft\n"
+        "for rank in (None, 8):\n"
+        "    spec = f'{sys.argv[1]}/{rank}.json'\n"
+        "    open(spec, 'w').write(json.dumps({'config': {'lora_rank': rank}}))\n"
+        "    _preload_peft(spec)\n"
+        "    print('peft' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stderr
