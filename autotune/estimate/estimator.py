@@ -531,8 +531,7 @@ def trace_step(
                 engine.offload = ActivationOffload(device_type=traced, pin_memory=False, host=tracker.on_host)
             if target == "cuda" and plain.optimizer == "adamw-8bit":
                 _steps_as_one_kernel(engine.optimizer, tracker)
-            fake_steps = _fake_pipeline_step if isinstance(engine, PipelineEngine) else _fake_steps
-            whole, flops_per_sample, step_costs = fake_steps(
+            whole, flops_per_sample, step_costs = _fake_steps(
                 engine, tracker, keep_gradients=pytorch1_step, record=target == "cuda"
             )
     method = "fake-tensor training step"
@@ -1233,11 +1232,13 @@ def _fake_steps(
     cost as long as the step itself. ``keep_gradients``: zero_grad zeroes them in place (PyTorch
     1.x's default) instead of freeing them. ``record``: the tracker keeps every allocation and free
     in order, with where each phase begins (what a CUDA workload's allocator replay needs).
+    A pipeline's rank (:class:`autotune.trial.engine.PipelineEngine`) runs its schedule instead of the
+    micro steps: see :func:`_pipeline_forwards_and_backwards`.
     """
     import torch
 
-    from autotune.models.batches import loss_of
     from autotune.prepare.quantize import quantization_constants
+    from autotune.trial.engine import PipelineEngine
 
     # A quantized base's scales are model states like the weights they scale.
     parameters = [*engine.model.parameters(), *engine.model.buffers(), *quantization_constants(engine.model)]
@@ -1261,8 +1262,42 @@ def _fake_steps(
         p.register_post_accumulate_grad_hook(lambda p: tracker.tag([p.grad] if p.grad is not None else [], "gradients"))
     tracker.reset_peak()
     tracker.mark("step")
-    micro_steps = min(engine.accum, _MICRO_STEPS)
     tracker.count_flops = True
+    if isinstance(engine, PipelineEngine):
+        micro_steps, loss = engine.accum, _pipeline_forwards_and_backwards(engine, tracker)
+        pipeline: Any = engine.model  # autotune.prepare.pipeline.Pipeline: this rank's stages
+        hidden = pipeline.stages[0].hidden_size
+    else:
+        micro_steps = min(engine.accum, _MICRO_STEPS)
+        loss = _micro_steps(engine, tracker, micro_steps)
+        hidden = getattr(getattr(engine.model, "config", None), "hidden_size", None)
+    tracker.count_flops = False
+    gradients = _bytes(p.grad for p in trainable if p.grad is not None)
+    tracker.mark("update")
+    tracker.costs.phase = UPDATE
+    engine.optimizer.step()
+    engine.optimizer.zero_grad(set_to_none=not keep_gradients)
+    del loss  # the last micro step's graph, alive through the update as in the trial's step
+    tracker.costs.phase = None
+    samples = micro_steps * engine.config.micro_batch
+    every = list(engine.model.parameters())
+    costs = tracker.costs.costs(
+        micro_batch=engine.config.micro_batch,
+        micro_steps=micro_steps,
+        trainable_parameters=sum(p.numel() for p in trainable),
+        parameters=sum(p.numel() for p in every),
+        parameter_tensors=len(every),
+        hidden_size=hidden if isinstance(hidden, int) else None,
+    )
+    return ModelStates(_bytes(parameters), gradients, _bytes(states)), tracker.flops // samples, costs
+
+
+def _micro_steps(engine: Any, tracker: Any, micro_steps: int) -> Any:
+    """The step's forwards and backwards, ``micro_steps`` of them; returns the last micro step's loss."""
+    import torch
+
+    from autotune.models.batches import loss_of
+
     for _ in range(micro_steps):
         tracker.in_forward, tracker.costs.phase = True, FORWARD
         with (
@@ -1275,52 +1310,14 @@ def _fake_steps(
             loss = loss_of(engine.forward_model(**engine.batch)) / engine.accum
         tracker.in_forward, tracker.costs.phase = False, BACKWARD
         loss.backward()
-    tracker.count_flops = False
-    gradients = _bytes(p.grad for p in trainable if p.grad is not None)
-    tracker.mark("update")
-    tracker.costs.phase = UPDATE
-    engine.optimizer.step()
-    engine.optimizer.zero_grad(set_to_none=not keep_gradients)
-    del loss  # the last micro step's graph, alive through the update as in the trial's step
-    tracker.costs.phase = None
-    samples = micro_steps * engine.config.micro_batch
-    every = list(engine.model.parameters())
-    hidden = getattr(getattr(engine.model, "config", None), "hidden_size", None)
-    costs = tracker.costs.costs(
-        micro_batch=engine.config.micro_batch,
-        micro_steps=micro_steps,
-        trainable_parameters=sum(p.numel() for p in trainable),
-        parameters=sum(p.numel() for p in every),
-        parameter_tensors=len(every),
-        hidden_size=hidden if isinstance(hidden, int) else None,
-    )
-    return ModelStates(_bytes(parameters), gradients, _bytes(states)), tracker.flops // samples, costs
+    return loss
 
 
-def _fake_pipeline_step(
-    engine: Any, tracker: Any, *, keep_gradients: bool = False, record: bool = False
-) -> tuple[ModelStates, int, StepCosts]:
-    """One rank's pipeline step on fake tensors (see :func:`_fake_steps`): its stages' optimizer state made
-    first, then the schedule's forwards and backwards of every micro batch in the schedule's order (the
-    stages' forwards marked as forward, everything else the schedule runs as backward), then the update."""
+def _pipeline_forwards_and_backwards(engine: Any, tracker: Any) -> Any:
+    """One pipeline rank's schedule over every micro batch of the step, in the schedule's order: the stages'
+    forwards marked as forward, everything else it runs as backward. Returns the loss (None off the last
+    stage)."""
     import torch
-
-    parameters = [*engine.model.parameters(), *engine.model.buffers()]
-    tracker.tag(parameters, "parameters")
-    trainable = [p for p in engine.model.parameters() if p.requires_grad]
-    if record:
-        tracker.start_recording()
-    tracker.mark("state")
-    for p in trainable:
-        p.grad = torch.zeros_like(p)
-    engine.optimizer.step()
-    engine.optimizer.zero_grad(set_to_none=not keep_gradients)
-    states = [
-        v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1
-    ]
-    tracker.tag(states, "optimizer_state")
-    for p in trainable:
-        p.register_post_accumulate_grad_hook(lambda p: tracker.tag([p.grad] if p.grad is not None else [], "gradients"))
 
     def forward_begins(*_: Any) -> None:
         tracker.in_forward, tracker.costs.phase = True, FORWARD
@@ -1328,35 +1325,16 @@ def _fake_pipeline_step(
     def forward_ends(*_: Any) -> None:
         tracker.in_forward, tracker.costs.phase = False, BACKWARD
 
-    hooks = [h for stage in engine.model.stages for h in (stage.register_forward_pre_hook(forward_begins),)]
-    hooks += [stage.register_forward_hook(forward_ends) for stage in engine.model.stages]
-    tracker.reset_peak()
-    tracker.mark("step")
-    tracker.count_flops = True
+    stages = engine.model.stages
+    hooks = [stage.register_forward_pre_hook(forward_begins) for stage in stages]
+    hooks += [stage.register_forward_hook(forward_ends) for stage in stages]
     tracker.costs.phase = BACKWARD
-    with torch.autocast(engine.device.type, dtype=engine.autocast_dtype, enabled=engine.autocast_dtype is not None):
-        loss = engine.model.step(**engine.batch)
-    tracker.count_flops = False
-    for hook in hooks:
-        hook.remove()
-    gradients = _bytes(p.grad for p in trainable if p.grad is not None)
-    tracker.mark("update")
-    tracker.costs.phase = UPDATE
-    engine.optimizer.step()
-    engine.optimizer.zero_grad(set_to_none=not keep_gradients)
-    del loss
-    tracker.costs.phase = None
-    samples = engine.accum * engine.config.micro_batch  # every micro batch of the step went through
-    every = list(engine.model.parameters())
-    costs = tracker.costs.costs(
-        micro_batch=engine.config.micro_batch,
-        micro_steps=engine.accum,
-        trainable_parameters=sum(p.numel() for p in trainable),
-        parameters=sum(p.numel() for p in every),
-        parameter_tensors=len(every),
-        hidden_size=engine.model.stages[0].hidden_size,
-    )
-    return ModelStates(_bytes(parameters), gradients, _bytes(states)), tracker.flops // samples, costs
+    try:
+        with torch.autocast(engine.device.type, dtype=engine.autocast_dtype, enabled=engine.autocast_dtype is not None):
+            return engine.model.step(**engine.batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _zero_states(
