@@ -243,6 +243,19 @@ class TrialConfig:
         """Ranks one copy of the model is spread over: tensor x pipeline parallel."""
         return self.tp * self.pp
 
+    @property
+    def layout(self) -> str:
+        """How the ranks hold the model, as a search space writes it: ``dp`` (data parallel only), ``tp2``,
+        ``tp2+sp``, ``pp2:1f1b``, or both splits: ``tp2 pp2:1f1b``."""
+        parts = [f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")] if self.tp > 1 else []
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}:{self.pp_schedule}")
+        return " ".join(parts) or "dp"
+
+    def _layout_flags(self, joiner: str = " ") -> str:
+        """The layout's flags for messages, e.g. ``--tp 2 --pp 2``."""
+        return joiner.join(f"{flag} {n}" for flag, n in (("--tp", self.tp), ("--pp", self.pp)) if n > 1)
+
     def data_parallel(self, workload: Workload) -> int:
         """Ranks that each train on their own micro batches: --nproc / (tp x pp)."""
         return max(1, workload.nproc // self.model_parallel)
@@ -381,7 +394,7 @@ class TrialConfig:
             )
         if self.model_parallel == 1:
             return
-        layout = " ".join(f"{flag} {value}" for flag, value in (("--tp", self.tp), ("--pp", self.pp)) if value > 1)
+        layout = self._layout_flags()
         if self.uses_deepspeed:
             raise ConfigError(
                 f"{layout} with --zero-stage {self.zero_stage}: DeepSpeed partitions its own flat buffers, not "
@@ -442,9 +455,7 @@ class TrialConfig:
                 if self.uses_deepspeed
                 else f"--fsdp {self.fsdp}"
                 if self.uses_fsdp
-                else f"--tp {self.tp}"
-                if self.tp > 1
-                else f"--pp {self.pp}"
+                else self._layout_flags()
             )
             why = (
                 "DeepSpeed builds and steps its own optimizer over its partitions"
@@ -491,7 +502,7 @@ class TrialConfig:
         if self.model_parallel == 1:
             return
         if workload.nproc % self.model_parallel:
-            layout = " x ".join(f"{flag} {n}" for flag, n in (("--tp", self.tp), ("--pp", self.pp)) if n > 1)
+            layout = self._layout_flags(" x ")
             fits = [d for d in _divisors(workload.nproc) if d > 1] or "none (add ranks)"
             what = "product" if self.tp > 1 and self.pp > 1 else "value"
             raise ConfigError(
@@ -515,12 +526,12 @@ class TrialConfig:
                 f"--pp {self.pp} on --nproc {workload.nproc} leaves {data} data-parallel copies of each stage, "
                 f"which autotune does not measure yet; use --pp {workload.nproc}"
             )
-        if self.pp > 1 and self.grad_accum_steps(workload) < self.pp and self.pp_schedule != "gpipe":
-            accum = self.grad_accum_steps(workload)
+        accum = self.grad_accum_steps(workload)
+        if self.pp > 1 and accum < self.pp and self.pp_schedule != "gpipe":
             raise ConfigError(
                 f"--pp {self.pp} --pp-schedule {self.pp_schedule} with {accum} accumulation step(s): the pipeline's "
                 f"micro batches are the accumulation steps and 1F1B needs at least one per stage; use a micro batch "
-                f"of at most {workload.global_batch // self.data_parallel(workload) // self.pp}, or --pp-schedule gpipe"
+                f"of at most {workload.global_batch // data // self.pp}, or --pp-schedule gpipe"
             )
 
     # -- (de)serialisation ----------------------------------------------------------------
@@ -568,10 +579,8 @@ class TrialConfig:
             parts.append(f"zero{self.zero_stage}" + ("" if self.offload == "none" else f"+{self.offload}"))
         if self.uses_fsdp:
             parts.append(f"fsdp-{self.fsdp}" + ("" if self.offload == "none" else "+offload"))
-        if self.tp > 1:
-            parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""))
-        if self.pp > 1:
-            parts.append(f"pp{self.pp}:{self.pp_schedule}")
+        if self.model_parallel > 1:
+            parts.append(self.layout)
         return " ".join(parts)
 
 

@@ -68,7 +68,7 @@ KNOBS = {
     "lora_targets": "a list of default, all-linear or comma-separated module names",
     "quantize_base": f"a list of {', '.join(QUANTIZATIONS)} (with LoRA: the frozen base quantized; changes the maths)",
     "layout": "auto (every split of --nproc into data x tensor x pipeline parallel), or a list of dp, tpN, tpN+sp, "
-    f"ppN or ppN:SCHEDULE ({', '.join(PP_SCHEDULES)})",
+    f"ppN or ppN:SCHEDULE ({', '.join(PP_SCHEDULES)}), or a tensor and a pipeline split together ('tp2 pp2:1f1b')",
 }
 # Knobs that are tuner parameters only in the spaces that move them (see SearchSpace.choices).
 LATER_KNOBS = ("optimizer", "optimizer_in_backward", "activation_offload", "layout")
@@ -427,7 +427,7 @@ class SearchSpace:
             **({} if config.optimizer == "adamw" else {"optimizer": config.optimizer}),
             **({"optimizer_in_backward": True} if config.optimizer_in_backward else {}),
             **({"activation_offload": True} if config.activation_offload else {}),
-            **({} if config.model_parallel == 1 else {"layout": layout_label(config)}),
+            **({} if config.model_parallel == 1 else {"layout": config.layout}),
             "zero": _fsdp_label(config.fsdp, config.offload)
             if config.fsdp is not None
             else _zero_label(config.zero_stage, config.offload),
@@ -643,27 +643,21 @@ def _quantization(value: Any) -> str | None:
 
 def later_knob_value(config: TrialConfig, knob: str) -> Any:
     """The config's value of one of :data:`LATER_KNOBS` as the tuner's parameter holds it."""
-    return layout_label(config) if knob == "layout" else getattr(config, knob)
+    return config.layout if knob == "layout" else getattr(config, knob)
 
 
 def layout_knobs(label: str) -> dict[str, Any]:
-    """The TrialConfig knobs of a layout label: ``dp``, ``tp2``, ``tp2+sp``, ``pp2`` or ``pp2:gpipe``."""
-    if label == "dp":
-        return {}
-    if label.startswith("tp"):
-        degree, _, sp = label.removeprefix("tp").partition("+")
-        return {"tp": int(degree), "sequence_parallel": sp == "sp"}
-    degree, _, schedule = label.removeprefix("pp").partition(":")
-    return {"pp": int(degree), "pp_schedule": schedule or "1f1b"}
-
-
-def layout_label(config: TrialConfig) -> str:
-    """The inverse of :func:`layout_knobs`."""
-    if config.tp > 1:
-        return f"tp{config.tp}" + ("+sp" if config.sequence_parallel else "")
-    if config.pp > 1:
-        return f"pp{config.pp}:{config.pp_schedule}"
-    return "dp"
+    """The TrialConfig knobs of a layout label (:attr:`TrialConfig.layout`): ``dp``, ``tp2``, ``tp2+sp``,
+    ``pp2`` or ``pp2:gpipe``, or a tensor and a pipeline split together (``tp2 pp2:1f1b``)."""
+    knobs: dict[str, Any] = {}
+    for part in label.split():
+        if part.startswith("tp"):
+            degree, _, sp = part.removeprefix("tp").partition("+")
+            knobs.update(tp=int(degree), sequence_parallel=sp == "sp")
+        elif part.startswith("pp"):
+            degree, _, schedule = part.removeprefix("pp").partition(":")
+            knobs.update(pp=int(degree), pp_schedule=schedule or "1f1b")
+    return knobs
 
 
 def _is_layout(value: Any) -> bool:
@@ -671,7 +665,14 @@ def _is_layout(value: Any) -> bool:
         return False
     if value == "dp":
         return True
-    match = re.fullmatch(r"tp(\d+)(\+sp)?|pp(\d+)(:[a-z0-9-]+)?", value)
+    parts = value.split()
+    kinds = [part[:2] for part in parts]
+    return 0 < len(parts) == len(set(kinds)) and all(_is_split(part) for part in parts)
+
+
+def _is_split(part: str) -> bool:
+    """One split of a layout label: ``tpN`` or ``tpN+sp``, ``ppN`` or ``ppN:SCHEDULE``, N >= 2."""
+    match = re.fullmatch(r"tp(\d+)(\+sp)?|pp(\d+)(:[a-z0-9-]+)?", part)
     if match is None or int(match.group(1) or match.group(3)) < 2:
         return False
     return match.group(4) is None or match.group(4)[1:] in PP_SCHEDULES

@@ -15,8 +15,9 @@ import pytest
 from autotune.config.device import detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
+from autotune.errors import ConfigError
 from autotune.output.exporters import export_config
-from autotune.search.space import SearchSpace, layout_label, load_space
+from autotune.search.space import SearchSpace, layout_knobs, load_space
 from autotune.search.tuner import find
 
 # Four wide layers over a small vocabulary: the layers' weights (which TP and PP split) dominate.
@@ -84,7 +85,7 @@ def test_find_answers_a_split_layout_where_a_ddp_copy_does_not_fit_and_its_expor
     best = TrialConfig.from_dict(result["best"]["config"])
     assert best.model_parallel == 2, result["best"]
     assert result["best"]["peak_memory_bytes"] <= result["memory_limit_bytes"]
-    layouts = {layout_label(TrialConfig.from_dict(t["config"])): t for t in result["trials"]}
+    layouts = {TrialConfig.from_dict(t["config"]).layout: t for t in result["trials"]}
     assert "dp" not in layouts or not layouts["dp"]["fits"], layouts.get("dp")  # measured OOM, or predicted over
 
     (tmp_path / "autotune.json").write_text(export_config(best, workload, fmt="json", device_type="cpu"))
@@ -117,10 +118,25 @@ def test_the_parallel_preset_offers_every_split_the_model_takes_and_says_which_i
     for config in configs:  # the tuner's parameters of a config give the config back
         assert space.config_of(space.params_of(config)) == config
     assert not any(c.tp > 1 and c.uses_deepspeed for c in configs)  # refused combinations never proposed
-    assert {layout_label(c) for c in configs} == set(offered)
+    assert {c.layout for c in configs} == set(offered)
     # A model without a tensor-parallel plan keeps data parallel and the layouts it can take.
     gpt2 = Workload(model="builtin:gpt2-tiny", nproc=2, global_batch=8, seq_len=32)
     assert "tp2" not in space.choices(gpt2, device).get("layout", ("dp",))
+
+
+def test_a_layout_label_gives_back_its_config_tensor_and_pipeline_splits_together():
+    for config in (
+        TrialConfig(),
+        TrialConfig(tp=2, sequence_parallel=True),
+        TrialConfig(pp=2, pp_schedule="gpipe"),
+        TrialConfig(tp=2, pp=4, pp_schedule="interleaved-1f1b"),
+    ):
+        assert TrialConfig(**layout_knobs(config.layout)) == config, config.layout
+    assert TrialConfig(tp=2, pp=2).describe() == "mb=1 fp32 tp2 pp2:1f1b"
+    space = SearchSpace.from_dict({**load_space("parallel").to_dict(), "layout": ["dp", "tp2 pp2:1f1b"]})
+    assert space.layout == ("dp", "tp2 pp2:1f1b")
+    with pytest.raises(ConfigError, match=r"knobs.layout: 'tp2 tp4' is not allowed"):
+        SearchSpace.from_dict({**load_space("parallel").to_dict(), "layout": ["tp2 tp4"]})
 
 
 def test_spaces_without_the_layout_knob_keep_their_digest():
