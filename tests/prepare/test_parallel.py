@@ -5,12 +5,10 @@ up to rounding). Bad layouts are refused in one line before anything runs."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from torchrun_jobs import run_job
 
 from autotune.config.device import detect_device
 from autotune.config.knobs import TrialConfig
@@ -71,16 +69,7 @@ _JOB = textwrap.dedent("""
 
 def test_split_models_compute_the_whole_models_loss_and_gradients_under_torchrun(tmp_path):
     (tmp_path / "job.py").write_text(_JOB)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "job.py"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = {rank: json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in range(2)}
+    ranks = dict(enumerate(run_job(tmp_path)))
     reference = ranks[0]["reference"]
     for rank, found in ranks.items():
         assert found["reference"] == pytest.approx(reference, rel=1e-6)  # the same model on every rank
@@ -191,17 +180,7 @@ def test_the_lightning_export_of_a_tensor_parallel_config_trains_under_model_par
     (tmp_path / "trainer.yaml").write_text(export_config(config, workload, fmt="lightning", device_type="cpu"))
     (tmp_path / "autotune.json").write_text(export_config(config, workload, fmt="json", device_type="cpu"))
     (tmp_path / "job.py").write_text(_LIGHTNING_JOB)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "job.py", "trainer.yaml"]
-        + ["autotune.json"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in range(2)]
+    results = run_job(tmp_path, "trainer.yaml", "autotune.json")
     assert results == [["ModelParallelStrategy", "DTensor", 3]] * 2
 
 

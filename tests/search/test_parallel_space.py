@@ -4,13 +4,11 @@ does not fit, ``find`` answers a split layout, and its json export trains the us
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from torchrun_jobs import run_job
 
 from autotune.config.device import detect_device
 from autotune.config.knobs import TrialConfig
@@ -90,16 +88,7 @@ def test_find_answers_a_split_layout_where_a_ddp_copy_does_not_fit_and_its_expor
 
     (tmp_path / "autotune.json").write_text(export_config(best, workload, fmt="json", device_type="cpu"))
     (tmp_path / "job.py").write_text(_JOB)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "job.py", layers_model]
-        + ["autotune.json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in range(2)]
+    results = run_job(tmp_path, layers_model, "autotune.json")
     kind = "Pipeline" if best.pp > 1 else "LlamaForCausalLM"
     # Every tensor-parallel rank computes the loss; only the pipeline's last stage does.
     steps = [0, 3] if best.pp > 1 else [3, 3]
