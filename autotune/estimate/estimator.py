@@ -494,6 +494,7 @@ def trace_step(
         as_on_cuda.enter_context(_cuda_attention(card, attention_kernels))
         as_on_cuda.enter_context(cuda_fp32_policy())
     tracker = _peak_parts_tracker()
+    tracker.sees_dtensors = sharded
     ranks = _traced_ranks(workload, config)
     with (
         warnings.catch_warnings(),
@@ -979,6 +980,9 @@ def _peak_parts_tracker_class() -> type:
             self.flops = 0
             # Every operator's FLOPs and bytes while a phase is set: what the step-time model needs.
             self.costs = CostRecorder(self._model_state)
+            # Whether ops may come on DTensors (a step traced on a process group: FSDP, tensor or pipeline
+            # parallel): only then is each op looked over for them, a cost on every op of the trace.
+            self.sees_dtensors = False
             # The storages' allocations and frees in order, (key, new size; 0: freed), once asked:
             # what the CUDA caching allocator would be asked for (estimate.cuda_memory replays it).
             self.events: list[tuple[int, int]] | None = None
@@ -1044,7 +1048,7 @@ def _peak_parts_tracker_class() -> type:
             out = func(*args, **(kwargs or {}))
             # This mode sees a tensor-parallel op on its DTensors, whose shapes are the whole layer's: a rank
             # computes and moves its shards only, so the op is counted on them.
-            if any(isinstance(leaf, DTensor) for leaf in tree_leaves((args, kwargs, out))):
+            if self.sees_dtensors and any(isinstance(leaf, DTensor) for leaf in tree_leaves((args, kwargs, out))):
                 args, kwargs, costed = tree_map(local, args), tree_map(local, kwargs), tree_map(local, out)
             else:
                 costed = out

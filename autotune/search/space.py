@@ -678,6 +678,7 @@ def _is_split(part: str) -> bool:
     return match.group(4) is None or match.group(4)[1:] in PP_SCHEDULES
 
 
+@functools.lru_cache(maxsize=64)  # the tuner asks for the choices before every trial; each reads the model's config
 def _layout_refusal(workload: Workload, label: str) -> str | None:
     """Why the layout cannot split the workload's ranks or model (None: it can), said before any trial."""
     knobs = layout_knobs(label)
