@@ -57,6 +57,12 @@ def pipeline_refusal(workload: Workload, config: TrialConfig) -> str | None:
             f"--pp {config.pp}: {type(hf).__name__} (--model {workload.model}) has no pipeline plan "
             "(Transformers' base_model_pp_plan); use --pp 1, or shard with --fsdp or --zero-stage"
         )
+    if getattr(hf, "tie_word_embeddings", False):
+        return (
+            f"--pp {config.pp}: {workload.model} ties its LM head to its embedding, one weight the first and the "
+            "last stage would each hold a copy of, trained apart (their gradients are not summed yet); use --pp 1, "
+            "or a config with tie_word_embeddings false"
+        )
     stages = config.pp * stages_per_rank(config)
     layers = getattr(hf, "num_hidden_layers", None) or 0
     if layers < stages:

@@ -114,6 +114,17 @@ def torch_fake_mode_active() -> bool:
     return torch._guards.active_fake_mode() is not None
 
 
+def _tied_parameters(model: torch.nn.Module) -> list[list[tuple[torch.nn.Module, str]]]:
+    """Where each plain parameter shared by several modules is registered (a tied embedding and LM head
+    beside tensor-parallel layers). FSDP's sharded ones are left to FSDP, which keeps them shared."""
+    places: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and not hasattr(param, "to_local"):
+                places.setdefault(id(param), []).append((module, name))
+    return [where for where in places.values() if len(where) > 1]
+
+
 def torch_device(model: torch.nn.Module) -> torch.device:
     """Where ``model``'s parameters are (a GPU job moves it there before preparing); the CPU when all are
     on the meta device (a trial's sharded build)."""
@@ -131,9 +142,13 @@ def materialise(model: torch.nn.Module, device: torch.device) -> None:
     # Buffers are real (only parameters went to meta) and where FSDP put them: to_empty would
     # replace them with empty ones, so the same tensors go back in.
     buffers = [(module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()]
+    tied = _tied_parameters(model)
     model.to_empty(device=device)
     for module, name, buffer in buffers:
         module._buffers[name] = buffer
+    for (first, first_name), *others in tied:  # to_empty makes each module its own copy of a shared weight
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
     draws = torch.Generator(device=device)
     draws.manual_seed(0)
     with torch.no_grad():

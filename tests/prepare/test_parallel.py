@@ -116,7 +116,7 @@ def test_static_refusals_name_the_flag():
         TrialConfig(tp=2, lora_rank=8)
 
 
-def test_a_model_whose_heads_do_not_split_is_refused(tmp_path):
+def test_a_model_whose_heads_do_not_split_or_whose_head_is_tied_is_refused(tmp_path):
     config = tmp_path / "three-heads.json"
     config.write_text(
         json.dumps(
@@ -133,6 +133,10 @@ def test_a_model_whose_heads_do_not_split_is_refused(tmp_path):
     )
     refusal = refusal_before_trial(Workload(model=str(config), nproc=2), TrialConfig(tp=2))
     assert refusal is not None and "3 attention heads, which 2 ranks cannot split evenly" in refusal
+    tied = tmp_path / "tied.json"
+    tied.write_text(json.dumps({**json.loads(config.read_text()), "tie_word_embeddings": True}))
+    refusal = refusal_before_trial(Workload(model=str(tied), nproc=2), TrialConfig(pp=2))
+    assert refusal is not None and "ties its LM head to its embedding" in refusal
     gpt2 = refusal_before_trial(Workload(model="builtin:gpt2-tiny", nproc=2), TrialConfig(tp=2))
     assert gpt2 is not None and "has no tensor-parallel plan" in gpt2
 
