@@ -31,8 +31,9 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
+from autotune.config.knobs import sixteen_bit_type
 from autotune.estimate.step_costs import ATTENTION, BACKWARD, COLLECTIVE
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from autotune.config.workload import Workload
     from autotune.estimate.estimator import MemoryEstimate
 
-__all__ = ["DeviceProfile", "StepTime", "card_profile", "profile_for", "predict_step_time"]
+__all__ = ["DeviceProfile", "StepTime", "card_profile", "matmul_speedups", "profile_for", "predict_step_time"]
 
 # Matmul FLOP/s a card sustains through a training run, over its dense peak. A matmul that keeps the
 # card busy draws it to its power limit, and the clock settles below boost: the burst a short benchmark
@@ -266,6 +267,13 @@ def _phase_times(
         device += count * (max(compute, memory) + profile.kernel_s)
         host += count * profile.dispatch_s
     return device, host
+
+
+def matmul_speedups(profile: DeviceProfile, precisions: Iterable[str]) -> dict[str, float]:
+    """Each precision's matmul FLOP/s over fp32's on this roofline: where the driver places a family whose
+    step is not traced yet (a prior about matmuls, as the device probe's; the family's trace replaces it)."""
+    fp32 = _matmul_rate(profile, "float32", "fp32")
+    return {p: _matmul_rate(profile, sixteen_bit_type(p) or "float32", p) / fp32 for p in precisions}
 
 
 def _matmul_rate(profile: DeviceProfile, dtype: str, precision: str) -> float:

@@ -225,7 +225,9 @@ class Proposer:
                 continue
             first = first or config
             predicted = math.exp(model.predict(config))
-            if predicted > best:  # predicted to beat the best measured: measure it
+            # Predicted to beat the best, or level with it within the noise (as likely as not to beat it): a
+            # neighbour that close is measured before an owed value's first step, which the model ranks below.
+            if predicted * (1 + MEASUREMENT_NOISE) > best:
                 return first
             if error is not None and predicted * math.exp(error) > best * (1 + MEASUREMENT_NOISE):
                 return first  # within the model's error of the best

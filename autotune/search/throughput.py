@@ -3,8 +3,9 @@
 The prior is the step-time model's prediction (:mod:`autotune.estimate.step_time`): the config's
 traced operators against this device's measured roofline, so a knob is worth what it does to this
 model's step on this device, with no hand-set factor. A config whose family has no traced step yet
-(no estimator: script mode, or a model it cannot trace) sits at the mean of the predicted ones, with
-only the micro batch's saturation ``mb / (mb + 2)`` telling its sizes apart. Measurements correct
+(not yet, no estimator: script mode, or a model it cannot trace) sits at the mean of the predicted ones,
+with the micro batch's saturation ``mb / (mb + 2)`` telling its sizes apart and its precision's matmul
+speed (the device probe's) telling its precision apart. Measurements correct
 the prior: a ridge regression, in log space, of what was measured over the prior on one indicator
 per knob value and on the saturation term, so one surprising trial moves the ranking half-way,
 several agreeing trials move it all the way. The precision is the exception: its prior factor is the
@@ -50,7 +51,7 @@ class ThroughputModel:
         self._params_of = params_of
         self._predicted = predicted or (lambda config: None)
         self._factor = unpredicted_factor or (lambda config: 0.0)
-        gaps = [p - self._saturation(c) for c in configs if (p := self._predicted(c)) is not None]
+        gaps = [p - self._saturation(c) - self._factor(c) for c in configs if (p := self._predicted(c)) is not None]
         self._unpredicted = sum(gaps) / len(gaps) if gaps else 0.0
         self._features: list[tuple[str, Any]] = []
         self._weights: list[float] = []

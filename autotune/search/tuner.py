@@ -172,6 +172,7 @@ def tune(
     ``backend`` runs the trials and estimates (default: real ones, :class:`LocalBackend`); the
     search benchmarks pass one that replays a measured grid through this same driver.
     """
+    from autotune.estimate.step_time import matmul_speedups
     from autotune.search.proposer import Proposer
     from autotune.study.storage import create_study, open_storage
     from autotune.study.stored_facts import record as record_model_facts
@@ -216,8 +217,13 @@ def tune(
         space, workload, device, estimator=oracle.lookup if oracle else None, limit_bytes=limit, margin=SKIP_MARGIN
     )
     proposer.profile = _device_profile(the_study, backend, ranks=workload.nproc) if estimate else None
-    if proposer.profile is None:  # no step-time model: the matmul probe orders the precisions until measured
-        proposer.precision_speed = _precision_speed(the_study, backend, proposer.choices.get("precision", ()))
+    # Until a family's step is traced (or, with no step-time model, until measured), the matmul speed of its
+    # precision places it: the roofline's, else the device probe's.
+    proposer.precision_speed = (
+        _precision_speed(the_study, backend, proposer.choices.get("precision", ()))
+        if proposer.profile is None
+        else matmul_speedups(proposer.profile, proposer.choices.get("precision", ()))
+    )
     proposer.hurry = clock.hurried
     # What show and export need about the model (LoRA's targets, hidden size), resolved as the trials resolve it.
     record_model_facts(the_study, workload, proposer.choices.get("lora", ()), script=bool(command))

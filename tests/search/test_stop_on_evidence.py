@@ -67,6 +67,39 @@ def test_a_measured_precision_sets_its_own_factor_whatever_the_probe_said(tmp_pa
     assert math.exp(model.predict(fp16) - model.predict(untried_fp32)) == pytest.approx(expected, rel=0.01)
 
 
+def test_an_untraced_family_sits_at_the_traced_ones_by_its_precisions_matmul_speed(tmp_path):
+    """Before its step is traced, a family of another precision is placed by the roofline's matmul rates
+    relative to the traced families (their own precision's rate taken out), not level with them: a
+    family far slower in matmuls is then not traced before the first trial."""
+    from autotune.estimate.step_time import DeviceProfile, matmul_speedups
+
+    space = _space(tmp_path)
+    rates = {"float32": 1e11, "bfloat16": 4e11, "float16": 1e9}
+    profile = DeviceProfile(
+        name="cpu",
+        type="cpu",
+        matmul_flops=rates,
+        memory_bandwidth=1e10,
+        kernel_s=0.0,
+        dispatch_s=1e-6,
+        link_bandwidth=1e9,
+        host_link_bandwidth=1e9,
+    )
+    speed = matmul_speedups(profile, ("fp32", "bf16", "fp16"))
+    assert speed == pytest.approx({"fp32": 1.0, "bf16": 4.0, "fp16": 0.01})
+    traced_bf16 = TrialConfig(micro_batch=8, precision="bf16")
+    configs = [traced_bf16, TrialConfig(micro_batch=8), TrialConfig(micro_batch=8, precision="fp16")]
+    model = ThroughputModel(
+        space.params_of,
+        lambda c: math.log(500.0) if c == traced_bf16 else None,  # only the bf16 family is traced
+        configs,
+        unpredicted_factor=lambda c: math.log(speed[c.precision]),
+    )
+    assert math.exp(model.prior(traced_bf16)) == pytest.approx(500.0)
+    assert math.exp(model.prior(configs[1])) == pytest.approx(500.0 / 4)  # fp32: a quarter of bf16's
+    assert math.exp(model.prior(configs[2])) == pytest.approx(500.0 / 400)
+
+
 def _proposer(tmp_path) -> Proposer:
     proposer = Proposer(_space(tmp_path), Workload(global_batch=16), CPU)  # no estimator: everything may fit
     proposer.precision_speed = {"fp32": 1.0, "bf16": 4.0, "fp16": 0.014}
