@@ -60,11 +60,13 @@ def _bert(mb: int, precision: str, checkpointing: bool, optimizer: str = "adamw"
 
 
 def _torchtune(**levers: object) -> tuple[Workload, TrialConfig]:
-    # torchtune's sweep from T4 on: pure bf16, every layer checkpointed, compiled, chunked cross-entropy (8 chunks).
+    # torchtune's sweep from T4 on: pure bf16, every layer checkpointed, compiled, chunked cross-entropy (8 chunks):
+    # torchtune's CEWithChunkedOutputLoss, whose compiled upcast + cross-entropy keeps each chunk's bf16 logits
+    # for the backward and recomputes nothing: autotune's chunked-kept (its chunked recomputes the LM head).
     workload = Workload(model=_model("llama-3.2-3b"), task="causal-lm", seq_len=4096, global_batch=2, gpu="A100-80GB")
     # Its AdamW is fused (torchtune's AdamW configs set fused: True; the sweep's unpacked baseline, 25.5 GiB
     # beside 24 GiB of model states, leaves no room for foreach AdamW's 6 GiB temporary); 8-bit AdamW is not.
-    base = TrialConfig(micro_batch=2, precision="bf16-true", checkpointing=True, loss="chunked", compile=True)
+    base = TrialConfig(micro_batch=2, precision="bf16-true", checkpointing=True, loss="chunked-kept", compile=True)
     fused = levers.get("optimizer", "adamw") == "adamw"
     return workload, base.replace(fused_optimizer=fused, **levers)
 
@@ -125,8 +127,10 @@ _TORCHTUNE_NOTE = (
     "torchtune's own Llama (packed: flex attention with a block-causal mask, kept as flash keeps it) rebuilt as "
     "Transformers' Llama; fused AdamW; torch.compile predicted as eager (every layer is checkpointed, so compile's "
     "share is the recomputed layer; the savings compare rows that all compile). torchtune's chunked "
-    "cross-entropy keeps its 8 chunks' bf16 logits (1.96 GiB here) for the backward; autotune's recomputes each "
-    "chunk's LM head in the backward: the start of the backward holds less here (a different lever under one name)"
+    "cross-entropy (CEWithChunkedOutputLoss, its upcast + cross-entropy compiled) keeps its 8 chunks' bf16 logits "
+    "(1.96 GiB here) and a log-sum-exp per token for the backward, as Inductor partitions it: rebuilt as "
+    "autotune's --loss chunked-kept, which keeps the same (its fp32 work, on blocks of 64 MiB of rows made and "
+    "freed in the forward and again in the backward, is a temporary Inductor's fused kernel does not make)"
 )
 _PEFT_NOTE = (
     "twitter_complaints tweets with their prompt, padded to the longest in the batch: not published, "
