@@ -126,12 +126,12 @@ _NF4_NOTE = (
 )
 _LITGPT_NF4_NOTE = (
     "LitGPT's --quantize bnb.nf4 / bnb.nf4-dq through Lightning's BitsandbytesPrecision: every Linear quantized "
-    "(the LM head too), fp32 scales for nf4 and quantized ones for nf4-dq, each weight quantized from float16; "
-    "and bitsandbytes 0.41.1, whose MatMul4Bit kept each 4-bit layer's input for the backward (dropped in "
-    "0.43.2): both traced (MeasuredWith). Not traced: LitGPT's LoRA dropout 0.05 keeps its output and mask "
-    "where PEFT's dropout 0 keeps the qkv input itself, which 0.41.1's 4-bit qkv layer then keeps besides "
-    "(2 bytes x hidden a token a layer: 0.33 GB at 7B, 0.52 GB at 13B), and the float16 weight each 4-bit "
-    "matmul dequantizes before casting it to bf16 (one weight at a time: 0.26 GB for the 7B's LM head)"
+    "(the LM head too), fp32 scales for nf4 and quantized ones for nf4-dq, each weight quantized from float16 "
+    "(so each 4-bit matmul dequantizes to float16, then casts to bf16); and bitsandbytes 0.41.1, whose MatMul4Bit "
+    "kept each 4-bit layer's input for the backward (dropped in 0.43.2): all traced (MeasuredWith). Not traced: "
+    "LitGPT's LoRA dropout 0.05 keeps its output and mask where PEFT's dropout 0 keeps the qkv input itself, "
+    "which 0.41.1's 4-bit qkv layer then keeps besides (2 bytes x hidden a token a layer: 0.33 GB at 7B, "
+    "0.52 GB at 13B)"
 )
 _TORCHTUNE_NOTE = (
     "torchtune's own Llama (packed: flex attention with a block-causal mask, kept as flash keeps it) rebuilt as "

@@ -496,6 +496,8 @@ def trace_step(
     if target != traced:  # a CUDA workload traced on the CPU: CUDA's attention kernels and autocast policy
         as_on_cuda.enter_context(_cuda_attention(card, attention_kernels))
         as_on_cuda.enter_context(cuda_fp32_policy())
+        if config.quantize_base == "nf4":
+            as_on_cuda.enter_context(_bnb_4bit_matmul_as_on_cuda())
     tracker = _peak_parts_tracker()
     tracker.sees_dtensors = sharded
     ranks = _traced_ranks(workload, config)
@@ -760,6 +762,28 @@ def _step_tensors_together(optimizer: Any, foreach: bool) -> None:
     for group in getattr(optimizer, "param_groups", ()):
         if not group.get("fused"):
             group["foreach"] = foreach
+
+
+@contextlib.contextmanager
+def _bnb_4bit_matmul_as_on_cuda() -> Iterator[None]:
+    """Within a CPU trace, bitsandbytes' 4-bit layers multiply as on CUDA. On a CPU ``matmul_4bit``
+    first sets the weight's dequantized type to the input's (``quant_state.dtype = A.dtype``); on CUDA a
+    training input goes to ``MatMul4Bit`` as it is, which dequantizes to the type the weight was quantized
+    from and casts that copy to the input's: two copies of the weight where the types differ (a base
+    quantized from float16 under bf16 compute, as Lightning's plugin quantizes it)."""
+    import bitsandbytes
+
+    on_cpu = bitsandbytes.matmul_4bit
+
+    def as_on_cuda(A: Any, B: Any, quant_state: Any, out: Any = None, bias: Any = None) -> Any:
+        # A training step's inputs have more than one row: CUDA's one-row inference kernel never runs.
+        return bitsandbytes.autograd._functions.MatMul4Bit.apply(A, B, out, bias, quant_state)
+
+    bitsandbytes.matmul_4bit = as_on_cuda
+    try:
+        yield
+    finally:
+        bitsandbytes.matmul_4bit = on_cpu
 
 
 @contextlib.contextmanager

@@ -58,3 +58,26 @@ def test_measured_with_goes_through_json_and_refuses_a_mode_lightning_does_not_h
     assert MeasuredWith.from_dict(None) == MeasuredWith()
     with pytest.raises(ValueError, match="nf4"), MeasuredWith(lightning_bnb="fp8").in_effect():
         pass
+
+
+def test_a_cuda_trace_multiplies_a_4bit_layer_in_the_type_its_weight_was_quantized_from():
+    from autotune.estimate.estimator import _bnb_4bit_matmul_as_on_cuda
+
+    def quantized_from_float16() -> torch.nn.Module:  # as Lightning's plugin quantizes
+        layer = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+        weight = torch.randn(32, 64, dtype=torch.float16)
+        layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4").to("cpu")
+        return layer
+
+    x = torch.randn(3, 64, dtype=torch.bfloat16, requires_grad=True)
+    on_cpu = quantized_from_float16()
+    on_cpu(x)
+    assert on_cpu.weight.quant_state.dtype == torch.bfloat16  # a CPU's matmul_4bit retypes it to the input's
+    as_on_cuda = quantized_from_float16()
+    with _bnb_4bit_matmul_as_on_cuda():
+        out = as_on_cuda(x)
+    # CUDA's keeps it: MatMul4Bit dequantizes to float16 and casts that copy to bf16 (two copies of the weight).
+    assert as_on_cuda.weight.quant_state.dtype == torch.float16
+    assert out.dtype == torch.bfloat16
+    out.sum().backward()
+    assert x.grad is not None
