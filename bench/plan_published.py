@@ -69,6 +69,7 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.estimate import step_time
 from autotune.estimate.estimator import MemoryEstimate, predict_memory
+from autotune.estimate.measured_with import MeasuredWith
 from autotune.estimate.step_time import DeviceProfile, StepTime, card_profile, predict_step_time
 from autotune.search.grid import read_grid
 
@@ -225,7 +226,7 @@ def _bert_rows() -> list[Row]:
             row.config,
             samples[row.key],
             "samples/s",
-            pytorch1_step=row.pytorch1_step,
+            pytorch1_step=row.measured_with.pytorch1_step,
             notes=(*row.notes, *((_EIGHT_BIT_TIME_NOTE,) if row.config.optimizer == "adamw-8bit" else ())),
         )
         for row in gpu_published.ROWS
@@ -267,7 +268,9 @@ def _kind_split(estimate: MemoryEstimate, profile: DeviceProfile) -> dict[str, f
 
 def predict_row(row: Row) -> dict[str, Any]:
     started = time.perf_counter()
-    estimate = predict_memory(row.workload, row.config, timeout_s=1800, pytorch1_step=row.pytorch1_step)
+    estimate = predict_memory(
+        row.workload, row.config, timeout_s=1800, measured_with=MeasuredWith(pytorch1_step=row.pytorch1_step)
+    )
     assert row.workload.gpu is not None
     profile = card_profile(gpu_spec(row.workload.gpu))
     timed = predict_step_time(estimate, row.workload, profile)
