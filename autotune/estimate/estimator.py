@@ -964,7 +964,9 @@ def _peak_parts_tracker_class() -> type:
     from autotune.trial.memory import LiveBytesTracker, storages_of
 
     def local(value: Any) -> Any:
-        return value.to_local() if isinstance(value, DTensor) else value
+        # The shard itself, not to_local()'s view of it (an autograd function and a dispatch per DTensor,
+        # a fifth of a tensor-parallel trace): the same shape, dtype and storage.
+        return value._local_tensor if isinstance(value, DTensor) else value
 
     class PeakPartsTracker(LiveBytesTracker):
         def __init__(self) -> None:
@@ -1045,20 +1047,23 @@ def _peak_parts_tracker_class() -> type:
             self.events.append((key, counter[0]))
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            # The op's inputs and outputs, flattened once (costed, then counted): a trace dispatches 10^5 ops.
+            inputs, outputs = tree_leaves((args, kwargs)), tree_leaves(out)
+            costed, costed_inputs, costed_outputs = out, inputs, outputs
             # This mode sees a tensor-parallel op on its DTensors, whose shapes are the whole layer's: a rank
             # computes and moves its shards only, so the op is counted on them.
-            if self.sees_dtensors and any(isinstance(leaf, DTensor) for leaf in tree_leaves((args, kwargs, out))):
+            if self.sees_dtensors and any(isinstance(leaf, DTensor) for leaf in (*inputs, *outputs)):
                 args, kwargs, costed = tree_map(local, args), tree_map(local, kwargs), tree_map(local, out)
-            else:
-                costed = out
+                costed_inputs, costed_outputs = [local(leaf) for leaf in inputs], [local(leaf) for leaf in outputs]
             counting = self.count_flops or self.costs.phase is not None
             count = flop_registry.get(func.overloadpacket) if counting else None
-            flops = count(*args, **(kwargs or {}), out_val=costed) if count is not None else 0
+            flops = count(*args, **kwargs, out_val=costed) if count is not None else 0
             if self.count_flops:
                 self.flops += flops
-            self.costs.record(func, args, kwargs or {}, costed, flops)
-            for leaf in tree_leaves(out):
+            self.costs.record(func, args, kwargs, costed_inputs, costed_outputs, flops)
+            for leaf in outputs:
                 if isinstance(leaf, torch.Tensor):
                     for storage in storages_of(leaf):
                         self._count(storage)
