@@ -506,6 +506,7 @@ def trace_step(
         if sharded
         else contextlib.nullcontext() as mesh,
         _pipeline_shapes_given(),
+        _sends_hold_their_tensors(),
     ):
         warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
         # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
@@ -877,6 +878,38 @@ def _pipeline_shapes_given() -> Iterator[None]:
         yield
     finally:
         schedules._PipelineSchedule._warmup_p2p = original  # type: ignore[method-assign]  # restored
+
+
+class _HeldSends(list):  # type: ignore[type-arg]  # of dist.Work, as the schedules type it
+    """A batch's works, holding the tensors it sends for as long as the schedule holds the works."""
+
+    sent: list[Any]
+
+
+@contextlib.contextmanager
+def _sends_hold_their_tensors() -> Iterator[None]:
+    """A pipeline schedule's sends keep their tensors alive while it holds their works, as the real backends'
+    works do and the fake group's do not: gloo's ``SendWork`` keeps a reference to its tensor "to prevent it
+    from being deallocated while the operation is still in flight" (ProcessGroupGloo.hpp), NCCL's point-to-point
+    work keeps it in ``outputs_`` (ProcessGroupNCCL.cpp, ``pointToPoint``). 1F1B holds one forward's send until the
+    next; interleaved 1F1B holds every send of the step until it ends (``_PipelineScheduleRuntime``'s
+    ``send_ops``, torch/distributed/pipelining/schedules.py): forward outputs past their backward and every input
+    gradient sent, on a 2-rank CPU trial 1.0-1.2 MiB the trace had freed."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    batch_p2p = schedules._batch_p2p
+
+    def holding(p2p_ops: list[Any], desc: str | None = None) -> list[Any]:
+        works = _HeldSends(batch_p2p(p2p_ops, desc))
+        works.sent = [op.tensor for op in p2p_ops if op.op is dist.isend]
+        return works
+
+    schedules._batch_p2p = holding
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = batch_p2p
 
 
 @contextlib.contextmanager
