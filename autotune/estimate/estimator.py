@@ -512,6 +512,7 @@ def trace_step(
         else contextlib.nullcontext() as mesh,
         _pipeline_shapes_given(),
         measured_with.in_effect(),
+        _sends_hold_their_tensors(),
     ):
         warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
         # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
@@ -907,6 +908,38 @@ def _pipeline_shapes_given() -> Iterator[None]:
         schedules._PipelineSchedule._warmup_p2p = original  # type: ignore[method-assign]  # restored
 
 
+class _HeldSends(list):  # type: ignore[type-arg]  # of dist.Work, as the schedules type it
+    """A batch's works, holding the tensors it sends for as long as the schedule holds the works."""
+
+    sent: list[Any]
+
+
+@contextlib.contextmanager
+def _sends_hold_their_tensors() -> Iterator[None]:
+    """A pipeline schedule's sends keep their tensors alive while it holds their works, as the real backends'
+    works do and the fake group's do not: gloo's ``SendWork`` keeps a reference to its tensor "to prevent it
+    from being deallocated while the operation is still in flight" (ProcessGroupGloo.hpp), NCCL's point-to-point
+    work keeps it in ``outputs_`` (ProcessGroupNCCL.cpp, ``pointToPoint``). 1F1B holds one forward's send until the
+    next; interleaved 1F1B holds every send of the step until it ends (``_PipelineScheduleRuntime``'s
+    ``send_ops``, torch/distributed/pipelining/schedules.py): forward outputs past their backward and every input
+    gradient sent, on a 2-rank CPU trial 1.0-1.2 MiB the trace had freed."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    batch_p2p = schedules._batch_p2p
+
+    def holding(p2p_ops: list[Any], desc: str | None = None) -> list[Any]:
+        works = _HeldSends(batch_p2p(p2p_ops, desc))
+        works.sent = [op.tensor for op in p2p_ops if op.op is dist.isend]
+        return works
+
+    schedules._batch_p2p = holding
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = batch_p2p
+
+
 @contextlib.contextmanager
 def _meshes_on_real_values() -> Iterator[None]:
     """Device meshes made during the trace (FSDP x TP joins the data- and tensor-parallel meshes into one; a
@@ -992,7 +1025,9 @@ def _peak_parts_tracker_class() -> type:
     from autotune.trial.memory import LiveBytesTracker, storages_of
 
     def local(value: Any) -> Any:
-        return value.to_local() if isinstance(value, DTensor) else value
+        # The shard itself, not to_local()'s view of it (an autograd function and a dispatch per DTensor,
+        # a fifth of a tensor-parallel trace): the same shape, dtype and storage.
+        return value._local_tensor if isinstance(value, DTensor) else value
 
     class PeakPartsTracker(LiveBytesTracker):
         def __init__(self) -> None:
@@ -1073,20 +1108,23 @@ def _peak_parts_tracker_class() -> type:
             self.events.append((key, counter[0]))
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            # The op's inputs and outputs, flattened once (costed, then counted): a trace dispatches 10^5 ops.
+            inputs, outputs = tree_leaves((args, kwargs)), tree_leaves(out)
+            costed, costed_inputs, costed_outputs = out, inputs, outputs
             # This mode sees a tensor-parallel op on its DTensors, whose shapes are the whole layer's: a rank
             # computes and moves its shards only, so the op is counted on them.
-            if self.sees_dtensors and any(isinstance(leaf, DTensor) for leaf in tree_leaves((args, kwargs, out))):
+            if self.sees_dtensors and any(isinstance(leaf, DTensor) for leaf in (*inputs, *outputs)):
                 args, kwargs, costed = tree_map(local, args), tree_map(local, kwargs), tree_map(local, out)
-            else:
-                costed = out
+                costed_inputs, costed_outputs = [local(leaf) for leaf in inputs], [local(leaf) for leaf in outputs]
             counting = self.count_flops or self.costs.phase is not None
             count = flop_registry.get(func.overloadpacket) if counting else None
-            flops = count(*args, **(kwargs or {}), out_val=costed) if count is not None else 0
+            flops = count(*args, **kwargs, out_val=costed) if count is not None else 0
             if self.count_flops:
                 self.flops += flops
-            self.costs.record(func, args, kwargs or {}, costed, flops)
-            for leaf in tree_leaves(out):
+            self.costs.record(func, args, kwargs, costed_inputs, costed_outputs, flops)
+            for leaf in outputs:
                 if isinstance(leaf, torch.Tensor):
                     for storage in storages_of(leaf):
                         self._count(storage)
