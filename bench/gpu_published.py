@@ -28,9 +28,12 @@ from pathlib import Path
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.estimate.estimator import predict_memory
+from autotune.estimate.measured_with import AS_INSTALLED, MeasuredWith
 
 DATA = Path(__file__).parent / "data" / "published"
 GiB, GB, MiB = 2**30, 10**9, 2**20
+# PyTorch 1.x: AdamW stepped tensor by tensor, zero_grad() kept the gradients.
+_PYTORCH1 = MeasuredWith(pytorch1_step=True)
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,8 @@ class Row:
     metric: str  # "allocated" (peak allocated / active) or "device" (nvidia-smi)
     published_bytes: int
     published_text: str
-    # Measured with PyTorch 1.x: AdamW stepped tensor by tensor, zero_grad() kept the gradients.
-    pytorch1_step: bool = False
+    # What it ran beyond autotune's knobs (PyTorch 1.x's step, an older bitsandbytes, Lightning's quantization).
+    measured_with: MeasuredWith = AS_INSTALLED
     notes: list[str] = field(default_factory=list)
 
 
@@ -60,11 +63,13 @@ def _bert(mb: int, precision: str, checkpointing: bool, optimizer: str = "adamw"
 
 
 def _torchtune(**levers: object) -> tuple[Workload, TrialConfig]:
-    # torchtune's sweep from T4 on: pure bf16, every layer checkpointed, compiled, chunked cross-entropy (8 chunks).
+    # torchtune's sweep from T4 on: pure bf16, every layer checkpointed, compiled, chunked cross-entropy (8 chunks):
+    # torchtune's CEWithChunkedOutputLoss, whose compiled upcast + cross-entropy keeps each chunk's bf16 logits
+    # for the backward and recomputes nothing: autotune's chunked-kept (its chunked recomputes the LM head).
     workload = Workload(model=_model("llama-3.2-3b"), task="causal-lm", seq_len=4096, global_batch=2, gpu="A100-80GB")
     # Its AdamW is fused (torchtune's AdamW configs set fused: True; the sweep's unpacked baseline, 25.5 GiB
     # beside 24 GiB of model states, leaves no room for foreach AdamW's 6 GiB temporary); 8-bit AdamW is not.
-    base = TrialConfig(micro_batch=2, precision="bf16-true", checkpointing=True, loss="chunked", compile=True)
+    base = TrialConfig(micro_batch=2, precision="bf16-true", checkpointing=True, loss="chunked-kept", compile=True)
     fused = levers.get("optimizer", "adamw") == "adamw"
     return workload, base.replace(fused_optimizer=fused, **levers)
 
@@ -95,11 +100,12 @@ _BERT_NOTE = (
     "for the context"
 )
 _LITGPT_NOTE = (
-    "LitGPT's own Llama (flash SDPA, LM head in 128-token chunks kept for the backward) rebuilt as "
-    "Transformers' Llama with PEFT (standard loss, fp32 logits): the peak is the longest Alpaca sample, "
-    "1,304 tokens. LitGPT's LoRA on its fused qkv projection zero-pads the q and v updates to the "
-    "whole qkv width and keeps its grouped conv1d's input for the backward: PEFT's separate q_proj "
-    "and v_proj keep neither, the likely share of the shortfall"
+    "LitGPT's own Llama (flash SDPA, LM head in 128-token chunks) rebuilt as Transformers' Llama with PEFT "
+    "(standard loss, fp32 logits): the peak is the longest Alpaca sample, 1,304 tokens. At a small Llama shape "
+    "both keep the same bytes a layer for the backward (bench/litgpt_activations.py: 40.3 and 40.8 "
+    "hidden-size bytes a token a layer; LitGPT's head and loss keep bf16 log-probabilities, half of "
+    "Transformers' fp32). What LitGPT holds beyond the prediction (1.5 GB at 7B mb1, 2.9 GB at mb2, "
+    "2.4 GB at 13B: per sample) is not explained here"
 )
 _ADAFACTOR_NOTE = (
     "the Trainer's optim=adafactor (scale_parameter, relative_step and warmup_init off, no first moment): "
@@ -118,15 +124,25 @@ _TORCHTUNE_LORA: dict[str, object] = {
 }
 _NF4_NOTE = (
     "NF4 rebuilt as bitsandbytes' Linear4bit with double-quantized scales (0.516 bytes a weight); torchtune's "
-    "torchao NF4 tensor also quantizes its scales (block 64, scaler block 256); LitGPT's bnb.nf4 keeps fp32 "
-    "scales (0.5625 bytes a weight): 0.6 GB more on 13B than predicted here"
+    "torchao NF4 tensor also quantizes its scales (block 64, scaler block 256)"
+)
+_LITGPT_NF4_NOTE = (
+    "LitGPT's --quantize bnb.nf4 / bnb.nf4-dq through Lightning's BitsandbytesPrecision: every Linear quantized "
+    "(the LM head too), fp32 scales for nf4 and quantized ones for nf4-dq, each weight quantized from float16 "
+    "(so each 4-bit matmul dequantizes to float16, then casts to bf16); and bitsandbytes 0.41.1, whose MatMul4Bit "
+    "kept each 4-bit layer's input for the backward (dropped in 0.43.2): all traced (MeasuredWith). Not traced: "
+    "LitGPT's LoRA dropout 0.05 keeps its output and mask where PEFT's dropout 0 keeps the qkv input itself, "
+    "which 0.41.1's 4-bit qkv layer then keeps besides (2 bytes x hidden a token a layer: 0.33 GB at 7B, "
+    "0.52 GB at 13B)"
 )
 _TORCHTUNE_NOTE = (
     "torchtune's own Llama (packed: flex attention with a block-causal mask, kept as flash keeps it) rebuilt as "
     "Transformers' Llama; fused AdamW; torch.compile predicted as eager (every layer is checkpointed, so compile's "
     "share is the recomputed layer; the savings compare rows that all compile). torchtune's chunked "
-    "cross-entropy keeps its 8 chunks' bf16 logits (1.96 GiB here) for the backward; autotune's recomputes each "
-    "chunk's LM head in the backward: the start of the backward holds less here (a different lever under one name)"
+    "cross-entropy (CEWithChunkedOutputLoss, its upcast + cross-entropy compiled) keeps its 8 chunks' bf16 logits "
+    "(1.96 GiB here) and a log-sum-exp per token for the backward, as Inductor partitions it: rebuilt as "
+    "autotune's --loss chunked-kept, which keeps the same (its fp32 work, on blocks of 64 MiB of rows made and "
+    "freed in the forward and again in the backward, is a temporary Inductor's fused kernel does not make)"
 )
 _PEFT_NOTE = (
     "twitter_complaints tweets with their prompt, padded to the longest in the batch: not published, "
@@ -143,7 +159,7 @@ ROWS: list[Row] = [
         "device",
         14_949 * MiB,
         "14,949 MB (nvidia-smi)",
-        pytorch1_step=True,
+        measured_with=_PYTORCH1,
         notes=[_BERT_NOTE],
     ),
     Row(
@@ -153,7 +169,7 @@ ROWS: list[Row] = [
         "device",
         8_681 * MiB,
         "8,681 MB (nvidia-smi)",
-        pytorch1_step=True,
+        measured_with=_PYTORCH1,
         notes=[_BERT_NOTE],
     ),
     Row(
@@ -163,7 +179,7 @@ ROWS: list[Row] = [
         "device",
         6_775 * MiB,
         "6,775 MB (nvidia-smi)",
-        pytorch1_step=True,
+        measured_with=_PYTORCH1,
         notes=[_BERT_NOTE],
     ),
     Row(
@@ -173,7 +189,7 @@ ROWS: list[Row] = [
         "device",
         13_939 * MiB,
         "13,939 MB (nvidia-smi)",
-        pytorch1_step=True,
+        measured_with=_PYTORCH1,
         notes=[_BERT_NOTE],
     ),
     Row(
@@ -183,7 +199,7 @@ ROWS: list[Row] = [
         "device",
         7_275 * MiB,
         "7,275 MB (nvidia-smi)",
-        pytorch1_step=True,
+        measured_with=_PYTORCH1,
         notes=[_BERT_NOTE],
     ),
     Row(
@@ -233,7 +249,7 @@ ROWS: list[Row] = [
         "allocated",
         int(47.14 * GB),
         "47.14 GB (allocated)",
-        pytorch1_step=True,
+        measured_with=_PYTORCH1,
         notes=[_PEFT_NOTE],
     ),
     Row(
@@ -243,10 +259,27 @@ ROWS: list[Row] = [
         "allocated",
         int(14.4 * GB),
         "14.4 GB (allocated)",
-        pytorch1_step=True,
+        measured_with=_PYTORCH1,
         notes=[_PEFT_NOTE],
     ),
 ]
+
+
+def _litgpt_qlora(key: str, what: str, model: str, mode: str, published_gb: float) -> Row:
+    """A LitGPT resource-table row on a 4-bit base (tutorials/resource-tables.md, "Finetuning with LoRA on 1 GPU",
+    micro batch 1), traced as LitGPT ran it: through Lightning's BitsandbytesPrecision(mode), on bitsandbytes
+    0.41.1, whose 4-bit layers kept their input for the backward."""
+    return Row(
+        key,
+        what,
+        *_litgpt_lora(model, 1, quantize_base="nf4"),
+        "allocated",
+        int(published_gb * GB),
+        f"{published_gb:.2f} GB (allocated)",
+        measured_with=MeasuredWith(bnb_4bit_keeps_input=True, lightning_bnb=mode),
+        notes=[_LITGPT_NOTE, _LITGPT_NF4_NOTE],
+    )
+
 
 ROWS += [
     Row(
@@ -256,7 +289,7 @@ ROWS += [
         "device",
         12_295 * MiB,
         "12,295 MB (nvidia-smi)",
-        pytorch1_step=True,
+        measured_with=_PYTORCH1,
         notes=[_BERT_NOTE, _ADAFACTOR_NOTE],
     ),
     Row(
@@ -266,7 +299,7 @@ ROWS += [
         "device",
         4_847 * MiB,
         "4,847 MB (nvidia-smi)",
-        pytorch1_step=True,
+        measured_with=_PYTORCH1,
         notes=[_BERT_NOTE, _ADAFACTOR_NOTE],
     ),
     Row(
@@ -276,7 +309,7 @@ ROWS += [
         "device",
         13_085 * MiB,
         "13,085 MB (nvidia-smi)",
-        pytorch1_step=True,
+        measured_with=_PYTORCH1,
         notes=[_BERT_NOTE, _EIGHT_BIT_NOTE],
     ),
     Row(
@@ -286,7 +319,7 @@ ROWS += [
         "device",
         5_363 * MiB,
         "5,363 MB (nvidia-smi)",
-        pytorch1_step=True,
+        measured_with=_PYTORCH1,
         notes=[_BERT_NOTE, _EIGHT_BIT_NOTE],
     ),
     Row(
@@ -343,24 +376,11 @@ ROWS += [
         "4.6 GiB (active)",
         notes=[_TORCHTUNE_NOTE, _NF4_NOTE],
     ),
-    Row(
-        "L3+NF4",
-        "Llama-2-13B LoRA r8 q,v, NF4 base, bf16 compute mb1",
-        *_litgpt_lora("llama-2-13b", 1, quantize_base="nf4"),
-        "allocated",
-        int(23.14 * GB),
-        "23.14 GB (allocated)",
-        notes=[_LITGPT_NOTE, _NF4_NOTE],
-    ),
-    Row(
-        "L4",
-        "Llama-2-7B LoRA r8 q,v, NF4 base, bf16 compute mb1",
-        *_litgpt_lora("llama-2-7b", 1, quantize_base="nf4"),
-        "allocated",
-        int(14.14 * GB),
-        "14.14 GB (allocated)",
-        notes=[_LITGPT_NOTE, _NF4_NOTE],
-    ),
+    # LitGPT's --quantize bnb.nf4 rows, and the same table's bnb.nf4-dq rows (not in ../shared/gpu-published.md).
+    _litgpt_qlora("L3+NF4", "Llama-2-13B LoRA r8 q,v, NF4 base, bf16 compute mb1", "llama-2-13b", "nf4", 23.14),
+    _litgpt_qlora("L4", "Llama-2-7B LoRA r8 q,v, NF4 base, bf16 compute mb1", "llama-2-7b", "nf4", 14.14),
+    _litgpt_qlora("L4-dq", "L4 with double-quantized scales (bnb.nf4-dq)", "llama-2-7b", "nf4-dq", 13.84),
+    _litgpt_qlora("L3+NF4-dq", "L3+NF4 with double-quantized scales (bnb.nf4-dq)", "llama-2-13b", "nf4-dq", 22.55),
 ]
 
 # Published savings between rows that differ in one lever (each pair compiles, or neither does).
@@ -370,6 +390,9 @@ SAVINGS = [
     ("T5+offload", "T5+8bit", "8-bit AdamW"),
     ("T6", "T6+NF4", "an NF4 base under LoRA"),
     ("L3", "L3+NF4", "an NF4 base under LoRA"),
+    ("L1", "L4", "an NF4 base under LoRA"),
+    ("L4", "L4-dq", "double-quantized NF4 scales"),
+    ("L3+NF4", "L3+NF4-dq", "double-quantized NF4 scales"),
     ("H1", "H6", "Adafactor for AdamW, fp32 mb4"),
     ("H5", "H7", "Adafactor for AdamW, fp16 mb1 x4 ckpt"),
     ("H1", "H8", "8-bit Adam for AdamW, fp32 mb4"),
@@ -386,7 +409,7 @@ NOT_EXPRESSIBLE = {
 
 def predict(row: Row) -> dict[str, object]:
     started = time.perf_counter()
-    estimate = predict_memory(row.workload, row.config, timeout_s=1800, pytorch1_step=row.pytorch1_step)
+    estimate = predict_memory(row.workload, row.config, timeout_s=1800, measured_with=row.measured_with)
     predicted = estimate.predicted_device_bytes if row.metric == "device" else estimate.predicted_peak_bytes
     assert predicted is not None
     error = predicted / row.published_bytes - 1
@@ -400,7 +423,7 @@ def predict(row: Row) -> dict[str, object]:
         "predicted_bytes": predicted,
         "error": error,
         "estimate": estimate.to_dict(),
-        "pytorch1_step": row.pytorch1_step,
+        "measured_with": row.measured_with.to_dict(),
         "notes": row.notes,
         "seconds": time.perf_counter() - started,
     }

@@ -69,6 +69,7 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.estimate import step_time
 from autotune.estimate.estimator import MemoryEstimate, predict_memory
+from autotune.estimate.measured_with import MeasuredWith
 from autotune.estimate.step_time import DeviceProfile, StepTime, card_profile, predict_step_time
 from autotune.search.grid import read_grid
 
@@ -151,11 +152,12 @@ def _mpt_rows() -> list[Row]:
 
 _COMPILE_NOTE = "torch.compile traced as eager, timed with each chain of elementwise operators as one kernel"
 _CHUNKED_NOTE = (
-    "autotune's chunked loss, which recomputes each slice's LM head in the backward (one more LM-head "
-    "matmul, 4% of T2's FLOPs here); torchtune's chunks the LM head's output and its fp32 upcast and recomputes "
-    "nothing: the same kernels as T2's standard loss in 8 slices, which a roofline times as T2 (a tie). No knob "
-    "of autotune's is torchtune's lever: the row times autotune's, a different computation under one name, "
-    "which is why T3 reads below T2 here and above it (by 2%) in torchtune's table"
+    "torchtune's chunked cross-entropy (CEWithChunkedOutputLoss: the LM head's output in 8 slices, each slice's "
+    "upcast + cross-entropy compiled, which keeps the slice's bf16 logits and recomputes nothing) as autotune's "
+    "--loss chunked-kept, which keeps the same (autotune's chunked would recompute each slice's LM head in the "
+    "backward: one more LM-head matmul, 4% of T2's FLOPs here). Against T2's whole logits, the slices' matmuls "
+    "read the LM head's weight 8 times and sum its gradient 8 times (16.5 GB each here), more traffic than the "
+    "fp32 logits they never make: the model puts T3 below T2, torchtune measured it 2% above"
 )
 _T5_NOTE = (
     "gpu_published.py's rows as they are: T4's levers with torchtune's fused AdamW (T1-T4 here keep "
@@ -178,7 +180,7 @@ def _torchtune_rows() -> list[Row]:
     t1 = next(row for row in gpu_published.ROWS if row.key == "T1")
     base, note = t1.config, t1.notes[0]
     compiled = base.replace(compile=True)
-    chunked = compiled.replace(loss="chunked")
+    chunked = compiled.replace(loss="chunked-kept")
     checkpointed = chunked.replace(checkpointing=True)
     steps = [
         ("T1", "Llama-3.2-3B pure bf16, seq 4096 mb2", base, 7_075, ()),
@@ -224,7 +226,7 @@ def _bert_rows() -> list[Row]:
             row.config,
             samples[row.key],
             "samples/s",
-            pytorch1_step=row.pytorch1_step,
+            pytorch1_step=row.measured_with.pytorch1_step,
             notes=(*row.notes, *((_EIGHT_BIT_TIME_NOTE,) if row.config.optimizer == "adamw-8bit" else ())),
         )
         for row in gpu_published.ROWS
@@ -266,7 +268,9 @@ def _kind_split(estimate: MemoryEstimate, profile: DeviceProfile) -> dict[str, f
 
 def predict_row(row: Row) -> dict[str, Any]:
     started = time.perf_counter()
-    estimate = predict_memory(row.workload, row.config, timeout_s=1800, pytorch1_step=row.pytorch1_step)
+    estimate = predict_memory(
+        row.workload, row.config, timeout_s=1800, measured_with=MeasuredWith(pytorch1_step=row.pytorch1_step)
+    )
     assert row.workload.gpu is not None
     profile = card_profile(gpu_spec(row.workload.gpu))
     timed = predict_step_time(estimate, row.workload, profile)

@@ -47,7 +47,10 @@ BAD_INPUTS = [
         ["trial", "--fused-optimizer", "on", "--zero-stage", "2", "--nproc", "2"],
         "--fused-optimizer on with --zero-stage: DeepSpeed picks its own Adam kernel",
     ),
-    (["trial", "--loss", "chunky"], "--loss 'chunky' is not known; use standard, chunked, or chunked:K"),
+    (
+        ["trial", "--loss", "chunky"],
+        "--loss 'chunky' is not known; use standard, chunked, chunked-kept, or chunked:K / chunked-kept:K",
+    ),
     (["trial", "--loss", "chunked:1"], "--loss 'chunked:1' is not known"),
     (["trial", "--model", "builtin:bert-tiny", "--loss", "chunked"], "--loss chunked is a causal LM's loss"),
     (["estimate", "--model", "builtin:bert-tiny", "--loss", "chunked"], "--loss chunked is a causal LM's loss"),

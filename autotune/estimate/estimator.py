@@ -59,6 +59,7 @@ from autotune.config.workload import Workload
 from autotune.errors import AutotuneError, ConfigError
 from autotune.estimate.cuda_autocast import cuda_fp32_policy
 from autotune.estimate.cuda_memory import TraceMarks, predict_cuda_memory
+from autotune.estimate.measured_with import AS_INSTALLED, MeasuredWith
 from autotune.estimate.step_costs import BACKWARD, FORWARD, UPDATE, CostRecorder, StepCosts
 from autotune.prepare.offload import ActivationOffload
 
@@ -190,7 +191,7 @@ def predict_memory(
     *,
     task: str | None = None,
     timeout_s: float = 300,
-    pytorch1_step: bool = False,
+    measured_with: MeasuredWith = AS_INSTALLED,
     proxy: _Proxy | None = None,
 ) -> MemoryEstimate:
     """:func:`estimate_memory` in a fresh process, like a trial: the caller's process stays clean.
@@ -203,7 +204,8 @@ def predict_memory(
     EstimateError when the estimate fails or takes longer than ``timeout_s``.
 
     ``proxy``: the workload's model drawn from its 2- and 4-layer copies
-    (:mod:`autotune.estimate.depth_proxy`), not traced whole.
+    (:mod:`autotune.estimate.depth_proxy`), not traced whole. ``measured_with``: what a published
+    measurement ran beyond autotune's knobs, to rebuild it (:mod:`autotune.estimate.measured_with`).
     """
     from autotune.prepare import refusal_before_trial
 
@@ -214,7 +216,7 @@ def predict_memory(
         "workload": workload.to_dict(),
         "config": config.to_dict(),
         "task": task,
-        "pytorch1_step": pytorch1_step,
+        "measured_with": measured_with.to_dict(),
         # Pipeline stages cut the real depth into stages: a 2- or 4-layer copy has too few layers for them.
         "proxy": None if proxy is None or config.pp > 1 else proxy.to_dict(),
     }
@@ -325,15 +327,14 @@ class EstimateError(AutotuneError):
 
 
 def estimate_memory(
-    workload: Workload, config: TrialConfig, *, task: str | None = None, pytorch1_step: bool = False
+    workload: Workload, config: TrialConfig, *, task: str | None = None, measured_with: MeasuredWith = AS_INSTALLED
 ) -> MemoryEstimate:
     """Predict the peak tensor memory of one rank training ``workload`` with ``config`` (in this process).
 
-    ``pytorch1_step``: step as PyTorch 1.x's defaults did, to rebuild measurements made with it:
-    AdamW tensor by tensor (not foreach) on CUDA too, and ``zero_grad()`` zeroing gradients in
-    place (``set_to_none=False``), so they stay allocated through the next forward.
+    ``measured_with``: what a published measurement ran beyond autotune's knobs, to rebuild it
+    (:mod:`autotune.estimate.measured_with`).
     """
-    traced = trace_step(workload, config, task=task, pytorch1_step=pytorch1_step)
+    traced = trace_step(workload, config, task=task, measured_with=measured_with)
     return estimate_from_trace(traced, workload, config)
 
 
@@ -397,7 +398,9 @@ class TracedStep:
         )
 
 
-def trace_key(workload: Workload, config: TrialConfig, *, task: str | None = None, pytorch1_step: bool = False) -> str:
+def trace_key(
+    workload: Workload, config: TrialConfig, *, task: str | None = None, measured_with: MeasuredWith = AS_INSTALLED
+) -> str:
     """What :func:`trace_step` traces for ``config``: equal keys, one trace."""
     return json.dumps(
         [
@@ -405,7 +408,7 @@ def trace_key(workload: Workload, config: TrialConfig, *, task: str | None = Non
             _plain(config).to_dict(),
             config.uses_deepspeed,
             task,
-            pytorch1_step,
+            measured_with.to_dict(),
         ],
         sort_keys=True,
     )
@@ -446,7 +449,7 @@ def trace_step(
     config: TrialConfig,
     *,
     task: str | None = None,
-    pytorch1_step: bool = False,
+    measured_with: MeasuredWith = AS_INSTALLED,
     pipeline_rank: int | None = None,
 ) -> TracedStep:
     """Trace ``config``'s plain step (see :func:`_plain`) on fake tensors, in this process.
@@ -457,7 +460,7 @@ def trace_step(
     if config.pp > 1 and pipeline_rank is None:
         return pipeline_step(
             [
-                trace_step(workload, config, task=task, pytorch1_step=pytorch1_step, pipeline_rank=rank)
+                trace_step(workload, config, task=task, measured_with=measured_with, pipeline_rank=rank)
                 for rank in range(config.pp)
             ]
         )
@@ -493,6 +496,8 @@ def trace_step(
     if target != traced:  # a CUDA workload traced on the CPU: CUDA's attention kernels and autocast policy
         as_on_cuda.enter_context(_cuda_attention(card, attention_kernels))
         as_on_cuda.enter_context(cuda_fp32_policy())
+        if config.quantize_base == "nf4":
+            as_on_cuda.enter_context(_bnb_4bit_matmul_as_on_cuda())
     tracker = _peak_parts_tracker()
     tracker.sees_dtensors = sharded
     ranks = _traced_ranks(workload, config)
@@ -506,6 +511,8 @@ def trace_step(
         if sharded
         else contextlib.nullcontext() as mesh,
         _pipeline_shapes_given(),
+        measured_with.in_effect(),
+        _sends_hold_their_tensors(),
     ):
         warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
         # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
@@ -525,7 +532,7 @@ def trace_step(
             if config.uses_deepspeed and engine.autocast_dtype is not None:
                 # DeepSpeed's fp16/bf16 modes train a 16-bit model (no autocast): 16-bit activations.
                 _to_16_bit(engine)
-            _step_tensors_together(engine.optimizer, target == "cuda" and not pytorch1_step)
+            _step_tensors_together(engine.optimizer, target == "cuda" and not measured_with.pytorch1_step)
             if engine.offload is not None:
                 # The same hooks the trial's forward runs in, their host copies left out of the device's bytes
                 # (on a CPU trace of a CUDA step the host is the traced device too); no pinning on fake tensors.
@@ -533,7 +540,7 @@ def trace_step(
             if target == "cuda" and plain.optimizer == "adamw-8bit":
                 _steps_as_one_kernel(engine.optimizer, tracker)
             whole, flops_per_sample, step_costs = _fake_steps(
-                engine, tracker, keep_gradients=pytorch1_step, record=target == "cuda"
+                engine, tracker, keep_gradients=measured_with.pytorch1_step, record=target == "cuda"
             )
     method = "fake-tensor training step"
     if sharded:
@@ -759,6 +766,28 @@ def _step_tensors_together(optimizer: Any, foreach: bool) -> None:
 
 
 @contextlib.contextmanager
+def _bnb_4bit_matmul_as_on_cuda() -> Iterator[None]:
+    """Within a CPU trace, bitsandbytes' 4-bit layers multiply as on CUDA. On a CPU ``matmul_4bit``
+    first sets the weight's dequantized type to the input's (``quant_state.dtype = A.dtype``); on CUDA a
+    training input goes to ``MatMul4Bit`` as it is, which dequantizes to the type the weight was quantized
+    from and casts that copy to the input's: two copies of the weight where the types differ (a base
+    quantized from float16 under bf16 compute, as Lightning's plugin quantizes it)."""
+    import bitsandbytes
+
+    on_cpu = bitsandbytes.matmul_4bit
+
+    def as_on_cuda(A: Any, B: Any, quant_state: Any, out: Any = None, bias: Any = None) -> Any:
+        # A training step's inputs have more than one row: CUDA's one-row inference kernel never runs.
+        return bitsandbytes.autograd._functions.MatMul4Bit.apply(A, B, out, bias, quant_state)
+
+    bitsandbytes.matmul_4bit = as_on_cuda
+    try:
+        yield
+    finally:
+        bitsandbytes.matmul_4bit = on_cpu
+
+
+@contextlib.contextmanager
 def _cuda_attention(card: GpuSpec | None, picked: collections.Counter[str]) -> Iterator[None]:
     """Within a CPU trace, ``scaled_dot_product_attention`` runs the kernel CUDA would pick, so the
     trace keeps what that kernel keeps for the backward; ``picked`` counts the kernels.
@@ -879,6 +908,38 @@ def _pipeline_shapes_given() -> Iterator[None]:
         schedules._PipelineSchedule._warmup_p2p = original  # type: ignore[method-assign]  # restored
 
 
+class _HeldSends(list):  # type: ignore[type-arg]  # of dist.Work, as the schedules type it
+    """A batch's works, holding the tensors it sends for as long as the schedule holds the works."""
+
+    sent: list[Any]
+
+
+@contextlib.contextmanager
+def _sends_hold_their_tensors() -> Iterator[None]:
+    """A pipeline schedule's sends keep their tensors alive while it holds their works, as the real backends'
+    works do and the fake group's do not: gloo's ``SendWork`` keeps a reference to its tensor "to prevent it
+    from being deallocated while the operation is still in flight" (ProcessGroupGloo.hpp), NCCL's point-to-point
+    work keeps it in ``outputs_`` (ProcessGroupNCCL.cpp, ``pointToPoint``). 1F1B holds one forward's send until the
+    next; interleaved 1F1B holds every send of the step until it ends (``_PipelineScheduleRuntime``'s
+    ``send_ops``, torch/distributed/pipelining/schedules.py): forward outputs past their backward and every input
+    gradient sent, on a 2-rank CPU trial 1.0-1.2 MiB the trace had freed."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    batch_p2p = schedules._batch_p2p
+
+    def holding(p2p_ops: list[Any], desc: str | None = None) -> list[Any]:
+        works = _HeldSends(batch_p2p(p2p_ops, desc))
+        works.sent = [op.tensor for op in p2p_ops if op.op is dist.isend]
+        return works
+
+    schedules._batch_p2p = holding
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = batch_p2p
+
+
 @contextlib.contextmanager
 def _meshes_on_real_values() -> Iterator[None]:
     """Device meshes made during the trace (FSDP x TP joins the data- and tensor-parallel meshes into one; a
@@ -964,7 +1025,9 @@ def _peak_parts_tracker_class() -> type:
     from autotune.trial.memory import LiveBytesTracker, storages_of
 
     def local(value: Any) -> Any:
-        return value.to_local() if isinstance(value, DTensor) else value
+        # The shard itself, not to_local()'s view of it (an autograd function and a dispatch per DTensor,
+        # a fifth of a tensor-parallel trace): the same shape, dtype and storage.
+        return value._local_tensor if isinstance(value, DTensor) else value
 
     class PeakPartsTracker(LiveBytesTracker):
         def __init__(self) -> None:
@@ -1045,20 +1108,23 @@ def _peak_parts_tracker_class() -> type:
             self.events.append((key, counter[0]))
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            # The op's inputs and outputs, flattened once (costed, then counted): a trace dispatches 10^5 ops.
+            inputs, outputs = tree_leaves((args, kwargs)), tree_leaves(out)
+            costed, costed_inputs, costed_outputs = out, inputs, outputs
             # This mode sees a tensor-parallel op on its DTensors, whose shapes are the whole layer's: a rank
             # computes and moves its shards only, so the op is counted on them.
-            if self.sees_dtensors and any(isinstance(leaf, DTensor) for leaf in tree_leaves((args, kwargs, out))):
+            if self.sees_dtensors and any(isinstance(leaf, DTensor) for leaf in (*inputs, *outputs)):
                 args, kwargs, costed = tree_map(local, args), tree_map(local, kwargs), tree_map(local, out)
-            else:
-                costed = out
+                costed_inputs, costed_outputs = [local(leaf) for leaf in inputs], [local(leaf) for leaf in outputs]
             counting = self.count_flops or self.costs.phase is not None
             count = flop_registry.get(func.overloadpacket) if counting else None
-            flops = count(*args, **(kwargs or {}), out_val=costed) if count is not None else 0
+            flops = count(*args, **kwargs, out_val=costed) if count is not None else 0
             if self.count_flops:
                 self.flops += flops
-            self.costs.record(func, args, kwargs or {}, costed, flops)
-            for leaf in tree_leaves(out):
+            self.costs.record(func, args, kwargs, costed_inputs, costed_outputs, flops)
+            for leaf in outputs:
                 if isinstance(leaf, torch.Tensor):
                     for storage in storages_of(leaf):
                         self._count(storage)

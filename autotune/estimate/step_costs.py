@@ -168,8 +168,11 @@ class CostRecorder:
         key = (self.phase, OTHER, "one_kernel", kernel.dtype or "float32", kernel.flops, fixed, sample, False)
         self._ops[key] += 1
 
-    def record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, flops: float) -> None:
-        """One dispatched operator; ``flops`` from PyTorch's flop counter (0 where it counts none)."""
+    def record(
+        self, func: Any, args: Any, kwargs: dict[str, Any], in_leaves: list[Any], out_leaves: list[Any], flops: float
+    ) -> None:
+        """One dispatched operator: its arguments, the leaves of its arguments and of its output (flattened
+        by the caller, who needs them too), and ``flops`` from PyTorch's flop counter (0 where it counts none)."""
         if self.phase is None or getattr(func, "is_view", False):
             return
         name = func.overloadpacket.__name__
@@ -177,11 +180,9 @@ class CostRecorder:
             flops = _cpu_flash_flops(name, args)
         if name in _NO_KERNEL or name.startswith("sym_"):
             return
-        from torch.utils._pytree import tree_leaves
-
         # A DTensor (FSDP2's sharded weights, gradients and optimizer state) moves its local shard.
-        inputs = [_local(t) for t in tree_leaves((args, kwargs)) if _is_tensor(t)]
-        outputs = [_local(t) for t in tree_leaves(out) if _is_tensor(t)]
+        inputs = [_local(t) for t in in_leaves if _is_tensor(t)]
+        outputs = [_local(t) for t in out_leaves if _is_tensor(t)]
         mutates = func._schema.is_mutable
         kind = _kind(name)
         if kind != COLLECTIVE and (not (outputs or mutates) or (not mutates and _aliases(outputs, inputs))):

@@ -75,10 +75,10 @@ class _Traces:
     def __init__(self) -> None:
         self._kept: collections.OrderedDict[str, Any] = collections.OrderedDict()
 
-    def get(self, workload: Any, config: Any, task: str | None, pytorch1_step: bool) -> Any:
+    def get(self, workload: Any, config: Any, task: str | None, measured_with: Any) -> Any:
         from autotune.estimate.estimator import trace_key
 
-        key = trace_key(workload, config, task=task, pytorch1_step=pytorch1_step)
+        key = trace_key(workload, config, task=task, measured_with=measured_with)
         if key in self._kept:
             self._kept.move_to_end(key)
             return self._kept[key]
@@ -86,9 +86,9 @@ class _Traces:
         if config.pp > 1:  # each stage's rank traced in a child of its own, as many at once as there are cores
             from autotune.estimate.estimator import pipeline_step
 
-            traced = pipeline_step(_stages_in_children(workload, config, task, pytorch1_step))
+            traced = pipeline_step(_stages_in_children(workload, config, task, measured_with))
         else:
-            traced = _collect(*_fork_trace(workload, config, task, pytorch1_step))
+            traced = _collect(*_fork_trace(workload, config, task, measured_with))
         self._kept[key] = traced
         while len(self._kept) > _KEPT_TRACES:
             self._kept.popitem(last=False)
@@ -112,17 +112,18 @@ def _answer(request: dict[str, Any], traces: _Traces) -> dict[str, Any]:
     from autotune.config.workload import Workload
     from autotune.estimate.depth_proxy import extrapolate
     from autotune.estimate.estimator import estimate_from_trace
+    from autotune.estimate.measured_with import MeasuredWith
 
     started = time.perf_counter()
     workload, config = Workload.from_dict(request["workload"]), TrialConfig.from_dict(request["config"])
-    task, pytorch1_step = request.get("task"), bool(request.get("pytorch1_step"))
+    task, measured_with = request.get("task"), MeasuredWith.from_dict(request.get("measured_with"))
     try:
         proxy = request.get("proxy")
         if proxy is None:
-            estimate = estimate_from_trace(traces.get(workload, config, task, pytorch1_step), workload, config)
+            estimate = estimate_from_trace(traces.get(workload, config, task, measured_with), workload, config)
         else:
             shallow, deeper = Workload.from_dict(proxy["shallow"]), Workload.from_dict(proxy["deeper"])
-            two, four = (traces.get(w, config, task, pytorch1_step) for w in (shallow, deeper))
+            two, four = (traces.get(w, config, task, measured_with) for w in (shallow, deeper))
             like = estimate_from_trace(four, deeper, config)  # its allocator's reserve stands for the whole model's
             estimate = estimate_from_trace(extrapolate(two, four, proxy["layers"]), workload, config, cuda_as=like)
         # What this answer cost: a kept trace is not paid for again.
@@ -142,13 +143,13 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}"
 
 
-def _stages_in_children(workload: Any, config: Any, task: str | None, pytorch1_step: bool) -> list[Any]:
+def _stages_in_children(workload: Any, config: Any, task: str | None, measured_with: Any) -> list[Any]:
     """Every pipeline stage's traced step, in stage order, ``os.cpu_count()`` children at a time."""
     at_once = max(1, os.cpu_count() or 1)
     traced: list[Any] = []
     for first in range(0, config.pp, at_once):
         children = [
-            _fork_trace(workload, config, task, pytorch1_step, pipeline_rank=rank)
+            _fork_trace(workload, config, task, measured_with, pipeline_rank=rank)
             for rank in range(first, min(first + at_once, config.pp))
         ]
         failed: _TraceFailed | None = None
@@ -163,7 +164,7 @@ def _stages_in_children(workload: Any, config: Any, task: str | None, pytorch1_s
 
 
 def _fork_trace(
-    workload: Any, config: Any, task: str | None, pytorch1_step: bool, pipeline_rank: int | None = None
+    workload: Any, config: Any, task: str | None, measured_with: Any, pipeline_rank: int | None = None
 ) -> tuple[int, int]:
     """Fork; the child traces and writes the result (or why it failed) to a pipe as JSON, then exits.
     Returns the child's pid and the pipe's read end, for :func:`_collect`."""
@@ -172,7 +173,7 @@ def _fork_trace(
     if pid == 0:
         os.close(read_end)
         with os.fdopen(write_end, "w") as out:
-            out.write(json.dumps(_trace(workload, config, task, pytorch1_step, pipeline_rank)))
+            out.write(json.dumps(_trace(workload, config, task, measured_with, pipeline_rank)))
         os._exit(0)  # skip teardown: the traced state's finalisers are not worth waiting (or crashing) for
     os.close(write_end)
     return pid, read_end
@@ -194,12 +195,12 @@ def _collect(pid: int, read_end: int) -> Any:
 
 
 def _trace(
-    workload: Any, config: Any, task: str | None, pytorch1_step: bool, pipeline_rank: int | None = None
+    workload: Any, config: Any, task: str | None, measured_with: Any, pipeline_rank: int | None = None
 ) -> dict[str, Any]:
     from autotune.estimate.estimator import trace_step
 
     try:
-        traced = trace_step(workload, config, task=task, pytorch1_step=pytorch1_step, pipeline_rank=pipeline_rank)
+        traced = trace_step(workload, config, task=task, measured_with=measured_with, pipeline_rank=pipeline_rank)
         return {"ok": traced.to_dict()}
     except Exception as exc:
         return {"error": _one_line(exc)}

@@ -514,9 +514,10 @@ def in_code(config: TrialConfig, workload: Workload | None = None) -> list[str]:
         )
     if config.loss_chunks is None:
         return lines
+    kind = "chunked-kept" if config.loss_keeps_logits else "chunked"
     return lines + [
-        f"loss: chunked in {config.loss_chunks} slices, which no library flag sets: after building the model, "
-        f'`model = autotune.prepare(model, loss="chunked:{config.loss_chunks}")` '
+        f"loss: {kind} in {config.loss_chunks} slices, which no library flag sets: after building the model, "
+        f'`model = autotune.prepare(model, loss="{kind}:{config.loss_chunks}")` '
         "(same loss; outputs.logits then hold the hidden states)"
     ]
 

@@ -75,7 +75,7 @@ def prepare(
     if config.loss_chunks is not None:
         from autotune.prepare.loss import chunk_loss
 
-        chunk_loss(model, config.loss_chunks, source=source)
+        chunk_loss(model, config.loss_chunks, keep_logits=config.loss_keeps_logits, source=source)
     if config.pp > 1:  # this rank's stages, and the schedule that runs them
         from autotune.prepare.pipeline import Pipeline
         from autotune.prepare.sharding import torch_device, torch_fake_mode_active

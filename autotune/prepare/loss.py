@@ -7,6 +7,14 @@ cross-entropy run on K slices of the tokens, each under non-reentrant activation
 so only one slice's logits exist at a time, in the forward and again in the backward (which
 recomputes them: one more LM-head matmul per step). The loss is the same number.
 
+``chunked-kept`` slices the same way but recomputes nothing: each slice's 16-bit logits are kept for
+the backward with one log-sum-exp per token, and the backward forms the softmax from them. That is
+what torchtune's ``CEWithChunkedOutputLoss`` keeps under ``torch.compile`` (its model makes the
+slices' logits, its compiled upcast + cross-entropy saves its 16-bit input and the per-token
+statistics; see :class:`_CrossEntropyOfKeptLogits`): no extra matmul, the whole logits in 16 bits
+held from the forward to the start of the backward, never the fp32 upcast of more than one slice.
+Under activation offload they stay on the device (the backward needs them first).
+
 Applied to the model in place (:func:`chunk_loss`), so trials, the estimator and a user's own job
 train the same way: ``model(input_ids=..., labels=...)`` still returns ``.loss``; its ``.logits``
 then hold the final hidden states, since no full logits are made.
@@ -43,9 +51,16 @@ def chunked_loss_refusal(workload: Workload, task: str) -> str | None:
     return None
 
 
-def chunk_loss(model: torch.nn.Module, chunks: int = DEFAULT_LOSS_CHUNKS, *, source: str = "the model") -> None:
+def chunk_loss(
+    model: torch.nn.Module,
+    chunks: int = DEFAULT_LOSS_CHUNKS,
+    *,
+    keep_logits: bool = False,
+    source: str = "the model",
+) -> None:
     """Make ``model`` (a Hugging Face causal LM, or PEFT's wrapper of one) compute its loss in
-    ``chunks`` slices of tokens, each recomputed in the backward; see the module's docstring."""
+    ``chunks`` slices of tokens, each recomputed in the backward, or with ``keep_logits`` each
+    slice's logits kept for it; see the module's docstring."""
     get_base_model = getattr(model, "get_base_model", None)
     base = get_base_model() if callable(get_base_model) else model
     head = getattr(base, "lm_head", None)
@@ -54,15 +69,15 @@ def chunk_loss(model: torch.nn.Module, chunks: int = DEFAULT_LOSS_CHUNKS, *, sou
             f"--loss chunked: {source} has no lm_head and loss_function (a Hugging Face causal "
             "LM has both); use --loss standard"
         )
-    _ChunkedCrossEntropy(head, chunks).install(base)
+    _ChunkedCrossEntropy(head, chunks, keep_logits=keep_logits).install(base)
 
 
 class _ChunkedCrossEntropy:
     """The model's ``loss_function``: called with the head's output, which the head now passes
     through unchanged (the hidden states), it runs the head itself, a slice at a time."""
 
-    def __init__(self, head: torch.nn.Module, chunks: int) -> None:
-        self.head, self.chunks = head, chunks
+    def __init__(self, head: torch.nn.Module, chunks: int, *, keep_logits: bool = False) -> None:
+        self.head, self.chunks, self.keep_logits = head, chunks, keep_logits
         self._head_forward = head.forward
         self._in_loss = False
 
@@ -103,12 +118,25 @@ class _ChunkedCrossEntropy:
         targets = shift_labels.reshape(-1).to(hidden.device)
         total = hidden.new_zeros((), dtype=torch.float32)
         for part, part_targets in zip(hidden.chunk(self.chunks), targets.chunk(self.chunks), strict=True):
-            total = total + checkpoint(self._summed_loss, part, part_targets, ignore_index, use_reentrant=False)
+            if self.keep_logits:
+                total = total + self._kept_loss(part, part_targets, ignore_index)
+            else:
+                total = total + checkpoint(self._summed_loss, part, part_targets, ignore_index, use_reentrant=False)
         if num_items_in_batch is not None:
             count = num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
         else:
             count = (targets != ignore_index).sum()
         return total / count
+
+    def _kept_loss(self, hidden: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        import torch
+
+        # What the slice keeps stays on the device under activation offload: the backward needs it first,
+        # so a copy to the host and back would overlap nothing (torchtune's offload leaves its LM head
+        # out, and computes its loss outside, for the same reason). Inner saved-tensor hooks win.
+        with self._computing(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+            logits = self.head(hidden)
+            return _CrossEntropyOfKeptLogits.apply(logits, targets, ignore_index)
 
     def _summed_loss(self, hidden: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
         import torch
@@ -116,3 +144,67 @@ class _ChunkedCrossEntropy:
         with self._computing():
             logits = self.head(hidden)
         return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+
+
+def _as_is(tensor: Any) -> Any:
+    return tensor
+
+
+def _kept_logits_function() -> type:
+    import torch
+
+    class CrossEntropyOfKeptLogits(torch.autograd.Function):
+        """Summed cross-entropy of one slice's logits, computed in fp32, that keeps for the backward the
+        logits as they came (16-bit under bf16) and one log-sum-exp per token, and forms the softmax
+        from them there: what Inductor's partition of ``cross_entropy(logits.float())`` saves (its
+        16-bit input and per-row statistics), where eager autograd would keep the fp32 log-softmax.
+        The fp32 work runs on blocks of rows (:data:`_FP32_BLOCK_BYTES`), so no fp32 copy of the whole
+        slice is made: a fused kernel makes none either."""
+
+        @staticmethod
+        def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+            valid = targets != ignore_index
+            picked = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1).float()
+            log_sum_exp = torch.cat([torch.logsumexp(block.float(), dim=-1) for block in _row_blocks(logits)])
+            ctx.save_for_backward(logits, targets, log_sum_exp)
+            ctx.ignore_index = ignore_index
+            return ((log_sum_exp - picked) * valid).sum()
+
+        @staticmethod
+        def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+            logits, targets, log_sum_exp = ctx.saved_tensors
+            scale = grad_output * (targets != ctx.ignore_index)
+            grad = torch.empty_like(logits)
+            start = 0
+            for block in _row_blocks(logits):
+                rows = slice(start, start + block.shape[0])
+                start = rows.stop
+                softmax = block.float().sub_(log_sum_exp[rows].unsqueeze(-1)).exp_()
+                picked = targets[rows].clamp(min=0).unsqueeze(-1)
+                softmax.scatter_add_(-1, picked, -torch.ones_like(softmax[:, :1]))
+                grad[rows] = softmax.mul_(scale[rows].unsqueeze(-1))
+            return grad, None, None
+
+    return CrossEntropyOfKeptLogits
+
+
+# The kept-logits loss's fp32 work at a time: a block of rows of at most this many fp32 bytes (one row at
+# the least), so its temporaries stay small beside the kept 16-bit logits (a 128k vocabulary: 130 rows).
+_FP32_BLOCK_BYTES = 64 * 2**20
+
+
+def _row_blocks(logits: Any) -> Any:
+    rows = max(1, _FP32_BLOCK_BYTES // (4 * logits.shape[-1]))
+    return logits.split(rows)
+
+
+class _CrossEntropyOfKeptLogits:
+    """Built on first use: this module is imported without torch (the CLI's fast paths)."""
+
+    _function: Any = None
+
+    @classmethod
+    def apply(cls, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        if cls._function is None:
+            cls._function = _kept_logits_function()
+        return cls._function.apply(logits, targets, ignore_index)

@@ -13,11 +13,16 @@ layers (PEFT has its own bitsandbytes LoRA layers). The compute type is the prec
 
 bitsandbytes has run on a CPU since 0.48 (PyTorch kernels), so the same layers train in CPU trials.
 A model already quantized (``from_pretrained(quantization_config=...)``) is left as it is.
+
+Lightning's ``BitsandbytesPrecision`` (LitGPT's ``--quantize bnb.nf4``) quantizes differently, and a
+published LitGPT measurement is rebuilt that way (:func:`as_lightning_quantizes`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import contextlib
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Iterator
 
 from autotune.config.knobs import quantize_library_refusal
 from autotune.errors import ConfigError
@@ -35,10 +40,34 @@ __all__ = [
     "quantization_constants",
     "parameter_numel",
     "quantization_line",
+    "as_lightning_quantizes",
 ]
 
 NF4_BLOCK = 64  # weights per absmax scale (bitsandbytes' and Transformers' default)
 INT8_THRESHOLD = 6.0  # BitsAndBytesConfig's llm_int8_threshold default: outlier columns stay 16-bit on CUDA
+
+_LIGHTNING_MODE: ContextVar[str | None] = ContextVar("lightning_bnb_mode", default=None)
+
+
+@contextlib.contextmanager
+def as_lightning_quantizes(mode: str) -> Iterator[None]:
+    """Bases quantized here are quantized as Lightning's ``BitsandbytesPrecision(mode)`` quantizes them
+    (``lightning/fabric/plugins/precision/bitsandbytes.py``), for ``mode`` "nf4" or "nf4-dq":
+
+    * every ``torch.nn.Linear`` becomes a 4-bit layer, the LM head too: its ``init_context`` patches the
+      class itself (``_ClassReplacementContextManager({"torch.nn.Linear": ...})``) and LitGPT passes no
+      ``ignore_modules``;
+    * "nf4" keeps an fp32 scale per 64 weights (``_NF4Linear``: ``compress_statistics=False``), "nf4-dq"
+      quantizes the scales (``_NF4DQLinear``);
+    * each weight is cast to float16 before it is quantized (``_Linear4bit._quantize_weight``).
+    """
+    if mode not in ("nf4", "nf4-dq"):
+        raise ValueError(f"as_lightning_quantizes: mode {mode!r} (nf4 or nf4-dq)")
+    token = _LIGHTNING_MODE.set(mode)
+    try:
+        yield
+    finally:
+        _LIGHTNING_MODE.reset(token)
 
 
 def quantization_line(config: TrialConfig) -> str:
@@ -101,6 +130,11 @@ def quantize_base(
     import bitsandbytes as bnb
 
     compute = getattr(torch, config.sixteen_bit) if config.sixteen_bit else torch.float32
+    lightning = _LIGHTNING_MODE.get() if config.quantize_base == "nf4" else None
+    double_quant = lightning != "nf4"
+    source = torch.float16 if lightning else compute  # the type each weight is quantized from
+    if lightning:
+        heads = ()  # Lightning's class patch reaches the LM head too
 
     # A LoRA layer's adapters, when LoRA came first: PEFT's layers wrap the layer they adapt as base_layer.
     adapters = [
@@ -123,8 +157,8 @@ def quantize_base(
             if weight is None:
                 continue
             with torch.no_grad():
-                weight = _made(weight, compute, device) if weight.is_meta else weight.detach().to(compute)
-                layer = _quantized_layer(bnb, config.quantize_base, weight, child.bias, compute)
+                weight = _made(weight, source, device) if weight.is_meta else weight.detach().to(source)
+                layer = _quantized_layer(bnb, config.quantize_base, weight, child.bias, compute, double_quant)
             setattr(parent, name, layer)
             replaced += 1
     for module_name, module in model.named_modules():
@@ -164,7 +198,9 @@ def _linear_weight(module: torch.nn.Module) -> torch.Tensor | None:
     return None
 
 
-def _quantized_layer(bnb: Any, kind: str, weight: torch.Tensor, bias: Any, compute: torch.dtype) -> torch.nn.Module:
+def _quantized_layer(
+    bnb: Any, kind: str, weight: torch.Tensor, bias: Any, compute: torch.dtype, double_quant: bool = True
+) -> torch.nn.Module:
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -181,7 +217,7 @@ def _quantized_layer(bnb: Any, kind: str, weight: torch.Tensor, bias: Any, compu
                 out_features,
                 bias=False,
                 compute_dtype=compute,
-                compress_statistics=True,
+                compress_statistics=double_quant,
                 quant_type="nf4",
                 quant_storage=torch.uint8,
                 device="meta",
@@ -191,10 +227,10 @@ def _quantized_layer(bnb: Any, kind: str, weight: torch.Tensor, bias: Any, compu
                 in_features, out_features, bias=False, has_fp16_weights=False, threshold=INT8_THRESHOLD, device="meta"
             )
     if fake:
-        layer.weight = _fake_nf4(bnb, weight) if kind == "nf4" else _fake_int8(weight)
+        layer.weight = _fake_nf4(bnb, weight, double_quant) if kind == "nf4" else _fake_int8(weight)
     elif kind == "nf4":
         held = bnb.nn.Params4bit(
-            weight, requires_grad=False, compress_statistics=True, quant_type="nf4", quant_storage=torch.uint8
+            weight, requires_grad=False, compress_statistics=double_quant, quant_type="nf4", quant_storage=torch.uint8
         )
         layer.weight = held.to(weight.device)  # Params4bit quantizes as it moves to a device
     else:
@@ -208,7 +244,7 @@ def _quantized_layer(bnb: Any, kind: str, weight: torch.Tensor, bias: Any, compu
 # _make_subclass, which a fake tensor cannot become. The estimator's trace holds the same bytes,
 # quantized by the same bitsandbytes functions, in a plain parameter carrying the same attributes
 # the layers' forward reads.
-def _fake_nf4(bnb: Any, weight: torch.Tensor) -> torch.nn.Parameter:
+def _fake_nf4(bnb: Any, weight: torch.Tensor, double_quant: bool = True) -> torch.nn.Parameter:
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -217,7 +253,7 @@ def _fake_nf4(bnb: Any, weight: torch.Tensor) -> torch.nn.Parameter:
         with _disable_current_modes():  # the 8-bit code the scales are quantized with, made from real values
             functional.name2qmap["dynamic"] = functional.create_dynamic_map()
     packed, state = functional.quantize_4bit(
-        weight, blocksize=NF4_BLOCK, compress_statistics=True, quant_type="nf4", quant_storage=torch.uint8
+        weight, blocksize=NF4_BLOCK, compress_statistics=double_quant, quant_type="nf4", quant_storage=torch.uint8
     )
     held = torch.nn.Parameter(packed, requires_grad=False)
     held.quant_state = state  # type: ignore[attr-defined]  # what Params4bit carries

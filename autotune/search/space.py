@@ -53,7 +53,7 @@ KNOBS = {
     "micro_batch": "auto, or a list of whole numbers >= 1 that divide the per-rank batch",
     "precision": f"a list of {', '.join(PRECISIONS)}",
     "checkpointing": "a list of true/false, or every-N (every N-th decoder layer, N >= 2)",
-    "loss": "a list of standard, chunked or chunked:K (K slices of 2 or more)",
+    "loss": "a list of standard, chunked, chunked-kept, chunked:K or chunked-kept:K (K slices of 2 or more)",
     "attention": f"a list of {', '.join(ATTENTIONS)}",
     "fused_optimizer": "a list of true/false",
     "optimizer": f"a list of {', '.join(OPTIMIZERS)} (they change the maths, like precision)",

@@ -1,4 +1,4 @@
-"""The chunked loss: the same loss and gradients as the model's own, without the full logits."""
+"""The chunked losses: the same loss and gradients as the model's own, without the full logits in fp32."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _loss_and_grads(model_name: str, loss: str, *, lora: bool = False) -> tuple[
         model = apply_lora(model, TrialConfig(lora_rank=4), workload, task="causal-lm")
     config = TrialConfig(micro_batch=4, loss=loss)
     if config.loss_chunks is not None:
-        chunk_loss(model, config.loss_chunks)
+        chunk_loss(model, config.loss_chunks, keep_logits=config.loss_keeps_logits)
     ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(1))
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
@@ -43,7 +43,8 @@ def _loss_and_grads(model_name: str, loss: str, *, lora: bool = False) -> tuple[
 def test_the_chunked_loss_and_its_gradients_are_the_models_own(model_name, lora):
     # GPT-2 ties its LM head to the embeddings; under LoRA the head sits inside PEFT's wrapper.
     standard, grads = _loss_and_grads(model_name, "standard", lora=lora)
-    for loss in ("chunked", "chunked:3"):  # 3 slices do not divide the 128 tokens evenly
+    # 3 slices do not divide the 128 tokens evenly
+    for loss in ("chunked", "chunked:3", "chunked-kept", "chunked-kept:3"):
         chunked, chunked_grads = _loss_and_grads(model_name, loss, lora=lora)
         assert chunked == pytest.approx(standard, abs=5e-4)
         assert chunked_grads.keys() == grads.keys()
@@ -51,10 +52,10 @@ def test_the_chunked_loss_and_its_gradients_are_the_models_own(model_name, lora)
             torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.slow  # two real trials and two estimates: ~30 s on a busy 2-core machine
+@pytest.mark.slow  # three real trials and three estimates: ~45 s on a busy 2-core machine
 def test_chunked_loss_cuts_the_measured_peak_of_a_32k_vocabulary_and_the_estimator_predicts_both():
     peaks = {}
-    for loss in ("standard", "chunked"):
+    for loss in ("standard", "chunked", "chunked-kept"):
         config = TrialConfig(micro_batch=8, loss=loss)
         result = run_trial(VOCAB_32K, config, measure_steps=1)
         assert result.ok, result.error
@@ -62,6 +63,9 @@ def test_chunked_loss_cuts_the_measured_peak_of_a_32k_vocabulary_and_the_estimat
         assert estimate.predicted_peak_bytes == pytest.approx(result.peak_memory_bytes, rel=0.05)
         peaks[loss] = result.peak_memory_bytes
     assert peaks["chunked"] <= 0.6 * peaks["standard"]  # the logits (8 x 128 x 32k, fp32) and their gradient
+    # Keeping the slices' logits (fp32 here: the model computes in fp32) costs them once, not the
+    # standard loss's logits, log-softmax and gradient together.
+    assert peaks["chunked"] < peaks["chunked-kept"] < peaks["standard"]
 
 
 def test_the_chunked_loss_is_refused_where_it_means_nothing():
@@ -73,7 +77,7 @@ def test_the_chunked_loss_is_refused_where_it_means_nothing():
         run_trial(bert, TrialConfig(loss="chunked"))
     with pytest.raises(ConfigError, match="no lm_head and loss_function"):
         chunk_loss(torch.nn.Linear(2, 2))
-    for bad in ("chunky", "chunked:1", "chunked:x", 8):
+    for bad in ("chunky", "chunked:1", "chunked:x", "chunked-kept:1", "kept", 8):
         with pytest.raises(ConfigError, match="--loss"):
             TrialConfig(loss=bad)
 
@@ -119,6 +123,11 @@ def test_exports_say_how_to_apply_the_chunked_loss(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "trained", proc.stderr[-1000:]
+    kept = TrialConfig(micro_batch=8, loss="chunked-kept")
+    assert kept.describe() == "mb=8 fp32 chunked-kept-loss"
+    assert 'autotune.prepare(model, loss="chunked-kept:8")' in export_config(
+        kept, VOCAB_32K, fmt="yaml", device_type="cpu"
+    )
 
 
 @pytest.mark.slow  # a real find: 2 trials and a confirmation, ~40 s on a busy 2-core machine
@@ -166,3 +175,36 @@ def test_find_picks_the_chunked_loss_where_the_standard_loss_does_not_fit(tmp_pa
     assert best["peak_memory_bytes"] <= 189 * 2**20  # what the confirmation measured
     assert all(t["config"]["loss"] == "chunked" for t in result["trials"] if t["status"] == "ok")
     assert 'autotune.prepare(model, loss="chunked:8")' in (tmp_path / "job.yaml").read_text()
+
+
+def test_the_kept_logits_stay_where_they_are_under_outer_saved_tensor_hooks():
+    # Activation offload is such a pair of hooks around the forward: the slices' logits, which the backward
+    # needs first, are not handed to it (torchtune's offload leaves its head and loss out likewise).
+    workload = Workload(model="builtin:llama-tiny", seq_len=32, global_batch=4)
+    model = build_model(workload, task="causal-lm", device=torch.device("cpu"))
+    chunk_loss(model, 4, keep_logits=True)
+    vocab = model.config.vocab_size
+    packed: list[tuple[int, ...]] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(tuple(tensor.shape))
+        return tensor
+
+    ids = torch.randint(0, vocab, (4, 32), generator=torch.Generator().manual_seed(1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert packed, "the layers' activations go to the outer hooks"
+    assert not any(shape and shape[-1] == vocab for shape in packed)
+
+
+def test_the_kept_logits_loss_is_the_same_worked_on_blocks_of_rows(monkeypatch):
+    # Its fp32 work runs a block of rows at a time; blocks of 5 rows split each slice unevenly.
+    import autotune.prepare.loss as loss_module
+
+    standard, grads = _loss_and_grads("builtin:llama-tiny", "standard")
+    monkeypatch.setattr(loss_module, "_FP32_BLOCK_BYTES", 5 * 4 * 512)
+    kept, kept_grads = _loss_and_grads("builtin:llama-tiny", "chunked-kept")
+    assert kept == pytest.approx(standard, abs=5e-4)
+    for name, grad in grads.items():
+        torch.testing.assert_close(kept_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

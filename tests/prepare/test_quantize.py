@@ -94,6 +94,29 @@ def _refusal(*args: str, without: tuple[str, ...] = ()) -> str:
     return trial_refusal(*args, model="builtin:llama-tiny", without=without)
 
 
+@pytest.mark.parametrize(("mode", "double_quant"), [("nf4", False), ("nf4-dq", True)])
+def test_as_lightning_quantizes_the_head_too_from_float16_with_the_modes_scales(wide, mode, double_quant):
+    from autotune.prepare.quantize import as_lightning_quantizes
+
+    model = build_model(wide, task="causal-lm", device=torch.device("cpu"))
+    with as_lightning_quantizes(mode):
+        adapted = prepare(model, TrialConfig(lora_rank=4, quantize_base="nf4", precision="bf16-true"), workload=wide)
+    base = adapted.get_base_model()
+    for layer in (base.lm_head, base.model.layers[0].mlp.down_proj):
+        assert isinstance(layer, bnb.nn.Linear4bit), type(layer)
+        state = layer.weight.quant_state
+        assert (state.state2 is not None) == double_quant  # nf4: an fp32 scale per 64 weights; nf4-dq: 8-bit ones
+        assert state.dtype == torch.float16  # Lightning casts each weight to float16 before quantizing it
+    assert base.model.embed_tokens.weight.dtype == torch.bfloat16
+    # Outside the context, Transformers' way again: the head unquantized.
+    again = prepare(
+        build_model(wide, task="causal-lm", device=torch.device("cpu")),
+        TrialConfig(lora_rank=4, quantize_base="nf4"),
+        workload=wide,
+    )
+    assert type(again.get_base_model().lm_head) is torch.nn.Linear
+
+
 def test_bad_input_is_one_line_and_exit_2():
     assert "add --lora-rank R" in _refusal("--quantize-base", "nf4")
     assert "is not known; use one of off, nf4, int8" in _refusal("--lora-rank", "4", "--quantize-base", "nf2")

@@ -1,6 +1,7 @@
 """Tensor, sequence and pipeline parallel trials on gloo ranks: each rank holds less than a DDP copy of a
 model whose states dominate, pipeline schedules trade memory as they should (GPipe holds every micro
-batch's activations, 1F1B at most one per stage), and the estimator predicts every rank within 5%."""
+batch's activations, 1F1B at most one per stage), and the estimator predicts every rank within 5% (a pipeline
+stage's within 1%)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def test_two_rank_layouts_hold_less_than_ddp_and_the_estimator_predicts_every_ra
         "tp+sp": _trial(layers_model, 2, tp=2, sequence_parallel=True),
         "pp 1f1b": _trial(layers_model, 2, pp=2),
         "pp gpipe": _trial(layers_model, 2, pp=2, pp_schedule="gpipe"),
+        "pp interleaved": _trial(layers_model, 2, pp=2, pp_schedule="interleaved-1f1b"),
     }
     for name, (_, _, result) in trials.items():
         assert result.status.value == "ok", (name, result.error)
@@ -45,8 +47,10 @@ def test_two_rank_layouts_hold_less_than_ddp_and_the_estimator_predicts_every_ra
         predicted = predict_memory(workload, config)
         assert predicted.predicted_peak_bytes == pytest.approx(result.peak_memory_bytes, rel=0.05), name
         if config.pp > 1:  # each stage's rank: the first holds the embedding, the last the head and the logits
+            # Within 1%: the trace runs the same schedule, and keeps what its sends keep (interleaved 1F1B was 4-5%
+            # under while the fake group's sends let go of their tensors); measured equal to 0.01 MiB.
             for rank, peak in enumerate(result.peak_memory_per_rank):
-                assert predicted.peak_per_rank_bytes[rank] == pytest.approx(peak, rel=0.05), (name, rank)
+                assert predicted.peak_per_rank_bytes[rank] == pytest.approx(peak, rel=0.01), (name, rank)
     # The first stage holds the activations of every micro batch under GPipe, of at most two under 1F1B.
     first_1f1b, _ = trials["pp 1f1b"][2].peak_memory_per_rank
     first_gpipe, _ = trials["pp gpipe"][2].peak_memory_per_rank
