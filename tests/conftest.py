@@ -15,6 +15,12 @@ sys.path.insert(0, str(TESTS))
 from processes import MARK_ENV, RUN_MARK  # noqa: E402 - importable once the path above is set
 
 os.environ[MARK_ENV] = RUN_MARK  # every process this run starts carries it (tests/processes.py)
+# DeepSpeed on a CPU compiles its shared-memory op at its first init (40-60 s on 2 cores) into torch's cache,
+# ~/.cache/torch_extensions/py311_cpu, which every environment of this Python on the machine shares: a run
+# in another virtual environment (a clean clone's CI beside a checkout's) changes its build command, and
+# each then rebuilds it over the other's (CI's 157 s ZeRO script test was mostly such rebuilds). One cache
+# per environment: one build, kept with the torch and DeepSpeed it was built against.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
 @pytest.fixture(autouse=True)
