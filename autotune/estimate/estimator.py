@@ -1112,18 +1112,18 @@ def _peak_parts_tracker_class() -> type:
             out = func(*args, **kwargs)
             # The op's inputs and outputs, flattened once (costed, then counted): a trace dispatches 10^5 ops.
             inputs, outputs = tree_leaves((args, kwargs)), tree_leaves(out)
-            costed, costed_inputs, costed_outputs = out, inputs, outputs
+            costed = out
             # This mode sees a tensor-parallel op on its DTensors, whose shapes are the whole layer's: a rank
-            # computes and moves its shards only, so the op is counted on them.
+            # computes and moves its shards only, so the op is counted on them (the recorder takes each leaf's
+            # shard itself).
             if self.sees_dtensors and any(isinstance(leaf, DTensor) for leaf in (*inputs, *outputs)):
                 args, kwargs, costed = tree_map(local, args), tree_map(local, kwargs), tree_map(local, out)
-                costed_inputs, costed_outputs = [local(leaf) for leaf in inputs], [local(leaf) for leaf in outputs]
             counting = self.count_flops or self.costs.phase is not None
             count = flop_registry.get(func.overloadpacket) if counting else None
             flops = count(*args, **kwargs, out_val=costed) if count is not None else 0
             if self.count_flops:
                 self.flops += flops
-            self.costs.record(func, args, kwargs, costed_inputs, costed_outputs, flops)
+            self.costs.record(func, args, kwargs, inputs, outputs, flops)
             for leaf in outputs:
                 if isinstance(leaf, torch.Tensor):
                     for storage in storages_of(leaf):
