@@ -23,12 +23,16 @@ TOY_CPU = DeviceProfile(
 
 
 def toy_costs(flops_per_sample: float) -> StepCosts:
+    """A toy step whose operators all run outside any checkpointed layer (``layers_marked``, none of them in
+    one): a checkpointed family not traced yet is placed level with its traced twin, so its own toy step
+    ranks it once traced (a test of derived twins builds its own step)."""
     return StepCosts(
         (
             OpCost("forward", "matmul", "mm", "float32", flops_per_sample, 0.0, 0.0, 1.0),
             OpCost("forward", "other", "add", "float32", 0.0, 0.0, 0.0, 1.0),
         ),
         flops_per_sample / 3,
+        layers_marked=True,
     )
 
 

@@ -113,12 +113,15 @@ def extrapolate(two: TracedStep, four: TracedStep, layers: int) -> TracedStep:
     )
 
 
-def _totals(counted: Counter[OpCost], ops: set[OpCost]) -> dict[tuple[str, str, str, str, bool], tuple[float, ...]]:
-    """Per (phase, kind, operator, dtype, fusable): count, FLOPs, model-state bytes, per-sample bytes in all."""
-    totals: dict[tuple[str, str, str, str, bool], tuple[float, ...]] = {}
+def _totals(
+    counted: Counter[OpCost], ops: set[OpCost]
+) -> dict[tuple[str, str, str, str, bool, bool], tuple[float, ...]]:
+    """Per (phase, kind, operator, dtype, fusable, in a layer): count, FLOPs, model-state bytes, per-sample
+    bytes in all."""
+    totals: dict[tuple[str, str, str, str, bool, bool], tuple[float, ...]] = {}
     for op in ops:
         n = counted[op]
-        key = (op.phase, op.kind, op.name, op.dtype, op.fusable)
+        key = (op.phase, op.kind, op.name, op.dtype, op.fusable, op.in_layer)
         c, f, x, s = totals.get(key, (0.0, 0.0, 0.0, 0.0))
         totals[key] = (c + n, f + n * op.flops, x + n * op.fixed_bytes, s + n * op.sample_bytes)
     return totals
@@ -143,7 +146,7 @@ def _extrapolated_costs(two: StepCosts, four: StepCosts, line: Callable[[float, 
             line(x, y) for x, y in zip(left_a.get(group, zero), left_b.get(group, zero), strict=True)
         )
         if count > 0:
-            phase, kind, name, dtype, fusable = group
+            phase, kind, name, dtype, fusable, in_layer = group
             ops.append(
                 OpCost(
                     phase,
@@ -155,6 +158,7 @@ def _extrapolated_costs(two: StepCosts, four: StepCosts, line: Callable[[float, 
                     max(sample, 0.0) / count,
                     count,
                     fusable,
+                    in_layer,
                 )
             )
     return StepCosts(
@@ -164,4 +168,5 @@ def _extrapolated_costs(two: StepCosts, four: StepCosts, line: Callable[[float, 
         int(round(line(two.parameters, four.parameters))),
         int(round(line(two.parameter_tensors, four.parameter_tensors))),
         four.hidden_size,
+        two.layers_marked and four.layers_marked,
     )

@@ -1368,19 +1368,44 @@ def _micro_steps(engine: Any, tracker: Any, micro_steps: int) -> Any:
 
     from autotune.models.batches import loss_of
 
-    for _ in range(micro_steps):
-        tracker.in_forward, tracker.costs.phase = True, FORWARD
-        with (
-            torch.autocast(engine.device.type, dtype=engine.autocast_dtype, enabled=engine.autocast_dtype is not None),
-            engine.saving(),
-        ):
-            # Assigned over the last micro step's, as the trial's loop (and a user's) does: its graph lives
-            # until then, and with it what a backward node keeps outside its saved tensors (bitsandbytes' int8
-            # layers keep their input as an attribute of the node).
-            loss = loss_of(engine.forward_model(**engine.batch)) / engine.accum
-        tracker.in_forward, tracker.costs.phase = False, BACKWARD
-        loss.backward()
+    with _layers_marked(engine.model, tracker.costs):
+        for _ in range(micro_steps):
+            tracker.in_forward, tracker.costs.phase = True, FORWARD
+            with (
+                torch.autocast(
+                    engine.device.type, dtype=engine.autocast_dtype, enabled=engine.autocast_dtype is not None
+                ),
+                engine.saving(),
+            ):
+                # Assigned over the last micro step's, as the trial's loop (and a user's) does: its graph lives
+                # until then, and with it what a backward node keeps outside its saved tensors (bitsandbytes'
+                # int8 layers keep their input as an attribute of the node).
+                loss = loss_of(engine.forward_model(**engine.batch)) / engine.accum
+            tracker.in_forward, tracker.costs.phase = False, BACKWARD
+            loss.backward()
     return loss
+
+
+@contextlib.contextmanager
+def _layers_marked(model: Any, costs: CostRecorder) -> Iterator[None]:
+    """While inside, the forwards of the layers activation checkpointing would wrap (Transformers'
+    GradientCheckpointingLayer) mark their operators, so that the step-time model can rerun their
+    forward for a checkpointed twin of this step without tracing it. A model without such layers is
+    left unmarked: the whole forward then stands for theirs."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # an older Transformers: nothing to mark by
+        yield
+        return
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    hooks = [layer.register_forward_pre_hook(costs.enter_layer) for layer in layers]
+    hooks += [layer.register_forward_hook(costs.leave_layer) for layer in layers]
+    costs.layers_marked = bool(layers)
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _pipeline_forwards_and_backwards(engine: Any, tracker: Any) -> Any:

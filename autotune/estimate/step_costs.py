@@ -14,6 +14,7 @@ tracker has tagged as model states), so one trace answers every micro batch of i
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,9 @@ class OpCost:
     # Reads what the operator just before it (elementwise or a reduction, as it is) wrote: a compiler
     # fuses the two into one kernel, and the tensor between them never goes through memory.
     fusable: bool = False
+    # A forward operator of a layer that activation checkpointing wraps: under checkpointing it runs
+    # again in the backward (the embedding, the head and the loss do not).
+    in_layer: bool = False
 
     def to_list(self) -> list[Any]:
         return [
@@ -69,6 +73,7 @@ class OpCost:
             self.sample_bytes,
             self.count,
             self.fusable,
+            self.in_layer,
         ]
 
     @classmethod
@@ -83,6 +88,7 @@ class OpCost:
             float(row[6]),
             float(row[7]),
             bool(row[8]) if len(row) > 8 else False,
+            bool(row[9]) if len(row) > 9 else False,
         )
 
 
@@ -96,6 +102,7 @@ class StepCosts:
     parameters: int = 0  # all of them (ZeRO-3 gathers the frozen ones too)
     parameter_tensors: int = 0  # ZeRO-3 gathers them one module at a time
     hidden_size: int | None = None  # sets the DeepSpeed buckets autotune configures (hidden^2 elements)
+    layers_marked: bool = False  # the forward's operators say whether a checkpointed layer ran them (in_layer)
 
     def micro_step(
         self, micro_batch: int, phase: str | None = None, *, fused: bool = False
@@ -116,6 +123,18 @@ class StepCosts:
             if op.phase == UPDATE
         ]
 
+    def with_forward_rerun(self, share: float) -> StepCosts:
+        """These costs with ``share`` of the layers' forward run again in the backward: the step of the same
+        config under activation checkpointing of that share of its layers, which reruns their forward to
+        rebuild the activations it did not keep. Where the trace did not mark the layers' operators, the
+        whole forward stands for theirs: at most what the checkpointed step costs."""
+        rerun = tuple(
+            dataclasses.replace(op, phase=BACKWARD, count=op.count * share, in_layer=False)
+            for op in self.ops
+            if op.phase == FORWARD and (op.in_layer or not self.layers_marked)
+        )
+        return dataclasses.replace(self, ops=self.ops + rerun)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "ops": [op.to_list() for op in self.ops],
@@ -124,6 +143,7 @@ class StepCosts:
             "parameters": self.parameters,
             "parameter_tensors": self.parameter_tensors,
             "hidden_size": self.hidden_size,
+            "layers_marked": self.layers_marked,
         }
 
     @classmethod
@@ -135,6 +155,7 @@ class StepCosts:
             int(data.get("parameters", 0)),
             int(data.get("parameter_tensors", 0)),
             data.get("hidden_size"),
+            bool(data.get("layers_marked", False)),
         )
 
 
@@ -145,11 +166,20 @@ class CostRecorder:
         """``model_state(tensor)``: whether the tracker knows ``tensor`` as a model state (or a copy of one)."""
         self._model_state = model_state
         self.phase: str | None = None
-        self._ops: Counter[tuple[str, str, str, str, float, float, float, bool]] = Counter()
+        self._ops: Counter[tuple[str, str, str, str, float, float, float, bool, bool]] = Counter()
         self._derived: set[Any] = set()  # storages made from model states alone (autocast's weight copies)
         self._last_written: set[Any] = set()  # what the last elementwise operator wrote (a chain continues from it)
         self._forward_flops = 0.0
         self._kernel: _OneKernel | None = None  # operators traced as one kernel (see begin_kernel)
+        self.layers_marked = False  # the caller marks the checkpointable layers' forwards (enter/leave_layer)
+        self._in_layers = 0
+
+    def enter_layer(self, *_: Any) -> None:
+        """A layer that activation checkpointing wraps begins its forward (a module's forward pre-hook)."""
+        self._in_layers += 1
+
+    def leave_layer(self, *_: Any) -> None:
+        self._in_layers -= 1
 
     def begin_kernel(self) -> None:
         """What is dispatched until :meth:`end_kernel` runs as one kernel on the device (bitsandbytes' fused
@@ -165,7 +195,8 @@ class CostRecorder:
         fixed = sum(nbytes for nbytes, state in kernel.moved.values() if state)
         sample = sum(nbytes for nbytes, state in kernel.moved.values() if not state)
         self._last_written = set()
-        key = (self.phase, OTHER, "one_kernel", kernel.dtype or "float32", kernel.flops, fixed, sample, False)
+        in_layer = self.phase == FORWARD and self._in_layers > 0
+        key = (self.phase, OTHER, "one_kernel", kernel.dtype or "float32", kernel.flops, fixed, sample, False, in_layer)
         self._ops[key] += 1
 
     def record(
@@ -208,7 +239,8 @@ class CostRecorder:
         dtype = str((inputs or outputs)[0].dtype).removeprefix("torch.")
         if self.phase == FORWARD:
             self._forward_flops += flops
-        self._ops[(self.phase, kind, name, dtype, float(flops), fixed, sample, fusable)] += 1
+        in_layer = self.phase == FORWARD and self._in_layers > 0
+        self._ops[(self.phase, kind, name, dtype, float(flops), fixed, sample, fusable, in_layer)] += 1
 
     def _state(self, tensor: Any) -> bool:
         """A model state, or made from model states alone: moved whole whatever the micro batch."""
@@ -227,14 +259,23 @@ class CostRecorder:
         """The counts so far: ``micro_steps`` micro steps of ``micro_batch`` samples each, and one update."""
         micro_steps = max(micro_steps, 1)
         ops = tuple(
-            OpCost(phase, kind, name, dtype, flops, fixed + sample, 0.0, count, fusable)
+            OpCost(phase, kind, name, dtype, flops, fixed + sample, 0.0, count, fusable, in_layer)
             if phase == UPDATE
             # a micro step's operator: model-state bytes whole, the rest per sample; the traced micro
             # steps differ a little (the first assigns gradients, the next accumulate): their mean
             else OpCost(
-                phase, kind, name, dtype, flops / micro_batch, fixed, sample / micro_batch, count / micro_steps, fusable
+                phase,
+                kind,
+                name,
+                dtype,
+                flops / micro_batch,
+                fixed,
+                sample / micro_batch,
+                count / micro_steps,
+                fusable,
+                in_layer,
             )
-            for (phase, kind, name, dtype, flops, fixed, sample, fusable), count in self._ops.items()
+            for (phase, kind, name, dtype, flops, fixed, sample, fusable, in_layer), count in self._ops.items()
         )
         return StepCosts(
             ops,
@@ -243,6 +284,7 @@ class CostRecorder:
             parameters,
             parameter_tensors,
             hidden_size,
+            self.layers_marked,
         )
 
 

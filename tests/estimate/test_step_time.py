@@ -45,6 +45,34 @@ def test_the_trace_counts_kernels_not_views_and_keeps_the_recompute():
     assert ckpt.forward_flops_per_sample == plain.forward_flops_per_sample
 
 
+def test_a_checkpointed_twin_reruns_the_layers_forward_of_a_plain_trace():
+    """A checkpointed family's step, derived from the plain family's trace without tracing it: the forward of
+    the layers checkpointing wraps (marked in the trace) runs again in the backward, the LM head's does not.
+    It is at most the traced checkpointed step: non-reentrant checkpointing stops once the saved tensors are
+    back, so each layer's last MLP matmul is never rerun."""
+    plain = predict_memory(LLAMA, TrialConfig(micro_batch=2)).step_costs
+    ckpt = predict_memory(LLAMA, TrialConfig(micro_batch=2, checkpointing=True)).step_costs
+    assert plain.layers_marked and any(op.in_layer for op in plain.ops)
+
+    def flops(costs: StepCosts, phase: str) -> float:
+        return sum(op.flops * op.count for op in costs.ops if op.phase == phase)
+
+    layers = flops(plain, "forward") - 2 * 128 * 128 * VOCAB  # the forward less the LM head
+    for share in (1.0, 0.5):
+        twin = plain.with_forward_rerun(share)
+        assert flops(twin, "forward") == flops(plain, "forward")
+        assert flops(twin, "backward") - flops(plain, "backward") == pytest.approx(share * layers, rel=1e-9)
+    mlp = 2 * 128 * 128 * 352
+    traced_recompute = flops(ckpt, "backward") - flops(plain, "backward")
+    assert traced_recompute == pytest.approx(layers - 2 * mlp, rel=1e-9)
+    # A trace whose layers were not marked (a model without Transformers' checkpointing layers): the whole
+    # forward stands for theirs.
+    unmarked = dataclasses.replace(plain, layers_marked=False)
+    rerun = flops(unmarked.with_forward_rerun(1.0), "backward") - flops(plain, "backward")
+    assert rerun == pytest.approx(flops(plain, "forward"), rel=1e-9)
+    assert StepCosts.from_dict(plain.to_dict()) == plain
+
+
 def test_one_trace_answers_every_micro_batch_of_its_family():
     """FLOPs grow with the micro batch exactly; bytes nearly: model states (and what is made of them alone)
     are moved whole, the rest per sample; a weight's gradient, made from activations, counts per sample."""
