@@ -10,10 +10,16 @@ The problem has structure, and the proposer uses it instead of a black-box sampl
 * which family is fastest depends on the model and the device, so families are ranked by the
   step-time model (each family's traced step against this device's measured roofline), corrected
   by every measured trial (:mod:`autotune.search.throughput`). A family is traced when its
-  frontier is first estimated; until then it sits at the mean of the traced ones, and a ranking
-  that traced a family on the way is made again.
+  frontier is first estimated. Until then its step comes from a traced twin where the two differ by
+  arithmetic (another ZeRO stage or offload; checkpointing, whose layers' forward runs again), or
+  else it is placed at the traced families' steps with its own knobs and its precision's matmul
+  speed; a ranking that traced a family on the way is made again. Level families are traced LoRA
+  first: it does the least work by construction.
 
-Each proposal is the open config ranked first whose memory is known, or predicted, to fit.
+Each proposal is the open config ranked first whose memory is known, or predicted, to fit. No
+estimate is spent on families predicted within the noise of a config already known to fit (a trial
+could not tell them apart), and a config predicted over the limit (within the estimator's margin)
+waits for a config predicted under it that nearly matches its speed times its chance to fit.
 A family's frontier is found by bisecting its micro batches with the memory estimator (no
 trial spent); without one, by measuring the middle of its unknown micro batches, so an OOM
 halves what is left. A retry of an interrupted trial comes before anything else.
@@ -123,6 +129,7 @@ class Proposer:
         self._estimates: dict[TrialConfig, MemoryEstimate | None] = {}
         self._traced: dict[TrialConfig, MemoryEstimate] = {}  # a family (micro batch 1) -> an estimate with its costs
         self._ruled_out: list[TrialConfig] = []
+        self._placed_at: tuple[int, dict[TrialConfig, float | None]] = (0, {})  # per number of traced families
 
     def suggest(self, trial: optuna.Trial) -> TrialConfig:
         """Define-by-run: the config of ``trial``'s parameters (fixed ones when it was enqueued)."""
@@ -170,7 +177,18 @@ class Proposer:
             traced = len(self._traced)
             model, ranked = self._ranking(records, open_configs)
             threshold = self._threshold(records)
-            top = next((c for c in ranked if self._may_fit(c, fitting, too_big, threshold)), None)
+            # Before a trial fits, the outlook cannot settle the search: it need not estimate what the
+            # proposal will not either.
+            skipped = self._not_worth_an_estimate(model, ranked, fitting, too_big, threshold) if not best else set()
+            top = None
+            for config in ranked:
+                if config in skipped:
+                    continue
+                if self._may_fit(config, fitting, too_big, threshold):
+                    top = config
+                    break
+                if self._moved(traced):
+                    break  # the estimate traced a family: the ranking below it is stale
             if len(self._traced) == traced or self.hurry():
                 break
         return Outlook(
@@ -182,21 +200,55 @@ class Proposer:
             untried=len(open_configs),
         )
 
+    def _not_worth_an_estimate(
+        self,
+        model: ThroughputModel,
+        ranked: list[TrialConfig],
+        fitting: list[TrialConfig],
+        too_big: list[TrialConfig],
+        threshold: float,
+    ) -> set[TrialConfig]:
+        """The configs ranked above the first one known to fit (by trials or the estimates made so far)
+        that are predicted within the measurement noise of it and whose fit is not known: an estimate (a
+        trace of their family) could only find a config no trial could tell apart from the known one. They
+        stay open, and the known one is measured first; if its trial disappoints, they rank above it again."""
+        skipped: set[TrialConfig] = set()
+        for config in ranked:
+            frontier = self._frontier(config, fitting, too_big, threshold, cached_only=True)
+            if frontier is not None and config.micro_batch <= frontier:
+                bar = model.predict(config) + math.log1p(MEASUREMENT_NOISE)
+                return {c for c in skipped if model.predict(c) <= bar}
+            if frontier is None and self._predicted_throughput(config) is not None:
+                skipped.add(config)  # its own step (or a twin's) predicts it: a placed one is only a guess
+        return set()
+
+    def _moved(self, traced: int) -> bool:
+        """A family was traced since ``traced`` families were, so a ranking made before is stale (unless an
+        answer is wanted now: then the pass goes on down the ranking it has)."""
+        return len(self._traced) != traced and not self.hurry()
+
     def _ranking(
         self, records: list[TrialRecord], open_configs: list[TrialConfig]
     ) -> tuple[ThroughputModel, list[TrialConfig]]:
         model = self._model(open_configs).fit(_throughputs(records))
         order = {c: i for i, c in enumerate(self.candidates)}
-        return model, sorted(open_configs, key=lambda c: (-model.predict(c), order[c]))
+        # Level predictions (before any trace, every family is level) go to the family that does the least
+        # work by construction: LoRA trains no weight gradients of the frozen base and steps no optimizer
+        # over it. Only the order of the first traces changes; the traces then rank.
+        return model, sorted(open_configs, key=lambda c: (-model.predict(c), c.lora_rank is None, order[c]))
 
     def _model(self, configs: list[TrialConfig]) -> ThroughputModel:
-        speed = self.precision_speed or {}
         return ThroughputModel(
             self.params_of,
             self._predicted_throughput,
             configs,
-            unpredicted_factor=lambda c: math.log(speed.get(c.precision) or 1.0),
+            unpredicted_factor=self._matmul_factor,
+            placed=self._placed_throughput,
         )
+
+    def _matmul_factor(self, config: TrialConfig) -> float:
+        """log of the device probe's matmul speed of ``config``'s precision over fp32's."""
+        return math.log((self.precision_speed or {}).get(config.precision) or 1.0)
 
     def _may_fit(
         self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig], threshold: float
@@ -213,15 +265,37 @@ class Proposer:
     ) -> TrialConfig | None:
         model, ranked = self._ranking(records, open_configs)
         threshold = self._threshold(records)
+        traced = len(self._traced)
+        proposal = self._first_worth_a_trial(records, open_configs, fitting, too_big, model, ranked, threshold)
+        if self._moved(traced):
+            return proposal  # the caller ranks again before going on
+        return self._sure_first(proposal, records, model, ranked, fitting, too_big, threshold)
+
+    def _first_worth_a_trial(
+        self,
+        records: list[TrialRecord],
+        open_configs: list[TrialConfig],
+        fitting: list[TrialConfig],
+        too_big: list[TrialConfig],
+        model: ThroughputModel,
+        ranked: list[TrialConfig],
+        threshold: float,
+    ) -> TrialConfig | None:
         best = max((r.throughput or 0.0 for r in records if r.fits), default=0.0)
         owed = self.owed_values(records)
         error = model.error()
         first = possible = far_owed = None
+        traced = len(self._traced)
+        skipped = self._not_worth_an_estimate(model, ranked, fitting, too_big, threshold)
         for config in ranked:
+            if config in skipped:
+                continue
             frontier = self._frontier(config, fitting, too_big, threshold)
             if frontier is None:  # nothing can tell: measure the middle of what is unknown
                 return first or self._bisecting_trial(config, fitting, too_big, open_configs)
             if config.micro_batch > frontier:
+                if self._moved(traced):
+                    return first  # its estimate traced a family: the caller ranks again before going on
                 continue
             first = first or config
             predicted = math.exp(model.predict(config))
@@ -245,6 +319,49 @@ class Proposer:
                     return chosen
                 far_owed = far_owed or chosen
         return possible or far_owed or first  # None: every open config is predicted not to fit
+
+    def _sure_first(
+        self,
+        proposal: TrialConfig | None,
+        records: list[TrialRecord],
+        model: ThroughputModel,
+        ranked: list[TrialConfig],
+        fitting: list[TrialConfig],
+        too_big: list[TrialConfig],
+        threshold: float,
+    ) -> TrialConfig | None:
+        """``proposal``, or, where the estimator puts it over the limit (within its margin: a gamble), a config
+        predicted under the limit whose throughput beats the gamble's times its chance to fit and may beat the
+        best measured: an answer sooner, and a trial less spent over the limit. The gamble stays open: the outlook
+        still wants its trial while it may beat the best, and a value it would have measured first stays owed."""
+        chance = self._chance_to_fit(proposal, threshold) if proposal is not None else 1.0
+        if proposal is None or chance >= 1.0:
+            return proposal
+        best = max((r.throughput or 0.0 for r in records if r.fits), default=0.0)
+        bar = model.predict(proposal) + math.log(max(chance, 1e-9))
+        for config in ranked:
+            predicted = model.predict(config)
+            if predicted < bar:
+                break
+            if config == proposal:
+                continue
+            if math.exp(predicted) * (1 + MEASUREMENT_NOISE) <= best:
+                continue  # cannot improve the answer: not worth a trial before the gamble
+            frontier = self._frontier(config, fitting, too_big, threshold)
+            if frontier is not None and config.micro_batch <= frontier and self._chance_to_fit(config, threshold) >= 1:
+                return config
+        return proposal
+
+    def _chance_to_fit(self, config: TrialConfig, threshold: float) -> float:
+        """1 for a config predicted under the limit (or not estimated: trials or the straight line settled
+        it); for one predicted over it by a share of the estimator's margin, 1 minus that share (the margin
+        is what the estimator may over-predict by; its error taken as spread evenly over it)."""
+        estimate = self._estimates.get(config)
+        if estimate is None or self._limit is None or estimate.predicted_peak_bytes <= self._limit:
+            return 1.0
+        margin = threshold / self._limit - 1
+        over = estimate.predicted_peak_bytes / self._limit - 1
+        return max(0.0, 1.0 - over / margin) if margin > 0 else 0.0
 
     def owed_values(self, records: list[TrialRecord]) -> set[Value]:
         """Knob values a measurement is owed for before the search may end: those no trial has
@@ -309,13 +426,60 @@ class Proposer:
         """log samples/s of ``config`` by the step-time model; None without a traced step of its family."""
         from autotune.estimate.step_time import predict_step_time
 
-        estimate = self._traced.get(config.replace(micro_batch=1))
+        estimate = self._traced.get(config.replace(micro_batch=1)) or self._twin(config)
         if estimate is None or self.profile is None:
             return None
         if estimate.config != config:
             estimate = dataclasses.replace(estimate, config=config)  # its costs are kept per sample
         step = predict_step_time(estimate, self._workload, self.profile)
         return math.log(step.samples_per_s) if step is not None else None
+
+    def _twin(self, config: TrialConfig) -> MemoryEstimate | None:
+        """The traced step of a family not traced yet, from a twin's trace where the two steps differ by
+        arithmetic: ZeRO's stage and offload (the same step, its partitions and transfers worked out from
+        the trace, as the estimator works them out) and checkpointing (the checkpointed layers' forward
+        run again in the backward; its memory is another matter, which the family's own trace settles when
+        its frontier is needed). None when no such twin is traced."""
+        family = config.replace(micro_batch=1)
+        unsharded = family.replace(zero_stage=None, offload="none") if family.uses_deepspeed else family
+        plain = unsharded.replace(checkpointing=False, checkpoint_every=1) if family.checkpointing else unsharded
+        for twin_family in dict.fromkeys(
+            [unsharded, plain.replace(zero_stage=family.zero_stage, offload=family.offload), plain]
+        ):
+            twin = self._traced.get(twin_family)
+            if twin is None or twin.step_costs is None or twin_family == family:
+                continue
+            costs = twin.step_costs
+            if family.checkpointing and not twin_family.checkpointing:
+                costs = costs.with_forward_rerun(1 / config.checkpoint_every)
+            return dataclasses.replace(twin, config=config, step_costs=costs)
+        return None
+
+    def _placed_throughput(self, config: TrialConfig) -> float | None:
+        """log samples/s where a family with no traced step (nor a twin's) sits until it is traced: each
+        traced family's step with ``config``'s own micro batch, ZeRO, offload and checkpointing, and its
+        precision's matmul speed in place of the traced one's; their mean. None before any trace."""
+        from autotune.estimate.step_time import predict_step_time
+
+        if self._placed_at[0] != len(self._traced):
+            self._placed_at = (len(self._traced), {})
+        placed = self._placed_at[1]
+        if config not in placed:
+            logs = []
+            for family, estimate in self._traced.items():
+                if estimate.step_costs is None or self.profile is None:
+                    continue
+                costs = estimate.step_costs
+                if config.checkpointing and not family.checkpointing:
+                    costs = costs.with_forward_rerun(1 / config.checkpoint_every)
+                as_config = dataclasses.replace(estimate, config=config, step_costs=costs)
+                step = predict_step_time(as_config, self._workload, self.profile)
+                if step is not None:
+                    logs.append(
+                        math.log(step.samples_per_s) - self._matmul_factor(family) + self._matmul_factor(config)
+                    )
+            placed[config] = sum(logs) / len(logs) if logs else None
+        return placed[config]
 
     def take_ruled_out(self) -> list[TrialConfig]:
         """Configs the estimator put over the limit since the last call (for the study to record)."""
@@ -348,10 +512,17 @@ class Proposer:
         return estimate.predicted_peak_bytes if estimate is not None else None
 
     def _frontier(
-        self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig], threshold: float
+        self,
+        config: TrialConfig,
+        fitting: list[TrialConfig],
+        too_big: list[TrialConfig],
+        threshold: float,
+        *,
+        cached_only: bool = False,
     ) -> int | None:
         """The largest micro batch of ``config``'s family known or predicted to fit under
-        ``threshold`` (0: none); None when neither trials nor the estimator can tell.
+        ``threshold`` (0: none); None when neither trials nor the estimator can tell (``cached_only``:
+        nor the estimates made so far, without a new one).
 
         The first estimate probes the middle of what is unknown; from then on each estimate goes
         where a straight line through the last one says the limit is (model states stay, the
@@ -373,6 +544,8 @@ class Proposer:
                 if below and line(family[index].micro_batch) <= threshold / (1 + _LINE_SLACK):
                     fit = index  # clearly under
                     continue
+            if cached_only and family[index] not in self._estimates:
+                return None
             estimate = self._estimate(family[index])
             if estimate is None:
                 return None

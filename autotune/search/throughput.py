@@ -43,14 +43,17 @@ class ThroughputModel:
         predicted: Callable[[TrialConfig], float | None] | None = None,
         configs: Sequence[TrialConfig] = (),
         unpredicted_factor: Callable[[TrialConfig], float] | None = None,
+        placed: Callable[[TrialConfig], float | None] | None = None,
     ) -> None:
         """``predicted(config)``: the step-time model's log throughput of ``config`` (None where it has
         none); ``configs``: those to rank, whose predicted ones place the rest (at their mean);
         ``unpredicted_factor(config)``: a log factor the rest carry beside the micro batch's saturation
-        (the device probe's matmul speed of their precision)."""
+        (the device probe's matmul speed of their precision); ``placed(config)``: where the caller places
+        one of the rest itself (log throughput; None: at the mean)."""
         self._params_of = params_of
         self._predicted = predicted or (lambda config: None)
         self._factor = unpredicted_factor or (lambda config: 0.0)
+        self._placed = placed or (lambda config: None)
         gaps = [p - self._saturation(c) - self._factor(c) for c in configs if (p := self._predicted(c)) is not None]
         self._unpredicted = sum(gaps) / len(gaps) if gaps else 0.0
         self._features: list[tuple[str, Any]] = []
@@ -62,6 +65,9 @@ class ThroughputModel:
         predicted = self._predicted(config)
         if predicted is not None:
             return predicted
+        placed = self._placed(config)
+        if placed is not None:
+            return placed
         return self._unpredicted + self._saturation(config) + self._factor(config)
 
     def predict(self, config: TrialConfig) -> float:
