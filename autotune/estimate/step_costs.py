@@ -135,6 +135,30 @@ class StepCosts:
         )
         return dataclasses.replace(self, ops=self.ops + rerun)
 
+    def with_all_weights_trained(self) -> StepCosts:
+        """These costs of a LoRA step (a frozen base) as the same model's step with every weight trained: each
+        forward matmul gains its weight gradient's matmul in the backward (as many FLOPs, about the same
+        bytes), and the update moves every parameter where it moved the adapters' (the same kernels over more
+        bytes). An approximation to place an untraced family by, not a trace: the adapters' own weight
+        gradients count twice (a few percent of a small rank's matmuls). Unchanged where all are trained."""
+        if not self.trainable_parameters or self.trainable_parameters >= self.parameters:
+            return self
+        scale = self.parameters / self.trainable_parameters
+        ops = tuple(
+            dataclasses.replace(
+                op, flops=op.flops * scale, fixed_bytes=op.fixed_bytes * scale, sample_bytes=op.sample_bytes * scale
+            )
+            if op.phase == UPDATE
+            else op
+            for op in self.ops
+        )
+        weight_gradients = tuple(
+            dataclasses.replace(op, phase=BACKWARD, in_layer=False)
+            for op in self.ops
+            if op.phase == FORWARD and op.kind == MATMUL
+        )
+        return dataclasses.replace(self, ops=ops + weight_gradients, trainable_parameters=self.parameters)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "ops": [op.to_list() for op in self.ops],

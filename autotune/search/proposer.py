@@ -457,8 +457,9 @@ class Proposer:
 
     def _placed_throughput(self, config: TrialConfig) -> float | None:
         """log samples/s where a family with no traced step (nor a twin's) sits until it is traced: each
-        traced family's step with ``config``'s own micro batch, ZeRO, offload and checkpointing, and its
-        precision's matmul speed in place of the traced one's; their mean. None before any trace."""
+        traced family's step with ``config``'s own micro batch, ZeRO, offload, checkpointing and (from a LoRA
+        trace) weights trained, and its precision's matmul speed in place of the traced one's; their mean.
+        None before any trace."""
         from autotune.estimate.step_time import predict_step_time
 
         if self._placed_at[0] != len(self._traced):
@@ -472,6 +473,8 @@ class Proposer:
                 costs = estimate.step_costs
                 if config.checkpointing and not family.checkpointing:
                     costs = costs.with_forward_rerun(1 / config.checkpoint_every)
+                if config.lora_rank is None and family.lora_rank is not None:
+                    costs = costs.with_all_weights_trained()  # full fine-tuning adds the base's weight gradients
                 as_config = dataclasses.replace(estimate, config=config, step_costs=costs)
                 step = predict_step_time(as_config, self._workload, self.profile)
                 if step is not None:

@@ -73,6 +73,24 @@ def test_a_checkpointed_twin_reruns_the_layers_forward_of_a_plain_trace():
     assert StepCosts.from_dict(plain.to_dict()) == plain
 
 
+def test_a_lora_trace_placed_as_full_fine_tuning_adds_the_bases_weight_gradients():
+    """Full fine-tuning's step from a LoRA trace, where an untraced family is placed: every forward matmul
+    gains its weight gradient's (the LM head's too), and the update moves every parameter. Near the traced
+    full step: the adapters' own weight gradients count twice, a few percent of a rank-8 model's work."""
+    full = predict_memory(LLAMA, TrialConfig(micro_batch=2)).step_costs
+    lora = predict_memory(LLAMA, TrialConfig(micro_batch=2, lora_rank=8)).step_costs
+    placed = lora.with_all_weights_trained()
+
+    def total(costs: StepCosts, phase: str, field: str) -> float:
+        return sum(getattr(op, field) * op.count for op in costs.ops if op.phase == phase)
+
+    assert total(lora, "backward", "flops") < 0.55 * total(full, "backward", "flops")  # what the base lacks
+    assert total(placed, "backward", "flops") == pytest.approx(total(full, "backward", "flops"), rel=0.03)
+    assert total(placed, "update", "fixed_bytes") == pytest.approx(total(full, "update", "fixed_bytes"), rel=0.03)
+    assert placed.trainable_parameters == lora.parameters
+    assert full.with_all_weights_trained() == full  # nothing frozen: nothing to add
+
+
 def test_one_trace_answers_every_micro_batch_of_its_family():
     """FLOPs grow with the micro batch exactly; bytes nearly: model states (and what is made of them alone)
     are moved whole, the rest per sample; a weight's gradient, made from activations, counts per sample."""

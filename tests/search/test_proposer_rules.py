@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
 from step_toys import TOY_CPU, toy_costs, toy_step_s
 
 from autotune.config.device import DeviceInfo
@@ -268,3 +269,40 @@ def test_checkpointing_is_ranked_by_the_recompute_its_traced_step_holds(tmp_path
             abs(proposer._predicted_throughput(ckpt) - proposer._predicted_throughput(plain) - math.log(expected))
             < 1e-9
         )
+
+
+def test_full_fine_tuning_is_placed_below_a_traced_lora_family_by_the_weight_gradients_it_adds(tmp_path):
+    from autotune.estimate.step_costs import OpCost, StepCosts
+
+    (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [4]\n  lora_rank: [null, 8]\n")
+    proposer = Proposer(load_space(str(tmp_path / "space.yaml")), Workload(global_batch=16), CPU)
+    proposer.profile = TOY_CPU
+    lora_costs = StepCosts(
+        (
+            OpCost("forward", "matmul", "mm", "float32", 100.0, 0.0, 0.0, 1.0),
+            OpCost("backward", "matmul", "mm", "float32", 100.0, 0.0, 0.0, 1.0),
+        ),
+        100.0,
+        trainable_parameters=10,
+        parameters=1000,
+    )
+    lora = TrialConfig(micro_batch=4, lora_rank=8)
+    estimate = MemoryEstimate(
+        config=lora,
+        predicted_peak_bytes=8 * MiB,
+        parameters_bytes=MiB,
+        gradients_bytes=MiB,
+        optimizer_state_bytes=2 * MiB,
+        activations_bytes=4 * MiB,
+        temporaries_bytes=0,
+        overhead_bytes=None,
+        method="test",
+        seconds=0.0,
+        step_costs=lora_costs,
+    )
+    proposer._traced[lora.replace(micro_batch=1)] = estimate
+    # A step of 16 x 300 FLOPs (the base's weight gradients added) + 4 micro steps x 3 operators x 0.05 s,
+    # against LoRA's 16 x 200 + 4 x 2 x 0.05.
+    full = TrialConfig(micro_batch=4)
+    ratio = math.exp(proposer._placed_throughput(full) - proposer._predicted_throughput(lora))
+    assert ratio == pytest.approx((3.2 + 0.4) / (4.8 + 0.6))
