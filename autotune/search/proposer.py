@@ -122,6 +122,9 @@ class Proposer:
         # True while an answer is wanted before the ranking settles (--max-time, none yet): a proposal
         # then traces its own family, not every family the re-ranking reaches on the way.
         self.hurry: Callable[[], bool] = lambda: False
+        # True once --max-time leaves no room for another trial: no new estimate is made (on a model whose
+        # trace costs seconds, a ranking pass over untraced families would overrun the limit).
+        self.out_of_time: Callable[[], bool] = lambda: False
         self._workload = workload
         self._estimator = estimator
         self._limit = limit_bytes
@@ -291,6 +294,8 @@ class Proposer:
             if config in skipped:
                 continue
             frontier = self._frontier(config, fitting, too_big, threshold)
+            if frontier is None and self.out_of_time():
+                continue  # not estimated in time: only what is known may be proposed
             if frontier is None:  # nothing can tell: measure the middle of what is unknown
                 return first or self._bisecting_trial(config, fitting, too_big, open_configs)
             if config.micro_batch > frontier:
@@ -524,8 +529,8 @@ class Proposer:
         cached_only: bool = False,
     ) -> int | None:
         """The largest micro batch of ``config``'s family known or predicted to fit under
-        ``threshold`` (0: none); None when neither trials nor the estimator can tell (``cached_only``:
-        nor the estimates made so far, without a new one).
+        ``threshold`` (0: none); None when neither trials nor the estimator can tell (``cached_only``, or
+        out of time: nor the estimates made so far, without a new one).
 
         The first estimate probes the middle of what is unknown; from then on each estimate goes
         where a straight line through the last one says the limit is (model states stay, the
@@ -535,6 +540,7 @@ class Proposer:
         """
         family = self._family_sizes(config)
         fit, big = self._known_bounds(family, fitting, too_big)
+        cached_only = cached_only or self.out_of_time()
         line: Callable[[int], float] | None = None
         while big - fit > 1:
             if line is None:

@@ -225,6 +225,7 @@ def tune(
         else matmul_speedups(proposer.profile, proposer.choices.get("precision", ()))
     )
     proposer.hurry = clock.hurried
+    proposer.out_of_time = clock.out_of_time
     # What show and export need about the model (LoRA's targets, hidden size), resolved as the trials resolve it.
     record_model_facts(the_study, workload, proposer.choices.get("lora", ()), script=bool(command))
     target = n_trials or space.n_trials
@@ -297,6 +298,8 @@ def tune(
                         or (_settled_reason(outlook) if stop_on_evidence else None)
                     )
                     config = None if reason else proposer.next_config(records, unmeasured_only=owed)
+                    if config is not None and clock.out_of_time():  # the estimates on the way spent the time
+                        reason, config = clock.search_over(outlook), None
                     if owed and config is None:
                         reason = _stop_reason(records, target=target, patience=patience, timeout_s=None, elapsed_s=0.0)
                     _record_ruled_out(the_study, proposer, oracle, records, progress)
@@ -806,15 +809,20 @@ class _Clock:
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
-    def search_over(self, outlook: Outlook) -> str | None:
-        """Why the search must stop now to leave the confirmation its time; None while it need not."""
+    def out_of_time(self) -> bool:
+        """Whether the next trial (timed as the median one so far) would eat into the confirmation's time."""
         if self.max_time_s is None:
-            return None
+            return False
         next_trial = statistics.median(self.trial_seconds) if self.trial_seconds else 0.0
         # The leader's first re-run measures CONFIRM_STEPS_FACTOR x the steps: about twice a trial's time.
         reserve = max(CONFIRM_RESERVE * next_trial, self.max_time_s * (1 - SEARCH_SHARE))
-        if self.elapsed() + next_trial + reserve <= self.max_time_s:
+        return self.elapsed() + next_trial + reserve > self.max_time_s
+
+    def search_over(self, outlook: Outlook) -> str | None:
+        """Why the search must stop now to leave the confirmation its time; None while it need not."""
+        if not self.out_of_time():
             return None
+        assert self.max_time_s is not None
         return (
             f"--max-time {self.max_time_s:g} s: the search stopped at {self.elapsed():.0f} s to leave the rest "
             f"for confirming the best; {outlook.untried} configs stayed untried ({outlook.describe()})"
