@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
+from typing import Callable
 
 import pytest
 from step_toys import TOY_CPU, toy_costs, toy_step_s
@@ -13,6 +15,7 @@ from autotune.config.device import DeviceInfo
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.estimate.estimator import MemoryEstimate
+from autotune.estimate.step_costs import OpCost, StepCosts
 from autotune.search.proposer import Proposer
 from autotune.search.space import load_space
 from autotune.study.summary import TrialRecord
@@ -38,30 +41,35 @@ def _proposer(
     def estimate(config: TrialConfig) -> MemoryEstimate:
         asked.append(config)
         activations = int(config.micro_batch * per_sample_mib[config.checkpointing] * MiB)
-        return MemoryEstimate(
-            config=config,
-            predicted_peak_bytes=4 * MiB + activations,
-            parameters_bytes=MiB,
-            gradients_bytes=MiB,
-            optimizer_state_bytes=2 * MiB,
-            activations_bytes=activations,
-            temporaries_bytes=0,
-            overhead_bytes=None,
-            method="test",
-            seconds=0.0,
-            step_costs=toy_costs(flops[config.checkpointing]),
-        )
+        return _toy_estimate(config, toy_costs(flops[config.checkpointing]), activations)
 
+    return _toy_proposer(tmp_path / "space.yaml", estimate)
+
+
+def _toy_proposer(space: Path, estimator: Callable[[TrialConfig], MemoryEstimate]) -> Proposer:
+    """A proposer of ``space`` for global batch 16 under a 50 MiB limit (5% margin), timed on the toy CPU."""
     proposer = Proposer(
-        load_space(str(tmp_path / "space.yaml")),
-        Workload(global_batch=16),
-        CPU,
-        estimator=estimate,
-        limit_bytes=50 * MiB,
-        margin=0.05,
+        load_space(str(space)), Workload(global_batch=16), CPU, estimator=estimator, limit_bytes=50 * MiB, margin=0.05
     )
     proposer.profile = TOY_CPU
     return proposer
+
+
+def _toy_estimate(config: TrialConfig, step_costs: StepCosts, activations: int = 4 * MiB) -> MemoryEstimate:
+    """4 MiB of model states and ``activations`` bytes, with ``step_costs`` as the traced step."""
+    return MemoryEstimate(
+        config=config,
+        predicted_peak_bytes=4 * MiB + activations,
+        parameters_bytes=MiB,
+        gradients_bytes=MiB,
+        optimizer_state_bytes=2 * MiB,
+        activations_bytes=activations,
+        temporaries_bytes=0,
+        overhead_bytes=None,
+        method="test",
+        seconds=0.0,
+        step_costs=step_costs,
+    )
 
 
 def _measured(config: TrialConfig, tokens: float, peak_mib: float, predicted_mib: float) -> TrialRecord:
@@ -104,7 +112,6 @@ def test_a_config_predicted_under_the_limit_goes_before_a_gamble_it_nearly_match
 def test_a_checkpointed_family_is_ranked_by_its_plain_twins_trace_before_its_own(tmp_path):
     """The step of a checkpointed family is the plain family's step with the layers' forward run again (the
     operators the trace marked in a layer): no trace of its own is needed to rank it."""
-    from autotune.estimate.step_costs import OpCost, StepCosts
     from autotune.estimate.step_time import predict_step_time
 
     asked: list[TrialConfig] = []
@@ -132,8 +139,6 @@ def test_no_estimate_is_spent_on_a_family_predicted_within_the_noise_of_a_config
     11 FLOPs a sample, one more operator a micro step, over half the micro steps): a trial could not tell
     the two apart, so plain mb=2, known to fit, is measured without estimating the checkpointed family; if
     it disappoints, the other ranks above it again."""
-    from autotune.estimate.step_costs import OpCost, StepCosts
-
     asked: list[TrialConfig] = []
     proposer = _proposer(tmp_path, "[2, 4]", {False: 20, True: 4}, asked)
     plain_estimate = proposer._estimator
@@ -163,29 +168,9 @@ def test_before_any_trace_the_lora_family_is_traced_first(tmp_path):
 
     def estimate(config: TrialConfig) -> MemoryEstimate:
         asked.append(config)
-        return MemoryEstimate(
-            config=config,
-            predicted_peak_bytes=8 * MiB,
-            parameters_bytes=MiB,
-            gradients_bytes=MiB,
-            optimizer_state_bytes=2 * MiB,
-            activations_bytes=4 * MiB,
-            temporaries_bytes=0,
-            overhead_bytes=None,
-            method="test",
-            seconds=0.0,
-            step_costs=toy_costs(100),
-        )
+        return _toy_estimate(config, toy_costs(100))
 
-    proposer = Proposer(
-        load_space(str(tmp_path / "space.yaml")),
-        Workload(global_batch=16),
-        CPU,
-        estimator=estimate,
-        limit_bytes=50 * MiB,
-        margin=0.05,
-    )
-    proposer.profile = TOY_CPU
+    proposer = _toy_proposer(tmp_path / "space.yaml", estimate)
     proposer.next_config([])
     assert asked[0].lora_rank == 8
 
@@ -272,8 +257,6 @@ def test_checkpointing_is_ranked_by_the_recompute_its_traced_step_holds(tmp_path
 
 
 def test_full_fine_tuning_is_placed_below_a_traced_lora_family_by_the_weight_gradients_it_adds(tmp_path):
-    from autotune.estimate.step_costs import OpCost, StepCosts
-
     (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [4]\n  lora_rank: [null, 8]\n")
     proposer = Proposer(load_space(str(tmp_path / "space.yaml")), Workload(global_batch=16), CPU)
     proposer.profile = TOY_CPU
@@ -287,20 +270,7 @@ def test_full_fine_tuning_is_placed_below_a_traced_lora_family_by_the_weight_gra
         parameters=1000,
     )
     lora = TrialConfig(micro_batch=4, lora_rank=8)
-    estimate = MemoryEstimate(
-        config=lora,
-        predicted_peak_bytes=8 * MiB,
-        parameters_bytes=MiB,
-        gradients_bytes=MiB,
-        optimizer_state_bytes=2 * MiB,
-        activations_bytes=4 * MiB,
-        temporaries_bytes=0,
-        overhead_bytes=None,
-        method="test",
-        seconds=0.0,
-        step_costs=lora_costs,
-    )
-    proposer._traced[lora.replace(micro_batch=1)] = estimate
+    proposer._traced[lora.replace(micro_batch=1)] = _toy_estimate(lora, lora_costs)
     # A step of 16 x 300 FLOPs (the base's weight gradients added) + 4 micro steps x 3 operators x 0.05 s,
     # against LoRA's 16 x 200 + 4 x 2 x 0.05.
     full = TrialConfig(micro_batch=4)
