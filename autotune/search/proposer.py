@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
     from autotune.config.workload import Workload
     from autotune.estimate.estimator import MemoryEstimate
+    from autotune.estimate.step_costs import StepCosts
     from autotune.estimate.step_time import DeviceProfile
     from autotune.search.space import SearchSpace
     from autotune.study.summary import TrialRecord
@@ -175,7 +176,7 @@ class Proposer:
         too_big = _too_big(records)
         fitting = [r.config for r in records if r.fits]
         open_configs = self._open_configs(records)
-        best = max((r.throughput or 0.0 for r in records if r.fits), default=0.0)
+        best = _best_fitting(records)
         while True:
             traced = len(self._traced)
             model, ranked = self._ranking(records, open_configs)
@@ -284,7 +285,7 @@ class Proposer:
         ranked: list[TrialConfig],
         threshold: float,
     ) -> TrialConfig | None:
-        best = max((r.throughput or 0.0 for r in records if r.fits), default=0.0)
+        best = _best_fitting(records)
         owed = self.owed_values(records)
         error = model.error()
         first = possible = far_owed = None
@@ -339,10 +340,9 @@ class Proposer:
         predicted under the limit whose throughput beats the gamble's times its chance to fit and may beat the
         best measured: an answer sooner, and a trial less spent over the limit. The gamble stays open: the outlook
         still wants its trial while it may beat the best, and a value it would have measured first stays owed."""
-        chance = self._chance_to_fit(proposal, threshold) if proposal is not None else 1.0
-        if proposal is None or chance >= 1.0:
+        if proposal is None or (chance := self._chance_to_fit(proposal, threshold)) >= 1.0:
             return proposal
-        best = max((r.throughput or 0.0 for r in records if r.fits), default=0.0)
+        best = _best_fitting(records)
         bar = model.predict(proposal) + math.log(max(chance, 1e-9))
         for config in ranked:
             predicted = model.predict(config)
@@ -376,7 +376,7 @@ class Proposer:
         open_configs = self._open_configs(records)
         still_open = set().union(*(self._values(c) for c in open_configs))
         points = _throughputs(records)
-        best = max((r.throughput or 0.0 for r in records if r.fits), default=0.0)
+        best = _best_fitting(records)
         configs_with: dict[Value, set[TrialConfig]] = {}
         for config, _ in points:
             for value in self._values(config):
@@ -452,12 +452,8 @@ class Proposer:
             [unsharded, plain.replace(zero_stage=family.zero_stage, offload=family.offload), plain]
         ):
             twin = self._traced.get(twin_family)
-            if twin is None or twin.step_costs is None or twin_family == family:
-                continue
-            costs = twin.step_costs
-            if family.checkpointing and not twin_family.checkpointing:
-                costs = costs.with_forward_rerun(1 / config.checkpoint_every)
-            return dataclasses.replace(twin, config=config, step_costs=costs)
+            if twin is not None and twin.step_costs is not None and twin_family != family:
+                return _step_as(twin, twin.step_costs, twin_family, config)
         return None
 
     def _placed_throughput(self, config: TrialConfig) -> float | None:
@@ -475,12 +471,7 @@ class Proposer:
             for family, estimate in self._traced.items():
                 if estimate.step_costs is None or self.profile is None:
                     continue
-                costs = estimate.step_costs
-                if config.checkpointing and not family.checkpointing:
-                    costs = costs.with_forward_rerun(1 / config.checkpoint_every)
-                if config.lora_rank is None and family.lora_rank is not None:
-                    costs = costs.with_all_weights_trained()  # full fine-tuning adds the base's weight gradients
-                as_config = dataclasses.replace(estimate, config=config, step_costs=costs)
+                as_config = _step_as(estimate, estimate.step_costs, family, config)
                 step = predict_step_time(as_config, self._workload, self.profile)
                 if step is not None:
                     logs.append(
@@ -597,6 +588,22 @@ class Proposer:
         fit, big = self._known_bounds(family, fitting, too_big)
         middle = family[(fit + big) // 2] if big - fit > 1 else config
         return middle if middle in open_configs else config
+
+
+def _step_as(estimate: MemoryEstimate, costs: StepCosts, family: TrialConfig, config: TrialConfig) -> MemoryEstimate:
+    """``estimate`` (``family``'s trace, of ``costs``) as ``config``'s step: the checkpointed layers' forward run
+    again where ``config`` checkpoints and the trace did not, and the base's weight gradients and an update over
+    every parameter where ``config`` trains all weights and the trace was a LoRA step."""
+    if config.checkpointing and not family.checkpointing:
+        costs = costs.with_forward_rerun(1 / config.checkpoint_every)
+    if config.lora_rank is None and family.lora_rank is not None:
+        costs = costs.with_all_weights_trained()
+    return dataclasses.replace(estimate, config=config, step_costs=costs)
+
+
+def _best_fitting(records: list[TrialRecord]) -> float:
+    """Throughput of the fastest measured config that fits; 0 before one."""
+    return max((r.throughput or 0.0 for r in records if r.fits), default=0.0)
 
 
 def _throughputs(records: list[TrialRecord]) -> list[tuple[TrialConfig, float]]:
