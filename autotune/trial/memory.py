@@ -9,6 +9,10 @@ allocator's own wording, so other tools' OOM matchers recognise it too.
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
+import types
 import weakref
 from typing import Any
 
@@ -36,9 +40,14 @@ class LiveBytesTracker(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self._counted: weakref.WeakKeyDictionary[torch.UntypedStorage, list[int]] = weakref.WeakKeyDictionary()
+        # The autograd engine's last sum of two gradients, not counted yet (see _engine_sum): the sum's storage
+        # and the counters of its terms.
+        self._pending_sum: tuple[torch.UntypedStorage, list[list[int]]] | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if self._engine_sum(func, args, out):
+            return out
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
                 for storage in storages_of(leaf):
@@ -65,7 +74,47 @@ class LiveBytesTracker(TorchDispatchMode):
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
         super().__exit__(*exc)
 
+    def _engine_sum(self, func: Any, args: Any, out: Any) -> bool:
+        """Whether ``out`` is the autograd engine's sum of two gradients for one input, held back to be
+        counted as the engine sums them when no dispatch mode is on.
+
+        The engine (``InputBuffer::accumulate``) adds each new gradient for an input, a tied weight's from
+        each of its uses or a residual stream's from each branch, into the one it holds: in place when it
+        holds the only reference to it, out of place when not, and always out of place while any dispatch
+        mode is on (``isTensorSubclassLike``), this one included. A tied LM head run in eight slices then
+        holds three weight-sized gradients at once where the user's job holds two. So the sum is counted
+        when the engine drops a term, which it does at once where it summed in place (the sum then takes the
+        term's bytes); any allocation before that counts it where it stands, as out of place.
+        """
+        if (
+            func is not torch.ops.aten.add.Tensor
+            or torch.is_grad_enabled()
+            or not isinstance(out, torch.Tensor)
+            or len(args) != 2
+            or not all(
+                isinstance(term, torch.Tensor)
+                and term.shape == out.shape
+                and term.dtype == out.dtype
+                and term.is_contiguous()
+                for term in args
+            )
+            or not _dispatched_by_the_engine()
+        ):
+            return False
+        terms = [self._counted.get(storage) for term in args for storage in storages_of(term)]
+        counted_terms = [counter for counter in terms if counter is not None]
+        if len(counted_terms) != len(terms):
+            return False
+        self._pending_sum = (out.untyped_storage(), counted_terms)
+        return True
+
+    def _count_pending_sum(self) -> None:
+        if self._pending_sum is not None:
+            storage, self._pending_sum = self._pending_sum[0], None
+            self._count(storage)
+
     def _count(self, storage: torch.UntypedStorage) -> None:
+        self._count_pending_sum()  # an allocation before the engine let go of a term: it summed out of place
         size = storage.nbytes()
         counted = self._counted.get(storage)
         if counted is None:
@@ -91,6 +140,31 @@ class LiveBytesTracker(TorchDispatchMode):
     def _release(self, counted: list[int]) -> None:
         self.live_bytes -= counted[0]
         counted[0] = 0
+        if self._pending_sum is not None and any(term is counted for term in self._pending_sum[1]):
+            self._count_pending_sum()  # in the dropped term's bytes, as the engine's add_ would have
+
+
+@functools.cache
+def _engine_entry() -> Any:
+    # Where backward() enters the autograd engine: the nearest Python frame of the ops the engine dispatches.
+    return torch.autograd.graph._engine_run_backward.__code__
+
+
+# The wrappers torch puts around a dispatch mode's __torch_dispatch__ (dynamo's disable): their frames are skipped.
+_DISPATCH_WRAPPERS = (os.path.join("torch", "_dynamo", "eval_frame.py"), os.path.join("torch", "_compile.py"))
+
+
+def _dispatched_by_the_engine() -> bool:
+    """Whether the op in dispatch now was dispatched by the autograd engine itself (from C++, beneath
+    backward's Python entry), not by Python code: a hook, a checkpoint's recompute, an optimizer."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "__torch_dispatch__":
+        frame = frame.f_back
+    while frame is not None and (
+        frame.f_code.co_name == "__torch_dispatch__" or frame.f_code.co_filename.endswith(_DISPATCH_WRAPPERS)
+    ):
+        frame = frame.f_back
+    return frame is not None and frame.f_code is _engine_entry()
 
 
 def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
