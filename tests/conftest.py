@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -28,6 +30,23 @@ def _offline_and_factories(monkeypatch: pytest.MonkeyPatch) -> None:
     # Trials never reach the Hub in tests, and find tests/factories.py as `factories:NAME`.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """In a parallel run (pytest -n), a test marked ``alone`` runs while no other test does: it reads which
+    cores are busy, or how its ranks interleave, which another worker's test would change. The others share.
+    Held over the whole protocol: the set-up and tear-down of module-wide fixtures (a tuned study) too."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:  # one process runs every test: each is alone already
+        return (yield)
+    alone = item.get_closest_marker("alone") is not None
+    with open(Path(tempfile.gettempdir()) / f"autotune-tests-{run}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            return (yield)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture

@@ -434,12 +434,19 @@ def test_the_record_of_a_two_node_config_says_its_nodes_and_a_one_node_one_says_
     [FULL_BF16, ZERO3_OFFLOAD_ALL.replace(micro_batch=2), TrialConfig(micro_batch=2, fsdp="full")],
     ids=["ddp", "zero3", "fsdp"],
 )
-def test_accelerate_launch_starts_a_two_node_export_as_the_trials_ranks_met(tmp_path: Path, config: TrialConfig):
+def test_accelerate_launch_starts_a_two_node_export_as_the_trials_ranks_met(
+    tmp_path: Path, config: TrialConfig, monkeypatch: pytest.MonkeyPatch
+):
     """accelerate launch's own argument handling, up to the torchrun launch config it would run on each node."""
+    import accelerate.utils.launch
     import torch.distributed.run as torchrun
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import _filter_args, prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    # The first node's launcher refuses a port in use on the machine it runs on: here that is this machine,
+    # not gpu-a017, where a DeepSpeed trial of another test may hold 29500 (DeepSpeed's default) meanwhile.
+    monkeypatch.setattr(accelerate.utils.launch, "is_port_in_use", lambda port: False)
 
     files = export_files(config, TWO_NODES, tmp_path / "accelerate_config.yaml", fmt="accelerate", device_type="cuda")
     for path, text in files:

@@ -22,6 +22,8 @@ from autotune.study.stale import LOST_ATTR, RETRY_ATTR
 from autotune.study.storage import open_storage
 
 PARTITION = os.environ.get("AUTOTUNE_TEST_SLURM_PARTITION")
+# One worker of a parallel run (pytest -n) runs these one after another: the one-node cluster has two CPUs.
+pytestmark = pytest.mark.xdist_group("slurm")
 needs_cluster = pytest.mark.skipif(
     not PARTITION and not os.environ.get("CI"),
     reason="no SLURM cluster: .ci/run starts one (.ci/slurm.sh) and sets AUTOTUNE_TEST_SLURM_PARTITION",

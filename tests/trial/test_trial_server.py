@@ -42,6 +42,7 @@ def test_a_forked_trial_measures_what_a_new_interpreter_measures(monkeypatch):
     assert forked_again.phases.startup_s + forked_again.phases.build_s < fresh.phases.startup_s + fresh.phases.build_s
 
 
+@pytest.mark.alone  # its ranks' peaks hang on how they interleave: another test's load skews that (3% seen)
 def test_two_forked_ranks_measure_what_torchrun_s_ranks_measure(monkeypatch):
     two_ranks = Workload(model="builtin:gpt2-tiny", seq_len=32, global_batch=8, nproc=2)
     monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", "off")

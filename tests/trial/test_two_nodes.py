@@ -23,10 +23,14 @@ from autotune.study.storage import open_storage
 
 CONF = os.environ.get("AUTOTUNE_TEST_SLURM2_CONF")
 PARTITION = os.environ.get("AUTOTUNE_TEST_SLURM2_PARTITION", "two")
-pytestmark = pytest.mark.skipif(
-    not CONF and not os.environ.get("CI"),
-    reason="no two-node SLURM cluster: .ci/run starts one (.ci/slurm-two-nodes.sh) and sets AUTOTUNE_TEST_SLURM2_CONF",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not CONF and not os.environ.get("CI"),
+        reason="no two-node SLURM cluster: .ci/run starts one (.ci/slurm-two-nodes.sh) and sets "
+        "AUTOTUNE_TEST_SLURM2_CONF",
+    ),
+    pytest.mark.xdist_group("slurm"),  # with the one-node cluster's tests: one worker of a parallel run runs them all
+]
 
 
 def cluster_env(**extra: str) -> dict[str, str]:
