@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import sys
@@ -36,17 +37,19 @@ def _offline_and_factories(monkeypatch: pytest.MonkeyPatch) -> None:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """In a parallel run (pytest -n), a test marked ``alone`` runs while no other test does: it reads which
     cores are busy, or how its ranks interleave, which another worker's test would change. The others share.
-    Held over the whole protocol: the set-up and tear-down of module-wide fixtures (a tuned study) too."""
+    One marked ``one_at_a_time(NAME)`` never runs beside another of that name (a cluster's jobs). The locks
+    are held over the whole protocol: the set-up and tear-down of module-wide fixtures (a tuned study) too."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run is None:  # one process runs every test: each is alone already
         return (yield)
     alone = item.get_closest_marker("alone") is not None
-    with open(Path(tempfile.gettempdir()) / f"autotune-tests-{run}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        try:
-            return (yield)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    names = sorted({str(mark.args[0]) for mark in item.iter_markers("one_at_a_time")})
+    with contextlib.ExitStack() as held:
+        # The run-wide lock first, then the named ones in order: no two tests wait on each other in a circle.
+        for name, exclusive in [("", alone), *((f"-{name}", True) for name in names)]:
+            lock = held.enter_context(open(Path(tempfile.gettempdir()) / f"autotune-tests-{run}{name}.lock", "a"))
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)  # released as the file closes
+        return (yield)
 
 
 @pytest.fixture

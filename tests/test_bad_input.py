@@ -146,11 +146,6 @@ BAD_INPUTS = [
 ]
 
 
-# Its module-wide fixture runs real trials: in a parallel run (pytest -n) one worker runs the whole module,
-# so that it runs once.
-pytestmark = pytest.mark.xdist_group("test_bad_input")
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     """A working directory whose default storage already holds a study, with a trial in it."""

@@ -62,7 +62,7 @@ def test_every_page_is_in_the_nav_and_listed_in_the_readme() -> None:
 
 def test_the_readme_is_two_screens_and_keeps_the_ci_test_command() -> None:
     assert len(README.splitlines()) <= 200
-    command = "python -m pytest -q -n 2 --dist loadgroup"
+    command = "python -m pytest -q -n 2 --dist loadfile"
     assert f"\n{command}\n" in README
     assert f"\n{command}\n" in (ROOT / ".ci" / "run").read_text()  # .ci/run runs the README's test command
 

@@ -35,11 +35,6 @@ for name, config in configs:
 """
 
 
-# Its module-wide fixture runs real trials: in a parallel run (pytest -n) one worker runs the whole module,
-# so that it runs once.
-pytestmark = pytest.mark.xdist_group("test_export_output")
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("export-output")

@@ -22,8 +22,8 @@ from autotune.study.stale import LOST_ATTR, RETRY_ATTR
 from autotune.study.storage import open_storage
 
 PARTITION = os.environ.get("AUTOTUNE_TEST_SLURM_PARTITION")
-# One worker of a parallel run (pytest -n) runs these one after another: the one-node cluster has two CPUs.
-pytestmark = pytest.mark.xdist_group("slurm")
+# In a parallel run (pytest -n) no other test's job runs on the one-node cluster meanwhile: it has two CPUs.
+pytestmark = pytest.mark.one_at_a_time("slurm")
 needs_cluster = pytest.mark.skipif(
     not PARTITION and not os.environ.get("CI"),
     reason="no SLURM cluster: .ci/run starts one (.ci/slurm.sh) and sets AUTOTUNE_TEST_SLURM_PARTITION",

@@ -42,11 +42,6 @@ def autotune(*args: str, cwd: Path, timeout: float = 600) -> subprocess.Complete
     )
 
 
-# Its module-wide fixture runs real trials: in a parallel run (pytest -n) one worker runs the whole module,
-# so that it runs once.
-pytestmark = pytest.mark.xdist_group("test_tuner")
-
-
 @pytest.fixture(scope="module")
 def found(tmp_path_factory):
     """One real `autotune find` (default storage under the working directory)."""

@@ -122,11 +122,6 @@ def _odd_trials(url: str, name: str) -> None:
     study.tell(skipped, state=TrialState.PRUNED)  # and ``running`` is left RUNNING, as a live worker's trial is
 
 
-# Its module-wide fixture runs real trials: in a parallel run (pytest -n) one worker runs the whole module,
-# so that it runs once.
-pytestmark = pytest.mark.xdist_group("test_read_commands")
-
-
 @pytest.fixture(scope="module")
 def studies(tmp_path_factory) -> tuple[Path, str]:
     tmp = tmp_path_factory.mktemp("read")

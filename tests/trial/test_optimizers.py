@@ -27,11 +27,6 @@ LEVERS = [
 ]
 
 
-# Its module-wide fixture runs real trials: in a parallel run (pytest -n) one worker runs the whole module,
-# so that it runs once.
-pytestmark = pytest.mark.xdist_group("test_optimizers")
-
-
 @pytest.fixture(scope="module")
 def plain():
     result = run_trial(STATES_DOMINATE, TrialConfig(), warmup_steps=1, measure_steps=1)

@@ -29,11 +29,6 @@ def trial(workload: Workload, **knobs):
     return run_trial(workload, TrialConfig(**knobs), warmup_steps=1, measure_steps=2, timeout_s=300)
 
 
-# Its module-wide fixture runs real trials: in a parallel run (pytest -n) one worker runs the whole module,
-# so that it runs once.
-pytestmark = pytest.mark.xdist_group("test_trials")
-
-
 @pytest.fixture(scope="module")
 def gpt2_baseline():
     return trial(GPT2, micro_batch=8)

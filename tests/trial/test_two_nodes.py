@@ -29,7 +29,7 @@ pytestmark = [
         reason="no two-node SLURM cluster: .ci/run starts one (.ci/slurm-two-nodes.sh) and sets "
         "AUTOTUNE_TEST_SLURM2_CONF",
     ),
-    pytest.mark.xdist_group("slurm"),  # with the one-node cluster's tests: one worker of a parallel run runs them all
+    pytest.mark.one_at_a_time("slurm"),  # in a parallel run, not beside the one-node cluster's jobs: the same CPUs
 ]
 
 
