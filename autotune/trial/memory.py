@@ -9,11 +9,10 @@ allocator's own wording, so other tools' OOM matchers recognise it too.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
-import types
 import weakref
+from types import FrameType
 from typing import Any
 
 import torch
@@ -144,10 +143,8 @@ class LiveBytesTracker(TorchDispatchMode):
             self._count_pending_sum()  # in the dropped term's bytes, as the engine's add_ would have
 
 
-@functools.cache
-def _engine_entry() -> Any:
-    # Where backward() enters the autograd engine: the nearest Python frame of the ops the engine dispatches.
-    return torch.autograd.graph._engine_run_backward.__code__
+# Where backward() enters the autograd engine: the nearest Python frame of the ops the engine dispatches.
+_ENGINE_ENTRY = torch.autograd.graph._engine_run_backward.__code__
 
 
 # The wrappers torch puts around a dispatch mode's __torch_dispatch__ (dynamo's disable): their frames are skipped.
@@ -157,14 +154,14 @@ _DISPATCH_WRAPPERS = (os.path.join("torch", "_dynamo", "eval_frame.py"), os.path
 def _dispatched_by_the_engine() -> bool:
     """Whether the op in dispatch now was dispatched by the autograd engine itself (from C++, beneath
     backward's Python entry), not by Python code: a hook, a checkpoint's recompute, an optimizer."""
-    frame: types.FrameType | None = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_name != "__torch_dispatch__":
         frame = frame.f_back
     while frame is not None and (
         frame.f_code.co_name == "__torch_dispatch__" or frame.f_code.co_filename.endswith(_DISPATCH_WRAPPERS)
     ):
         frame = frame.f_back
-    return frame is not None and frame.f_code is _engine_entry()
+    return frame is not None and frame.f_code is _ENGINE_ENTRY
 
 
 def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
