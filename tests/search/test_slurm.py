@@ -306,12 +306,11 @@ def study_trials(storage: str, study: str) -> list[optuna.trial.FrozenTrial]:
 
 
 # Both studies measure every config (--n-trials 6: the whole space), so both see the fastest: with 8 of
-# SPACE's 10 a study may leave it out, and in one run of the slow tests on this busy machine the SLURM
-# study and the local one answered the same micro batch, one with checkpointing and one without. And the
-# winner is clear: mb=16 without checkpointing read 8,689 tokens/s in a local run against 4,969 with it, the
-# runner-up (SPACE's micro batches 8 and 16 read within 2% of each other in another run).
+# SPACE's 10 a study may leave it out. The micro batch is clear: mb=16 read 11,850 tokens/s in a local
+# run, mb=4 6,720. Checkpointing at mb=16 is not always: it cost 20% there (9,440 tokens/s; re-runs +10% to
+# +28%), and the CI run of stop 39 saw the local study, beside another worker's test, answer mb=16 with it.
 CLEAR_WINNER_SPACE = """\
-description: six configs of a tiny model, all fit, one clearly fastest
+description: six configs of a tiny model, all fit, one micro batch clearly fastest
 knobs:
   micro_batch: [1, 4, 16]
   precision: [fp32]
@@ -321,6 +320,7 @@ knobs:
 
 @needs_cluster
 @pytest.mark.slow
+@pytest.mark.alone  # it compares two studies' answers: another worker's load would be noise in one of them
 def test_two_slurm_workers_tune_a_study_as_a_local_run_does(tmp_path):
     assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
     (tmp_path / "space.yaml").write_text(CLEAR_WINNER_SPACE)
@@ -365,7 +365,11 @@ def test_two_slurm_workers_tune_a_study_as_a_local_run_does(tmp_path):
     # The same answer, from the same kind of study: its question, what it measured, what it confirmed.
     for key in ("workload", "space", "device", "memory_budget_bytes", "n_trials"):
         assert result[key] == here[key], key
-    assert result["best"]["config"] == here["best"]["config"]
+    assert result["best"]["config"]["micro_batch"] == here["best"]["config"]["micro_batch"] == 16
+    # The whole answer is the same wherever both studies said their re-runs left no doubt.
+    certain = [(answer["best"]["certainty"] or "").startswith("clearly faster") for answer in (result, here)]
+    if all(certain):
+        assert result["best"]["config"] == here["best"]["config"]
     assert {t["status"] for t in result["trials"]} == {t["status"] for t in here["trials"]} == {"ok"}
 
 
