@@ -82,6 +82,7 @@ __all__ = [
     "may_hold_adapters",
     "trace_key",
     "trace_step",
+    "prepare_tracing",
 ]
 
 ZERO3_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_parameters (our configs keep it)
@@ -1006,6 +1007,12 @@ def _truncated_normal_without_resampling() -> Iterator[None]:
 
 def _peak_parts_tracker() -> Any:
     return _peak_parts_tracker_class()()
+
+
+def prepare_tracing() -> None:
+    """Build what every trace uses first (the tracker's class, DTensor's and the flop counter's imports under
+    it): the estimate server does it once, so that its forked traces do not each again."""
+    _peak_parts_tracker_class()
 
 
 @functools.cache

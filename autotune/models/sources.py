@@ -43,6 +43,7 @@ __all__ = [
     "load_hf_config",
     "infer_task",
     "auto_class",
+    "import_model_module",
     "resolve_task",
     "build_model",
     "build_model_and_batch",
@@ -309,6 +310,29 @@ def auto_class(task: str) -> Any:
         "seq2seq-lm": AutoModelForSeq2SeqLM,
         "image-cls": AutoModelForImageClassification,
     }.get(task, AutoModelForSequenceClassification)
+
+
+def import_model_module(model: str, *, trust_remote_code: bool = False) -> None:
+    """Import the Transformers module of ``model``'s architecture (``builtin:``/config/hub spec), and with it
+    ``transformers.modeling_utils``: what a server that forks trials or estimates imports once, where each
+    fork would import it again (1.5 s on a 2-core CPU, most of a tiny model's estimate).
+
+    Only for configs Transformers ships code for: a factory or remote code could do anything at import
+    time (touch CUDA, for one), so those are imported by the trial itself. Quiet on any failure: the
+    trial or estimate reports what is wrong with the model.
+    """
+    from autotune.config.workload import TASKS
+
+    try:
+        source = parse_model_source(model)
+        if source.kind == "factory" or trust_remote_code:
+            return
+        config = load_hf_config(source)
+        for auto in {auto_class(task) for task in TASKS}:
+            if type(config) in auto._model_mapping:
+                auto._model_mapping[type(config)]  # noqa: B018 - the lookup imports the module
+    except Exception:  # noqa: BLE001 - the trial itself will report what is wrong with the model
+        return
 
 
 def _check_seq_len(config: Any, seq_len: int, flag: str = "--seq-len") -> None:

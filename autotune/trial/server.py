@@ -61,8 +61,11 @@ def serve() -> None:
 
 
 def _serve_one(request: dict[str, Any], replies: IO[str]) -> None:
-    _preload_model_module(request["workload"])
-    _preload_peft(request["spec"])
+    from autotune.models.sources import import_model_module
+
+    workload = request["workload"]
+    import_model_module(workload["model"], trust_remote_code=bool(workload.get("trust_remote_code")))
+    _preload_for_config(request["spec"])
     if not _can_fork(replies):
         return
     nproc = int(request.get("nproc", 1))
@@ -122,39 +125,19 @@ def _reap(pids: list[int], group: int) -> int:
     return first_failure
 
 
-def _preload_model_module(workload: dict[str, Any]) -> None:
-    """Import the model's Transformers module here, once, instead of in every trial.
+def _preload_for_config(spec_path: str) -> None:
+    """Import what the trial's config needs here, once, before the first trial that needs it: PEFT before the
+    first LoRA trial (what a trial without LoRA never imports: over half of the server's imports, which a
+    study without LoRA would pay for nothing), an optimizer's library before its first trial."""
+    from autotune.config.knobs import TrialConfig
+    from autotune.prepare.optimizer import import_optimizer_module
 
-    Only for configs Transformers ships code for: a factory or remote code could do anything
-    at import time (touch CUDA, for one), so those are imported by the trial itself.
-    """
-    from autotune.models.sources import load_hf_config, parse_model_source
-
-    try:
-        source = parse_model_source(workload["model"])
-        if source.kind == "factory" or workload.get("trust_remote_code"):
-            return
-        config = load_hf_config(source)
-        from autotune.config.workload import TASKS
-        from autotune.models.sources import auto_class
-
-        for auto in {auto_class(task) for task in TASKS}:
-            if type(config) in auto._model_mapping:
-                auto._model_mapping[type(config)]  # noqa: B018 - the lookup imports the module
-    except Exception:  # noqa: BLE001 - the trial itself will report what is wrong with the model
-        return
-
-
-def _preload_peft(spec_path: str) -> None:
-    """Import PEFT here, once, before the first LoRA trial (what a trial without LoRA never imports: over
-    half of the server's imports, which a study without LoRA would pay for nothing)."""
-    if "peft" in sys.modules:
-        return
     try:
         with open(spec_path) as spec:
-            lora = json.load(spec)["config"].get("lora_rank") is not None
-        if lora:
+            config = TrialConfig.from_dict(json.load(spec)["config"])
+        if config.lora_rank is not None and "peft" not in sys.modules:
             import peft  # noqa: F401
+        import_optimizer_module(config)
     except Exception:  # noqa: BLE001 - the trial itself will report what is wrong
         return
 

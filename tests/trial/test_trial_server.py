@@ -183,17 +183,18 @@ def test_the_device_probe_forked_from_the_server_measures_what_its_own_interpret
     assert speeds is not None and speeds["fp32"] == 1.0 and speeds["bf16"] > 0
 
 
-def test_the_server_imports_peft_only_before_a_lora_trial(tmp_path):
-    # Over half of the server's imports, which a study without LoRA never needs (a trial without LoRA
-    # does not import PEFT: the server imports it once, at the first LoRA trial).
+def test_the_server_imports_peft_and_an_optimizers_library_only_before_a_trial_that_needs_them(tmp_path):
+    # PEFT is over half of the server's imports, which a study without LoRA never needs (a trial without LoRA
+    # does not import PEFT: the server imports it once, at the first LoRA trial). Adafactor's module
+    # (Transformers' optimization) likewise, at the first Adafactor trial, where each fork paid it before.
     code = (
         "import json, sys\n"
-        "from autotune.trial.server import _preload_peft\n"
-        "for rank in (None, 8):\n"
-        "    spec = f'{sys.argv[1]}/{rank}.json'\n"
-        "    open(spec, 'w').write(json.dumps({'config': {'lora_rank': rank}}))\n"
-        "    _preload_peft(spec)\n"
-        "    print('peft' in sys.modules)\n"
+        "from autotune.trial.server import _preload_for_config\n"
+        "for config in ({}, {'lora_rank': 8}, {'optimizer': 'adafactor'}):\n"
+        "    spec = f'{sys.argv[1]}/{len(config)}{sorted(config)}.json'\n"
+        "    open(spec, 'w').write(json.dumps({'config': config}))\n"
+        "    _preload_for_config(spec)\n"
+        "    print('peft' in sys.modules, 'transformers.optimization' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert out.stdout.split() == ["False", "True"], out.stderr
+    assert out.stdout.splitlines() == ["False False", "True False", "True True"], out.stderr
