@@ -81,15 +81,12 @@ class _Traces:
 
     def get(self, workload: Any, config: Any, task: str | None, measured_with: Any) -> Any:
         from autotune.estimate.estimator import trace_key
-        from autotune.prepare.optimizer import import_optimizer_module
 
         key = trace_key(workload, config, task=task, measured_with=measured_with)
         if key in self._kept:
             self._kept.move_to_end(key)
             return self._kept[key]
-        _preload_model_module(workload)
-        _preload_peft(workload, config)
-        import_optimizer_module(config)
+        _preload_for(workload, config)
         if config.pp > 1:  # each stage's rank traced in a child of its own, as many at once as there are cores
             from autotune.estimate.estimator import pipeline_step
 
@@ -100,6 +97,27 @@ class _Traces:
         while len(self._kept) > _KEPT_TRACES:
             self._kept.popitem(last=False)
         return traced
+
+
+def _preload_for(workload: Any, config: Any) -> None:
+    """Import here, before the fork, what the trace of ``config`` imports first: the model's module, and where
+    no GPU is visible PEFT (if it may make adapters) and the optimizer's library."""
+    from autotune.prepare.optimizer import import_optimizer_module
+
+    _preload_model_module(workload)
+    if not _gpu_visible():
+        _preload_peft(workload, config)
+        import_optimizer_module(config)
+
+
+def _gpu_visible() -> bool:
+    """Whether a GPU is visible (NVML's answer: serve() set PYTORCH_NVML_BASED_CUDA_CHECK, so asking creates no
+    CUDA context). There the server leaves PEFT and the optimizers' libraries to each forked trace: bitsandbytes,
+    which PEFT and Transformers' Adafactor import, initialises CUDA as it imports (its library's lookup asks
+    each GPU's compute capability), and a child forked after that cannot trace on fake CUDA tensors."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _preload_model_module(workload: Any) -> None:

@@ -129,9 +129,15 @@ def _preload_for_config(spec_path: str) -> None:
     """Import what the trial's config needs here, once, before the first trial that needs it: PEFT before the
     first LoRA trial (what a trial without LoRA never imports: over half of the server's imports, which a
     study without LoRA would pay for nothing), an optimizer's library before its first trial."""
+    import torch
+
     from autotune.config.knobs import TrialConfig
     from autotune.prepare.optimizer import import_optimizer_module
 
+    # Not where a GPU is visible (NVML's answer: no context made by asking): bitsandbytes, which PEFT and
+    # Transformers' Adafactor import, initialises CUDA as it imports, and the server would then fork no more.
+    if torch.cuda.is_available():
+        return
     try:
         with open(spec_path) as spec:
             config = TrialConfig.from_dict(json.load(spec)["config"])

@@ -371,11 +371,10 @@ def test_a_trace_after_the_servers_preloads_imports_no_transformers_module():
         "from autotune.config.knobs import TrialConfig\n"
         "from autotune.config.workload import Workload\n"
         "from autotune.estimate.estimator import prepare_tracing, trace_step\n"
-        "from autotune.estimate.worker import _preload_model_module\n"
-        "from autotune.prepare.optimizer import import_optimizer_module\n"
+        "from autotune.estimate.worker import _preload_for\n"
         "w = Workload(model='builtin:gpt2-tiny', seq_len=32, global_batch=4)\n"
         "config = TrialConfig(micro_batch=2, optimizer='adafactor')\n"
-        "prepare_tracing(); _preload_model_module(w); import_optimizer_module(config)\n"
+        "prepare_tracing(); _preload_for(w, config)\n"
         "before = set(sys.modules)\n"
         "trace_step(w, config)\n"
         "new = set(sys.modules) - before\n"
@@ -383,3 +382,21 @@ def test_a_trace_after_the_servers_preloads_imports_no_transformers_module():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.split() == ["[]"], (out.stdout, out.stderr[-2000:])
+
+
+def test_where_a_gpu_is_visible_the_estimate_server_leaves_peft_and_optimizer_libraries_to_the_traces():
+    # bitsandbytes (under PEFT and Adafactor's module) initialises CUDA as it imports: a trace forked after that
+    # could not run on fake CUDA tensors. The model's module is imported still.
+    code = (
+        "import sys, torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "from autotune.config.knobs import TrialConfig\n"
+        "from autotune.config.workload import Workload\n"
+        "from autotune.estimate.worker import _preload_for\n"
+        "w = Workload(model='builtin:gpt2-tiny', seq_len=32, global_batch=4)\n"
+        "_preload_for(w, TrialConfig(micro_batch=2, optimizer='adafactor', lora_rank=8))\n"
+        "print('transformers.models.gpt2.modeling_gpt2' in sys.modules, 'peft' in sys.modules,\n"
+        "      'transformers.optimization' in sys.modules, 'bitsandbytes' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["True", "False", "False", "False"], (out.stdout, out.stderr[-2000:])

@@ -198,3 +198,8 @@ def test_the_server_imports_peft_and_an_optimizers_library_only_before_a_trial_t
     )
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.stdout.splitlines() == ["False False", "True False", "True True"], out.stderr
+    # Not where a GPU is visible: bitsandbytes, under both, initialises CUDA as it imports, and the server
+    # would fork no more trials (each imports them itself there).
+    gpu = code.replace("import json, sys\n", "import json, sys, torch\ntorch.cuda.is_available = lambda: True\n")
+    out = subprocess.run([sys.executable, "-c", gpu, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.splitlines() == ["False False"] * 3, out.stderr
