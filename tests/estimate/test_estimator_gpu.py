@@ -135,3 +135,16 @@ def test_the_step_time_on_the_probed_gpu_is_within_30_percent_of_a_trial():
     measured = run_trial(workload, config, warmup_steps=2, measure_steps=5)
     assert measured.ok, measured.error
     assert abs(step.step_s / measured.step_time_median_s - 1) <= 0.30, (step.to_dict(), measured.step_time_median_s)
+
+
+def test_lora_and_adafactor_estimates_on_a_gpu_machine_trace_on_fake_cuda_tensors():
+    # bitsandbytes (under PEFT and Adafactor's module) initialises CUDA as it imports: the estimate server leaves
+    # them to each forked trace where a GPU is visible; imported in the server, the next trace could not run.
+    workload = Workload(model="builtin:gpt2-tiny", seq_len=128, global_batch=4, device="cuda")
+    for config in (
+        TrialConfig(micro_batch=4, lora_rank=8),
+        TrialConfig(micro_batch=4, optimizer="adafactor"),
+        TrialConfig(micro_batch=4),
+    ):
+        predicted = predict_memory(workload, config)
+        assert predicted.traced_device == "cuda" and predicted.predicted_peak_bytes > 0, config.describe()

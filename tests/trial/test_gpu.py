@@ -79,3 +79,20 @@ def test_a_zero_trial_compiles_through_deepspeed_and_keeps_compile_time_out_of_t
     r = run_trial(GPT2, config, measure_steps=5)
     assert r.status is TrialStatus.OK, r.error
     assert r.phases.compile_s > 5 * r.step_time_median_s and r.eager_step_s > 0
+
+
+def test_lora_and_adafactor_trials_on_cuda_leave_the_trial_server_forking(monkeypatch):
+    # bitsandbytes (under PEFT and Adafactor's module) initialises CUDA as it imports: the server leaves them to
+    # the trials where a GPU is visible, or it would refuse to fork from then on (new interpreters, seconds each).
+    small = Workload(model="builtin:gpt2-tiny", seq_len=128, global_batch=8, device="cuda")
+    monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", "off")
+    fresh = run_trial(small, TrialConfig(micro_batch=4), measure_steps=2)
+    monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", "on")
+    for config in (
+        TrialConfig(micro_batch=4, lora_rank=8),
+        TrialConfig(micro_batch=4, optimizer="adafactor"),
+        TrialConfig(micro_batch=4),
+    ):
+        r = run_trial(small, config, measure_steps=2)
+        assert r.status is TrialStatus.OK, r.error
+        assert r.phases.startup_s < fresh.phases.startup_s, config.describe()  # forked, not a new interpreter
