@@ -17,7 +17,6 @@ process that started it. A ``{"probe": [device type, what], "env"}`` request for
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import os
@@ -100,42 +99,15 @@ class _Traces:
 
 
 def _preload_for(workload: Any, config: Any) -> None:
-    """Import here, before the fork, what the trace of ``config`` imports first: the model's module, and where
-    no GPU is visible PEFT (if it may make adapters) and the optimizer's library."""
-    from autotune.prepare.optimizer import import_optimizer_module
-
-    _preload_model_module(workload)
-    if not _gpu_visible():
-        _preload_peft(workload, config)
-        import_optimizer_module(config)
-
-
-def _gpu_visible() -> bool:
-    """Whether a GPU is visible (NVML's answer: serve() set PYTORCH_NVML_BASED_CUDA_CHECK, so asking creates no
-    CUDA context). There the server leaves PEFT and the optimizers' libraries to each forked trace: bitsandbytes,
-    which PEFT and Transformers' Adafactor import, initialises CUDA as it imports (its library's lookup asks
-    each GPU's compute capability), and a child forked after that cannot trace on fake CUDA tensors."""
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _preload_model_module(workload: Any) -> None:
-    """Import the model's Transformers module here, once per architecture, instead of in every traced child:
-    1.6 of a tiny model's 2.0 s estimate went to it (see :func:`autotune.models.sources.import_model_module`)."""
+    """Import here, before the fork, what the trace of ``config`` imports first: the model's Transformers module
+    (1.6 of a tiny model's 2.0 s estimate went to it in each child), PEFT where the trace may make adapters
+    (LoRA's, a factory's) and the optimizer's library (see :func:`autotune.trial.server.preload_libraries`)."""
+    from autotune.estimate.estimator import may_hold_adapters
     from autotune.models.sources import import_model_module
+    from autotune.trial.server import preload_libraries
 
     import_model_module(workload.model, trust_remote_code=workload.trust_remote_code)
-
-
-def _preload_peft(workload: Any, config: Any) -> None:
-    """Import PEFT here, once, before the first trace that may make adapters (LoRA's, a factory's): over
-    half of this server's imports, which an estimate without adapters never needs."""
-    from autotune.estimate.estimator import may_hold_adapters
-
-    if "peft" not in sys.modules and may_hold_adapters(workload, config):
-        with contextlib.suppress(ImportError):  # the trace says what is missing
-            import peft  # noqa: F401
+    preload_libraries(config, adapters=may_hold_adapters(workload, config))
 
 
 def _answer(request: dict[str, Any], traces: _Traces) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 A trial in a fresh interpreter pays ``import torch``, Transformers' model module and PEFT every
 time: over 4 seconds before a tiny model's first step on this project's CPU, against a
 quarter of a second forked (``bench/fixed_cost.py``). This server (``python -m autotune.trial.server``)
-imports them once (the model's module and PEFT at the first trial that needs them), then for each
+imports them once (the model's module, PEFT and an optimizer's library at the first trial that needs them:
+see :func:`preload_libraries`), then for each
 request line on stdin forks the trial's ranks, each running
 exactly as ``python -m autotune.trial.child`` would (stdout and stderr to the trial's files, the
 request's environment, and for several ranks what torchrun's agent would set: RANK, WORLD_SIZE,
@@ -33,7 +34,7 @@ import signal
 import sys
 from typing import IO, Any
 
-__all__ = ["serve"]
+__all__ = ["serve", "preload_libraries"]
 
 
 def serve() -> None:
@@ -126,26 +127,38 @@ def _reap(pids: list[int], group: int) -> int:
 
 
 def _preload_for_config(spec_path: str) -> None:
-    """Import what the trial's config needs here, once, before the first trial that needs it: PEFT before the
-    first LoRA trial (what a trial without LoRA never imports: over half of the server's imports, which a
-    study without LoRA would pay for nothing), an optimizer's library before its first trial."""
-    import torch
-
+    """Import what the trial's config needs here, once, before the first trial that needs it (see
+    :func:`preload_libraries`): PEFT before the first LoRA trial."""
     from autotune.config.knobs import TrialConfig
-    from autotune.prepare.optimizer import import_optimizer_module
 
-    # Not where a GPU is visible (NVML's answer: no context made by asking): bitsandbytes, which PEFT and
-    # Transformers' Adafactor import, initialises CUDA as it imports, and the server would then fork no more.
-    if torch.cuda.is_available():
-        return
     try:
         with open(spec_path) as spec:
             config = TrialConfig.from_dict(json.load(spec)["config"])
-        if config.lora_rank is not None and "peft" not in sys.modules:
-            import peft  # noqa: F401
-        import_optimizer_module(config)
     except Exception:  # noqa: BLE001 - the trial itself will report what is wrong
         return
+    preload_libraries(config, adapters=config.lora_rank is not None)
+
+
+def preload_libraries(config: Any, *, adapters: bool) -> None:
+    """Import in a server that forks trials or estimates, once, what a child of ``config`` would import first:
+    PEFT where it may make ``adapters`` (over half of the server's imports, which a study without LoRA would
+    pay for nothing) and the optimizer's library; quietly (the child says what is missing).
+
+    Not where a GPU is visible (NVML's answer: the servers set PYTORCH_NVML_BASED_CUDA_CHECK, so asking creates
+    no context): bitsandbytes, which PEFT and Transformers' Adafactor import, initialises CUDA as it imports (its
+    library's lookup asks each GPU's compute capability). The trial server would then fork no more, and a trace
+    forked after it could not run on fake CUDA tensors; each child imports them itself there.
+    """
+    import torch
+
+    from autotune.prepare.optimizer import import_optimizer_module
+
+    if torch.cuda.is_available():
+        return
+    if adapters and "peft" not in sys.modules:
+        with contextlib.suppress(ImportError):
+            import peft  # noqa: F401
+    import_optimizer_module(config)
 
 
 def _run_trial_child(request: dict[str, Any], rank_env: dict[str, str], group: int, server: int) -> None:
