@@ -301,19 +301,34 @@ class ConsoleProgress:
         self._say(text)
         self._start_spinner(f"measuring {config.describe()}")
 
-    def trial_finished(self, *, record: TrialRecord, best: TrialRecord | None, elapsed_s: float) -> None:
+    def trial_finished(
+        self, *, record: TrialRecord, best: TrialRecord | None, elapsed_s: float, leading: TrialRecord | None = None
+    ) -> None:
         self._stop_spinner()
         figure = f"{_num(record.throughput)} {record.throughput_unit}" if record.throughput is not None else "no figure"
         fit = "" if record.status != "ok" else ("" if record.fits else ", over the memory limit")
         best_text = (
             f"{best.config.describe()} at {_num(best.throughput)} {best.throughput_unit}" if best else "none fits yet"
         )
+        if best is not None and leading is not None and best.throughput and leading.throughput:
+            gain = leading.throughput / best.throughput - 1
+            best_text += f" (ahead on one measurement: {leading.config.describe()} {gain:+.0%}, re-runs decide)"
         warning = (
             f" (uncertain: {_unsettled_why(record.step_time_spread)})" if unsettled(record.step_time_spread) else ""
         )
         self._say(
             f"  -> {record.status}: {figure}, peak {format_size(record.peak_memory_bytes)}{fit}; "
             f"best so far {best_text}; {elapsed_s:.0f} s elapsed{warning}"
+        )
+
+    def simple_answer(self, *, record: TrialRecord | None, elapsed_s: float, accumulation: int) -> None:
+        if record is None:
+            self._say("simple answer: no power-of-two micro batch fits at the space's default knobs")
+            return
+        self._say(
+            f"simple answer (the largest power-of-two micro batch that fits, default knobs): "
+            f"{record.config.describe()} x{accumulation} at {_num(record.throughput)} {record.throughput_unit}, "
+            f"{elapsed_s:.0f} s elapsed; the search replaces it only with a config that beats it in re-runs"
         )
 
     def skipped(self, *, record: TrialRecord, limit_bytes: int) -> None:

@@ -60,6 +60,9 @@ __all__ = ["Outlook", "Proposer", "implied_too_big", "implied_fits", "straight_l
 Estimator = Callable[[TrialConfig], "MemoryEstimate | None"]  # None when it cannot say
 _LINE_SLACK = 0.05  # a size the straight line puts more than 5% past the threshold is not estimated
 SLOW_EVIDENCE = 4.0  # an owed value whose prior is this many times below the best waits for the rest: a slow trial
+# An unmeasured value predicted this many times below the best (its error included) is not measured: 10x is
+# past the largest miss seen of a traced step on a CPU (a 16-bit step the roofline put 8x too slow).
+WAIVE_FACTOR = 10.0
 MEASUREMENT_NOISE = 0.03  # two short trials of one config differ by about this much on a quiet machine
 
 Value = tuple[str, str]  # (knob, repr of its value)
@@ -75,6 +78,9 @@ class Outlook:
     error: float | None  # the model's error in log throughput; None until enough trials
     owed: frozenset[Value]  # knob values a measurement is owed for
     untried: int  # open configs not known to run out of memory
+    # Knob values never measured whose configs are all predicted far below the best (the model's error
+    # included, see Proposer.far_below): value -> the most any of them may reach, over the best.
+    waived: tuple[tuple[Value, float], ...] = ()
 
     @property
     def upper(self) -> float | None:
@@ -88,6 +94,17 @@ class Outlook:
         """Nothing owed, and no open config can beat the best by more than the noise."""
         upper = self.upper
         return not self.owed and self.best > 0 and upper is not None and upper <= self.best * (1 + MEASUREMENT_NOISE)
+
+    def waived_text(self) -> str:
+        """The values left unmeasured because the levers cannot pay here, in words ('' when none)."""
+        if not self.waived:
+            return ""
+        values = ", ".join(f"{k}={v.strip(chr(39))}" for (k, v), _ in self.waived)
+        most = max(ratio for _, ratio in self.waived)
+        return (
+            f"{values} not measured: predicted at most {most:.0%} of the best on this device "
+            f"(the model's error included), {WAIVE_FACTOR:g}x short of paying"
+        )
 
     def describe(self) -> str:
         """How sure the best so far is, in words."""
@@ -202,6 +219,7 @@ class Proposer:
             error=model.error(),
             owed=frozenset(self.owed_values(records)),
             untried=len(open_configs),
+            waived=tuple(sorted(self.far_below(records, self.unmeasured_values(records)).items())),
         )
 
     def _not_worth_an_estimate(
@@ -372,7 +390,8 @@ class Proposer:
         """Knob values a measurement is owed for before the search may end: those no trial has
         measured, and those whose one measured config beat its prediction made without it by more
         than the noise (a surprise: the value's family is re-ranked, and its new top one measured)."""
-        owed = self.unmeasured_values(records)
+        unmeasured = self.unmeasured_values(records)
+        owed = unmeasured - set(self.far_below(records, unmeasured))
         open_configs = self._open_configs(records)
         still_open = set().union(*(self._values(c) for c in open_configs))
         points = _throughputs(records)
@@ -398,6 +417,48 @@ class Proposer:
             if math.exp(promising) > best * (1 + MEASUREMENT_NOISE):
                 owed.add(value)
         return owed
+
+    def far_below(self, records: list[TrialRecord], values: set[Value]) -> dict[Value, float]:
+        """Those of ``values`` that cannot pay on this device: the open configs holding one are predicted, at
+        the model's error above their predictions, ``WAIVE_FACTOR`` times or more below the best measured, the
+        most promising of them from its own traced step (a placed guess proves nothing: its family is traced
+        first). Value -> the highest upper prediction over the best. Nothing before the model's error is known
+        (enough trials to tell how far its predictions are off here)."""
+        best = _best_fitting(records)
+        if not best or not values or self.profile is None:
+            return {}
+        open_configs = self._open_configs(records)
+        model = self._model(open_configs).fit(_throughputs(records))
+        if model.error() is None:
+            return {}
+        far: dict[Value, float] = {}
+        for value in sorted(values):
+            holding = [c for c in open_configs if value in self._values(c)]
+            if not holding or self._upper(model, holding) * WAIVE_FACTOR > best:
+                continue  # it may pay (or nothing of it is open): it is measured
+            top = max(holding, key=model.predict)
+            if self._predicted_throughput(top) is None:  # placed: trace its family, then judge again
+                smallest = top.replace(micro_batch=min(self.choices["micro_batch"]))
+                if self.out_of_time() or self._estimate(smallest) is None:
+                    continue
+                model = self._model(open_configs).fit(_throughputs(records))
+                if self._predicted_throughput(top) is None or model.error() is None:
+                    continue
+            upper = self._upper(model, holding)
+            if upper * WAIVE_FACTOR <= best:
+                far[value] = upper / best
+        return far
+
+    @staticmethod
+    def _upper(model: ThroughputModel, configs: list[TrialConfig]) -> float:
+        """The highest throughput any of ``configs`` may reach: its prediction at the model's error above."""
+        error = model.error() or 0.0
+        return max(math.exp(model.predict(c) + error) for c in configs)
+
+    def memory_estimate(self, config: TrialConfig) -> MemoryEstimate | None:
+        """The estimator's prediction for ``config`` (cached, and its trace kept for the step-time model);
+        None without an estimator or where it cannot say."""
+        return self._estimate(config)
 
     def unmeasured_values(self, records: list[TrialRecord]) -> set[tuple[str, Any]]:
         """Knob values (micro batch aside) the space offers that no trial has measured and that

@@ -16,6 +16,7 @@ How a trial lands in the study (direction: maximise tokens/s):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import statistics
@@ -30,6 +31,7 @@ from autotune.config.device import DeviceInfo, detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import AutotuneError, ConfigError
+from autotune.search.simple import SIMPLE_KEY, next_ramp_config, ramp_answer, ramp_family
 from autotune.search.space import SearchSpace, is_preset, load_space
 from autotune.search.workers import (
     cpu_turn,
@@ -69,8 +71,9 @@ DEFAULT_HEADROOM = 0.10  # a config fits when its peak stays 10% under the budge
 CONFIRM_STEPS_FACTOR = 3  # a candidate's re-run measures 3x as many steps
 CONFIRM_ROUNDS = 2  # interleaved re-runs per contender (A B A B): paired under the same conditions
 MAX_CONFIRM_ROUNDS = 3  # one more round when the first ones disagree on who leads
-CONTENDER_BAND = 0.3  # candidates whose first figure is within 30% of the top one's are compared
-MAX_CONTENDERS = 2  # ... at most this many (plus the answer decided before, if any)
+CONTENDER_BAND = 0.3  # the widest noise band: candidates whose first figure is this close to the top one's
+NOISE_FLOOR = 0.05  # the narrowest: two first figures of one config differ by this much on a quiet machine
+MAX_CONTENDERS = 4  # ... at most this many (plus the simple answer and the answer decided before)
 CONFIRM_NOISE = 0.03  # a lead under 3% in some round is "within noise"
 SEARCH_SHARE = 0.8  # under --max-time, the search's share of it at most: the rest confirms the winner
 CONFIRM_RESERVE = 2.5  # ... and at least this many trials' time is left for the leader's re-run
@@ -104,7 +107,10 @@ class Progress(Protocol):
 
     def started(self, *, study: str, storage: str, measured: int, target: int, recovered: list[int]) -> None: ...
     def trial_started(self, *, index: int, target: int, config: TrialConfig, retry: bool) -> None: ...
-    def trial_finished(self, *, record: TrialRecord, best: TrialRecord | None, elapsed_s: float) -> None: ...
+    def trial_finished(
+        self, *, record: TrialRecord, best: TrialRecord | None, elapsed_s: float, leading: TrialRecord | None = None
+    ) -> None: ...
+    def simple_answer(self, *, record: TrialRecord | None, elapsed_s: float, accumulation: int) -> None: ...
     def skipped(self, *, record: TrialRecord, limit_bytes: int) -> None: ...
     def dropped(self, *, reasons: list[str]) -> None: ...
     def space_kept(self, *, name: str, added: list[str]) -> None: ...
@@ -151,6 +157,7 @@ def tune(
     command: list[str] | None = None,
     worker_number: int | None = None,
     srun: bool = False,
+    simple_first: bool = True,
 ) -> StudySummary:
     """Search ``space`` for the fastest config of ``workload`` that fits; return the study read back.
 
@@ -171,6 +178,11 @@ def tune(
 
     ``backend`` runs the trials and estimates (default: real ones, :class:`LocalBackend`); the
     search benchmarks pass one that replays a measured grid through this same driver.
+
+    ``simple_first``: before the search, measure what a one-knob batch-size finder answers
+    (:mod:`autotune.search.simple`); the search's configs replace it only by beating it in every
+    interleaved re-run. Helpers that join a study (``confirm`` off, a ``worker_number``) leave it to
+    the worker that confirms.
     """
     from autotune.estimate.step_time import matmul_speedups
     from autotune.search.proposer import Proposer
@@ -246,6 +258,10 @@ def tune(
         recovered=recovered,
     )
     progress.dropped(reasons=space.dropped_knobs(workload, device))
+    if simple_first and (confirm or worker_number is None) and SIMPLE_KEY not in the_study.user_attrs:
+        _simple_answer(
+            the_study, proposer, oracle, workload, measure, backend, progress, clock, storage=storage, target=target
+        )
     helpers = start_helpers(
         dict(
             study=study,
@@ -335,11 +351,7 @@ def tune(
                     )
                     with clock.timing():
                         record = _measure_in_study(the_study, trial, config, workload, measure, prediction, backend)
-                progress.trial_finished(
-                    record=record,
-                    best=next(iter(ranking(records_of(the_study))), None),
-                    elapsed_s=time.monotonic() - started,
-                )
+                _report_finished(the_study, record, progress, clock)
             wait_helpers(helpers)
     except KeyboardInterrupt:
         for helper in helpers:  # a terminal's Ctrl-C reached them too; a signal to this process alone did not
@@ -484,6 +496,66 @@ def question(
         "headroom": headroom,
         "command": list(command) if command else None,
     }
+
+
+# -- the simple answer first ---------------------------------------------------------------------
+def _simple_answer(
+    study: optuna.Study,
+    proposer: Proposer,
+    oracle: _Oracle | None,
+    workload: Workload,
+    measure: _Measure,
+    backend: TrialBackend,
+    progress: Progress,
+    clock: _Clock,
+    *,
+    storage: str | None,
+    target: int,
+) -> None:
+    """Measure the ramp of :mod:`autotune.search.simple` and store its answer, the first one held.
+
+    The first trial of the call warms up one step more: the machine's first trial after the servers'
+    start-up (caches, the first fork's page faults) is not measured cold."""
+    from autotune.study.storage import DEFAULT_STORAGE
+
+    family = ramp_family(proposer.candidates)
+    limit = memory_limit(study.user_attrs["autotune"])
+    first = dataclasses.replace(measure, warmup_steps=measure.warmup_steps + 1)
+    while family:
+        _stop_point()
+        with proposal_lock(storage or DEFAULT_STORAGE, study.study_name):
+            records = records_of(study)
+            config = next_ramp_config(family, records, proposer.memory_estimate if oracle else None, limit)
+            if config is None or len(measured(records)) >= target:
+                break
+            trial, config = _ask(study, proposer, config)
+        with _heartbeat(study, trial):
+            prediction = oracle.estimate(config, records) if oracle else None
+            progress.trial_started(index=len(measured(records)) + 1, target=target, config=config, retry=False)
+            with clock.timing():
+                record = _measure_in_study(study, trial, config, workload, first, prediction, backend)
+        first = measure
+        _report_finished(study, record, progress, clock)
+    answer = ramp_answer(family, records_of(study))
+    study.set_user_attr(SIMPLE_KEY, answer.number if answer is not None else None)
+    accumulation = answer.config.grad_accum_steps(workload) if answer is not None else 0
+    progress.simple_answer(record=answer, elapsed_s=clock.elapsed(), accumulation=accumulation)
+
+
+def held_answer(records: list[TrialRecord], simple: int | None) -> TrialRecord | None:
+    """The answer held so far: the one interleaved re-runs decided, else the simple answer, else (no ramp)
+    the fastest first figure. A first figure alone never replaces a held answer."""
+    ranked = ranking(records)
+    decided = next((r for r in ranked if r.decided_rank == 0), None)
+    return decided or next((r for r in ranked if r.number == simple), None) or next(iter(ranked), None)
+
+
+def _report_finished(study: optuna.Study, record: TrialRecord, progress: Progress, clock: _Clock) -> None:
+    records = records_of(study)
+    held = held_answer(records, study.user_attrs.get(SIMPLE_KEY))
+    top = max(ranking(records), key=lambda r: r.throughput or 0.0, default=None)
+    leading = top if top is not None and held is not None and top.number != held.number else None
+    progress.trial_finished(record=record, best=held, elapsed_s=clock.elapsed(), leading=leading)
 
 
 # -- one trial in the study ----------------------------------------------------------------------
@@ -870,7 +942,7 @@ def _confirm_winner(
     steps = measure.measure_steps * CONFIRM_STEPS_FACTOR
     for _ in range(MAX_CONFIRMATIONS):
         records = records_of(study)
-        contenders = _contenders(records)
+        contenders = _contenders(records, simple=study.user_attrs.get(SIMPLE_KEY))
         decided = set((study.user_attrs.get(DECISION_KEY) or {}).get("contenders", []))
         if not contenders or {r.number for r in contenders} <= decided:
             return
@@ -935,16 +1007,44 @@ def _paired_scores(held: list[TrialRecord], runs: dict[int, list[TrialResult]]) 
     return scores, rounds
 
 
-def _contenders(records: list[TrialRecord]) -> list[TrialRecord]:
-    """The candidates a re-run should compare: the decided answer and the close runners-up."""
+def _contenders(records: list[TrialRecord], *, simple: int | None) -> list[TrialRecord]:
+    """The candidates a re-run should compare, the held answer first (:func:`held_answer`: the decided one,
+    else the simple answer), then the simple answer, then the top first figure and every first figure within
+    the measured noise band of it (:func:`noise_band`), at most ``MAX_CONTENDERS`` of those."""
     ranked = ranking(records)
     if not ranked:
         return []
     by_first = sorted(ranked, key=lambda r: -(r.throughput or 0.0))
     top = by_first[0].throughput or 0.0
-    close = [r for r in by_first if (r.throughput or 0.0) >= (1 - CONTENDER_BAND) * top][:MAX_CONTENDERS]
-    answer = [r for r in ranked[:1] if r.decided_rank == 0 and r not in close]
-    return answer + close
+    band = noise_band(records)
+    close = [r for r in by_first if (r.throughput or 0.0) * (1 + band) >= top][:MAX_CONTENDERS]
+    held = held_answer(records, simple)
+    kept = [r for r in ranked if r.number == simple or r.decided_rank == 0]
+    chosen = {r.number: r for r in [*([held] if held else []), *kept, *close]}
+    return list(chosen.values())
+
+
+def noise_band(records: list[TrialRecord]) -> float:
+    """How far apart two first figures of one config may lie here: twice the median step-time spread the
+    trials measured (IQR over median), at least ``NOISE_FLOOR``, at most ``CONTENDER_BAND``."""
+    spreads = [r.step_time_spread for r in records if r.status == "ok" and r.step_time_spread is not None]
+    measured_spread = statistics.median(spreads) if spreads else 0.0
+    return min(CONTENDER_BAND, max(NOISE_FLOOR, 2 * measured_spread))
+
+
+def proven_order(order: list[int], runs: dict[int, list[TrialResult]], rounds: int, incumbent: int | None) -> list[int]:
+    """``order`` (by paired scores) with the held answer ``incumbent`` first unless a contender beat it in
+    every interleaved round, two rounds at least: a lead within the noise does not replace it."""
+    if incumbent not in order:
+        return order
+
+    def beats(number: int) -> bool:
+        return rounds >= CONFIRM_ROUNDS and all(
+            (runs[number][i].throughput or 0.0) > (runs[incumbent][i].throughput or 0.0) for i in range(rounds)
+        )
+
+    others = [n for n in order if n != incumbent]
+    return [n for n in others if beats(n)] + [incumbent] + [n for n in others if not beats(n)]
 
 
 def _holds(result: TrialResult, limit: int) -> bool:
@@ -960,7 +1060,10 @@ def _store_decision(
 ) -> None:
     """Record each contender's re-runs, the order their paired figures decide, and the answer trial."""
     scores, rounds = _paired_scores(_held(contenders, runs, limit), runs)
-    order = sorted(scores, key=lambda n: -scores[n])
+    incumbent = held_answer(records_of(study), study.user_attrs.get(SIMPLE_KEY))
+    order = proven_order(
+        sorted(scores, key=lambda n: -scores[n]), runs, rounds, incumbent.number if incumbent is not None else None
+    )
     confirmations = {}
     for record in contenders:
         results = runs[record.number]
@@ -1066,9 +1169,10 @@ def _settled_reason(outlook: Outlook) -> str | None:
         return None
     gain = outlook.upper / outlook.best - 1
     where = f"at most {gain:.0%} over the best" if gain >= 0 else f"at least {-gain:.0%} under the best"
+    waived = outlook.waived_text()
     return (
         f"settled: the {outlook.untried} untried configs are predicted {where} (the model's error "
-        f"included), none more than a trial's {MEASUREMENT_NOISE:.0%} noise ahead"
+        f"included), none more than a trial's {MEASUREMENT_NOISE:.0%} noise ahead" + (f"; {waived}" if waived else "")
     )
 
 

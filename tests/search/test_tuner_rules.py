@@ -150,9 +150,10 @@ def _confirming(backend):
 
 
 def test_close_candidates_are_re_run_interleaved_and_ranked_by_paired_figures(tmp_path):
-    # First figures: mb=4 100, mb=2 90 (within 30%: both contend), mb=1 50 (not). The machine gets
-    # twice as busy for the second round; mb=2 is ahead of mb=4 in each round all the same.
-    backend = ScriptedBackend(first={1: 50.0, 2: 90.0, 4: 100.0}, reruns={4: [60.0, 30.0], 2: [75.0, 36.0]})
+    # First figures: mb=4 100 (the simple answer: the ramp's largest), mb=2 97 (within the noise band: both
+    # contend), mb=1 50 (not). The machine gets twice as busy for the second round; mb=2 is ahead of mb=4
+    # in each round all the same, so it replaces the simple answer.
+    backend = ScriptedBackend(first={1: 50.0, 2: 97.0, 4: 100.0}, reruns={4: [60.0, 30.0], 2: [75.0, 36.0]})
     summary = _tune(tmp_path, backend)
     assert _confirming(backend) == [4, 2, 4, 2]  # A B A B: each round under the same conditions
     assert summary.best.config.micro_batch == 2
@@ -165,7 +166,7 @@ def test_close_candidates_are_re_run_interleaved_and_ranked_by_paired_figures(tm
 def test_a_machine_that_slows_down_between_rounds_does_not_flip_the_answer(tmp_path):
     # Round 2 reads half of round 1 for both: mb=4's round-2 figure (50) is below everything mb=2
     # ever read, yet paired with mb=2's (45) it is still ahead.
-    backend = ScriptedBackend(first={1: 50.0, 2: 90.0, 4: 100.0}, reruns={4: [100.0, 50.0], 2: [90.0, 45.0]})
+    backend = ScriptedBackend(first={1: 50.0, 2: 97.0, 4: 100.0}, reruns={4: [100.0, 50.0], 2: [90.0, 45.0]})
     summary = _tune(tmp_path, backend)
     assert summary.best.config.micro_batch == 4
 
@@ -179,7 +180,7 @@ def test_a_slow_re_run_never_turns_a_config_that_fits_into_no_answer(tmp_path):
 
 
 def test_a_re_run_that_runs_out_of_memory_refutes_its_candidate(tmp_path):
-    backend = ScriptedBackend(first={1: 50.0, 2: 90.0, 4: 100.0}, reruns={4: ["oom"], 2: [80.0, 82.0]})
+    backend = ScriptedBackend(first={1: 50.0, 2: 97.0, 4: 100.0}, reruns={4: ["oom"], 2: [80.0, 82.0]})
     summary = _tune(tmp_path, backend)
     assert _confirming(backend) == [4, 2, 2]  # refuted mb=4 is not timed again
     assert summary.best.config.micro_batch == 2
@@ -190,16 +191,17 @@ def test_a_re_run_that_runs_out_of_memory_refutes_its_candidate(tmp_path):
 def test_optuna_best_trial_names_the_answer_and_follows_a_new_decision(tmp_path):
     import optuna
 
-    # mb=4 reads fastest first but loses the paired re-runs: Optuna's best_trial must not name it.
-    backend = ScriptedBackend(first={1: 50.0, 2: 90.0, 4: 100.0}, reruns={4: [60.0, 30.0], 2: [75.0, 36.0]})
+    # Two trials, the ramp's: mb=2, then mb=4, the simple answer. mb=4 reads fastest first; mb=2, within the
+    # noise band of it, beats it in every paired re-run: Optuna's best_trial must not name mb=4.
+    backend = ScriptedBackend(first={1: 50.0, 2: 97.0, 4: 100.0}, reruns={4: [60.0, 60.0], 2: [75.0, 70.0]})
     summary = _tune(tmp_path, backend, n_trials=2)
     study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path}/db.sqlite")
     best = study.best_trial
     assert best.params["micro_batch"] == summary.best.config.micro_batch == 2
     assert best.value == summary.best.confirmed_tokens_per_s
     assert summary.n_trials == 2  # the answer's own trial is not a measurement
-    # Resumed with one more trial: mb=1 is measured, far slower, so mb=2 stays; then mb=1 is made
-    # the fastest by a new decision: best_trial follows.
+    # Resumed with one more trial: mb=1 reads fastest and beats the answer in every round: a new decision,
+    # and best_trial follows.
     backend.first[1] = 120.0
     backend.reruns.update({1: [200.0, 200.0], 2: [70.0, 70.0], 4: [60.0, 60.0]})
     summary = _tune(tmp_path, backend, n_trials=3)
@@ -214,7 +216,7 @@ def test_patience_waits_until_every_precision_was_measured_once(tmp_path):
     # slower fp32 trial: a bf16 config is measured first, then the model follows it.
     backend = ScriptedBackend(
         first={1: 50.0, 2: 90.0, 4: 100.0},
-        reruns={4: [150.0] * 2, 2: [135.0] * 2},
+        reruns={4: [150.0] * 8, 2: [135.0] * 8},
         probe={"fp32": 1.0, "bf16": 0.1},
         precision_factor={"bf16": 1.5},
     )
@@ -230,7 +232,7 @@ def test_patience_waits_until_every_precision_was_measured_once(tmp_path):
 def test_rounds_that_disagree_on_the_leader_get_a_third_round(tmp_path):
     # Round 1: mb=4 ahead; round 2 (a burst of load on mb=4's run): mb=2 ahead; round 3 decides.
     backend = ScriptedBackend(
-        first={1: 50.0, 2: 90.0, 4: 100.0}, reruns={4: [100.0, 50.0, 100.0], 2: [90.0, 80.0, 90.0]}
+        first={1: 50.0, 2: 97.0, 4: 100.0}, reruns={4: [100.0, 50.0, 100.0], 2: [90.0, 80.0, 90.0]}
     )
     summary = _tune(tmp_path, backend)
     assert _confirming(backend) == [4, 2, 4, 2, 4, 2]
