@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from autotune.config.knobs import TrialConfig
+from autotune.study.records import SIMPLE_KEY
 
 if TYPE_CHECKING:
     from autotune.estimate.estimator import MemoryEstimate
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SIMPLE_KEY", "ramp_family", "next_ramp_config", "ramp_answer"]
 
-SIMPLE_KEY = "simple_answer"  # study user attribute: the trial number of the simple answer (None: none fits)
 
 Estimator = Callable[[TrialConfig], "MemoryEstimate | None"]  # None when it cannot say
 _LINE_SLACK = 0.05  # a size the straight line puts more than 5% over the limit is not estimated

@@ -49,6 +49,7 @@ __all__ = [
 CONFIRM_PREFIX = "confirm:"  # study user attribute per re-run winner candidate: confirm:<number>
 DECISION_KEY = "decision"  # study user attribute: the interleaved confirmation's order and lead
 STOP_KEY = "stopped"  # study user attribute: why the last search ended, and what it left untried
+SIMPLE_KEY = "simple_answer"  # study user attribute: the simple answer's trial number (None: none fits)
 ANSWER_ATTR = "answer_for"  # trial user attribute of the answer trial: the number it confirms
 ANSWER_CONSTRAINT = "answer"  # Optuna constraint: 0 on the answer trial, 1 on every measured one
 _MEASURED = ("ok", "oom", "timeout", "crashed", "nan", "error")
@@ -123,6 +124,7 @@ def summarize(study: optuna.Study | StoredStudy, *, url: str | None, with_import
         command=meta.get("command"),
         stopped=study.user_attrs.get(STOP_KEY),
         worker_jobs=worker_jobs(study.user_attrs),
+        simple_answer=next((r for r in records if r.number == study.user_attrs.get(SIMPLE_KEY)), None),
     )
 
 

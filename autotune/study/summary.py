@@ -97,6 +97,9 @@ class StudySummary:
     command: list[str] | None = None  # script mode: the user's training command each trial ran
     stopped: str | None = None  # why the last search ended, and what it left untried
     worker_jobs: list[dict[str, Any]] = field(default_factory=list)  # SLURM jobs that ran workers on it
+    # What a one-knob batch-size finder answers, measured first (autotune.search.simple); None: none fits,
+    # or a study that did not measure one.
+    simple_answer: TrialRecord | None = None
 
     @property
     def throughput_unit(self) -> str:
@@ -136,6 +139,7 @@ class StudySummary:
             "memory_limit_bytes": self.memory_limit_bytes,
             "n_trials": self.n_trials,
             "best": best,
+            "simple_answer": None if self.simple_answer is None else self.simple_answer.number,
             "importances": self.importances,
             "stopped": self.stopped,
             "trials": [t.to_dict() for t in self.trials],

@@ -369,3 +369,58 @@ def test_a_worker_that_waited_its_turn_takes_the_roofline_another_worker_stored(
     profile = _device_profile(study, backend, ranks=1)
     assert backend.probed == 0, "probed again what another worker had stored"
     assert profile is not None and profile.name == "cpu" and study.user_attrs[ROOFLINE_KEY] == _ROOFLINE
+
+
+class _PerConfigBackend:
+    """Trials answered per (precision, micro batch): a first figure, then each re-run's figure in turn."""
+
+    def __init__(self, first: dict[tuple[str, int], float], reruns: dict[tuple[str, int], list[float]]) -> None:
+        self.first, self.reruns, self.confirmed = first, {k: list(v) for k, v in reruns.items()}, []
+
+    def run(self, workload, config, *, measure_steps, **_):
+        from autotune.trial.result import TrialResult, TrialStatus
+
+        key = (config.precision, config.micro_batch)
+        if measure_steps > 3:
+            self.confirmed.append(key)
+            tokens = self.reruns[key].pop(0) if self.reruns.get(key) else self.first[key]
+        else:
+            tokens = self.first[key]
+        return TrialResult(
+            config=config,
+            status=TrialStatus.OK,
+            tokens_per_s=tokens,
+            peak_memory_bytes=2**20,
+            measured_steps=measure_steps,
+        )
+
+    def estimate(self, workload, config):
+        return None
+
+
+_TWO_PRECISIONS = "  micro_batch: [2, 4]\n  precision: [fp32, bf16]\n"
+_FIRST = {("fp32", 2): 80.0, ("fp32", 4): 100.0, ("bf16", 2): 70.0, ("bf16", 4): 150.0}
+
+
+def test_the_simple_answer_is_always_in_the_final_confirmation(tmp_path):
+    # bf16 mb=4 reads 50% above the simple answer (fp32 mb=4) on its first measurement: far outside any noise
+    # band, yet the simple answer is re-run beside it, and bf16 answers only because it beat it in every round.
+    backend = _PerConfigBackend(_FIRST, {("fp32", 4): [100.0] * 3, ("bf16", 4): [150.0] * 3})
+    summary = _tune(tmp_path, backend, knobs=_TWO_PRECISIONS)
+    assert summary.simple_answer is not None and summary.simple_answer.config == TrialConfig(micro_batch=4)
+    assert ("fp32", 4) in backend.confirmed and ("bf16", 4) in backend.confirmed
+    assert summary.best.config.precision == "bf16"
+
+
+def test_a_config_ahead_on_its_first_measurement_alone_does_not_replace_the_simple_answer(tmp_path):
+    # bf16 mb=4 first reads 4% above the simple answer, then ahead in two of three paired rounds, behind in one.
+    first = {**_FIRST, ("bf16", 4): 104.0}
+    backend = _PerConfigBackend(first, {("fp32", 4): [100.0, 100.0, 100.0], ("bf16", 4): [103.0, 99.0, 103.0]})
+    summary = _tune(tmp_path, backend, knobs=_TWO_PRECISIONS)
+    assert backend.confirmed.count(("bf16", 4)) == 3  # compared, three rounds
+    assert summary.best.config == TrialConfig(micro_batch=4)  # fp32: the simple answer held
+    # Ahead in every round: it replaces it.
+    backend = _PerConfigBackend(first, {("fp32", 4): [100.0, 100.0, 100.0], ("bf16", 4): [103.0, 102.0, 104.0]})
+    (tmp_path / "again").mkdir()
+    summary = _tune(tmp_path / "again", backend, knobs=_TWO_PRECISIONS)
+    assert summary.best.config.precision == "bf16"
