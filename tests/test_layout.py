@@ -1,4 +1,4 @@
-"""The package's folders read as the data flow, and imports run one way along it (DESIGN.md)."""
+"""The package's folders read as the data flow, and imports run one way along it (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _level(module: str) -> int:
         return ORDER.index("cli")
     if len(parts) == 1 and parts[0] in _BASE:
         return 0
-    assert parts[0] in ORDER, f"{module} sits outside the folders DESIGN.md names; add its folder to ORDER"
+    assert parts[0] in ORDER, f"{module} sits outside the folders docs/design.md names; add its folder to ORDER (and to that page)"
     return ORDER.index(parts[0])
 
 

@@ -1,7 +1,7 @@
 """Exporters: a tuned TrialConfig as a file that the target library itself loads.
 
 One small function per format, each returning the file's text. Every export says which
-precision is used and whether LoRA is trained (DESIGN: never hand over LoRA silently): as a
+precision is used and whether LoRA is trained (docs/design.md: never hand over LoRA silently): as a
 ``trains`` key in JSON/YAML and as comment lines in the YAML formats. DeepSpeed and
 TrainingArguments JSON can hold neither comments nor extra keys: their precision keys say it,
 and LoRA travels in the peft export (adapter_config.json). The model's facts these need (hidden
