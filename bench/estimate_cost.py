@@ -2,8 +2,8 @@
 checkouts of autotune: this one and another (a worktree of an earlier commit), alternating, so machine
 noise hits them alike.
 
-    git worktree add /tmp/before <commit>
-    python bench/estimate_cost.py --before /tmp/before [--repeats 3] [--out bench/results/estimate_cost_cpu.json]
+    git worktree add ../before <commit>
+    python bench/estimate_cost.py --before ../before [--repeats 3] [--out bench/results/estimate_cost_cpu.json]
 
 Each run is a new process that starts the server (``start_s``: until its imports are done) and asks it
 for the estimates of a few configs of one model, none sharing a trace; an estimate's cost is the

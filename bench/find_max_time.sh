@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `autotune find --max-time 60s` on the README's quick-start model with the default space (180 configs,
 # far more than 60 s of trials): the wall time of the whole command, each run in a fresh folder (a new
-# study), with the machine's load beside it. Acceptance (issue 30): a confirmed answer in <= 75 s.
+# study), with the machine's load beside it. The goal: a confirmed answer in <= 75 s.
 # Usage: bash bench/find_max_time.sh [RUNS]   (writes bench/results/find_max_time_cpu.txt)
 set -euo pipefail
 out="$(cd "$(dirname "$0")" && pwd)/results/find_max_time_cpu.txt"

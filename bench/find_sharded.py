@@ -113,7 +113,8 @@ def main() -> None:
         trials = [t for t in found["trials"] if t["status"] != "skipped"]
         row = {
             "question": name,
-            "command": "autotune " + " ".join(command),
+            # The paths as the repository names them (the find ran in its own folder, given absolute ones).
+            "command": "autotune " + " ".join(command).replace(f"{Path.cwd()}/", ""),
             "seconds": round(time.monotonic() - started, 1),
             "best": found["best"]["describe"],
             "best_tokens_per_s": found["best"]["tokens_per_s"],

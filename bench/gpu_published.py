@@ -2,7 +2,7 @@
 
     python bench/gpu_published.py [--rows H1,T1] [--out bench/results/gpu_published.json]
 
-Every row of ``../shared/gpu-published.md`` that autotune's knobs can express is rebuilt as a
+Every published row in ``ROWS`` below that autotune's knobs can express is rebuilt as a
 workload and config (the models from their configs in ``bench/data/published/``, random
 weights), estimated for its card with ``--gpu``, and compared with the published figure in the
 metric its source used:
@@ -376,7 +376,7 @@ ROWS += [
         "4.6 GiB (active)",
         notes=[_TORCHTUNE_NOTE, _NF4_NOTE],
     ),
-    # LitGPT's --quantize bnb.nf4 rows, and the same table's bnb.nf4-dq rows (not in ../shared/gpu-published.md).
+    # LitGPT's --quantize bnb.nf4 rows, and the same table's bnb.nf4-dq rows.
     _litgpt_qlora("L3+NF4", "Llama-2-13B LoRA r8 q,v, NF4 base, bf16 compute mb1", "llama-2-13b", "nf4", 23.14),
     _litgpt_qlora("L4", "Llama-2-7B LoRA r8 q,v, NF4 base, bf16 compute mb1", "llama-2-7b", "nf4", 14.14),
     _litgpt_qlora("L4-dq", "L4 with double-quantized scales (bnb.nf4-dq)", "llama-2-7b", "nf4-dq", 13.84),
@@ -403,7 +403,7 @@ NOT_EXPRESSIBLE = {
     "T2, T3": "torch.compile without checkpointing: compile's fused kernels keep 9 GiB less than the eager step "
     "(T1 -> T2), and the estimator traces the eager step. T4-T5 compile too, but checkpoint every layer, so "
     "compile's share is one recomputed layer: they are rebuilt, and their savings compared",
-    "F1-F7": "throughput only (no memory figure): the planning issue's check",
+    "F1-F7": "throughput only (no memory figure): checked by `plan_published.py` instead",
 }
 
 

@@ -1,8 +1,8 @@
 """What LitGPT's own LoRA Llama keeps for the backward, against Transformers' Llama with PEFT's LoRA as
 autotune builds it: the gpu_published L rows rebuild the first as the second.
 
-    git -C <litgpt clone> archive 8641822 lit_gpt | tar -x -C /tmp/litgpt-8641822
-    python bench/litgpt_activations.py --litgpt /tmp/litgpt-8641822
+    git -C <litgpt clone> archive 8641822 lit_gpt | tar -x -C ../litgpt-8641822
+    python bench/litgpt_activations.py --litgpt ../litgpt-8641822
 
 LitGPT's resource tables were measured at commit 8641822 (tutorials/resource-tables.md). Both models
 are built at a small Llama shape (the 7B's FFN/hidden ratio, 11008/4096), LoRA r8 alpha 16 on q and v

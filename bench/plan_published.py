@@ -3,7 +3,7 @@
     python bench/plan_published.py [--rows F6,T1] [--grids llama-tiny,none] [--json]
                                    [--out bench/results/plan_published.json]
 
-Part 1, published rows. Every throughput row of ``../shared/gpu-published.md`` that autotune's knobs
+Part 1, published rows. Every published throughput row listed below that autotune's knobs
 can express is rebuilt as a workload and config for its card (``gpu=``, models from their configs
 in ``bench/data/published/``), traced on fake tensors (``predict_memory``) and timed against the
 card's roofline (``predict_step_time`` with ``card_profile``). Each row prints the published
@@ -74,7 +74,16 @@ from autotune.estimate.step_time import DeviceProfile, StepTime, card_profile, p
 from autotune.search.grid import read_grid
 
 DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).resolve().parents[1]
 PUBLISHED = DATA / "published"
+
+
+def _from_root(model: str) -> str:
+    """A model file as the repository names it (results carry no path of the machine they ran on)."""
+    path = Path(model).resolve()
+    return str(path.relative_to(ROOT)) if Path(model).is_absolute() and path.is_relative_to(ROOT) else model
+
+
 GRIDS = ("gpt2-deep-tiny", "llama-tiny", "llama-tiny-zero2rank", "llama-gqa")
 MPT_GPUS = 8
 
@@ -295,7 +304,7 @@ def predict_row(row: Row) -> dict[str, Any]:
         "predicted_mfu": timed.mfu,
         "step": timed.to_dict(),
         "micro_step_split_s": split,
-        "workload": row.workload.to_dict(),
+        "workload": {**row.workload.to_dict(), "model": _from_root(row.workload.model)},
         "config": row.config.to_dict(),
         "pytorch1_step": row.pytorch1_step,
         "notes": list(row.notes),

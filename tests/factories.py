@@ -101,7 +101,7 @@ def faulty() -> torch.nn.Module:
 
 class MlpLM(TinyLM):
     """TinyLM with a hidden linear layer: LoRA's fallback adapts it (not the head). Like every model
-    here it has no gradient_checkpointing_enable(): checkpointing configs cannot run on it."""
+    here it has no activation_checkpointing_enable(): checkpointing configs cannot run on it."""
 
     def __init__(self) -> None:
         super().__init__()

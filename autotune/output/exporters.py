@@ -1,7 +1,7 @@
 """Exporters: a tuned TrialConfig as a file that the target library itself loads.
 
 One small function per format, each returning the file's text. Every export says which
-precision is used and whether LoRA is trained (DESIGN: never hand over LoRA silently): as a
+precision is used and whether LoRA is trained (docs/design.md: never hand over LoRA silently): as a
 ``trains`` key in JSON/YAML and as comment lines in the YAML formats. DeepSpeed and
 TrainingArguments JSON can hold neither comments nor extra keys: their precision keys say it,
 and LoRA travels in the peft export (adapter_config.json). The model's facts these need (hidden
@@ -24,6 +24,7 @@ from autotune.config.deepspeed_config import deepspeed_config
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
+from autotune.prepare.checkpointing import checkpointing_call
 from autotune.prepare.model_facts import layer_classes
 from autotune.prepare.optimizer import optimizer_line
 from autotune.prepare.quantize import bitsandbytes_config, quantization_lines
@@ -417,14 +418,7 @@ def _header(
         f"gradient accumulation: {config.grad_accum_steps(workload)}, global batch: {workload.global_batch}",
         *(_nodes_lines(workload) if launch is None else launch),
         "activation checkpointing: "
-        + (
-            "on: model.gradient_checkpointing_enable("
-            'gradient_checkpointing_kwargs={"use_reentrant": False}'
-            + (f", every_n_layers={config.checkpoint_every}" if config.checkpoint_every > 1 else "")
-            + ")"
-            if config.checkpointing
-            else "off"
-        ),
+        + (f"on: {checkpointing_call(config.checkpoint_every)}" if config.checkpointing else "off"),
     ]
     lines.append(f"optimizer: {optimizer_line(config)}")
     if config.uses_lora:

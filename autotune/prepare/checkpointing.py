@@ -4,7 +4,7 @@ a model can do it at all (a space then leaves the knob out instead of measuring 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from autotune.errors import ConfigError
 from autotune.models.sources import (
@@ -13,6 +13,8 @@ from autotune.models.sources import (
     resolve_task,
 )
 from autotune.prepare.model_facts import (
+    CHECKPOINTING_METHODS,
+    NO_CHECKPOINTING_METHOD,
     checkpointing_gap,
     factory_facts,
     hf_model_class,
@@ -23,11 +25,24 @@ if TYPE_CHECKING:
 
     from autotune.config.workload import Workload
 
-__all__ = ["enable_checkpointing", "missing_checkpointing", "every_n_refusal", "transformers_release", "EVERY_N_SINCE"]
+__all__ = [
+    "enable_checkpointing",
+    "checkpointing_method",
+    "checkpointing_call",
+    "missing_checkpointing",
+    "every_n_refusal",
+    "transformers_release",
+    "EVERY_N_SINCE",
+    "ACTIVATION_NAMES_SINCE",
+]
 
 # The Transformers release whose checkpointing takes every_n_layers, and that renamed TrainingArguments'
 # gradient_checkpointing to activation_checkpointing.
 EVERY_N_SINCE = (5, 23)
+# A release known to name the model's method activation_checkpointing_enable(activation_checkpointing_kwargs=...)
+# (gradient_checkpointing_enable and is_gradient_checkpointing warn there, and go in v6). Every release before v6
+# keeps the old names, so a release before this one is told the old name: right whether or not it has the new one.
+ACTIVATION_NAMES_SINCE = (5, 24)
 
 
 def transformers_release() -> tuple[int, int] | None:
@@ -41,25 +56,43 @@ def transformers_release() -> tuple[int, int] | None:
     return major, minor
 
 
+def checkpointing_method(model: Any) -> tuple[Callable[..., Any], str] | None:
+    """The model's method that turns activation checkpointing on and the name of its keyword argument for
+    ``torch.utils.checkpoint``'s options, in the names the model has (current first); None without one."""
+    for name, kwargs in CHECKPOINTING_METHODS:
+        method = getattr(model, name, None)
+        if callable(method):
+            return method, kwargs
+    return None
+
+
+def checkpointing_call(every: int = 1) -> str:
+    """The call that turns checkpointing on in a user's job, in the names the installed Transformers reads
+    (found without importing it), e.g. ``model.activation_checkpointing_enable(...)``."""
+    release = transformers_release()
+    name, kwargs = CHECKPOINTING_METHODS[0 if release is None or release >= ACTIVATION_NAMES_SINCE else 1]
+    every_n = f", every_n_layers={every}" if every > 1 else ""
+    return f'model.{name}({kwargs}={{"use_reentrant": False}}{every_n})'
+
+
 def enable_checkpointing(model: torch.nn.Module, every: int = 1, *, source: str = "the model") -> None:
     """Non-reentrant activation checkpointing of every layer, or of every ``every``-th decoder layer.
     ``source``: the model in words, for errors (e.g. "the model from --model builtin:llama-tiny")."""
-    enable = getattr(model, "gradient_checkpointing_enable", None)
-    if enable is None:
-        raise ConfigError(
-            f"--checkpointing on: {source} has no gradient_checkpointing_enable(); add one or use --checkpointing off"
-        )
+    found = checkpointing_method(model)
+    if found is None:
+        raise ConfigError(f"--checkpointing on: {source} {NO_CHECKPOINTING_METHOD}; add one or use --checkpointing off")
+    enable, kwargs = found
     # Non-reentrant checkpointing works with frozen inputs (LoRA) and with DeepSpeed.
     if every == 1:
         try:
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable(**{kwargs: {"use_reentrant": False}})
         except ValueError as exc:  # Transformers: "... does not support activation checkpointing"
             raise ConfigError(
                 f"--checkpointing on: {str(exc).splitlines()[0]} ({source}); use --checkpointing off"
             ) from None
     else:
         try:
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every)
+            enable(**{kwargs: {"use_reentrant": False}}, every_n_layers=every)
         except TypeError as exc:
             raise ConfigError(
                 f"--checkpointing every-{every}: {source} cannot checkpoint "

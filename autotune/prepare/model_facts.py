@@ -30,16 +30,26 @@ __all__ = [
     "is_under",
     "hf_model_class",
     "layer_classes",
+    "CHECKPOINTING_METHODS",
+    "NO_CHECKPOINTING_METHOD",
 ]
 
 # A head is a direct child by one of these names (PEFT's classifier names, causal LMs' lm_head,
 # common names in factories), or the output embeddings; heads are never adapted.
 _HEAD_NAMES = ("classifier", "score", "lm_head", "head", "output")
+# A model's method that turns activation checkpointing on and the name of its argument for checkpoint()'s keywords:
+# the current name first (Transformers 5.24 warns on the old one, which goes in v6), then the old one, for older
+# Transformers (down to the oldest pyproject.toml allows) and for factories' models written for them.
+CHECKPOINTING_METHODS = (
+    ("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
+    ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs"),
+)
+NO_CHECKPOINTING_METHOD = "has no " + " or ".join(f"{name}()" for name, _ in CHECKPOINTING_METHODS)
 
 
 def checkpointing_gap(model: Any, ref: str) -> str | None:
-    if not callable(getattr(model, "gradient_checkpointing_enable", None)):
-        return f"the model from --model {ref} has no gradient_checkpointing_enable()"
+    if not any(callable(getattr(model, name, None)) for name, _ in CHECKPOINTING_METHODS):
+        return f"the model from --model {ref} {NO_CHECKPOINTING_METHOD}"
     if getattr(model, "supports_gradient_checkpointing", True) is False:  # HF models have the method anyway
         return f"{type(model).__name__} (--model {ref}) does not support gradient checkpointing"
     return None

@@ -1,7 +1,7 @@
 """Where trials start: a server that imports the heavy libraries once and forks each trial's ranks.
 
 A trial in a fresh interpreter pays ``import torch``, Transformers' model module and PEFT every
-time: over 4 seconds before a tiny model's first step on this project's CPU, against a
+time: over 4 seconds before a tiny model's first step on the bench's CPU, against a
 quarter of a second forked (``bench/fixed_cost.py``). This server (``python -m autotune.trial.server``)
 imports them once (the model's module, PEFT and an optimizer's library at the first trial that needs them:
 see :func:`preload_libraries`), then for each

@@ -1,4 +1,4 @@
-"""QLoRA's quantized base (issue "fine-tuning on one card"): NF4 and int8 bases under LoRA, held by bitsandbytes'
+"""QLoRA's quantized base: NF4 and int8 bases under LoRA, held by bitsandbytes'
 layers as from_pretrained with a BitsAndBytesConfig holds them, trained for real on this CPU, predicted by the
 estimator, refused where they cannot run, and exported in the forms users load."""
 

@@ -308,7 +308,7 @@ def study_trials(storage: str, study: str) -> list[optuna.trial.FrozenTrial]:
 # Both studies measure every config (--n-trials 6: the whole space), so both see the fastest: with 8 of
 # SPACE's 10 a study may leave it out. The micro batch is clear: mb=16 read 11,850 tokens/s in a local
 # run, mb=4 6,720. Checkpointing at mb=16 is not always: it cost 20% there (9,440 tokens/s; re-runs +10% to
-# +28%), and the CI run of stop 39 saw the local study, beside another worker's test, answer mb=16 with it.
+# +28%), and a CI run saw the local study, beside another worker's test, answer mb=16 with it.
 CLEAR_WINNER_SPACE = """\
 description: six configs of a tiny model, all fit, one micro batch clearly fastest
 knobs:

@@ -109,11 +109,12 @@ def test_activation_offload_is_left_out_on_a_cpu_device_and_offered_on_cuda(tmp_
 
 def test_checkpointing_is_dropped_for_a_factory_model_without_it():
     space = load_space("quick")
-    plain = Workload(model="factories:tiny", global_batch=4, seq_len=8)  # TinyLM: no gradient_checkpointing_enable()
+    plain = Workload(model="factories:tiny", global_batch=4, seq_len=8)  # TinyLM: no checkpointing method
     assert {c.checkpointing for c in space.candidates(plain, CPU)} == {False}
     assert space.choices(plain, CPU)["checkpointing"] == (False,)
     assert space.dropped_knobs(plain, CPU) == [
-        "checkpointing on: the model from --model factories:tiny has no gradient_checkpointing_enable()"
+        "checkpointing on: the model from --model factories:tiny has no activation_checkpointing_enable() "
+        "or gradient_checkpointing_enable()"
     ]
     able = plain.replace(model="factories:checkpointable")
     assert {c.checkpointing for c in space.candidates(able, CPU)} == {False, True}
@@ -127,7 +128,7 @@ def test_a_space_of_checkpointing_only_is_refused_for_a_model_without_it(tmp_pat
     with pytest.raises(
         ConfigError,
         match=r"knobs.checkpointing \[true\]: the model from --model factories:tiny has "
-        r"no gradient_checkpointing_enable\(\); add false",
+        r"no activation_checkpointing_enable\(\) or gradient_checkpointing_enable\(\); add false",
     ):
         load_space(str(path)).candidates(Workload(model="factories:tiny", global_batch=4, seq_len=8), CPU)
 
@@ -137,7 +138,8 @@ def test_missing_checkpointing_reads_the_model_class_without_building_a_model():
 
     assert missing_checkpointing(Workload(model="builtin:llama2-7b")) is None  # a 7B model: no time to build it
     assert missing_checkpointing(Workload(model="factories:mlp", seq_len=8)) == (
-        "the model from --model factories:mlp has no gradient_checkpointing_enable()"
+        "the model from --model factories:mlp has no activation_checkpointing_enable() "
+        "or gradient_checkpointing_enable()"
     )
     assert missing_checkpointing(Workload(model="factories:broken", seq_len=8)) is None  # unknown: its trials say
 

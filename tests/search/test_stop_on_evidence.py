@@ -1,5 +1,5 @@
 """The stop on evidence: the model's error, what evidence is owed before the search may end, and
-the time limit (issue "stops on evidence": a matmul probe is evidence about matmuls, not the step)."""
+the time limit (a matmul probe is evidence about matmuls, not the step)."""
 
 from __future__ import annotations
 

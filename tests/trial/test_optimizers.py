@@ -1,4 +1,4 @@
-"""The optimizer levers of lean fine-tuning (issue "fine-tuning on one card"): 8-bit AdamW, Adafactor and the
+"""The optimizer levers of lean fine-tuning: 8-bit AdamW, Adafactor and the
 step inside backward, run for real on this CPU, predicted by the estimator, refused where they mean nothing."""
 
 from __future__ import annotations
