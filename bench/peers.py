@@ -1,6 +1,12 @@
-"""Peers side by side: batch-size finders and `autotune find` on one model, workload and CPU budget.
+"""Peers side by side: batch-size finders and `autotune find` on four models, each under a CPU budget.
 
-    python bench/peers.py     # writes bench/results/peers_cpu.{json,md}; about 7 minutes on 2 quiet cores
+    python bench/peers.py     # writes bench/results/peers_cpu.{json,md}; about 30 minutes on 2 quiet cores
+    python bench/peers.py --models bert-cls --rounds 3    # one of the MODELS
+
+The models (``MODELS``): three written for this bench, which no test uses (a GQA Llama, a BERT encoder
+for sequence classification, a wide-vocabulary Qwen2 whose logits dominate its memory; their configs in
+``bench/data/peers/``), and ``builtin:gpt2-deep-tiny``. Each budget is tight enough that the largest
+micro batch does not fit at the default knobs.
 
 Each tool tunes in its own process, the real library code:
 
@@ -10,8 +16,8 @@ Each tool tunes in its own process, the real library code:
   ``automatic_gradient_accumulation`` example uses it: starting at the global batch, accumulation
   ``global batch // batch size``, two optimizer steps per attempt;
 - ``autotune find`` (the CLI, ``--json``, a fresh SQLite storage in a temporary directory), once
-  per ``--space``: by default ``quick`` (micro batch, checkpointing, fp32/bf16) and
-  ``bench/spaces/fp32_micro_ckpt.yaml`` (fp32 only, the precision the peers train in).
+  per ``--space``: by default ``default`` (every exact knob and the mixed precisions) and ``quick``
+  (micro batch, checkpointing, fp32/bf16).
 
 Inside each peer's process ``autotune.trial.memory.LiveBytesTracker`` enforces the budget: an
 out-of-memory error carrying the CPU allocator's own words, which the peers' OOM matchers
@@ -20,7 +26,8 @@ micro batch only (fp32, no checkpointing); each pick is then measured with ``aut
 at the same budget, as its job would run it: micro batch m, accumulation ``global // m`` (Accelerate's
 rule; the global batch is m x that), interleaved round by round with ``autotune find``'s pick.
 For each peer's pick, the time each ``find`` run took to hold an answer at least as good
-(``held_after``; the rule in ``HELD_RULE``), from the trials' times in its study.
+(``held_after``; the rule in ``HELD_RULE``), from the trials' times in its study, and when ``find``
+printed its first answer (the simple answer: the one-knob finders' answer, measured first).
 DeepSpeed's autotuner is listed but not run (see ``DEEPSPEED``).
 
     python bench/peers.py --remeasure --rounds 5   # the picks in the results, measured again
@@ -41,6 +48,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("lightning-power", "lightning-binsearch", "accelerate")
+MODELS = {  # name: the workload and budget of each model (paths relative to the repository root)
+    "llama-gqa-3l": {"model": "bench/data/peers/llama-gqa-3l/config.json", "memory_budget": "160MiB"},
+    "bert-cls": {"model": "bench/data/peers/bert-cls/config.json", "memory_budget": "160MiB"},
+    "wide-vocab": {"model": "bench/data/peers/wide-vocab/config.json", "memory_budget": "320MiB"},
+    "gpt2-deep-tiny": {"model": "builtin:gpt2-deep-tiny", "memory_budget": "84MiB"},
+}
 HEADROOM = 0.10  # autotune's default: a config fits when its peak stays 10% under the budget
 PROBE_OPTIMIZER_STEPS = 2  # the second step holds optimizer states, gradients and activations at once
 QUIET_SPREAD = 0.10  # a measurement whose step times spread wider (IQR / median) was disturbed
@@ -186,7 +199,8 @@ def run_peer(name: str, workload: Any, budget: int, result_path: Path) -> None:
 
 # -- the bench ------------------------------------------------------------------------------------
 def _workload_flags(args: argparse.Namespace) -> list[str]:
-    return ["--model", args.model, "--seq-len", str(args.seq_len)]
+    model = ROOT / args.model  # the tools run in temporary directories: a config file by its absolute path
+    return ["--model", str(model) if model.is_file() else args.model, "--seq-len", str(args.seq_len)]
 
 
 def _turn() -> Any:
@@ -244,8 +258,10 @@ def tune_with_autotune(args: argparse.Namespace, space: str) -> dict[str, Any]:
         study = json.loads(proc.stdout)
         timeline = find_timeline(storage, study["study"], started_at)
     ran = [t for t in study["trials"] if t["status"] != "skipped"]
+    simple = next((t for t in timeline if t["number"] == study.get("simple_answer")), None)
     return {
         "picked": study["best"],
+        "simple_answer": None if simple is None else {k: simple[k] for k in ("number", "describe", "complete_s")},
         "wall_s": wall,
         "trials_run": len(ran),
         "oom_trials": sum(t["status"] == "oom" for t in ran),
@@ -256,8 +272,15 @@ def tune_with_autotune(args: argparse.Namespace, space: str) -> dict[str, Any]:
         ],
         "timeline": timeline,
         "space": space,
-        "command": "autotune find " + " ".join(flags[:-1] + [space]) + " --storage sqlite:///TMP/autotune.db --json",
+        "command": "autotune find "
+        + " ".join([*_relative(flags[:-1]), space])
+        + " --storage sqlite:///TMP/autotune.db --json",
     }
+
+
+def _relative(flags: list[str]) -> list[str]:
+    """The flags as a user in the repository's root would type them (no path of this machine)."""
+    return [str(Path(f).relative_to(ROOT)) if f.startswith(str(ROOT)) else f for f in flags]
 
 
 def find_timeline(storage: str, study_name: str, started_at: float) -> list[dict[str, Any]]:
@@ -347,18 +370,7 @@ def held_after(
 
 def measure(config: dict[str, Any], global_batch: int, args: argparse.Namespace) -> dict[str, Any]:
     """One ``autotune trial --json`` of ``config`` at ``global_batch``, under the budget."""
-    flags = [
-        "--micro-batch",
-        str(config["micro_batch"]),
-        "--precision",
-        config["precision"],
-        "--checkpointing",
-        "on" if config["checkpointing"] else "off",
-    ]
-    if config.get("lora_rank"):
-        flags += ["--lora-rank", str(config["lora_rank"])]
-    if config.get("zero_stage") is not None:
-        flags += ["--zero-stage", str(config["zero_stage"]), "--offload", config["offload"]]
+    flags = trial_flags(config)
     cmd = [
         sys.executable,
         "-m",
@@ -400,6 +412,23 @@ def measure(config: dict[str, Any], global_batch: int, args: argparse.Namespace)
     return run
 
 
+def trial_flags(config: dict[str, Any]) -> list[str]:
+    """``autotune trial``'s flags for a config (the knobs a one-rank CPU space moves)."""
+    every = config.get("checkpoint_every", 1)
+    checkpointing = ("on" if every == 1 else f"every-{every}") if config["checkpointing"] else "off"
+    flags = ["--micro-batch", str(config["micro_batch"]), "--precision", config["precision"]]
+    flags += ["--checkpointing", checkpointing]
+    flags += ["--loss", config.get("loss", "standard"), "--attention", config.get("attention", "auto")]
+    flags += ["--fused-optimizer", "on" if config.get("fused_optimizer") else "off"]
+    if config.get("optimizer"):
+        flags += ["--optimizer", config["optimizer"]]
+    if config.get("lora_rank"):
+        flags += ["--lora-rank", str(config["lora_rank"])]
+    if config.get("zero_stage") is not None:
+        flags += ["--zero-stage", str(config["zero_stage"]), "--offload", config["offload"]]
+    return flags
+
+
 def measure_picks(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Measure each distinct pick ``args.rounds`` times, interleaved (A B C A B C ...) so that
     each sees the same conditions; the runs go into each row's ``measured``."""
@@ -420,7 +449,9 @@ def measure_picks(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 def _describe(config: dict[str, Any]) -> str:
-    return f"mb={config['micro_batch']} {config['precision']}" + (" ckpt" if config["checkpointing"] else "")
+    from autotune.config.knobs import TrialConfig
+
+    return TrialConfig.from_dict(config).describe()
 
 
 def _mib(n: int | None) -> str:
@@ -627,19 +658,90 @@ def tune_all(args: argparse.Namespace, budget: int, load: list[float]) -> list[d
     return rows
 
 
+def run_model(args: argparse.Namespace) -> dict[str, Any]:
+    """Tune ``args``'s workload with every peer and each ``find`` space, then measure the picks interleaved."""
+    from autotune.sizes import parse_size
+
+    command = "python bench/peers.py" + "".join(f" {a}" for a in sys.argv[1:])
+    tuning_load = [os.getloadavg()[0]]
+    rows = tune_all(args, parse_size(args.memory_budget), tuning_load)
+    report = {
+        "command": command,
+        "args": {k: getattr(args, k) for k in ("model", "seq_len", "global_batch", "memory_budget", "space")},
+        "workload": f"`{args.model}`, seq {args.seq_len}, global batch {args.global_batch}, 1 rank, CPU",
+        "memory_budget_bytes": parse_size(args.memory_budget),
+        "headroom": HEADROOM,
+        "cores": os.cpu_count(),
+        "load": {"tuning": tuning_load},
+        "rows": [*rows, {"tool": "DeepSpeed autotuner", "not_run": DEEPSPEED}],
+        "versions": _versions(),
+    }
+    remeasure(report, args)
+    return report
+
+
+def remeasure(report: dict[str, Any], args: argparse.Namespace) -> None:
+    """Measure the report's picks (again), interleaved over ``args.rounds``, and when ``find`` held each."""
+    measuring_load = [os.getloadavg()[0]]
+    measure_picks([row for row in report["rows"] if not row.get("not_run")], args)
+    add_held_after(report["rows"])
+    report["load"]["measuring"] = [*measuring_load, os.getloadavg()[0]]
+    report.update(memory_budget=args.memory_budget, rounds=args.rounds, steps=args.steps)
+
+
+def summary(reports: dict[str, dict[str, Any]]) -> str:
+    """One line per model and ``find`` space: its wall time, when it printed its first answer, and its pick
+    against every peer's pick that fits with headroom (median paired ratio over the rounds)."""
+    lines = [
+        "| model | `find --space` | pick | whole `find` | first answer printed | held as good as each peer's pick "
+        "| pick vs each peer's pick that fits with headroom (median, min-max over rounds) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, report in reports.items():
+        limit = report["memory_budget_bytes"] * (1 - HEADROOM)
+        peers = [row for row in report["rows"] if row.get("peer") in PEERS]
+        fitting = [row for row in peers if _fits(row["measured"], limit)]
+        for found in (row for row in report["rows"] if row.get("peer", "").startswith("autotune:")):
+            space = found["tuned"]["space"]
+            simple = found["tuned"].get("simple_answer")
+            first = f"{simple['complete_s']:.0f} s ({simple['describe']})" if simple else "-"
+            held = "; ".join(
+                f"{TOOLS[p['peer']].split(' ')[0]} {p['peer'].split('-')[-1]}: "
+                + (
+                    f"{p['held_after'][space]['held_s']:.0f} s (peer {p['wall_s']:.0f} s)"
+                    if p["held_after"][space].get("held_s") is not None
+                    else "-"
+                )
+                for p in peers
+            )
+            against = (
+                "; ".join(f"{p['peer']}: {_paired(found['measured'], p['measured'])}" for p in fitting)
+                or "no peer pick fits with headroom"
+            )
+            lines.append(
+                f"| {name} | `{Path(space).stem}` | {found['picked']} | {found['wall_s']:.0f} s | {first} | {held} "
+                f"| {against} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _fits(runs: list[dict[str, Any]], limit: float) -> bool:
+    return all(
+        r["status"] == "ok" and r["peak_memory_bytes"] is not None and r["peak_memory_bytes"] <= limit for r in runs
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="builtin:gpt2-deep-tiny")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--model", help="one other model instead (with --memory-budget)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--memory-budget", default="84MiB")
+    parser.add_argument("--memory-budget", help="with --model")
     parser.add_argument(
-        "--space",
-        action="append",
-        help="a search space for autotune find, one find each "
-        "(default: quick, and bench/spaces/fp32_micro_ckpt.yaml: the peers' precision)",
+        "--space", action="append", help="a search space for autotune find, one find each (default: default, quick)"
     )
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved measurements of each pick")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved measurements of each pick")
     parser.add_argument("--steps", type=int, default=5, help="timed steps of each measurement")
     parser.add_argument(
         "--out",
@@ -660,42 +762,47 @@ def main() -> None:
     from autotune.config.workload import Workload
 
     if args.peer:
-        workload = Workload(model=args.model, seq_len=args.seq_len, global_batch=args.global_batch, device="cpu")
+        model = ROOT / args.model
+        workload = Workload(
+            model=str(model) if model.is_file() else args.model,
+            seq_len=args.seq_len,
+            global_batch=args.global_batch,
+            device="cpu",
+        )
         run_peer(args.peer, workload, args.budget_bytes, args.result)
         return
 
-    from autotune.sizes import parse_size
-
-    args.space = args.space or ["quick", "bench/spaces/fp32_micro_ckpt.yaml"]
+    args.space = args.space or ["default", "quick"]
+    chosen = (
+        {args.model: {"model": args.model, "memory_budget": args.memory_budget}}
+        if args.model
+        else {name: MODELS[name] for name in args.models.split(",")}
+    )
     json_path, md_path = args.out.with_suffix(".json"), args.out.with_suffix(".md")
-    command = "python bench/peers.py" + "".join(f" {a}" for a in sys.argv[1:])
-    if args.remeasure:
-        report = json.loads(json_path.read_text())
-        for key in ("model", "seq_len", "global_batch", "memory_budget", "space"):
-            setattr(args, key, report["args"][key])
-        report["remeasured"] = command
-    else:
-        tuning_load = [os.getloadavg()[0]]
-        rows = tune_all(args, parse_size(args.memory_budget), tuning_load)
-        report = {
-            "command": command,
-            "args": {k: getattr(args, k) for k in ("model", "seq_len", "global_batch", "memory_budget", "space")},
-            "workload": f"`{args.model}`, seq {args.seq_len}, global batch {args.global_batch}, 1 rank, CPU",
-            "memory_budget_bytes": parse_size(args.memory_budget),
-            "headroom": HEADROOM,
-            "cores": os.cpu_count(),
-            "load": {"tuning": tuning_load},
-            "rows": [*rows, {"tool": "DeepSpeed autotuner", "not_run": DEEPSPEED}],
-            "versions": _versions(),
-        }
-    measuring_load = [os.getloadavg()[0]]
-    measure_picks([row for row in report["rows"] if not row.get("not_run")], args)
-    add_held_after(report["rows"])
-    report["load"]["measuring"] = [*measuring_load, os.getloadavg()[0]]
-    report.update(memory_budget=args.memory_budget, rounds=args.rounds, steps=args.steps)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    md_path.write_text(markdown(report))
+    kept = json.loads(json_path.read_text()).get("models", {}) if json_path.exists() else {}
+    reports: dict[str, dict[str, Any]] = {}
+    for name, spec in chosen.items():
+        print(f"== {name}", flush=True)
+        model_args = argparse.Namespace(**{**vars(args), **spec})
+        if args.remeasure:
+            report = kept[name]
+            for key in ("model", "seq_len", "global_batch", "memory_budget", "space"):
+                setattr(model_args, key, report["args"][key])
+            report["remeasured"] = "python bench/peers.py" + "".join(f" {a}" for a in sys.argv[1:])
+            remeasure(report, model_args)
+        else:
+            report = run_model(model_args)
+        reports[name] = report
+        kept[name] = report  # other models' results stay as they were
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"models": kept}, indent=2) + "\n")
+    md_path.write_text(
+        "# Peers on four models\n\n"
+        + summary(
+            {name: kept[name] for name in MODELS if name in kept} | {k: v for k, v in kept.items() if k not in MODELS}
+        )
+        + "".join(f"\n## {name}\n\n{markdown(report)}" for name, report in kept.items())
+    )
     print(md_path.read_text())
 
 

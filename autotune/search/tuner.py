@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
 import statistics
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
 __all__ = ["tune", "find", "find_name", "Progress", "TrialBackend", "LocalBackend", "DEFAULT_HEADROOM"]
 
 DEFAULT_HEADROOM = 0.10  # a config fits when its peak stays 10% under the budget
-CONFIRM_STEPS_FACTOR = 3  # a candidate's re-run measures 3x as many steps
+CONFIRM_STEPS_FACTOR = 2  # a candidate's re-run measures 2x as many steps
 CONFIRM_ROUNDS = 2  # interleaved re-runs per contender (A B A B): paired under the same conditions
 MAX_CONFIRM_ROUNDS = 3  # one more round when the first ones disagree on who leads
 CONTENDER_BAND = 0.3  # the widest noise band: candidates whose first figure is this close to the top one's
@@ -80,6 +81,7 @@ CONFIRM_RESERVE = 2.5  # ... and at least this many trials' time is left for the
 MAX_CONFIRMATIONS = 3  # decisions per tune call (a new one when every contender of the last was refuted)
 PROBE_KEY = "device_probe"  # study user attribute: matmul speed per precision relative to fp32
 ROOFLINE_KEY = "device_roofline"  # study user attribute: the device profile the step-time model times against
+DISTURBED_SPREAD = 0.2  # a trial whose step times still spread this much (IQR / median) is measured again
 SKIP_MARGIN = 0.05  # skip a config predicted more than 5% over the limit; closer ones still run
 _BROKEN_AFTER = 2  # stop when this many trials, and every one so far, errored or crashed
 _WATCH_S = 2.0  # how often a worker with nothing left to start looks at the others' trials
@@ -228,14 +230,6 @@ def tune(
     proposer = Proposer(
         space, workload, device, estimator=oracle.lookup if oracle else None, limit_bytes=limit, margin=SKIP_MARGIN
     )
-    proposer.profile = _device_profile(the_study, backend, ranks=workload.nproc) if estimate else None
-    # Until a family's step is traced (or, with no step-time model, until measured), the matmul speed of its
-    # precision places it: the roofline's, else the device probe's.
-    proposer.precision_speed = (
-        _precision_speed(the_study, backend, proposer.choices.get("precision", ()))
-        if proposer.profile is None
-        else matmul_speedups(proposer.profile, proposer.choices.get("precision", ()))
-    )
     proposer.hurry = clock.hurried
     proposer.out_of_time = clock.out_of_time
     # What show and export need about the model (LoRA's targets, hidden size), resolved as the trials resolve it.
@@ -262,6 +256,16 @@ def tune(
         _simple_answer(
             the_study, proposer, oracle, workload, measure, backend, progress, clock, storage=storage, target=target
         )
+    # The step-time model's device profile, probed after the simple answer (which needs none): the answer the
+    # one-knob finders give comes as soon as theirs.
+    proposer.profile = _device_profile(the_study, backend, ranks=workload.nproc) if estimate else None
+    # Until a family's step is traced (or, with no step-time model, until measured), the matmul speed of its
+    # precision places it: the roofline's, else the device probe's.
+    proposer.precision_speed = (
+        _precision_speed(the_study, backend, proposer.choices.get("precision", ()))
+        if proposer.profile is None
+        else matmul_speedups(proposer.profile, proposer.choices.get("precision", ()))
+    )
     helpers = start_helpers(
         dict(
             study=study,
@@ -577,14 +581,7 @@ def _measure_in_study(
         _stop["in_trial"] = True
         try:
             _stop_point()
-            result = backend.run(
-                workload,
-                config,
-                memory_budget_bytes=measure.memory_budget_bytes,
-                timeout_s=measure.trial_timeout_s,
-                warmup_steps=measure.warmup_steps,
-                measure_steps=measure.measure_steps,
-            )
+            result = _run_undisturbed(backend, workload, config, measure, trial)
         finally:
             _stop["in_trial"] = False
     except KeyboardInterrupt:
@@ -608,6 +605,29 @@ def _measure_in_study(
     else:
         study.tell(trial, state=TrialState.FAIL)
     return next(r for r in records_of(study) if r.number == trial.number)
+
+
+def _run_undisturbed(
+    backend: TrialBackend, workload: Workload, config: TrialConfig, measure: _Measure, trial: optuna.Trial
+) -> TrialResult:
+    """The trial's result; measured once more where its steps still spread more than ``DISTURBED_SPREAD``
+    after the extra steps (something else ran on the cores: its figure would mislead the model and the
+    ranking for good), keeping the less disturbed of the two. The first figure is kept on the trial."""
+    run = functools.partial(
+        backend.run,
+        workload,
+        config,
+        memory_budget_bytes=measure.memory_budget_bytes,
+        timeout_s=measure.trial_timeout_s,
+        warmup_steps=measure.warmup_steps,
+        measure_steps=measure.measure_steps,
+    )
+    result = run()
+    if not result.ok or result.step_time_spread is None or result.step_time_spread <= DISTURBED_SPREAD:
+        return result
+    trial.set_user_attr("disturbed", {"throughput": result.throughput, "spread": result.step_time_spread})
+    again = run()
+    return again if again.ok and (again.step_time_spread or 0.0) < result.step_time_spread else result
 
 
 class TrialBackend(Protocol):
