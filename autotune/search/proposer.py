@@ -151,6 +151,7 @@ class Proposer:
         self._traced: dict[TrialConfig, MemoryEstimate] = {}  # a family (micro batch 1) -> an estimate with its costs
         self._ruled_out: list[TrialConfig] = []
         self._placed_at: tuple[int, dict[TrialConfig, float | None]] = (0, {})  # per number of traced families
+        self._predicted_at: tuple[tuple[int, int], dict[TrialConfig, float | None]] = ((0, 0), {})
 
     def suggest(self, trial: optuna.Trial) -> TrialConfig:
         """Define-by-run: the config of ``trial``'s parameters (fixed ones when it was enqueued)."""
@@ -489,16 +490,25 @@ class Proposer:
         return [c for c in self.candidates if c not in done and not implied_too_big(c, too_big)]
 
     def _predicted_throughput(self, config: TrialConfig) -> float | None:
-        """log samples/s of ``config`` by the step-time model; None without a traced step of its family."""
+        """log samples/s of ``config`` by the step-time model; None without a traced step of its family.
+        Kept until another family is traced (a ranking pass asks for each open config many times)."""
         from autotune.estimate.step_time import predict_step_time
 
+        key = (len(self._traced), id(self.profile))
+        if self._predicted_at[0] != key:
+            self._predicted_at = (key, {})
+        predicted = self._predicted_at[1]
+        if config in predicted:
+            return predicted[config]
         estimate = self._traced.get(config.replace(micro_batch=1)) or self._twin(config)
         if estimate is None or self.profile is None:
+            predicted[config] = None
             return None
         if estimate.config != config:
             estimate = dataclasses.replace(estimate, config=config)  # its costs are kept per sample
         step = predict_step_time(estimate, self._workload, self.profile)
-        return math.log(step.samples_per_s) if step is not None else None
+        predicted[config] = math.log(step.samples_per_s) if step is not None else None
+        return predicted[config]
 
     def _twin(self, config: TrialConfig) -> MemoryEstimate | None:
         """The traced step of a family not traced yet, from a twin's trace where the two steps differ by
