@@ -168,3 +168,21 @@ def test_find_held_an_answer_as_good_as_the_peers_pick_when_its_first_trial_that
     # No ratio (a round's runs failed) and the config not measured by find: nothing to compare with.
     held = peers.held_after(trials, peer_config=mb3, same_global_batch=True, find_pick=3, paired_ratio=None)
     assert held["rule"] is None and held["held_s"] is None
+
+
+def test_a_pick_is_measured_with_every_knob_it_holds(timeline):
+    peers, _ = timeline
+    from autotune.config.knobs import TrialConfig
+
+    config = TrialConfig(micro_batch=8, checkpointing=True, checkpoint_every=2, loss="chunked", fused_optimizer=True)
+    flags = peers.trial_flags(config.to_dict())
+    pairs = dict(zip(flags[::2], flags[1::2], strict=True))
+    assert pairs == {
+        "--micro-batch": "8",
+        "--precision": "fp32",
+        "--checkpointing": "every-2",
+        "--loss": "chunked",
+        "--attention": "auto",
+        "--fused-optimizer": "on",
+        "--optimizer": config.optimizer,
+    }

@@ -672,8 +672,11 @@ class LocalBackend:
             start_estimate_server()
 
     def run(self, workload: Workload, config: TrialConfig, **measure: Any) -> TrialResult:
+        from autotune.estimate.estimator import wait_for_estimate_server
+
         if self._srun:  # the job's own cores (and nodes): nothing else of this machine's runs on them
             return run_trial(workload, config, srun=True, **measure)
+        wait_for_estimate_server()  # its start-up imports would compute beside the trial's timed steps
         with cpu_turn(self._device_type):
             return run_trial(workload, config, **measure)
 
