@@ -67,6 +67,7 @@ class Row:
     left_out: list[str] = field(default_factory=list)
     left_open: list[str] = field(default_factory=list)
     unit: str | None = None
+    selective: bool = False  # ran torchtitan's selective per-op checkpointing (rebuilt as full)
 
 
 def _model(name: str) -> str:
@@ -589,6 +590,7 @@ SHARDED_ROWS: list[Row] = [
         "82.4 GiB (reserved)",
         left_out=_titan_left_out(2 * 8192),
         left_open=_TITAN_OPEN,
+        selective=True,
     ),
     Row(
         "S2",
@@ -600,6 +602,7 @@ SHARDED_ROWS: list[Row] = [
         notes=[_COMPILE_NOTE],
         left_out=_titan_left_out(2 * 8192),
         left_open=_TITAN_OPEN,
+        selective=True,
     ),
     Row(
         "S3",
@@ -616,6 +619,7 @@ SHARDED_ROWS: list[Row] = [
             *_titan_left_out(2 * 8192),
         ],
         left_open=[*_TITAN_OPEN, "whether FSDP's all-gathers ran in float8 (enable_fsdp_float8_all_gather)"],
+        selective=True,
     ),
     Row(
         "S4",
@@ -626,6 +630,7 @@ SHARDED_ROWS: list[Row] = [
         "67.0 GiB (reserved)",
         left_out=_titan_left_out(2 * 8192),
         left_open=_TITAN_OPEN,
+        selective=True,
     ),
     Row(
         "S5",
@@ -637,6 +642,7 @@ SHARDED_ROWS: list[Row] = [
         notes=[_COMPILE_NOTE],
         left_out=_titan_left_out(2 * 8192),
         left_open=_TITAN_OPEN,
+        selective=True,
     ),
     Row(
         "S6",
@@ -651,6 +657,7 @@ SHARDED_ROWS: list[Row] = [
             "the H100 variant is not stated (predicted for H100-80GB)",
             "torchtitan 0.0.2's own defaults (taken as 9dec370's: foreach AdamW, last block kept gathered)",
         ],
+        selective=True,
     ),
     Row(
         "S7-tp2",
@@ -893,7 +900,8 @@ def _titan_405b(tp: int) -> tuple[Workload, TrialConfig]:
 
 _SAC_BOUNDS = (
     "selective per-op checkpointing: no autotune knob; estimated with every layer checkpointed (keeps less: "
-    "the lower bound) and with none (keeps more: the upper bound)"
+    "the lower bound) and with none (keeps more: the upper bound); the verdict is the lower bound's plus what "
+    "torchtitan's policy keeps beyond it, by arithmetic (selective_kept_bytes)"
 )
 _A100_80 = (81_920 * MiB,)
 _TITAN_405B_CARD = (94 * GiB, 95 * GiB, 96 * GiB)  # "H100 (94GB memory)", "SXM H100(95GB)", "96GB HBM2e"
@@ -998,6 +1006,9 @@ def predict(row: Row) -> dict[str, object]:
     predicted = _predicted(estimate, row.metric)
     assert predicted is not None
     error = predicted / row.published_bytes - 1
+    if row.selective:
+        kept = selective_kept_bytes(row.workload, row.config.micro_batch)
+        result.update(selective_kept_bytes=kept, error_with_selective=(predicted + kept) / row.published_bytes - 1)
     return {
         **result,
         "predicted_bytes": predicted,
@@ -1021,9 +1032,22 @@ def _layout(workload: Workload, config: TrialConfig) -> str:
     return f"{workload.nproc} ranks{nodes}: {' x '.join(parts) or 'one rank'}"
 
 
+def selective_kept_bytes(workload: Workload, micro_batch: int) -> int:
+    """What torchtitan's selective per-op checkpointing keeps beyond full checkpointing, by arithmetic: per layer
+    and token the bf16 outputs of wq, wv, w1 and w2 (every other matmul: _save_list and its mm counter in
+    parallelize_llama at 9dec370) and of the attention, on every layer of the model's config."""
+    config = json.loads(Path(workload.model).read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * config.get("head_dim", hidden // heads)
+    per_token = 3 * hidden + kv + config["intermediate_size"]
+    return 2 * per_token * micro_batch * workload.seq_len * config["num_hidden_layers"]
+
+
 def predict_fit(row: FitRow) -> dict[str, object]:
-    """The estimate's verdict against the card (the reserved peak and the device figure within its memory; and
-    with ``estimate``'s default 10% headroom), each way the source states the card, beside the published one."""
+    """The estimate's verdict against the card (the predicted device figure within its memory; and with
+    ``estimate``'s default 10% headroom: reserved within 90% of it), each way the source states the card, beside
+    the published one. Selective checkpointing: bounded by every layer checkpointed and none, and the verdict
+    taken from the first plus what the policy keeps beyond it (:func:`selective_kept_bytes`)."""
     started = time.perf_counter()
     configs = {"as rebuilt": row.config}
     if row.bounds:
@@ -1031,7 +1055,16 @@ def predict_fit(row: FitRow) -> dict[str, object]:
             "lower (every layer checkpointed)": row.config,
             "upper (no checkpointing)": row.config.replace(checkpointing=False),
         }
-    estimates = {}
+    estimates: dict[str, dict[str, object]] = {}
+
+    def verdicts(reserved: int, device: int) -> dict[str, object]:
+        return {
+            "predicted_reserved_bytes": reserved,
+            "predicted_device_bytes": device,
+            "fits": [device <= card for card in row.card_bytes],
+            "fits_with_headroom": [reserved <= card * 0.9 and device <= card for card in row.card_bytes],
+        }
+
     for name, config in configs.items():
         try:
             estimate = _estimate(row.workload, config)
@@ -1042,14 +1075,22 @@ def predict_fit(row: FitRow) -> dict[str, object]:
         assert reserved is not None and device is not None
         estimates[name] = {
             "predicted_peak_bytes": estimate.predicted_peak_bytes,
-            "predicted_reserved_bytes": reserved,
-            "predicted_device_bytes": device,
-            "fits": [device <= card for card in row.card_bytes],
-            "fits_with_headroom": [reserved <= card * 0.9 and device <= card for card in row.card_bytes],
+            **verdicts(reserved, device),
             "estimate": estimate.to_dict(),
         }
-    verdicts = {v for e in estimates.values() for v in e.get("fits", [])}
-    agrees = verdicts == {row.fits}
+    lower = estimates.get("lower (every layer checkpointed)", {})
+    if row.bounds and "fits" in lower:
+        kept = selective_kept_bytes(row.workload, row.config.micro_batch)
+        estimates["lower + selective's kept outputs (arithmetic)"] = {
+            "selective_kept_bytes": kept,
+            **verdicts(int(lower["predicted_reserved_bytes"]) + kept, int(lower["predicted_device_bytes"]) + kept),  # type: ignore[call-overload]
+        }
+    decisive = (
+        [estimates["lower + selective's kept outputs (arithmetic)"]]
+        if "lower + selective's kept outputs (arithmetic)" in estimates
+        else list(estimates.values())
+    )
+    said = {v for e in decisive for v in e.get("fits", [])}  # type: ignore[attr-defined]
     return {
         "row": row.key,
         "what": row.what,
@@ -1058,8 +1099,8 @@ def predict_fit(row: FitRow) -> dict[str, object]:
         "card_bytes": list(row.card_bytes),
         "published_fits": row.fits,
         "estimates": estimates,
-        "agrees": agrees if verdicts else None,
-        "undecided": len(verdicts) > 1,
+        "agrees": said == {row.fits} if said else None,
+        "undecided": len(said) > 1,
         "left_out": row.left_out,
         "left_open": row.left_open,
         "seconds": time.perf_counter() - started,
@@ -1139,6 +1180,22 @@ def _sharded_table(results: list[dict[str, object]]) -> list[str]:
             f"median |error| {statistics.median(abs(e) for e in errors):.1%}, largest {max(abs(e) for e in errors):.1%}"
             f" over {len(errors)} rows; median signed error {statistics.median(errors):+.1%}",
         ]
+    selective = [r for r in results if r.get("selective_kept_bytes") is not None]
+    if selective:
+        lines += [
+            "",
+            "torchtitan's rows with what its selective per-op checkpointing keeps beyond full checkpointing added by "
+            "arithmetic (selective_kept_bytes):",
+            "",
+            "| row | published | predicted (full) | + kept outputs | = | error |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in selective:
+            kept, predicted = int(r["selective_kept_bytes"]), int(r["predicted_bytes"])  # type: ignore[call-overload]
+            lines.append(
+                f"| {r['row']} | {r['published']} | {predicted / GiB:.2f} GiB | {kept / GiB:.2f} GiB | "
+                f"{(predicted + kept) / GiB:.2f} GiB | {float(r['error_with_selective']):+.1%} |"  # type: ignore[arg-type]
+            )
     by_key = {str(r["row"]): r for r in results}
     pair = by_key.get("S11"), by_key.get("S11-smi")
     if pair[0] is not None and pair[1] is not None and pair[0]["error"] is not None and pair[1]["error"] is not None:
@@ -1155,7 +1212,7 @@ def _sharded_table(results: list[dict[str, object]]) -> list[str]:
 def _fit_table(results: list[dict[str, object]]) -> list[str]:
     lines = [
         "Fit boundaries (fits: the predicted device figure within the card's memory; the headroom column adds "
-        "estimate's default: reserved within 90% of it):",
+        "estimate's default: reserved within 90% of it; a selective row's verdict is its arithmetic line's):",
         "",
         "| row | run | layout (rebuilt), GPU | published | estimate | reserved | nvidia-smi | fits | with headroom "
         "| agrees |",
@@ -1212,7 +1269,8 @@ def main() -> None:
     for fit in FIT_ROWS:
         if wanted is None or fit.key in wanted:
             fits.append(predict_fit(fit))
-            print(f"{fit.key}: agrees {fits[-1]['agrees']} ({fits[-1]['seconds']:.0f} s)", flush=True)
+            verdict = "undecided" if fits[-1]["undecided"] else ("agrees" if fits[-1]["agrees"] else "disagrees")
+            print(f"{fit.key}: {verdict} ({fits[-1]['seconds']:.0f} s)", flush=True)
     lines = []
     if results:
         errors = [abs(float(r["error"])) for r in results]  # type: ignore[arg-type]
