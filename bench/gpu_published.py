@@ -12,8 +12,21 @@ metric its source used:
 * the Transformers docs' nvidia-smi readings: against the predicted device figure (reserved +
   the CUDA context).
 
-Rows it cannot express are listed with the reason. The table goes to stdout last, the figures to
-``--out`` (and ``.txt`` beside it).
+Rows it cannot express are listed with the reason.
+
+The sharded and parallel runs (S1-S17: torchtitan's Llama-3-8B FSDP2 runs at seq 8192 with its max reserved,
+KempnerForge's TP / FSDP runs on H200s with its max allocated and one nvidia-smi reading, OneFlow DLPerf's
+Megatron-LM runs with nvidia-smi) get a table of their own, each in its metric, rebuilt in the nearest config
+autotune can express, never skipped: what each rebuild leaves out (selective per-op checkpointing, float8,
+Megatron's fp16 optimizer and vocabulary-parallel layers, data-parallel copies beside tensor and pipeline
+parallelism, KempnerForge's unreduced gradient accumulation and bf16 loss) and what its source leaves open is
+printed under it, with sizes where the sources give them. The fit boundaries (S16, S17) print the estimate's
+verdict against the card beside the published one; selective checkpointing there is bounded by the estimates
+with every layer checkpointed and with none. The sources' configs were read at the commits their reports name
+(torchtitan 9dec370, KempnerForge 601aba9 / 01b461a). ``bench/fsdp2_cuda_memory.md`` accounts for what FSDP2
+and NCCL hold beyond the traced tensors and compares it with these rows' errors.
+
+The tables go to stdout last, the figures to ``--out`` (and ``.txt`` beside it).
 """
 
 from __future__ import annotations
@@ -27,7 +40,8 @@ from pathlib import Path
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import predict_memory
+from autotune.errors import ConfigError
+from autotune.estimate.estimator import EstimateError, MemoryEstimate, predict_memory
 from autotune.estimate.measured_with import AS_INSTALLED, MeasuredWith
 
 DATA = Path(__file__).parent / "data" / "published"
@@ -48,6 +62,12 @@ class Row:
     # What it ran beyond autotune's knobs (PyTorch 1.x's step, an older bitsandbytes, Lightning's quantization).
     measured_with: MeasuredWith = AS_INSTALLED
     notes: list[str] = field(default_factory=list)
+    # The sharded and parallel rows: what the rebuild leaves out of the published run, what the source leaves
+    # open, the unit printed.
+    left_out: list[str] = field(default_factory=list)
+    left_open: list[str] = field(default_factory=list)
+    unit: str | None = None
+    selective: bool = False  # ran torchtitan's selective per-op checkpointing (rebuilt as full)
 
 
 def _model(name: str) -> str:
@@ -407,24 +427,682 @@ NOT_EXPRESSIBLE = {
 }
 
 
+# -- Sharded and parallel runs (S1-S17 of ../shared/gpu-published.md) ------------------------------------------
+# torchtitan at 9dec370 (2024-12-26, the commit its benchmarks/llama3_h100_202412_torchtitan.md names):
+# train_configs/llama3_8b.toml (seq 8192, selective_ac_option "op", AdamW without fused, so foreach),
+# parallelize_llama.apply_fsdp (MixedPrecisionPolicy(param_dtype bf16, reduce_dtype fp32) from
+# --training.mixed_precision_param / _reduce; every block resharded after forward except the last), train.py
+# (the logged "memory" is max_reserved_gib; its loss upcasts bf16 logits with .float()).
+def _titan_left_out(tokens: int) -> list[str]:
+    """What a torchtitan row's rebuild leaves out, with the size of its checkpointing's share (``tokens`` a micro
+    batch's, Llama-3-8B's 32 layers)."""
+    kept = 27_648 * 2 * tokens * 32 / GiB
+    return [
+        "selective per-op checkpointing (torchtitan's _save_list: every other mm's output, SDPA's output and the "
+        "reduce-scatters kept, the rest recomputed) rebuilt as every layer checkpointed, which keeps less: each "
+        "layer's wq, wv, w1 and w2 outputs and the attention output (27,648 bf16 values a token a layer) on top of "
+        f"the layer input, {kept:.1f} GiB here; the rebuild is a lower bound",
+        "the last block not resharded after forward (torchtitan keeps its bf16 parameters gathered: 0.41 GiB)",
+    ]
+
+
+_TITAN_OPEN = [
+    "the card: Grand Teton's H100 with 96GB HBM2e at 500 W (the 405B notes say 94GB and 95GB), predicted for "
+    "autotune's H100-80GB (only the card's total differs, which the allocated and reserved figures do not read)",
+    "the figure is the largest reserved of the last logging interval (10 steps), read at step 90",
+]
+_COMPILE_NOTE = "torch.compile predicted as eager (its fused kernels may hold less)"
+_KF_NOTE = (
+    "KempnerForge at 601aba9 / 01b461a (the commits of its config_validation and mfu_scaling reports): the model "
+    "cast to bf16 before fully_shard (build_parallel_model: .to(dtype=param_dtype)), so weights, gradients and "
+    "fused AdamW's states in bf16; FSDP2 with MixedPrecisionPolicy(bf16, reduce fp32) on each block and the root, "
+    "reshard_after_forward True (apply_fsdp2); full checkpointing; the peak is max_memory_allocated() / 1024**3 "
+    "since the start (never reset), printed as 'GB' (GiB)"
+)
+
+
+def _kf_left_out(params: float, tokens: int, *, tp: int = 1, fsdp: bool = True) -> list[str]:
+    """What a KempnerForge row holds that its rebuild does not, and the reverse, in GiB: ``params`` as its
+    report counts them (8.03B, 14.84B, 70.55B), ``tokens`` a micro batch's."""
+    logits = tokens * 128_256 * 6 / GiB
+    kept = [
+        f"KempnerForge's loss: F.cross_entropy on the bf16 logits, where Transformers' Llama upcasts them to fp32 "
+        f"and keeps fp32 log-probabilities: the rebuild holds up to 6 bytes a logit more, up to {logits:.1f} GiB "
+        "here (less where its tensor-parallel head splits them)"
+    ]
+    if not fsdp:
+        return kept
+    grads = params / tp * 4 / GiB
+    return [
+        "gradient accumulation without reduction: KempnerForge's maybe_no_sync calls FSDP2's "
+        "set_requires_gradient_sync(False) on every micro step but the last, so each rank keeps the unsharded "
+        "gradients between micro steps, upcast to the fp32 reduce dtype (FSDPParam.to_accumulated_grad_if_needed): "
+        f"4 bytes a parameter it holds unsharded, {grads:.1f} GiB here; autotune reduce-scatters every micro step",
+        "FSDP2's fp32 gradient reduction (reduce_dtype=float32 on bf16 parameters): autotune's bf16-true shards "
+        "without a mixed-precision policy, so its reduce-scatter input is bf16 where KempnerForge's is an fp32 copy "
+        "of one group's gradients",
+        *kept,
+    ]
+
+
+_KF_TP_LEFT_OUT = [
+    "KempnerForge's own Llama and tensor-parallel plan (SequenceParallel norms, its LM head split column-wise "
+    "over the ranks) rebuilt as Transformers' Llama with its tp_plan and --sequence-parallel on: the LM head "
+    "and its logits stay whole on each rank",
+]
+_MEGATRON_NOTE = (
+    "DLPerf's Megatron-LM runs (commit 8aa4619, NGC 20.12): nvidia-smi sampled during training, an upper bound "
+    "on what PyTorch held. Megatron's fp16 optimizer keeps an fp16 model, fp16 gradients, fp32 main weights, "
+    "their fp32 gradients and Adam's two fp32 moments (about 20 bytes a parameter); autotune's fp16 keeps fp32 "
+    "weights and gradients and casts 16-bit copies (16 bytes a parameter): 4 bytes a parameter fewer, "
+    "1.9 GiB at 0.498B on one rank (divided by the tensor-parallel ranks)"
+)
+_MEGATRON_TP_LEFT_OUT = [
+    "Megatron's GPT (learned positions, 4h GELU MLP, LayerNorm, dropout 0.1) rebuilt as a Llama of the same "
+    "width, depth and parameter count (GELU-gated MLP of 8h/3, RoPE, RMSNorm, attention dropout 0.1), since "
+    "Transformers' GPT-2 has no tensor-parallel plan",
+    "Megatron's tensor parallelism splits the vocabulary (VocabParallelEmbedding, vocab-parallel cross-entropy: "
+    "1/tp of the logits a rank); Transformers' tp_plan leaves the embedding and the LM head whole, so each rank "
+    "holds all the logits",
+    "Megatron's data-parallel copies beside the tensor-parallel groups (its DDP, replicated weights) dropped: "
+    "autotune refuses DDP copies of tensor-parallel layers; each rank's model states are the same, "
+    "less DDP's all-reduce buffers",
+]
+_MEGATRON_PP_LEFT_OUT = [
+    "fp16 rebuilt as fp32 (autotune refuses fp16's loss scaling across pipeline stages, and a V100 has no "
+    "bf16): fp32 activations and 16 bytes a parameter where Megatron keeps fp16 activations and about 20",
+    "Megatron's data-parallel copies of the pipeline dropped (autotune refuses them); each rank's states are the same",
+    "32 accumulation steps (global batch 512) rebuilt as one per stage, the fewest 1F1B takes: "
+    "torch.distributed.pipelining's last stage keeps every micro batch's output until the step returns them "
+    "merged (traced: +1.5 GiB of fp32 logits a micro batch at 0.498B, mb2), Megatron's keeps none; with one "
+    "a stage the rebuild's last stage still keeps pp of them",
+]
+
+
+def _titan(nproc: int, mb: int, compile: bool, *, nodes: int = 1) -> tuple[Workload, TrialConfig]:
+    workload = Workload(
+        model=_model("llama-3-8b"),
+        task="causal-lm",
+        seq_len=8192,
+        global_batch=mb * nproc,
+        nproc=nproc,
+        nodes=nodes,
+        gpu="H100-80GB",
+    )
+    return workload, TrialConfig(micro_batch=mb, precision="bf16", checkpointing=True, fsdp="full", compile=compile)
+
+
+def _kempner(
+    model: str, nproc: int, mb: int, accum: int, *, tp: int = 1, fsdp: bool = True, compile: bool = True
+) -> tuple[Workload, TrialConfig]:
+    data = nproc // tp
+    workload = Workload(
+        model=_model(model),
+        task="causal-lm",
+        seq_len=4096,
+        global_batch=mb * accum * data,
+        nproc=nproc,
+        nodes=max(1, nproc // 4),  # 4 H200s a node
+        gpu="H200",
+    )
+    config = TrialConfig(
+        micro_batch=mb,
+        precision="bf16-true",
+        checkpointing=True,
+        fused_optimizer=True,
+        compile=compile,
+        fsdp="full" if fsdp else None,
+        tp=tp,
+        sequence_parallel=tp > 1,
+    )
+    return workload, config
+
+
+def _megatron(model: str, nproc: int, mb: int, *, tp: int = 1, pp: int = 1) -> tuple[Workload, TrialConfig]:
+    # A pipeline's 32 accumulation steps rebuilt as pp of them (the fewest 1F1B takes): see _MEGATRON_PP_LEFT_OUT.
+    data, accum = nproc // (tp * pp), pp
+    workload = Workload(
+        model=_model(model),
+        task="causal-lm",
+        seq_len=2048,
+        global_batch=mb * accum * data,
+        nproc=nproc,
+        gpu="V100-16GB",
+    )
+    config = TrialConfig(
+        micro_batch=mb,
+        precision="fp32" if pp > 1 else "fp16",
+        checkpointing=True,
+        attention="sdpa" if pp > 1 else "eager",  # Megatron's fused softmax keeps the scores; pipelines refuse eager
+        tp=tp,
+        pp=pp,
+    )
+    return workload, config
+
+
+SHARDED_ROWS: list[Row] = [
+    Row(
+        "S1",
+        "Llama-3-8B seq 8192 mb2, FSDP2 bf16 (fp32 reduce), eager",
+        *_titan(8, 2, False),
+        "reserved",
+        int(82.4 * GiB),
+        "82.4 GiB (reserved)",
+        left_out=_titan_left_out(2 * 8192),
+        left_open=_TITAN_OPEN,
+        selective=True,
+    ),
+    Row(
+        "S2",
+        "S1 + torch.compile",
+        *_titan(8, 2, True),
+        "reserved",
+        int(77.0 * GiB),
+        "77.0 GiB (reserved)",
+        notes=[_COMPILE_NOTE],
+        left_out=_titan_left_out(2 * 8192),
+        left_open=_TITAN_OPEN,
+        selective=True,
+    ),
+    Row(
+        "S3",
+        "S2 + float8 Linear layers (tensorwise)",
+        *_titan(8, 2, True),
+        "reserved",
+        int(76.8 * GiB),
+        "76.8 GiB (reserved)",
+        notes=[_COMPILE_NOTE],
+        left_out=[
+            "float8 Linear layers (torchao's tensorwise scaling: float8 copies of inputs and weights kept for the "
+            "backward, amax) rebuilt as bf16 ones: autotune has no float8 knob; the published figure is 0.2 GiB "
+            "below S2's",
+            *_titan_left_out(2 * 8192),
+        ],
+        left_open=[*_TITAN_OPEN, "whether FSDP's all-gathers ran in float8 (enable_fsdp_float8_all_gather)"],
+        selective=True,
+    ),
+    Row(
+        "S4",
+        "S1 on FSDP 128 (16 nodes), eager",
+        *_titan(128, 2, False, nodes=16),
+        "reserved",
+        int(67.0 * GiB),
+        "67.0 GiB (reserved)",
+        left_out=_titan_left_out(2 * 8192),
+        left_open=_TITAN_OPEN,
+        selective=True,
+    ),
+    Row(
+        "S5",
+        "S4 + torch.compile",
+        *_titan(128, 2, True, nodes=16),
+        "reserved",
+        int(62.0 * GiB),
+        "62.0 GiB (reserved)",
+        notes=[_COMPILE_NOTE],
+        left_out=_titan_left_out(2 * 8192),
+        left_open=_TITAN_OPEN,
+        selective=True,
+    ),
+    Row(
+        "S6",
+        "Llama-3-8B seq 8192 mb1, FSDP 8 bf16 + compile (torchtitan 0.0.2)",
+        *_titan(8, 1, True),
+        "reserved",
+        int(47.65 * GiB),
+        "47.65 GiB (reserved)",
+        notes=[_COMPILE_NOTE, "torchao's float8 table: the largest reserved over all logged steps, labelled GB"],
+        left_out=_titan_left_out(8192),
+        left_open=[
+            "the H100 variant is not stated (predicted for H100-80GB)",
+            "torchtitan 0.0.2's own defaults (taken as 9dec370's: foreach AdamW, last block kept gathered)",
+        ],
+        selective=True,
+    ),
+    Row(
+        "S7-tp2",
+        "Llama-3-8B seq 4096 mb4 x2, TP 2 (+SP), pure bf16, ckpt, fused AdamW, compile",
+        *_kempner("llama-3-8b", 2, 4, 2, tp=2, fsdp=False),
+        "allocated",
+        int(57.8 * GiB),
+        '57.8 "GB" (allocated)',
+        notes=[_KF_NOTE, _COMPILE_NOTE],
+        left_out=[*_KF_TP_LEFT_OUT, *_kf_left_out(8.03e9, 4 * 4096, fsdp=False)],
+        unit="GiB",
+    ),
+    Row(
+        "S7-tp4",
+        "same, TP 4 (+SP)",
+        *_kempner("llama-3-8b", 4, 4, 2, tp=4, fsdp=False),
+        "allocated",
+        int(39.4 * GiB),
+        '39.4 "GB" (allocated)',
+        notes=[_KF_NOTE, _COMPILE_NOTE],
+        left_out=[*_KF_TP_LEFT_OUT, *_kf_left_out(8.03e9, 4 * 4096, fsdp=False)],
+        unit="GiB",
+    ),
+    Row(
+        "S7-tp2xfsdp2",
+        "same, TP 2 (+SP) x FSDP 2",
+        *_kempner("llama-3-8b", 4, 4, 2, tp=2),
+        "allocated",
+        int(45.9 * GiB),
+        '45.9 "GB" (allocated)',
+        notes=[_KF_NOTE, _COMPILE_NOTE],
+        left_out=[*_KF_TP_LEFT_OUT, *_kf_left_out(8.03e9, 4 * 4096, tp=2)],
+        unit="GiB",
+    ),
+    Row(
+        "S8",
+        "KF-13B seq 4096 mb4 x4, FSDP 8 (2 nodes), pure bf16, ckpt, fused AdamW, eager",
+        *_kempner("kempnerforge-13b", 8, 4, 4, compile=False),
+        "allocated",
+        int(88.5 * GiB),
+        '88.5 "GB" (allocated)',
+        notes=[_KF_NOTE],
+        left_out=_kf_left_out(14.84e9, 4 * 4096),
+        unit="GiB",
+    ),
+    Row(
+        "S9",
+        "Llama-3-70B seq 4096 mb2 x4, TP 4 (+SP) x FSDP 8 (32 GPUs), pure bf16, ckpt, compile",
+        *_kempner("llama-3-70b", 32, 2, 4, tp=4),
+        "allocated",
+        int(93.2 * GiB),
+        '93.2 "GB" (allocated)',
+        notes=[_KF_NOTE, _COMPILE_NOTE],
+        left_out=[*_KF_TP_LEFT_OUT, *_kf_left_out(70.55e9, 2 * 4096, tp=4)],
+        unit="GiB",
+    ),
+    Row(
+        "S10",
+        "Llama-3-8B seq 4096 mb8 x4, FSDP 4, pure bf16, ckpt, fused AdamW, compile",
+        *_kempner("llama-3-8b", 4, 8, 4),
+        "allocated",
+        int(81.0 * GiB),
+        '81.0 "GB" (allocated)',
+        notes=[_KF_NOTE, _COMPILE_NOTE],
+        left_out=_kf_left_out(8.03e9, 8 * 4096),
+        unit="GiB",
+    ),
+    Row(
+        "S11",
+        "Llama-3-8B seq 4096 mb4 x4, FSDP 32 (8 nodes), pure bf16, ckpt, fused AdamW, compile",
+        *_kempner("llama-3-8b", 32, 4, 4),
+        "allocated",
+        int(51.3 * GiB),
+        '51.3 "GB" (allocated)',
+        notes=[_KF_NOTE, _COMPILE_NOTE],
+        left_out=_kf_left_out(8.03e9, 4 * 4096),
+        unit="GiB",
+    ),
+    Row(
+        "S11-smi",
+        "S11 read by nvidia-smi (KempnerPulse, mid-training, GPU 0 of a node)",
+        *_kempner("llama-3-8b", 32, 4, 4),
+        "device",
+        73_302 * MiB,
+        "73,302 MiB (nvidia-smi)",
+        notes=[_KF_NOTE, _COMPILE_NOTE],
+        left_out=_kf_left_out(8.03e9, 4 * 4096),
+        left_open=["which rank's allocated peak the report's 51.3 is (the nvidia-smi line is GPU 0's)"],
+    ),
+    Row(
+        "S12",
+        "Megatron GPT 0.498B seq 2048 mb2, DDP 8, fp16, ckpt",
+        *_megatron("megatron-gpt-0.5b", 8, 2),
+        "device",
+        14_938 * MiB,
+        "14,938 MiB (nvidia-smi)",
+        notes=[_MEGATRON_NOTE],
+        left_out=[
+            "Megatron's GPT rebuilt as Transformers' GPT-2 of its shape (learned positions 2048, vocabulary "
+            "50304, tied head, dropout 0.1, eager attention as Megatron's fused softmax keeps the scores); "
+            "Megatron's own DDP (its local all-reduce buffers) rebuilt as PyTorch's DDP"
+        ],
+    ),
+    Row(
+        "S12-1gpu",
+        "S12 on one GPU alone",
+        *_megatron("megatron-gpt-0.5b", 1, 2),
+        "device",
+        14_362 * MiB,
+        "14,362 MiB (nvidia-smi)",
+        notes=[_MEGATRON_NOTE],
+        left_out=["Megatron's GPT rebuilt as Transformers' GPT-2 of its shape (as S12)"],
+    ),
+    Row(
+        "S13",
+        "Megatron GPT 0.498B seq 2048 mb16, TP 8, fp16, ckpt",
+        *_megatron("megatron-gpt-0.5b-as-llama", 8, 16, tp=8),
+        "device",
+        12_684 * MiB,
+        "12,684 MiB (nvidia-smi)",
+        notes=[_MEGATRON_NOTE],
+        left_out=_MEGATRON_TP_LEFT_OUT[:2],
+    ),
+    Row(
+        "S14-dp2tp4",
+        "Megatron GPT 0.498B mb8, DP 2 x TP 4 (rebuilt as TP 4)",
+        *_megatron("megatron-gpt-0.5b-as-llama", 4, 8, tp=4),
+        "device",
+        9_104 * MiB,
+        "9,104 MiB (nvidia-smi)",
+        notes=[_MEGATRON_NOTE],
+        left_out=_MEGATRON_TP_LEFT_OUT,
+    ),
+    Row(
+        "S14-dp4tp2",
+        "Megatron GPT 0.498B mb4, DP 4 x TP 2 (rebuilt as TP 2)",
+        *_megatron("megatron-gpt-0.5b-as-llama", 2, 4, tp=2),
+        "device",
+        9_642 * MiB,
+        "9,642 MiB (nvidia-smi)",
+        notes=[_MEGATRON_NOTE],
+        left_out=_MEGATRON_TP_LEFT_OUT,
+    ),
+    Row(
+        "S15-dp8pp4",
+        "Megatron GPT 0.498B mb2 x32, DP 8 x PP 4 (rebuilt as PP 4 x4, fp32)",
+        *_megatron("megatron-gpt-0.5b-as-llama-untied", 4, 2, pp=4),
+        "device",
+        7_130 * MiB,
+        "7,130 MiB (nvidia-smi)",
+        notes=[_MEGATRON_NOTE],
+        left_out=[_MEGATRON_TP_LEFT_OUT[0].replace("tensor-parallel plan", "pipeline plan"), *_MEGATRON_PP_LEFT_OUT],
+        left_open=[
+            "which rank's memory (the largest stage's, or the first GPU's) is not stated; predicted: the largest",
+            "which model each layout ran: the row names 0.498B / 1.54B for four layouts; taken as 0.498B for "
+            "DP 8 x PP 4, 1.54B for the three with tensor parallelism",
+            "Megatron's pipeline schedule at 8aa4619 (1F1B, PipeDream-Flush) taken as autotune's 1f1b",
+        ],
+    ),
+    Row(
+        "S15-tp8pp4",
+        "Megatron GPT 1.54B mb16 x32, TP 8 x PP 4 (rebuilt x4, fp32)",
+        *_megatron("megatron-gpt-1.5b-as-llama-untied", 32, 16, tp=8, pp=4),
+        "device",
+        14_204 * MiB,
+        "14,204 MiB (nvidia-smi)",
+        notes=[_MEGATRON_NOTE],
+        left_out=[*_MEGATRON_TP_LEFT_OUT[:2], _MEGATRON_PP_LEFT_OUT[0], _MEGATRON_PP_LEFT_OUT[2]],
+        left_open=["as S15-dp8pp4"],
+    ),
+    Row(
+        "S15-dp2tp4pp4",
+        "Megatron GPT 1.54B mb8 x32, DP 2 x TP 4 x PP 4 (rebuilt as TP 4 x PP 4 x4, fp32)",
+        *_megatron("megatron-gpt-1.5b-as-llama-untied", 16, 8, tp=4, pp=4),
+        "device",
+        10_018 * MiB,
+        "10,018 MiB (nvidia-smi)",
+        notes=[_MEGATRON_NOTE],
+        left_out=[*_MEGATRON_TP_LEFT_OUT, *_MEGATRON_PP_LEFT_OUT],
+        left_open=["as S15-dp8pp4"],
+    ),
+    Row(
+        "S15-dp2tp8pp2",
+        "Megatron GPT 1.54B mb8 x32, DP 2 x TP 8 x PP 2 (rebuilt as TP 8 x PP 2 x2, fp32)",
+        *_megatron("megatron-gpt-1.5b-as-llama-untied", 16, 8, tp=8, pp=2),
+        "device",
+        10_554 * MiB,
+        "10,554 MiB (nvidia-smi)",
+        notes=[_MEGATRON_NOTE],
+        left_out=[*_MEGATRON_TP_LEFT_OUT, *_MEGATRON_PP_LEFT_OUT],
+        left_open=["as S15-dp8pp4"],
+    ),
+]
+
+
+@dataclass(frozen=True)
+class FitRow:
+    """A published run that fit, or ran out of memory, on its card: does the estimate say the same?"""
+
+    key: str
+    what: str
+    workload: Workload
+    config: TrialConfig
+    fits: bool  # as published
+    card_bytes: tuple[int, ...]  # the card's memory, every way the source states it
+    left_out: list[str] = field(default_factory=list)
+    left_open: list[str] = field(default_factory=list)
+    # Selective per-op checkpointing keeps more than full checkpointing and less than none: both are estimated.
+    bounds: bool = False
+
+
+def _titan_70b(mb: int) -> tuple[Workload, TrialConfig]:
+    workload = Workload(
+        model=_model("llama-2-70b"),
+        task="causal-lm",
+        seq_len=4096,
+        global_batch=mb * 64,
+        nproc=64,
+        nodes=8,
+        gpu="A100-80GB",
+    )
+    return workload, TrialConfig(micro_batch=mb, precision="bf16", checkpointing=True, fsdp="full")
+
+
+def _titan_405b(tp: int) -> tuple[Workload, TrialConfig]:
+    workload = Workload(
+        model=_model("llama-3.1-405b"),
+        task="causal-lm",
+        seq_len=8192,
+        global_batch=max(2 * 128 // tp, 128),  # a Workload's global batch splits over all its ranks
+        nproc=128,
+        nodes=16,
+        gpu="H100-80GB",
+    )
+    config = TrialConfig(
+        micro_batch=2, precision="bf16", checkpointing=True, fsdp="full", tp=tp, sequence_parallel=tp > 1, compile=True
+    )
+    return workload, config
+
+
+_SAC_BOUNDS = (
+    "selective per-op checkpointing: no autotune knob; estimated with every layer checkpointed (keeps less: "
+    "the lower bound) and with none (keeps more: the upper bound); the verdict is the lower bound's plus what "
+    "torchtitan's policy keeps beyond it, by arithmetic (selective_kept_bytes)"
+)
+_A100_80 = (81_920 * MiB,)
+_TITAN_405B_CARD = (94 * GiB, 95 * GiB, 96 * GiB)  # "H100 (94GB memory)", "SXM H100(95GB)", "96GB HBM2e"
+FIT_ROWS: list[FitRow] = [
+    FitRow(
+        "S16-mb1-sac",
+        "Llama-2-70B FSDP 64 seq 4096 bf16, mb1, selective per-op checkpointing",
+        *_titan_70b(1),
+        fits=True,
+        card_bytes=_A100_80,
+        left_out=[_SAC_BOUNDS],
+        bounds=True,
+    ),
+    FitRow(
+        "S16-mb2-full",
+        "same, mb2, every layer checkpointed",
+        *_titan_70b(2),
+        fits=True,
+        card_bytes=_A100_80,
+    ),
+    FitRow(
+        "S16-mb2-sac",
+        "same, mb2, selective per-op checkpointing",
+        *_titan_70b(2),
+        fits=False,
+        card_bytes=_A100_80,
+        left_out=[_SAC_BOUNDS],
+        bounds=True,
+    ),
+    FitRow(
+        "S17-fsdp16tp8",
+        "Llama-3.1-405B seq 8192 mb2, FSDP 16 x TP 8 (+SP), full checkpointing, compile",
+        *_titan_405b(8),
+        fits=True,
+        card_bytes=_TITAN_405B_CARD,
+        left_out=[
+            "float8 and async TP (the published lines with them ran too; the plain line is rebuilt)",
+            "4 accumulation steps where the run had none (global batch 32): autotune's workload needs a global "
+            "batch that splits over all 128 ranks, tensor-parallel ones included; the traced peak is a micro "
+            "step's, which accumulation into sharded gradients does not change",
+            _COMPILE_NOTE,
+        ],
+        left_open=[
+            "the card's memory, stated as 94GB, 95GB and 96GB HBM2e: checked against 94, 95 and 96 GiB",
+            "predicted for autotune's H100-80GB (only its total differs)",
+        ],
+    ),
+    FitRow(
+        "S17-fsdp128",
+        "Llama-3.1-405B seq 8192, FSDP 128 alone",
+        *_titan_405b(1),
+        fits=False,
+        card_bytes=_TITAN_405B_CARD,
+        left_open=[
+            "the micro batch and checkpointing of the run that ran out of memory are not stated: taken as the 2D "
+            "run's (mb2, full checkpointing, compile)",
+            "the card's memory, as S17-fsdp16tp8",
+        ],
+    ),
+]
+
+
+def _estimate(workload: Workload, config: TrialConfig, measured_with: MeasuredWith = AS_INSTALLED) -> MemoryEstimate:
+    # Every layer traced, even at 80 or 126: the depth proxy (autotune.estimate.depth_proxy) drew Llama-2-70B on
+    # FSDP 64 (S16, mb2, checkpointed) at 94.85 GiB allocated where the whole model's trace gives 34.28.
+    return predict_memory(workload, config, timeout_s=1800, measured_with=measured_with)
+
+
+def _predicted(estimate: MemoryEstimate, metric: str) -> int | None:
+    return {
+        "device": estimate.predicted_device_bytes,
+        "reserved": estimate.predicted_reserved_bytes,
+        "allocated": estimate.predicted_peak_bytes,
+    }[metric]
+
+
 def predict(row: Row) -> dict[str, object]:
     started = time.perf_counter()
-    estimate = predict_memory(row.workload, row.config, timeout_s=1800, measured_with=row.measured_with)
-    predicted = estimate.predicted_device_bytes if row.metric == "device" else estimate.predicted_peak_bytes
-    assert predicted is not None
-    error = predicted / row.published_bytes - 1
-    return {
+    result: dict[str, object] = {
         "row": row.key,
         "what": row.what,
         "gpu": row.workload.gpu,
         "metric": row.metric,
         "published": row.published_text,
         "published_bytes": row.published_bytes,
+    }
+    if row.unit is not None:
+        result["unit"] = row.unit
+    if row.left_out or row.left_open:
+        result.update(
+            layout=_layout(row.workload, row.config),
+            left_out=row.left_out,
+            left_open=row.left_open,
+        )
+    try:
+        estimate = _estimate(row.workload, row.config, row.measured_with)
+    except (ConfigError, EstimateError) as exc:
+        if row.key in {r.key for r in ROWS}:
+            raise
+        # A sharded row autotune cannot rebuild even in its nearest form: printed with the reason.
+        return {**result, "predicted_bytes": None, "error": None, "not_rebuilt": str(exc), "notes": row.notes}
+    predicted = _predicted(estimate, row.metric)
+    assert predicted is not None
+    error = predicted / row.published_bytes - 1
+    if row.selective:
+        kept = selective_kept_bytes(row.workload, row.config.micro_batch)
+        result.update(selective_kept_bytes=kept, error_with_selective=(predicted + kept) / row.published_bytes - 1)
+    return {
+        **result,
         "predicted_bytes": predicted,
         "error": error,
         "estimate": estimate.to_dict(),
         "measured_with": row.measured_with.to_dict(),
         "notes": row.notes,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _layout(workload: Workload, config: TrialConfig) -> str:
+    """The ranks as the rebuild lays them out, e.g. ``8 ranks: fsdp-full`` or ``32 ranks, 8 nodes: tp4+sp x
+    fsdp-full``."""
+    parts = [config.layout] if config.model_parallel > 1 else []
+    if config.uses_fsdp:
+        parts.append(f"fsdp-{config.fsdp}")
+    elif config.data_parallel(workload) > 1:
+        parts.append("ddp")
+    nodes = f", {workload.nodes} nodes" if workload.nodes > 1 else ""
+    return f"{workload.nproc} ranks{nodes}: {' x '.join(parts) or 'one rank'}"
+
+
+def selective_kept_bytes(workload: Workload, micro_batch: int) -> int:
+    """What torchtitan's selective per-op checkpointing keeps beyond full checkpointing, by arithmetic: per layer
+    and token the bf16 outputs of wq, wv, w1 and w2 (every other matmul: _save_list and its mm counter in
+    parallelize_llama at 9dec370) and of the attention, on every layer of the model's config."""
+    config = json.loads(Path(workload.model).read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * config.get("head_dim", hidden // heads)
+    per_token = 3 * hidden + kv + config["intermediate_size"]
+    return 2 * per_token * micro_batch * workload.seq_len * config["num_hidden_layers"]
+
+
+def predict_fit(row: FitRow) -> dict[str, object]:
+    """The estimate's verdict against the card (the predicted device figure within its memory; and with
+    ``estimate``'s default 10% headroom: reserved within 90% of it), each way the source states the card, beside
+    the published one. Selective checkpointing: bounded by every layer checkpointed and none, and the verdict
+    taken from the first plus what the policy keeps beyond it (:func:`selective_kept_bytes`)."""
+    started = time.perf_counter()
+    configs = {"as rebuilt": row.config}
+    if row.bounds:
+        configs = {
+            "lower (every layer checkpointed)": row.config,
+            "upper (no checkpointing)": row.config.replace(checkpointing=False),
+        }
+    estimates: dict[str, dict[str, object]] = {}
+
+    def verdicts(reserved: int, device: int) -> dict[str, object]:
+        return {
+            "predicted_reserved_bytes": reserved,
+            "predicted_device_bytes": device,
+            "fits": [device <= card for card in row.card_bytes],
+            "fits_with_headroom": [reserved <= card * 0.9 and device <= card for card in row.card_bytes],
+        }
+
+    for name, config in configs.items():
+        try:
+            estimate = _estimate(row.workload, config)
+        except (ConfigError, EstimateError) as exc:
+            estimates[name] = {"not_rebuilt": str(exc)}
+            continue
+        reserved, device = estimate.predicted_reserved_bytes, estimate.predicted_device_bytes
+        assert reserved is not None and device is not None
+        estimates[name] = {
+            "predicted_peak_bytes": estimate.predicted_peak_bytes,
+            **verdicts(reserved, device),
+            "estimate": estimate.to_dict(),
+        }
+    lower = estimates.get("lower (every layer checkpointed)", {})
+    if row.bounds and "fits" in lower:
+        kept = selective_kept_bytes(row.workload, row.config.micro_batch)
+        estimates["lower + selective's kept outputs (arithmetic)"] = {
+            "selective_kept_bytes": kept,
+            **verdicts(int(lower["predicted_reserved_bytes"]) + kept, int(lower["predicted_device_bytes"]) + kept),  # type: ignore[call-overload]
+        }
+    decisive = (
+        [estimates["lower + selective's kept outputs (arithmetic)"]]
+        if "lower + selective's kept outputs (arithmetic)" in estimates
+        else list(estimates.values())
+    )
+    said = {v for e in decisive for v in e.get("fits", [])}  # type: ignore[attr-defined]
+    return {
+        "row": row.key,
+        "what": row.what,
+        "gpu": row.workload.gpu,
+        "layout": _layout(row.workload, row.config),
+        "card_bytes": list(row.card_bytes),
+        "published_fits": row.fits,
+        "estimates": estimates,
+        "agrees": said == {row.fits} if said else None,
+        "undecided": len(said) > 1,
+        "left_out": row.left_out,
+        "left_open": row.left_open,
         "seconds": time.perf_counter() - started,
     }
 
@@ -444,17 +1122,21 @@ def saving(before: dict[str, object], after: dict[str, object], what: str) -> di
     }
 
 
-def _figure(result: dict[str, object]) -> str:
-    unit, name = (
-        (GB, "GB")
-        if "GB (" in str(result["published"])
-        else ((GiB, "GiB") if "GiB" in str(result["published"]) else (MiB, "MB"))
-    )
-    value = int(result["predicted_bytes"]) / unit  # type: ignore[call-overload]
-    return f"{value:,.0f} {name}" if name == "MB" else f"{value:.2f} {name}"
+def _figure(result: dict[str, object], key: str = "predicted_bytes") -> str:
+    published = str(result["published"])
+    if result.get("unit") == "GiB" or "GiB" in published:
+        unit, name = GiB, "GiB"
+    elif "MiB" in published:
+        unit, name = MiB, "MiB"
+    elif "GB (" in published:
+        unit, name = GB, "GB"
+    else:
+        unit, name = MiB, "MB"
+    value = int(result[key]) / unit  # type: ignore[call-overload]
+    return f"{value:,.0f} {name}" if name in ("MB", "MiB") else f"{value:.2f} {name}"
 
 
-def _parts(result: dict[str, object]) -> str:
+def _parts(result: dict[str, object], *, sharded: bool = False) -> str:
     estimate = result["estimate"]
     assert isinstance(estimate, dict)
     gib = lambda b: f"{b / GiB:.2f}"  # noqa: E731
@@ -463,10 +1145,106 @@ def _parts(result: dict[str, object]) -> str:
         f"states {gib(states)} (not live {gib(estimate['not_live_at_peak_bytes'])}) + act "
         f"{gib(estimate['activations_bytes'])} + temp {gib(estimate['temporaries_bytes'])}"
     )
-    if result["metric"] == "device":
-        cuda = estimate["cuda_parts"]
+    cuda = estimate["cuda_parts"]
+    if result["metric"] in ("device", "reserved") and sharded:
+        text += f" + cache {gib(cuda['allocator cache'])} + cuBLAS {gib(cuda['cuBLAS workspace'])}"
+        if result["metric"] == "device":
+            text += f" + ctx {gib(cuda['CUDA context'])} + NCCL {gib(cuda['NCCL buffers'])}"
+    elif result["metric"] == "device":
         text += f" + cache {gib(cuda['allocator cache'])} + ctx {gib(cuda['CUDA context'])}"
     return text + " GiB"
+
+
+def _sharded_table(results: list[dict[str, object]]) -> list[str]:
+    lines = [
+        "Sharded and parallel runs (rebuilt in their nearest expressible form; what each leaves out is listed below):",
+        "",
+        "| row | config | layout (rebuilt), GPU | metric | published | predicted | error | predicted parts |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r["predicted_bytes"] is None:
+            lines.append(
+                f"| {r['row']} | {r['what']} | {r['layout']}, {r['gpu']} | {r['metric']} | {r['published']} | "
+                f"not rebuilt | - | {r['not_rebuilt']} |"
+            )
+            continue
+        lines.append(
+            f"| {r['row']} | {r['what']} | {r['layout']}, {r['gpu']} | {r['metric']} | {r['published']} | "
+            f"{_figure(r)} | {float(r['error']):+.1%} | {_parts(r, sharded=True)} |"  # type: ignore[arg-type]
+        )
+    errors = [float(r["error"]) for r in results if r["error"] is not None]  # type: ignore[arg-type]
+    if errors:
+        lines += [
+            "",
+            f"median |error| {statistics.median(abs(e) for e in errors):.1%}, largest {max(abs(e) for e in errors):.1%}"
+            f" over {len(errors)} rows; median signed error {statistics.median(errors):+.1%}",
+        ]
+    selective = [r for r in results if r.get("selective_kept_bytes") is not None]
+    if selective:
+        lines += [
+            "",
+            "torchtitan's rows with what its selective per-op checkpointing keeps beyond full checkpointing added by "
+            "arithmetic (selective_kept_bytes):",
+            "",
+            "| row | published | predicted (full) | + kept outputs | = | error |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in selective:
+            kept, predicted = int(r["selective_kept_bytes"]), int(r["predicted_bytes"])  # type: ignore[call-overload]
+            lines.append(
+                f"| {r['row']} | {r['published']} | {predicted / GiB:.2f} GiB | {kept / GiB:.2f} GiB | "
+                f"{(predicted + kept) / GiB:.2f} GiB | {float(r['error_with_selective']):+.1%} |"  # type: ignore[arg-type]
+            )
+    by_key = {str(r["row"]): r for r in results}
+    pair = by_key.get("S11"), by_key.get("S11-smi")
+    if pair[0] is not None and pair[1] is not None and pair[0]["error"] is not None and pair[1]["error"] is not None:
+        published = int(pair[1]["published_bytes"]) - int(pair[0]["published_bytes"])  # type: ignore[call-overload]
+        predicted = int(pair[1]["predicted_bytes"]) - int(pair[0]["predicted_bytes"])  # type: ignore[call-overload]
+        lines += [
+            "",
+            f"S11's pair: nvidia-smi minus the allocated peak, published {published / GiB:.2f} GiB "
+            f"(73,302 MiB - 51.3 GiB), predicted {predicted / GiB:.2f} GiB ({predicted / published - 1:+.0%}).",
+        ]
+    return lines
+
+
+def _fit_table(results: list[dict[str, object]]) -> list[str]:
+    lines = [
+        "Fit boundaries (fits: the predicted device figure within the card's memory; the headroom column adds "
+        "estimate's default: reserved within 90% of it; a selective row's verdict is its arithmetic line's):",
+        "",
+        "| row | run | layout (rebuilt), GPU | published | estimate | reserved | nvidia-smi | fits | with headroom "
+        "| agrees |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        estimates = r["estimates"]
+        assert isinstance(estimates, dict)
+        for name, e in estimates.items():
+            verdict = lambda flags: "/".join("yes" if f else "no" for f in flags)  # noqa: E731
+            if "not_rebuilt" in e:
+                figures = f"not rebuilt: {e['not_rebuilt']} | - | - | -"
+            else:
+                figures = (
+                    f"{e['predicted_reserved_bytes'] / GiB:.1f} GiB | {e['predicted_device_bytes'] / GiB:.1f} GiB | "
+                    f"{verdict(e['fits'])} | {verdict(e['fits_with_headroom'])}"
+                )
+            agrees = "undecided" if r["undecided"] else ("yes" if r["agrees"] else "no")
+            lines.append(
+                f"| {r['row']} | {r['what']} | {r['layout']}, {r['gpu']} | "
+                f"{'fits' if r['published_fits'] else 'out of memory'} | {name} | {figures} | {agrees} |"
+            )
+    lines += ["", "(fits: one verdict for each way the source states the card's memory, as listed below.)"]
+    return lines
+
+
+def _left_out(results: list[dict[str, object]]) -> list[str]:
+    lines = ["", "What each sharded row's rebuild leaves out, and what its source leaves open:"]
+    for r in results:
+        for what, items in (("leaves out", r.get("left_out") or []), ("open", r.get("left_open") or [])):
+            lines += [f"- {r['row']} {what}: {item}" for item in items]  # type: ignore[union-attr]
+    return lines
 
 
 def main() -> None:
@@ -475,27 +1253,40 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/gpu_published.json"))
     args = parser.parse_args()
     wanted = set(args.rows.split(",")) if args.rows else None
-    results = []
-    for row in ROWS:
+    results, sharded, fits = [], [], []
+    for row in ROWS + SHARDED_ROWS:
         if wanted is None or row.key in wanted:
-            results.append(predict(row))
+            result = predict(row)
+            (results if row in ROWS else sharded).append(result)
+            if result["predicted_bytes"] is None:
+                print(f"{row.key}: not rebuilt ({result['not_rebuilt']})", flush=True)
+                continue
             print(
-                f"{row.key}: {_figure(results[-1])} predicted, {row.published_text} published, "
-                f"{results[-1]['error']:+.1%} ({results[-1]['seconds']:.0f} s)",
+                f"{row.key}: {_figure(result)} predicted, {row.published_text} published, "
+                f"{result['error']:+.1%} ({result['seconds']:.0f} s)",
                 flush=True,
             )
-    errors = [abs(float(r["error"])) for r in results]  # type: ignore[arg-type]
-    lines = [
-        "| row | config | GPU | metric | published | predicted | error | predicted parts |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
+    for fit in FIT_ROWS:
+        if wanted is None or fit.key in wanted:
+            fits.append(predict_fit(fit))
+            verdict = "undecided" if fits[-1]["undecided"] else ("agrees" if fits[-1]["agrees"] else "disagrees")
+            print(f"{fit.key}: {verdict} ({fits[-1]['seconds']:.0f} s)", flush=True)
+    lines = []
+    if results:
+        errors = [abs(float(r["error"])) for r in results]  # type: ignore[arg-type]
+        lines += [
+            "| row | config | GPU | metric | published | predicted | error | predicted parts |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in results:
+            lines.append(
+                f"| {r['row']} | {r['what']} | {r['gpu']} | {r['metric']} | {r['published']} | "
+                f"{_figure(r)} | {float(r['error']):+.1%} | {_parts(r)} |"
+            )  # type: ignore[arg-type]
+        lines.append("")
         lines.append(
-            f"| {r['row']} | {r['what']} | {r['gpu']} | {r['metric']} | {r['published']} | "
-            f"{_figure(r)} | {float(r['error']):+.1%} | {_parts(r)} |"
-        )  # type: ignore[arg-type]
-    lines.append("")
-    lines.append(f"median |error| {statistics.median(errors):.1%}, largest {max(errors):.1%} over {len(errors)} rows")
+            f"median |error| {statistics.median(errors):.1%}, largest {max(errors):.1%} over {len(errors)} rows"
+        )
     by_key = {str(r["row"]): r for r in results}
     savings = [saving(by_key[a], by_key[b], what) for a, b, what in SAVINGS if a in by_key and b in by_key]
     if savings:
@@ -512,6 +1303,12 @@ def main() -> None:
             f"{float(d['error_of_size']):+.0%} |"  # type: ignore[arg-type]
             for d in savings
         ]
+    if sharded:
+        lines += ["", *_sharded_table(sharded)]
+    if fits:
+        lines += ["", *_fit_table(fits)]
+    if sharded or fits:
+        lines += _left_out(sharded + fits)
     lines.append("")
     lines.append("Not expressible:")
     lines += [f"- {key}: {why}" for key, why in NOT_EXPRESSIBLE.items()]
@@ -521,7 +1318,15 @@ def main() -> None:
     command = "python bench/gpu_published.py" + (f" --rows {args.rows}" if args.rows else "")
     args.out.write_text(
         json.dumps(
-            {"command": command, "rows": results, "savings": savings, "not_expressible": NOT_EXPRESSIBLE}, indent=2
+            {
+                "command": command,
+                "rows": results,
+                "savings": savings,
+                "sharded_rows": sharded,
+                "fit_rows": fits,
+                "not_expressible": NOT_EXPRESSIBLE,
+            },
+            indent=2,
         )
         + "\n"
     )
