@@ -432,9 +432,12 @@ def trial_flags(config: dict[str, Any]) -> list[str]:
 def measure_picks(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Measure each distinct pick ``args.rounds`` times, interleaved (A B C A B C ...) so that
     each sees the same conditions; the runs go into each row's ``measured``."""
+    from autotune.config.knobs import TrialConfig
+
     distinct: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        row["measured"] = distinct.setdefault(json.dumps([row["config"], row["global_batch"]], sort_keys=True), [])
+    for row in rows:  # one config (every knob as TrialConfig spells it) at one global batch is measured once
+        config = TrialConfig.from_dict(row["config"]).to_dict()
+        row["measured"] = distinct.setdefault(json.dumps([config, row["global_batch"]], sort_keys=True), [])
     for round_ in range(args.rounds):
         for key, runs in distinct.items():
             config, global_batch = json.loads(key)
@@ -706,7 +709,7 @@ def summary(reports: dict[str, dict[str, Any]]) -> str:
             simple = found["tuned"].get("simple_answer")
             first = f"{simple['complete_s']:.0f} s ({simple['describe']})" if simple else "-"
             held = "; ".join(
-                f"{TOOLS[p['peer']].split(' ')[0]} {p['peer'].split('-')[-1]}: "
+                f"{p['peer']}: "
                 + (
                     f"{p['held_after'][space]['held_s']:.0f} s (peer {p['wall_s']:.0f} s)"
                     if p["held_after"][space].get("held_s") is not None
@@ -715,7 +718,11 @@ def summary(reports: dict[str, dict[str, Any]]) -> str:
                 for p in peers
             )
             against = (
-                "; ".join(f"{p['peer']}: {_paired(found['measured'], p['measured'])}" for p in fitting)
+                "; ".join(
+                    f"{p['peer']}: "
+                    + ("same config, 1.00x" if _same(p, found) else _paired(found["measured"], p["measured"]))
+                    for p in fitting
+                )
                 or "no peer pick fits with headroom"
             )
             lines.append(
@@ -723,6 +730,16 @@ def summary(reports: dict[str, dict[str, Any]]) -> str:
                 f"| {against} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _same(row: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Whether two picks are one config at one global batch (every knob, as TrialConfig spells it)."""
+    from autotune.config.knobs import TrialConfig
+
+    def normal(config: dict[str, Any]) -> dict[str, Any]:
+        return TrialConfig.from_dict(config).to_dict()
+
+    return row["global_batch"] == other["global_batch"] and normal(row["config"]) == normal(other["config"])
 
 
 def _fits(runs: list[dict[str, Any]], limit: float) -> bool:
@@ -754,6 +771,7 @@ def main() -> None:
         action="store_true",
         help="keep the picks in PREFIX.json and measure them again (--rounds, --steps)",
     )
+    parser.add_argument("--markdown", action="store_true", help="only write PREFIX.md again from PREFIX.json")
     parser.add_argument("--peer", choices=PEERS, help=argparse.SUPPRESS)  # inside a peer's process
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--budget-bytes", type=int, help=argparse.SUPPRESS)
@@ -781,7 +799,7 @@ def main() -> None:
     json_path, md_path = args.out.with_suffix(".json"), args.out.with_suffix(".md")
     kept = json.loads(json_path.read_text()).get("models", {}) if json_path.exists() else {}
     reports: dict[str, dict[str, Any]] = {}
-    for name, spec in chosen.items():
+    for name, spec in chosen.items() if not args.markdown else {}.items():
         print(f"== {name}", flush=True)
         model_args = argparse.Namespace(**{**vars(args), **spec})
         if args.remeasure:
