@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -261,6 +262,7 @@ def tune_with_autotune(args: argparse.Namespace, space: str) -> dict[str, Any]:
     simple = next((t for t in timeline if t["number"] == study.get("simple_answer")), None)
     return {
         "picked": study["best"],
+        "stopped": study.get("stopped"),
         "simple_answer": None if simple is None else {k: simple[k] for k in ("number", "describe", "complete_s")},
         "wall_s": wall,
         "trials_run": len(ran),
@@ -406,10 +408,19 @@ def measure(config: dict[str, Any], global_batch: int, args: argparse.Namespace)
             "error",
         )
     }
+    run["error"] = _without_paths(run["error"])
     median, iqr = run["step_time_median_s"], run["step_time_iqr_s"]
     run["spread"] = iqr / median if median and iqr is not None else None
     run["load_before"] = load
     return run
+
+
+def _without_paths(text: str | None) -> str | None:
+    """An error's text with this machine's paths cut to what a reader can place: the repository's files
+    relative to its root, installed packages from ``site-packages/`` on."""
+    if text is None:
+        return None
+    return re.sub(r"/\S*?/site-packages/", "site-packages/", text.replace(str(ROOT) + "/", ""))
 
 
 def trial_flags(config: dict[str, Any]) -> list[str]:

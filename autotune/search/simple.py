@@ -29,6 +29,7 @@ __all__ = ["SIMPLE_KEY", "ramp_family", "next_ramp_config", "ramp_answer"]
 
 
 Estimator = Callable[[TrialConfig], "MemoryEstimate | None"]  # None when it cannot say
+_BROKEN = ("error", "crashed", "nan", "timeout")  # a ramp trial that failed so ends the ramp
 _LINE_SLACK = 0.05  # a size the straight line puts more than 5% over the limit is not estimated
 
 
@@ -74,6 +75,8 @@ def next_ramp_config(
     """
     from autotune.search.proposer import straight_line
 
+    if any(r.config in family and r.status in _BROKEN for r in records):
+        return None  # not a matter of memory: the search's own rule on a broken workload decides what follows
     fit, big = _bounds(family, records)
     running = {r.config for r in records if r.status == "running"}
     unknown = [c for c in family[fit + 1 : big] if c not in running]

@@ -252,20 +252,6 @@ def tune(
         recovered=recovered,
     )
     progress.dropped(reasons=space.dropped_knobs(workload, device))
-    if simple_first and (confirm or worker_number is None) and SIMPLE_KEY not in the_study.user_attrs:
-        _simple_answer(
-            the_study, proposer, oracle, workload, measure, backend, progress, clock, storage=storage, target=target
-        )
-    # The step-time model's device profile, probed after the simple answer (which needs none): the answer the
-    # one-knob finders give comes as soon as theirs.
-    proposer.profile = _device_profile(the_study, backend, ranks=workload.nproc) if estimate else None
-    # Until a family's step is traced (or, with no step-time model, until measured), the matmul speed of its
-    # precision places it: the roofline's, else the device probe's.
-    proposer.precision_speed = (
-        _precision_speed(the_study, backend, proposer.choices.get("precision", ()))
-        if proposer.profile is None
-        else matmul_speedups(proposer.profile, proposer.choices.get("precision", ()))
-    )
     helpers = start_helpers(
         dict(
             study=study,
@@ -294,6 +280,30 @@ def tune(
 
     try:
         with _visible_gpus(gpus[0]):
+            # Helpers search meanwhile: the ramp takes its configs under the same lock as their proposals.
+            if simple_first and (confirm or worker_number is None) and SIMPLE_KEY not in the_study.user_attrs:
+                _simple_answer(
+                    the_study,
+                    proposer,
+                    oracle,
+                    workload,
+                    measure,
+                    backend,
+                    progress,
+                    clock,
+                    storage=storage,
+                    target=target,
+                )
+            # The step-time model's device profile, probed after the simple answer (which needs none): the answer
+            # the one-knob finders give comes as soon as theirs.
+            proposer.profile = _device_profile(the_study, backend, ranks=workload.nproc) if estimate else None
+            # Until a family's step is traced (or, with no step-time model, until measured), the matmul speed of
+            # its precision places it: the roofline's, else the device probe's.
+            proposer.precision_speed = (
+                _precision_speed(the_study, backend, proposer.choices.get("precision", ()))
+                if proposer.profile is None
+                else matmul_speedups(proposer.profile, proposer.choices.get("precision", ()))
+            )
             while True:
                 _stop_point()
                 with proposal_lock(storage or DEFAULT_STORAGE, study):  # choose and take a config atomically

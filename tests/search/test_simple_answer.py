@@ -102,3 +102,11 @@ def test_where_everything_is_predicted_over_the_limit_the_smallest_size_is_still
     assert next_ramp_config(family, [], estimate, 100 * MIB).micro_batch == 1  # a prediction is not proof
     assert next_ramp_config(family, [_record(0, 1, "oom")], estimate, 100 * MIB) is None
     assert ramp_answer(family, [_record(0, 1, "oom")]) is None
+
+
+def test_a_trial_that_fails_for_another_reason_than_memory_ends_the_ramp():
+    family = _family(1, 2, 4, 8, 16)
+    # An error says the workload may be broken, not that the size is too big: no smaller size is tried on it.
+    assert next_ramp_config(family, [_record(0, 4, "error")], None, 100 * MIB) is None
+    assert next_ramp_config(family, [_record(0, 4), _record(1, 16, "crashed")], None, 100 * MIB) is None
+    assert ramp_answer(family, [_record(0, 4), _record(1, 16, "crashed")]).config.micro_batch == 4
