@@ -846,7 +846,9 @@ def _ask(study: optuna.Study, proposer: Proposer, config: TrialConfig) -> tuple[
     and the config it really holds."""
     from autotune.study.stale import worker_id
 
-    study.enqueue_trial(proposer.params_of(config))
+    # Who runs it is stored with the trial as it is made: a worker killed the moment after study.ask() left
+    # a RUNNING trial naming no worker, which no recovery could tell was lost (until its heartbeat aged).
+    study.enqueue_trial(proposer.params_of(config), user_attrs={"worker": worker_id(), "config": config.to_dict()})
     with warnings.catch_warnings():
         # Optuna warns that heartbeats are meant for Study.optimize; _heartbeat records them here.
         warnings.filterwarnings("ignore", message="Heartbeat of storage")
