@@ -538,6 +538,9 @@ def _simple_answer(
     while family:
         _stop_point()
         with proposal_lock(storage or DEFAULT_STORAGE, study.study_name):
+            lost = recover_stale_trials(study)  # other workers' trials, as the search's loop does
+            if lost:
+                progress.lost(numbers=lost)
             records = records_of(study)
             config = next_ramp_config(family, records, proposer.memory_estimate if oracle else None, limit)
             if config is None or len(measured(records)) >= target:
@@ -545,7 +548,12 @@ def _simple_answer(
             trial, config = _ask(study, proposer, config)
         with _heartbeat(study, trial):
             prediction = oracle.estimate(config, records) if oracle else None
-            progress.trial_started(index=len(measured(records)) + 1, target=target, config=config, retry=False)
+            retry_of = _retry_of(records, config)  # a lost trial of another worker, measured again here
+            if retry_of is not None:
+                trial.set_user_attr(RETRY_ATTR, retry_of)
+            progress.trial_started(
+                index=len(measured(records)) + 1, target=target, config=config, retry=retry_of is not None
+            )
             with clock.timing():
                 record = _measure_in_study(study, trial, config, workload, first, prediction, backend)
         first = measure
