@@ -307,9 +307,7 @@ def tune(
             while True:
                 _stop_point()
                 with proposal_lock(storage or DEFAULT_STORAGE, study):  # choose and take a config atomically
-                    lost = recover_stale_trials(the_study)  # trials of workers that died since
-                    if lost:
-                        progress.lost(numbers=lost)
+                    _recover_lost(the_study, progress)  # trials of workers that died since
                     records = records_of(the_study)
                     outlook = proposer.outlook(records)
                     if measured(records):
@@ -357,14 +355,19 @@ def tune(
                     prediction = oracle.estimate(config, records) if oracle else None
                     if prediction is not None and _skip_if_too_big(the_study, trial, prediction, progress):
                         continue
-                    retry_of = _retry_of(records, config)
-                    if retry_of is not None:
-                        trial.set_user_attr(RETRY_ATTR, retry_of)
-                    progress.trial_started(
-                        index=len(measured(records)) + 1, target=target, config=config, retry=retry_of is not None
+                    record = _start_and_measure(
+                        the_study,
+                        trial,
+                        config,
+                        records,
+                        workload,
+                        measure,
+                        prediction,
+                        backend,
+                        progress,
+                        clock,
+                        target=target,
                     )
-                    with clock.timing():
-                        record = _measure_in_study(the_study, trial, config, workload, measure, prediction, backend)
                 _report_finished(the_study, record, progress, clock)
             wait_helpers(helpers)
     except KeyboardInterrupt:
@@ -538,9 +541,7 @@ def _simple_answer(
     while family:
         _stop_point()
         with proposal_lock(storage or DEFAULT_STORAGE, study.study_name):
-            lost = recover_stale_trials(study)  # other workers' trials, as the search's loop does
-            if lost:
-                progress.lost(numbers=lost)
+            _recover_lost(study, progress)  # other workers' trials, as the search's loop does
             records = records_of(study)
             config = next_ramp_config(family, records, proposer.memory_estimate if oracle else None, limit)
             if config is None or len(measured(records)) >= target:
@@ -548,20 +549,46 @@ def _simple_answer(
             trial, config = _ask(study, proposer, config)
         with _heartbeat(study, trial):
             prediction = oracle.estimate(config, records) if oracle else None
-            retry_of = _retry_of(records, config)  # a lost trial of another worker, measured again here
-            if retry_of is not None:
-                trial.set_user_attr(RETRY_ATTR, retry_of)
-            progress.trial_started(
-                index=len(measured(records)) + 1, target=target, config=config, retry=retry_of is not None
+            record = _start_and_measure(
+                study, trial, config, records, workload, first, prediction, backend, progress, clock, target=target
             )
-            with clock.timing():
-                record = _measure_in_study(study, trial, config, workload, first, prediction, backend)
         first = measure
         _report_finished(study, record, progress, clock)
     answer = ramp_answer(family, records_of(study))
     study.set_user_attr(SIMPLE_KEY, answer.number if answer is not None else None)
     accumulation = answer.config.grad_accum_steps(workload) if answer is not None else 0
     progress.simple_answer(record=answer, elapsed_s=clock.elapsed(), accumulation=accumulation)
+
+
+def _recover_lost(study: optuna.Study, progress: Progress) -> None:
+    """Fail the trials of workers that died since (see :mod:`autotune.study.stale`), and say so."""
+    lost = recover_stale_trials(study)
+    if lost:
+        progress.lost(numbers=lost)
+
+
+def _start_and_measure(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    config: TrialConfig,
+    records: list[TrialRecord],
+    workload: Workload,
+    measure: _Measure,
+    prediction: MemoryEstimate | None,
+    backend: TrialBackend,
+    progress: Progress,
+    clock: _Clock,
+    *,
+    target: int,
+) -> TrialRecord:
+    """Measure a trial taken for ``config``, marked as the retry of a lost trial of it (another worker's, or
+    this study's before a restart) where there is one."""
+    retry_of = _retry_of(records, config)
+    if retry_of is not None:
+        trial.set_user_attr(RETRY_ATTR, retry_of)
+    progress.trial_started(index=len(measured(records)) + 1, target=target, config=config, retry=retry_of is not None)
+    with clock.timing():
+        return _measure_in_study(study, trial, config, workload, measure, prediction, backend)
 
 
 def held_answer(records: list[TrialRecord], simple: int | None) -> TrialRecord | None:
