@@ -55,7 +55,15 @@ if TYPE_CHECKING:
     from autotune.search.space import SearchSpace
     from autotune.study.summary import TrialRecord
 
-__all__ = ["Outlook", "Proposer", "implied_too_big", "implied_fits", "straight_line", "MEASUREMENT_NOISE"]
+__all__ = [
+    "Outlook",
+    "Proposer",
+    "implied_too_big",
+    "implied_fits",
+    "recomputes_more_than_fitting",
+    "straight_line",
+    "MEASUREMENT_NOISE",
+]
 
 Estimator = Callable[[TrialConfig], "MemoryEstimate | None"]  # None when it cannot say
 _LINE_SLACK = 0.05  # a size the straight line puts more than 5% past the threshold is not estimated
@@ -81,6 +89,8 @@ class Outlook:
     # Knob values never measured whose configs are all predicted far below the best (the model's error
     # included, see Proposer.far_below): value -> the most any of them may reach, over the best.
     waived: tuple[tuple[Value, float], ...] = ()
+    # Configs left out because they only add recompute to one that fits (see recomputes_more_than_fitting).
+    recompute_only: int = 0
 
     @property
     def upper(self) -> float | None:
@@ -104,6 +114,15 @@ class Outlook:
         return (
             f"{values} not measured: predicted at most {most:.0%} of the best on this device "
             f"(the model's error included), {WAIVE_FACTOR:g}x short of paying"
+        )
+
+    def recompute_text(self) -> str:
+        """The configs left untried because they recompute a fitting config's work, in words ('' when none)."""
+        if not self.recompute_only:
+            return ""
+        return (
+            f"{self.recompute_only} configs not measured: each checkpoints more layers than one that fits, "
+            "all else the same (its work and a recompute, no memory it needs)"
         )
 
     def describe(self) -> str:
@@ -150,6 +169,7 @@ class Proposer:
         self._estimates: dict[TrialConfig, MemoryEstimate | None] = {}
         self._traced: dict[TrialConfig, MemoryEstimate] = {}  # a family (micro batch 1) -> an estimate with its costs
         self._ruled_out: list[TrialConfig] = []
+        self._recompute_only_of: tuple[frozenset[TrialConfig], set[TrialConfig]] = (frozenset(), set())
         self._placed_at: tuple[int, dict[TrialConfig, float | None]] = (0, {})  # per number of traced families
         self._predicted_at: tuple[tuple[int, int], dict[TrialConfig, float | None]] = ((0, 0), {})
 
@@ -176,8 +196,8 @@ class Proposer:
         fitting = [r.config for r in records if r.fits]
         open_configs = self._open_configs(records)
         if unmeasured_only:
-            owed = self.owed_values(records)
-            open_configs = [c for c in open_configs if owed & self._values(c)]
+            owed, waived = self._evidence(records)
+            open_configs = [c for c in open_configs if owed & self._values(c) and not waived.keys() & self._values(c)]
         if not open_configs:
             return None
         retry = next((r.config for r in records if r.status == "interrupted" and r.config in open_configs), None)
@@ -195,6 +215,7 @@ class Proposer:
         fitting = [r.config for r in records if r.fits]
         open_configs = self._open_configs(records)
         best = _best_fitting(records)
+        owed, waived = self._evidence(records)
         while True:
             traced = len(self._traced)
             model, ranked = self._ranking(records, open_configs)
@@ -218,9 +239,10 @@ class Proposer:
             top=top,
             predicted=math.exp(model.predict(top)) if top is not None and best > 0 else None,
             error=model.error(),
-            owed=frozenset(self.owed_values(records)),
+            owed=frozenset(owed),
             untried=len(open_configs),
-            waived=tuple(sorted(self.far_below(records, self.unmeasured_values(records)).items())),
+            waived=tuple(sorted(waived.items())),
+            recompute_only=len(self._recompute_only(records)),
         )
 
     def _not_worth_an_estimate(
@@ -273,6 +295,13 @@ class Proposer:
         """log of the device probe's matmul speed of ``config``'s precision over fp32's."""
         return math.log((self.precision_speed or {}).get(config.precision) or 1.0)
 
+    def _not_known_too_big(
+        self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig], threshold: float
+    ) -> bool:
+        """``config`` is not over its family's frontier as the trials and the estimates made so far put it."""
+        frontier = self._frontier(config, fitting, too_big, threshold, cached_only=True)
+        return frontier is None or config.micro_batch <= frontier
+
     def _may_fit(
         self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig], threshold: float
     ) -> bool:
@@ -305,7 +334,7 @@ class Proposer:
         threshold: float,
     ) -> TrialConfig | None:
         best = _best_fitting(records)
-        owed = self.owed_values(records)
+        owed, waived = self._evidence(records)
         error = model.error()
         first = possible = far_owed = None
         traced = len(self._traced)
@@ -332,7 +361,7 @@ class Proposer:
                 return first  # within the model's error of the best
             if error is None:
                 possible = possible or config  # the error is unknown: within it, maybe
-            if owed & self._values(config):
+            if owed & self._values(config) and not waived.keys() & self._values(config):
                 # A value's first measurement: at its most promising family's frontier, where its
                 # throughput is highest (the micro batch saturates), not at a size the prior happens to like.
                 largest = config.replace(micro_batch=frontier)
@@ -391,9 +420,27 @@ class Proposer:
         """Knob values a measurement is owed for before the search may end: those no trial has
         measured, and those whose one measured config beat its prediction made without it by more
         than the noise (a surprise: the value's family is re-ranked, and its new top one measured)."""
+        return self._evidence(records)[0]
+
+    def _evidence(self, records: list[TrialRecord]) -> tuple[set[Value], dict[Value, float]]:
+        """(owed values, waived values -> the most their configs may reach over the best). Waived: those
+        :meth:`far_below` finds cannot pay, and the unmeasured values whose open configs that may fit (by the
+        trials and the estimates made so far) all hold one of those too: measuring a value there is a slow
+        trial (a 16-bit step on a CPU without 16-bit matmuls) about a config the answer cannot be."""
         unmeasured = self.unmeasured_values(records)
-        owed = unmeasured - set(self.far_below(records, unmeasured))
+        far = self.far_below(records, unmeasured)
+        waived = dict(far)
         open_configs = self._open_configs(records)
+        fitting, too_big, threshold = [r.config for r in records if r.fits], _too_big(records), self._threshold(records)
+        for value in sorted(unmeasured - far.keys()) if far else ():
+            carriers = [
+                self._values(c)
+                for c in open_configs
+                if value in self._values(c) and self._not_known_too_big(c, fitting, too_big, threshold)
+            ]
+            if carriers and all(far.keys() & held for held in carriers):
+                waived[value] = max(far[w] for held in carriers for w in far.keys() & held)
+        owed = unmeasured - waived.keys()
         still_open = set().union(*(self._values(c) for c in open_configs))
         points = _throughputs(records)
         best = _best_fitting(records)
@@ -417,7 +464,7 @@ class Proposer:
             promising = max(without.predict(c) for c in open_configs if value in self._values(c)) + surprise
             if math.exp(promising) > best * (1 + MEASUREMENT_NOISE):
                 owed.add(value)
-        return owed
+        return owed, waived
 
     def far_below(self, records: list[TrialRecord], values: set[Value]) -> dict[Value, float]:
         """Those of ``values`` that cannot pay on this device: the open configs holding one are predicted, at
@@ -487,7 +534,19 @@ class Proposer:
                 lost[r.config] = lost.get(r.config, 0) + 1
         done |= {c for c, n in lost.items() if n >= MAX_LOST}  # lost on its retry too: not a third time
         too_big = _too_big(records)
-        return [c for c in self.candidates if c not in done and not implied_too_big(c, too_big)]
+        recompute_only = self._recompute_only(records)
+        return [
+            c for c in self.candidates if c not in done and not implied_too_big(c, too_big) and c not in recompute_only
+        ]
+
+    def _recompute_only(self, records: list[TrialRecord]) -> set[TrialConfig]:
+        """The candidates that checkpoint more layers than a config that fits, all else the same."""
+        fitting = frozenset(r.config for r in records if r.fits)
+        if fitting != self._recompute_only_of[0]:  # kept until another config fits: asked for each ranking
+            offered = set(self.candidates)
+            dominated = {c for c in self.candidates if recomputes_more_than_fitting(c, list(fitting), offered)}
+            self._recompute_only_of = (fitting, dominated)
+        return self._recompute_only_of[1]
 
     def _predicted_throughput(self, config: TrialConfig) -> float | None:
         """log samples/s of ``config`` by the step-time model; None without a traced step of its family.
@@ -700,6 +759,25 @@ def implied_fits(config: TrialConfig, fitting: list[TrialConfig]) -> bool:
         config.micro_batch <= known.micro_batch and config.replace(micro_batch=known.micro_batch) == known
         for known in fitting
     )
+
+
+def recomputes_more_than_fitting(config: TrialConfig, fitting: list[TrialConfig], offered: set[TrialConfig]) -> bool:
+    """Whether an offered config that fits (measured, or a smaller micro batch of one measured) differs from
+    ``config`` only in checkpointing fewer layers. Checkpointing buys memory with a recompute: where the memory
+    is there without it, ``config`` does that config's work and more, so no trial of it can win. (Activation
+    offload is the exception: with checkpointing it moves only the checkpoints' inputs, less than without.)"""
+    if not config.checkpointing or config.activation_offload:
+        return False
+    for known in fitting:
+        lighter = known.replace(micro_batch=config.micro_batch)
+        if (
+            config.micro_batch <= known.micro_batch
+            and lighter in offered
+            and (not lighter.checkpointing or lighter.checkpoint_every > config.checkpoint_every)
+            and lighter.replace(checkpointing=True, checkpoint_every=config.checkpoint_every) == config
+        ):
+            return True
+    return False
 
 
 def implied_too_big(config: TrialConfig, too_big: list[TrialConfig]) -> bool:

@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 __all__ = ["tune", "find", "find_name", "Progress", "TrialBackend", "LocalBackend", "DEFAULT_HEADROOM"]
 
 DEFAULT_HEADROOM = 0.10  # a config fits when its peak stays 10% under the budget
-CONFIRM_STEPS_FACTOR = 2  # a candidate's re-run measures 2x as many steps
+CONFIRM_STEPS_FACTOR = 2  # a candidate's first re-run measures 2x as many steps: the fit held over a longer run
 CONFIRM_ROUNDS = 2  # interleaved re-runs per contender (A B A B): paired under the same conditions
 MAX_CONFIRM_ROUNDS = 3  # one more round when the first ones disagree on who leads
 CONTENDER_BAND = 0.3  # the widest noise band: candidates whose first figure is this close to the top one's
@@ -1009,7 +1009,6 @@ def _confirm_winner(
     """
     clock = clock or _Clock(None)
     limit = memory_limit(study.user_attrs["autotune"])
-    steps = measure.measure_steps * CONFIRM_STEPS_FACTOR
     for _ in range(MAX_CONFIRMATIONS):
         records = records_of(study)
         contenders = _contenders(records, simple=study.user_attrs.get(SIMPLE_KEY))
@@ -1020,20 +1019,24 @@ def _confirm_winner(
         for round_index in range(MAX_CONFIRM_ROUNDS if len(contenders) > 1 else 1):
             if round_index >= CONFIRM_ROUNDS and _rounds_agree(contenders, runs, limit):
                 break
+            # The first round proves each contender's fit over a longer run; later rounds pair figures, and
+            # every contender of a round measures as many steps as the others.
+            factor = CONFIRM_STEPS_FACTOR if round_index == 0 else 1
+            steps = measure.measure_steps * factor
             for record in contenders:
                 if any(not _holds(result, limit) for result in runs[record.number]):
                     continue  # refuted already: no need to time it again
                 if any(runs.values()) and not clock.holds_a_rerun():
                     break
                 progress.confirming(record=record, steps=steps)
-                # It measures CONFIRM_STEPS_FACTOR x the steps, so it gets as many times the trial's time.
+                # It measures ``factor`` x the steps, so it gets as many times the trial's time.
                 with clock.timing(rerun=True):
                     runs[record.number].append(
                         backend.run(
                             workload,
                             record.config,
                             memory_budget_bytes=measure.memory_budget_bytes,
-                            timeout_s=measure.trial_timeout_s * CONFIRM_STEPS_FACTOR,
+                            timeout_s=measure.trial_timeout_s * factor,
                             warmup_steps=measure.warmup_steps + 1,
                             measure_steps=steps,
                         )
@@ -1239,10 +1242,10 @@ def _settled_reason(outlook: Outlook) -> str | None:
         return None
     gain = outlook.upper / outlook.best - 1
     where = f"at most {gain:.0%} over the best" if gain >= 0 else f"at least {-gain:.0%} under the best"
-    waived = outlook.waived_text()
+    left_out = "".join(f"; {text}" for text in (outlook.waived_text(), outlook.recompute_text()) if text)
     return (
         f"settled: the {outlook.untried} untried configs are predicted {where} (the model's error "
-        f"included), none more than a trial's {MEASUREMENT_NOISE:.0%} noise ahead" + (f"; {waived}" if waived else "")
+        f"included), none more than a trial's {MEASUREMENT_NOISE:.0%} noise ahead" + left_out
     )
 
 

@@ -16,6 +16,7 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.estimate.estimator import MemoryEstimate
 from autotune.estimate.step_costs import OpCost, StepCosts
+from autotune.estimate.step_time import matmul_speedups
 from autotune.search.proposer import Proposer
 from autotune.search.space import load_space
 from autotune.study.summary import TrialRecord
@@ -188,15 +189,17 @@ def test_the_straight_line_settles_sizes_clearly_under_the_limit_without_an_esti
 
 def test_when_no_config_is_predicted_faster_than_the_best_an_unmeasured_value_goes_first(tmp_path):
     asked: list[TrialConfig] = []
-    proposer = _proposer(tmp_path, "[2, 4]", {False: 1, True: 1}, asked)  # everything fits
-    records = [_measured(TrialConfig(micro_batch=4), 100.0, peak_mib=8, predicted_mib=8)]
+    # 7 MiB a sample without checkpointing (mb=8: 60 MiB, over the 50 MiB limit), 3 with it (mb=8: 28 MiB).
+    proposer = _proposer(tmp_path, "[2, 4, 8]", {False: 7, True: 3}, asked)
+    records = [_measured(TrialConfig(micro_batch=4), 100.0, peak_mib=32, predicted_mib=32)]
     # Predicted, scaled to the 100 measured at mb=4 (2.0 s a step): mb=2 without checkpointing 2.4 s (83
-    # tok/s), with checkpointing mb=4 2.8 s (71): neither beats it. Checkpointing was never measured (only
-    # the model says it is slower), so its config goes first, not the smaller micro batch of the family
-    # already measured.
-    assert proposer.next_config(records) == TrialConfig(micro_batch=4, checkpointing=True)
+    # tok/s), with checkpointing mb=8 2.6 s (77): neither beats it. Checkpointing was never measured (only
+    # the model says it is slower), so its config goes first, at the size only it lets fit, not the smaller
+    # micro batch of the family already measured. (Checkpointing at mb <= 4 only adds a recompute to a
+    # config that fits: never measured.)
+    assert proposer.next_config(records) == TrialConfig(micro_batch=8, checkpointing=True)
     # Once checkpointing is measured, the ranking alone decides again.
-    records.append(_measured(TrialConfig(micro_batch=4, checkpointing=True), 70.0, peak_mib=8, predicted_mib=8))
+    records.append(_measured(TrialConfig(micro_batch=8, checkpointing=True), 75.0, peak_mib=28, predicted_mib=28))
     assert proposer.next_config(records) == TrialConfig(micro_batch=2)
 
 
@@ -291,3 +294,85 @@ def test_out_of_time_the_proposer_makes_no_new_estimate(tmp_path):
     records = [_measured(TrialConfig(micro_batch=8), 100.0, peak_mib=36, predicted_mib=36)]
     assert proposer.next_config(records) in (TrialConfig(micro_batch=4), TrialConfig(micro_batch=2))
     assert asked == []
+
+
+def test_more_checkpointing_than_a_config_that_fits_is_never_measured(tmp_path):
+    """Checkpointing buys memory with a recompute: at a micro batch that fits without it (or with fewer layers
+    checkpointed), a checkpointed config does that config's work and more. Only where the lighter config does
+    not fit is it open, and the search's answer says how many it left out and why."""
+    (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2, 4, 8]\n  checkpointing: [false, every-2, true]\n")
+    proposer = _toy_proposer(tmp_path / "space.yaml", lambda c: _toy_estimate(c, toy_costs(100)))
+    plain = TrialConfig(micro_batch=4)
+    every_2 = plain.replace(checkpointing=True, checkpoint_every=2)
+    full = plain.replace(checkpointing=True)
+    records = [_measured(plain, 1000, 40, 40)]
+    open_configs = set(proposer._open_configs(records))
+    # mb=4 fits without it, and so does mb=2 (smaller): their checkpointed twins only add a recompute.
+    for mb in (2, 4):
+        assert every_2.replace(micro_batch=mb) not in open_configs
+        assert full.replace(micro_batch=mb) not in open_configs
+    # mb=8 without checkpointing is not known to fit: checkpointing may be what lets it fit.
+    assert every_2.replace(micro_batch=8) in open_configs and full.replace(micro_batch=8) in open_configs
+    assert proposer.outlook(records).recompute_only == 4
+    # every-2 fitting at mb=8 leaves out full checkpointing there, which recomputes more layers.
+    records.append(dataclasses.replace(_measured(every_2.replace(micro_batch=8), 1100, 45, 45), number=1))
+    open_configs = set(proposer._open_configs(records))
+    assert full.replace(micro_batch=8) not in open_configs
+    assert "5 configs not measured: each checkpoints more layers than one that fits" in (
+        proposer.outlook(records).recompute_text()
+    )
+
+
+def test_checkpointing_with_activation_offload_is_measured_even_where_the_plain_config_fits():
+    """With activation offload, checkpointing moves only the checkpoints' inputs: less traffic than without it,
+    so it may be faster and is not left out."""
+    from autotune.search.proposer import recomputes_more_than_fitting
+
+    plain = TrialConfig(micro_batch=4, activation_offload=True)
+    checkpointed = plain.replace(checkpointing=True)
+    assert not recomputes_more_than_fitting(checkpointed, [plain], {plain, checkpointed})
+    without_offload = checkpointed.replace(activation_offload=False)
+    offered = {plain.replace(activation_offload=False), without_offload}
+    assert recomputes_more_than_fitting(without_offload, [plain.replace(activation_offload=False)], offered)
+    # The lighter config must be one the search could answer: not offered, it does not dominate.
+    assert not recomputes_more_than_fitting(
+        without_offload, [plain.replace(activation_offload=False)], {without_offload}
+    )
+
+
+def test_a_value_held_only_by_configs_of_a_waived_value_is_not_owed(tmp_path):
+    """fp16 on a device whose 16-bit matmuls are 100x slower is waived (predicted far below the best). With
+    checkpointing at fp32 only repeating configs that fit (mb <= 8), and mb=16 predicted over the limit with or
+    without it, every open config holding checkpointing that may fit is an fp16 one: measuring it there is a
+    slow trial about a config the answer cannot be, so it is waived too, not owed."""
+    (tmp_path / "space.yaml").write_text(
+        "knobs:\n  micro_batch: [1, 2, 4, 8, 16]\n  precision: [fp32, fp16]\n  checkpointing: [false, true]\n"
+    )
+    slow_fp16 = dataclasses.replace(TOY_CPU, matmul_flops={"float32": 1000.0, "float16": 10.0})
+
+    def estimate(config: TrialConfig) -> MemoryEstimate:
+        dtype = "float16" if config.precision == "fp16" else "float32"
+        ops = tuple(dataclasses.replace(op, dtype=dtype) for op in toy_costs(100).ops)
+        per_sample = 3.5 if config.checkpointing else 5.0  # mb=16: 60 or 84 MiB, over the 50 MiB limit
+        activations = int(config.micro_batch * per_sample * MiB)
+        return _toy_estimate(config, dataclasses.replace(toy_costs(100), ops=ops), activations)
+
+    proposer = _toy_proposer(tmp_path / "space.yaml", estimate)
+    proposer.profile = slow_fp16
+    proposer.precision_speed = matmul_speedups(slow_fp16, ("fp32", "fp16"))
+    records = [
+        dataclasses.replace(
+            _measured(TrialConfig(micro_batch=mb), 16 * 128 / toy_step_s(100, 16, mb), 4 + 5 * mb, 4 + 5 * mb),
+            number=i,
+        )
+        for i, mb in enumerate((1, 2, 4, 8))
+    ]
+    records.append(
+        dataclasses.replace(_measured(TrialConfig(micro_batch=16), 0, 84, 84), status="skipped", fits=False, number=4)
+    )
+    proposer.outlook(records)  # ranks, and so estimates the fp32 checkpointed family's frontier
+    outlook = proposer.outlook(records)
+    waived = dict(outlook.waived)
+    assert set(waived) == {("precision", "'fp16'"), ("checkpointing", "True")}
+    assert all(ratio < 0.1 for ratio in waived.values())
+    assert not outlook.owed and outlook.settled  # the search ends: nothing open may beat the best

@@ -102,11 +102,15 @@ class ScriptedBackend:
     ) -> None:
         self.first, self.reruns, self.runs = first, {k: list(v) for k, v in reruns.items()}, []
         self.probed, self._probe, self._factor = [], probe, precision_factor or {}
+        self.seen: set = set()  # configs run once: a config's next run is a confirming re-run
+        self.steps: list[int] = []  # the steps each run measured
 
     def run(self, workload, config, *, measure_steps, **_):
         from autotune.trial.result import TrialResult, TrialStatus
 
-        confirming = measure_steps > 3
+        confirming = config in self.seen
+        self.seen.add(config)
+        self.steps.append(measure_steps)
         self.runs.append((config.micro_batch, confirming) if not self._factor else (config, confirming))
         tokens = self.reruns[config.micro_batch].pop(0) if confirming else self.first[config.micro_batch]
         if tokens == "oom":
@@ -156,6 +160,8 @@ def test_close_candidates_are_re_run_interleaved_and_ranked_by_paired_figures(tm
     backend = ScriptedBackend(first={1: 50.0, 2: 97.0, 4: 100.0}, reruns={4: [60.0, 30.0], 2: [75.0, 36.0]})
     summary = _tune(tmp_path, backend)
     assert _confirming(backend) == [4, 2, 4, 2]  # A B A B: each round under the same conditions
+    # The first round proves the fit over 2x a trial's steps; the second pairs figures at a trial's steps.
+    assert backend.steps[-4:] == [6, 6, 3, 3]
     assert summary.best.config.micro_batch == 2
     assert "clearly faster than the runner-up mb=4 fp32" in summary.certainty
     assert "ahead in 2 of 2 rounds" in summary.certainty
@@ -376,12 +382,15 @@ class _PerConfigBackend:
 
     def __init__(self, first: dict[tuple[str, int], float], reruns: dict[tuple[str, int], list[float]]) -> None:
         self.first, self.reruns, self.confirmed = first, {k: list(v) for k, v in reruns.items()}, []
+        self.seen: set = set()  # configs run once: a config's next run is a confirming re-run
 
     def run(self, workload, config, *, measure_steps, **_):
         from autotune.trial.result import TrialResult, TrialStatus
 
         key = (config.precision, config.micro_batch)
-        if measure_steps > 3:
+        confirming = key in self.seen
+        self.seen.add(key)
+        if confirming:
             self.confirmed.append(key)
             tokens = self.reruns[key].pop(0) if self.reruns.get(key) else self.first[key]
         else:
