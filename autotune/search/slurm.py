@@ -27,12 +27,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from autotune.errors import ConfigError
 
+if TYPE_CHECKING:
+    from autotune.config.workload import Workload
+
 __all__ = [
+    "Executor",
     "SlurmResources",
+    "worker_spec",
     "check_executor",
     "batch_script",
     "submit_workers",
@@ -86,6 +91,98 @@ class SlurmResources:
             if value is not None and flag not in given:
                 options.append(f"--{flag}={value}")
         return options + [f"--{key}={value}" for key, value in self.options]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Executor:
+    """Where a search's workers run, as asked: ``local`` (processes on this machine) or ``slurm`` (a job
+    each, holding one trial's nodes), with the SLURM job's options (``--executor`` and the flags after it)."""
+
+    name: str = "local"
+    nodes: int = 1
+    gpus_per_node: int | None = None
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    signal: str | None = None  # None: SlurmResources' default
+    options: tuple[str, ...] = ()  # --slurm-option KEY=VALUE, as given
+
+    def resources(self, *, nproc: int, command: list[str] | None = None) -> SlurmResources | None:
+        """What each SLURM worker job holds for trials of ``nproc`` ranks (of the user's ``command``, in
+        script mode); None for the local executor, which refuses the SLURM job's options."""
+        if command and self.nodes > 1:
+            from autotune.scripts.runner import SCRIPT_NODES_REFUSAL
+
+            raise ConfigError(SCRIPT_NODES_REFUSAL.format(nodes=self.nodes))
+        if self.name == "local":
+            if self.nodes != 1:
+                raise ConfigError(
+                    f"--nodes {self.nodes}: the local executor runs a trial's ranks on this machine only; "
+                    "add --executor slurm, or drop --nodes"
+                )
+            given = [flag for name, flag in _JOB_FLAGS.items() if getattr(self, name)]
+            if given:
+                raise ConfigError(f"{given[0]} is a SLURM job's option: add --executor slurm, or drop {given[0]}")
+            return None
+        if self.name != "slurm":
+            raise ConfigError(f"--executor {self.name!r} is not known; use local or slurm")
+        resources = SlurmResources(
+            nodes=self.nodes,
+            nproc=nproc,
+            gpus_per_node=self.gpus_per_node,
+            partition=self.partition,
+            account=self.account,
+            time=self.time,
+            qos=self.qos,
+            constraint=self.constraint,
+            options=parse_slurm_options(list(self.options)),
+        )
+        return resources if self.signal is None else dataclasses.replace(resources, signal=self.signal)
+
+
+# The Executor's fields that only a SLURM job takes, and their flags.
+_JOB_FLAGS = {
+    "gpus_per_node": "--gpus-per-node",
+    "partition": "--partition",
+    "account": "--account",
+    "time": "--time",
+    "qos": "--qos",
+    "constraint": "--constraint",
+    "signal": "--signal",
+    "options": "--slurm-option",
+}
+
+
+def worker_spec(
+    *,
+    workload: Workload,
+    nodes: int,
+    space: str,
+    memory_budget_bytes: int | None,
+    timeout_s: float | None,
+    trial_timeout_s: float,
+    measure_steps: int,
+    command: list[str] | None,
+    **tune_args: Any,
+) -> dict[str, Any]:
+    """What each SLURM worker tunes: the arguments of :func:`autotune.search.tuner.tune` (``tune_args``:
+    the rest of them, ``storage`` among them), as JSON. A space file keeps the name it was given: the
+    jobs start in the submitting directory (sbatch's default), as a local run would."""
+    return {
+        # The study's question says the nodes: exports carry them.
+        "workload": workload.replace(nodes=nodes).to_dict(),
+        "space": space,
+        "memory_budget_bytes": memory_budget_bytes,
+        "timeout_s": timeout_s,
+        "trial_timeout_s": trial_timeout_s,
+        "measure_steps": measure_steps,
+        "command": list(command) if command else None,
+        **tune_args,
+        # Several ranks start with srun and a torchrun rendezvous inside the worker's allocation.
+        "srun": workload.nproc > 1,
+    }
 
 
 def parse_slurm_options(values: list[str]) -> tuple[tuple[str, str], ...]:

@@ -631,13 +631,13 @@ def test_the_hf_exports_trainer_offloads_its_forward_as_the_line_beside_it_says(
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from autotune.cli import _trains_line
     from autotune.models.sources import build_model_and_batch
+    from autotune.output.study_export import trains_line
     from autotune.prepare.offload import ActivationOffload
 
     kwargs = json.loads(export_config(OFFLOAD, WORKLOAD, fmt="hf", device_type="cpu"))
     assert not any("offload" in key for key in kwargs)
-    assert "subclass Trainer with compute_loss_context_manager" in _trains_line(OFFLOAD, "hf", WORKLOAD)
+    assert "subclass Trainer with compute_loss_context_manager" in trains_line(OFFLOAD, "hf", WORKLOAD)
     packed: list[torch.Size] = []
 
     class Counting(ActivationOffload):  # the CPU standing in for the GPU, counting what it would move

@@ -301,6 +301,102 @@ def test_the_batch_script_holds_one_trials_resources_and_the_sites_options(tmp_p
     assert lines[-1].startswith("exec ") and lines[-1].endswith(f"-m autotune worker < {tmp_path}/worker-1.json")
 
 
+def test_the_executor_asked_for_becomes_one_trials_job_resources_or_none_for_the_local_one():
+    from autotune.search.slurm import Executor
+
+    assert Executor().resources(nproc=4) is None
+    asked = Executor(
+        name="slurm",
+        nodes=2,
+        gpus_per_node=2,
+        partition="gpu",
+        time="1:00:00",
+        signal="B:USR2@60",
+        options=("mem=64G", "exclusive="),
+    )
+    resources = asked.resources(nproc=4)
+    assert resources == SlurmResources(
+        nodes=2,
+        nproc=4,
+        gpus_per_node=2,
+        partition="gpu",
+        time="1:00:00",
+        signal="B:USR2@60",
+        options=(("mem", "64G"), ("exclusive", "")),
+    )
+    assert Executor(name="slurm").resources(nproc=1) == SlurmResources()  # the default signal kept
+
+
+@pytest.mark.parametrize(
+    "executor, message",
+    [
+        ({"nodes": 2}, "--nodes 2: the local executor runs a trial's ranks on this machine only"),
+        ({"partition": "gpu"}, "--partition is a SLURM job's option: add --executor slurm, or drop --partition"),
+        ({"options": ("mem=1G",)}, "--slurm-option is a SLURM job's option"),
+        ({"name": "pbs"}, "--executor 'pbs' is not known; use local or slurm"),
+        ({"name": "slurm", "options": ("mem",)}, "--slurm-option 'mem': write KEY=VALUE"),
+    ],
+)
+def test_an_executor_that_cannot_run_is_refused_naming_its_flag(executor, message):
+    from autotune.errors import ConfigError
+    from autotune.search.slurm import Executor
+
+    with pytest.raises(ConfigError) as refused:
+        Executor(**executor).resources(nproc=2)
+    assert str(refused.value).startswith(message)
+
+
+def test_a_script_trial_across_nodes_is_refused_before_the_executor_is_looked_at():
+    from autotune.errors import ConfigError
+    from autotune.search.slurm import Executor
+
+    with pytest.raises(ConfigError, match="^--nodes 2: a script trial runs your command on one node only"):
+        Executor(name="pbs", nodes=2).resources(nproc=2, command=["python", "train.py"])
+
+
+def test_a_workers_spec_is_the_tuners_arguments_with_the_nodes_in_the_question_and_srun_for_several_ranks():
+    from autotune.config.workload import Workload
+    from autotune.search.slurm import worker_spec
+
+    workload = Workload(model="builtin:gpt2-tiny", seq_len=32, nproc=4)
+    spec = worker_spec(
+        workload=workload,
+        nodes=2,
+        space="space.yaml",
+        memory_budget_bytes=2**30,
+        timeout_s=None,
+        trial_timeout_s=60.0,
+        measure_steps=2,
+        command=None,
+        n_trials=4,
+        storage="journal:///shared/study.log",
+    )
+    assert spec == {
+        "workload": workload.replace(nodes=2).to_dict(),
+        "space": "space.yaml",
+        "memory_budget_bytes": 2**30,
+        "timeout_s": None,
+        "trial_timeout_s": 60.0,
+        "measure_steps": 2,
+        "command": None,
+        "n_trials": 4,
+        "storage": "journal:///shared/study.log",
+        "srun": True,
+    }
+    assert json.loads(json.dumps(spec)) == spec  # what the jobs read: JSON
+    one_rank = worker_spec(
+        workload=Workload(model="builtin:gpt2-tiny"),
+        nodes=1,
+        space="default",
+        memory_budget_bytes=None,
+        timeout_s=None,
+        trial_timeout_s=60.0,
+        measure_steps=2,
+        command=("python", "train.py"),
+    )
+    assert one_rank["srun"] is False and one_rank["command"] == ["python", "train.py"]
+
+
 def study_trials(storage: str, study: str) -> list[optuna.trial.FrozenTrial]:
     return optuna.load_study(study_name=study, storage=open_storage(storage)).trials
 
