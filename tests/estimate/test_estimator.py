@@ -14,7 +14,7 @@ import torch
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import (
+from autotune.estimate.trace import (
     ZERO3_MAX_LIVE_PARAMETERS,
     MemoryEstimate,
     _zero_states,
@@ -352,7 +352,7 @@ def test_a_trace_without_adapters_leaves_peft_unimported():
         "import sys\n"
         "from autotune.config.knobs import TrialConfig\n"
         "from autotune.config.workload import Workload\n"
-        "from autotune.estimate.estimator import estimate_memory, may_hold_adapters\n"
+        "from autotune.estimate.trace import estimate_memory, may_hold_adapters\n"
         "w = Workload(model='builtin:gpt2-tiny', seq_len=32, global_batch=4)\n"
         "estimate_memory(w, TrialConfig(micro_batch=2, checkpointing=True))\n"
         "print('peft' in sys.modules)\n"
@@ -370,7 +370,7 @@ def test_a_trace_after_the_servers_preloads_imports_no_transformers_module():
         "import sys\n"
         "from autotune.config.knobs import TrialConfig\n"
         "from autotune.config.workload import Workload\n"
-        "from autotune.estimate.estimator import prepare_tracing, trace_step\n"
+        "from autotune.estimate.trace import prepare_tracing, trace_step\n"
         "from autotune.estimate.worker import _preload_for\n"
         "w = Workload(model='builtin:gpt2-tiny', seq_len=32, global_batch=4)\n"
         "config = TrialConfig(micro_batch=2, optimizer='adafactor')\n"

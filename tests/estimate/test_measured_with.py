@@ -11,8 +11,8 @@ import torch
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import predict_memory
 from autotune.estimate.measured_with import MeasuredWith
+from autotune.estimate.trace import predict_memory
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -61,7 +61,7 @@ def test_measured_with_goes_through_json_and_refuses_a_mode_lightning_does_not_h
 
 
 def test_a_cuda_trace_multiplies_a_4bit_layer_in_the_type_its_weight_was_quantized_from():
-    from autotune.estimate.estimator import _bnb_4bit_matmul_as_on_cuda
+    from autotune.estimate.trace import _bnb_4bit_matmul_as_on_cuda
 
     def quantized_from_float16() -> torch.nn.Module:  # as Lightning's plugin quantizes
         layer = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
