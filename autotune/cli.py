@@ -566,7 +566,7 @@ def _plan(
     budget = _size(memory_budget)
     if workload.gpu is not None:
         budget = _within_card(budget, _estimated_device(workload))
-    from autotune.estimate.trace import start_estimate_server
+    from autotune.estimate.client import start_estimate_server
 
     start_estimate_server()  # its imports beside the model and space checks
 
@@ -1051,7 +1051,7 @@ def _start_trial_server(*, estimate: bool = False) -> None:
 
     start_trial_server()
     if estimate:
-        from autotune.estimate.trace import start_estimate_server
+        from autotune.estimate.client import start_estimate_server
 
         start_estimate_server()
 
@@ -1234,13 +1234,10 @@ def estimate(
     here. It is traced with CUDA's kernels where a GPU is visible, else with the CPU's, attention as
     CUDA would pick it, as the output says.
     """
+    from autotune.estimate.client import predict_memory, start_estimate_server
     from autotune.estimate.cuda_memory import describe_figures
+    from autotune.estimate.results import EstimateError
     from autotune.estimate.step_time import predict_step_time, profile_for
-    from autotune.estimate.trace import (
-        EstimateError,
-        predict_memory,
-        start_estimate_server,
-    )
     from autotune.models.sources import resolve_task
     from autotune.sizes import format_size
 

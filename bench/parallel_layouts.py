@@ -22,8 +22,8 @@ from pathlib import Path
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
+from autotune.estimate.client import predict_memory
 from autotune.estimate.step_time import predict_step_time, profile_for
-from autotune.estimate.trace import predict_memory
 from autotune.trial.runner import run_trial
 
 MODEL = "bench/data/llama-layers.json"

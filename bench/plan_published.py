@@ -68,9 +68,10 @@ from autotune.config.gpus import gpu_spec
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.estimate import step_time
+from autotune.estimate.client import predict_memory
 from autotune.estimate.measured_with import MeasuredWith
+from autotune.estimate.results import MemoryEstimate
 from autotune.estimate.step_time import DeviceProfile, StepTime, card_profile, predict_step_time
-from autotune.estimate.trace import MemoryEstimate, predict_memory
 from autotune.search.grid import read_grid
 
 DATA = Path(__file__).parent / "data"

@@ -34,7 +34,6 @@ negative part.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
 import dataclasses
@@ -42,289 +41,35 @@ import functools
 import importlib.util
 import json
 import os
-import select
-import signal
-import subprocess
 import sys
-import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator
 
 from autotune.config.gpus import GPUS, GpuSpec, gpu_spec
 from autotune.config.knobs import TrialConfig, offload_device_refusal
 from autotune.config.workload import Workload
-from autotune.errors import AutotuneError, ConfigError
+from autotune.errors import ConfigError
 from autotune.estimate.cuda_autocast import cuda_fp32_policy
 from autotune.estimate.cuda_memory import TraceMarks, predict_cuda_memory
 from autotune.estimate.measured_with import AS_INSTALLED, MeasuredWith
+from autotune.estimate.results import MODEL_STATES, EstimateError, MemoryEstimate, ModelStates, TracedStep
 from autotune.estimate.step_costs import BACKWARD, FORWARD, UPDATE, CostRecorder, StepCosts
 from autotune.prepare.offload import ActivationOffload
 
-
-class _Proxy(Protocol):
-    """What ``predict_memory(proxy=)`` takes: :class:`autotune.estimate.depth_proxy.DepthProxy`."""
-
-    def to_dict(self) -> dict[str, Any]: ...
-
-
 __all__ = [
-    "MemoryEstimate",
-    "TracedStep",
     "estimate_from_trace",
     "estimate_memory",
-    "predict_memory",
-    "start_estimate_server",
-    "wait_for_estimate_server",
-    "probe_in_estimate_server",
     "may_hold_adapters",
+    "pipeline_step",
+    "prepare_tracing",
     "trace_key",
     "trace_step",
-    "prepare_tracing",
 ]
 
 ZERO3_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_parameters (our configs keep it)
 _MICRO_STEPS = 2  # accumulation past the second micro-step adds nothing: gradients exist by then
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemoryEstimate:
-    """Predicted peak bytes of one rank, and where they go."""
-
-    config: TrialConfig
-    predicted_peak_bytes: int
-    parameters_bytes: int
-    gradients_bytes: int
-    optimizer_state_bytes: int
-    activations_bytes: int  # left by the forward for the backward, live at the peak
-    temporaries_bytes: int  # the rest live at the peak: workspaces, casts, the backward's transients
-    overhead_bytes: int | None  # what no tensor shows (GPU); None until calibrated
-    method: str
-    seconds: float
-    # Model states not allocated at the peak moment (gradients not made yet), <= 0: the parts add up.
-    not_live_at_peak_bytes: int = 0
-    traced_device: str = "cpu"  # whose kernels the step was traced with: "cpu" or "cuda"
-    device_note: str | None = None  # where those kernels differ from the workload's device
-    # Matmul-class FLOPs of one sample's forward and backward, recomputation included, counted on
-    # the traced step (torch.utils.flop_counter): what checkpointing costs, in compute, on this model.
-    flops_per_sample: int | None = None
-    # A CUDA workload's other two figures (None on a CPU): the caching allocator's peak reserved,
-    # and what nvidia-smi would show (reserved + context + NCCL); cuda_parts says what each adds.
-    predicted_reserved_bytes: int | None = None
-    predicted_device_bytes: int | None = None
-    cuda_parts: dict[str, int] | None = None
-    gpu: str | None = None  # the card the device figure is for (--gpu)
-    attention_kernels: dict[str, int] | None = None  # SDPA backend -> calls, as CUDA would pick them
-    # Every operator of the traced step, FLOPs and bytes (device-free): estimate.step_time times them.
-    step_costs: StepCosts | None = None
-    # Pipeline stages: each rank's predicted peak tensor bytes (the figures above are the largest rank's).
-    peak_per_rank_bytes: list[int] | None = None
-
-    def fits(self, limit_bytes: int) -> bool:
-        """Within ``limit_bytes``: what a CUDA job reserves (a trial's budget caps the allocator), or a
-        CPU job's live tensors."""
-        held = self.predicted_reserved_bytes if self.predicted_reserved_bytes is not None else self.predicted_peak_bytes
-        return held <= limit_bytes
-
-    def parts(self) -> dict[str, int]:
-        """The peak's parts by name; they sum to ``predicted_peak_bytes``."""
-        return {
-            "parameters": self.parameters_bytes,
-            "gradients": self.gradients_bytes,
-            "optimizer state": self.optimizer_state_bytes,
-            "activations": self.activations_bytes,
-            "temporaries": self.temporaries_bytes,
-            "not live at the peak": self.not_live_at_peak_bytes,
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "config": self.config.to_dict(),
-            "describe": self.config.describe(),
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-            "parameters_bytes": self.parameters_bytes,
-            "gradients_bytes": self.gradients_bytes,
-            "optimizer_state_bytes": self.optimizer_state_bytes,
-            "activations_bytes": self.activations_bytes,
-            "temporaries_bytes": self.temporaries_bytes,
-            "not_live_at_peak_bytes": self.not_live_at_peak_bytes,
-            "overhead_bytes": self.overhead_bytes,
-            "traced_device": self.traced_device,
-            "device_note": self.device_note,
-            "method": self.method,
-            "seconds": self.seconds,
-            "flops_per_sample": self.flops_per_sample,
-            "predicted_reserved_bytes": self.predicted_reserved_bytes,
-            "predicted_device_bytes": self.predicted_device_bytes,
-            "cuda_parts": self.cuda_parts,
-            "gpu": self.gpu,
-            "attention_kernels": self.attention_kernels,
-            "step_costs": self.step_costs.to_dict() if self.step_costs is not None else None,
-            "peak_per_rank_bytes": self.peak_per_rank_bytes,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MemoryEstimate:
-        known = {f.name for f in dataclasses.fields(cls)}
-        fields = {k: v for k, v in data.items() if k in known}
-        if "not_live_at_peak_bytes" not in data:  # stored before the parts added up: name the remainder
-            listed = sum(
-                data[k]
-                for k in (
-                    "parameters_bytes",
-                    "gradients_bytes",
-                    "optimizer_state_bytes",
-                    "activations_bytes",
-                    "temporaries_bytes",
-                )
-            )
-            fields["not_live_at_peak_bytes"] = data["predicted_peak_bytes"] - listed
-        if fields.get("step_costs") is not None:
-            fields["step_costs"] = StepCosts.from_dict(fields["step_costs"])
-        return cls(**{**fields, "config": TrialConfig.from_dict(data["config"])})
-
-
-def predict_memory(
-    workload: Workload,
-    config: TrialConfig,
-    *,
-    task: str | None = None,
-    timeout_s: float = 300,
-    measured_with: MeasuredWith = AS_INSTALLED,
-    proxy: _Proxy | None = None,
-) -> MemoryEstimate:
-    """:func:`estimate_memory` in a fresh process, like a trial: the caller's process stays clean.
-
-    Fake tensors, PEFT and Transformers' model code leave state behind that can crash a later
-    estimate in the same process, so each runs in its own process, forked by a server that has
-    the libraries imported already (:mod:`autotune.estimate.worker`, started on first use and
-    kept for the caller's lifetime), which keeps the traced steps: a config that differs from one
-    estimated before only in ZeRO's stage or offload is arithmetic on that trace. Raises
-    EstimateError when the estimate fails or takes longer than ``timeout_s``.
-
-    ``proxy``: the workload's model drawn from its 2- and 4-layer copies
-    (:mod:`autotune.estimate.depth_proxy`), not traced whole. ``measured_with``: what a published
-    measurement ran beyond autotune's knobs, to rebuild it (:mod:`autotune.estimate.measured_with`).
-    """
-    from autotune.prepare import refusal_before_trial
-
-    refusal = refusal_before_trial(workload, config, task)  # refused in words, as a trial refuses it
-    if refusal is not None:
-        raise ConfigError(refusal)
-    request = {
-        "workload": workload.to_dict(),
-        "config": config.to_dict(),
-        "task": task,
-        "measured_with": measured_with.to_dict(),
-        # Pipeline stages cut the real depth into stages: a 2- or 4-layer copy has too few layers for them.
-        "proxy": None if proxy is None or config.pp > 1 else proxy.to_dict(),
-    }
-    reply = _SERVER.ask(request, timeout_s)
-    if "error" in reply:
-        raise EstimateError(f"the estimate failed: {reply['error']}")
-    return MemoryEstimate.from_dict(reply["ok"])
-
-
-class _EstimateServer:
-    """The caller's handle on one ``python -m autotune.estimate.worker`` process."""
-
-    START_TIMEOUT_S = 120.0  # its imports, on a slow disk
-
-    def __init__(self) -> None:
-        self._process: subprocess.Popen[str] | None = None
-        self._ready = False  # it said it has imported everything
-        self._lock = threading.Lock()
-
-    def ask(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        with self._lock:
-            process = self._running()
-            assert process.stdin is not None and process.stdout is not None
-            process.stdin.write(json.dumps(request) + "\n")
-            process.stdin.flush()
-            started = time.monotonic()
-            self._read_ready(process, timeout_s)  # the request waits in its pipe meanwhile
-            return self._line(process, timeout_s - (time.monotonic() - started))
-
-    def start(self) -> None:
-        """Start the server now, if it is not running, without waiting for its imports."""
-        with self._lock:
-            self._running()
-
-    def wait_if_starting(self) -> None:
-        """Wait until a server started already has imported everything (a server that died is left for
-        the next estimate to find out); nothing where none was started."""
-        with self._lock:
-            if self._process is not None and self._process.poll() is None:
-                with contextlib.suppress(EstimateError):
-                    self._read_ready(self._process, self.START_TIMEOUT_S)
-
-    def _read_ready(self, process: subprocess.Popen[str], timeout_s: float) -> None:
-        if not self._ready:
-            self._ready = "ready" in self._line(process, timeout_s)
-
-    def _line(self, process: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
-        assert process.stdout is not None
-        ready, _, _ = select.select([process.stdout], [], [], max(timeout_s, 0.0))
-        line = process.stdout.readline() if ready else ""
-        if not line:
-            self.close()  # a late answer must not be read as the next request's
-            if not ready:
-                raise EstimateError(f"the estimate took more than {timeout_s:g} s")
-            raise EstimateError("the estimate server exited")
-        return json.loads(line)
-
-    def _running(self) -> subprocess.Popen[str]:
-        if self._process is None or self._process.poll() is not None:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "autotune.estimate.worker"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-                start_new_session=True,
-            )
-            self._ready = False
-        return self._process
-
-    def close(self) -> None:
-        if self._process is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._process.pid, signal.SIGKILL)  # the server and an estimate it forked
-            self._process.wait()
-            self._process = None
-
-
-_SERVER = _EstimateServer()
-atexit.register(_SERVER.close)
-
-
-def start_estimate_server() -> None:
-    """Start the estimate server in the background now, its imports beside the caller's own checks;
-    the first estimate's request waits in its pipe until it reads it. Not beside trials or the device
-    probe: its imports would take a core their free cores are read from (:func:`wait_for_estimate_server`)."""
-    _SERVER.start()
-
-
-def probe_in_estimate_server(device_type: str, what: str, *, timeout_s: float) -> Any:
-    """The device probe's ``what`` (see :func:`autotune.trial.device_probe.run_probe`) forked from the estimate
-    server, started now if it is not running, once its imports are done: what it measured, or None where it
-    failed (the caller then probes in a new interpreter)."""
-    try:
-        return _SERVER.ask({"probe": [device_type, what], "env": dict(os.environ)}, timeout_s).get("probe")
-    except EstimateError:
-        return None
-
-
-def wait_for_estimate_server() -> None:
-    """Wait until an estimate server started in the background has done its imports (nothing where none
-    was started): before what reads the free cores, as the device probe does."""
-    _SERVER.wait_if_starting()
-
-
-class EstimateError(AutotuneError):
-    """The estimator could not trace this model or config."""
 
 
 def estimate_memory(
@@ -337,66 +82,6 @@ def estimate_memory(
     """
     traced = trace_step(workload, config, task=task, measured_with=measured_with)
     return estimate_from_trace(traced, workload, config)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TracedStep:
-    """The plain step of a config traced on fake tensors, before ZeRO's and DDP's arithmetic.
-
-    Configs that differ only in the ZeRO stage or its offload (and DDP's rank count) trace the same
-    step: the estimate server keeps these and derives each such config's estimate from one trace.
-    """
-
-    peak_bytes: int
-    at_peak: ModelStates  # model-state bytes live at the peak
-    whole: ModelStates  # all of them
-    activations_bytes: int  # live at the peak
-    # The same before the optimizer step: the peak of the forwards and backwards. DeepSpeed's step is
-    # not the traced one (its optimizer steps over a partition), so ZeRO's arithmetic starts here.
-    backward_peak_bytes: int
-    backward_at_peak: ModelStates
-    backward_activations_bytes: int
-    flops_per_sample: int
-    step_costs: StepCosts
-    total_params: int
-    trainable_params: int
-    # The storages' allocations and frees in order (CUDA workloads; None once extrapolated).
-    events: list[tuple[int, int]] | None
-    marks: dict[str, int]
-    attention_kernels: dict[str, int]
-    target: str  # the workload's device type
-    traced_device: str  # whose kernels traced it
-    device_note: str | None
-    card: GpuSpec | None
-    method: str
-    seconds: float
-    rank_peak_bytes: list[int] | None = None  # pipeline stages: each rank's traced peak (this step is the largest)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (JSON): how a trace leaves the process that made it."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {
-            **data,
-            "at_peak": dataclasses.asdict(self.at_peak),
-            "whole": dataclasses.asdict(self.whole),
-            "backward_at_peak": dataclasses.asdict(self.backward_at_peak),
-            "step_costs": self.step_costs.to_dict(),
-            "card": None if self.card is None else self.card.name,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TracedStep:
-        return cls(
-            **{
-                **data,
-                "at_peak": ModelStates(**data["at_peak"]),
-                "whole": ModelStates(**data["whole"]),
-                "backward_at_peak": ModelStates(**data["backward_at_peak"]),
-                "step_costs": StepCosts.from_dict(data["step_costs"]),
-                "events": None if data["events"] is None else [tuple(e) for e in data["events"]],
-                "card": None if data["card"] is None else gpu_spec(data["card"]),
-            }
-        )
 
 
 def trace_key(
@@ -558,11 +243,11 @@ def trace_step(
     backward_peak, backward_parts = tracker.peak_before["update"]
     return TracedStep(
         peak_bytes=tracker.peak_bytes,
-        at_peak=ModelStates(**{k: tracker.at_peak[k] for k in _STATES}),
+        at_peak=ModelStates(**{k: tracker.at_peak[k] for k in MODEL_STATES}),
         whole=whole,
         activations_bytes=tracker.at_peak["activations"],
         backward_peak_bytes=backward_peak,
-        backward_at_peak=ModelStates(**{k: backward_parts[k] for k in _STATES}),
+        backward_at_peak=ModelStates(**{k: backward_parts[k] for k in MODEL_STATES}),
         backward_activations_bytes=backward_parts["activations"],
         flops_per_sample=flops_per_sample,
         step_costs=step_costs,
@@ -846,22 +531,6 @@ def _cuda_attention(card: GpuSpec | None, picked: collections.Counter[str]) -> I
         torch.nn.functional.scaled_dot_product_attention = original
 
 
-_STATES = ("parameters", "gradients", "optimizer_state")
-
-
-@dataclass(frozen=True)
-class ModelStates:
-    """Model-state bytes: whole, or the part of them live at one moment."""
-
-    parameters: int
-    gradients: int
-    optimizer_state: int
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state
-
-
 def _grouped_mm_in_any_dtype() -> Any:
     """A dispatch mode under which fake ``_grouped_mm`` takes what the CPU's kernel takes.
 
@@ -1039,7 +708,7 @@ def _peak_parts_tracker_class() -> type:
     class PeakPartsTracker(LiveBytesTracker):
         def __init__(self) -> None:
             super().__init__(None)
-            self.live = dict.fromkeys((*_STATES, "activations"), 0)
+            self.live = dict.fromkeys((*MODEL_STATES, "activations"), 0)
             self.at_peak = dict(self.live)
             self.in_forward = False
             self._tags: dict[int, str] = {}  # id of the per-storage counter -> tag
@@ -1143,7 +812,7 @@ def _peak_parts_tracker_class() -> type:
             """Whether ``tensor`` is a model state: what a kernel moves of it does not grow with the micro batch."""
             for storage in storages_of(tensor):
                 counter = self._counted.get(storage)
-                if counter is not None and self._tags.get(id(counter)) in _STATES:
+                if counter is not None and self._tags.get(id(counter)) in MODEL_STATES:
                     return True
             return False
 

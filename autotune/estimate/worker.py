@@ -186,7 +186,7 @@ def _fork_trace(
 
 def _collect(pid: int, read_end: int) -> Any:
     """The traced step a child of :func:`_fork_trace` wrote, once it has exited."""
-    from autotune.estimate.trace import TracedStep
+    from autotune.estimate.results import TracedStep
 
     with os.fdopen(read_end) as reply:
         text = reply.read()

@@ -27,8 +27,8 @@ from autotune.search.proposer import straight_line
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
+    from autotune.estimate.results import MemoryEstimate
     from autotune.estimate.step_time import DeviceProfile, StepTime
-    from autotune.estimate.trace import MemoryEstimate
     from autotune.search.space import SearchSpace
 
 __all__ = ["Plan", "PlanRow", "plan", "plan_space", "PLAN_ERROR"]
@@ -104,10 +104,10 @@ def plan(
     """Every config of ``space`` predicted to fit under ``limit_bytes`` on ``device``, fastest first.
 
     ``estimator(config)`` predicts one config's memory and traced costs (raising
-    :class:`autotune.estimate.trace.EstimateError` where it cannot).
+    :class:`autotune.estimate.results.EstimateError` where it cannot).
     """
+    from autotune.estimate.results import EstimateError
     from autotune.estimate.step_time import predict_step_time
-    from autotune.estimate.trace import EstimateError
 
     started = time.monotonic()
     families: dict[TrialConfig, list[TrialConfig]] = {}
@@ -227,9 +227,9 @@ def plan_space(
     from autotune.config.device import detect_device
     from autotune.config.gpus import device_info, gpu_spec
     from autotune.errors import ConfigError
+    from autotune.estimate.client import predict_memory
     from autotune.estimate.depth_proxy import depth_proxy
     from autotune.estimate.step_time import profile_for
-    from autotune.estimate.trace import predict_memory
     from autotune.search.space import SearchSpace, load_space
 
     space = space if isinstance(space, SearchSpace) else load_space(space)

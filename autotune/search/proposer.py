@@ -49,9 +49,9 @@ if TYPE_CHECKING:
 
     from autotune.config.device import DeviceInfo
     from autotune.config.workload import Workload
+    from autotune.estimate.results import MemoryEstimate
     from autotune.estimate.step_costs import StepCosts
     from autotune.estimate.step_time import DeviceProfile
-    from autotune.estimate.trace import MemoryEstimate
     from autotune.search.space import SearchSpace
     from autotune.study.summary import TrialRecord
 

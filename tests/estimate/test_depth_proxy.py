@@ -7,9 +7,9 @@ import pytest
 from autotune.config.gpus import gpu_spec
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
+from autotune.estimate.client import predict_memory
 from autotune.estimate.depth_proxy import depth_proxy
 from autotune.estimate.step_time import card_profile, predict_step_time
-from autotune.estimate.trace import predict_memory
 
 # TinyLlama's shape (22 layers, 2048 wide) on a card: full traces take seconds, proxies less.
 WORKLOAD = Workload(model="builtin:tinyllama-1.1b", seq_len=512, global_batch=8, gpu="A100-80GB")

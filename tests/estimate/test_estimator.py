@@ -14,12 +14,9 @@ import torch
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.trace import (
-    ZERO3_MAX_LIVE_PARAMETERS,
-    MemoryEstimate,
-    _zero_states,
-    predict_memory,
-)
+from autotune.estimate.client import predict_memory
+from autotune.estimate.results import MemoryEstimate
+from autotune.estimate.trace import ZERO3_MAX_LIVE_PARAMETERS, _zero_states
 from autotune.trial.runner import run_trial
 
 CASES = [

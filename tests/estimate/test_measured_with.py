@@ -11,8 +11,8 @@ import torch
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
+from autotune.estimate.client import predict_memory
 from autotune.estimate.measured_with import MeasuredWith
-from autotune.estimate.trace import predict_memory
 
 bnb = pytest.importorskip("bitsandbytes")
 

@@ -14,8 +14,8 @@ from step_toys import TOY_CPU, toy_costs, toy_step_s
 from autotune.config.device import DeviceInfo
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
+from autotune.estimate.results import MemoryEstimate
 from autotune.estimate.step_costs import OpCost, StepCosts
-from autotune.estimate.trace import MemoryEstimate
 from autotune.search.proposer import Proposer
 from autotune.search.space import load_space
 from autotune.study.summary import TrialRecord
