@@ -9,17 +9,8 @@ a 7B model costs seconds and no memory.
 What fake tensors cannot show is added or stated:
 
 * ZeRO sharding and offload: DeepSpeed cannot run on fake tensors, so the step runs on plain
-  PyTorch (a 16-bit model without autocast in fp16/bf16, as DeepSpeed trains) and the model
-  states are replaced by what DeepSpeed's ZeRO-1/2 optimizer allocates (read from its source
-  and checked against real 2-rank trials on a CPU): 16-bit (or fp32) weights and gradients, an
-  fp32 master partition (a clone even in fp32) and Adam's m and v: 12 bytes per trainable
-  parameter / N from stage 1, gradients / N from stage 2, weights / N at stage 3; offloaded
-  states leave the device. DeepSpeed's own estimator says 2Ψ + 18Ψ/N for mixed-precision ZeRO-2:
-  it adds the fp32 copy of the gradient partition (4Ψ/N), which lives only during the
-  optimizer step; here it counts only where the step, not the backward, sets the peak.
-  ZeRO-3 also keeps up to ``stage3_max_live_parameters`` (1e9) gathered weights through the
-  forward and backward: for smaller models the whole model, as DeepSpeed's estimator (which
-  counts only the largest layer) leaves out; they are counted as temporaries.
+  PyTorch and the model states are replaced by what DeepSpeed's ZeRO optimizer allocates
+  (arithmetic: :mod:`autotune.estimate.zero_states`).
 * Without ZeRO, more than one rank trains under DDP, whose all-reduce buckets hold a second
   copy of every gradient.
 * What no tensor shows on a GPU (CUDA context, allocator reserve, library workspaces): unknown
@@ -38,10 +29,8 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import importlib.util
 import json
 import os
-import sys
 import time
 import warnings
 import weakref
@@ -54,8 +43,21 @@ from autotune.errors import ConfigError
 from autotune.estimate.cuda_autocast import cuda_fp32_policy
 from autotune.estimate.cuda_memory import TraceMarks, predict_cuda_memory
 from autotune.estimate.measured_with import AS_INSTALLED, MeasuredWith
+from autotune.estimate.patches import (
+    adapters_stay_put,
+    bnb_4bit_matmul_as_on_cuda,
+    cuda_attention,
+    fake_process_group,
+    grouped_mm_in_any_dtype,
+    meshes_on_real_values,
+    pipeline_shapes_given,
+    sends_hold_their_tensors,
+    truncated_normal_without_resampling,
+    unpacked_batches,
+)
 from autotune.estimate.results import MODEL_STATES, EstimateError, MemoryEstimate, ModelStates, TracedStep
 from autotune.estimate.step_costs import BACKWARD, FORWARD, UPDATE, CostRecorder, StepCosts
+from autotune.estimate.zero_states import zero_peak
 from autotune.prepare.offload import ActivationOffload
 
 __all__ = [
@@ -68,7 +70,6 @@ __all__ = [
     "trace_step",
 ]
 
-ZERO3_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_parameters (our configs keep it)
 _MICRO_STEPS = 2  # accumulation past the second micro-step adds nothing: gradients exist by then
 
 
@@ -180,31 +181,31 @@ def trace_step(
     attention_kernels: collections.Counter[str] = collections.Counter()
     as_on_cuda = contextlib.ExitStack()
     if target != traced:  # a CUDA workload traced on the CPU: CUDA's attention kernels and autocast policy
-        as_on_cuda.enter_context(_cuda_attention(card, attention_kernels))
+        as_on_cuda.enter_context(cuda_attention(card, attention_kernels))
         as_on_cuda.enter_context(cuda_fp32_policy())
         if config.quantize_base == "nf4":
-            as_on_cuda.enter_context(_bnb_4bit_matmul_as_on_cuda())
+            as_on_cuda.enter_context(bnb_4bit_matmul_as_on_cuda())
     tracker = _peak_parts_tracker()
     tracker.sees_dtensors = sharded
     ranks = _traced_ranks(workload, config)
     with (
         warnings.catch_warnings(),
-        _adapters_stay_put(traced, adapters=may_hold_adapters(workload, config)),
-        _unpacked_batches(),
+        adapters_stay_put(traced, adapters=may_hold_adapters(workload, config)),
+        unpacked_batches(),
         as_on_cuda,
         # A pipeline stage's ranks: stage k holds ranks k x tp to k x tp + tp - 1 (its tensor-parallel pairs).
-        _fake_process_group(ranks, traced, gloo=target == "cpu", tp=config.tp, rank=(pipeline_rank or 0) * config.tp)
+        fake_process_group(ranks, traced, gloo=target == "cpu", tp=config.tp, rank=(pipeline_rank or 0) * config.tp)
         if sharded
         else contextlib.nullcontext() as mesh,
-        _pipeline_shapes_given(),
+        pipeline_shapes_given(),
         measured_with.in_effect(),
-        _sends_hold_their_tensors(),
+        sends_hold_their_tensors(),
     ):
         warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
         # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
         # model code allocates without naming a device is born on the traced one (PEFT's adapters).
-        with FakeTensorMode(allow_non_fake_inputs=True), _grouped_mm_in_any_dtype(), tracker, device:
-            with _truncated_normal_without_resampling(), _meshes_on_real_values():
+        with FakeTensorMode(allow_non_fake_inputs=True), grouped_mm_in_any_dtype(), tracker, device:
+            with truncated_normal_without_resampling(), meshes_on_real_values():
                 engine = build_engine(
                     workload=_traced_workload(workload, config),
                     config=plain,
@@ -281,19 +282,7 @@ def estimate_from_trace(
         " (compile predicted as eager: its fused kernels may hold less)" if config.compile else ""
     )
     if config.uses_deepspeed:
-        p, g, o, step_extra = _zero_states(traced, config, workload.nproc, offload_stays=traced.target == "cpu")
-        zero_whole = ModelStates(p, g, o)
-        # The forwards' and backwards' peak with ZeRO's states in place of the traced ones. The traced
-        # optimizer step is not DeepSpeed's: its temporaries span every weight, DeepSpeed's a partition.
-        at_peak, activations = traced.backward_at_peak, traced.backward_activations_bytes
-        # ZeRO-2/3 keep a gradient partition through the backward; ZeRO-1 keeps the gradients as made.
-        zero_at_peak = ModelStates(p, g if (config.zero_stage or 0) >= 2 else at_peak.gradients, o)
-        backward_peak = (
-            traced.backward_peak_bytes - at_peak.total + zero_at_peak.total + _zero3_gathered(traced, config)
-        )
-        step_peak = zero_whole.total + step_extra  # after the backward: no activation is live
-        peak, whole = max(backward_peak, step_peak), zero_whole
-        at_peak, activations = (zero_at_peak, activations) if backward_peak >= step_peak else (zero_whole, 0)
+        peak, at_peak, whole, activations = zero_peak(traced, config, workload.nproc)
         method += " + ZeRO model-state arithmetic"
     elif config.data_parallel(workload) > 1 and not config.uses_fsdp:
         # DDP copies every gradient into its all-reduce buckets (gradient_as_bucket_view is off),
@@ -349,41 +338,6 @@ def estimate_from_trace(
         seconds=traced.seconds + time.perf_counter() - started,
         peak_per_rank_bytes=traced.rank_peak_bytes,
     )
-
-
-@contextlib.contextmanager
-def _fake_process_group(ranks: int, device_type: str, *, gloo: bool, tp: int = 1, rank: int = 0) -> Iterator[Any]:
-    """A process group of ``ranks`` whose collectives move nothing (PyTorch's "fake" backend), this
-    process as rank ``rank``, and its device mesh, made before fake tensors (the mesh reads real values):
-    1-D, or (data, tensor) parallel named ``dp`` and ``tp`` when ``tp`` > 1.
-
-    ``gloo``: the trials' CPU backend. Its reduce-scatter reduces a copy of its whole input
-    (measured: a 50 MB input takes 50 MB more while it runs), which NCCL does not.
-    """
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise EstimateError("FSDP and TP are traced on a process group of their own; this process has one already")
-    dist.init_process_group("fake", rank=rank, world_size=ranks, store=FakeStore())
-    reduce_scatter = dist.reduce_scatter_single
-
-    def gloo_reduce_scatter(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
-        scratch = torch.empty_like(input)  # noqa: F841 - held while the collective runs, as gloo's copy
-        return reduce_scatter(output, input, *args, **kwargs)
-
-    if gloo:
-        dist.reduce_scatter_single = gloo_reduce_scatter
-    try:
-        if tp > 1:
-            yield init_device_mesh(device_type, (ranks // tp, tp), mesh_dim_names=("dp", "tp"))
-        else:
-            yield init_device_mesh(device_type, (ranks,))
-    finally:
-        dist.reduce_scatter_single = reduce_scatter
-        dist.destroy_process_group()
 
 
 def _devices(workload: Workload) -> tuple[str, str, str | None]:
@@ -449,229 +403,6 @@ def _step_tensors_together(optimizer: Any, foreach: bool) -> None:
     for group in getattr(optimizer, "param_groups", ()):
         if not group.get("fused"):
             group["foreach"] = foreach
-
-
-@contextlib.contextmanager
-def _bnb_4bit_matmul_as_on_cuda() -> Iterator[None]:
-    """Within a CPU trace, bitsandbytes' 4-bit layers multiply as on CUDA. On a CPU ``matmul_4bit``
-    first sets the weight's dequantized type to the input's (``quant_state.dtype = A.dtype``); on CUDA a
-    training input goes to ``MatMul4Bit`` as it is, which dequantizes to the type the weight was quantized
-    from and casts that copy to the input's: two copies of the weight where the types differ (a base
-    quantized from float16 under bf16 compute, as Lightning's plugin quantizes it)."""
-    import bitsandbytes
-
-    on_cpu = bitsandbytes.matmul_4bit
-
-    def as_on_cuda(A: Any, B: Any, quant_state: Any, out: Any = None, bias: Any = None) -> Any:
-        # A training step's inputs have more than one row: CUDA's one-row inference kernel never runs.
-        return bitsandbytes.autograd._functions.MatMul4Bit.apply(A, B, out, bias, quant_state)
-
-    bitsandbytes.matmul_4bit = as_on_cuda
-    try:
-        yield
-    finally:
-        bitsandbytes.matmul_4bit = on_cpu
-
-
-@contextlib.contextmanager
-def _cuda_attention(card: GpuSpec | None, picked: collections.Counter[str]) -> Iterator[None]:
-    """Within a CPU trace, ``scaled_dot_product_attention`` runs the kernel CUDA would pick, so the
-    trace keeps what that kernel keeps for the backward; ``picked`` counts the kernels.
-
-    PyTorch tries flash, then memory-efficient, then math attention (sdp_utils.cpp). Flash takes
-    fp16/bf16 without a mask, head size up to 256, on sm80 or newer (grouped-query heads too);
-    memory-efficient takes fp32 and masks, not grouped-query heads. Both keep the output and a
-    log-sum-exp per row (dropout is regenerated, not stored); math keeps the s x s weights.
-    Without a named card, an sm80-or-newer one is assumed.
-    """
-    import torch
-
-    original = torch.nn.functional.scaled_dot_product_attention
-
-    def as_cuda(
-        query: Any,
-        key: Any,
-        value: Any,
-        attn_mask: Any = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-    ) -> Any:
-        if torch.is_autocast_enabled(query.device.type):  # as autocast casts SDPA's inputs, on CUDA too
-            dtype = torch.get_autocast_dtype(query.device.type)
-            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-            if attn_mask is not None and attn_mask.is_floating_point():
-                attn_mask = attn_mask.to(dtype)
-        grouped = enable_gqa and key.size(-3) != query.size(-3)
-        sixteen_bit = query.dtype in (torch.float16, torch.bfloat16)
-        flash = query.size(-1) <= 256 if card is None else card.flash_trains_head_size(query.size(-1))
-        if flash and attn_mask is None and sixteen_bit:
-            picked["flash"] += 1
-            return torch.ops.aten._scaled_dot_product_flash_attention(
-                query, key, value, dropout_p, is_causal, scale=scale
-            )[0]
-        if grouped or (query.dtype == torch.bfloat16 and card is not None and not card.bf16):
-            picked["math"] += 1
-            return torch.ops.aten._scaled_dot_product_attention_math(
-                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-            )[0]
-        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA turns it into a bias
-            bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
-            attn_mask = bias.masked_fill(~attn_mask, float("-inf"))
-        picked["memory-efficient"] += 1
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
-        )[0]
-
-    torch.nn.functional.scaled_dot_product_attention = as_cuda
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original
-
-
-def _grouped_mm_in_any_dtype() -> Any:
-    """A dispatch mode under which fake ``_grouped_mm`` takes what the CPU's kernel takes.
-
-    Its fake kernel checks the bf16-only rule of CUDA's fast kernel, so mixture-of-experts layers
-    (Transformers' grouped experts: fp32 weights, inputs cast to them, autocast or not) failed
-    to trace, where the CPU's kernel takes fp32: same output shape, in the inputs' dtype. The
-    bf16 stand-ins live below the tracker, which counts only the result.
-    """
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class GroupedMMInAnyDtype(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            kwargs = kwargs or {}
-            if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
-                dtype = kwargs.get("out_dtype") or args[0].dtype
-                stand_ins = [
-                    arg.to(torch.bfloat16) if isinstance(arg, torch.Tensor) and arg.is_floating_point() else arg
-                    for arg in args
-                ]
-                return func(*stand_ins, **kwargs).to(dtype)
-            return func(*args, **kwargs)
-
-    return GroupedMMInAnyDtype()
-
-
-@contextlib.contextmanager
-def _pipeline_shapes_given() -> Iterator[None]:
-    """Pipeline schedules skip their first exchange between the ranks, which votes (with ``.item()``) on
-    whether each stage's shapes are known: on fake tensors they are, given by the stages
-    (:class:`autotune.prepare.pipeline.Pipeline`'s ``shapes``)."""
-    from torch.distributed.pipelining import schedules
-    from torch.distributed.pipelining._utils import InferenceMode
-
-    original = schedules._PipelineSchedule._warmup_p2p
-
-    def shapes_given(self: Any, stages: list[Any], *args: Any, **kwargs: Any) -> None:
-        for stage in stages:
-            stage._inference_mode = InferenceMode.STATIC
-
-    schedules._PipelineSchedule._warmup_p2p = shapes_given  # type: ignore[method-assign]  # patched inside
-    try:
-        yield
-    finally:
-        schedules._PipelineSchedule._warmup_p2p = original  # type: ignore[method-assign]  # restored
-
-
-class _HeldSends(list):  # type: ignore[type-arg]  # of dist.Work, as the schedules type it
-    """A batch's works, holding the tensors it sends for as long as the schedule holds the works."""
-
-    sent: list[Any]
-
-
-@contextlib.contextmanager
-def _sends_hold_their_tensors() -> Iterator[None]:
-    """A pipeline schedule's sends keep their tensors alive while it holds their works, as the real backends'
-    works do and the fake group's do not: gloo's ``SendWork`` keeps a reference to its tensor "to prevent it
-    from being deallocated while the operation is still in flight" (ProcessGroupGloo.hpp), NCCL's point-to-point
-    work keeps it in ``outputs_`` (ProcessGroupNCCL.cpp, ``pointToPoint``). 1F1B holds one forward's send until the
-    next; interleaved 1F1B holds every send of the step until it ends (``_PipelineScheduleRuntime``'s
-    ``send_ops``, torch/distributed/pipelining/schedules.py): forward outputs past their backward and every input
-    gradient sent, on a 2-rank CPU trial 1.0-1.2 MiB the trace had freed."""
-    import torch.distributed as dist
-    from torch.distributed.pipelining import schedules
-
-    batch_p2p = schedules._batch_p2p
-
-    def holding(p2p_ops: list[Any], desc: str | None = None) -> list[Any]:
-        works = _HeldSends(batch_p2p(p2p_ops, desc))
-        works.sent = [op.tensor for op in p2p_ops if op.op is dist.isend]
-        return works
-
-    schedules._batch_p2p = holding
-    try:
-        yield
-    finally:
-        schedules._batch_p2p = batch_p2p
-
-
-@contextlib.contextmanager
-def _meshes_on_real_values() -> Iterator[None]:
-    """Device meshes made during the trace (FSDP x TP joins the data- and tensor-parallel meshes into one; a
-    pipeline of tensor-parallel stages makes its own) are made on real values: a mesh finds this rank's
-    coordinates with ``nonzero``, which fake tensors, whose values are unknown, cannot answer."""
-    import torch.distributed.device_mesh as device_mesh
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    made, init = device_mesh.DeviceMesh.__init__, device_mesh.init_device_mesh
-
-    def made_for_real(self: Any, *args: Any, **kwargs: Any) -> None:
-        with unset_fake_temporarily():
-            made(self, *args, **kwargs)
-
-    def init_for_real(*args: Any, **kwargs: Any) -> Any:  # a pipeline's (pp, tp) mesh: its rank map too
-        with unset_fake_temporarily():
-            return init(*args, **kwargs)
-
-    device_mesh.DeviceMesh.__init__ = made_for_real  # type: ignore[method-assign]  # patched inside
-    device_mesh.init_device_mesh = init_for_real
-    try:
-        yield
-    finally:
-        device_mesh.DeviceMesh.__init__ = made  # type: ignore[method-assign]  # restored
-        device_mesh.init_device_mesh = init
-
-
-@contextlib.contextmanager
-def _truncated_normal_without_resampling() -> Iterator[None]:
-    """torch's trunc_normal_ (ViT's init, for one) draws again until every value lies in range, which
-    asks fake weights for values they do not have: here it draws once and clamps (weights' values
-    change neither speed nor memory)."""
-    import torch
-
-    def draw_and_clamp(
-        tensor: torch.Tensor,
-        mean: float = 0.0,
-        std: float = 1.0,
-        a: float = -2.0,
-        b: float = 2.0,
-        generator: Any = None,
-    ) -> torch.Tensor:
-        with torch.no_grad():
-            return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
-
-    tables: list[tuple[Any, str]] = [(torch.nn.init.__dict__, "trunc_normal_")]
-    try:
-        from transformers.initialization import (
-            TORCH_INIT_FUNCTIONS,  # what Transformers' init calls
-        )
-
-        tables.append((TORCH_INIT_FUNCTIONS, "trunc_normal_"))
-    except ImportError:
-        pass
-    saved = [(table, key, table[key]) for table, key in tables if key in table]
-    try:
-        for table, key, _ in saved:
-            table[key] = draw_and_clamp
-        yield
-    finally:
-        for table, key, original in saved:
-            table[key] = original
 
 
 def _peak_parts_tracker() -> Any:
@@ -864,32 +595,6 @@ def _peak_parts_tracker_class() -> type:
     return PeakPartsTracker
 
 
-@contextlib.contextmanager
-def _unpacked_batches() -> Iterator[None]:
-    """Transformers' masks treat the batch as the real step sees it: one sequence per row.
-
-    Given position ids, Transformers looks for several sequences packed in one row; on fake
-    tensors it cannot read them, so it assumes packing and builds an explicit mask (and its
-    copies) that the real step, whose synthetic rows are never packed, skips for SDPA's causal
-    flag. Checkpointed layers keep that mask to the end of the backward: +0.8% on a small Llama,
-    +7% on a small Mixtral.
-    """
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        yield
-        return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
-
-
 def may_hold_adapters(workload: Workload, config: TrialConfig) -> bool:
     """Whether ``config``'s traced model may hold PEFT adapters: LoRA's, or whatever a factory's or remote
     code makes (a model Transformers ships code for makes none of its own)."""
@@ -900,44 +605,6 @@ def may_hold_adapters(workload: Workload, config: TrialConfig) -> bool:
         or workload.trust_remote_code
         or parse_model_source(workload.model).kind == "factory"
     )
-
-
-@contextlib.contextmanager
-def _adapters_stay_put(device_type: str, *, adapters: bool) -> Iterator[None]:
-    """PEFT moves each new adapter to its base layer's device (and, for an adapted parameter such as
-    fused experts, dtype), which fake parameters cannot do (``Module._apply`` cannot swap them).
-    Under fake tensors both are on the traced device already. PEFT is imported for it only where
-    the model may hold ``adapters`` (:func:`may_hold_adapters`): over a second, and none are made otherwise."""
-    if importlib.util.find_spec("peft") is None:
-        yield
-        return
-    import torch
-
-    if adapters or "peft.tuners.tuners_utils" in sys.modules:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        tuner_layer: Any = BaseTunerLayer
-        original_move = tuner_layer._move_adapter_to_device_of_base_layer
-    else:
-        tuner_layer = original_move = None
-    original_to = torch.nn.Module.to
-
-    def to_unless_a_no_op(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
-        if (device is None or device.type == device_type) and (dtype is None or all(t.dtype == dtype for t in tensors)):
-            return module  # everything is on the traced device, in that dtype, already
-        return original_to(module, *args, **kwargs)
-
-    if tuner_layer is not None:
-        tuner_layer._move_adapter_to_device_of_base_layer = lambda self, *args, **kwargs: None
-    torch.nn.Module.to = to_unless_a_no_op  # type: ignore[method-assign,assignment]  # patched inside
-    try:
-        yield
-    finally:
-        if tuner_layer is not None:
-            tuner_layer._move_adapter_to_device_of_base_layer = original_move
-        torch.nn.Module.to = original_to  # type: ignore[method-assign]  # restored
 
 
 def _to_16_bit(engine: Any) -> None:
@@ -1108,57 +775,6 @@ def _pipeline_forwards_and_backwards(engine: Any, tracker: Any) -> Any:
     finally:
         for hook in hooks:
             hook.remove()
-
-
-def _zero_states(
-    traced: TracedStep, config: TrialConfig, ranks: int, *, offload_stays: bool
-) -> tuple[int, int, int, int]:
-    """Per-rank (parameters, gradients, optimizer state, step-time extra) bytes under DeepSpeed ZeRO.
-
-    ``offload_stays``: the device is the host (a CPU trial), so offloaded states stay in the
-    memory measured, joined by the offload path's host buffers (a staging copy of the weight
-    partition and an fp32 gradient partition).
-
-    The step-time extra is the gradient partition cast to fp32 for the optimizer in fp16/bf16:
-    it lives only during ``step()``, after the activations are gone (counted by DeepSpeed's
-    estimator as part of its 18 bytes per parameter, which would overstate a peak set by activations).
-    """
-    total = traced.total_params
-    trainable = traced.trainable_params
-    mixed = config.precision in ("fp16", "bf16")
-    # The model's own weights and gradients: 16-bit in DeepSpeed's fp16/bf16 modes.
-    parameters = (2 if mixed else 4) * total
-    gradients = (2 if mixed else 4) * trainable
-    # The optimizer's partition: an fp32 master copy of the weights (a clone even in fp32) and Adam's m, v.
-    optimizer_state = 12 * trainable
-    step_extra = 4 * trainable if mixed else 0  # in fp32, .to(fp32) returns the gradient itself
-    stage = config.zero_stage or 0
-    if stage >= 1:
-        optimizer_state //= ranks
-        step_extra //= ranks
-    if stage >= 2:
-        gradients //= ranks
-    if stage == 3:
-        parameters //= ranks
-    if config.offload != "none" and offload_stays:
-        optimizer_state += ((2 if mixed else 4) + 4) * trainable // ranks
-    elif config.offload != "none":
-        optimizer_state = step_extra = 0
-        if config.offload == "optimizer+params":
-            parameters = 0
-    return parameters, gradients, optimizer_state, step_extra
-
-
-def _zero3_gathered(traced: TracedStep, config: TrialConfig) -> int:
-    """Bytes of whole weights ZeRO-3 gathers for the forward and backward and keeps until the step.
-
-    DeepSpeed keeps up to ``stage3_max_live_parameters`` gathered (and reuses them in the
-    backward), so below that many parameters the whole model is live as in ZeRO-1. They are
-    counted as temporaries: the rank's own shard is its ``parameters``.
-    """
-    if config.zero_stage != 3:
-        return 0
-    return (2 if config.precision in ("fp16", "bf16") else 4) * min(traced.total_params, ZERO3_MAX_LIVE_PARAMETERS)
 
 
 def _bytes(tensors: Any) -> int:

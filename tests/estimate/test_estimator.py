@@ -16,7 +16,7 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.estimate.client import predict_memory
 from autotune.estimate.results import MemoryEstimate
-from autotune.estimate.trace import ZERO3_MAX_LIVE_PARAMETERS, _zero_states
+from autotune.estimate.zero_states import ZERO3_MAX_LIVE_PARAMETERS, zero_model_states
 from autotune.trial.runner import run_trial
 
 CASES = [
@@ -190,7 +190,7 @@ MODEL = SimpleNamespace(total_params=PSI, trainable_params=PSI)
 )
 def test_zero_model_states_follow_deepspeed(stage, precision, offload, on_cpu, expected):
     config = TrialConfig(micro_batch=1, precision=precision, zero_stage=stage, offload=offload)
-    states = _zero_states(MODEL, config, 8, offload_stays=on_cpu)
+    states = zero_model_states(MODEL, config, 8, offload_stays=on_cpu)
     assert states == tuple(int(b * PSI) for b in expected)
 
 
