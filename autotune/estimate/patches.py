@@ -2,9 +2,9 @@
 the real step would keep: torch's process groups, meshes, pipeline schedules, attention and initialisers,
 bitsandbytes' 4-bit matmul, Transformers' masks and initialisers, PEFT's adapter moves.
 
-Each is a context manager that patches on entry and restores on exit, and says which versions of the library it
-is written for (the version installed where it was last checked, and the range pyproject.toml allows): these
-reach into internals that a new release may move.
+Each is a context manager whose change lasts while it is entered, and says which versions of the library it is
+written for (the version installed where it was last checked, and the range pyproject.toml allows): these reach
+into internals that a new release may move.
 """
 
 from __future__ import annotations
