@@ -20,7 +20,7 @@ from pathlib import Path
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import predict_memory
+from autotune.estimate.client import predict_memory
 
 CASES = [  # (label, config, ranks, expected bytes per parameter: params, grads, optimizer)
     ("full fine-tuning, bf16 autocast", TrialConfig(micro_batch=1, precision="bf16", checkpointing=True), 1, (4, 4, 8)),

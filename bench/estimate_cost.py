@@ -35,7 +35,7 @@ ONE_RUN = """
 import json, sys, time
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import predict_memory, start_estimate_server, wait_for_estimate_server
+from autotune.estimate.client import predict_memory, start_estimate_server, wait_for_estimate_server
 workload = Workload(model=sys.argv[1], seq_len=32, global_batch=4)
 started = time.perf_counter()
 start_estimate_server()

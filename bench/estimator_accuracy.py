@@ -39,7 +39,7 @@ from autotune.config.device import detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.estimate.estimator import predict_memory
+from autotune.estimate.client import predict_memory
 from autotune.trial.runner import run_trial
 
 MODELS = ["builtin:gpt2-deep-tiny", "builtin:llama-tiny", "builtin:bert-tiny"]

@@ -41,8 +41,9 @@ from pathlib import Path
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.estimate.estimator import EstimateError, MemoryEstimate, predict_memory
+from autotune.estimate.client import predict_memory
 from autotune.estimate.measured_with import AS_INSTALLED, MeasuredWith
+from autotune.estimate.results import EstimateError, MemoryEstimate
 
 DATA = Path(__file__).parent / "data" / "published"
 GiB, GB, MiB = 2**30, 10**9, 2**20

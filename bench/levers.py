@@ -22,7 +22,7 @@ from pathlib import Path
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import predict_memory
+from autotune.estimate.client import predict_memory
 from autotune.trial.runner import run_trial
 
 # (lever, model, baseline, lever's config): the lever changes one knob of the baseline.

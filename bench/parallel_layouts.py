@@ -22,7 +22,7 @@ from pathlib import Path
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import predict_memory
+from autotune.estimate.client import predict_memory
 from autotune.estimate.step_time import predict_step_time, profile_for
 from autotune.trial.runner import run_trial
 

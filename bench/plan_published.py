@@ -68,8 +68,9 @@ from autotune.config.gpus import gpu_spec
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.estimate import step_time
-from autotune.estimate.estimator import MemoryEstimate, predict_memory
+from autotune.estimate.client import predict_memory
 from autotune.estimate.measured_with import MeasuredWith
+from autotune.estimate.results import MemoryEstimate
 from autotune.estimate.step_time import DeviceProfile, StepTime, card_profile, predict_step_time
 from autotune.search.grid import read_grid
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import estimate_memory, trace_key
+from autotune.estimate.trace import estimate_memory, trace_key
 
 
 def retrace(path: Path) -> int:

@@ -47,7 +47,8 @@ import optuna
 from autotune.config.device import detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import MemoryEstimate, trace_key
+from autotune.estimate.results import MemoryEstimate
+from autotune.estimate.trace import trace_key
 from autotune.search.grid import read_grid
 from autotune.search.space import SearchSpace, load_space
 from autotune.sizes import parse_size

@@ -23,7 +23,7 @@ from pathlib import Path
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.estimate.estimator import predict_memory
+from autotune.estimate.client import predict_memory
 
 MODELS = [  # (preset, workload fields, published parameters)
     ("mt5-base", dict(seq_len=512, target_len=512), 582_401_280),

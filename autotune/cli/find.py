@@ -127,7 +127,7 @@ def _refuse_what_does_not_go_together(
 
 def _plan(workload: Workload, *, space: str, budget: int | None, headroom: float, as_json: bool) -> int:
     """``find --plan``: every config of the space predicted to fit, ranked; nothing runs."""
-    from autotune.estimate.estimator import start_estimate_server
+    from autotune.estimate.client import start_estimate_server
     from autotune.estimate.fit import card_budget, estimated_device
     from autotune.search.plan import plan_space
 

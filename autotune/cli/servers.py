@@ -13,6 +13,6 @@ def start_trial_server(*, estimate: bool = False) -> None:
 
     start()
     if estimate:
-        from autotune.estimate.estimator import start_estimate_server
+        from autotune.estimate.client import start_estimate_server
 
         start_estimate_server()

@@ -28,12 +28,12 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from autotune.estimate.estimator import ModelStates
+from autotune.estimate.results import ModelStates
 from autotune.estimate.step_costs import OpCost, StepCosts
 
 if TYPE_CHECKING:
     from autotune.config.workload import Workload
-    from autotune.estimate.estimator import TracedStep
+    from autotune.estimate.results import TracedStep
 
 __all__ = ["DepthProxy", "depth_proxy"]
 

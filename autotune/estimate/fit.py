@@ -2,7 +2,7 @@
 headroom leaves, and the rule itself (``autotune estimate``'s fits column, ``find --plan``'s budget).
 
 A config fits when what it holds stays within the limit (reserved bytes on CUDA, live tensors on a
-CPU: :meth:`autotune.estimate.estimator.MemoryEstimate.fits`) and, for a named card (``--gpu``),
+CPU: :meth:`autotune.estimate.results.MemoryEstimate.fits`) and, for a named card (``--gpu``),
 when what ``nvidia-smi`` would show stays within the card's memory too.
 """
 
@@ -15,7 +15,7 @@ from autotune.errors import AutotuneError, ConfigError
 if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
     from autotune.config.workload import Workload
-    from autotune.estimate.estimator import MemoryEstimate
+    from autotune.estimate.results import MemoryEstimate
 
 __all__ = ["estimated_device", "card_budget", "memory_limit", "estimate_fits"]
 

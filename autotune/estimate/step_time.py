@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from autotune.config.gpus import GpuSpec
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
-    from autotune.estimate.estimator import MemoryEstimate
+    from autotune.estimate.results import MemoryEstimate
 
 __all__ = ["DeviceProfile", "StepTime", "card_profile", "matmul_speedups", "profile_for", "predict_step_time"]
 
@@ -174,7 +174,7 @@ def profile_for(workload: Workload, device_type: str | None) -> DeviceProfile | 
         return card_profile(gpu_spec(workload.gpu))
     if device_type is None:
         return None
-    from autotune.estimate.estimator import probe_in_estimate_server
+    from autotune.estimate.client import probe_in_estimate_server
     from autotune.trial.device_probe import PROBE_TIMEOUT_S, probe_profile, profile_request
 
     between_ranks = workload.nproc > 1  # one rank communicates nothing

@@ -42,7 +42,7 @@ def serve() -> None:
 
     import autotune.trial.engine  # noqa: F401
     import autotune.trial.memory  # noqa: F401
-    from autotune.estimate.estimator import prepare_tracing
+    from autotune.estimate.trace import prepare_tracing
 
     prepare_tracing()
 
@@ -79,7 +79,7 @@ class _Traces:
         self._kept: collections.OrderedDict[str, Any] = collections.OrderedDict()
 
     def get(self, workload: Any, config: Any, task: str | None, measured_with: Any) -> Any:
-        from autotune.estimate.estimator import trace_key
+        from autotune.estimate.trace import trace_key
 
         key = trace_key(workload, config, task=task, measured_with=measured_with)
         if key in self._kept:
@@ -87,7 +87,7 @@ class _Traces:
             return self._kept[key]
         _preload_for(workload, config)
         if config.pp > 1:  # each stage's rank traced in a child of its own, as many at once as there are cores
-            from autotune.estimate.estimator import pipeline_step
+            from autotune.estimate.trace import pipeline_step
 
             traced = pipeline_step(_stages_in_children(workload, config, task, measured_with))
         else:
@@ -102,7 +102,7 @@ def _preload_for(workload: Any, config: Any) -> None:
     """Import here, before the fork, what the trace of ``config`` imports first: the model's Transformers module
     (1.6 of a tiny model's 2.0 s estimate went to it in each child), PEFT where the trace may make adapters
     (LoRA's, a factory's) and the optimizer's library (see :func:`autotune.trial.server.preload_libraries`)."""
-    from autotune.estimate.estimator import may_hold_adapters
+    from autotune.estimate.trace import may_hold_adapters
     from autotune.models.sources import import_model_module
     from autotune.trial.server import preload_libraries
 
@@ -116,8 +116,8 @@ def _answer(request: dict[str, Any], traces: _Traces) -> dict[str, Any]:
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
     from autotune.estimate.depth_proxy import extrapolate
-    from autotune.estimate.estimator import estimate_from_trace
     from autotune.estimate.measured_with import MeasuredWith
+    from autotune.estimate.trace import estimate_from_trace
 
     started = time.perf_counter()
     workload, config = Workload.from_dict(request["workload"]), TrialConfig.from_dict(request["config"])
@@ -186,7 +186,7 @@ def _fork_trace(
 
 def _collect(pid: int, read_end: int) -> Any:
     """The traced step a child of :func:`_fork_trace` wrote, once it has exited."""
-    from autotune.estimate.estimator import TracedStep
+    from autotune.estimate.results import TracedStep
 
     with os.fdopen(read_end) as reply:
         text = reply.read()
@@ -202,7 +202,7 @@ def _collect(pid: int, read_end: int) -> Any:
 def _trace(
     workload: Any, config: Any, task: str | None, measured_with: Any, pipeline_rank: int | None = None
 ) -> dict[str, Any]:
-    from autotune.estimate.estimator import trace_step
+    from autotune.estimate.trace import trace_step
 
     try:
         traced = trace_step(workload, config, task=task, measured_with=measured_with, pipeline_rank=pipeline_rank)

@@ -9,7 +9,7 @@ import json
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from autotune.estimate.estimator import MemoryEstimate
+    from autotune.estimate.results import MemoryEstimate
     from autotune.estimate.step_time import StepTime
     from autotune.search.estimates import EstimateRow, Estimates
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
-    from autotune.estimate.estimator import MemoryEstimate
+    from autotune.estimate.results import MemoryEstimate
     from autotune.estimate.step_time import DeviceProfile, StepTime
 
 __all__ = ["EstimateRow", "Estimates", "estimate_configs"]
@@ -45,8 +45,9 @@ class Estimates:
 
     def rows(self) -> Iterator[EstimateRow]:
         """Each config's estimate, in order; a model that cannot be built or traced is refused at its first."""
-        from autotune.estimate.estimator import EstimateError, predict_memory
+        from autotune.estimate.client import predict_memory
         from autotune.estimate.fit import estimate_fits
+        from autotune.estimate.results import EstimateError
         from autotune.estimate.step_time import predict_step_time
 
         for config in self.configs:
@@ -72,7 +73,7 @@ def estimate_configs(
     """Estimate ``config`` (or, with ``space``, every config of that space) for ``workload``: on its
     named card (``workload.gpu``) or the device here. Starts the estimate server, whose imports run
     beside the device and model checks made here."""
-    from autotune.estimate.estimator import start_estimate_server
+    from autotune.estimate.client import start_estimate_server
     from autotune.estimate.fit import card_budget, estimated_device, memory_limit
     from autotune.estimate.step_time import profile_for
     from autotune.models.sources import resolve_task

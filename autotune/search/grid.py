@@ -93,7 +93,8 @@ def estimate_grid(
 
     The file is rewritten whole (to a temporary file, then renamed), so a stop leaves it as it was.
     """
-    from autotune.estimate.estimator import EstimateError, predict_memory
+    from autotune.estimate.client import predict_memory
+    from autotune.estimate.results import EstimateError
 
     lines = list(read_grid(path))
     todo = [line for line in lines if again or "estimate" not in line]

@@ -27,7 +27,7 @@ from autotune.search.proposer import straight_line
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
-    from autotune.estimate.estimator import MemoryEstimate
+    from autotune.estimate.results import MemoryEstimate
     from autotune.estimate.step_time import DeviceProfile, StepTime
     from autotune.search.space import SearchSpace
 
@@ -104,9 +104,9 @@ def plan(
     """Every config of ``space`` predicted to fit under ``limit_bytes`` on ``device``, fastest first.
 
     ``estimator(config)`` predicts one config's memory and traced costs (raising
-    :class:`autotune.estimate.estimator.EstimateError` where it cannot).
+    :class:`autotune.estimate.results.EstimateError` where it cannot).
     """
-    from autotune.estimate.estimator import EstimateError
+    from autotune.estimate.results import EstimateError
     from autotune.estimate.step_time import predict_step_time
 
     started = time.monotonic()
@@ -227,8 +227,8 @@ def plan_space(
     from autotune.config.device import detect_device
     from autotune.config.gpus import device_info, gpu_spec
     from autotune.errors import ConfigError
+    from autotune.estimate.client import predict_memory
     from autotune.estimate.depth_proxy import depth_proxy
-    from autotune.estimate.estimator import predict_memory
     from autotune.estimate.step_time import profile_for
     from autotune.search.space import SearchSpace, load_space
 

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
     from autotune.config.device import DeviceInfo
     from autotune.config.workload import Workload
-    from autotune.estimate.estimator import MemoryEstimate
+    from autotune.estimate.results import MemoryEstimate
     from autotune.estimate.step_costs import StepCosts
     from autotune.estimate.step_time import DeviceProfile
     from autotune.search.space import SearchSpace

@@ -22,7 +22,7 @@ from autotune.config.knobs import TrialConfig
 from autotune.study.records import SIMPLE_KEY
 
 if TYPE_CHECKING:
-    from autotune.estimate.estimator import MemoryEstimate
+    from autotune.estimate.results import MemoryEstimate
     from autotune.study.summary import TrialRecord
 
 __all__ = ["SIMPLE_KEY", "ramp_family", "next_ramp_config", "ramp_answer"]

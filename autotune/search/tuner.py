@@ -62,7 +62,7 @@ from autotune.trial.runner import DEFAULT_TRIAL_TIMEOUT_S, run_trial
 if TYPE_CHECKING:
     import optuna
 
-    from autotune.estimate.estimator import MemoryEstimate
+    from autotune.estimate.results import MemoryEstimate
     from autotune.estimate.step_time import DeviceProfile
     from autotune.search.proposer import Outlook, Proposer
 
@@ -708,7 +708,7 @@ class LocalBackend:
     def start(self, *, estimate: bool) -> None:
         """Start the servers the trials (and estimates) will be forked from, their imports beside the
         caller's checks before the first trial."""
-        from autotune.estimate.estimator import start_estimate_server
+        from autotune.estimate.client import start_estimate_server
         from autotune.trial.runner import start_trial_server
 
         if self._probe_in_trial_server:
@@ -717,7 +717,7 @@ class LocalBackend:
             start_estimate_server()
 
     def run(self, workload: Workload, config: TrialConfig, **measure: Any) -> TrialResult:
-        from autotune.estimate.estimator import wait_for_estimate_server
+        from autotune.estimate.client import wait_for_estimate_server
 
         if self._srun:  # the job's own cores (and nodes): nothing else of this machine's runs on them
             return run_trial(workload, config, srun=True, **measure)
@@ -750,14 +750,15 @@ class LocalBackend:
     def _probe_turn(self) -> Iterator[None]:
         """The device probe's turn on the cores, once the estimate server started beside it has done its
         imports: the probe computes on the cores free when it starts, as a trial does."""
-        from autotune.estimate.estimator import wait_for_estimate_server
+        from autotune.estimate.client import wait_for_estimate_server
 
         wait_for_estimate_server()  # before the turn: other processes' trials need not wait on these imports
         with cpu_turn(self._device_type):
             yield
 
     def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None:
-        from autotune.estimate.estimator import EstimateError, predict_memory
+        from autotune.estimate.client import predict_memory
+        from autotune.estimate.results import EstimateError
 
         try:
             with cpu_turn(self._device_type):

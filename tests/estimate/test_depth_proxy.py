@@ -7,8 +7,8 @@ import pytest
 from autotune.config.gpus import gpu_spec
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
+from autotune.estimate.client import predict_memory
 from autotune.estimate.depth_proxy import depth_proxy
-from autotune.estimate.estimator import predict_memory
 from autotune.estimate.step_time import card_profile, predict_step_time
 
 # TinyLlama's shape (22 layers, 2048 wide) on a card: full traces take seconds, proxies less.

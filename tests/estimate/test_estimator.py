@@ -14,12 +14,9 @@ import torch
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import (
-    ZERO3_MAX_LIVE_PARAMETERS,
-    MemoryEstimate,
-    _zero_states,
-    predict_memory,
-)
+from autotune.estimate.client import predict_memory
+from autotune.estimate.results import MemoryEstimate
+from autotune.estimate.zero_states import ZERO3_MAX_LIVE_PARAMETERS, zero_model_states
 from autotune.trial.runner import run_trial
 
 CASES = [
@@ -193,7 +190,7 @@ MODEL = SimpleNamespace(total_params=PSI, trainable_params=PSI)
 )
 def test_zero_model_states_follow_deepspeed(stage, precision, offload, on_cpu, expected):
     config = TrialConfig(micro_batch=1, precision=precision, zero_stage=stage, offload=offload)
-    states = _zero_states(MODEL, config, 8, offload_stays=on_cpu)
+    states = zero_model_states(MODEL, config, 8, offload_stays=on_cpu)
     assert states == tuple(int(b * PSI) for b in expected)
 
 
@@ -352,7 +349,7 @@ def test_a_trace_without_adapters_leaves_peft_unimported():
         "import sys\n"
         "from autotune.config.knobs import TrialConfig\n"
         "from autotune.config.workload import Workload\n"
-        "from autotune.estimate.estimator import estimate_memory, may_hold_adapters\n"
+        "from autotune.estimate.trace import estimate_memory, may_hold_adapters\n"
         "w = Workload(model='builtin:gpt2-tiny', seq_len=32, global_batch=4)\n"
         "estimate_memory(w, TrialConfig(micro_batch=2, checkpointing=True))\n"
         "print('peft' in sys.modules)\n"
@@ -370,7 +367,7 @@ def test_a_trace_after_the_servers_preloads_imports_no_transformers_module():
         "import sys\n"
         "from autotune.config.knobs import TrialConfig\n"
         "from autotune.config.workload import Workload\n"
-        "from autotune.estimate.estimator import prepare_tracing, trace_step\n"
+        "from autotune.estimate.trace import prepare_tracing, trace_step\n"
         "from autotune.estimate.worker import _preload_for\n"
         "w = Workload(model='builtin:gpt2-tiny', seq_len=32, global_batch=4)\n"
         "config = TrialConfig(micro_batch=2, optimizer='adafactor')\n"

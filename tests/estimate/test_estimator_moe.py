@@ -11,7 +11,7 @@ import pytest
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import predict_memory
+from autotune.estimate.client import predict_memory
 from autotune.trial.runner import run_trial
 
 

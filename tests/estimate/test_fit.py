@@ -9,8 +9,8 @@ from autotune.config.device import DeviceInfo
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.estimate.estimator import MemoryEstimate
 from autotune.estimate.fit import card_budget, estimate_fits, estimated_device, memory_limit
+from autotune.estimate.results import MemoryEstimate
 
 MiB = 2**20
 CARD = Workload(model="builtin:gpt2-tiny", device="cuda", gpu="H100-80GB")

@@ -11,7 +11,7 @@ import torch
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import predict_memory
+from autotune.estimate.client import predict_memory
 from autotune.estimate.measured_with import MeasuredWith
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -61,7 +61,7 @@ def test_measured_with_goes_through_json_and_refuses_a_mode_lightning_does_not_h
 
 
 def test_a_cuda_trace_multiplies_a_4bit_layer_in_the_type_its_weight_was_quantized_from():
-    from autotune.estimate.estimator import _bnb_4bit_matmul_as_on_cuda
+    from autotune.estimate.patches import bnb_4bit_matmul_as_on_cuda
 
     def quantized_from_float16() -> torch.nn.Module:  # as Lightning's plugin quantizes
         layer = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
@@ -73,7 +73,7 @@ def test_a_cuda_trace_multiplies_a_4bit_layer_in_the_type_its_weight_was_quantiz
     # bitsandbytes 0.49's CPU matmul_4bit retyped the weight's dequantized type to the input's (0.50 no
     # longer does); whichever is installed, the trace must multiply as CUDA's MatMul4Bit does.
     as_on_cuda = quantized_from_float16()
-    with _bnb_4bit_matmul_as_on_cuda():
+    with bnb_4bit_matmul_as_on_cuda():
         out = as_on_cuda(x)
     # CUDA's keeps it: MatMul4Bit dequantizes to float16 and casts that copy to bf16 (two copies of the weight).
     assert as_on_cuda.weight.quant_state.dtype == torch.float16

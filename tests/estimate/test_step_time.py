@@ -10,7 +10,8 @@ import pytest
 from autotune.config.gpus import gpu_spec
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import MemoryEstimate, predict_memory
+from autotune.estimate.client import predict_memory
+from autotune.estimate.results import MemoryEstimate
 from autotune.estimate.step_costs import OpCost, StepCosts
 from autotune.estimate.step_time import DeviceProfile, card_profile, predict_step_time
 from autotune.models.presets import _TINY_VOCAB

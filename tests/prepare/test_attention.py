@@ -22,7 +22,7 @@ LONG = Workload(model="builtin:llama-tiny", seq_len=256, global_batch=4)
 
 
 def test_eager_attention_keeps_the_scores_sdpa_does_not_and_the_estimator_predicts_both():
-    from autotune.estimate.estimator import predict_memory
+    from autotune.estimate.client import predict_memory
     from autotune.trial.runner import run_trial
 
     configs = [TrialConfig(micro_batch=4, attention=a) for a in ("sdpa", "eager")]

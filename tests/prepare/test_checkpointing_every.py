@@ -9,7 +9,7 @@ import pytest
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.estimate.estimator import predict_memory
+from autotune.estimate.client import predict_memory
 from autotune.output.exporters import export_config
 from autotune.search.space import load_space
 from autotune.trial.runner import run_trial

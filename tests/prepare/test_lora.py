@@ -146,7 +146,7 @@ def test_under_16_bit_precision_the_frozen_base_is_held_in_16_bits_and_the_estim
     """What LoRA recipes run (PEFT with torch_dtype=bfloat16): the frozen weights' bytes halve."""
     import torch
 
-    from autotune.estimate.estimator import predict_memory
+    from autotune.estimate.client import predict_memory
     from autotune.study.summary import what_is_trained
     from autotune.trial.engine import build_engine
     from autotune.trial.runner import run_trial

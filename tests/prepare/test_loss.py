@@ -12,7 +12,7 @@ import torch
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.estimate.estimator import predict_memory
+from autotune.estimate.client import predict_memory
 from autotune.models.sources import build_model
 from autotune.prepare.lora import apply_lora
 from autotune.prepare.loss import chunk_loss, chunked_loss_refusal

@@ -34,7 +34,7 @@ def test_bf16_true_holds_every_weight_and_adam_state_in_bf16(lora):
 
 
 def test_bf16_true_halves_the_model_states_of_mixed_bf16_and_the_estimator_predicts_the_peak():
-    from autotune.estimate.estimator import predict_memory
+    from autotune.estimate.client import predict_memory
     from autotune.trial.runner import run_trial
 
     mixed, true = (TrialConfig(micro_batch=2, precision=p) for p in ("bf16", "bf16-true"))

@@ -15,7 +15,7 @@ from refusals import trial_refusal
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import predict_memory
+from autotune.estimate.client import predict_memory
 from autotune.models.sources import build_model
 from autotune.prepare import prepare
 from autotune.trial.runner import run_trial
@@ -200,7 +200,7 @@ def test_find_answers_with_a_quantized_base_where_none_other_fits_and_its_export
 
 
 def test_the_cuda_prediction_holds_nf4_and_leaves_int8_to_a_trial(wide):
-    from autotune.estimate.estimator import EstimateError
+    from autotune.estimate.results import EstimateError
 
     on_a100 = wide.replace(gpu="A100-80GB")
     plain = predict_memory(on_a100, TrialConfig(lora_rank=16, precision="bf16-true"))

@@ -14,7 +14,7 @@ from step_toys import TOY_CPU, toy_costs, toy_step_s
 from autotune.config.device import DeviceInfo
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import MemoryEstimate
+from autotune.estimate.results import MemoryEstimate
 from autotune.estimate.step_costs import OpCost, StepCosts
 from autotune.estimate.step_time import matmul_speedups
 from autotune.search.proposer import Proposer

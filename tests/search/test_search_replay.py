@@ -9,7 +9,7 @@ from pathlib import Path
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import MemoryEstimate
+from autotune.estimate.results import MemoryEstimate
 from autotune.trial.result import TrialResult, TrialStatus
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autotune.config.knobs import TrialConfig
-from autotune.estimate.estimator import MemoryEstimate
+from autotune.estimate.results import MemoryEstimate
 from autotune.search.simple import next_ramp_config, ramp_answer, ramp_family
 from autotune.study.summary import TrialRecord
 

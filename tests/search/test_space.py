@@ -10,7 +10,7 @@ from autotune.config.device import DeviceInfo
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.estimate.estimator import MemoryEstimate
+from autotune.estimate.results import MemoryEstimate
 from autotune.search.proposer import Proposer, implied_too_big
 from autotune.search.space import SearchSpace, load_space, preset_names
 from autotune.study.summary import TrialRecord

@@ -52,7 +52,7 @@ OFFLOAD_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("plain", OFFLOAD_CASES, ids=[c.describe() for c in OFFLOAD_CASES])
 def test_on_cuda_offload_lowers_the_measured_peak_as_the_estimator_predicts(plain):
-    from autotune.estimate.estimator import predict_memory
+    from autotune.estimate.client import predict_memory
     from autotune.trial.runner import run_trial
 
     offloaded = plain.replace(activation_offload=True)

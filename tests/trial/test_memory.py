@@ -120,10 +120,10 @@ def test_the_engines_gradient_sums_count_as_in_place_as_without_a_dispatch_mode(
 def test_the_estimates_fake_step_counts_the_engines_sums_as_in_place_too():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autotune.estimate.estimator import _peak_parts_tracker
+    from autotune.estimate.peak_parts import PeakPartsTracker
 
     with FakeTensorMode():
-        peak, weight_bytes = _tied_head_backward_peak(_peak_parts_tracker())
+        peak, weight_bytes = _tied_head_backward_peak(PeakPartsTracker())
     assert 1.8 * weight_bytes <= peak < 2.5 * weight_bytes
 
 

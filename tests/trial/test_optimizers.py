@@ -12,7 +12,7 @@ from refusals import trial_refusal
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.estimator import predict_memory
+from autotune.estimate.client import predict_memory
 from autotune.prepare.optimizer import StepInBackward, build_optimizer
 from autotune.trial.runner import run_trial
 

@@ -1,0 +1,172 @@
+"""The caller's side of the estimate server (:mod:`autotune.estimate.worker`): :func:`predict_memory` asks it for
+an estimate, each traced in a process forked from it, so the caller's process stays clean; the device probe can
+be forked from it too. One server per caller process, started on first use and killed when the caller exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+from autotune.errors import ConfigError
+from autotune.estimate.measured_with import AS_INSTALLED, MeasuredWith
+from autotune.estimate.results import EstimateError, MemoryEstimate
+
+if TYPE_CHECKING:
+    from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
+
+__all__ = ["predict_memory", "probe_in_estimate_server", "start_estimate_server", "wait_for_estimate_server"]
+
+
+class _Proxy(Protocol):
+    """What ``predict_memory(proxy=)`` takes: :class:`autotune.estimate.depth_proxy.DepthProxy`."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+def predict_memory(
+    workload: Workload,
+    config: TrialConfig,
+    *,
+    task: str | None = None,
+    timeout_s: float = 300,
+    measured_with: MeasuredWith = AS_INSTALLED,
+    proxy: _Proxy | None = None,
+) -> MemoryEstimate:
+    """:func:`autotune.estimate.trace.estimate_memory` in a fresh process, like a trial: the caller's process
+    stays clean.
+
+    Fake tensors, PEFT and Transformers' model code leave state behind that can crash a later
+    estimate in the same process, so each runs in its own process, forked by a server that has
+    the libraries imported already (:mod:`autotune.estimate.worker`, started on first use and
+    kept for the caller's lifetime), which keeps the traced steps: a config that differs from one
+    estimated before only in ZeRO's stage or offload is arithmetic on that trace. Raises
+    EstimateError when the estimate fails or takes longer than ``timeout_s``.
+
+    ``proxy``: the workload's model drawn from its 2- and 4-layer copies
+    (:mod:`autotune.estimate.depth_proxy`), not traced whole. ``measured_with``: what a published
+    measurement ran beyond autotune's knobs, to rebuild it (:mod:`autotune.estimate.measured_with`).
+    """
+    from autotune.prepare import refusal_before_trial
+
+    refusal = refusal_before_trial(workload, config, task)  # refused in words, as a trial refuses it
+    if refusal is not None:
+        raise ConfigError(refusal)
+    request = {
+        "workload": workload.to_dict(),
+        "config": config.to_dict(),
+        "task": task,
+        "measured_with": measured_with.to_dict(),
+        # Pipeline stages cut the real depth into stages: a 2- or 4-layer copy has too few layers for them.
+        "proxy": None if proxy is None or config.pp > 1 else proxy.to_dict(),
+    }
+    reply = _SERVER.ask(request, timeout_s)
+    if "error" in reply:
+        raise EstimateError(f"the estimate failed: {reply['error']}")
+    return MemoryEstimate.from_dict(reply["ok"])
+
+
+class _EstimateServer:
+    """The caller's handle on one ``python -m autotune.estimate.worker`` process."""
+
+    START_TIMEOUT_S = 120.0  # its imports, on a slow disk
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[str] | None = None
+        self._ready = False  # it said it has imported everything
+        self._lock = threading.Lock()
+
+    def ask(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        with self._lock:
+            process = self._running()
+            assert process.stdin is not None and process.stdout is not None
+            process.stdin.write(json.dumps(request) + "\n")
+            process.stdin.flush()
+            started = time.monotonic()
+            self._read_ready(process, timeout_s)  # the request waits in its pipe meanwhile
+            return self._line(process, timeout_s - (time.monotonic() - started))
+
+    def start(self) -> None:
+        """Start the server now, if it is not running, without waiting for its imports."""
+        with self._lock:
+            self._running()
+
+    def wait_if_starting(self) -> None:
+        """Wait until a server started already has imported everything (a server that died is left for
+        the next estimate to find out); nothing where none was started."""
+        with self._lock:
+            if self._process is not None and self._process.poll() is None:
+                with contextlib.suppress(EstimateError):
+                    self._read_ready(self._process, self.START_TIMEOUT_S)
+
+    def _read_ready(self, process: subprocess.Popen[str], timeout_s: float) -> None:
+        if not self._ready:
+            self._ready = "ready" in self._line(process, timeout_s)
+
+    def _line(self, process: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], max(timeout_s, 0.0))
+        line = process.stdout.readline() if ready else ""
+        if not line:
+            self.close()  # a late answer must not be read as the next request's
+            if not ready:
+                raise EstimateError(f"the estimate took more than {timeout_s:g} s")
+            raise EstimateError("the estimate server exited")
+        return json.loads(line)
+
+    def _running(self) -> subprocess.Popen[str]:
+        if self._process is None or self._process.poll() is not None:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "autotune.estimate.worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+            )
+            self._ready = False
+        return self._process
+
+    def close(self) -> None:
+        if self._process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)  # the server and an estimate it forked
+            self._process.wait()
+            self._process = None
+
+
+_SERVER = _EstimateServer()
+atexit.register(_SERVER.close)
+
+
+def start_estimate_server() -> None:
+    """Start the estimate server in the background now, its imports beside the caller's own checks;
+    the first estimate's request waits in its pipe until it reads it. Not beside trials or the device
+    probe: its imports would take a core their free cores are read from (:func:`wait_for_estimate_server`)."""
+    _SERVER.start()
+
+
+def probe_in_estimate_server(device_type: str, what: str, *, timeout_s: float) -> Any:
+    """The device probe's ``what`` (see :func:`autotune.trial.device_probe.run_probe`) forked from the estimate
+    server, started now if it is not running, once its imports are done: what it measured, or None where it
+    failed (the caller then probes in a new interpreter)."""
+    try:
+        return _SERVER.ask({"probe": [device_type, what], "env": dict(os.environ)}, timeout_s).get("probe")
+    except EstimateError:
+        return None
+
+
+def wait_for_estimate_server() -> None:
+    """Wait until an estimate server started in the background has done its imports (nothing where none
+    was started): before what reads the free cores, as the device probe does."""
+    _SERVER.wait_if_starting()
