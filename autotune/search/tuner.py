@@ -70,6 +70,7 @@ __all__ = ["tune", "find", "find_name", "Progress", "TrialBackend", "LocalBacken
 
 DEFAULT_HEADROOM = 0.10  # a config fits when its peak stays 10% under the budget
 CONFIRM_STEPS_FACTOR = 2  # a candidate's first re-run measures 2x as many steps: the fit held over a longer run
+WARM_MICRO_BATCHES = 4  # a warm-up step of this many micro batches warms the first trial without another step
 CONFIRM_ROUNDS = 2  # interleaved re-runs per contender (A B A B): paired under the same conditions
 MAX_CONFIRM_ROUNDS = 3  # one more round when the first ones disagree on who leads
 CONTENDER_BAND = 0.3  # the widest noise band: candidates whose first figure is this close to the top one's
@@ -532,7 +533,8 @@ def _simple_answer(
     """Measure the ramp of :mod:`autotune.search.simple` and store its answer, the first one held.
 
     The first trial of the call warms up one step more: the machine's first trial after the servers'
-    start-up (caches, the first fork's page faults) is not measured cold."""
+    start-up (caches, the first fork's page faults) is not measured cold. Not where a step holds
+    ``WARM_MICRO_BATCHES`` micro batches or more: its warm-up step alone runs that many forwards and backwards."""
     from autotune.study.storage import DEFAULT_STORAGE
 
     family = ramp_family(proposer.candidates)
@@ -549,8 +551,9 @@ def _simple_answer(
             trial, config = _ask(study, proposer, config)
         with _heartbeat(study, trial):
             prediction = oracle.estimate(config, records) if oracle else None
+            warm = first if config.grad_accum_steps(workload) < WARM_MICRO_BATCHES else measure
             record = _start_and_measure(
-                study, trial, config, records, workload, first, prediction, backend, progress, clock, target=target
+                study, trial, config, records, workload, warm, prediction, backend, progress, clock, target=target
             )
         first = measure
         _report_finished(study, record, progress, clock)

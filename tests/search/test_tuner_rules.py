@@ -104,13 +104,15 @@ class ScriptedBackend:
         self.probed, self._probe, self._factor = [], probe, precision_factor or {}
         self.seen: set = set()  # configs run once: a config's next run is a confirming re-run
         self.steps: list[int] = []  # the steps each run measured
+        self.warmups: list[int] = []  # and its warm-up steps
 
-    def run(self, workload, config, *, measure_steps, **_):
+    def run(self, workload, config, *, measure_steps, warmup_steps=1, **_):
         from autotune.trial.result import TrialResult, TrialStatus
 
         confirming = config in self.seen
         self.seen.add(config)
         self.steps.append(measure_steps)
+        self.warmups.append(warmup_steps)
         self.runs.append((config.micro_batch, confirming) if not self._factor else (config, confirming))
         tokens = self.reruns[config.micro_batch].pop(0) if confirming else self.first[config.micro_batch]
         if tokens == "oom":
@@ -460,3 +462,16 @@ def test_a_trial_disturbed_by_other_work_is_measured_once_more_and_the_steadier_
     four = next(t for t in summary.trials if t.config == TrialConfig(micro_batch=4))
     assert four.tokens_per_s == 100.0  # the steadier measurement, not the disturbed 40
     assert backend.runs[:2] == [("fp32", 4), ("fp32", 4)]
+
+
+def test_the_first_trial_warms_up_one_step_more_unless_its_step_holds_many_micro_batches(tmp_path):
+    # Global batch 16. mb=2 accumulates 8 micro batches a step: its warm-up step is warm-up enough.
+    (tmp_path / "many").mkdir()
+    few = ScriptedBackend(first={1: 50.0, 2: 97.0, 4: 100.0}, reruns={m: [100.0] * 3 for m in (1, 2, 4)})
+    _tune(tmp_path / "many", few)
+    assert few.runs[0] == (2, False) and few.warmups[0] == 1
+    # mb=8 and mb=16 accumulate 2 and 1: the first trial gets its extra warm-up step, the next ones do not.
+    (tmp_path / "few").mkdir()
+    backend = ScriptedBackend(first={8: 100.0, 16: 120.0}, reruns={8: [100.0] * 3, 16: [120.0] * 3})
+    _tune(tmp_path / "few", backend, knobs="  micro_batch: [8, 16]\n  precision: [fp32]\n")
+    assert backend.warmups[0] == 2 and backend.warmups[1] == 1
