@@ -11,12 +11,15 @@ so a launcher (torchrun's own process) writes none.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autotune.config.knobs import TrialConfig
+    from autotune.trial.spec import TrialSpec
 
 __all__ = ["install", "SPEC_ENV"]
 
@@ -24,14 +27,16 @@ SPEC_ENV = "AUTOTUNE_SCRIPT_SPEC"
 
 
 def install(spec_path: str) -> None:
-    _Measurement(json.loads(Path(spec_path).read_text())).start()
+    from autotune.trial.spec import TrialSpec
+
+    _Measurement(TrialSpec.read(spec_path)).start()
 
 
 class _Measurement:
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: TrialSpec) -> None:
         self.spec = spec
         self.rank = int(os.environ.get("RANK", "0"))
-        self.warmup = max(1, spec["warmup_steps"])  # the first step's end starts the clock
+        self.warmup = max(1, spec.warmup_steps)  # the first step's end starts the clock
         self.ends: list[float] = []
         self.optimizer_id: int | None = None
         self.tracker: Any = None
@@ -47,19 +52,19 @@ class _Measurement:
     def start(self) -> None:
         import torch
 
-        budget = self.spec.get("memory_budget_bytes")
+        budget = self.spec.memory_budget_bytes
         local_rank = os.environ.get("LOCAL_RANK")
-        nproc = self.spec["workload"].get("nproc", 1)
-        if self.spec.get("cpu_cores") and (local_rank is not None or nproc == 1):  # a rank, not a launcher
+        nproc = self.spec.workload.nproc
+        if self.spec.cpu_cores and (local_rank is not None or nproc == 1):  # a rank, not a launcher
             # The free cores, as a synthetic trial's (see autotune.trial.cpu_cores): one busy core had
             # made a script trial's steps 100x slower. Before the script starts a thread.
             from autotune.trial.cpu_cores import use_rank_cores
 
-            self.cores = use_rank_cores(self.spec["cpu_cores"], int(local_rank or 0), nproc, torch)
+            self.cores = use_rank_cores(self.spec.cpu_cores, int(local_rank or 0), nproc, torch)
             os.environ["OMP_NUM_THREADS"] = str(self.cores["cpu_threads"])  # what frameworks read to set threads
         # On a GPU, every rank (or the one process of a command without a launcher) has its own device;
         # a launcher (RANK unset but ranks below it) and any CPU process count with the tracker.
-        if self.spec["device_type"] == "cuda" and (local_rank is not None or "RANK" not in os.environ):
+        if self.spec.device_type == "cuda" and (local_rank is not None or "RANK" not in os.environ):
             from autotune.trial.memory import limit_cuda_memory
 
             self.device = torch.device("cuda", int(local_rank or 0))
@@ -110,7 +115,7 @@ class _Measurement:
 
             torch.cuda.synchronize(self.device)
         self.ends.append(time.perf_counter())
-        if len(self.ends) >= self.warmup + self.spec["measure_steps"]:
+        if len(self.ends) >= self.warmup + self.spec.measure_steps:
             self._write("ok")
             sys.stdout.flush()
             sys.stderr.flush()
@@ -127,7 +132,7 @@ class _Measurement:
             self._write(
                 "error",
                 error=f"the script ended after {len(self.ends)} optimizer step(s); the trial "
-                f"measures {self.warmup} warm-up and {self.spec['measure_steps']} timed steps "
+                f"measures {self.warmup} warm-up and {self.spec.measure_steps} timed steps "
                 "(train for more steps, or lower --steps)",
             )
 
@@ -136,20 +141,20 @@ class _Measurement:
         if self.written:
             return
         self.written = True
-        workload = self.spec["workload"]
+        workload, config = self.spec.workload, self.spec.config
         record: dict[str, Any] = {
-            "config": self.spec["config"],
+            "config": config.to_dict(),
             "status": status,
             "error": error,
             "phases": {},
             "measured_steps": 0,
             "device": str(self.device or "cpu"),
-            "memory_budget_bytes": self.spec.get("memory_budget_bytes"),
-            "grad_accum_steps": self.spec["grad_accum_steps"],
+            "memory_budget_bytes": self.spec.memory_budget_bytes,
+            "grad_accum_steps": self.spec.grad_accum_steps,
             **self.cores,
         }
         unapplied = (
-            _needs_prepare(self.spec["config"], trainer=self.frameworks.trainer_args_applied)
+            _needs_prepare(config, trainer=self.frameworks.trainer_args_applied)
             if status == "ok" and not self.prepared
             else None
         )
@@ -163,10 +168,7 @@ class _Measurement:
             )
             record.update(status=status, error=error)
         ignored = (
-            (
-                self.frameworks.ignored_micro_batch(self.spec["config"]["micro_batch"])
-                or self.frameworks.ignored_zero(self.spec["config"].get("zero_stage"))
-            )
+            (self.frameworks.ignored_micro_batch(config.micro_batch) or self.frameworks.ignored_zero(config.zero_stage))
             if status == "ok"
             else None
         )
@@ -175,12 +177,13 @@ class _Measurement:
             record.update(status=status, error=error)
         seconds = [b - a for a, b in zip(self.ends[self.warmup - 1 :], self.ends[self.warmup :], strict=False)]
         if status == "ok" and seconds:
-            from autotune.config.workload import Workload
             from autotune.models.batches import throughput_unit
             from autotune.trial.measure import StepTimes
 
             times = StepTimes(
-                seconds=seconds, warmup_s=self.ends[self.warmup - 1] - self.spec["launched"], last_loss=float("nan")
+                seconds=seconds,
+                warmup_s=self.ends[self.warmup - 1] - (self.spec.launched or 0.0),
+                last_loss=float("nan"),
             )
             record.update(
                 step_time_median_s=times.median_s,
@@ -190,9 +193,9 @@ class _Measurement:
                 measured_steps=len(seconds),
             )
             # What one sample holds is what --task and the lengths say (a script's model is its own).
-            task = workload.get("task") or "causal-lm"
-            tokens = Workload.from_dict(workload).tokens_per_sample(task)
-            samples_per_s = workload["global_batch"] / times.median_s
+            task = workload.task or "causal-lm"
+            tokens = workload.tokens_per_sample(task)
+            samples_per_s = workload.global_batch / times.median_s
             record.update(
                 samples_per_s=samples_per_s,
                 throughput_unit=throughput_unit(task, own_batch=False),
@@ -207,15 +210,13 @@ class _Measurement:
         record_peaks(record, self.device if uses_cuda else torch.device("cpu"), self.tracker)
         # The first record of a rank stands: a launcher (no RANK, so 'rank 0') that fails because a rank
         # failed writes after that rank, and must not replace its OOM with its own ChildFailedError.
-        write_record(Path(self.spec["out_dir"]) / f"rank{self.rank}.json", record, replace=False)
+        assert self.spec.out_dir is not None, "script mode's runner names the records' folder"
+        write_record(Path(self.spec.out_dir) / f"rank{self.rank}.json", record, replace=False)
 
 
-def _needs_prepare(config: dict[str, Any], *, trainer: bool) -> str | None:
-    """The flags of ``config`` (a TrialConfig's dict) that only ``autotune.prepare`` applies, in words.
+def _needs_prepare(knobs: TrialConfig, *, trainer: bool) -> str | None:
+    """The flags of ``knobs`` that only ``autotune.prepare`` applies, in words.
     ``trainer``: a Trainer got the config's TrainingArguments, which checkpoint activations themselves."""
-    from autotune.config.knobs import TrialConfig
-
-    knobs = TrialConfig.from_dict(config)
     flags = [
         flag
         for flag, on in (

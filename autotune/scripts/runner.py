@@ -7,7 +7,6 @@ The result is the same TrialResult as a synthetic trial's, combined from each ra
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -30,6 +29,7 @@ from autotune.trial.runner import (
     run_process_group,
     stderr_tail_of,
 )
+from autotune.trial.spec import TrialSpec
 
 __all__ = ["run_script_trial", "run_with_config", "command_with_config", "SCRIPT_NODES_REFUSAL"]
 
@@ -71,22 +71,17 @@ def run_script_trial(
     with tempfile.TemporaryDirectory(prefix="autotune-script-") as tmp:
         work = Path(tmp)
         write_config_file(work / "config.json", config, workload, device_type=device.type)
-        (work / "spec.json").write_text(
-            json.dumps(
-                {
-                    "config": config.to_dict(),
-                    "workload": workload.to_dict(),
-                    "device_type": device.type,
-                    "grad_accum_steps": config.grad_accum_steps(workload),
-                    "memory_budget_bytes": memory_budget_bytes,
-                    "warmup_steps": warmup_steps,
-                    "measure_steps": measure_steps,
-                    "out_dir": str(work),
-                    "cpu_cores": free_cores() if device.type == "cpu" else None,
-                    "launched": time.perf_counter(),
-                }
-            )
-        )
+        TrialSpec(
+            config=config,
+            workload=workload,
+            device_type=device.type,
+            memory_budget_bytes=memory_budget_bytes,
+            warmup_steps=warmup_steps,
+            measure_steps=measure_steps,
+            out_dir=str(work),
+            cpu_cores=free_cores() if device.type == "cpu" else None,
+            launched=time.perf_counter(),
+        ).write(work / "spec.json")
         env = _command_env(
             config, workload, device, {CONFIG_ENV: str(work / "config.json"), SPEC_ENV: str(work / "spec.json")}
         )

@@ -15,7 +15,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from autotune.trial.spec import TrialSpec
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["main", "record_peaks", "error_tail", "write_record", "LAUNCH_TIME_ENV"]
 
@@ -29,10 +34,11 @@ def main(argv: list[str]) -> int:
     # A single rank is the runner's child; a rank under torchrun is torchrun's.
     die_with_parent(expected_parent() if "LOCAL_RANK" not in os.environ else None)
     spec_path, out_dir = Path(argv[0]), Path(argv[1])
-    spec = json.loads(spec_path.read_text())
     rank = int(os.environ.get("RANK", "0"))
-    record: dict[str, Any] = {"config": spec["config"], "status": "error", "phases": {}}
+    record: dict[str, Any] = {"config": None, "status": "error", "phases": {}}
     try:
+        spec = TrialSpec.read(spec_path)
+        record["config"] = spec.config.to_dict()
         _run(spec, record)
         record["status"] = "ok"
         code = 0
@@ -46,23 +52,18 @@ def main(argv: list[str]) -> int:
     return code
 
 
-def _run(spec: dict[str, Any], record: dict[str, Any]) -> None:
+def _run(spec: TrialSpec, record: dict[str, Any]) -> None:
     import torch
-
-    from autotune.config.knobs import TrialConfig
-    from autotune.config.workload import Workload
 
     started = time.time()
     launched = float(os.environ.get(LAUNCH_TIME_ENV, started))
     record["phases"]["startup_s"] = started - launched
-    workload = Workload.from_dict(spec["workload"])
-    config = TrialConfig.from_dict(spec["config"])
-    budget = spec.get("memory_budget_bytes")
-    device = _init_device(spec["device_type"])
-    if spec.get("cpu_cores"):  # before any thread starts: they inherit the pinning
+    workload, config, budget = spec.workload, spec.config, spec.memory_budget_bytes
+    device = _init_device(spec.device_type)
+    if spec.cpu_cores:  # before any thread starts: they inherit the pinning
         from autotune.trial.cpu_cores import use_rank_cores
 
-        record.update(use_rank_cores(spec["cpu_cores"], int(os.environ.get("LOCAL_RANK", "0")), workload.nproc, torch))
+        record.update(use_rank_cores(spec.cpu_cores, int(os.environ.get("LOCAL_RANK", "0")), workload.nproc, torch))
     world_size = _init_distributed(workload, config, device)
     record.update(
         device=str(device),
@@ -90,8 +91,6 @@ def _run(spec: dict[str, Any], record: dict[str, Any]) -> None:
             _train(
                 spec,
                 record,
-                workload=workload,
-                config=config,
                 device=device,
                 world_size=world_size,
                 peak_so_far=lambda: _peak_allocated(device, tracker),
@@ -101,12 +100,10 @@ def _run(spec: dict[str, Any], record: dict[str, Any]) -> None:
 
 
 def _train(
-    spec: dict[str, Any],
+    spec: TrialSpec,
     record: dict[str, Any],
     *,
-    workload: Any,
-    config: Any,
-    device: Any,
+    device: torch.device,
     world_size: int,
     peak_so_far: Any,
 ) -> None:
@@ -116,8 +113,10 @@ def _train(
     from autotune.trial.measure import time_steps
     from autotune.trial.result import TOKENS_PER_S
 
+    workload, config = spec.workload, spec.config
+    assert spec.task is not None, "autotune's own trials carry their task (the runner resolves it)"
     begin = time.perf_counter()
-    engine = build_engine(workload=workload, config=config, task=spec["task"], device=device, world_size=world_size)
+    engine = build_engine(workload=workload, config=config, task=spec.task, device=device, world_size=world_size)
     record.update(trainable_params=engine.trainable_params, total_params=engine.total_params)
     record["phases"]["build_s"] = time.perf_counter() - begin
     record["build_peak_bytes"] = peak_so_far()  # tells a build-time peak from a training-step one
@@ -133,15 +132,15 @@ def _train(
     times = time_steps(
         engine.step,
         sync,
-        warmup=spec["warmup_steps"],
-        steps=spec["measure_steps"],
-        max_steps=spec.get("max_measure_steps"),
+        warmup=spec.warmup_steps,
+        steps=spec.measure_steps,
+        max_steps=spec.max_measure_steps,
         agree=_agreed(world_size, device),
     )
     # Per optimizer step, from the median step: a few steps slowed by another process move a
     # mean, not a median (the spread says how much they disagreed).
     record["phases"].update(warmup_s=times.warmup_s, measure_s=times.total_s)
-    tokens_per_sample = workload.tokens_per_sample(spec["task"]) if engine.throughput_unit == TOKENS_PER_S else None
+    tokens_per_sample = workload.tokens_per_sample(spec.task) if engine.throughput_unit == TOKENS_PER_S else None
     record.update(
         samples_per_s=workload.global_batch / times.median_s,
         tokens_per_s=None if tokens_per_sample is None else workload.global_batch * tokens_per_sample / times.median_s,

@@ -32,6 +32,7 @@ from autotune.trial.failures import classify_exit, describe_exit
 from autotune.trial.lifeline import PARENT_PID_ENV, die_with_parent
 from autotune.trial.multinode import node_ranks
 from autotune.trial.result import TOKENS_PER_S, PhaseTimings, TrialResult, TrialStatus
+from autotune.trial.spec import TrialSpec
 
 __all__ = [
     "run_trial",
@@ -97,25 +98,25 @@ def run_trial(
         raise ConfigError(refusal)
     if _SERVER.enabled() and not srun:
         _SERVER.wait_until_ready()  # its imports done before the free cores are read below
-    spec = {
-        "workload": workload.to_dict(),
-        "config": config.to_dict(),
-        "task": task,
-        "device_type": device.type,
-        "memory_budget_bytes": memory_budget_bytes,
-        "warmup_steps": warmup_steps,
-        "measure_steps": measure_steps,
+    spec = TrialSpec(
+        workload=workload,
+        config=config,
+        task=task,
+        device_type=device.type,
+        memory_budget_bytes=memory_budget_bytes,
+        warmup_steps=warmup_steps,
+        measure_steps=measure_steps,
         # Measured here, under the caller's CPU turn: the trial's ranks run only on the cores free now.
         # (srun: each node's ranks on the cores SLURM gave the job there)
-        "cpu_cores": free_cores() if device.type == "cpu" and not srun else None,
-    }
+        cpu_cores=free_cores() if device.type == "cpu" and not srun else None,
+    )
     shared = None
     if srun:
         shared = Path("autotune-slurm", "trials").absolute()
         shared.mkdir(mode=0o700, parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="autotune-trial-", dir=shared) as tmp:
         work = Path(tmp)
-        (work / "spec.json").write_text(json.dumps(spec))
+        spec.write(work / "spec.json")
         outcome = None
         if _SERVER.enabled() and not srun:
             outcome = _SERVER.run(spec, work, timeout_s=timeout_s, env=_trial_env(env))
@@ -224,9 +225,7 @@ class _TrialServer:
             "no",
         )
 
-    def run(
-        self, spec: dict[str, Any], work: Path, *, timeout_s: float, env: dict[str, str]
-    ) -> tuple[int, bool] | None:
+    def run(self, spec: TrialSpec, work: Path, *, timeout_s: float, env: dict[str, str]) -> tuple[int, bool] | None:
         """Fork the trial of ``work/spec.json``: its exit code, and whether it was killed on ``timeout_s``;
         None when the server is not there to fork it."""
         process = self.start()
@@ -236,8 +235,8 @@ class _TrialServer:
             "out": str(work),
             "env": env,
             "cwd": os.getcwd(),
-            "workload": spec["workload"],
-            "nproc": spec["workload"]["nproc"],
+            "workload": spec.workload.to_dict(),
+            "nproc": spec.workload.nproc,
         }
         started = time.monotonic()
         pid = self._send(process, request)

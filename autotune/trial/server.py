@@ -129,11 +129,10 @@ def _reap(pids: list[int], group: int) -> int:
 def _preload_for_config(spec_path: str) -> None:
     """Import what the trial's config needs here, once, before the first trial that needs it (see
     :func:`preload_libraries`): PEFT before the first LoRA trial."""
-    from autotune.config.knobs import TrialConfig
+    from autotune.trial.spec import TrialSpec
 
     try:
-        with open(spec_path) as spec:
-            config = TrialConfig.from_dict(json.load(spec)["config"])
+        config = TrialSpec.read(spec_path).config
     except Exception:  # noqa: BLE001 - the trial itself will report what is wrong
         return
     preload_libraries(config, adapters=config.lora_rank is not None)

@@ -73,11 +73,13 @@ def test_a_killed_server_takes_its_trial_along_and_the_next_trial_starts_a_new_o
 
     killed = threading.Event()
     trial_over = threading.Event()
+    trials: list[psutil.Process] = []  # this server's trial: other runs on the machine may have their own
 
     def kill_server_once_the_trial_runs() -> None:
         # As long as the trial lasts: on a machine busy with other tests its start can take a while.
         while not trial_over.is_set():
-            if any(p.name() == TRIAL_PROCESS_NAME for p in server.children()):
+            trials.extend(p for p in server.children() if p.name() == TRIAL_PROCESS_NAME)
+            if trials:
                 server.kill()
                 killed.set()
                 return
@@ -95,14 +97,20 @@ def test_a_killed_server_takes_its_trial_along_and_the_next_trial_starts_a_new_o
     assert killed.is_set(), f"the hanging trial never showed up under the server: {hung.status.value}, {hung.error}"
     assert hung.status is TrialStatus.CRASHED, hung.error
     deadline = time.monotonic() + 10  # PR_SET_PDEATHSIG delivers the trial's SIGKILL
-    while (
-        any(p.info["name"] == TRIAL_PROCESS_NAME for p in psutil.process_iter(["name"])) and time.monotonic() < deadline
-    ):
+    while any(_alive(p) for p in trials) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(p.info["name"] == TRIAL_PROCESS_NAME for p in psutil.process_iter(["name"]))
+    assert not any(_alive(p) for p in trials)
     after = _run(monkeypatch, "on")
     assert after.status is TrialStatus.OK, after.error
     assert [p.pid for p in _servers()] != [server.pid]
+
+
+def _alive(process: psutil.Process) -> bool:
+    """Running and not a zombie (a killed child its reaper has not collected yet is gone for good)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_a_process_whose_parent_died_before_it_asked_to_die_with_it_exits_at_once():
@@ -189,11 +197,16 @@ def test_the_server_imports_peft_and_an_optimizers_library_only_before_a_trial_t
     # (Transformers' optimization) likewise, at the first Adafactor trial, where each fork paid it before.
     code = (
         "import json, sys\n"
+        "from pathlib import Path\n"
+        "from autotune.config.knobs import TrialConfig\n"
+        "from autotune.config.workload import Workload\n"
         "from autotune.trial.server import _preload_for_config\n"
+        "from autotune.trial.spec import TrialSpec\n"
         "for config in ({}, {'lora_rank': 8}, {'optimizer': 'adafactor'}):\n"
-        "    spec = f'{sys.argv[1]}/{len(config)}{sorted(config)}.json'\n"
-        "    open(spec, 'w').write(json.dumps({'config': config}))\n"
-        "    _preload_for_config(spec)\n"
+        "    spec = Path(f'{sys.argv[1]}/{len(config)}{sorted(config)}.json')\n"
+        "    TrialSpec(workload=Workload(), config=TrialConfig(**config), device_type='cpu',\n"
+        "              memory_budget_bytes=None, warmup_steps=1, measure_steps=3).write(spec)\n"
+        "    _preload_for_config(str(spec))\n"
         "    print('peft' in sys.modules, 'transformers.optimization' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
