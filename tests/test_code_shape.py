@@ -32,7 +32,8 @@ def _problems(allowed: dict[str, dict[str, int]], now: dict[str, dict[str, int]]
         for name, lines in now[kind].items():
             if name not in allowed[kind]:
                 problems.append(
-                    f"{name}: {lines} lines, over the limit of {limit}; split it (do not add it to the list)"
+                    f"{name}: {lines} lines, over the limit of {limit}; split it (an offender moved or renamed "
+                    "unchanged takes its entry's place under the new name, no larger; nothing new joins the list)"
                 )
             elif lines > allowed[kind][name]:
                 problems.append(
