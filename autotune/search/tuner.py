@@ -32,6 +32,17 @@ from autotune.config.device import DeviceInfo, detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import AutotuneError, ConfigError
+from autotune.search.confirm import (
+    CONFIRM_ROUNDS,
+    certainty,
+    contenders_of,
+    held_answer,
+    held_up,
+    holds,
+    paired_scores,
+    proven_order,
+    rounds_agree,
+)
 from autotune.search.simple import SIMPLE_KEY, next_ramp_config, ramp_answer, ramp_family
 from autotune.search.space import SearchSpace, is_preset, load_space
 from autotune.search.workers import (
@@ -71,12 +82,7 @@ __all__ = ["tune", "find", "find_name", "Progress", "TrialBackend", "LocalBacken
 DEFAULT_HEADROOM = 0.10  # a config fits when its peak stays 10% under the budget
 CONFIRM_STEPS_FACTOR = 2  # a candidate's first re-run measures 2x as many steps: the fit held over a longer run
 WARM_MICRO_BATCHES = 4  # a warm-up step of this many micro batches warms the first trial without another step
-CONFIRM_ROUNDS = 2  # interleaved re-runs per contender (A B A B): paired under the same conditions
 MAX_CONFIRM_ROUNDS = 3  # one more round when the first ones disagree on who leads
-CONTENDER_BAND = 0.3  # the widest noise band: candidates whose first figure is this close to the top one's
-NOISE_FLOOR = 0.05  # the narrowest: two first figures of one config differ by this much on a quiet machine
-MAX_CONTENDERS = 4  # ... at most this many (plus the simple answer and the answer decided before)
-CONFIRM_NOISE = 0.03  # a lead under 3% in some round is "within noise"
 SEARCH_SHARE = 0.8  # under --max-time, the search's share of it at most: the rest confirms the winner
 CONFIRM_RESERVE = 2.5  # ... and at least this many trials' time is left for the leader's re-run
 MAX_CONFIRMATIONS = 3  # decisions per tune call (a new one when every contender of the last was refuted)
@@ -594,14 +600,6 @@ def _start_and_measure(
         return _measure_in_study(study, trial, config, workload, measure, prediction, backend)
 
 
-def held_answer(records: list[TrialRecord], simple: int | None) -> TrialRecord | None:
-    """The answer held so far: the one interleaved re-runs decided, else the simple answer, else (no ramp)
-    the fastest first figure. A first figure alone never replaces a held answer."""
-    ranked = ranking(records)
-    decided = next((r for r in ranked if r.decided_rank == 0), None)
-    return decided or next((r for r in ranked if r.number == simple), None) or next(iter(ranked), None)
-
-
 def _report_finished(study: optuna.Study, record: TrialRecord, progress: Progress, clock: _Clock) -> None:
     records = records_of(study)
     held = held_answer(records, study.user_attrs.get(SIMPLE_KEY))
@@ -1015,20 +1013,20 @@ def _confirm_winner(
     limit = memory_limit(study.user_attrs["autotune"])
     for _ in range(MAX_CONFIRMATIONS):
         records = records_of(study)
-        contenders = _contenders(records, simple=study.user_attrs.get(SIMPLE_KEY))
+        contenders = contenders_of(records, simple=study.user_attrs.get(SIMPLE_KEY))
         decided = set((study.user_attrs.get(DECISION_KEY) or {}).get("contenders", []))
         if not contenders or {r.number for r in contenders} <= decided:
             return
         runs: dict[int, list[TrialResult]] = {r.number: [] for r in contenders}
         for round_index in range(MAX_CONFIRM_ROUNDS if len(contenders) > 1 else 1):
-            if round_index >= CONFIRM_ROUNDS and _rounds_agree(contenders, runs, limit):
+            if round_index >= CONFIRM_ROUNDS and rounds_agree(contenders, runs, limit):
                 break
             # The first round proves each contender's fit over a longer run; later rounds pair figures, and
             # every contender of a round measures as many steps as the others.
             factor = CONFIRM_STEPS_FACTOR if round_index == 0 else 1
             steps = measure.measure_steps * factor
             for record in contenders:
-                if any(not _holds(result, limit) for result in runs[record.number]):
+                if any(not holds(result, limit) for result in runs[record.number]):
                     continue  # refuted already: no need to time it again
                 if any(runs.values()) and not clock.holds_a_rerun():
                     break
@@ -1051,83 +1049,6 @@ def _confirm_winner(
             return
 
 
-def _rounds_agree(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], limit: int) -> bool:
-    """Whether the leader by paired figures was ahead of every other contender in every round."""
-    held = _held(contenders, runs, limit)
-    scores, rounds = _paired_scores(held, runs)
-    if len(scores) < 2:
-        return True
-    leader = max(scores, key=scores.__getitem__)
-    return all(
-        (runs[leader][i].throughput or 0.0) > (runs[n][i].throughput or 0.0)
-        for n in scores
-        if n != leader
-        for i in range(rounds)
-    )
-
-
-def _held(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], limit: int) -> list[TrialRecord]:
-    """The contenders every re-run of which trained and fit."""
-    return [r for r in contenders if runs[r.number] and all(_holds(x, limit) for x in runs[r.number])]
-
-
-def _paired_scores(held: list[TrialRecord], runs: dict[int, list[TrialResult]]) -> tuple[dict[int, float], int]:
-    """Each contender's figure over the round's geometric mean, the median over the rounds all ran."""
-    rounds = min((len(runs[r.number]) for r in held), default=0)
-    scores: dict[int, float] = {}
-    for record in held:
-        paired = []
-        for i in range(rounds):
-            round_mean = statistics.geometric_mean([runs[r.number][i].throughput or 1e-9 for r in held])
-            paired.append((runs[record.number][i].throughput or 0.0) / round_mean)
-        scores[record.number] = statistics.median(paired) if paired else 0.0
-    return scores, rounds
-
-
-def _contenders(records: list[TrialRecord], *, simple: int | None) -> list[TrialRecord]:
-    """The candidates a re-run should compare, the held answer first (:func:`held_answer`: the decided one,
-    else the simple answer), then the simple answer, then the top first figure and every first figure within
-    the measured noise band of it (:func:`noise_band`), at most ``MAX_CONTENDERS`` of those."""
-    ranked = ranking(records)
-    if not ranked:
-        return []
-    by_first = sorted(ranked, key=lambda r: -(r.throughput or 0.0))
-    top = by_first[0].throughput or 0.0
-    band = noise_band(records)
-    close = [r for r in by_first if (r.throughput or 0.0) * (1 + band) >= top][:MAX_CONTENDERS]
-    held = held_answer(records, simple)
-    kept = [r for r in ranked if r.number == simple or r.decided_rank == 0]
-    chosen = {r.number: r for r in [*([held] if held else []), *kept, *close]}
-    return list(chosen.values())
-
-
-def noise_band(records: list[TrialRecord]) -> float:
-    """How far apart two first figures of one config may lie here: twice the median step-time spread the
-    trials measured (IQR over median), at least ``NOISE_FLOOR``, at most ``CONTENDER_BAND``."""
-    spreads = [r.step_time_spread for r in records if r.status == "ok" and r.step_time_spread is not None]
-    measured_spread = statistics.median(spreads) if spreads else 0.0
-    return min(CONTENDER_BAND, max(NOISE_FLOOR, 2 * measured_spread))
-
-
-def proven_order(order: list[int], runs: dict[int, list[TrialResult]], rounds: int, incumbent: int | None) -> list[int]:
-    """``order`` (by paired scores) with the held answer ``incumbent`` first unless a contender beat it in
-    every interleaved round, two rounds at least: a lead within the noise does not replace it."""
-    if incumbent not in order:
-        return order
-
-    def beats(number: int) -> bool:
-        return rounds >= CONFIRM_ROUNDS and all(
-            (runs[number][i].throughput or 0.0) > (runs[incumbent][i].throughput or 0.0) for i in range(rounds)
-        )
-
-    others = [n for n in order if n != incumbent]
-    return [n for n in others if beats(n)] + [incumbent] + [n for n in others if not beats(n)]
-
-
-def _holds(result: TrialResult, limit: int) -> bool:
-    return result.ok and result.peak_memory_bytes is not None and result.peak_memory_bytes <= limit
-
-
 def _store_decision(
     study: optuna.Study,
     proposer: Proposer,
@@ -1136,7 +1057,7 @@ def _store_decision(
     limit: int,
 ) -> None:
     """Record each contender's re-runs, the order their paired figures decide, and the answer trial."""
-    scores, rounds = _paired_scores(_held(contenders, runs, limit), runs)
+    scores, rounds = paired_scores(held_up(contenders, runs, limit), runs)
     incumbent = held_answer(records_of(study), study.user_attrs.get(SIMPLE_KEY))
     order = proven_order(
         sorted(scores, key=lambda n: -scores[n]), runs, rounds, incumbent.number if incumbent is not None else None
@@ -1148,7 +1069,7 @@ def _store_decision(
         samples = [x.samples_per_s for x in results if x.samples_per_s]
         figures = [x.throughput for x in results if x.throughput]
         peaks = [x.peak_memory_bytes for x in results if x.peak_memory_bytes is not None]
-        failed = next((x for x in results if not _holds(x, limit)), None)
+        failed = next((x for x in results if not holds(x, limit)), None)
         confirmations[record.number] = {
             "confirmed": record.number in scores,
             "status": (failed or results[-1]).status.value if results else "not run",
@@ -1168,35 +1089,12 @@ def _store_decision(
             "contenders": [r.number for r in contenders],
             "rounds": rounds,
             "scores": {str(n): v for n, v in scores.items()},
-            "certainty": _certainty(order, runs, rounds, {r.number: r for r in contenders}),
+            "certainty": certainty(order, runs, rounds, {r.number: r for r in contenders}),
         },
     )
     if order:
         winner = next(r for r in contenders if r.number == order[0])
         _record_answer(study, proposer, winner, confirmations[winner.number], limit)
-
-
-def _certainty(
-    order: list[int], runs: dict[int, list[TrialResult]], rounds: int, by_number: dict[int, TrialRecord]
-) -> str | None:
-    """How sure the answer is, in words: its lead over the runner-up in the paired rounds."""
-    if not order:
-        return None
-    if len(order) == 1:
-        return (
-            "the only candidate that held up on its re-run"
-            if len(by_number) > 1
-            else "the one candidate; re-run to check it fits, no runner-up close enough to compare"
-        )
-    winner, runner_up = order[0], order[1]
-    leads = [(runs[winner][i].throughput or 0.0) / (runs[runner_up][i].throughput or 1e-9) - 1 for i in range(rounds)]
-    wins = sum(lead > 0 for lead in leads)
-    spread = f"{min(leads):+.0%} to {max(leads):+.0%}" if len(leads) > 1 else f"{leads[0]:+.0%}"
-    verdict = "clearly faster than" if wins == rounds and min(leads) > CONFIRM_NOISE else "within noise of"
-    return (
-        f"{verdict} the runner-up {by_number[runner_up].config.describe()} in interleaved re-runs: "
-        f"ahead in {wins} of {rounds} rounds ({spread})"
-    )
 
 
 def _record_answer(

@@ -1,0 +1,129 @@
+"""Confirming the answer: which measured configs re-run, how their interleaved re-runs are paired, and
+when a challenger may replace the answer held so far. Pure rules over the study's records and the re-runs'
+results; the tuner runs the re-runs (:func:`autotune.search.tuner.tune`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING
+
+from autotune.study.records import ranking
+
+if TYPE_CHECKING:
+    from autotune.study.summary import TrialRecord
+    from autotune.trial.result import TrialResult
+
+CONFIRM_ROUNDS = 2  # interleaved re-runs per contender (A B A B): paired under the same conditions
+CONTENDER_BAND = 0.3  # the widest noise band: candidates whose first figure is this close to the top one's
+NOISE_FLOOR = 0.05  # the narrowest: two first figures of one config differ by this much on a quiet machine
+MAX_CONTENDERS = 4  # ... at most this many (plus the simple answer and the answer decided before)
+CONFIRM_NOISE = 0.03  # a lead under 3% in some round is "within noise"
+
+
+def held_answer(records: list[TrialRecord], simple: int | None) -> TrialRecord | None:
+    """The answer held so far: the one interleaved re-runs decided, else the simple answer, else (no ramp)
+    the fastest first figure. A first figure alone never replaces a held answer."""
+    ranked = ranking(records)
+    decided = next((r for r in ranked if r.decided_rank == 0), None)
+    return decided or next((r for r in ranked if r.number == simple), None) or next(iter(ranked), None)
+
+
+def rounds_agree(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], limit: int) -> bool:
+    """Whether the leader by paired figures was ahead of every other contender in every round."""
+    held = held_up(contenders, runs, limit)
+    scores, rounds = paired_scores(held, runs)
+    if len(scores) < 2:
+        return True
+    leader = max(scores, key=scores.__getitem__)
+    return all(
+        (runs[leader][i].throughput or 0.0) > (runs[n][i].throughput or 0.0)
+        for n in scores
+        if n != leader
+        for i in range(rounds)
+    )
+
+
+def held_up(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], limit: int) -> list[TrialRecord]:
+    """The contenders every re-run of which trained and fit."""
+    return [r for r in contenders if runs[r.number] and all(holds(x, limit) for x in runs[r.number])]
+
+
+def paired_scores(held: list[TrialRecord], runs: dict[int, list[TrialResult]]) -> tuple[dict[int, float], int]:
+    """Each contender's figure over the round's geometric mean, the median over the rounds all ran."""
+    rounds = min((len(runs[r.number]) for r in held), default=0)
+    scores: dict[int, float] = {}
+    for record in held:
+        paired = []
+        for i in range(rounds):
+            round_mean = statistics.geometric_mean([runs[r.number][i].throughput or 1e-9 for r in held])
+            paired.append((runs[record.number][i].throughput or 0.0) / round_mean)
+        scores[record.number] = statistics.median(paired) if paired else 0.0
+    return scores, rounds
+
+
+def contenders_of(records: list[TrialRecord], *, simple: int | None) -> list[TrialRecord]:
+    """The candidates a re-run should compare, the held answer first (:func:`held_answer`: the decided one,
+    else the simple answer), then the simple answer, then the top first figure and every first figure within
+    the measured noise band of it (:func:`noise_band`), at most ``MAX_CONTENDERS`` of those."""
+    ranked = ranking(records)
+    if not ranked:
+        return []
+    by_first = sorted(ranked, key=lambda r: -(r.throughput or 0.0))
+    top = by_first[0].throughput or 0.0
+    band = noise_band(records)
+    close = [r for r in by_first if (r.throughput or 0.0) * (1 + band) >= top][:MAX_CONTENDERS]
+    held = held_answer(records, simple)
+    kept = [r for r in ranked if r.number == simple or r.decided_rank == 0]
+    chosen = {r.number: r for r in [*([held] if held else []), *kept, *close]}
+    return list(chosen.values())
+
+
+def noise_band(records: list[TrialRecord]) -> float:
+    """How far apart two first figures of one config may lie here: twice the median step-time spread the
+    trials measured (IQR over median), at least ``NOISE_FLOOR``, at most ``CONTENDER_BAND``."""
+    spreads = [r.step_time_spread for r in records if r.status == "ok" and r.step_time_spread is not None]
+    measured_spread = statistics.median(spreads) if spreads else 0.0
+    return min(CONTENDER_BAND, max(NOISE_FLOOR, 2 * measured_spread))
+
+
+def proven_order(order: list[int], runs: dict[int, list[TrialResult]], rounds: int, incumbent: int | None) -> list[int]:
+    """``order`` (by paired scores) with the held answer ``incumbent`` first unless a contender beat it in
+    every interleaved round, two rounds at least: a lead within the noise does not replace it."""
+    if incumbent not in order:
+        return order
+
+    def beats(number: int) -> bool:
+        return rounds >= CONFIRM_ROUNDS and all(
+            (runs[number][i].throughput or 0.0) > (runs[incumbent][i].throughput or 0.0) for i in range(rounds)
+        )
+
+    others = [n for n in order if n != incumbent]
+    return [n for n in others if beats(n)] + [incumbent] + [n for n in others if not beats(n)]
+
+
+def holds(result: TrialResult, limit: int) -> bool:
+    return result.ok and result.peak_memory_bytes is not None and result.peak_memory_bytes <= limit
+
+
+def certainty(
+    order: list[int], runs: dict[int, list[TrialResult]], rounds: int, by_number: dict[int, TrialRecord]
+) -> str | None:
+    """How sure the answer is, in words: its lead over the runner-up in the paired rounds."""
+    if not order:
+        return None
+    if len(order) == 1:
+        return (
+            "the only candidate that held up on its re-run"
+            if len(by_number) > 1
+            else "the one candidate; re-run to check it fits, no runner-up close enough to compare"
+        )
+    winner, runner_up = order[0], order[1]
+    leads = [(runs[winner][i].throughput or 0.0) / (runs[runner_up][i].throughput or 1e-9) - 1 for i in range(rounds)]
+    wins = sum(lead > 0 for lead in leads)
+    spread = f"{min(leads):+.0%} to {max(leads):+.0%}" if len(leads) > 1 else f"{leads[0]:+.0%}"
+    verdict = "clearly faster than" if wins == rounds and min(leads) > CONFIRM_NOISE else "within noise of"
+    return (
+        f"{verdict} the runner-up {by_number[runner_up].config.describe()} in interleaved re-runs: "
+        f"ahead in {wins} of {rounds} rounds ({spread})"
+    )
