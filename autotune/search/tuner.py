@@ -26,12 +26,13 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 from autotune.config.device import DeviceInfo, detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import AutotuneError, ConfigError
+from autotune.search.backends import LocalBackend, ScriptBackend, TrialBackend
 from autotune.search.confirm import (
     CONFIRM_ROUNDS,
     certainty,
@@ -46,7 +47,6 @@ from autotune.search.confirm import (
 from autotune.search.simple import SIMPLE_KEY, next_ramp_config, ramp_answer, ramp_family
 from autotune.search.space import SearchSpace, is_preset, load_space
 from autotune.search.workers import (
-    cpu_turn,
     gpu_slices,
     proposal_lock,
     start_helpers,
@@ -68,7 +68,7 @@ from autotune.study.records import (
 from autotune.study.stale import RETRY_ATTR, record_heartbeat, record_worker_job, recover_stale_trials
 from autotune.study.summary import StudySummary, TrialRecord
 from autotune.trial.result import TrialResult, TrialStatus
-from autotune.trial.runner import DEFAULT_TRIAL_TIMEOUT_S, run_trial
+from autotune.trial.runner import DEFAULT_TRIAL_TIMEOUT_S
 
 if TYPE_CHECKING:
     import optuna
@@ -249,8 +249,23 @@ def tune(
         warmup_steps=warmup_steps,
         measure_steps=measure_steps,
     )
-    from autotune.study.storage import DEFAULT_STORAGE, display_url
+    from autotune.study.storage import display_url
 
+    search = _Search(
+        study=the_study,
+        storage=storage,
+        proposer=proposer,
+        oracle=oracle,
+        workload=workload,
+        measure=measure,
+        backend=backend,
+        progress=progress,
+        clock=clock,
+        target=target,
+        patience=patience,
+        timeout_s=timeout_s,
+        stop_on_evidence=stop_on_evidence,
+    )
     progress.started(
         study=study,
         storage=display_url(storage),
@@ -280,11 +295,7 @@ def tune(
         ),
         gpus[1:],
     )
-    started = time.monotonic()
-
-    def _timed_out() -> bool:
-        return timeout_s is not None and time.monotonic() - started >= timeout_s
-
+    search.started = time.monotonic()  # --timeout counts from here, as the helpers start
     try:
         with _visible_gpus(gpus[0]):
             # Helpers search meanwhile: the ramp takes its configs under the same lock as their proposals.
@@ -311,71 +322,7 @@ def tune(
                 if proposer.profile is None
                 else matmul_speedups(proposer.profile, proposer.choices.get("precision", ()))
             )
-            while True:
-                _stop_point()
-                with proposal_lock(storage or DEFAULT_STORAGE, study):  # choose and take a config atomically
-                    _recover_lost(the_study, progress)  # trials of workers that died since
-                    records = records_of(the_study)
-                    outlook = proposer.outlook(records)
-                    if measured(records):
-                        progress.standing(text=outlook.describe())  # how sure the best so far is
-                    # Patience caps a search only once no evidence is owed (see Proposer.owed_values).
-                    owed = bool(outlook.owed) and _patience_spent(records, patience)
-                    reason = (
-                        _stop_reason(
-                            records,
-                            target=target,
-                            patience=None if owed else patience,
-                            timeout_s=timeout_s,
-                            elapsed_s=time.monotonic() - started,
-                        )
-                        or clock.search_over(outlook)
-                        or (_settled_reason(outlook) if stop_on_evidence else None)
-                    )
-                    config = None if reason else proposer.next_config(records, unmeasured_only=owed)
-                    if config is not None and clock.out_of_time():  # the estimates on the way spent the time
-                        reason, config = clock.search_over(outlook), None
-                    if owed and config is None:
-                        reason = _stop_reason(records, target=target, patience=patience, timeout_s=None, elapsed_s=0.0)
-                    _record_ruled_out(the_study, proposer, oracle, records, progress)
-                    if reason is None and config is None:
-                        reason = "every config of the space is measured, being measured or implied to run out of memory"
-                    waiting = reason is not None and _waits_on_others(
-                        records,
-                        target=target,
-                        patience=None if owed else patience,
-                        timed_out=_timed_out() or clock.search_over(outlook) is not None,
-                    )
-                    if not reason:
-                        assert config is not None  # no config: a reason was set above
-                        trial, config = _ask(the_study, proposer, config)
-                if waiting:  # another worker's trial may still be lost and owe a retry: watch until it ends
-                    time.sleep(_WATCH_S)
-                    continue
-                if reason:
-                    progress.stopped(reason=reason)
-                    the_study.set_user_attr(STOP_KEY, reason)
-                    break
-                assert config is not None  # no reason: a config was taken
-                # The trial beats from its start: a worker that dies while estimating is found out too.
-                with _heartbeat(the_study, trial):
-                    prediction = oracle.estimate(config, records) if oracle else None
-                    if prediction is not None and _skip_if_too_big(the_study, trial, prediction, progress):
-                        continue
-                    record = _start_and_measure(
-                        the_study,
-                        trial,
-                        config,
-                        records,
-                        workload,
-                        measure,
-                        prediction,
-                        backend,
-                        progress,
-                        clock,
-                        target=target,
-                    )
-                _report_finished(the_study, record, progress, clock)
+            search.run()
             wait_helpers(helpers)
     except KeyboardInterrupt:
         for helper in helpers:  # a terminal's Ctrl-C reached them too; a signal to this process alone did not
@@ -390,6 +337,121 @@ def tune(
     if confirm:
         _confirm_winner(the_study, proposer, workload, measure, progress, backend, clock)
     return summarize(the_study, url=storage)
+
+
+@dataclass(kw_only=True)
+class _Search:
+    """One call's search loop: under the proposal lock, decide whether to stop and which config to take;
+    then measure it (or skip it on its estimate), until a stop rule or the space says the search is over."""
+
+    study: optuna.Study
+    storage: str | None
+    proposer: Proposer
+    oracle: _Oracle | None
+    workload: Workload
+    measure: _Measure
+    backend: TrialBackend
+    progress: Progress
+    clock: _Clock
+    target: int
+    patience: int | None
+    timeout_s: float | None
+    stop_on_evidence: bool
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+    def run(self) -> None:
+        while True:
+            _stop_point()
+            step = self._next_step()
+            if step.waiting:  # another worker's trial may still be lost and owe a retry: watch until it ends
+                time.sleep(_WATCH_S)
+                continue
+            if step.reason:
+                self.progress.stopped(reason=step.reason)
+                self.study.set_user_attr(STOP_KEY, step.reason)
+                return
+            assert step.trial is not None and step.config is not None  # no reason: a config was taken
+            self._measure(step.trial, step.config, step.records)
+
+    def _next_step(self) -> _Step:
+        """Choose and take a config atomically (other workers propose under the same lock), or say why not."""
+        from autotune.study.storage import DEFAULT_STORAGE
+
+        with proposal_lock(self.storage or DEFAULT_STORAGE, self.study.study_name):
+            _recover_lost(self.study, self.progress)  # trials of workers that died since
+            records = records_of(self.study)
+            outlook = self.proposer.outlook(records)
+            if measured(records):
+                self.progress.standing(text=outlook.describe())  # how sure the best so far is
+            # Patience caps a search only once no evidence is owed (see Proposer.owed_values).
+            owed = bool(outlook.owed) and _patience_spent(records, self.patience)
+            reason = self._stop_reason(records, outlook, owed)
+            config = None if reason else self.proposer.next_config(records, unmeasured_only=owed)
+            if config is not None and self.clock.out_of_time():  # the estimates on the way spent the time
+                reason, config = self.clock.search_over(outlook), None
+            if owed and config is None:
+                reason = _stop_reason(
+                    records, target=self.target, patience=self.patience, timeout_s=None, elapsed_s=0.0
+                )
+            _record_ruled_out(self.study, self.proposer, self.oracle, records, self.progress)
+            if reason is None and config is None:
+                reason = "every config of the space is measured, being measured or implied to run out of memory"
+            if reason is not None:
+                timed_out = self._timed_out() or self.clock.search_over(outlook) is not None
+                patience = None if owed else self.patience
+                waiting = _waits_on_others(records, target=self.target, patience=patience, timed_out=timed_out)
+                return _Step(records=records, reason=reason, waiting=waiting)
+            assert config is not None  # no reason: a config is left
+            trial, config = _ask(self.study, self.proposer, config)
+            return _Step(records=records, trial=trial, config=config)
+
+    def _stop_reason(self, records: list[TrialRecord], outlook: Outlook, owed: bool) -> str | None:
+        return (
+            _stop_reason(
+                records,
+                target=self.target,
+                patience=None if owed else self.patience,
+                timeout_s=self.timeout_s,
+                elapsed_s=time.monotonic() - self.started,
+            )
+            or self.clock.search_over(outlook)
+            or (_settled_reason(outlook) if self.stop_on_evidence else None)
+        )
+
+    def _timed_out(self) -> bool:
+        return self.timeout_s is not None and time.monotonic() - self.started >= self.timeout_s
+
+    def _measure(self, trial: optuna.Trial, config: TrialConfig, records: list[TrialRecord]) -> None:
+        # The trial beats from its start: a worker that dies while estimating is found out too.
+        with _heartbeat(self.study, trial):
+            prediction = self.oracle.estimate(config, records) if self.oracle else None
+            if prediction is not None and _skip_if_too_big(self.study, trial, prediction, self.progress):
+                return
+            record = _start_and_measure(
+                self.study,
+                trial,
+                config,
+                records,
+                self.workload,
+                self.measure,
+                prediction,
+                self.backend,
+                self.progress,
+                self.clock,
+                target=self.target,
+            )
+        _report_finished(self.study, record, self.progress, self.clock)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Step:
+    """What the search loop does next: measure ``trial`` (``config``), watch other workers, or stop (``reason``)."""
+
+    records: list[TrialRecord]
+    trial: optuna.Trial | None = None
+    config: TrialConfig | None = None
+    reason: str | None = None
+    waiting: bool = False
 
 
 @contextlib.contextmanager
@@ -674,116 +736,6 @@ def _run_undisturbed(
     trial.set_user_attr("disturbed", {"throughput": result.throughput, "spread": result.step_time_spread})
     again = run()
     return again if again.ok and (again.step_time_spread or 0.0) < result.step_time_spread else result
-
-
-class TrialBackend(Protocol):
-    """Where trials and memory estimates come from."""
-
-    def run(
-        self,
-        workload: Workload,
-        config: TrialConfig,
-        *,
-        memory_budget_bytes: int,
-        timeout_s: float,
-        warmup_steps: int,
-        measure_steps: int,
-    ) -> TrialResult: ...
-
-    def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None: ...
-
-
-class LocalBackend:
-    """Real trials in fresh processes; real estimates (None where the estimator cannot trace the model).
-
-    On a CPU both take turns with every other trial and estimate of this machine (see
-    :func:`autotune.search.workers.cpu_turn`): they compute on the cores a trial is being timed on.
-    """
-
-    def __init__(self, device_type: str, *, srun: bool = False) -> None:
-        self._device_type = device_type
-        self._srun = srun  # a SLURM worker: the ranks start with srun across the job's nodes
-        # Where trials are forked from the trial server, the device probe is too (no interpreter to start).
-        self._probe_in_trial_server = not srun
-
-    def start(self, *, estimate: bool) -> None:
-        """Start the servers the trials (and estimates) will be forked from, their imports beside the
-        caller's checks before the first trial."""
-        from autotune.estimate.client import start_estimate_server
-        from autotune.trial.runner import start_trial_server
-
-        if self._probe_in_trial_server:
-            start_trial_server()
-        if estimate:
-            start_estimate_server()
-
-    def run(self, workload: Workload, config: TrialConfig, **measure: Any) -> TrialResult:
-        from autotune.estimate.client import wait_for_estimate_server
-
-        if self._srun:  # the job's own cores (and nodes): nothing else of this machine's runs on them
-            return run_trial(workload, config, srun=True, **measure)
-        wait_for_estimate_server()  # its start-up imports would compute beside the trial's timed steps
-        with cpu_turn(self._device_type):
-            return run_trial(workload, config, **measure)
-
-    def probe(self, precisions: list[str]) -> dict[str, float] | None:
-        from autotune.trial.device_probe import probe_precisions
-
-        with self._probe_turn():
-            return probe_precisions(self._device_type, precisions, trial_server=self._probe_in_trial_server)
-
-    def profile(
-        self, *, between_ranks: bool = True, stored: Callable[[], dict[str, Any] | None] | None = None
-    ) -> dict[str, Any] | None:
-        """The device probe's roofline; ``stored``: what another worker of the study may have stored while
-        this one waited for its turn on the cores (workers on one machine would each probe in turn)."""
-        from autotune.trial.device_probe import probe_profile
-
-        with self._probe_turn():
-            already = stored() if stored is not None else None
-            if already is not None:
-                return already
-            return probe_profile(
-                self._device_type, between_ranks=between_ranks, trial_server=self._probe_in_trial_server
-            )
-
-    @contextlib.contextmanager
-    def _probe_turn(self) -> Iterator[None]:
-        """The device probe's turn on the cores, once the estimate server started beside it has done its
-        imports: the probe computes on the cores free when it starts, as a trial does."""
-        from autotune.estimate.client import wait_for_estimate_server
-
-        wait_for_estimate_server()  # before the turn: other processes' trials need not wait on these imports
-        with cpu_turn(self._device_type):
-            yield
-
-    def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None:
-        from autotune.estimate.client import predict_memory
-        from autotune.estimate.results import EstimateError
-
-        try:
-            with cpu_turn(self._device_type):
-                return predict_memory(workload, config)
-        except EstimateError:  # a model the estimator cannot trace is simply measured
-            return None
-
-
-class ScriptBackend(LocalBackend):
-    """Trials of the user's own command (:mod:`autotune.scripts`); no estimates: the model is the script's."""
-
-    def __init__(self, device_type: str, command: list[str]) -> None:
-        super().__init__(device_type)
-        self._command = list(command)
-        self._probe_in_trial_server = False  # script trials start the user's command, not from the server
-
-    def run(self, workload: Workload, config: TrialConfig, **measure: Any) -> TrialResult:
-        from autotune.scripts.runner import run_script_trial
-
-        with cpu_turn(self._device_type):
-            return run_script_trial(self._command, workload, config, **measure)
-
-    def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None:
-        return None
 
 
 def _precision_speed(
