@@ -142,3 +142,80 @@ def test_no_tracked_file_holds_a_machine_path_or_an_own_issue_number() -> None:
         "working notes in tracked files (name files relative to the repository root; say what an issue decided "
         "instead of its number):\n" + "\n".join(found)
     )
+
+
+# Optuna through its public API: what it offers no public way for lives in autotune/study/optuna_private.py, one
+# function per need (docs/design.md). Elsewhere: no private attribute of Optuna's objects (a module's own self._x
+# aside), no import of Optuna's private modules or names, no SQL on Optuna's tables. sqlite_reader.py reads those
+# tables read-only (show and export without Optuna's start-up): SELECT only.
+OPTUNA_PRIVATE = PACKAGE / "study" / "optuna_private.py"
+_OPTUNA_READER = PACKAGE / "study" / "sqlite_reader.py"
+_PRIVATE_ATTRS = {"_storage", "_trial_id", "_study_id", "_backend", "_get_stale_trial_ids", "_cached_frozen_trial"}
+_PRIVATE_ATTRS |= {"scoped_session"}  # RDBStorage's SQLAlchemy session: SQL on Optuna's tables
+_OPTUNA_TABLES = r"\b(?:studies|study_\w+|trials|trial_\w+|version_info|alembic_version)\b"
+_SQL_WRITE = re.compile(r"\b(?:INSERT|UPDATE|DELETE|REPLACE|CREATE|DROP|ALTER)\b[\s\S]*" + _OPTUNA_TABLES)
+_SQL_ANY = re.compile(r"\b(?:SELECT|INSERT|UPDATE|DELETE|REPLACE|CREATE|DROP|ALTER)\b[\s\S]*" + _OPTUNA_TABLES)
+
+
+def _optuna_private_uses(source: str, *, reads_tables: bool = False) -> list[str]:
+    """Where ``source`` reaches into Optuna past its public API: ``line: what``."""
+    found = []
+    sql = _SQL_WRITE if reads_tables else _SQL_ANY
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Attribute) and node.attr in _PRIVATE_ATTRS:
+            if not (isinstance(node.value, ast.Name) and node.value.id == "self"):  # a class's own attribute
+                found.append(f"{line}: .{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value in _PRIVATE_ATTRS:  # getattr(study, "_storage")
+                found.append(f"{line}: {node.value!r}")
+            elif sql.search(node.value):
+                found.append(f"{line}: SQL on Optuna's tables")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else []
+            for module in modules:
+                parts = module.split(".")
+                if parts[0] == "optuna" and (
+                    any(p.startswith("_") for p in parts) or any(n.startswith("_") for n in names)
+                ):
+                    found.append(f"{line}: import of {module} {' '.join(names)}".rstrip())
+    return found
+
+
+def test_the_optuna_check_finds_private_uses_and_leaves_the_rest() -> None:
+    private = """
+storage = study._storage
+heartbeat(trial._trial_id)
+backend = getattr(storage, "_backend", storage)
+from optuna.storages._rdb import models
+from optuna.storages import _CachedStorage
+import optuna.storages._heartbeat
+session = storage.scoped_session()
+connection.execute("UPDATE trial_system_attributes SET value_json = 1")
+connection.execute("SELECT value_json FROM trial_user_attributes")
+"""
+    assert len(_optuna_private_uses(private)) == 9, _optuna_private_uses(private)
+    assert _optuna_private_uses(private, reads_tables=True)[-1].startswith("9: SQL")  # the UPDATE, not the SELECT
+    public = """
+self._backend = backend
+self._storage = storage
+from optuna.storages import RDBStorage, fail_stale_trials
+from optuna.trial import TrialState
+storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(study.study_name), trial.number)
+connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+"""
+    assert _optuna_private_uses(public) == []
+
+
+def test_only_optuna_private_reaches_into_optuna() -> None:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == OPTUNA_PRIVATE:
+            continue
+        for use in _optuna_private_uses(path.read_text(), reads_tables=path == _OPTUNA_READER):
+            found.append(f"{path.relative_to(ROOT)}:{use}")
+    assert not found, (
+        "Optuna past its public API outside autotune/study/optuna_private.py (use the public API, or add a "
+        "function there saying why none serves):\n" + "\n".join(found)
+    )

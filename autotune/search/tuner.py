@@ -842,7 +842,7 @@ def _ask(study: optuna.Study, proposer: Proposer, config: TrialConfig) -> tuple[
         # Optuna warns that heartbeats are meant for Study.optimize; _heartbeat records them here.
         warnings.filterwarnings("ignore", message="Heartbeat of storage")
         trial = study.ask()
-    record_heartbeat(study._storage, trial._trial_id)  # a trial without one is never stale on an RDB storage
+    record_heartbeat(study, trial.number)  # a trial without one is never stale on an RDB storage
     config = proposer.suggest(trial)  # the enqueued params (another worker may have taken ours)
     trial.set_user_attr("config", config.to_dict())
     trial.set_user_attr("worker", worker_id())
@@ -855,8 +855,8 @@ class _heartbeat:
     def __init__(self, study: optuna.Study, trial: optuna.Trial) -> None:
         from autotune.study.stale import heartbeat_s
 
-        self._storage: Any = study._storage  # Optuna's RDB storage (maybe cached): BaseStorage has no heartbeat
-        self._trial_id = trial._trial_id
+        self._study = study
+        self._number = trial.number
         self._stop = threading.Event()
         self._interval = heartbeat_s()
         self._thread = threading.Thread(target=self._beat, name="autotune-heartbeat", daemon=True)
@@ -864,12 +864,12 @@ class _heartbeat:
     def _beat(self) -> None:
         while not self._stop.wait(self._interval):
             try:
-                record_heartbeat(self._storage, self._trial_id)
+                record_heartbeat(self._study, self._number)
             except Exception:  # a missed beat is not worth failing the trial for
                 pass
 
     def __enter__(self) -> _heartbeat:
-        record_heartbeat(self._storage, self._trial_id)
+        record_heartbeat(self._study, self._number)
         self._thread.start()
         return self
 

@@ -195,25 +195,18 @@ def retire_answers(study: optuna.Study) -> None:
     """Make earlier answer trials infeasible for Optuna: a new decision replaced them.
 
     A finished trial cannot be changed through Optuna's API, so this sets their ``answer``
-    constraint in the storage's own table (any SQLAlchemy database Optuna's RDBStorage runs on).
+    constraint in the storage's own table (any SQLAlchemy database Optuna's RDBStorage runs on; on the
+    journal storage they stay as they were): see :mod:`autotune.study.optuna_private`.
     """
-    import json
+    from autotune.study.optuna_private import set_finished_trials_constraint, storage_of
 
-    from optuna.storages._rdb import models
-
-    storage = getattr(study._storage, "_backend", study._storage)
-    answers = [t._trial_id for t in study.get_trials(deepcopy=False) if ANSWER_ATTR in t.user_attrs]
-    if not answers or not hasattr(storage, "scoped_session"):
+    answers = [t.number for t in study.get_trials(deepcopy=False) if ANSWER_ATTR in t.user_attrs]
+    if not answers:
         return
-    session = storage.scoped_session()
-    try:
-        session.query(models.TrialSystemAttributeModel).filter(
-            models.TrialSystemAttributeModel.trial_id.in_(answers),
-            models.TrialSystemAttributeModel.key == f"constraints:{ANSWER_CONSTRAINT}",
-        ).update({"value_json": json.dumps(1.0)}, synchronize_session=False)
-        session.commit()
-    finally:
-        session.close()
+    storage = storage_of(study)
+    study_id = storage.get_study_id_from_name(study.study_name)
+    ids = [storage.get_trial_id_from_study_id_trial_number(study_id, number) for number in answers]
+    set_finished_trials_constraint(storage, ids, ANSWER_CONSTRAINT, 1.0)
 
 
 def measured(records: list[TrialRecord]) -> list[TrialRecord]:

@@ -69,11 +69,10 @@ def worker_id() -> dict[str, Any]:
     return who
 
 
-def record_heartbeat(storage: optuna.storages.BaseStorage, trial_id: int) -> None:
-    """One heartbeat of a running trial, in whichever storage holds it."""
-    from optuna.storages._heartbeat import BaseHeartbeat
-
-    if isinstance(storage, BaseHeartbeat):
+def record_heartbeat(study: optuna.Study, number: int) -> None:
+    """One heartbeat of the running trial ``number`` of ``study``, in whichever storage holds it."""
+    storage, trial_id = _storage_and_trial_id(study, number)
+    if _has_heartbeats(storage):
         storage.record_heartbeat(trial_id)
     else:
         storage.set_trial_system_attr(trial_id, _JOURNAL_BEAT, time.time())
@@ -86,7 +85,6 @@ def recover_stale_trials(study: optuna.Study) -> list[int]:
     from optuna.trial import TrialState
 
     here = socket.gethostname()
-    storage = study._storage
     stale = _stale_by_heartbeat(study)
     lost = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -94,13 +92,15 @@ def recover_stale_trials(study: optuna.Study) -> list[int]:
         job = f", SLURM job {worker['slurm_job']}" if worker.get("slurm_job") else ""
         if worker.get("host") == here and not _alive(worker.get("pid"), worker.get("started")):
             reason = f"its worker (pid {worker.get('pid')} on {here}{job}) is gone"
-        elif trial._trial_id in stale:
+        elif trial.number in stale:
             reason = f"its worker ({worker.get('host', 'host unknown')}{job}) sent no heartbeat for {grace_s():.0f} s"
         else:
             continue
         try:
-            storage.set_trial_user_attr(trial._trial_id, "status", "interrupted")
-            storage.set_trial_user_attr(trial._trial_id, LOST_ATTR, reason)
+            # Study has no method for a user attribute of a trial not in hand: the storage's, by the trial's id.
+            storage, trial_id = _storage_and_trial_id(study, trial.number)
+            storage.set_trial_user_attr(trial_id, "status", "interrupted")
+            storage.set_trial_user_attr(trial_id, LOST_ATTR, reason)
             study.tell(trial.number, state=TrialState.FAIL)
         except (RuntimeError, ValueError, optuna.exceptions.UpdateFinishedTrialError):
             continue  # it finished meanwhile, or another worker failed it first
@@ -109,16 +109,18 @@ def recover_stale_trials(study: optuna.Study) -> list[int]:
 
 
 def _stale_by_heartbeat(study: optuna.Study) -> set[int]:
-    """Ids of the running trials whose heartbeat is older than the grace period."""
-    from optuna.storages._heartbeat import BaseHeartbeat
+    """Numbers of the running trials whose heartbeat is older than the grace period."""
     from optuna.trial import TrialState
 
-    storage = study._storage
-    if isinstance(storage, BaseHeartbeat):
+    from autotune.study.optuna_private import stale_trial_ids, storage_of
+
+    storage: Any = storage_of(study)
+    if _has_heartbeats(storage):
         if storage.get_heartbeat_interval() is None:
             return set()
-        # The heartbeat table's own rule, by the database server's clock (BaseHeartbeat's interface).
-        return set(storage._get_stale_trial_ids(study._study_id))
+        # The heartbeat table's own rule, by the database server's clock.
+        study_id = storage.get_study_id_from_name(study.study_name)
+        return {storage.get_trial(trial_id).number for trial_id in stale_trial_ids(storage, study_id)}
     stale = set()
     now = time.time()
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -127,8 +129,23 @@ def _stale_by_heartbeat(study: optuna.Study) -> set[int]:
             worker = trial.user_attrs.get("worker") or {}
             beat = worker.get("started") or (trial.datetime_start.timestamp() if trial.datetime_start else now)
         if now - beat > grace_s():
-            stale.add(trial._trial_id)
+            stale.add(trial.number)
     return stale
+
+
+def _storage_and_trial_id(study: optuna.Study, number: int) -> tuple[Any, int]:
+    """The study's storage and the id it knows trial ``number`` by (what the storage's methods take)."""
+    from autotune.study.optuna_private import storage_of
+
+    storage = storage_of(study)
+    study_id = storage.get_study_id_from_name(study.study_name)
+    return storage, storage.get_trial_id_from_study_id_trial_number(study_id, number)
+
+
+def _has_heartbeats(storage: Any) -> bool:
+    """Whether the storage keeps Optuna's heartbeats (``RDBStorage``, and Optuna's cache around it): the
+    journal storage does not."""
+    return callable(getattr(storage, "record_heartbeat", None))
 
 
 def _alive(pid: Any, started: Any) -> bool:

@@ -40,11 +40,11 @@ def test_a_trial_whose_remote_worker_stopped_beating_is_failed_as_lost(tmp_path,
         dead, live = study.ask(), study.ask()
     for trial, host in ((dead, "node-a"), (live, "node-b")):
         trial.set_user_attr("worker", {"host": host, "pid": 1, "started": time.time(), "slurm_job": "42"})
-        record_heartbeat(study._storage, trial._trial_id)
+        record_heartbeat(study, trial.number)
     assert recover_stale_trials(study) == []  # both beat just now
     deadline = time.monotonic() + 7.5
     while time.monotonic() < deadline:  # node-b's worker keeps beating; node-a's is silent
-        record_heartbeat(study._storage, live._trial_id)
+        record_heartbeat(study, live.number)
         time.sleep(0.5)
     assert recover_stale_trials(study) == [dead.number]
     assert recover_stale_trials(study) == []  # failed once
