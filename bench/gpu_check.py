@@ -1,0 +1,156 @@
+"""The few minutes of a lent GPU, spent on what no published row settles: autotune's own predictions
+against real trials of the same configs on that card, allocated and reserved memory and tokens/s.
+
+On the GPU machine (run it first there; it is made to end well inside 10 minutes):
+
+    bash bench/gpu_check.sh            # writes bench/results/gpu_check_<card>.txt
+
+It runs the ``gpu``-marked tests, then for each config of ``CONFIGS`` on a 3B Llama (a config.json from
+the published rows, random weights): ``autotune estimate --json`` (the prediction) and ``autotune trial
+--json`` (the measurement: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` and tokens/s),
+and prints one table, each prediction's error beside it.
+
+On a CPU, ``--rehearse`` runs the same steps on a tiny model for one step each (no GPU figure comes of it:
+it proves the script and its commands work) and says what the GPU run would measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_MODEL = "bench/data/published/llama-3.2-3b.json"
+GPU_WORKLOAD = ["--seq-len", "1024", "--global-batch", "8"]
+REHEARSAL_WORKLOAD = ["--seq-len", "64", "--global-batch", "4"]
+# What a published row cannot settle on one card: the model states, activations with and without
+# checkpointing, the chunked loss's logits, LoRA and QLoRA's frozen bases, and the 8-bit optimizer.
+CONFIGS = [
+    ("bf16, ckpt, mb=2", ["--precision", "bf16", "--checkpointing", "on", "--micro-batch", "2"]),
+    ("bf16, mb=1", ["--precision", "bf16", "--micro-batch", "1"]),
+    (
+        "bf16, ckpt, chunked loss, mb=4",
+        ["--precision", "bf16", "--checkpointing", "on", "--loss", "chunked", "--micro-batch", "4"],
+    ),
+    ("bf16, LoRA 16, mb=4", ["--precision", "bf16", "--lora-rank", "16", "--micro-batch", "4"]),
+    (
+        "bf16, QLoRA nf4, mb=4",
+        ["--precision", "bf16", "--lora-rank", "16", "--quantize-base", "nf4", "--micro-batch", "4"],
+    ),
+    (
+        "bf16, ckpt, 8-bit AdamW, mb=2",
+        ["--precision", "bf16", "--checkpointing", "on", "--optimizer", "adamw-8bit", "--micro-batch", "2"],
+    ),
+]
+GiB = 2**30
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rehearse", action="store_true", help="on a CPU: a tiny model, one step each")
+    parser.add_argument("--out", type=Path, help="the results file (default: bench/results/gpu_check_<card>.txt)")
+    args = parser.parse_args()
+    card = _card(args.rehearse)
+    lines = [f"# bash bench/gpu_check.sh{' --rehearse' if args.rehearse else ''}: {card}"]
+    lines += _gpu_tests(args.rehearse)
+    model, workload = ("builtin:gpt2-tiny", REHEARSAL_WORKLOAD) if args.rehearse else (GPU_MODEL, GPU_WORKLOAD)
+    device = ["--device", "cpu"] if args.rehearse else ["--device", "cuda"]
+    steps = ["--warmup-steps", "1", "--steps", "1" if args.rehearse else "5"]
+    lines.append(f"model {model}, {' '.join(workload)}; each config estimated, then measured ({' '.join(steps)})")
+    rows = []
+    for label, flags in CONFIGS:
+        if args.rehearse and "nf4" in flags and not _has("bitsandbytes"):
+            rows.append((label, None, None, "bitsandbytes not installed"))
+            continue
+        common = ["--model", model, *workload, *device, *flags]
+        predicted = _autotune(["estimate", *common, "--json"])
+        measured = _autotune(["trial", *common, *steps, "--json"])
+        rows.append((label, predicted, measured, None))
+    lines += _table(rows)
+    if args.rehearse:
+        lines.append(
+            "rehearsal: on the GPU machine the same steps run the gpu-marked tests, then these configs on "
+            f"{GPU_MODEL} ({' '.join(GPU_WORKLOAD)}, --device cuda, 5 timed steps): "
+            "max_memory_allocated and max_memory_reserved against the predictions, and tokens/s"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if not args.rehearse or args.out:
+        out = args.out or ROOT / "bench" / "results" / f"gpu_check_{card.replace(' ', '_')}.txt"
+        out.write_text(text)
+
+
+def _card(rehearse: bool) -> str:
+    if rehearse:
+        return "rehearsal on the CPU (no GPU figure)"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device is visible: run with --rehearse on a CPU")
+    return torch.cuda.get_device_name(0)
+
+
+def _gpu_tests(rehearse: bool) -> list[str]:
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:randomly"]
+    if rehearse:
+        return [f"gpu-marked tests: would run `{shlex.join(command[1:])}` (skipped on a CPU)"]
+    started = time.monotonic()
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
+    return [f"gpu-marked tests ({time.monotonic() - started:.0f} s, exit {proc.returncode}): {summary}"]
+
+
+def _autotune(args: list[str]) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "autotune", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"status": "error", "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+
+
+def _table(rows: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None, str | None]]) -> list[str]:
+    out = [
+        "config | allocated: predicted / measured (error) | reserved: predicted / measured (error) | tokens/s measured"
+    ]
+    for label, predicted, measured, why in rows:
+        if why is not None or predicted is None or measured is None:
+            out.append(f"{label} | not run: {why}")
+            continue
+        if measured.get("status") != "ok":
+            out.append(f"{label} | measured {measured.get('status')}: {measured.get('error')}")
+            continue
+        allocated = _pair(predicted.get("predicted_peak_bytes"), measured.get("peak_allocated_bytes"))
+        reserved = _pair(predicted.get("predicted_reserved_bytes"), measured.get("peak_reserved_bytes"))
+        tokens = measured.get("tokens_per_s")
+        out.append(
+            f"{label} | {allocated} | {reserved} | {tokens:,.0f}"
+            if tokens
+            else f"{label} | {allocated} | {reserved} | -"
+        )
+    return out
+
+
+def _pair(predicted: float | None, measured: float | None) -> str:
+    def size(value: float | None) -> str:
+        return "-" if value is None else f"{value / GiB:.3f} GiB"
+
+    error = f" ({predicted / measured - 1:+.1%})" if predicted and measured else ""
+    return f"{size(predicted)} / {size(measured)}{error}"
+
+
+def _has(package: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""bench/gpu_check.sh, rehearsed on the CPU: the script a lent GPU machine runs first works end to end."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_the_gpu_check_rehearses_every_config_on_the_cpu(tmp_path):
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from gpu_check import CONFIGS
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    out = tmp_path / "gpu_check.txt"
+    proc = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--rehearse", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("# bash bench/gpu_check.sh --rehearse")
+    assert lines[-1].startswith("rehearsal: on the GPU machine")
+    for label, flags in CONFIGS:
+        (row,) = [line for line in lines if line.startswith(f"{label} |")]
+        if "nf4" in flags and importlib.util.find_spec("bitsandbytes") is None:
+            assert "not run: bitsandbytes not installed" in row
+            continue
+        # Predicted and measured, each a size: the estimate and the trial both ran.
+        allocated = row.split(" | ")[1]
+        assert allocated.count("GiB") == 2 and "(" in allocated, row
