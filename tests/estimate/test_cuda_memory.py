@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from autotune.config.gpus import gpu_spec
 from autotune.estimate.cuda_memory import TraceMarks, predict_cuda_memory
 
@@ -111,6 +113,7 @@ def test_estimate_for_a_named_card_names_three_figures_and_their_parts():
     assert result["fits"] is True and result["attention_kernels"] == {"flash": 2}
 
 
+@pytest.mark.slow
 def test_expandable_segments_change_the_reserve_and_a_cpu_workload_has_none():
     plain = _estimate_json("--device", "cuda")
     expandable = _estimate_json("--device", "cuda", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})

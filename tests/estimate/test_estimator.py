@@ -200,6 +200,7 @@ def test_zero3_keeps_deepspeeds_live_parameter_default():
     assert DeepSpeedZeroConfig().max_live_parameters == ZERO3_MAX_LIVE_PARAMETERS
 
 
+@pytest.mark.slow
 def test_estimate_command_json_lines():
     proc = subprocess.run(
         [
@@ -246,6 +247,7 @@ def test_estimate_command_json_lines():
     assert sum(result[k] for k in parts) == result["predicted_peak_bytes"]
 
 
+@pytest.mark.slow
 def test_estimate_command_table_adds_up():
     proc = subprocess.run(
         [

@@ -237,6 +237,7 @@ def test_zero_communicates_as_deepspeed_runs_each_stage():
     assert comm(3) == pytest.approx(5 * once + gathers)
 
 
+@pytest.mark.slow
 def test_the_cpu_probe_of_a_study_of_several_ranks_times_a_collective_between_two_processes():
     """What a 2-rank study's roofline holds beyond a 1-rank one's (the tuner asks for it only then:
     tests/search/test_tuner_rules.py): the gloo all-reduce's latency, measured between two real processes."""

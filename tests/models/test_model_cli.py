@@ -34,6 +34,7 @@ def _gpt2_params(config: dict) -> int:
     return (vocab + positions) * width + layers * block + 2 * width  # lm_head tied to the embedding
 
 
+@pytest.mark.slow
 def test_trial_and_estimate_build_the_named_file_not_the_config_json_beside_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(DECOY))
     (tmp_path / "my-model.json").write_text(json.dumps(MINE))

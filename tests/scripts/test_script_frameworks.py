@@ -22,6 +22,7 @@ TRAINER = [sys.executable, str(HERE / "trainer_script.py"), "30"]
 WORKLOAD = Workload(seq_len=64, global_batch=8)
 
 
+@pytest.mark.slow
 def test_a_trainer_script_trains_the_injected_micro_batch_and_checkpoints_through_its_arguments(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the script writes its output_dir here
     small, large, checkpointed = (
@@ -95,6 +96,7 @@ def test_the_patched_lightning_trainer_keeps_its_signature_for_pl_trainer_defaul
     assert out.stdout.strip().splitlines()[-1] == "True {'max_steps': 7}"
 
 
+@pytest.mark.slow
 def test_find_on_a_trainer_script_hands_over_a_command_that_trains_it_with_the_answer(tmp_path):
     (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2]\n  precision: [bf16]\n")
     found = subprocess.run(

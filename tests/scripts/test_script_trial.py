@@ -21,6 +21,7 @@ LOOP = [sys.executable, str(HERE / "plain_loop.py")]
 WORKLOAD = Workload(seq_len=64, global_batch=8)
 
 
+@pytest.mark.slow
 def test_a_plain_loop_is_measured_in_its_own_steps_and_its_peak_grows_with_the_injected_micro_batch():
     # The second as if the script trained an encoder-decoder: a sample is --seq-len plus --target-len tokens.
     seq2seq = Workload(task="seq2seq-lm", seq_len=64, target_len=16, global_batch=8)
@@ -69,6 +70,7 @@ def test_knobs_only_prepare_applies_need_the_script_to_call_it():
     assert prepared.status is TrialStatus.OK, prepared.error
 
 
+@pytest.mark.slow
 def test_a_zero_config_is_measured_only_where_the_script_built_a_deepspeed_engine(capfd):
     config = TrialConfig(micro_batch=4, zero_stage=2)
     plain = run_script_trial([*LOOP, "20"], WORKLOAD, config, measure_steps=2)
@@ -162,6 +164,7 @@ def test_the_command_line_takes_the_script_after_a_double_dash_and_refuses_one_t
         run_script_trial([], WORKLOAD, TrialConfig())
 
 
+@pytest.mark.slow
 def test_torchrun_as_the_command_measures_every_rank():
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(HERE / "ddp_loop.py"), "20"]
     result = run_script_trial(

@@ -19,6 +19,7 @@ from autotune.study.records import ANSWER_ATTR
 LOOP = [sys.executable, str(Path(__file__).parent / "plain_loop.py"), "30"]
 
 
+@pytest.mark.slow
 def test_a_study_of_a_command_measures_it_and_is_resumed_only_for_that_command(tmp_path, capfd):
     (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2, 8]\n  precision: [fp32]\n")
     common = dict(
@@ -71,6 +72,7 @@ def test_a_study_of_a_command_measures_it_and_is_resumed_only_for_that_command(t
     assert "trained with micro_batch=2 grad_accum_steps=4 precision=fp32" in ran.stdout, ran.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script, trained",
     [

@@ -71,6 +71,7 @@ def layers_model(tmp_path_factory):
     return str(folder)
 
 
+@pytest.mark.slow
 def test_find_answers_a_split_layout_where_a_ddp_copy_does_not_fit_and_its_export_trains(
     layers_model, tmp_path, monkeypatch
 ):

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.estimate.results import MemoryEstimate
@@ -26,6 +28,7 @@ knobs:
 MiB = 2**20
 
 
+@pytest.mark.slow
 def test_grid_measures_each_config_once_and_resumes(tmp_path):
     (tmp_path / "space.yaml").write_text(SPACE.replace("[1, 2, 4, 8]", "[1]").replace("[false, true]", "[false]"))
     command = [

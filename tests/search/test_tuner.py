@@ -71,6 +71,7 @@ def _study(work: Path, name: str) -> optuna.Study:
     return optuna.load_study(study_name=name, storage=open_storage(f"sqlite:///{work}/storage/autotune.db"))
 
 
+@pytest.mark.slow
 def test_find_returns_a_confirmed_config_that_beats_the_naive_baseline(found):
     work, _, result, _ = found
     assert (work / "storage" / "autotune.db").is_file()  # the default storage, created on first use
@@ -108,6 +109,7 @@ def test_find_returns_a_confirmed_config_that_beats_the_naive_baseline(found):
     assert answer.user_attrs["config"] == best["config"] and answer.value == best["tokens_per_s"]
 
 
+@pytest.mark.slow
 def test_the_same_find_again_answers_from_the_study_without_a_trial(found):
     work, args, result, _ = found
     before = _study(work, result["study"])
@@ -118,6 +120,7 @@ def test_the_same_find_again_answers_from_the_study_without_a_trial(found):
     assert json.loads(again.stdout)["best"] == result["best"]
 
 
+@pytest.mark.slow
 def test_show_studies_export_and_report_read_the_study(found):
     work, _, result, _ = found
     name = result["study"]
@@ -143,6 +146,7 @@ def test_show_studies_export_and_report_read_the_study(found):
     assert name in html and "memory against throughput" in html.lower()
 
 
+@pytest.mark.slow
 def test_a_study_is_only_resumed_for_the_same_question(found):
     work, _, result, _ = found
     before = len(_study(work, result["study"]).trials)
@@ -222,6 +226,7 @@ def _no_trial_left() -> bool:
     return not trial_processes()
 
 
+@pytest.mark.slow
 def test_kill_9_during_a_trial_then_the_same_command_carries_on(tmp_path):
     proc = _start_tune(tmp_path)
     _wait_for_running_trial(tmp_path, 1, proc)
@@ -260,6 +265,7 @@ def test_ctrl_c_stops_cleanly_and_marks_the_interrupted_trial(tmp_path):
 # A workload whose every trial fails stops after two: tests/trial/test_faults.py (a factory that raises).
 
 
+@pytest.mark.slow
 def test_the_estimator_skips_a_config_predicted_over_the_limit_and_show_lists_it(tmp_path):
     (tmp_path / "space.yaml").write_text(
         "knobs:\n  micro_batch: [2, 4]\n  precision: [fp32]\n  checkpointing: [false]\n"

@@ -73,6 +73,7 @@ def check_each_config_measured_once(storage: str, study: str, proc: subprocess.C
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 def test_three_workers_on_local_sqlite_measure_each_config_once_and_find_the_answer(tmp_path):
     storage = f"sqlite:///{tmp_path}/storage/autotune.db"  # the default storage, under the working directory
     three = check_each_config_measured_once(storage, "three", tune(tmp_path, "three", None, workers=3))
@@ -127,6 +128,7 @@ knobs:
 """
 
 
+@pytest.mark.slow
 def test_two_rank_zero_trials_in_a_study_report_the_largest_rank_peak(tmp_path):
     (tmp_path / "space.yaml").write_text(MULTI_RANK_SPACE)
     proc = subprocess.run(

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import optuna
+import pytest
 
 from autotune.study.records import ANSWER_ATTR
 from autotune.study.storage import open_storage
@@ -67,6 +68,7 @@ def trials(work: Path, study: str) -> list[optuna.trial.FrozenTrial]:
     return [t for t in optuna.load_study(study_name=study, storage=storage).trials if ANSWER_ATTR not in t.user_attrs]
 
 
+@pytest.mark.slow
 def test_a_study_survives_every_trial_fault_and_keeps_every_trial(tmp_path):
     (tmp_path / "faults.yaml").write_text(FAULT_SPACE)
     proc = tune(tmp_path, "faults", "factories:faulty", "--space", "faults.yaml", "--json")

@@ -48,6 +48,7 @@ def _workload(tmp_path, config: dict, **kwargs) -> Workload:
     return Workload(model=str(path), nproc=2, **kwargs)
 
 
+@pytest.mark.slow
 def test_fsdp_full_and_grad_op_run_on_two_ranks_and_full_keeps_less_than_ddp(tmp_path):
     workload = _workload(tmp_path, WIDE, seq_len=32, global_batch=4)
     runs = {
@@ -84,6 +85,7 @@ def test_fsdp_full_and_grad_op_run_on_two_ranks_and_full_keeps_less_than_ddp(tmp
         assert 0.98 * (measured - layer) <= predicted <= 1.05 * measured, (label, predicted, measured)
 
 
+@pytest.mark.slow
 def test_a_model_whose_weights_exceed_the_budget_trains_sharded_where_ddp_runs_out_while_building(tmp_path):
     workload = _workload(tmp_path, DEEP, seq_len=16, global_batch=2)
     budget = 44 * 2**20  # the model's fp32 weights: 50.5 MiB

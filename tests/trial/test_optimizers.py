@@ -76,6 +76,7 @@ def _refusal(*args: str, without: tuple[str, ...] = ()) -> str:
     return trial_refusal(*args, model="builtin:gpt2-tiny", without=without)
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2():
     refusal = _refusal("--global-batch", "16", "--micro-batch", "4", "--optimizer-in-backward", "on")
     assert "4 accumulation steps" in refusal and "use --micro-batch 16" in refusal

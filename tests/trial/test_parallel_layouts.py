@@ -28,6 +28,7 @@ def _trial(model: str, nproc: int, **knobs):
     return workload, config, run_trial(workload, config, warmup_steps=1, measure_steps=2, timeout_s=300)
 
 
+@pytest.mark.slow
 def test_two_rank_layouts_hold_less_than_ddp_and_the_estimator_predicts_every_rank(layers_model):
     _, _, ddp = _trial(layers_model, 2, micro_batch=2)
     assert ddp.status.value == "ok", ddp.error

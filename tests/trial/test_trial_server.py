@@ -170,6 +170,7 @@ def test_trials_on_a_cpu_take_turns_across_processes():
         pass  # released with the process that held it
 
 
+@pytest.mark.slow
 def test_the_device_probe_forked_from_the_server_measures_what_its_own_interpreter_measures(monkeypatch):
     from autotune.trial import device_probe
 
