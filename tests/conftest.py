@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +25,11 @@ os.environ[MARK_ENV] = RUN_MARK  # every process this run starts carries it (tes
 # each then rebuilds it over the other's (CI's 157 s ZeRO script test was mostly such rebuilds). One cache
 # per environment: one build, kept with the torch and DeepSpeed it was built against.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+# A suite started in the background of a script (`pytest ... &` without job control) inherits SIGINT ignored,
+# and so would every autotune process a test starts: the Ctrl-C tests' SIGINT would do nothing. Python's own
+# handler here makes the processes the tests start take SIGINT's default again, as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
