@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 
 from autotune.cli.options import OUTPUT_HELP, Script, command
 from autotune.cli.parse import duration, size
-from autotune.cli.searching import finish, on_slurm, progress
+from autotune.cli.searching import finish, on_slurm, progress, search_arguments
 from autotune.cli.servers import start_trial_server
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
@@ -69,19 +69,19 @@ def find(
     if resources is None and workers != 1:
         raise ConfigError(f"--workers {workers} on find is for --executor slurm; use autotune tune --workers here")
     # autotune.find's arguments, here or in each SLURM worker (which runs tune on the study find names)
-    search: dict[str, Any] = {
-        "space": space,
-        "memory_budget_bytes": size(memory_budget),
-        "timeout_s": timeout,
-        "trial_timeout_s": trial_timeout,
-        "measure_steps": steps,
-        "command": list(script) if script else None,
-        "n_trials": n_trials,
-        "headroom": headroom,
-        "storage": storage,
-        "estimate": estimate,
-        "warmup_steps": warmup_steps,
-    }
+    search = search_arguments(
+        space=space,
+        memory_budget_bytes=size(memory_budget),
+        timeout_s=timeout,
+        trial_timeout_s=trial_timeout,
+        measure_steps=steps,
+        script=script,
+        n_trials=n_trials,
+        headroom=headroom,
+        storage=storage,
+        estimate=estimate,
+        warmup_steps=warmup_steps,
+    )
     if resources is not None:
         spec = worker_spec(workload=workload, nodes=executor.nodes, patience=None, **search)
         summary = on_slurm(None, spec, workers=workers, confirm=True, resources=resources, storage=storage)

@@ -11,7 +11,40 @@ if TYPE_CHECKING:
     from autotune.search.slurm import SlurmResources
     from autotune.study.summary import StudySummary
 
-__all__ = ["progress", "on_slurm", "finish"]
+__all__ = ["progress", "on_slurm", "finish", "search_arguments"]
+
+
+def search_arguments(
+    *,
+    space: str,
+    memory_budget_bytes: int | None,
+    timeout_s: float | None,
+    trial_timeout_s: float,
+    measure_steps: int,
+    script: list[str] | None,
+    n_trials: int | None,
+    headroom: float,
+    storage: str | None,
+    estimate: bool,
+    warmup_steps: int,
+    **more: Any,
+) -> dict[str, Any]:
+    """The search's arguments ``find`` and ``tune`` both pass, here or in each SLURM worker's spec (``more``:
+    a command's own, after ``n_trials``)."""
+    return {
+        "space": space,
+        "memory_budget_bytes": memory_budget_bytes,
+        "timeout_s": timeout_s,
+        "trial_timeout_s": trial_timeout_s,
+        "measure_steps": measure_steps,
+        "command": list(script) if script else None,
+        "n_trials": n_trials,
+        **more,
+        "headroom": headroom,
+        "storage": storage,
+        "estimate": estimate,
+        "warmup_steps": warmup_steps,
+    }
 
 
 def progress(*, quiet: bool) -> Any:

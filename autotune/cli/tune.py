@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 
 from autotune.cli.options import Script, command
 from autotune.cli.parse import duration, size
-from autotune.cli.searching import finish, on_slurm, progress
+from autotune.cli.searching import finish, on_slurm, progress, search_arguments
 from autotune.cli.servers import start_trial_server
 from autotune.config.workload import Workload
 from autotune.search.slurm import Executor
@@ -54,21 +54,21 @@ def tune(
 
     resources = executor.resources(nproc=workload.nproc, command=script)
     # autotune.tune's arguments, here or in each SLURM worker
-    search: dict[str, Any] = {
-        "space": space,
-        "memory_budget_bytes": size(memory_budget),
-        "timeout_s": timeout,
-        "trial_timeout_s": trial_timeout,
-        "measure_steps": steps,
-        "command": list(script) if script else None,
-        "n_trials": n_trials,
-        "patience": patience,
-        "stop_on_evidence": stop_on_evidence,
-        "headroom": headroom,
-        "storage": storage,
-        "estimate": estimate,
-        "warmup_steps": warmup_steps,
-    }
+    search = search_arguments(
+        space=space,
+        memory_budget_bytes=size(memory_budget),
+        timeout_s=timeout,
+        trial_timeout_s=trial_timeout,
+        measure_steps=steps,
+        script=script,
+        n_trials=n_trials,
+        patience=patience,
+        stop_on_evidence=stop_on_evidence,
+        headroom=headroom,
+        storage=storage,
+        estimate=estimate,
+        warmup_steps=warmup_steps,
+    )
     if resources is not None:
         spec = worker_spec(workload=workload, nodes=executor.nodes, **search)
         summary = on_slurm(study, spec, workers=workers, confirm=confirm, resources=resources, storage=storage)

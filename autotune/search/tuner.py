@@ -251,21 +251,6 @@ def tune(
     )
     from autotune.study.storage import display_url
 
-    search = _Search(
-        study=the_study,
-        storage=storage,
-        proposer=proposer,
-        oracle=oracle,
-        workload=workload,
-        measure=measure,
-        backend=backend,
-        progress=progress,
-        clock=clock,
-        target=target,
-        patience=patience,
-        timeout_s=timeout_s,
-        stop_on_evidence=stop_on_evidence,
-    )
     progress.started(
         study=study,
         storage=display_url(storage),
@@ -295,7 +280,21 @@ def tune(
         ),
         gpus[1:],
     )
-    search.started = time.monotonic()  # --timeout counts from here, as the helpers start
+    search = _Search(  # --timeout counts from here, as the helpers start
+        study=the_study,
+        storage=storage,
+        proposer=proposer,
+        oracle=oracle,
+        workload=workload,
+        measure=measure,
+        backend=backend,
+        progress=progress,
+        clock=clock,
+        target=target,
+        patience=patience,
+        timeout_s=timeout_s,
+        stop_on_evidence=stop_on_evidence,
+    )
     try:
         with _visible_gpus(gpus[0]):
             # Helpers search meanwhile: the ramp takes its configs under the same lock as their proposals.
@@ -385,7 +384,7 @@ class _Search:
                 self.progress.standing(text=outlook.describe())  # how sure the best so far is
             # Patience caps a search only once no evidence is owed (see Proposer.owed_values).
             owed = bool(outlook.owed) and _patience_spent(records, self.patience)
-            reason = self._stop_reason(records, outlook, owed)
+            reason = self._why_stop(records, outlook, owed)
             config = None if reason else self.proposer.next_config(records, unmeasured_only=owed)
             if config is not None and self.clock.out_of_time():  # the estimates on the way spent the time
                 reason, config = self.clock.search_over(outlook), None
@@ -405,7 +404,7 @@ class _Search:
             trial, config = _ask(self.study, self.proposer, config)
             return _Step(records=records, trial=trial, config=config)
 
-    def _stop_reason(self, records: list[TrialRecord], outlook: Outlook, owed: bool) -> str | None:
+    def _why_stop(self, records: list[TrialRecord], outlook: Outlook, owed: bool) -> str | None:
         return (
             _stop_reason(
                 records,
