@@ -30,9 +30,9 @@ def held_answer(records: list[TrialRecord], simple: int | None) -> TrialRecord |
 
 
 def rounds_agree(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], limit: int) -> bool:
-    """Whether the leader by paired figures was ahead of every other contender in every round."""
+    """Whether the leader by paired figures was ahead of every other contender in every round both ran."""
     held = held_up(contenders, runs, limit)
-    scores, rounds = paired_scores(held, runs)
+    scores, _ = paired_scores(held, runs)
     if len(scores) < 2:
         return True
     leader = max(scores, key=scores.__getitem__)
@@ -40,8 +40,27 @@ def rounds_agree(contenders: list[TrialRecord], runs: dict[int, list[TrialResult
         (runs[leader][i].throughput or 0.0) > (runs[n][i].throughput or 0.0)
         for n in scores
         if n != leader
-        for i in range(rounds)
+        for i in range(min(len(runs[leader]), len(runs[n])))
     )
+
+
+def still_racing(
+    contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], limit: int, incumbent: int | None
+) -> list[TrialRecord]:
+    """The contenders worth another round: the held answer ``incumbent`` and every challenger that was ahead
+    of it in each round so far. A challenger replaces the held answer only by beating it in every round
+    (:func:`proven_order`), so one round lost ends its challenge, and timing it again could change nothing.
+    While the held answer has not held up (it did not fit or train in a re-run), all race on."""
+    held = {r.number for r in held_up(contenders, runs, limit)}
+    if incumbent not in held:
+        return [r for r in contenders if r.number in held or not runs[r.number]]
+    mine = runs[incumbent]
+
+    def ahead(number: int) -> bool:
+        theirs = runs[number]
+        return all((theirs[i].throughput or 0.0) > (mine[i].throughput or 0.0) for i in range(len(theirs)))
+
+    return [r for r in contenders if r.number == incumbent or (r.number in held and ahead(r.number))]
 
 
 def held_up(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], limit: int) -> list[TrialRecord]:
@@ -50,14 +69,17 @@ def held_up(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], l
 
 
 def paired_scores(held: list[TrialRecord], runs: dict[int, list[TrialResult]]) -> tuple[dict[int, float], int]:
-    """Each contender's figure over the round's geometric mean, the median over the rounds all ran."""
-    rounds = min((len(runs[r.number]) for r in held), default=0)
+    """Each contender's figure over its round's geometric mean (over the contenders that ran that round), the
+    median over the rounds it ran; and the most rounds any ran. A contender out of the race after a round
+    (:func:`still_racing`) is scored over the rounds it ran."""
+    rounds = max((len(runs[r.number]) for r in held), default=0)
+    round_means = [
+        statistics.geometric_mean([runs[r.number][i].throughput or 1e-9 for r in held if len(runs[r.number]) > i])
+        for i in range(rounds)
+    ]
     scores: dict[int, float] = {}
     for record in held:
-        paired = []
-        for i in range(rounds):
-            round_mean = statistics.geometric_mean([runs[r.number][i].throughput or 1e-9 for r in held])
-            paired.append((runs[record.number][i].throughput or 0.0) / round_mean)
+        paired = [(x.throughput or 0.0) / round_means[i] for i, x in enumerate(runs[record.number])]
         scores[record.number] = statistics.median(paired) if paired else 0.0
     return scores, rounds
 
@@ -87,15 +109,16 @@ def noise_band(records: list[TrialRecord]) -> float:
     return min(CONTENDER_BAND, max(NOISE_FLOOR, 2 * measured_spread))
 
 
-def proven_order(order: list[int], runs: dict[int, list[TrialResult]], rounds: int, incumbent: int | None) -> list[int]:
+def proven_order(order: list[int], runs: dict[int, list[TrialResult]], incumbent: int | None) -> list[int]:
     """``order`` (by paired scores) with the held answer ``incumbent`` first unless a contender beat it in
-    every interleaved round, two rounds at least: a lead within the noise does not replace it."""
+    every interleaved round they both ran, two rounds at least: a lead within the noise does not replace it."""
     if incumbent not in order:
         return order
 
     def beats(number: int) -> bool:
-        return rounds >= CONFIRM_ROUNDS and all(
-            (runs[number][i].throughput or 0.0) > (runs[incumbent][i].throughput or 0.0) for i in range(rounds)
+        both = min(len(runs[number]), len(runs[incumbent]))
+        return both >= CONFIRM_ROUNDS and all(
+            (runs[number][i].throughput or 0.0) > (runs[incumbent][i].throughput or 0.0) for i in range(both)
         )
 
     others = [n for n in order if n != incumbent]
@@ -106,10 +129,8 @@ def holds(result: TrialResult, limit: int) -> bool:
     return result.ok and result.peak_memory_bytes is not None and result.peak_memory_bytes <= limit
 
 
-def certainty(
-    order: list[int], runs: dict[int, list[TrialResult]], rounds: int, by_number: dict[int, TrialRecord]
-) -> str | None:
-    """How sure the answer is, in words: its lead over the runner-up in the paired rounds."""
+def certainty(order: list[int], runs: dict[int, list[TrialResult]], by_number: dict[int, TrialRecord]) -> str | None:
+    """How sure the answer is, in words: its lead over the runner-up in the paired rounds both ran."""
     if not order:
         return None
     if len(order) == 1:
@@ -119,10 +140,14 @@ def certainty(
             else "the one candidate; re-run to check it fits, no runner-up close enough to compare"
         )
     winner, runner_up = order[0], order[1]
+    rounds = min(len(runs[winner]), len(runs[runner_up]))
     leads = [(runs[winner][i].throughput or 0.0) / (runs[runner_up][i].throughput or 1e-9) - 1 for i in range(rounds)]
     wins = sum(lead > 0 for lead in leads)
     spread = f"{min(leads):+.0%} to {max(leads):+.0%}" if len(leads) > 1 else f"{leads[0]:+.0%}"
-    verdict = "clearly faster than" if wins == rounds and min(leads) > CONFIRM_NOISE else "within noise of"
+    clear = wins == rounds and min(leads) > CONFIRM_NOISE
+    verdict = (
+        "clearly faster than" if clear and rounds >= CONFIRM_ROUNDS else "ahead of" if clear else "within noise of"
+    )
     return (
         f"{verdict} the runner-up {by_number[runner_up].config.describe()} in interleaved re-runs: "
         f"ahead in {wins} of {rounds} rounds ({spread})"

@@ -43,6 +43,7 @@ from autotune.search.confirm import (
     paired_scores,
     proven_order,
     rounds_agree,
+    still_racing,
 )
 from autotune.search.simple import SIMPLE_KEY, next_ramp_config, ramp_answer, ramp_family
 from autotune.search.space import SearchSpace, is_preset, load_space
@@ -969,14 +970,18 @@ def _confirm_winner(
         if not contenders or {r.number for r in contenders} <= decided:
             return
         runs: dict[int, list[TrialResult]] = {r.number: [] for r in contenders}
+        held = held_answer(records, study.user_attrs.get(SIMPLE_KEY))
+        racing = contenders
         for round_index in range(MAX_CONFIRM_ROUNDS if len(contenders) > 1 else 1):
-            if round_index >= CONFIRM_ROUNDS and rounds_agree(contenders, runs, limit):
-                break
+            if round_index > 0:
+                racing = still_racing(racing, runs, limit, held.number if held is not None else None)
+                if len(racing) < 2 or (round_index >= CONFIRM_ROUNDS and rounds_agree(racing, runs, limit)):
+                    break
             # The first round proves each contender's fit over a longer run; later rounds pair figures, and
             # every contender of a round measures as many steps as the others.
             factor = CONFIRM_STEPS_FACTOR if round_index == 0 else 1
             steps = measure.measure_steps * factor
-            for record in contenders:
+            for record in racing:
                 if any(not holds(result, limit) for result in runs[record.number]):
                     continue  # refuted already: no need to time it again
                 if any(runs.values()) and not clock.holds_a_rerun():
@@ -1011,7 +1016,7 @@ def _store_decision(
     scores, rounds = paired_scores(held_up(contenders, runs, limit), runs)
     incumbent = held_answer(records_of(study), study.user_attrs.get(SIMPLE_KEY))
     order = proven_order(
-        sorted(scores, key=lambda n: -scores[n]), runs, rounds, incumbent.number if incumbent is not None else None
+        sorted(scores, key=lambda n: -scores[n]), runs, incumbent.number if incumbent is not None else None
     )
     confirmations = {}
     for record in contenders:
@@ -1040,7 +1045,7 @@ def _store_decision(
             "contenders": [r.number for r in contenders],
             "rounds": rounds,
             "scores": {str(n): v for n, v in scores.items()},
-            "certainty": certainty(order, runs, rounds, {r.number: r for r in contenders}),
+            "certainty": certainty(order, runs, {r.number: r for r in contenders}),
         },
     )
     if order:

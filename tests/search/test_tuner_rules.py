@@ -190,7 +190,8 @@ def test_a_slow_re_run_never_turns_a_config_that_fits_into_no_answer(tmp_path):
 def test_a_re_run_that_runs_out_of_memory_refutes_its_candidate(tmp_path):
     backend = ScriptedBackend(first={1: 50.0, 2: 97.0, 4: 100.0}, reruns={4: ["oom"], 2: [80.0, 82.0]})
     summary = _tune(tmp_path, backend)
-    assert _confirming(backend) == [4, 2, 2]  # refuted mb=4 is not timed again
+    # Refuted mb=4 is not timed again, and mb=2, left alone, has no one to be paired with: one round.
+    assert _confirming(backend) == [4, 2]
     assert summary.best.config.micro_batch == 2
     four = next(t for t in summary.trials if t.config.micro_batch == 4)
     assert four.confirmed is False
@@ -237,16 +238,30 @@ def test_patience_waits_until_every_precision_was_measured_once(tmp_path):
     assert len(backend.probed) == 1  # stored in the study: probed once
 
 
-def test_rounds_that_disagree_on_the_leader_get_a_third_round(tmp_path):
-    # Round 1: mb=4 ahead; round 2 (a burst of load on mb=4's run): mb=2 ahead; round 3 decides.
+def test_a_challenger_behind_the_held_answer_in_a_round_is_not_timed_again(tmp_path):
+    # mb=4 is the simple answer. mb=2 reads behind it in the first paired round: it can no longer beat it in
+    # every round, so a second round could not change the answer, and none runs.
+    backend = ScriptedBackend(first={1: 50.0, 2: 97.0, 4: 100.0}, reruns={4: [100.0, 100.0], 2: [90.0, 120.0]})
+    summary = _tune(tmp_path, backend)
+    assert _confirming(backend) == [4, 2]
+    assert summary.best.config.micro_batch == 4
+    assert "ahead of the runner-up mb=2 fp32" in summary.certainty and "ahead in 1 of 1 rounds" in summary.certainty
+    two = next(t for t in summary.trials if t.config.micro_batch == 2)
+    assert two.confirmed is True and two.decided_rank == 1
+
+
+def test_challengers_that_disagree_on_the_leader_get_a_third_round(tmp_path):
+    # mb=2 and mb=1 both beat the simple answer mb=4 in each round; between them, round 1 says mb=2, round 2
+    # (a burst of load on mb=2's run) mb=1, and round 3 decides.
     backend = ScriptedBackend(
-        first={1: 50.0, 2: 97.0, 4: 100.0}, reruns={4: [100.0, 50.0, 100.0], 2: [90.0, 80.0, 90.0]}
+        first={1: 96.0, 2: 97.0, 4: 100.0},
+        reruns={4: [100.0, 100.0, 100.0], 2: [110.0, 104.0, 111.0], 1: [105.0, 108.0, 106.0]},
     )
     summary = _tune(tmp_path, backend)
-    assert _confirming(backend) == [4, 2, 4, 2, 4, 2]
-    assert summary.best.config.micro_batch == 4
+    assert _confirming(backend) == [4, 2, 1] * 3
+    assert summary.best.config.micro_batch == 2
     assert (
-        "within noise of the runner-up mb=2 fp32" in summary.certainty and "ahead in 2 of 3 rounds" in summary.certainty
+        "within noise of the runner-up mb=1 fp32" in summary.certainty and "ahead in 2 of 3 rounds" in summary.certainty
     )
 
 
@@ -424,11 +439,11 @@ def test_the_simple_answer_is_always_in_the_final_confirmation(tmp_path):
 
 
 def test_a_config_ahead_on_its_first_measurement_alone_does_not_replace_the_simple_answer(tmp_path):
-    # bf16 mb=4 first reads 4% above the simple answer, then ahead in two of three paired rounds, behind in one.
+    # bf16 mb=4 first reads 4% above the simple answer, then ahead in the first paired round, behind in the second.
     first = {**_FIRST, ("bf16", 4): 104.0}
     backend = _PerConfigBackend(first, {("fp32", 4): [100.0, 100.0, 100.0], ("bf16", 4): [103.0, 99.0, 103.0]})
     summary = _tune(tmp_path, backend, knobs=_TWO_PRECISIONS)
-    assert backend.confirmed.count(("bf16", 4)) == 3  # compared, three rounds
+    assert backend.confirmed.count(("bf16", 4)) == 2  # compared; behind once, it can no longer replace it
     assert summary.best.config == TrialConfig(micro_batch=4)  # fp32: the simple answer held
     # Ahead in every round: it replaces it.
     backend = _PerConfigBackend(first, {("fp32", 4): [100.0, 100.0, 100.0], ("bf16", 4): [103.0, 102.0, 104.0]})
