@@ -68,6 +68,11 @@ def find(
     resources = executor.resources(nproc=workload.nproc, command=script)
     if resources is None and workers != 1:
         raise ConfigError(f"--workers {workers} on find is for --executor slurm; use autotune tune --workers here")
+    if resources is not None and max_time is not None:
+        raise ConfigError(
+            f"--max-time {max_time} bounds a find on this machine; SLURM workers start when the queue lets them: "
+            "bound each worker's job with --time, or the search with --timeout"
+        )
     # autotune.find's arguments, here or in each SLURM worker (which runs tune on the study find names)
     search = search_arguments(
         space=space,
