@@ -5,8 +5,8 @@ reads ``Study._storage``, ``Trial._trial_id`` or ``optuna.storages._rdb``, nor w
 tables (``tests/test_layout.py`` checks it). ``sqlite_reader`` reads Optuna's SQLite tables on its own,
 read-only and only at the schema version it knows.
 
-Checked against the Optuna releases ``pyproject.toml`` allows (``optuna>=4.0``): run against 5.0.0, the
-one installed when this was written, not against a 4.x release. ``Study._storage``,
+Checked against the Optuna releases ``pyproject.toml`` allows (``optuna>=5.0``: autotune's trials call
+``Trial.set_constraint``, new in 5.0): run against 5.0.0. ``Study._storage``,
 ``BaseHeartbeat._get_stale_trial_ids``, ``_CachedStorage._backend``, ``RDBStorage.scoped_session`` and
 ``optuna.storages._rdb.models.TrialSystemAttributeModel`` are older than 4.0; the ``constraints:<name>``
 key is what 5.0's ``Trial.set_constraint`` writes, which autotune's trials call. When Optuna changes one
