@@ -69,7 +69,8 @@ def next_ramp_config(
     With an estimator: the largest unknown size predicted under ``limit_bytes`` (the limit itself, no
     margin: the answer must fit), found from the top down, a straight line through the last estimate
     passing over sizes it puts clearly over; where none is predicted under and nothing fits yet, the
-    smallest unknown size (a prediction is not proof that nothing fits). Without one: the middle of the
+    smallest unknown size (a borderline prediction is not proof that nothing fits; one well over the limit
+    is skipped by the tuner, as the search skips it, and ends the ramp with no answer). Without one: the middle of the
     unknown sizes, so that each trial halves them (the finders double from the bottom: one trial per size).
     Where the estimator cannot say: the smallest unknown size.
     """

@@ -619,6 +619,10 @@ def _simple_answer(
             trial, config = _ask(study, proposer, config)
         with _heartbeat(study, trial):
             prediction = oracle.estimate(config, records) if oracle else None
+            # Predicted well over the limit (the smallest size, where none is predicted under): skipped, as the
+            # search skips it; the ramp ends with no answer, as a finder's would at its first size.
+            if prediction is not None and _skip_if_too_big(study, trial, prediction, progress):
+                continue
             warm = first if config.grad_accum_steps(workload) < WARM_MICRO_BATCHES else measure
             record = _start_and_measure(
                 study, trial, config, records, workload, warm, prediction, backend, progress, clock, target=target

@@ -145,9 +145,8 @@ def _tune(tmp_path, backend, knobs="  micro_batch: [1, 2, 4]\n  precision: [fp32
         space=load_space(tmp_path / "space.yaml"),
         memory_budget_bytes=2**30,
         storage=f"sqlite:///{tmp_path}/db.sqlite",
-        estimate=False,
         backend=backend,
-        **kwargs,
+        **{"estimate": False, **kwargs},
     )
 
 
@@ -490,3 +489,43 @@ def test_the_first_trial_warms_up_one_step_more_unless_its_step_holds_many_micro
     backend = ScriptedBackend(first={8: 100.0, 16: 120.0}, reruns={8: [100.0] * 3, 16: [120.0] * 3})
     _tune(tmp_path / "few", backend, knobs="  micro_batch: [8, 16]\n  precision: [fp32]\n")
     assert backend.warmups[0] == 2 and backend.warmups[1] == 1
+
+
+class _PredictedBackend(ScriptedBackend):
+    """Trials as scripted, and a memory estimate of ``peak_bytes`` for every config."""
+
+    def __init__(self, peak_bytes: int) -> None:
+        super().__init__(first={1: 100.0, 2: 150.0}, reruns={1: [100.0] * 3, 2: [150.0] * 3})
+        self.peak_bytes = peak_bytes
+
+    def estimate(self, workload, config):
+        from autotune.estimate.results import MemoryEstimate
+
+        return MemoryEstimate(
+            config=config,
+            parameters_bytes=2**20,
+            gradients_bytes=2**20,
+            optimizer_state_bytes=2**21,
+            activations_bytes=self.peak_bytes - 2**22,
+            temporaries_bytes=0,
+            overhead_bytes=None,
+            predicted_peak_bytes=self.peak_bytes,
+            method="scripted",
+            seconds=0.0,
+        )
+
+
+def test_a_ramp_predicted_well_over_the_limit_at_its_smallest_size_is_skipped_not_run(tmp_path):
+    # The budget is 1 GiB, the limit 10% under it. Predicted at twice the budget, no size of the ramp is run:
+    # the ramp's smallest size is recorded as skipped, as the search skips it, and nothing is measured.
+    backend = _PredictedBackend(2**31)
+    summary = _tune(tmp_path, backend, knobs="  micro_batch: [1, 2]\n  precision: [fp32]\n", estimate=True)
+    assert backend.runs == []
+    assert summary.best is None and summary.simple_answer is None
+    assert {t.status for t in summary.trials} == {"skipped"}
+    # Predicted just over the limit (within the skip margin): a prediction so close is no proof, so the
+    # smallest size is measured all the same.
+    (tmp_path / "close").mkdir()
+    close = _PredictedBackend(int(2**30 * 0.9 * 1.03))
+    _tune(tmp_path / "close", close, knobs="  micro_batch: [1, 2]\n  precision: [fp32]\n", estimate=True)
+    assert (1, False) in close.runs
