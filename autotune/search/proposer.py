@@ -170,7 +170,9 @@ class Proposer:
         self._traced: dict[TrialConfig, MemoryEstimate] = {}  # a family (micro batch 1) -> an estimate with its costs
         self._ruled_out: list[TrialConfig] = []
         self._recompute_only_of: tuple[frozenset[TrialConfig], set[TrialConfig]] = (frozenset(), set())
-        self._placed_at: tuple[int, dict[TrialConfig, float | None]] = (0, {})  # per number of traced families
+        # config -> traced family -> that family's step as the config's (log samples/s), each pair worked out once
+        self._placed_by_family: dict[TrialConfig, dict[TrialConfig, float | None]] = {}
+        self._placed_for: tuple[Any, Any] = (None, None)  # the profile and precision speeds they were worked out for
         self._predicted_at: tuple[tuple[int, int], dict[TrialConfig, float | None]] = ((0, 0), {})
 
     def suggest(self, trial: optuna.Trial) -> TrialConfig:
@@ -593,22 +595,25 @@ class Proposer:
         None before any trace."""
         from autotune.estimate.step_time import predict_step_time
 
-        if self._placed_at[0] != len(self._traced):
-            self._placed_at = (len(self._traced), {})
-        placed = self._placed_at[1]
-        if config not in placed:
-            logs = []
-            for family, estimate in self._traced.items():
-                if estimate.step_costs is None or self.profile is None:
-                    continue
-                as_config = _step_as(estimate, estimate.step_costs, family, config)
-                step = predict_step_time(as_config, self._workload, self.profile)
-                if step is not None:
-                    logs.append(
-                        math.log(step.samples_per_s) - self._matmul_factor(family) + self._matmul_factor(config)
-                    )
-            placed[config] = sum(logs) / len(logs) if logs else None
-        return placed[config]
+        if self._placed_for[0] is not self.profile or self._placed_for[1] is not self.precision_speed:
+            # Both are set after the proposer is made: its placed figures are worked out anew for them.
+            self._placed_for, self._placed_by_family = (self.profile, self.precision_speed), {}
+        by_family = self._placed_by_family.setdefault(config, {})
+        logs: list[float] = []
+        for family, estimate in self._traced.items():
+            if family not in by_family:  # a family traced since: only its step is worked out
+                by_family[family] = None
+                if estimate.step_costs is not None and self.profile is not None:
+                    as_config = _step_as(estimate, estimate.step_costs, family, config)
+                    step = predict_step_time(as_config, self._workload, self.profile)
+                    if step is not None:
+                        by_family[family] = (
+                            math.log(step.samples_per_s) - self._matmul_factor(family) + self._matmul_factor(config)
+                        )
+            placed = by_family[family]
+            if placed is not None:
+                logs.append(placed)
+        return sum(logs) / len(logs) if logs else None
 
     def take_ruled_out(self) -> list[TrialConfig]:
         """Configs the estimator put over the limit since the last call (for the study to record)."""
