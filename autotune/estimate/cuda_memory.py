@@ -7,7 +7,10 @@ Three figures, each the one before plus what it leaves out:
   replayed through a model of PyTorch's caching allocator (:mod:`autotune.estimate.cuda_allocator`),
   with what PyTorch allocates through it that no tensor of the step shows: cuBLAS's workspace and
   DDP's gradient buckets. The step is replayed twice: the second pass is the steady state every
-  step after the first reaches (its blocks come from the first pass's cache);
+  step after the first reaches (its blocks come from the first pass's cache). Each allocation is made
+  on the stream the trace saw it made on: FSDP2's all-gather outputs on its copy-in stream and its
+  reduce-scatter outputs (the sharded gradients) on its reduce-scatter stream keep their blocks in
+  those streams' pools, out of the compute stream's reach;
 * **device** (``nvidia-smi``): reserved, plus what the process holds outside the allocator: the
   CUDA context with its kernels, and NCCL's communication buffers when ranks talk.
 """
