@@ -24,7 +24,10 @@ printed under it, with sizes where the sources give them. The fit boundaries (S1
 verdict against the card beside the published one; selective checkpointing there is bounded by the estimates
 with every layer checkpointed and with none. The sources' configs were read at the commits their reports name
 (torchtitan 9dec370, KempnerForge 601aba9 / 01b461a). ``bench/fsdp2_cuda_memory.md`` accounts for what FSDP2
-and NCCL hold beyond the traced tensors and compares it with these rows' errors.
+and NCCL hold beyond the traced tensors and compares it with these rows' errors. The reserved figures replay
+FSDP2's copy-in and reduce-scatter streams in pools of their own; KempnerForge's FSDP rows are printed again
+with the unsharded fp32 gradients of its unreduced gradient accumulation added by arithmetic
+(``autotune.estimate.fsdp_buffers.no_sync_gradient_bytes``), which no knob rebuilds.
 
 The tables go to stdout last, the figures to ``--out`` (and ``.txt`` beside it).
 """
