@@ -24,7 +24,10 @@ printed under it, with sizes where the sources give them. The fit boundaries (S1
 verdict against the card beside the published one; selective checkpointing there is bounded by the estimates
 with every layer checkpointed and with none. The sources' configs were read at the commits their reports name
 (torchtitan 9dec370, KempnerForge 601aba9 / 01b461a). ``bench/fsdp2_cuda_memory.md`` accounts for what FSDP2
-and NCCL hold beyond the traced tensors and compares it with these rows' errors.
+and NCCL hold beyond the traced tensors and compares it with these rows' errors. The reserved figures replay
+FSDP2's copy-in and reduce-scatter streams in pools of their own; KempnerForge's FSDP rows are printed again
+with the unsharded fp32 gradients of its unreduced gradient accumulation added by arithmetic
+(``autotune.estimate.fsdp_buffers.no_sync_gradient_bytes``), which no knob rebuilds.
 
 The tables go to stdout last, the figures to ``--out`` (and ``.txt`` beside it).
 """
@@ -42,6 +45,7 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.estimate.client import predict_memory
+from autotune.estimate.fsdp_buffers import no_sync_gradient_bytes
 from autotune.estimate.measured_with import AS_INSTALLED, MeasuredWith
 from autotune.estimate.results import EstimateError, MemoryEstimate
 
@@ -69,6 +73,9 @@ class Row:
     left_open: list[str] = field(default_factory=list)
     unit: str | None = None
     selective: bool = False  # ran torchtitan's selective per-op checkpointing (rebuilt as full)
+    # KempnerForge's FSDP rows: the parameters a rank holds unsharded (after tensor parallelism), whose gradients
+    # its maybe_no_sync accumulates unreduced in the fp32 reduce dtype (added by arithmetic: no knob rebuilds it).
+    no_sync_params: int = 0
 
 
 def _model(name: str) -> str:
@@ -692,6 +699,7 @@ SHARDED_ROWS: list[Row] = [
         notes=[_KF_NOTE, _COMPILE_NOTE],
         left_out=[*_KF_TP_LEFT_OUT, *_kf_left_out(8.03e9, 4 * 4096, tp=2)],
         unit="GiB",
+        no_sync_params=int(8.03e9) // 2,
     ),
     Row(
         "S8",
@@ -703,6 +711,7 @@ SHARDED_ROWS: list[Row] = [
         notes=[_KF_NOTE],
         left_out=_kf_left_out(14.84e9, 4 * 4096),
         unit="GiB",
+        no_sync_params=int(14.84e9),
     ),
     Row(
         "S9",
@@ -714,6 +723,7 @@ SHARDED_ROWS: list[Row] = [
         notes=[_KF_NOTE, _COMPILE_NOTE],
         left_out=[*_KF_TP_LEFT_OUT, *_kf_left_out(70.55e9, 2 * 4096, tp=4)],
         unit="GiB",
+        no_sync_params=int(70.55e9) // 4,
     ),
     Row(
         "S10",
@@ -725,6 +735,7 @@ SHARDED_ROWS: list[Row] = [
         notes=[_KF_NOTE, _COMPILE_NOTE],
         left_out=_kf_left_out(8.03e9, 8 * 4096),
         unit="GiB",
+        no_sync_params=int(8.03e9),
     ),
     Row(
         "S11",
@@ -736,6 +747,7 @@ SHARDED_ROWS: list[Row] = [
         notes=[_KF_NOTE, _COMPILE_NOTE],
         left_out=_kf_left_out(8.03e9, 4 * 4096),
         unit="GiB",
+        no_sync_params=int(8.03e9),
     ),
     Row(
         "S11-smi",
@@ -1010,6 +1022,15 @@ def predict(row: Row) -> dict[str, object]:
     if row.selective:
         kept = selective_kept_bytes(row.workload, row.config.micro_batch)
         result.update(selective_kept_bytes=kept, error_with_selective=(predicted + kept) / row.published_bytes - 1)
+    if row.no_sync_params:
+        grads = no_sync_gradient_bytes(row.no_sync_params, 4)  # fp32 reduce dtype
+        logits = row.workload.seq_len * row.config.micro_batch * 128_256 * 6  # at most (see _kf_left_out)
+        result.update(
+            no_sync_bytes=grads,
+            fp32_logits_bytes=logits,
+            error_with_no_sync=(predicted + grads) / row.published_bytes - 1,
+            error_with_both=(predicted + grads - logits) / row.published_bytes - 1,
+        )
     return {
         **result,
         "predicted_bytes": predicted,
@@ -1197,6 +1218,7 @@ def _sharded_table(results: list[dict[str, object]]) -> list[str]:
                 f"| {r['row']} | {r['published']} | {predicted / GiB:.2f} GiB | {kept / GiB:.2f} GiB | "
                 f"{(predicted + kept) / GiB:.2f} GiB | {float(r['error_with_selective']):+.1%} |"  # type: ignore[arg-type]
             )
+    lines += _no_sync_table(results)
     by_key = {str(r["row"]): r for r in results}
     pair = by_key.get("S11"), by_key.get("S11-smi")
     if pair[0] is not None and pair[1] is not None and pair[0]["error"] is not None and pair[1]["error"] is not None:
@@ -1207,6 +1229,32 @@ def _sharded_table(results: list[dict[str, object]]) -> list[str]:
             f"S11's pair: nvidia-smi minus the allocated peak, published {published / GiB:.2f} GiB "
             f"(73,302 MiB - 51.3 GiB), predicted {predicted / GiB:.2f} GiB ({predicted / published - 1:+.0%}).",
         ]
+    return lines
+
+
+def _no_sync_table(results: list[dict[str, object]]) -> list[str]:
+    """KempnerForge's FSDP rows with its unreduced accumulation added (fsdp_buffers.no_sync_gradient_bytes), and
+    then its bf16 loss taken off at its upper bound."""
+    rows = [r for r in results if r.get("no_sync_bytes") is not None]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "KempnerForge's FSDP rows with the unsharded fp32 gradients its set_requires_gradient_sync(False) keeps "
+        "between micro steps added by arithmetic (no_sync_bytes), then the fp32 logits the rebuild holds beyond "
+        "its bf16 loss taken off (fp32_logits_bytes: an upper bound, less under a tensor-parallel head):",
+        "",
+        "| row | published | predicted | + unsharded fp32 grads | = | error | - fp32 logits, at most | = | error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        predicted, grads, logits = (int(r[k]) for k in ("predicted_bytes", "no_sync_bytes", "fp32_logits_bytes"))  # type: ignore[call-overload]
+        lines.append(
+            f"| {r['row']} | {r['published']} | {predicted / GiB:.2f} GiB | {grads / GiB:.2f} GiB | "
+            f"{(predicted + grads) / GiB:.2f} GiB | {float(r['error_with_no_sync']):+.1%} | "  # type: ignore[arg-type]
+            f"{logits / GiB:.2f} GiB | {(predicted + grads - logits) / GiB:.2f} GiB | "
+            f"{float(r['error_with_both']):+.1%} |"  # type: ignore[arg-type]
+        )
     return lines
 
 

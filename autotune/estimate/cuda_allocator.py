@@ -1,6 +1,6 @@
 """A model of PyTorch's CUDA caching allocator: replay allocations and frees, read the peaks.
 
-Given the ordered allocations and frees of one process on one stream, it reports what
+Given the ordered allocations and frees of one process, each on the stream it was made on, it reports what
 ``torch.cuda.max_memory_allocated`` (block bytes, after rounding and unsplit blocks) and
 ``torch.cuda.max_memory_reserved`` (segment bytes from ``cudaMalloc``, or mapped pages with
 expandable segments) would read. It follows ``c10/cuda/CUDACachingAllocator.cpp`` of PyTorch
@@ -14,9 +14,19 @@ earlier releases broke such ties by ``cudaMalloc``'s addresses or by block age).
 Left out, because the question is the reserved peak on a card with room: nothing is ever given
 back (no OOM retry, ``empty_cache``, ``garbage_collection_threshold`` or
 ``per_process_memory_fraction``, so no ``cudaFree`` and no unmapping), and an expandable
-segment's address reserve (9/8 of the card) never runs out. Also left out: more than one
-stream, ``record_stream`` and its events, CUDA graph and ``use_mem_pool`` private pools,
+segment's address reserve (9/8 of the card) never runs out. Also left out: ``record_stream`` and
+its events (a block freed while another stream still uses it waits in ``insert_events`` until that
+stream is done; FSDP2 itself never calls it, and the references it keeps in ``AllGatherState`` and
+``ReduceScatterState`` are in the trace), CUDA graph and ``use_mem_pool`` private pools,
 ``mallocWithAddress``, and the ``cudaMallocAsync`` backend (``from_conf`` refuses it).
+
+Streams: a block is cached for the stream it was allocated on and serves no other. In
+``CUDACachingAllocator.cpp`` ``BlockComparatorSize`` orders a pool's blocks by stream first and
+``get_free_block`` gives up when the block found is on another stream; a segment belongs to the stream of
+the allocation that made it (``Block::stream``), merges only within itself, and with expandable segments
+each stream maps its own (``get_expandable_segment`` matches ``segment->stream()``). So here each (stream,
+small or large) pair is a pool of its own. A stream is any hashable label; events without one are on the
+default (compute) stream.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AllocatorSettings", "CachingAllocatorModel", "ReplayResult", "replay"]
+__all__ = ["AllocatorSettings", "CachingAllocatorModel", "Event", "ReplayResult", "replay"]
 
 _MiB = 1024 * 1024
 # c10/core/AllocatorConfig.h (2.13)
@@ -38,6 +48,10 @@ K_ROUND_LARGE = 2 * _MiB  # kRoundLarge: bigger requests get a segment rounded t
 K_LARGE_BUFFER = 20 * _MiB  # large_segment_size_ default (was kLargeBuffer)
 _DIVISION_INTERVALS = 16  # kRoundUpPowerOfTwoIntervals: [1 MiB, 64 GiB) in powers of two
 _GAP = K_SMALL_BUFFER  # room between fake segment addresses, so none touch
+
+# One allocator call: (storage key, its new size in bytes; 0: freed), with the stream it runs on where that is
+# not the default stream.
+Event = tuple[Hashable, int] | tuple[Hashable, int, Hashable]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,10 +140,11 @@ class ReplayResult:
 
 
 class _Segment:
-    __slots__ = ("small", "base", "size", "expandable", "tail")
+    __slots__ = ("small", "stream", "base", "size", "expandable", "tail")
 
-    def __init__(self, *, small: bool, base: int, size: int, expandable: bool) -> None:
+    def __init__(self, *, small: bool, stream: Hashable, base: int, size: int, expandable: bool) -> None:
         self.small = small
+        self.stream = stream  # the stream whose pool its free blocks go back to
         self.base = base
         self.size = size  # bytes from cudaMalloc, or mapped so far when expandable
         self.expandable = expandable
@@ -149,12 +164,13 @@ class _Block:
 
 
 class _Pool:
-    """BlockPool: its free blocks, best fit first."""
+    """BlockPool: its free blocks of one stream, best fit first."""
 
-    __slots__ = ("small", "order", "by_addr", "expandable")
+    __slots__ = ("small", "stream", "order", "by_addr", "expandable")
 
-    def __init__(self, *, small: bool) -> None:
+    def __init__(self, *, small: bool, stream: Hashable = None) -> None:
         self.small = small
+        self.stream = stream
         # BlockComparatorSizeCounterAddress orders by (size, segment's creation counter, address);
         # segments get rising fake addresses here, so (size, address) is the same order
         self.order: list[tuple[int, int]] = []
@@ -179,7 +195,7 @@ class CachingAllocatorModel:
         self._settings = settings or AllocatorSettings()
         self._max_split = self._settings.max_split_size_bytes or float("inf")
         self._max_rounding = self._settings.max_non_split_rounding_bytes or self._settings.large_segment_size_bytes
-        self._pools = {True: _Pool(small=True), False: _Pool(small=False)}
+        self._pools: dict[tuple[Hashable, bool], _Pool] = {}  # (stream, small) -> its pool
         self._live: dict[Hashable, _Block | None] = {}  # None: a zero-byte storage (null pointer)
         self._next_base = _GAP
         self._allocated = self._reserved = 0
@@ -205,11 +221,12 @@ class CachingAllocatorModel:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._live
 
-    def malloc(self, key: Hashable, nbytes: int) -> None:
-        """Allocate ``nbytes`` for the storage ``key`` (zero bytes: a null pointer, nothing allocated)."""
+    def malloc(self, key: Hashable, nbytes: int, stream: Hashable = None) -> None:
+        """Allocate ``nbytes`` for the storage ``key`` on ``stream`` (None: the default stream; zero bytes: a
+        null pointer, nothing allocated)."""
         if key in self._live:
             raise ValueError(f"malloc: key {key!r} is already allocated; free or resize it first")
-        self._live[key] = self._allocate(_check_nbytes(nbytes))
+        self._live[key] = self._allocate(_check_nbytes(nbytes), stream)
 
     def free(self, key: Hashable) -> None:
         """Return the storage ``key``'s block to its pool, merged with free neighbours."""
@@ -217,13 +234,14 @@ class CachingAllocatorModel:
             raise ValueError(f"free: key {key!r} is not allocated")
         self._release(self._live.pop(key))
 
-    def resize(self, key: Hashable, nbytes: int) -> None:
-        """Resize the storage ``key`` in place, as ``UntypedStorage.resize_`` does (FSDP's free/regrow)."""
+    def resize(self, key: Hashable, nbytes: int, stream: Hashable = None) -> None:
+        """Resize the storage ``key`` in place, as ``UntypedStorage.resize_`` does (FSDP's free/regrow), the new
+        block on ``stream`` (the current stream when ``resize_`` runs)."""
         if key not in self._live:
             raise ValueError(f"resize: key {key!r} is not allocated; malloc it first")
         # resize_bytes_cuda: to 0 drops the data; otherwise the new block is allocated, the data
         # copied, and only then the old block freed, so both count at that moment
-        new = self._allocate(_check_nbytes(nbytes))
+        new = self._allocate(_check_nbytes(nbytes), stream)
         old, self._live[key] = self._live[key], new
         self._release(old)
 
@@ -236,11 +254,11 @@ class CachingAllocatorModel:
         )
 
     # DeviceCachingAllocator::malloc, from round_size to alloc_found_block
-    def _allocate(self, nbytes: int) -> _Block | None:
+    def _allocate(self, nbytes: int, stream: Hashable) -> _Block | None:
         if nbytes == 0:  # NativeCachingAllocator::allocate skips malloc for size 0: a null DataPtr
             return None
         size = _round_size(nbytes, self._settings.roundup_power2_divisions)
-        pool = self._pools[size <= K_SMALL_SIZE]  # get_pool
+        pool = self._pool(stream, size <= K_SMALL_SIZE)  # get_pool, then only this stream's blocks
         block = self._get_free_block(pool, size)
         if block is None:
             block = self._alloc_block(pool, size)
@@ -249,6 +267,12 @@ class CachingAllocatorModel:
         self._allocated += block.size  # allocated_bytes counts the whole block, split or not
         self._peak_allocated = max(self._peak_allocated, self._allocated)
         return block
+
+    def _pool(self, stream: Hashable, small: bool) -> _Pool:
+        pool = self._pools.get((stream, small))
+        if pool is None:
+            pool = self._pools[stream, small] = _Pool(small=small, stream=stream)
+        return pool
 
     def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
         order = pool.order
@@ -340,7 +364,7 @@ class CachingAllocatorModel:
         return block
 
     def _new_segment(self, pool: _Pool, size: int, *, expandable: bool) -> _Segment:
-        segment = _Segment(small=pool.small, base=self._next_base, size=0, expandable=expandable)
+        segment = _Segment(small=pool.small, stream=pool.stream, base=self._next_base, size=0, expandable=expandable)
         # an expandable segment reserves address space for the whole card: leave it a wide span
         self._next_base += (1 << 50) if expandable else size + _GAP
         self._segments += 1
@@ -357,7 +381,7 @@ class CachingAllocatorModel:
             return
         self._allocated -= block.size
         # free_block: merge with a free previous and next block of the same segment
-        pool = self._pools[block.segment.small]
+        pool = self._pools[block.segment.stream, block.segment.small]
         before, after = block.prev, block.next
         if before is not None and before.free:
             pool.remove(before)
@@ -376,20 +400,24 @@ class CachingAllocatorModel:
         pool.insert(block)
 
 
-def replay(events: Iterable[tuple[Hashable, int]], *, settings: AllocatorSettings | None = None) -> ReplayResult:
-    """Replay ``(key, new size in bytes)`` events in order and return the peaks.
+def replay(events: Iterable[Event], *, settings: AllocatorSettings | None = None) -> ReplayResult:
+    """Replay ``(key, new size in bytes)`` or ``(key, new size, stream)`` events in order and return the peaks.
 
     A key not seen before (or freed since) is an allocation, a live key with 0 is a free, and
-    a live key with another size is a resize (new block first, then the old one freed).
+    a live key with another size is a resize (new block first, then the old one freed); the
+    allocation is made on the event's stream (the default stream without one), and a free goes back
+    to the pool of the stream its block was made on, whatever the event says.
     """
     model = CachingAllocatorModel(settings=settings)
-    for key, nbytes in events:
+    for event in events:
+        key, nbytes = event[0], event[1]
+        stream = event[2] if len(event) > 2 else None
         if key not in model:
-            model.malloc(key, nbytes)
+            model.malloc(key, nbytes, stream)
         elif nbytes == 0:
             model.free(key)
         else:
-            model.resize(key, nbytes)
+            model.resize(key, nbytes, stream)
     return model.result()
 
 

@@ -7,7 +7,10 @@ Three figures, each the one before plus what it leaves out:
   replayed through a model of PyTorch's caching allocator (:mod:`autotune.estimate.cuda_allocator`),
   with what PyTorch allocates through it that no tensor of the step shows: cuBLAS's workspace and
   DDP's gradient buckets. The step is replayed twice: the second pass is the steady state every
-  step after the first reaches (its blocks come from the first pass's cache);
+  step after the first reaches (its blocks come from the first pass's cache). Each allocation is made
+  on the stream the trace saw it made on: FSDP2's all-gather outputs on its copy-in stream and its
+  reduce-scatter outputs (the sharded gradients) on its reduce-scatter stream keep their blocks in
+  those streams' pools, out of the compute stream's reach;
 * **device** (``nvidia-smi``): reserved, plus what the process holds outside the allocator: the
   CUDA context with its kernels, and NCCL's communication buffers when ranks talk.
 """
@@ -15,10 +18,10 @@ Three figures, each the one before plus what it leaves out:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from autotune.config.gpus import GpuSpec
-from autotune.estimate.cuda_allocator import AllocatorSettings, replay
+from autotune.estimate.cuda_allocator import AllocatorSettings, Event, replay
 
 __all__ = [
     "CudaMemory",
@@ -63,7 +66,7 @@ class CudaMemory:
 
 
 def predict_cuda_memory(
-    events: Sequence[tuple[Hashable, int]],
+    events: Sequence[Event],
     marks: TraceMarks,
     *,
     tensor_peak_bytes: int,
@@ -76,7 +79,8 @@ def predict_cuda_memory(
     """The CUDA figures of a traced step.
 
     ``events``: the trace's storages as (key, new size) in order (0: freed), from the model on the
-    device to the step's end; ``marks``: where its phases begin.
+    device to the step's end, with a third item, the stream, for those made on a side stream (FSDP2's);
+    ``marks``: where its phases begin.
     ``tensor_peak_bytes``: the live-tensor peak the estimate reports (DDP's buckets included);
     ``ddp_gradient_bytes``: what DDP's buckets hold (0 without DDP), replayed as DDP allocates them;
     ``extra_tensor_bytes``: what else that peak holds beyond the trace's (ZeRO's states, by
@@ -111,8 +115,8 @@ def predict_cuda_memory(
 
 
 def _with_what_pytorch_adds(
-    events: Sequence[tuple[Hashable, int]], marks: TraceMarks, workspace: int, buckets: list[int]
-) -> Iterable[tuple[Hashable, int]]:
+    events: Sequence[Event], marks: TraceMarks, workspace: int, buckets: list[int]
+) -> Iterable[Event]:
     """The trace's events in the order a real job makes them, with what PyTorch adds.
 
     The trace makes the optimizer's state before its step (from zero gradients); a real job makes
@@ -123,8 +127,8 @@ def _with_what_pytorch_adds(
     its update; then two more steps, whose new storages get keys of their own.
     """
     made_before_step = events[marks.state : marks.step]
-    freed = {key for key, size in made_before_step if size == 0}
-    state = [(key, size) for key, size in made_before_step if size and key not in freed]
+    freed = {event[0] for event in made_before_step if event[1] == 0}
+    state = [event for event in made_before_step if event[1] and event[0] not in freed]
     yield from events[: marks.state]
     for index, size in enumerate(buckets):
         yield ("ddp bucket", index), size
@@ -133,10 +137,11 @@ def _with_what_pytorch_adds(
     yield from state
     yield from events[marks.update :]
     step = events[marks.step :]
-    born_in_step = {key for key, size in step if size}
+    born_in_step = {event[0] for event in step if event[1]}
     for repeat in (2, 3):
-        for key, size in step:
-            yield ((repeat, key) if key in born_in_step else key), size
+        for event in step:
+            key = event[0]
+            yield ((repeat, key) if key in born_in_step else key, *event[1:])
 
 
 @dataclass(frozen=True)

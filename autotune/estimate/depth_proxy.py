@@ -11,12 +11,14 @@ the caching allocator's reserve as a ratio of the tensor peak (its rounding and 
 with the blocks it holds) and the device's fixed context.
 
 Checked on Llama-2-7B at seq 4096 on 8 H100s, the full trace against the proxies' line: FSDP2 full
-shard, bf16, checkpointing, micro batch 2: tensor peak 18.64 / 19.17 GiB, reserved 21.75 / 22.26,
-step time equal (9.7 s of tracing against 1.6); ZeRO-2 bf16 micro batch 1: peak equal, reserved
-49.13 / 51.69 GiB (+5%, on the safe side), step time equal; ZeRO-3 bf16 micro batch 2: tensor
-peak 63.13 / 63.13 GiB, reserved 63.16 / 63.28, step time equal. Not used for encoder-decoder models
-(two stacks), factories (no config to shorten), and models of 6 layers or fewer (a full trace is
-as cheap).
+shard, bf16, checkpointing, micro batch 2: tensor peak 18.64 / 19.17 GiB, reserved 21.75 / 22.26
+(read before the replay kept FSDP2's side streams' pools apart: those pools hold a root group and a
+block whatever the depth, so the 4-layer copy's ratio, applied at full depth, scales them with the
+tensor peak: an overstatement on the safe side, not measured), step time equal (9.7 s of tracing
+against 1.6); ZeRO-2 bf16 micro batch 1: peak equal, reserved 49.13 / 51.69 GiB (+5%, on the safe
+side), step time equal; ZeRO-3 bf16 micro batch 2: tensor peak 63.13 / 63.13 GiB, reserved 63.16 /
+63.28, step time equal. Not used for encoder-decoder models (two stacks), factories (no config to
+shorten), and models of 6 layers or fewer (a full trace is as cheap).
 """
 
 from __future__ import annotations

@@ -56,8 +56,13 @@ class PeakPartsTracker(LiveBytesTracker):
         # parallel): only then is each op looked over for them, a cost on every op of the trace.
         self.sees_dtensors = False
         # The storages' allocations and frees in order, (key, new size; 0: freed), once asked:
-        # what the CUDA caching allocator would be asked for (estimate.cuda_memory replays it).
-        self.events: list[tuple[int, int]] | None = None
+        # what the CUDA caching allocator would be asked for (estimate.cuda_memory replays it). An allocation
+        # made on a stream other than the default one (FSDP2's all-gather copy-in and reduce-scatter streams,
+        # entered with ``device_handle.stream(...)`` in _fsdp_collectives.foreach_all_gather / foreach_reduce)
+        # carries that stream's number third: the caching allocator caches its block for that stream alone.
+        self.events: list[tuple[int, int] | tuple[int, int, int]] | None = None
+        self._default_streams: dict[str, Any] = {}  # device type -> its default stream, as recording starts
+        self._stream_numbers: dict[tuple[str, int], int] = {}  # a side stream -> its number in events (1, 2, ...)
         self._keys: dict[int, int] = {}  # id of the per-storage counter -> its key in events
         self.marks: dict[str, int] = {}  # phase -> where its events begin
         self.peak_before: dict[str, tuple[int, dict[str, int]]] = {}  # phase -> the peak before it, its parts
@@ -97,6 +102,9 @@ class PeakPartsTracker(LiveBytesTracker):
     def start_recording(self) -> None:
         """From now on, record; the storages live now are allocated first, in the order they were made."""
         self.events = []
+        self._default_streams = {"cpu": torch.cpu.current_stream()}
+        if torch.cuda.is_available():
+            self._default_streams["cuda"] = torch.cuda.default_stream()
         for counter in list(self._counted.values()):
             if counter[0] > 0:
                 self._record(counter)
@@ -108,13 +116,24 @@ class PeakPartsTracker(LiveBytesTracker):
         if self.events is not None:
             self.marks[phase] = len(self.events)
 
-    def _record(self, counter: list[int]) -> None:
+    def _record(self, counter: list[int], *, made_now: bool = False) -> None:
         key = self._keys.get(id(counter))
         if key is None:
             key = self._keys[id(counter)] = self._next_key
             self._next_key += 1
         assert self.events is not None
-        self.events.append((key, counter[0]))
+        stream = self._side_stream() if made_now else None
+        self.events.append((key, counter[0]) if stream is None else (key, counter[0], stream))
+
+    def _side_stream(self) -> int | None:
+        """The number of the stream current now when it is not a default one (None when it is). Fake tensors'
+        storages are on the meta device: the traced device's current stream is what FSDP2 set."""
+        for device_type, default in self._default_streams.items():
+            current = torch.get_device_module(device_type).current_stream()
+            if current != default:
+                ident = (device_type, current.stream_id if device_type == "cuda" else id(current))
+                return self._stream_numbers.setdefault(ident, len(self._stream_numbers) + 1)
+        return None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -190,7 +209,7 @@ class PeakPartsTracker(LiveBytesTracker):
         if tag is not None:
             self.live[tag] += counter[0] - before
         if self.events is not None and counter[0] != before:
-            self._record(counter)
+            self._record(counter, made_now=True)
         if self.peak_bytes > peak:
             self.at_peak = dict(self.live)
 

@@ -139,8 +139,9 @@ class TracedStep:
     step_costs: StepCosts
     total_params: int
     trainable_params: int
-    # The storages' allocations and frees in order (CUDA workloads; None once extrapolated).
-    events: list[tuple[int, int]] | None
+    # The storages' allocations and frees in order (CUDA workloads; None once extrapolated):
+    # (key, new size) or (key, new size, side stream's number): see PeakPartsTracker.events.
+    events: list[tuple[int, int] | tuple[int, int, int]] | None
     marks: dict[str, int]
     attention_kernels: dict[str, int]
     target: str  # the workload's device type

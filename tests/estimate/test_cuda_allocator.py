@@ -309,3 +309,32 @@ def test_a_long_replay_is_fast_and_frees_back_to_one_block_per_segment(settings:
     assert sum(len(pool.order) for pool in pools) == model.result().segments
     assert sum(size for pool in pools for size, _ in pool.order) == model.reserved_bytes
     assert replay(events, settings=settings) == model.result()
+
+
+def test_a_block_freed_on_a_side_stream_is_cached_for_that_stream_alone() -> None:
+    # get_free_block: the pool's blocks are ordered by stream first; a block of another stream is never taken.
+    model = CachingAllocatorModel()
+    model.malloc("gather", 40 * M, stream=1)  # FSDP2's all-gather output on its copy-in stream: 40 MiB segment
+    model.free("gather")  # cached for stream 1
+    model.malloc("activation", 40 * M)  # the compute stream cannot reuse it: a segment of its own
+    assert model.reserved_bytes == 80 * M
+    model.malloc("next gather", 40 * M, stream=1)  # stream 1 reuses its own cached block
+    assert model.reserved_bytes == 80 * M
+
+
+def test_a_free_goes_back_to_the_stream_the_block_was_made_on() -> None:
+    # A reduce-scatter output made on its stream and freed from the compute stream (zero_grad) stays in
+    # the reduce-scatter stream's pool; so does the rest of its split segment.
+    events = [("grad", 30 * M, 2), ("grad", 0), ("act", 30 * M), ("act", 0), ("grad2", 30 * M, 2)]
+    assert replay(events).peak_reserved_bytes == 60 * M  # grad2 takes grad's block; act needed its own
+    assert replay([event[:2] for event in events]).peak_reserved_bytes == 30 * M  # one stream: reused
+
+
+def test_each_stream_maps_its_own_expandable_segment() -> None:
+    model = CachingAllocatorModel(settings=EXPANDABLE)
+    model.malloc("a", 30 * M)  # large pages of 20 MiB: 40 MiB mapped
+    model.malloc("b", 5 * M, stream=1)  # another stream: its own segment, 20 MiB
+    assert model.reserved_bytes == 60 * M and model.result().segments == 2
+    model.free("a")
+    model.malloc("c", 30 * M, stream=1)  # stream 1 grows its own segment: 5 + 30 -> 40 MiB mapped there
+    assert model.reserved_bytes == 80 * M

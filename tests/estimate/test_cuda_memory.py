@@ -122,3 +122,46 @@ def test_expandable_segments_change_the_reserve_and_a_cpu_workload_has_none():
     assert "expandable segments" in expandable["method"] and "expandable" not in plain["method"]
     on_cpu = _estimate_json("--device", "cpu")
     assert on_cpu["predicted_reserved_bytes"] is None and on_cpu["predicted_device_bytes"] is None
+
+
+def test_the_tracker_records_the_side_stream_an_allocation_was_made_on():
+    # FSDP2 enters its copy-in and reduce-scatter streams with device_handle.stream(...) (torch.cpu.stream
+    # when traced on the CPU): what is allocated inside carries the stream's number, the rest none.
+    import torch
+
+    from autotune.estimate.peak_parts import PeakPartsTracker
+
+    tracker = PeakPartsTracker()
+    copy_in, reduce_scatter = torch.cpu.Stream(), torch.cpu.Stream()
+    with tracker:
+        tracker.start_recording()
+        a = torch.empty(1024)
+        with torch.cpu.stream(copy_in):
+            b = torch.empty(2048)
+        with torch.cpu.stream(reduce_scatter):
+            c = torch.empty(512)
+        d = torch.empty(256)
+        del b
+    assert tracker.events == [(0, 4096), (1, 8192, 1), (2, 2048, 2), (3, 1024), (1, 0)]
+    del a, c, d
+
+
+def test_side_stream_events_survive_the_steps_repeats_and_cost_their_own_segments():
+    # The same trace on one stream and with the gathered weights (40 MiB) on a side stream: the step's
+    # activations (40 MiB) cannot take the gathered weights' freed block, so reserved holds both.
+    one = [(0, 10 * MiB), (1, 40 * MiB), (1, 0), (2, 40 * MiB), (2, 0)]
+    two = [(0, 10 * MiB), (1, 40 * MiB, 1), (1, 0), (2, 40 * MiB), (2, 0)]
+    marks = TraceMarks(state=1, step=1, update=5)
+    figures = [
+        predict_cuda_memory(
+            events,
+            marks,
+            tensor_peak_bytes=50 * MiB,
+            card=gpu_spec("H100-80GB"),
+            ranks=8,
+            ddp_gradient_bytes=0,
+            alloc_conf=None,
+        )
+        for events in (one, two)
+    ]
+    assert figures[1].reserved_bytes - figures[0].reserved_bytes == 40 * MiB

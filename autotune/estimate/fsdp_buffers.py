@@ -1,0 +1,127 @@
+"""What FSDP2 and NCCL hold on a CUDA device beyond the model states, as arithmetic on a group's shapes.
+
+The estimator does not need these for the traced step: PyTorch's own ``fully_shard`` runs on fake tensors, so
+each buffer below is in the trace, on the stream FSDP2 allocates it on (the allocator replay keeps each side
+stream's blocks apart). They size what the trace cannot show: a run made in a way autotune's trials are not
+(gradient accumulation without reduction, ``reshard_after_forward`` other than ``True``), NCCL's own device
+memory (outside the caching allocator), and the bench's accounting of published runs. Sources, PyTorch 2.13's
+``torch/distributed/fsdp/_fully_shard/`` and NCCL (``src/init.cc``, ``src/include/device.h``,
+``src/transport/p2p.cc``, ``src/transport/nvls.cc``); ``bench/fsdp2_cuda_memory.md`` reads them at length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+__all__ = [
+    "all_gather_output_bytes",
+    "copy_in_stream_bytes",
+    "kept_after_forward_bytes",
+    "nccl_communicator_bytes",
+    "no_sync_gradient_bytes",
+    "padded_numel",
+    "reduce_scatter_bytes",
+]
+
+_MiB = 2**20
+Shape = Sequence[int]
+
+
+def padded_numel(shape: Shape, world_size: int) -> int:
+    """Elements of a parameter padded so dim 0 splits evenly over the ranks (``_get_dim0_padded_size`` in
+    ``_fsdp_common.py``: ``ceil(dim0 / world_size) * world_size``); a 0-d parameter counts as one row."""
+    dims = list(shape) or [1]
+    rows = math.ceil(dims[0] / world_size) * world_size
+    return rows * math.prod(dims[1:])
+
+
+def all_gather_output_bytes(shapes: Iterable[Shape], world_size: int, dtype_bytes: int) -> int:
+    """One group's all-gather output: every rank's padded shard in the all-gather dtype (``param_dtype``).
+
+    ``foreach_all_gather`` (``_fsdp_collectives.py``) allocates ``all_gather_input_numel * world_size``
+    elements on the copy-in stream (``all_gather_comm.allocate``, a plain ``torch.empty`` by default); the
+    all-gather input is a view into it (``all_gather_copy_in``), not a buffer of its own."""
+    return sum(padded_numel(shape, world_size) for shape in shapes) * dtype_bytes
+
+
+def copy_in_stream_bytes(
+    first_shapes: Iterable[Shape], next_shapes: Iterable[Shape], world_size: int, dtype_bytes: int, cast: bool
+) -> int:
+    """The most the copy-in stream holds at once in forward: the first group's all-gather output kept in
+    ``comm_ctx.all_gather_state`` until the next group's ``wait_for_unshard`` frees it ("Defer free to allow
+    for overlap of this copy-out with next all-gather collective", ``FSDPParamGroup.wait_for_unshard``), the
+    next group's output, and (``cast``: fp32 shards, a 16-bit ``param_dtype``) the next group's shards cast
+    on that stream (``_get_param_all_gather_inputs``)."""
+    first = list(first_shapes)
+    following = list(next_shapes)
+    held = all_gather_output_bytes(first, world_size, dtype_bytes)
+    gathered = all_gather_output_bytes(following, world_size, dtype_bytes)
+    return held + gathered + (gathered // world_size if cast else 0)
+
+
+def reduce_scatter_bytes(shapes: Iterable[Shape], world_size: int, reduce_dtype_bytes: int) -> tuple[int, int]:
+    """One group's reduce-scatter (input, output) in ``reduce_dtype``.
+
+    ``foreach_reduce`` allocates the input, the padded unsharded gradients concatenated, on the current
+    (compute) stream, and keeps it in ``comm_ctx.reduce_scatter_states`` until the next group's post-backward
+    (``reduce_scatter_max_input_buffers``, default 1); the output, ``input // world_size``, on the
+    reduce-scatter stream, where it becomes the sharded gradient (a view, or cast to the parameters' dtype)."""
+    total = sum(padded_numel(shape, world_size) for shape in shapes) * reduce_dtype_bytes
+    return total, total // world_size
+
+
+def no_sync_gradient_bytes(parameters_held: int, reduce_dtype_bytes: int) -> int:
+    """Gradient accumulation without reduction (``set_requires_gradient_sync(False)`` on every micro step but
+    the last): ``post_backward`` returns before the reduce-scatter, after ``to_accumulated_grad_if_needed``
+    (``_fsdp_param.py``) replaced each unsharded gradient by ``unsharded_grad.to(reduce_dtype)``: every
+    parameter a rank holds unsharded (after tensor parallelism) keeps a gradient in the reduce dtype between
+    micro steps, whatever the data-parallel degree. autotune's trials reduce-scatter every micro step."""
+    return parameters_held * reduce_dtype_bytes
+
+
+def kept_after_forward_bytes(
+    shapes: Iterable[Shape], world_size: int, dtype_bytes: int, reshard_after_forward: bool | int
+) -> int:
+    """What one group keeps gathered from its forward to its backward, per ``reshard_after_forward``
+    (``fully_shard``): ``True`` frees the unsharded parameters after forward (0); ``False`` keeps them all
+    (``unshard`` is a no-op in backward while ``is_unsharded``); an int ``k`` keeps a copy sharded over ``k``
+    ranks (``FSDPParam.to_sharded_post_forward``): 1/k of the group, on the compute stream."""
+    if reshard_after_forward is True:
+        return 0
+    whole = all_gather_output_bytes(shapes, world_size, dtype_bytes)
+    if reshard_after_forward is False:
+        return whole
+    k = int(reshard_after_forward)
+    if k < 1 or world_size % k:
+        raise ValueError(f"reshard_after_forward={k} must divide the {world_size} ranks")
+    return whole // k
+
+
+# NCCL's buffer per connection and protocol (src/init.cc computeBuffSizes, src/include/device.h):
+NCCL_SIMPLE_BYTES = 4 * _MiB  # DEFAULT_BUFFSIZE, NCCL_BUFFSIZE's default
+NCCL_LL128_BYTES = 120 * 640 * 8 * 8  # NCCL_LL128_ELEMS_PER_THREAD x NCCL_LL128_MAX_NTHREADS x NCCL_STEPS x 8
+NCCL_LL_BYTES = 8 * 512 * 8 * 16  # NCCL_LL_LINES_PER_THREAD x NCCL_LL_MAX_NTHREADS x NCCL_STEPS x 16
+_CUMEM_GRANULARITY = 2 * _MiB  # each cuMem allocation rounds up to it (cuMem on by default)
+_NVLS_CHANNELS_SM90 = 16  # NVLS_NCHANNELS_SM90
+_NVLS_BUFFER = 128 * 1024 * 8  # NVLS_CHUNKSIZE x NCCL_STEPS
+
+
+def nccl_communicator_bytes(*, ranks: int, channels: int, nvls_ranks: int = 0, nvls_align_bytes: int = 0) -> int:
+    """One NCCL communicator's device memory per rank: its ring connections, and NVLS where used.
+
+    A ring rank connects to its next and previous rank on each channel; a peer-to-peer connection allocates
+    the Simple, LL and LL128 buffers (``p2pSendSetup`` / ``p2pRecvSetup``), each rounded up to cuMem's 2 MiB
+    granularity. NVLS (NVLink SHARP, NVSwitch systems) allocates ``nvlsChannels * 2 * (buffSize + memSize)``
+    per head rank, times the node's ``nvls_ranks`` (``ncclNvlsBufferSetup``): ``nvls_align_bytes`` is 0 in
+    current NCCL and 2 MiB (``NVLS_MEM_ALIGN_SIZE``) in v2.21. Trees and network (inter-node) buffers are
+    left out. 0 for one rank: no communicator talks."""
+    if ranks <= 1:
+        return 0
+    per_connection = sum(
+        -(-size // _CUMEM_GRANULARITY) * _CUMEM_GRANULARITY
+        for size in (NCCL_SIMPLE_BYTES, NCCL_LL_BYTES, NCCL_LL128_BYTES)
+    )
+    rings = channels * per_connection
+    nvls = _NVLS_CHANNELS_SM90 * 2 * (_NVLS_BUFFER + nvls_align_bytes) * nvls_ranks if nvls_ranks > 1 else 0
+    return rings + nvls
