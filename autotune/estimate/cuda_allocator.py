@@ -191,8 +191,11 @@ class _Pool:
 class CachingAllocatorModel:
     """The allocator's state under a sequence of malloc/free/resize calls, with its running peaks."""
 
-    def __init__(self, *, settings: AllocatorSettings | None = None) -> None:
+    def __init__(self, *, settings: AllocatorSettings | None = None, capacity_bytes: int | None = None) -> None:
         self._settings = settings or AllocatorSettings()
+        # What the allocator may reserve (the card's memory less what is outside it); None: no bound. Past it a
+        # new segment first releases every cached free segment, of every stream, as a failed cudaMalloc does.
+        self._capacity = capacity_bytes
         self._max_split = self._settings.max_split_size_bytes or float("inf")
         self._max_rounding = self._settings.max_non_split_rounding_bytes or self._settings.large_segment_size_bytes
         self._pools: dict[tuple[Hashable, bool], _Pool] = {}  # (stream, small) -> its pool
@@ -320,6 +323,7 @@ class CachingAllocatorModel:
         if self._settings.expandable_segments:
             return self._expand(pool, size)
         alloc_size = self._allocation_size(size)  # one cudaMalloc of this size
+        self._make_room(alloc_size)
         segment = self._new_segment(pool, alloc_size, expandable=False)
         block = _Block(segment.base, alloc_size, segment)
         segment.tail = block
@@ -348,6 +352,8 @@ class CachingAllocatorModel:
         missing = size - (block.size if block is not None else 0)
         if missing > 0:
             mapped = -(-missing // page) * page
+            self._make_room(mapped)
+            tail = segment.tail  # releasing may have unmapped a free tail of this segment (not ``block``: taken)
             new = _Block(segment.base + segment.size, mapped, segment)
             new.prev = tail
             if tail is not None:
@@ -362,6 +368,29 @@ class CachingAllocatorModel:
                 segment.tail = block
         assert block is not None  # size > 0 (_allocate returns early for 0): a free tail, new pages, or both
         return block
+
+    def _make_room(self, nbytes: int) -> None:
+        """Before a new segment (or new pages) that would take reserved past the capacity: release the cached
+        free memory of every pool, as DeviceCachingAllocator::malloc does when cudaMalloc fails
+        (release_cached_blocks: each free block that is a whole segment is cudaFree'd; an expandable
+        segment's free pages at its end are unmapped), then allocate. Still past it: the real job runs out
+        of memory, and the replay's reserved peak says so by going over the capacity."""
+        if self._capacity is None or self._reserved + nbytes <= self._capacity:
+            return
+        for pool in self._pools.values():
+            for _, addr in list(pool.order):
+                block = pool.by_addr[addr]
+                segment = block.segment
+                whole = block.prev is None and block.next is None and not segment.expandable
+                end_pages = segment.expandable and block.next is None
+                if whole or end_pages:
+                    pool.remove(block)
+                    segment.size -= block.size
+                    self._reserved -= block.size
+                    if end_pages:
+                        segment.tail = block.prev
+                        if block.prev is not None:
+                            block.prev.next = None
 
     def _new_segment(self, pool: _Pool, size: int, *, expandable: bool) -> _Segment:
         segment = _Segment(small=pool.small, stream=pool.stream, base=self._next_base, size=0, expandable=expandable)
@@ -400,15 +429,18 @@ class CachingAllocatorModel:
         pool.insert(block)
 
 
-def replay(events: Iterable[Event], *, settings: AllocatorSettings | None = None) -> ReplayResult:
+def replay(
+    events: Iterable[Event], *, settings: AllocatorSettings | None = None, capacity_bytes: int | None = None
+) -> ReplayResult:
     """Replay ``(key, new size in bytes)`` or ``(key, new size, stream)`` events in order and return the peaks.
 
     A key not seen before (or freed since) is an allocation, a live key with 0 is a free, and
     a live key with another size is a resize (new block first, then the old one freed); the
     allocation is made on the event's stream (the default stream without one), and a free goes back
-    to the pool of the stream its block was made on, whatever the event says.
+    to the pool of the stream its block was made on, whatever the event says. ``capacity_bytes``: what the
+    allocator may reserve on the card (see :meth:`CachingAllocatorModel._make_room`).
     """
-    model = CachingAllocatorModel(settings=settings)
+    model = CachingAllocatorModel(settings=settings, capacity_bytes=capacity_bytes)
     for event in events:
         key, nbytes = event[0], event[1]
         stream = event[2] if len(event) > 2 else None

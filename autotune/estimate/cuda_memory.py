@@ -91,16 +91,21 @@ def predict_cuda_memory(
         card.cublas_workspace_bytes() if card is not None else 4096 * 1024 * 2 + 16 * 1024 * 8
     )  # PyTorch's default before Hopper
     buckets = _ddp_buckets(ddp_gradient_bytes)
-    replayed = replay(_with_what_pytorch_adds(events, marks, workspace, buckets), settings=settings)
-    # What the trace did not allocate (ZeRO's states by arithmetic) shifts the reserve as it is.
-    reserved = replayed.peak_reserved_bytes + extra_tensor_bytes
-    cache = max(0, reserved - tensor_peak_bytes - workspace)
-    reserved = tensor_peak_bytes + workspace + cache
     if card is not None:
         context, source = card.context_bytes, f"{card.name}'s typical context"
     else:
         context, source = TYPICAL_CONTEXT_BYTES, "a typical CUDA 12 context (name the card with --gpu)"
     communication = _nccl_bytes(card, ranks)
+    # On a named card the allocator can reserve what the context, NCCL and the states the trace did not
+    # allocate leave; near it, it gives its cached free segments back before it fails (cuda_allocator).
+    capacity = card.memory_bytes - context - communication - extra_tensor_bytes if card is not None else None
+    replayed = replay(
+        _with_what_pytorch_adds(events, marks, workspace, buckets), settings=settings, capacity_bytes=capacity
+    )
+    # What the trace did not allocate (ZeRO's states by arithmetic) shifts the reserve as it is.
+    reserved = replayed.peak_reserved_bytes + extra_tensor_bytes
+    cache = max(0, reserved - tensor_peak_bytes - workspace)
+    reserved = tensor_peak_bytes + workspace + cache
     mode = "expandable segments" if settings.expandable_segments else "segments"
     return CudaMemory(
         reserved_bytes=reserved,

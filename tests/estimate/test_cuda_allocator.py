@@ -338,3 +338,25 @@ def test_each_stream_maps_its_own_expandable_segment() -> None:
     model.free("a")
     model.malloc("c", 30 * M, stream=1)  # stream 1 grows its own segment: 5 + 30 -> 40 MiB mapped there
     assert model.reserved_bytes == 80 * M
+
+
+def test_near_the_capacity_a_new_segment_first_releases_every_streams_cached_segments() -> None:
+    # A side stream's cached 40 MiB segment is kept for it; with 100 MiB to reserve, the compute stream's 80 MiB
+    # request does not fit beside it, so (as after a failed cudaMalloc) the cached segment is released first.
+    events = [("gather", 40 * M, 1), ("gather", 0), ("activation", 80 * M)]
+    assert replay(events).peak_reserved_bytes == 120 * M  # no bound: the cache stays
+    bounded = replay(events, capacity_bytes=100 * M)
+    assert bounded.peak_reserved_bytes == 80 * M and bounded.peak_allocated_bytes == 80 * M
+    # A block still in use is never released: what is live past the capacity goes over it (the job runs out).
+    live = [("gather", 40 * M, 1), ("activation", 80 * M)]
+    assert replay(live, capacity_bytes=100 * M).peak_reserved_bytes == 120 * M
+
+
+def test_near_the_capacity_an_expandable_segment_unmaps_its_free_end_pages() -> None:
+    settings = AllocatorSettings(expandable_segments=True)
+    events = [("gather", 40 * M, 1), ("gather", 0), ("activation", 80 * M)]
+    assert replay(events, settings=settings).peak_reserved_bytes == 120 * M
+    assert replay(events, settings=settings, capacity_bytes=100 * M).peak_reserved_bytes == 80 * M
+    # The side stream maps its pages again when it next gathers, at its segment's end.
+    again = [*events, ("activation", 0), ("gather 2", 40 * M, 1)]
+    assert replay(again, settings=settings, capacity_bytes=100 * M).peak_reserved_bytes == 80 * M
