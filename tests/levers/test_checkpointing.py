@@ -11,7 +11,7 @@ import torch
 
 from autotune.errors import ConfigError
 from autotune.levers.checkpointing import checkpointing_call, enable_checkpointing
-from autotune.prepare import checkpointing
+from autotune.levers import checkpointing
 
 
 def _tiny_llama() -> Any:
