@@ -15,7 +15,20 @@ import autotune
 
 PACKAGE = Path(autotune.__file__).parent
 # Lowest first: a module may import from its own folder and from any folder before it, never after.
-ORDER = ["", "levers", "config", "models", "prepare", "trial", "scripts", "estimate", "study", "search", "output", "cli"]
+ORDER = [
+    "",
+    "levers",
+    "config",
+    "models",
+    "prepare",
+    "trial",
+    "scripts",
+    "estimate",
+    "study",
+    "search",
+    "output",
+    "cli",
+]
 _TOP = {"cli", "__init__", "__main__"}  # the command line and the public API sit on top of everything
 _BASE = {"errors", "sizes", "version"}  # facts every layer uses
 
