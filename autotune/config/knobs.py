@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.levers import LABEL_ORDER, LEVERS
+from autotune.levers import ATTENTION, CHECK_ORDER, LABEL_ORDER, REFUSAL_ORDER
 from autotune.levers.activation_offload import ActivationOffloadFields, offload_device_refusal
 from autotune.levers.attention import ATTENTIONS, AttentionFields, attention_device_refusal
 from autotune.levers.base import is_count as _is_count
@@ -239,7 +239,7 @@ class TrialConfig(
     def _check_values(self) -> None:
         if not _is_count(self.micro_batch):
             raise ConfigError(f"--micro-batch {self.micro_batch!r} must be a whole number of at least 1")
-        for lever in LEVERS:
+        for lever in CHECK_ORDER:
             lever.check(self)
         if self.lora_rank is not None and not _is_count(self.lora_rank):
             raise ConfigError(f"--lora-rank {self.lora_rank!r} must be a whole number of at least 1")
@@ -340,6 +340,10 @@ class TrialConfig(
             raise ConfigError(
                 f"--fsdp {self.fsdp} on one rank shards nothing; add --nproc 2 or more, or --offload optimizer+params"
             )
+        for lever in REFUSAL_ORDER:
+            conflict = lever.conflict(self)
+            if conflict is not None:
+                raise ConfigError(conflict)
         self._check_layout_for(workload)
         split = self.uses_deepspeed or self.uses_fsdp or self.model_parallel > 1
         if (self.optimizer != "adamw" or self.optimizer_in_backward) and split:
@@ -357,12 +361,10 @@ class TrialConfig(
                 else "it steps sharded parameters (DTensors), which autotune does not measure yet"
             )
             raise ConfigError(f"{what} with {sharding}: {why}; use --optimizer adamw without it, or drop the sharding")
-        for lever in LEVERS:
-            refusal = lever.refusal(self, workload, device)
-            if refusal is not None:
-                raise ConfigError(refusal)
-        if self.quantize_base != "off":
-            refusal = quantize_refusal(self)
+        for lever in REFUSAL_ORDER:
+            # The quantized base is not a lever yet: its refusal keeps its place, before attention's.
+            refusal = quantize_refusal(self) if lever is ATTENTION and self.quantize_base != "off" else None
+            refusal = refusal or lever.refusal(self, workload, device)
             if refusal is not None:
                 raise ConfigError(refusal)
 

@@ -26,6 +26,9 @@ __all__ = [
     "ModelFacts",
     "LEVERS",
     "LABEL_ORDER",
+    "CHECK_ORDER",
+    "REFUSAL_ORDER",
+    "MODEL_REFUSAL_ORDER",
     "ATTENTION",
     "CHECKPOINTING",
     "PRECISION",
@@ -48,9 +51,21 @@ COMPILE = CompileLever()
 # or not], where weights are held for the precision (after LoRA: PEFT makes its adapters fp32), the chunked loss,
 # [pipeline stages, or tensor parallel then FSDP]. Then in the trial's engine: the optimizer over the prepared
 # parameters, activation offload's hooks around each step, compile after the first steps.
-# Refusals and value checks are asked in this order too (the first one found is the one said).
 LEVERS: tuple[Lever, ...] = (ATTENTION, CHECKPOINTING, PRECISION, LOSS, OPTIMIZER, ACTIVATION_OFFLOAD, COMPILE)
 
-# The order of their words in ``TrialConfig.describe()``: the labels stored in studies and results files read
-# this way, so it stays as it was before the registry. Every lever appears once (a test checks it).
+# The orders the other consumers ask the levers in. Each is the order the knobs were asked in before they were
+# levers, so that a label reads as the labels stored in studies do, and where two values are wrong, or two
+# refusals hold, the one said first is the one said before. Each names every lever once (a test checks it); a
+# new lever goes at the end of each.
 LABEL_ORDER: tuple[Lever, ...] = (PRECISION, CHECKPOINTING, ATTENTION, LOSS, OPTIMIZER, ACTIVATION_OFFLOAD, COMPILE)
+CHECK_ORDER: tuple[Lever, ...] = (PRECISION, CHECKPOINTING, ATTENTION, COMPILE, OPTIMIZER, ACTIVATION_OFFLOAD, LOSS)
+REFUSAL_ORDER: tuple[Lever, ...] = (OPTIMIZER, ATTENTION, COMPILE, ACTIVATION_OFFLOAD, PRECISION, CHECKPOINTING, LOSS)
+MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
+    LOSS,
+    ATTENTION,
+    CHECKPOINTING,
+    PRECISION,
+    OPTIMIZER,
+    ACTIVATION_OFFLOAD,
+    COMPILE,
+)

@@ -1,10 +1,11 @@
 """What every lever is: :class:`Lever`, and the facts about a model that its refusals are handed.
 
 A lever is one knob family (its fields are a frozen mixin of :class:`~autotune.config.knobs.TrialConfig`).
-Its class says, for a config, which of its values are wrong (:meth:`Lever.check`), why a device cannot run
-them for a workload (:meth:`Lever.refusal`), why a model cannot take them (:meth:`Lever.model_refusal`, from
-:class:`ModelFacts` read once per workload), how it changes a built model (:meth:`Lever.apply`) and its words
-in a config's label (:meth:`Lever.labels`). A lever that says nothing for one of these keeps the default.
+Its class says, for a config, which of its values are wrong (:meth:`Lever.check`), why they cannot go with the
+other levers' values (:meth:`Lever.conflict`) or run for a workload on a device (:meth:`Lever.refusal`), why a
+model cannot take them (:meth:`Lever.model_refusal`, from :class:`ModelFacts` read once per workload), how it
+changes a built model (:meth:`Lever.apply`) and its words in a config's label (:meth:`Lever.labels`). A lever
+that says nothing for one of these keeps the default.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class Lever:
 
     def check(self, config: TrialConfig) -> None:
         """Raise ConfigError when one of this lever's values (alone, or with its own others) is not known."""
+
+    def conflict(self, config: TrialConfig) -> str | None:
+        """Why this lever's values cannot go with the other levers' values, whatever the workload and device;
+        None: they can. Asked before the layout's checks; :meth:`refusal` after them."""
+        return None
 
     def refusal(self, config: TrialConfig, workload: Workload, device: DeviceInfo) -> str | None:
         """Why this workload on ``device`` (with what is installed) cannot run this lever's values; None: it can."""

@@ -125,7 +125,7 @@ class OptimizerLever(Lever):
         if not isinstance(config.optimizer_in_backward, bool):
             raise ConfigError(f"--optimizer-in-backward {config.optimizer_in_backward!r} must be on or off")
 
-    def refusal(self, config: TrialConfig, workload: Workload, device: DeviceInfo) -> str | None:
+    def conflict(self, config: TrialConfig) -> str | None:
         if config.fused_optimizer and config.uses_deepspeed:
             return (
                 "--fused-optimizer on with --zero-stage: DeepSpeed picks its own Adam kernel (fused on "
@@ -136,9 +136,9 @@ class OptimizerLever(Lever):
                 f"--fused-optimizer on with --optimizer {config.optimizer}: fused is PyTorch AdamW's kernel; "
                 "use --fused-optimizer off"
             )
-        return self._step_refusal(config, workload)
+        return None
 
-    def _step_refusal(self, config: TrialConfig, workload: Workload) -> str | None:
+    def refusal(self, config: TrialConfig, workload: Workload, device: DeviceInfo) -> str | None:
         if config.optimizer_in_backward:
             refusal = in_backward_refusal(config, workload)
             if refusal is not None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import autotune
 from autotune.config.knobs import TrialConfig
-from autotune.levers import LABEL_ORDER, LEVERS
+from autotune.levers import CHECK_ORDER, LABEL_ORDER, LEVERS, MODEL_REFUSAL_ORDER, REFUSAL_ORDER
 
 PACKAGE = Path(autotune.__file__).parent
 ROOT = PACKAGE.parent
@@ -156,7 +156,8 @@ def test_every_field_belongs_to_one_lever_or_is_listed_as_not_yet() -> None:
         f"fields that are neither a lever's nor listed: {sorted(names - set(owned) - NOT_YET_LEVERS - CORE)}; "
         "a new knob is a new module of autotune/levers/ (docs/design.md, how to add a lever)"
     )
-    assert sorted(map(id, LABEL_ORDER)) == sorted(map(id, LEVERS)), "LABEL_ORDER names every lever once"
+    for order in (LABEL_ORDER, CHECK_ORDER, REFUSAL_ORDER, MODEL_REFUSAL_ORDER):
+        assert sorted(map(id, order)) == sorted(map(id, LEVERS)), "each order of autotune.levers names every lever once"
 
 
 def test_each_levers_fields_are_its_mixins() -> None:
