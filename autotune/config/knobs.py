@@ -2,6 +2,10 @@
 
 Exact knobs (micro batch, checkpointing, ZeRO stage, offload) do not change what is trained;
 precision and LoRA do, and are only moved where the user's search space allows them.
+
+The knob families that are levers (``autotune/levers/``) bring their fields, values, refusals and labels as a
+mixin and a registry entry; ``TrialConfig`` asks them in a loop. The families not yet levers (LoRA and the
+quantized base, ZeRO, FSDP, offload, tensor, sequence and pipeline parallel) are still written out here.
 """
 
 from __future__ import annotations
