@@ -148,7 +148,7 @@ _LIGHTNING_JOB = textwrap.dedent("""
     import lightning.pytorch as L
     from transformers import LlamaConfig, LlamaForCausalLM
     import autotune
-    from autotune.levers.optimizer import parameter_groups
+    from autotune.prepare.optimizer import parameter_groups
 
     trainer_args = yaml.safe_load(open(sys.argv[1]))["trainer"]
     spec = trainer_args.pop("strategy")  # built from its class_path, as LightningCLI builds it

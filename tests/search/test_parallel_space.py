@@ -36,7 +36,7 @@ _JOB = textwrap.dedent("""
     import torch, torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
     import autotune
-    from autotune.levers.optimizer import parameter_groups
+    from autotune.prepare.optimizer import parameter_groups
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)
