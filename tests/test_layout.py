@@ -15,7 +15,20 @@ import autotune
 
 PACKAGE = Path(autotune.__file__).parent
 # Lowest first: a module may import from its own folder and from any folder before it, never after.
-ORDER = ["", "config", "models", "prepare", "trial", "scripts", "estimate", "study", "search", "output", "cli"]
+ORDER = [
+    "",
+    "levers",
+    "config",
+    "models",
+    "prepare",
+    "trial",
+    "scripts",
+    "estimate",
+    "study",
+    "search",
+    "output",
+    "cli",
+]
 _TOP = {"cli", "__init__", "__main__"}  # the command line and the public API sit on top of everything
 _BASE = {"errors", "sizes", "version"}  # facts every layer uses
 
@@ -25,13 +38,28 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _run_time_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:``: an import only a type checker runs makes no
+    dependency (a lever's module names ``TrialConfig`` in its annotations, and ``config`` is built from levers)."""
+    nodes: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        nodes.append(node)
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
 def _imports() -> dict[str, set[str]]:
-    """Every autotune module and the autotune modules it imports (at the top or inside functions)."""
+    """Every autotune module and the autotune modules it imports at run time (at the top or inside functions)."""
     modules = {_module(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _run_time_nodes(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("autotune"):
                 # from autotune.trial import result: the submodule; from autotune.trial.result import X: the module
                 names = [f"{node.module}.{a.name}" for a in node.names]

@@ -2,6 +2,10 @@
 
 Exact knobs (micro batch, checkpointing, ZeRO stage, offload) do not change what is trained;
 precision and LoRA do, and are only moved where the user's search space allows them.
+
+The knob families that are levers (``autotune/levers/``) bring their fields, values, refusals and labels as a
+mixin and a registry entry; ``TrialConfig`` asks them in a loop. The families not yet levers (LoRA and the
+quantized base, ZeRO, FSDP, offload, tensor, sequence and pipeline parallel) are still written out here.
 """
 
 from __future__ import annotations
@@ -13,6 +17,21 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
+from autotune.levers import ATTENTION, CHECK_ORDER, LABEL_ORDER, REFUSAL_ORDER
+from autotune.levers.activation_offload import ActivationOffloadFields, offload_device_refusal
+from autotune.levers.attention import ATTENTIONS, AttentionFields, attention_device_refusal
+from autotune.levers.base import is_count as _is_count
+from autotune.levers.checkpointing import CheckpointingFields
+from autotune.levers.compile import CompileFields, compile_device_refusal
+from autotune.levers.loss import DEFAULT_LOSS_CHUNKS, LOSSES, LossFields, is_loss
+from autotune.levers.optimizer import (
+    EIGHT_BIT_REFUSAL,
+    OPTIMIZERS,
+    OptimizerFields,
+    eight_bit_library,
+    in_backward_refusal,
+)
+from autotune.levers.precision import PRECISIONS, PrecisionFields, sixteen_bit_type
 
 if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
@@ -42,19 +61,7 @@ __all__ = [
     "quantize_library_refusal",
 ]
 
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "bf16-true")
-# The 16-bit type each precision computes in (torch's name). fp16 and bf16 are mixed precision:
-# fp32 weights, gradients and Adam states, matmuls under autocast. bf16-true holds all of them in
-# bf16 (Lightning's "bf16-true"). No fp16-true: Adam's eps (1e-8) and small second moments
-# underflow in fp16, so it does not train without an fp32 copy.
-_SIXTEEN_BIT_TYPES = {"fp16": "float16", "bf16": "bfloat16", "bf16-true": "bfloat16"}
-ATTENTIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flex_attention")  # Transformers' attn_implementation
-LOSSES = ("standard", "chunked", "chunked-kept")  # the chunked ones also as chunked:K, chunked-kept:K
-DEFAULT_LOSS_CHUNKS = 8
 OFFLOADS = ("none", "optimizer", "optimizer+params")
-# adamw: PyTorch's; adamw-8bit: Adam's moments in 8 bits (torchao or bitsandbytes); adafactor: Transformers'
-# (factored second moments, no first). They change the maths, like precision: searched where a space lists them.
-OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor")
 # QLoRA's frozen base under LoRA: off, NF4 (4-bit, double-quantized scales) or LLM.int8() (bitsandbytes).
 QUANTIZATIONS = ("off", "nf4", "int8")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -68,9 +75,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrialConfig:
-    """One point of the search space. ``None`` means a knob is off, never a sentinel number."""
-
+class _MicroBatchField:
     micro_batch: int = field(
         default=1,
         metadata={
@@ -78,77 +83,24 @@ class TrialConfig:
             "as global batch / (micro batch x ranks)."
         },
     )
-    precision: str = field(
-        default="fp32",
-        metadata={
-            "help": "fp32, tf32 (CUDA only), fp16 (mixed, with loss scaling), bf16 (mixed) or bf16-true "
-            "(weights, gradients and Adam states all in bf16: half the model states, less exact)."
-        },
-    )
-    checkpointing: bool = field(
-        default=False,
-        metadata={"help": "Activation checkpointing: recompute activations in backward."},
-    )
-    checkpoint_every: int = field(
-        default=1,
-        metadata={
-            "help": "With checkpointing on: recompute only every N-th decoder layer (Transformers' "
-            "every_n_layers); 1 is every layer."
-        },
-    )
-    loss: str = field(
-        default="standard",
-        metadata={
-            "help": "standard (the model's own), or chunked (chunked:K): a causal LM's head and "
-            f"cross-entropy over K slices of the tokens (default {DEFAULT_LOSS_CHUNKS}), each "
-            "recomputed in backward, so the full logits never exist. Same loss, less memory. "
-            "chunked-kept (chunked-kept:K) keeps each slice's 16-bit logits for the backward instead "
-            "of recomputing the head (torchtune's compiled chunked cross-entropy): no extra matmul, "
-            "more memory than chunked, less than standard."
-        },
-    )
-    attention: str = field(
-        default="auto",
-        metadata={
-            "help": "The attention kernel (Transformers' attn_implementation): auto (the model's default), "
-            "eager, sdpa, flash_attention_2 or flex_attention (CUDA only)."
-        },
-    )
-    fused_optimizer: bool = field(
-        default=False,
-        metadata={
-            "help": "AdamW with fused=True (one kernel over all parameters) instead of PyTorch's default "
-            "(foreach on CUDA, a loop over the tensors on a CPU). Same maths."
-        },
-    )
-    optimizer: str = field(
-        default="adamw",
-        metadata={
-            "help": "adamw (PyTorch's), adamw-8bit (Adam's moments in 8 bits: torchao, or bitsandbytes) or "
-            "adafactor (Transformers': factored second moments, no first). Changes the maths, like precision."
-        },
-    )
-    optimizer_in_backward: bool = field(
-        default=False,
-        metadata={
-            "help": "Step each parameter inside the backward as soon as its gradient is made, and free the "
-            "gradient: no whole gradient buffer. One rank, no accumulation, no fp16 loss scaling."
-        },
-    )
-    activation_offload: bool = field(
-        default=False,
-        metadata={
-            "help": "Move the tensors the forward saves for the backward to pinned host memory and bring each "
-            "back when the backward needs it (CUDA only). With checkpointing, only the checkpoints' inputs move."
-        },
-    )
-    compile: bool = field(
-        default=False,
-        metadata={
-            "help": "torch.compile the model (CUDA trials): its compile time is a phase of its own, never in "
-            "tokens/s, and the trial reports how many steps a run needs before compiling pays off."
-        },
-    )
+
+
+# The fields of the levers that are modules of their own (autotune/levers/), then the rest below. A dataclass
+# orders the fields of its bases from the last base to the first: the levers' mixins are listed last-first so that
+# dataclasses.fields(TrialConfig) keeps the order it has always had (micro_batch, precision, checkpointing, ...).
+@dataclass(frozen=True, kw_only=True)
+class TrialConfig(
+    CompileFields,
+    ActivationOffloadFields,
+    OptimizerFields,
+    AttentionFields,
+    LossFields,
+    CheckpointingFields,
+    PrecisionFields,
+    _MicroBatchField,
+):
+    """One point of the search space. ``None`` means a knob is off, never a sentinel number."""
+
     lora_rank: int | None = field(
         default=None,
         metadata={"help": "Train LoRA adapters of this rank (PEFT) instead of all weights."},
@@ -264,36 +216,6 @@ class TrialConfig:
         return max(1, workload.nproc // self.model_parallel)
 
     @property
-    def sixteen_bit(self) -> str | None:
-        """torch's name of the 16-bit type this config computes in (float16, bfloat16), or None."""
-        return sixteen_bit_type(self.precision)
-
-    @property
-    def autocast_type(self) -> str | None:
-        """torch's name of the type autocast computes in: the mixed precisions' 16-bit type; None for
-        fp32, tf32 and bf16-true (whose weights are bf16 already)."""
-        return None if self.true_16_bit else self.sixteen_bit
-
-    @property
-    def true_16_bit(self) -> bool:
-        """Weights, gradients and optimizer state held in 16 bits (no fp32 copy, no autocast)."""
-        return self.precision == "bf16-true"
-
-    @property
-    def loss_chunks(self) -> int | None:
-        """Slices of tokens the chunked loss works on; None for the standard loss."""
-        if self.loss == "standard":
-            return None
-        _, _, chunks = self.loss.partition(":")
-        return int(chunks) if chunks else DEFAULT_LOSS_CHUNKS
-
-    @property
-    def loss_keeps_logits(self) -> bool:
-        """The chunked loss keeps each slice's logits for the backward (chunked-kept) instead of
-        recomputing the LM head there (chunked)."""
-        return self.loss.partition(":")[0] == "chunked-kept"
-
-    @property
     def effective_lora_alpha(self) -> int | None:
         if self.lora_rank is None:  # not uses_lora
             return None
@@ -321,31 +243,8 @@ class TrialConfig:
     def _check_values(self) -> None:
         if not _is_count(self.micro_batch):
             raise ConfigError(f"--micro-batch {self.micro_batch!r} must be a whole number of at least 1")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"--precision {self.precision!r} is not known; use one of {', '.join(PRECISIONS)}")
-        if not isinstance(self.checkpointing, bool):
-            raise ConfigError(f"--checkpointing {self.checkpointing!r} must be on or off")
-        if not _is_count(self.checkpoint_every):
-            raise ConfigError(f"--checkpointing every-{self.checkpoint_every!r}: N must be a whole number of 2 or more")
-        if self.checkpoint_every > 1 and not self.checkpointing:
-            raise ConfigError(f"--checkpointing every-{self.checkpoint_every} needs checkpointing on")
-        if self.attention not in ATTENTIONS:
-            raise ConfigError(f"--attention {self.attention!r} is not known; use one of {', '.join(ATTENTIONS)}")
-        if not isinstance(self.compile, bool):
-            raise ConfigError(f"--compile {self.compile!r} must be on or off")
-        if not isinstance(self.fused_optimizer, bool):
-            raise ConfigError(f"--fused-optimizer {self.fused_optimizer!r} must be on or off")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"--optimizer {self.optimizer!r} is not known; use one of {', '.join(OPTIMIZERS)}")
-        if not isinstance(self.optimizer_in_backward, bool):
-            raise ConfigError(f"--optimizer-in-backward {self.optimizer_in_backward!r} must be on or off")
-        if not isinstance(self.activation_offload, bool):
-            raise ConfigError(f"--activation-offload {self.activation_offload!r} must be on or off")
-        if not is_loss(self.loss):
-            raise ConfigError(
-                f"--loss {self.loss!r} is not known; use standard, chunked, chunked-kept, or chunked:K / "
-                "chunked-kept:K with K slices of 2 or more (e.g. chunked:16)"
-            )
+        for lever in CHECK_ORDER:
+            lever.check(self)
         if self.lora_rank is not None and not _is_count(self.lora_rank):
             raise ConfigError(f"--lora-rank {self.lora_rank!r} must be a whole number of at least 1")
         if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets is not None):
@@ -445,16 +344,10 @@ class TrialConfig:
             raise ConfigError(
                 f"--fsdp {self.fsdp} on one rank shards nothing; add --nproc 2 or more, or --offload optimizer+params"
             )
-        if self.fused_optimizer and self.uses_deepspeed:
-            raise ConfigError(
-                "--fused-optimizer on with --zero-stage: DeepSpeed picks its own Adam kernel (fused on "
-                "CUDA); use --fused-optimizer off with ZeRO"
-            )
-        if self.fused_optimizer and self.optimizer != "adamw":
-            raise ConfigError(
-                f"--fused-optimizer on with --optimizer {self.optimizer}: fused is PyTorch AdamW's kernel; "
-                "use --fused-optimizer off"
-            )
+        for lever in REFUSAL_ORDER:
+            conflict = lever.conflict(self)
+            if conflict is not None:
+                raise ConfigError(conflict)
         self._check_layout_for(workload)
         split = self.uses_deepspeed or self.uses_fsdp or self.model_parallel > 1
         if (self.optimizer != "adamw" or self.optimizer_in_backward) and split:
@@ -472,39 +365,12 @@ class TrialConfig:
                 else "it steps sharded parameters (DTensors), which autotune does not measure yet"
             )
             raise ConfigError(f"{what} with {sharding}: {why}; use --optimizer adamw without it, or drop the sharding")
-        if self.optimizer_in_backward:
-            refusal = in_backward_refusal(self, workload)
+        for lever in REFUSAL_ORDER:
+            # The quantized base is not a lever yet: its refusal keeps its place, before attention's.
+            refusal = quantize_refusal(self) if lever is ATTENTION and self.quantize_base != "off" else None
+            refusal = refusal or lever.refusal(self, workload, device)
             if refusal is not None:
                 raise ConfigError(refusal)
-        if self.optimizer == "adamw-8bit" and eight_bit_library() is None:
-            raise ConfigError(EIGHT_BIT_REFUSAL)
-        if self.quantize_base != "off":
-            refusal = quantize_refusal(self)
-            if refusal is not None:
-                raise ConfigError(refusal)
-        refusal = attention_device_refusal(self.attention, device.type)
-        if refusal is not None:
-            raise ConfigError(refusal)
-        refusal = compile_device_refusal(device.type) if self.compile else None
-        if refusal is not None:
-            raise ConfigError(refusal)
-        refusal = offload_device_refusal(device.type) if self.activation_offload else None
-        if refusal is not None:
-            raise ConfigError(refusal)
-        if self.precision == "tf32" and device.type != "cuda":
-            raise ConfigError("--precision tf32 only exists on CUDA tensor cores; use fp32 or bf16 on a CPU")
-        if self.sixteen_bit == "bfloat16" and not device.bf16:
-            raise ConfigError(f"--precision {self.precision}: {device.name} has no bfloat16; use fp16 or fp32")
-        if self.true_16_bit and self.uses_deepspeed:
-            raise ConfigError(
-                f"--precision {self.precision} with --zero-stage: DeepSpeed's bf16 mode keeps fp32 master "
-                "weights in its optimizer, which is --precision bf16; use that with ZeRO"
-            )
-        if self.precision == "fp16" and self.uses_deepspeed and not device.fp16_deepspeed:
-            raise ConfigError(
-                "--precision fp16 with --zero-stage: DeepSpeed's accelerator on this device has no fp16 "
-                "training; use bf16, or fp16 without --zero-stage"
-            )
 
     def _check_layout_for(self, workload: Workload) -> None:
         """The layout's ranks against the workload's: tp x pp divides --nproc, and what runs the rest."""
@@ -563,25 +429,9 @@ class TrialConfig:
 
     def describe(self) -> str:
         """A short human label, e.g. ``mb=4 bf16 ckpt lora16 zero2+offload``."""
-        parts = [f"mb={self.micro_batch}", self.precision]
-        if self.checkpointing:
-            parts.append("ckpt" if self.checkpoint_every == 1 else f"ckpt/{self.checkpoint_every}")
-        if self.attention != "auto":
-            parts.append(f"attn={self.attention}")
-        if self.loss != "standard":
-            chunks = self.loss.partition(":")[2]
-            label = "chunked-kept-loss" if self.loss_keeps_logits else "chunked-loss"
-            parts.append(label + (f":{chunks}" if chunks else ""))
-        if self.optimizer != "adamw":
-            parts.append(self.optimizer)
-        if self.fused_optimizer:
-            parts.append("fused-adam")
-        if self.optimizer_in_backward:
-            parts.append("step-in-bwd")
-        if self.activation_offload:
-            parts.append("act-offload")
-        if self.compile:
-            parts.append("compiled")
+        parts = [f"mb={self.micro_batch}"]
+        for lever in LABEL_ORDER:
+            parts.extend(lever.labels(self))
         if self.uses_lora:
             parts.append(f"lora{self.lora_rank}" + (":" + ",".join(self.lora_targets) if self.lora_targets else ""))
         if self.quantize_base != "off":
@@ -593,35 +443,6 @@ class TrialConfig:
         if self.model_parallel > 1:
             parts.append(self.layout)
         return " ".join(parts)
-
-
-def attention_device_refusal(attention: str, device_type: str) -> str | None:
-    """Why a device of ``device_type``, with what is installed, cannot train with ``attention`` (None: it can)."""
-    if attention == "flash_attention_2" and device_type != "cuda":
-        return (
-            "--attention flash_attention_2 runs on CUDA GPUs only (the flash-attn package's kernels); "
-            "use sdpa or eager on a CPU"
-        )
-    if attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        return "--attention flash_attention_2 needs the flash-attn package, which is not installed; or use sdpa"
-    if attention == "flex_attention" and device_type != "cuda":
-        return "--attention flex_attention has no backward on a CPU in PyTorch; use sdpa or eager"
-    return None
-
-
-def eight_bit_library() -> str | None:
-    """The installed package that provides 8-bit AdamW: torchao (runs on a CPU and CUDA), else
-    bitsandbytes; None when neither is installed."""
-    for package in ("torchao", "bitsandbytes"):
-        if importlib.util.find_spec(package) is not None:
-            return package
-    return None
-
-
-EIGHT_BIT_REFUSAL = (
-    "--optimizer adamw-8bit needs torchao (pip install torchao; it runs on a CPU too) or bitsandbytes (CUDA), "
-    "and neither is installed; install one, or use adamw or adafactor"
-)
 
 
 QUANTIZE_REFUSAL = (
@@ -648,68 +469,6 @@ def quantize_refusal(config: TrialConfig) -> str | None:
             "use --quantize-base off, or drop the sharding (a quantized base with LoRA fits on one rank)"
         )
     return None
-
-
-def in_backward_refusal(config: TrialConfig, workload: Workload) -> str | None:
-    """Why ``config`` cannot step its optimizer inside the backward for ``workload`` (None: it can)."""
-    accum = config.grad_accum_steps(workload)
-    if accum > 1:
-        return (
-            f"--optimizer-in-backward on with {accum} accumulation steps (--global-batch {workload.global_batch} / "
-            f"--micro-batch {config.micro_batch}): each micro batch's backward would step the weights; "
-            f"use --micro-batch {workload.global_batch // workload.nproc} (no accumulation), or turn it off"
-        )
-    if workload.nproc > 1:
-        return (
-            f"--optimizer-in-backward on with --nproc {workload.nproc}: the step would run before DDP has "
-            "averaged the gradient over the ranks; use --nproc 1, or turn it off"
-        )
-    if config.precision == "fp16":
-        return (
-            "--optimizer-in-backward on with --precision fp16: loss scaling unscales and checks the whole "
-            "gradient before stepping; use bf16 or fp32, or turn it off"
-        )
-    return None
-
-
-def offload_device_refusal(device_type: str) -> str | None:
-    """Why ``--activation-offload on`` means nothing on a device of ``device_type`` (None: it can run)."""
-    if device_type != "cuda":
-        return (
-            f"--activation-offload on moves saved activations from a CUDA GPU to host memory; on a {device_type} "
-            "device they are in host memory already; use --activation-offload off"
-        )
-    return None
-
-
-def compile_device_refusal(device_type: str) -> str | None:
-    """Why ``--compile on`` cannot be measured on a device of ``device_type`` (None: it can)."""
-    if device_type != "cuda":
-        # The CPU trial counts tensor bytes with a dispatch-mode tracker: TorchDynamo does not compile
-        # under an active dispatch mode (measured: the "compiled" step ran eager), and the kernels it
-        # compiles allocate where the tracker cannot see. A figure from it would not be compile's.
-        return (
-            "--compile on is measured on CUDA GPUs only: a CPU trial counts memory with a tracker under which "
-            "torch.compile does not compile; use --compile off on a CPU"
-        )
-    return None
-
-
-def sixteen_bit_type(precision: str) -> str | None:
-    """torch's name of the 16-bit type ``precision`` computes in, or None for fp32/tf32."""
-    return _SIXTEEN_BIT_TYPES.get(precision)
-
-
-def is_loss(value: Any) -> bool:
-    """standard, chunked, chunked-kept, or chunked:K / chunked-kept:K with K >= 2."""
-    if value in LOSSES:
-        return True
-    kind, _, chunks = value.partition(":") if isinstance(value, str) else ("", "", "")
-    return kind in ("chunked", "chunked-kept") and chunks.isdigit() and int(chunks) >= 2
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _divisors(n: int) -> list[int]:

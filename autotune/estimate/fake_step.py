@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from autotune.estimate.results import ModelStates
 from autotune.estimate.step_costs import BACKWARD, FORWARD, UPDATE, CostRecorder, StepCosts
-from autotune.prepare.offload import ActivationOffload
+from autotune.levers.activation_offload import ActivationOffload
 
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig

@@ -24,9 +24,9 @@ from autotune.config.deepspeed_config import deepspeed_config
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.prepare.checkpointing import checkpointing_call
+from autotune.levers.checkpointing import checkpointing_call
+from autotune.levers.optimizer import optimizer_line
 from autotune.prepare.model_facts import layer_classes
-from autotune.prepare.optimizer import optimizer_line
 from autotune.prepare.quantize import bitsandbytes_config, quantization_lines
 from autotune.prepare.training_args import (
     accelerate_arguments,

@@ -1,10 +1,10 @@
-"""What a config does to a model: LoRA adapters, activation checkpointing, the chunked loss, where
-weights are held per precision (next, attention and compile), the optimizer and activation offload's
-saved-tensor hooks, applied the same way in trials and in users' jobs, and the facts about a model
-that say which of them it can take, found before any trial.
+"""What a config does to a model: the levers (``autotune.levers``) applied in their order, with LoRA on a base
+quantized or not, tensor parallel, FSDP and pipeline stages (not yet levers of their own) where they go among
+them, the same way in trials and in users' jobs; and the facts about a model that say which of them it can take,
+found before any trial.
 
 This folder is also the public function: ``autotune.prepare(model, config)`` (:mod:`.apply`).
-May import ``config`` and ``models``; trials and the estimator use it.
+May import ``levers``, ``config`` and ``models``; trials and the estimator use it.
 """
 
 from __future__ import annotations
@@ -43,27 +43,24 @@ def __getattr__(name: str) -> Any:
 
 def refusal_before_trial(workload: Workload, config: TrialConfig, task: str | None = None) -> str | None:
     """Why this config cannot be prepared for this workload's model, said before any trial; or None.
-    ``task``: the workload's, resolved here only when a knob needs it."""
-    if task is None and (config.loss_chunks is not None or config.attention != "auto"):
-        from autotune.models.sources import (
-            resolve_task,  # reads the model's config: only when asked
-        )
+    ``task``: the workload's, resolved here only when a lever asks for it. The model's facts are read once,
+    when a lever first asks, and handed to every lever's refusal."""
+    from autotune.levers import CHECKPOINTING, MODEL_REFUSAL_ORDER
+    from autotune.prepare.model_facts import WorkloadFacts
 
-        task = resolve_task(workload)
-    if config.loss_chunks is not None:
-        from autotune.prepare.loss import chunked_loss_refusal
-
-        assert task is not None  # resolved above
-        refusal = chunked_loss_refusal(workload, task)
+    facts = WorkloadFacts(workload, task=task)
+    for lever in MODEL_REFUSAL_ORDER:
+        # Tensor and pipeline parallel are not levers yet: their refusals keep their place, before checkpointing's.
+        refusal = _layout_refusal(workload, config) if lever is CHECKPOINTING else None
+        if refusal is None and lever.needs_model_facts(config):
+            refusal = lever.model_refusal(config, facts)
         if refusal is not None:
             return refusal
-    if config.attention != "auto":
-        from autotune.prepare.attention import attention_refusal
+    return None
 
-        assert task is not None  # resolved above
-        refusal = attention_refusal(workload, config.attention, task)
-        if refusal is not None:
-            return refusal
+
+def _layout_refusal(workload: Workload, config: TrialConfig) -> str | None:
+    """Why the model cannot be split as ``--tp`` and ``--pp`` say, or None."""
     if config.tp > 1:
         from autotune.prepare.tensor_parallel import tensor_parallel_refusal
 
@@ -73,19 +70,5 @@ def refusal_before_trial(workload: Workload, config: TrialConfig, task: str | No
     if config.pp > 1:
         from autotune.prepare.pipeline import pipeline_refusal
 
-        refusal = pipeline_refusal(workload, config)
-        if refusal is not None:
-            return refusal
-    if config.checkpoint_every > 1:
-        from autotune.prepare.checkpointing import every_n_refusal
-
-        return every_n_refusal(workload)
-    if config.checkpointing:
-        from autotune.models.sources import parse_model_source
-        from autotune.prepare.checkpointing import missing_checkpointing
-
-        # A Hugging Face model's class says so from its config; a factory's model is asked by its trial.
-        missing = None if parse_model_source(workload.model).kind == "factory" else missing_checkpointing(workload)
-        if missing is not None:
-            return f"--checkpointing on: {missing}; use --checkpointing off"
+        return pipeline_refusal(workload, config)
     return None

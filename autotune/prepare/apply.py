@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
+from autotune.levers import LEVERS, PRECISION
 
 if TYPE_CHECKING:
     import torch
@@ -45,37 +46,10 @@ def prepare(
     """
     config, workload = _resolve(config, workload, knobs)
     source = f"the model from --model {workload.model}" if workload is not None else "the model"
-    if config.attention != "auto":
-        from autotune.prepare.attention import set_attention
-
-        set_attention(model, config.attention, source=source)
-    if config.checkpointing:
-        from autotune.prepare.checkpointing import enable_checkpointing
-
-        enable_checkpointing(model, config.checkpoint_every, source=source)
-    if config.uses_lora:
-        from autotune.models.sources import resolve_task
-        from autotune.prepare.lora import apply_lora
-
-        if workload is None:
-            raise ConfigError(
-                "prepare(): LoRA's targets depend on the model; pass workload=Workload(model=...), "
-                "or the path of the autotune export, which carries it"
-            )
-        task = task or resolve_task(workload)
-        if config.quantize_base != "off":  # before LoRA, which wraps the quantized layers
-            from autotune.prepare.model_facts import head_names
-            from autotune.prepare.quantize import quantize_base
-
-            quantize_base(model, config, heads=tuple(head_names(model, task=task)), device=device)
-        model = apply_lora(model, config, workload, task=task)
-    from autotune.prepare.precision import hold_weights
-
-    hold_weights(model, config)  # after LoRA: PEFT makes its adapters fp32
-    if config.loss_chunks is not None:
-        from autotune.prepare.loss import chunk_loss
-
-        chunk_loss(model, config.loss_chunks, keep_logits=config.loss_keeps_logits, source=source)
+    for lever in LEVERS:  # those that change the model; the others return it as it is
+        if lever is PRECISION:  # LoRA (not yet a lever) goes first: PEFT makes its adapters fp32
+            model = _lora(model, config, workload, task, device)
+        model = lever.apply(model, config, source=source)
     if config.pp > 1:  # this rank's stages, and the schedule that runs them
         from autotune.prepare.pipeline import Pipeline
         from autotune.prepare.sharding import torch_device, torch_fake_mode_active
@@ -101,6 +75,29 @@ def prepare(
 
         model = shard_model(model, config, device, mesh)
     return model
+
+
+def _lora(
+    model: torch.nn.Module, config: TrialConfig, workload: Workload | None, task: str | None, device: Any
+) -> torch.nn.Module:
+    """LoRA's adapters, on a base quantized first if the config says so; the model as it is without LoRA."""
+    if not config.uses_lora:
+        return model
+    from autotune.models.sources import resolve_task
+    from autotune.prepare.lora import apply_lora
+
+    if workload is None:
+        raise ConfigError(
+            "prepare(): LoRA's targets depend on the model; pass workload=Workload(model=...), "
+            "or the path of the autotune export, which carries it"
+        )
+    task = task or resolve_task(workload)
+    if config.quantize_base != "off":  # before LoRA, which wraps the quantized layers
+        from autotune.prepare.model_facts import head_names
+        from autotune.prepare.quantize import quantize_base
+
+        quantize_base(model, config, heads=tuple(head_names(model, task=task)), device=device)
+    return apply_lora(model, config, workload, task=task)
 
 
 def _tensor_parallel(model: torch.nn.Module, config: TrialConfig, device: torch.device | None, mesh: Any) -> Any:

@@ -5,16 +5,19 @@ checkpoint activations. A factory's model is built on the meta device in a proce
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import TYPE_CHECKING, Any, Iterable
 
 from autotune.config.workload import CLASSIFIER_TASKS
+from autotune.levers.checkpointing import CHECKPOINTING_METHODS, NO_CHECKPOINTING_METHOD
 from autotune.models.sources import (
     auto_class,
     load_hf_config,
     meta_model,
     parse_model_source,
+    resolve_task,
 )
 
 if TYPE_CHECKING:
@@ -23,6 +26,8 @@ if TYPE_CHECKING:
     from autotune.config.workload import Workload
 
 __all__ = [
+    "WorkloadFacts",
+    "missing_checkpointing",
     "factory_facts",
     "checkpointing_gap",
     "linear_layers_but_heads",
@@ -30,21 +35,11 @@ __all__ = [
     "is_under",
     "hf_model_class",
     "layer_classes",
-    "CHECKPOINTING_METHODS",
-    "NO_CHECKPOINTING_METHOD",
 ]
 
 # A head is a direct child by one of these names (PEFT's classifier names, causal LMs' lm_head,
 # common names in factories), or the output embeddings; heads are never adapted.
 _HEAD_NAMES = ("classifier", "score", "lm_head", "head", "output")
-# A model's method that turns activation checkpointing on and the name of its argument for checkpoint()'s keywords:
-# the current name first (Transformers 5.24 warns on the old one, which goes in v6), then the old one, for older
-# Transformers (down to the oldest pyproject.toml allows) and for factories' models written for them.
-CHECKPOINTING_METHODS = (
-    ("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
-    ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs"),
-)
-NO_CHECKPOINTING_METHOD = "has no " + " or ".join(f"{name}()" for name, _ in CHECKPOINTING_METHODS)
 
 
 def checkpointing_gap(model: Any, ref: str) -> str | None:
@@ -172,3 +167,63 @@ def layer_classes(workload: Workload) -> list[str]:
     if parse_model_source(workload.model).kind == "factory":
         return []
     return sorted(getattr(meta_model(workload, resolve_task(workload)), "_no_split_modules", None) or [])
+
+
+def missing_checkpointing(workload: Workload) -> str | None:
+    """Why the workload's model cannot checkpoint activations, or None when it can (or when that is
+    unknown before a trial: a factory that fails to build fails its trials anyway).
+
+    Hugging Face models: the model class's ``supports_gradient_checkpointing``, no model built.
+    A factory: built once on the meta device in a separate process (its code may hang or crash).
+    """
+    source = parse_model_source(workload.model)
+    task = resolve_task(workload)
+    key = (workload.model, task, workload.seq_len, workload.trust_remote_code)
+    if key not in _MISSING_CHECKPOINTING:  # the search space asks for every list of choices
+        if source.kind == "factory":
+            facts = factory_facts(workload, task)
+            missing = None if facts is None else facts["missing_checkpointing"]
+        else:
+            model_class = hf_model_class(workload, task)
+            if model_class is None:
+                missing = checkpointing_gap(meta_model(workload, task), workload.model)
+            elif not getattr(model_class, "supports_gradient_checkpointing", False):
+                missing = f"{model_class.__name__} (--model {workload.model}) does not support gradient checkpointing"
+            else:
+                missing = None
+        _MISSING_CHECKPOINTING[key] = missing
+    return _MISSING_CHECKPOINTING[key]
+
+
+_MISSING_CHECKPOINTING: dict[tuple[Any, ...], str | None] = {}
+
+
+class WorkloadFacts:
+    """The facts about a workload's model that levers' refusals ask for (``autotune.levers.base.ModelFacts``),
+    each read once, when first asked: the task resolves the model's config, the class imports transformers."""
+
+    def __init__(self, workload: Workload, *, task: str | None = None) -> None:
+        self.workload = workload
+        self._task = task
+
+    @property
+    def model(self) -> str:
+        return self.workload.model
+
+    @functools.cached_property
+    def is_factory(self) -> bool:
+        return parse_model_source(self.workload.model).kind == "factory"
+
+    @property
+    def task(self) -> str:
+        if self._task is None:
+            self._task = resolve_task(self.workload)  # reads the model's config: only when asked
+        return self._task
+
+    @functools.cached_property
+    def model_class(self) -> type | None:
+        return hf_model_class(self.workload, self.task)
+
+    @functools.cached_property
+    def missing_checkpointing(self) -> str | None:
+        return missing_checkpointing(self.workload)

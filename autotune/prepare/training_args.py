@@ -14,7 +14,7 @@ from autotune.config.deepspeed_config import deepspeed_config
 from autotune.config.knobs import TrialConfig, eight_bit_library
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.prepare.checkpointing import EVERY_N_SINCE, transformers_release
+from autotune.levers.checkpointing import EVERY_N_SINCE, transformers_release
 
 __all__ = [
     "trainer_arguments",

@@ -462,7 +462,7 @@ def _zero_pair_means_something(stage: int | None, offload: str, nproc: int, devi
 
 
 def _missing_checkpointing(workload: Workload) -> str | None:
-    from autotune.prepare.checkpointing import (
+    from autotune.prepare.model_facts import (
         missing_checkpointing,  # imports transformers: only when asked
     )
 
@@ -485,18 +485,17 @@ def _default_lora_refusal(workload: Workload) -> str | None:
 
 
 def _every_n_refusal(workload: Workload) -> str | None:
-    from autotune.prepare.checkpointing import every_n_refusal
+    from autotune.levers.checkpointing import every_n_refusal
+    from autotune.prepare.model_facts import WorkloadFacts
 
-    return every_n_refusal(workload)
+    return every_n_refusal(WorkloadFacts(workload))
 
 
 def _chunked_loss_refusal(workload: Workload) -> str | None:
-    from autotune.models.sources import (
-        resolve_task,  # imports transformers: only when asked
-    )
-    from autotune.prepare.loss import chunked_loss_refusal
+    from autotune.levers.loss import chunked_loss_refusal
+    from autotune.prepare.model_facts import WorkloadFacts  # its task imports transformers: only when asked
 
-    return chunked_loss_refusal(workload, resolve_task(workload))
+    return chunked_loss_refusal(WorkloadFacts(workload))
 
 
 def _attention_refusal(workload: Workload, attention: str, device: DeviceInfo) -> str | None:
@@ -506,12 +505,10 @@ def _attention_refusal(workload: Workload, attention: str, device: DeviceInfo) -
     refusal = attention_device_refusal(attention, device.type)
     if refusal is not None:
         return refusal
-    from autotune.models.sources import (
-        resolve_task,  # imports transformers: only when asked
-    )
-    from autotune.prepare.attention import attention_refusal
+    from autotune.levers.attention import attention_refusal
+    from autotune.prepare.model_facts import WorkloadFacts  # its task imports transformers: only when asked
 
-    return attention_refusal(workload, attention, resolve_task(workload))
+    return attention_refusal(attention, WorkloadFacts(workload))
 
 
 def _fsdp_pair_means_something(offload: str, nproc: int, device_type: str) -> bool:

@@ -107,7 +107,7 @@ def _train(
     world_size: int,
     peak_so_far: Any,
 ) -> None:
-    from autotune.prepare.optimizer import optimizer_library
+    from autotune.levers.optimizer import optimizer_library
     from autotune.prepare.quantize import quantization_line
     from autotune.trial.engine import build_engine
     from autotune.trial.measure import time_steps

@@ -15,6 +15,8 @@ import torch
 from autotune.config.deepspeed_config import LEARNING_RATE, deepspeed_config
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
+from autotune.levers.activation_offload import ActivationOffload
+from autotune.levers.optimizer import StepInBackward, build_optimizer
 from autotune.models.batches import (
     factory_batch,
     loss_of,
@@ -28,8 +30,6 @@ from autotune.models.sources import (
     parse_model_source,
 )
 from autotune.prepare.apply import prepare
-from autotune.prepare.offload import ActivationOffload
-from autotune.prepare.optimizer import StepInBackward, build_optimizer
 from autotune.prepare.quantize import parameter_numel
 from autotune.prepare.sharding import INIT_STD, parameters_on_meta, torch_fake_mode_active
 from autotune.trial.memory import storages_of

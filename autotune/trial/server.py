@@ -150,7 +150,7 @@ def preload_libraries(config: Any, *, adapters: bool) -> None:
     """
     import torch
 
-    from autotune.prepare.optimizer import import_optimizer_module
+    from autotune.levers.optimizer import import_optimizer_module
 
     if torch.cuda.is_available():
         return

@@ -631,9 +631,9 @@ def test_the_hf_exports_trainer_offloads_its_forward_as_the_line_beside_it_says(
     import torch
     from transformers import Trainer, TrainingArguments
 
+    from autotune.levers.activation_offload import ActivationOffload
     from autotune.models.sources import build_model_and_batch
     from autotune.output.study_export import trains_line
-    from autotune.prepare.offload import ActivationOffload
 
     kwargs = json.loads(export_config(OFFLOAD, WORKLOAD, fmt="hf", device_type="cpu"))
     assert not any("offload" in key for key in kwargs)

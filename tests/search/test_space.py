@@ -134,7 +134,7 @@ def test_a_space_of_checkpointing_only_is_refused_for_a_model_without_it(tmp_pat
 
 
 def test_missing_checkpointing_reads_the_model_class_without_building_a_model():
-    from autotune.prepare.checkpointing import missing_checkpointing
+    from autotune.prepare.model_facts import missing_checkpointing
 
     assert missing_checkpointing(Workload(model="builtin:llama2-7b")) is None  # a 7B model: no time to build it
     assert missing_checkpointing(Workload(model="factories:mlp", seq_len=8)) == (

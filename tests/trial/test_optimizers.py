@@ -13,7 +13,7 @@ from refusals import trial_refusal
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.estimate.client import predict_memory
-from autotune.prepare.optimizer import StepInBackward, build_optimizer
+from autotune.levers.optimizer import StepInBackward, build_optimizer
 from autotune.trial.runner import run_trial
 
 # Short sequences and one sample: the model states, not the activations, set the peak (at the optimizer step),

@@ -14,8 +14,9 @@ from autotune.config.device import detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
+from autotune.levers.attention import attention_refusal
 from autotune.models.sources import build_model
-from autotune.prepare.attention import attention_refusal
+from autotune.prepare.model_facts import WorkloadFacts
 from autotune.search.space import load_space
 
 LONG = Workload(model="builtin:llama-tiny", seq_len=256, global_batch=4)
@@ -73,10 +74,15 @@ def test_what_this_cpu_cannot_run_is_refused_in_one_line_before_a_trial(tmp_path
 
 def test_what_the_model_cannot_take_is_refused_before_a_trial():
     assert "GPT2LMHeadModel (--model builtin:gpt2-tiny) does not support it" in attention_refusal(
-        Workload(model="builtin:gpt2-tiny"), "flex_attention", "causal-lm"
+        "flex_attention", WorkloadFacts(Workload(model="builtin:gpt2-tiny"), task="causal-lm")
     )
-    assert attention_refusal(Workload(model="builtin:llama-tiny"), "flex_attention", "causal-lm") is None
-    assert "is a factory's" in attention_refusal(Workload(model="factories:mlp"), "eager", "causal-lm")
+    assert (
+        attention_refusal("flex_attention", WorkloadFacts(Workload(model="builtin:llama-tiny"), task="causal-lm"))
+        is None
+    )
+    assert "is a factory's" in attention_refusal(
+        "eager", WorkloadFacts(Workload(model="factories:mlp"), task="causal-lm")
+    )
 
 
 def test_the_full_space_keeps_what_runs_here_and_says_what_it_drops():

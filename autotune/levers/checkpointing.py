@@ -1,41 +1,43 @@
-"""Activation checkpointing: turning it on in a built model, and knowing before any trial whether
-a model can do it at all (a space then leaves the knob out instead of measuring failures).
+"""Activation checkpointing: its fields, turning it on in a built model, and knowing before any trial whether
+a model can do it at all (a space then leaves the knob out instead of measuring failures; the model's facts
+are found by ``autotune.prepare.model_facts``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from autotune.errors import ConfigError
-from autotune.models.sources import (
-    meta_model,
-    parse_model_source,
-    resolve_task,
-)
-from autotune.prepare.model_facts import (
-    CHECKPOINTING_METHODS,
-    NO_CHECKPOINTING_METHOD,
-    checkpointing_gap,
-    factory_facts,
-    hf_model_class,
-)
+from autotune.levers.base import Lever, ModelFacts, is_count
 
 if TYPE_CHECKING:
     import torch
 
-    from autotune.config.workload import Workload
+    from autotune.config.knobs import TrialConfig
 
 __all__ = [
+    "CheckpointingFields",
+    "CheckpointingLever",
     "enable_checkpointing",
     "checkpointing_method",
     "checkpointing_call",
-    "missing_checkpointing",
     "every_n_refusal",
+    "CHECKPOINTING_METHODS",
+    "NO_CHECKPOINTING_METHOD",
     "transformers_release",
     "EVERY_N_SINCE",
     "ACTIVATION_NAMES_SINCE",
 ]
 
+# A model's method that turns activation checkpointing on and the name of its argument for checkpoint()'s keywords:
+# the current name first (Transformers 5.24 warns on the old one, which goes in v6), then the old one, for older
+# Transformers (down to the oldest pyproject.toml allows) and for factories' models written for them.
+CHECKPOINTING_METHODS = (
+    ("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
+    ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs"),
+)
+NO_CHECKPOINTING_METHOD = "has no " + " or ".join(f"{name}()" for name, _ in CHECKPOINTING_METHODS)
 # The Transformers release whose checkpointing takes every_n_layers, and that renamed TrainingArguments'
 # gradient_checkpointing to activation_checkpointing.
 EVERY_N_SINCE = (5, 23)
@@ -103,11 +105,11 @@ def enable_checkpointing(model: torch.nn.Module, every: int = 1, *, source: str 
         model_config.use_cache = False
 
 
-def every_n_refusal(workload: Workload) -> str | None:
+def every_n_refusal(facts: ModelFacts) -> str | None:
     """Why ``--checkpointing every-N`` cannot apply here, or None (known before a trial)."""
-    if parse_model_source(workload.model).kind == "factory":
+    if facts.is_factory:
         return (
-            f"--checkpointing every-N: the model from --model {workload.model} is a factory's, whose layers "
+            f"--checkpointing every-N: the model from --model {facts.model} is a factory's, whose layers "
             "autotune does not know; it applies to Hugging Face models (on or off work for factories)"
         )
     installed = transformers_release()
@@ -119,30 +121,53 @@ def every_n_refusal(workload: Workload) -> str | None:
     return None
 
 
-def missing_checkpointing(workload: Workload) -> str | None:
-    """Why the workload's model cannot checkpoint activations, or None when it can (or when that is
-    unknown before a trial: a factory that fails to build fails its trials anyway).
-
-    Hugging Face models: the model class's ``supports_gradient_checkpointing``, no model built.
-    A factory: built once on the meta device in a separate process (its code may hang or crash).
-    """
-    source = parse_model_source(workload.model)
-    task = resolve_task(workload)
-    key = (workload.model, task, workload.seq_len, workload.trust_remote_code)
-    if key not in _MISSING_CHECKPOINTING:  # the search space asks for every list of choices
-        if source.kind == "factory":
-            facts = factory_facts(workload, task)
-            missing = None if facts is None else facts["missing_checkpointing"]
-        else:
-            model_class = hf_model_class(workload, task)
-            if model_class is None:
-                missing = checkpointing_gap(meta_model(workload, task), workload.model)
-            elif not getattr(model_class, "supports_gradient_checkpointing", False):
-                missing = f"{model_class.__name__} (--model {workload.model}) does not support gradient checkpointing"
-            else:
-                missing = None
-        _MISSING_CHECKPOINTING[key] = missing
-    return _MISSING_CHECKPOINTING[key]
+@dataclass(frozen=True, kw_only=True)
+class CheckpointingFields:
+    checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Activation checkpointing: recompute activations in backward."},
+    )
+    checkpoint_every: int = field(
+        default=1,
+        metadata={
+            "help": "With checkpointing on: recompute only every N-th decoder layer (Transformers' "
+            "every_n_layers); 1 is every layer."
+        },
+    )
 
 
-_MISSING_CHECKPOINTING: dict[tuple[Any, ...], str | None] = {}
+class CheckpointingLever(Lever):
+    name = "checkpointing"
+    fields = ("checkpointing", "checkpoint_every")
+
+    def check(self, config: TrialConfig) -> None:
+        if not isinstance(config.checkpointing, bool):
+            raise ConfigError(f"--checkpointing {config.checkpointing!r} must be on or off")
+        if not is_count(config.checkpoint_every):
+            raise ConfigError(
+                f"--checkpointing every-{config.checkpoint_every!r}: N must be a whole number of 2 or more"
+            )
+        if config.checkpoint_every > 1 and not config.checkpointing:
+            raise ConfigError(f"--checkpointing every-{config.checkpoint_every} needs checkpointing on")
+
+    def needs_model_facts(self, config: TrialConfig) -> bool:
+        return config.checkpointing
+
+    def model_refusal(self, config: TrialConfig, facts: ModelFacts) -> str | None:
+        if config.checkpoint_every > 1:
+            return every_n_refusal(facts)
+        if not config.checkpointing:
+            return None
+        # A Hugging Face model's class says so from its config; a factory's model is asked by its trial.
+        missing = None if facts.is_factory else facts.missing_checkpointing
+        return None if missing is None else f"--checkpointing on: {missing}; use --checkpointing off"
+
+    def apply(self, model: torch.nn.Module, config: TrialConfig, *, source: str) -> torch.nn.Module:
+        if config.checkpointing:
+            enable_checkpointing(model, config.checkpoint_every, source=source)
+        return model
+
+    def labels(self, config: TrialConfig) -> list[str]:
+        if not config.checkpointing:
+            return []
+        return ["ckpt" if config.checkpoint_every == 1 else f"ckpt/{config.checkpoint_every}"]

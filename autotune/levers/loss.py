@@ -23,32 +23,110 @@ then hold the final hidden states, since no full logits are made.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
-from autotune.config.knobs import DEFAULT_LOSS_CHUNKS
 from autotune.errors import ConfigError
-from autotune.models.sources import parse_model_source
+from autotune.levers.base import Lever, ModelFacts
 
 if TYPE_CHECKING:
     import torch
 
-    from autotune.config.workload import Workload
+    from autotune.config.knobs import TrialConfig
 
-__all__ = ["chunk_loss", "chunked_loss_refusal", "DEFAULT_LOSS_CHUNKS"]
+__all__ = [
+    "LossFields",
+    "LossLever",
+    "LOSSES",
+    "DEFAULT_LOSS_CHUNKS",
+    "is_loss",
+    "chunk_loss",
+    "chunked_loss_refusal",
+]
+
+LOSSES = ("standard", "chunked", "chunked-kept")  # the chunked ones also as chunked:K, chunked-kept:K
+DEFAULT_LOSS_CHUNKS = 8
 
 _IGNORE = -100  # label of positions without a target (the last one, after the shift), as transformers
 
 
-def chunked_loss_refusal(workload: Workload, task: str) -> str | None:
-    """Why ``--loss chunked`` cannot apply to this workload, or None when it can (known before a trial)."""
-    if task != "causal-lm":
-        return f"--loss chunked is a causal LM's loss (LM head + cross-entropy); --task {task} keeps its own"
-    if parse_model_source(workload.model).kind == "factory":
+def is_loss(value: Any) -> bool:
+    """standard, chunked, chunked-kept, or chunked:K / chunked-kept:K with K >= 2."""
+    if value in LOSSES:
+        return True
+    kind, _, chunks = value.partition(":") if isinstance(value, str) else ("", "", "")
+    return kind in ("chunked", "chunked-kept") and chunks.isdigit() and int(chunks) >= 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossFields:
+    loss: str = field(
+        default="standard",
+        metadata={
+            "help": "standard (the model's own), or chunked (chunked:K): a causal LM's head and "
+            f"cross-entropy over K slices of the tokens (default {DEFAULT_LOSS_CHUNKS}), each "
+            "recomputed in backward, so the full logits never exist. Same loss, less memory. "
+            "chunked-kept (chunked-kept:K) keeps each slice's 16-bit logits for the backward instead "
+            "of recomputing the head (torchtune's compiled chunked cross-entropy): no extra matmul, "
+            "more memory than chunked, less than standard."
+        },
+    )
+
+    @property
+    def loss_chunks(self) -> int | None:
+        """Slices of tokens the chunked loss works on; None for the standard loss."""
+        if self.loss == "standard":
+            return None
+        _, _, chunks = self.loss.partition(":")
+        return int(chunks) if chunks else DEFAULT_LOSS_CHUNKS
+
+    @property
+    def loss_keeps_logits(self) -> bool:
+        """The chunked loss keeps each slice's logits for the backward (chunked-kept) instead of
+        recomputing the LM head there (chunked)."""
+        return self.loss.partition(":")[0] == "chunked-kept"
+
+
+def chunked_loss_refusal(facts: ModelFacts) -> str | None:
+    """Why ``--loss chunked`` cannot apply to the workload's model, or None when it can (known before a trial)."""
+    if facts.task != "causal-lm":
+        return f"--loss chunked is a causal LM's loss (LM head + cross-entropy); --task {facts.task} keeps its own"
+    if facts.is_factory:
         return (
-            f"--loss chunked: the model from --model {workload.model} is a factory's, whose LM head and "
+            f"--loss chunked: the model from --model {facts.model} is a factory's, whose LM head and "
             "loss autotune does not know; it applies to Hugging Face causal LMs"
         )
     return None
+
+
+class LossLever(Lever):
+    name = "loss"
+    fields = ("loss",)
+
+    def check(self, config: TrialConfig) -> None:
+        if not is_loss(config.loss):
+            raise ConfigError(
+                f"--loss {config.loss!r} is not known; use standard, chunked, chunked-kept, or chunked:K / "
+                "chunked-kept:K with K slices of 2 or more (e.g. chunked:16)"
+            )
+
+    def needs_model_facts(self, config: TrialConfig) -> bool:
+        return config.loss_chunks is not None
+
+    def model_refusal(self, config: TrialConfig, facts: ModelFacts) -> str | None:
+        return None if config.loss_chunks is None else chunked_loss_refusal(facts)
+
+    def apply(self, model: torch.nn.Module, config: TrialConfig, *, source: str) -> torch.nn.Module:
+        if config.loss_chunks is not None:
+            chunk_loss(model, config.loss_chunks, keep_logits=config.loss_keeps_logits, source=source)
+        return model
+
+    def labels(self, config: TrialConfig) -> list[str]:
+        if config.loss == "standard":
+            return []
+        chunks = config.loss.partition(":")[2]
+        label = "chunked-kept-loss" if config.loss_keeps_logits else "chunked-loss"
+        return [label + (f":{chunks}" if chunks else "")]
 
 
 def chunk_loss(

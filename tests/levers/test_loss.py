@@ -13,9 +13,10 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.estimate.client import predict_memory
+from autotune.levers.loss import chunk_loss, chunked_loss_refusal
 from autotune.models.sources import build_model
 from autotune.prepare.lora import apply_lora
-from autotune.prepare.loss import chunk_loss, chunked_loss_refusal
+from autotune.prepare.model_facts import WorkloadFacts
 from autotune.search.space import load_space
 from autotune.trial.runner import run_trial
 
@@ -70,9 +71,9 @@ def test_chunked_loss_cuts_the_measured_peak_of_a_32k_vocabulary_and_the_estimat
 
 def test_the_chunked_loss_is_refused_where_it_means_nothing():
     bert = Workload(model="builtin:bert-tiny")
-    assert "causal LM" in chunked_loss_refusal(bert, "seq-cls")
-    assert "factory" in chunked_loss_refusal(Workload(model="factories:tiny"), "causal-lm")
-    assert chunked_loss_refusal(VOCAB_32K, "causal-lm") is None
+    assert "causal LM" in chunked_loss_refusal(WorkloadFacts(bert, task="seq-cls"))
+    assert "factory" in chunked_loss_refusal(WorkloadFacts(Workload(model="factories:tiny"), task="causal-lm"))
+    assert chunked_loss_refusal(WorkloadFacts(VOCAB_32K, task="causal-lm")) is None
     with pytest.raises(ConfigError, match="--loss chunked is a causal LM's loss"):
         run_trial(bert, TrialConfig(loss="chunked"))
     with pytest.raises(ConfigError, match="no lm_head and loss_function"):
@@ -200,7 +201,7 @@ def test_the_kept_logits_stay_where_they_are_under_outer_saved_tensor_hooks():
 
 def test_the_kept_logits_loss_is_the_same_worked_on_blocks_of_rows(monkeypatch):
     # Its fp32 work runs a block of rows at a time; blocks of 5 rows split each slice unevenly.
-    import autotune.prepare.loss as loss_module
+    import autotune.levers.loss as loss_module
 
     standard, grads = _loss_and_grads("builtin:llama-tiny", "standard")
     monkeypatch.setattr(loss_module, "_FP32_BLOCK_BYTES", 5 * 4 * 512)

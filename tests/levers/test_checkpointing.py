@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from autotune.errors import ConfigError
-from autotune.prepare import checkpointing
-from autotune.prepare.checkpointing import checkpointing_call, enable_checkpointing
+from autotune.levers import checkpointing
+from autotune.levers.checkpointing import checkpointing_call, enable_checkpointing
 
 
 def _tiny_llama() -> Any:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from autotune.prepare.checkpointing import enable_checkpointing
-from autotune.prepare.offload import ActivationOffload
+from autotune.levers.activation_offload import ActivationOffload
+from autotune.levers.checkpointing import enable_checkpointing
 
 
 class _Counting(ActivationOffload):

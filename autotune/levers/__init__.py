@@ -1,0 +1,71 @@
+"""The levers: one module per knob family, holding its fields (a frozen mixin of ``TrialConfig``) with their
+help text, the values it accepts, its refusals for a workload, a device and a model, how it is applied to a
+built model, and its words in a config's label. :data:`LEVERS` lists them in the order they are applied.
+
+The lowest folder after the package's base facts: a lever imports only ``errors``, ``sizes`` and this
+folder at run time (type-only imports of ``config`` aside); what it needs to know about a model is handed to
+it (:class:`~autotune.levers.base.ModelFacts`).
+
+Not yet levers (their fields, checks and labels are still in ``config/knobs.py``, their applying in
+``prepare/``): LoRA and the quantized base, ZeRO, FSDP, offload, tensor and sequence parallel, pipeline parallel.
+"""
+
+from __future__ import annotations
+
+from autotune.levers.activation_offload import ActivationOffloadLever
+from autotune.levers.attention import AttentionLever
+from autotune.levers.base import Lever, ModelFacts
+from autotune.levers.checkpointing import CheckpointingLever
+from autotune.levers.compile import CompileLever
+from autotune.levers.loss import LossLever
+from autotune.levers.optimizer import OptimizerLever
+from autotune.levers.precision import PrecisionLever
+
+__all__ = [
+    "Lever",
+    "ModelFacts",
+    "LEVERS",
+    "LABEL_ORDER",
+    "CHECK_ORDER",
+    "REFUSAL_ORDER",
+    "MODEL_REFUSAL_ORDER",
+    "ATTENTION",
+    "CHECKPOINTING",
+    "PRECISION",
+    "LOSS",
+    "OPTIMIZER",
+    "ACTIVATION_OFFLOAD",
+    "COMPILE",
+]
+
+ATTENTION = AttentionLever()
+CHECKPOINTING = CheckpointingLever()
+PRECISION = PrecisionLever()
+LOSS = LossLever()
+OPTIMIZER = OptimizerLever()
+ACTIVATION_OFFLOAD = ActivationOffloadLever()
+COMPILE = CompileLever()
+
+# In the order they are applied, as torchtitan's parallelize applies TP, then checkpointing, then compile, then
+# FSDP. To the built model (``autotune.prepare``): the attention kernel, checkpointing, [LoRA on a base quantized
+# or not], where weights are held for the precision (after LoRA: PEFT makes its adapters fp32), the chunked loss,
+# [pipeline stages, or tensor parallel then FSDP]. Then in the trial's engine: the optimizer over the prepared
+# parameters, activation offload's hooks around each step, compile after the first steps.
+LEVERS: tuple[Lever, ...] = (ATTENTION, CHECKPOINTING, PRECISION, LOSS, OPTIMIZER, ACTIVATION_OFFLOAD, COMPILE)
+
+# The orders the other consumers ask the levers in. Each is the order the knobs were asked in before they were
+# levers, so that a label reads as the labels stored in studies do, and where two values are wrong, or two
+# refusals hold, the one said first is the one said before. Each names every lever once (a test checks it); a
+# new lever goes at the end of each.
+LABEL_ORDER: tuple[Lever, ...] = (PRECISION, CHECKPOINTING, ATTENTION, LOSS, OPTIMIZER, ACTIVATION_OFFLOAD, COMPILE)
+CHECK_ORDER: tuple[Lever, ...] = (PRECISION, CHECKPOINTING, ATTENTION, COMPILE, OPTIMIZER, ACTIVATION_OFFLOAD, LOSS)
+REFUSAL_ORDER: tuple[Lever, ...] = (OPTIMIZER, ATTENTION, COMPILE, ACTIVATION_OFFLOAD, PRECISION, CHECKPOINTING, LOSS)
+MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
+    LOSS,
+    ATTENTION,
+    CHECKPOINTING,
+    PRECISION,
+    OPTIMIZER,
+    ACTIVATION_OFFLOAD,
+    COMPILE,
+)

@@ -1,0 +1,58 @@
+"""``--compile``: torch.compile the model. The trial's engine compiles it (each engine its own way: the
+model, DDP's wrapper, DeepSpeed's ``engine.compile()``), after the first steps, so compile time is a phase
+of its own and never in tokens/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from autotune.errors import ConfigError
+from autotune.levers.base import Lever
+
+if TYPE_CHECKING:
+    from autotune.config.device import DeviceInfo
+    from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
+
+__all__ = ["CompileFields", "CompileLever", "compile_device_refusal"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileFields:
+    compile: bool = field(
+        default=False,
+        metadata={
+            "help": "torch.compile the model (CUDA trials): its compile time is a phase of its own, never in "
+            "tokens/s, and the trial reports how many steps a run needs before compiling pays off."
+        },
+    )
+
+
+def compile_device_refusal(device_type: str) -> str | None:
+    """Why ``--compile on`` cannot be measured on a device of ``device_type`` (None: it can)."""
+    if device_type != "cuda":
+        # The CPU trial counts tensor bytes with a dispatch-mode tracker: TorchDynamo does not compile
+        # under an active dispatch mode (measured: the "compiled" step ran eager), and the kernels it
+        # compiles allocate where the tracker cannot see. A figure from it would not be compile's.
+        return (
+            "--compile on is measured on CUDA GPUs only: a CPU trial counts memory with a tracker under which "
+            "torch.compile does not compile; use --compile off on a CPU"
+        )
+    return None
+
+
+class CompileLever(Lever):
+    name = "compile"
+    fields = ("compile",)
+
+    def check(self, config: TrialConfig) -> None:
+        if not isinstance(config.compile, bool):
+            raise ConfigError(f"--compile {config.compile!r} must be on or off")
+
+    def refusal(self, config: TrialConfig, workload: Workload, device: DeviceInfo) -> str | None:
+        return compile_device_refusal(device.type) if config.compile else None
+
+    def labels(self, config: TrialConfig) -> list[str]:
+        return ["compiled"] if config.compile else []
