@@ -66,13 +66,7 @@ def find(
     if plan:
         return _plan(workload, space=space, budget=size(memory_budget), headroom=headroom, as_json=as_json)
     resources = executor.resources(nproc=workload.nproc, command=script)
-    if resources is None and workers != 1:
-        raise ConfigError(f"--workers {workers} on find is for --executor slurm; use autotune tune --workers here")
-    if resources is not None and max_time is not None:
-        raise ConfigError(
-            f"--max-time {max_time} bounds a find on this machine; SLURM workers start when the queue lets them: "
-            "bound each worker's job with --time, or the search with --timeout"
-        )
+    _refuse_what_slurm_does_not_take(on_slurm=resources is not None, workers=workers, max_time=max_time)
     # autotune.find's arguments, here or in each SLURM worker (which runs tune on the study find names)
     search = search_arguments(
         space=space,
@@ -99,6 +93,17 @@ def find(
             )
     written = write_export(summary, export, output) if export is not None and summary.best else None
     return finish(summary, as_json=as_json, exported=written, wanted_export=export)
+
+
+def _refuse_what_slurm_does_not_take(*, on_slurm: bool, workers: int, max_time: str | None) -> None:
+    """--workers are SLURM jobs (tune has local ones); --max-time bounds a find here, not jobs the queue starts."""
+    if not on_slurm and workers != 1:
+        raise ConfigError(f"--workers {workers} on find is for --executor slurm; use autotune tune --workers here")
+    if on_slurm and max_time is not None:
+        raise ConfigError(
+            f"--max-time {max_time} bounds a find on this machine; SLURM workers start when the queue lets them: "
+            "bound each worker's job with --time, or the search with --timeout"
+        )
 
 
 def _refuse_what_does_not_go_together(

@@ -83,6 +83,11 @@ class ActivationOffloadLever(Lever):
     def labels(self, config: TrialConfig) -> list[str]:
         return ["act-offload"] if config.activation_offload else []
 
+    def saves_with_more_checkpointing(self, config: TrialConfig) -> bool:
+        """Whether checkpointing more layers moves less to the host here: with checkpointing, only the
+        checkpoints' inputs are offloaded, fewer bytes than every saved activation."""
+        return config.activation_offload
+
 
 MIN_OFFLOAD_BYTES = 1024  # torchtune's default: smaller saved tensors stay on the device
 

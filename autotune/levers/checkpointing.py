@@ -171,3 +171,11 @@ class CheckpointingLever(Lever):
         if not config.checkpointing:
             return []
         return ["ckpt" if config.checkpoint_every == 1 else f"ckpt/{config.checkpoint_every}"]
+
+    def recomputes_more(self, config: TrialConfig, lighter: TrialConfig) -> bool:
+        """Whether ``config`` is ``lighter`` checkpointing more layers, all else the same: ``lighter``'s work and
+        a recompute, for memory needed only where ``lighter`` does not fit."""
+        if not config.checkpointing:
+            return False
+        fewer = not lighter.checkpointing or lighter.checkpoint_every > config.checkpoint_every
+        return fewer and lighter.replace(checkpointing=True, checkpoint_every=config.checkpoint_every) == config

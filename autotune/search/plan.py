@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
-from autotune.search.proposer import straight_line
+from autotune.search.memory_bounds import straight_line
 
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig

@@ -39,6 +39,7 @@ import math
 from typing import TYPE_CHECKING, Any, Callable
 
 from autotune.config.knobs import TrialConfig
+from autotune.search.memory_bounds import implied_fits, implied_too_big, recomputes_more_than_fitting, straight_line
 from autotune.search.space import LATER_KNOBS, later_knob_value
 from autotune.search.throughput import ThroughputModel
 from autotune.study.records import measured
@@ -749,45 +750,3 @@ def _throughputs(records: list[TrialRecord]) -> list[tuple[TrialConfig, float]]:
 def _too_big(records: list[TrialRecord]) -> list[TrialConfig]:
     """Configs known not to fit: out of memory, skipped by the estimator, or measured over the limit."""
     return [r.config for r in records if r.status in ("oom", "skipped") or (r.status == "ok" and not r.fits)]
-
-
-def straight_line(estimate: MemoryEstimate) -> Callable[[int], float]:
-    """Peak bytes against the micro batch through one estimate: model states fixed, the rest per sample."""
-    states = estimate.parameters_bytes + estimate.gradients_bytes + estimate.optimizer_state_bytes
-    per_sample = max(estimate.predicted_peak_bytes - states, 0) / estimate.config.micro_batch
-    return lambda micro_batch: states + per_sample * micro_batch
-
-
-def implied_fits(config: TrialConfig, fitting: list[TrialConfig]) -> bool:
-    """A smaller micro batch with the same other knobs as a config that fit needs less memory."""
-    return any(
-        config.micro_batch <= known.micro_batch and config.replace(micro_batch=known.micro_batch) == known
-        for known in fitting
-    )
-
-
-def recomputes_more_than_fitting(config: TrialConfig, fitting: list[TrialConfig], offered: set[TrialConfig]) -> bool:
-    """Whether an offered config that fits (measured, or a smaller micro batch of one measured) differs from
-    ``config`` only in checkpointing fewer layers. Checkpointing buys memory with a recompute: where the memory
-    is there without it, ``config`` does that config's work and more, so no trial of it can win. (Activation
-    offload is the exception: with checkpointing it moves only the checkpoints' inputs, less than without.)"""
-    if not config.checkpointing or config.activation_offload:
-        return False
-    for known in fitting:
-        lighter = known.replace(micro_batch=config.micro_batch)
-        if (
-            config.micro_batch <= known.micro_batch
-            and lighter in offered
-            and (not lighter.checkpointing or lighter.checkpoint_every > config.checkpoint_every)
-            and lighter.replace(checkpointing=True, checkpoint_every=config.checkpoint_every) == config
-        ):
-            return True
-    return False
-
-
-def implied_too_big(config: TrialConfig, too_big: list[TrialConfig]) -> bool:
-    """A larger micro batch with the same other knobs as a config that did not fit needs more memory."""
-    return any(
-        config.micro_batch > known.micro_batch and config.replace(micro_batch=known.micro_batch) == known
-        for known in too_big
-    )

@@ -74,7 +74,7 @@ def next_ramp_config(
     unknown sizes, so that each trial halves them (the finders double from the bottom: one trial per size).
     Where the estimator cannot say: the smallest unknown size.
     """
-    from autotune.search.proposer import straight_line
+    from autotune.search.memory_bounds import straight_line
 
     if any(r.config in family and r.status in _BROKEN for r in records):
         return None  # not a matter of memory: the search's own rule on a broken workload decides what follows

@@ -33,6 +33,7 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import AutotuneError, ConfigError
 from autotune.search.backends import LocalBackend, ScriptBackend, TrialBackend
+from autotune.search.clock import Clock
 from autotune.search.confirm import (
     CONFIRM_ROUNDS,
     certainty,
@@ -84,8 +85,6 @@ DEFAULT_HEADROOM = 0.10  # a config fits when its peak stays 10% under the budge
 CONFIRM_STEPS_FACTOR = 2  # a candidate's first re-run measures 2x as many steps: the fit held over a longer run
 WARM_MICRO_BATCHES = 4  # a warm-up step of this many micro batches warms the first trial without another step
 MAX_CONFIRM_ROUNDS = 3  # one more round when the first ones disagree on who leads
-SEARCH_SHARE = 0.8  # under --max-time, the search's share of it at most: the rest confirms the winner
-CONFIRM_RESERVE = 2.5  # ... and at least this many trials' time is left for the leader's re-run
 MAX_CONFIRMATIONS = 3  # decisions per tune call (a new one when every contender of the last was refuted)
 PROBE_KEY = "device_probe"  # study user attribute: matmul speed per precision relative to fp32
 ROOFLINE_KEY = "device_roofline"  # study user attribute: the device profile the step-time model times against
@@ -199,7 +198,7 @@ def tune(
     from autotune.study.storage import create_study, open_storage
     from autotune.study.stored_facts import record as record_model_facts
 
-    clock = _Clock(max_time_s)
+    clock = Clock(max_time_s)
     workload = workload or Workload()
     progress = progress or _Silent()
     _check_numbers(
@@ -352,7 +351,7 @@ class _Search:
     measure: _Measure
     backend: TrialBackend
     progress: Progress
-    clock: _Clock
+    clock: Clock
     target: int
     patience: int | None
     timeout_s: float | None
@@ -593,7 +592,7 @@ def _simple_answer(
     measure: _Measure,
     backend: TrialBackend,
     progress: Progress,
-    clock: _Clock,
+    clock: Clock,
     *,
     storage: str | None,
     target: int,
@@ -652,7 +651,7 @@ def _start_and_measure(
     prediction: MemoryEstimate | None,
     backend: TrialBackend,
     progress: Progress,
-    clock: _Clock,
+    clock: Clock,
     *,
     target: int,
 ) -> TrialRecord:
@@ -666,7 +665,7 @@ def _start_and_measure(
         return _measure_in_study(study, trial, config, workload, measure, prediction, backend)
 
 
-def _report_finished(study: optuna.Study, record: TrialRecord, progress: Progress, clock: _Clock) -> None:
+def _report_finished(study: optuna.Study, record: TrialRecord, progress: Progress, clock: Clock) -> None:
     records = records_of(study)
     held = held_answer(records, study.user_attrs.get(SIMPLE_KEY))
     top = max(ranking(records), key=lambda r: r.throughput or 0.0, default=None)
@@ -782,7 +781,7 @@ class _Oracle:
 
     def estimate(self, config: TrialConfig, records: list[TrialRecord]) -> MemoryEstimate | None:
         """The prediction for a trial, unless a larger micro batch with the same knobs already fit."""
-        from autotune.search.proposer import implied_fits
+        from autotune.search.memory_bounds import implied_fits
 
         if config not in self._cache and implied_fits(config, [r.config for r in records if r.fits]):
             return None
@@ -888,59 +887,6 @@ def _stored(result: TrialResult) -> dict[str, Any]:
     return data
 
 
-class _Clock:
-    """``--max-time``: the whole call's wall time. The search stops when its share is spent, or when the
-    next trial (timed as the median one so far) would overrun it; re-runs then take the rest."""
-
-    def __init__(self, max_time_s: float | None) -> None:
-        self.max_time_s = max_time_s
-        self.started = time.monotonic()
-        self.trial_seconds: list[float] = []
-        self.rerun_seconds: list[float] = []
-
-    @contextlib.contextmanager
-    def timing(self, *, rerun: bool = False) -> Iterator[None]:
-        start = time.monotonic()
-        try:
-            yield
-        finally:
-            (self.rerun_seconds if rerun else self.trial_seconds).append(time.monotonic() - start)
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.started
-
-    def out_of_time(self) -> bool:
-        """Whether the next trial (timed as the median one so far) would eat into the confirmation's time."""
-        if self.max_time_s is None:
-            return False
-        next_trial = statistics.median(self.trial_seconds) if self.trial_seconds else 0.0
-        # The leader's first re-run measures CONFIRM_STEPS_FACTOR x the steps: about twice a trial's time.
-        reserve = max(CONFIRM_RESERVE * next_trial, self.max_time_s * (1 - SEARCH_SHARE))
-        return self.elapsed() + next_trial + reserve > self.max_time_s
-
-    def search_over(self, outlook: Outlook) -> str | None:
-        """Why the search must stop now to leave the confirmation its time; None while it need not."""
-        if not self.out_of_time():
-            return None
-        assert self.max_time_s is not None
-        return (
-            f"--max-time {self.max_time_s:g} s: the search stopped at {self.elapsed():.0f} s to leave the rest "
-            f"for confirming the best; {outlook.untried} configs stayed untried ({outlook.describe()})"
-        )
-
-    def hurried(self) -> bool:
-        """Under --max-time, ranking does not trace on until it settles: a proposal measures what one
-        ranking pass reached (each family is traced when its frontier is first estimated)."""
-        return self.max_time_s is not None
-
-    def holds_a_rerun(self) -> bool:
-        """Whether one more re-run (timed as the longest so far) ends before --max-time."""
-        if self.max_time_s is None:
-            return True
-        longest = max(self.rerun_seconds, default=0.0)
-        return self.elapsed() + longest <= self.max_time_s
-
-
 # -- confirming the winner -----------------------------------------------------------------------
 def _confirm_winner(
     study: optuna.Study,
@@ -949,7 +895,7 @@ def _confirm_winner(
     measure: _Measure,
     progress: Progress,
     backend: TrialBackend,
-    clock: _Clock | None = None,
+    clock: Clock | None = None,
 ) -> None:
     """Re-run the top candidates longer, interleaved, until a decided answer fits (or re-runs are spent).
 
@@ -965,7 +911,7 @@ def _confirm_winner(
     Under ``--max-time`` (``clock``) the leader's first re-run always runs, so the answer is confirmed;
     a further re-run only where the time left holds it.
     """
-    clock = clock or _Clock(None)
+    clock = clock or Clock(None)
     limit = memory_limit(study.user_attrs["autotune"])
     for _ in range(MAX_CONFIRMATIONS):
         records = records_of(study)

@@ -90,7 +90,7 @@ NOT_YET: dict[str, set[str]] = {
     "autotune/output/render.py": {"checkpointing"},
     # the search spaces' axes, the proposer's and the plan's moves, the summary's notes
     "autotune/search/plan.py": {"precision"},
-    "autotune/search/proposer.py": {"activation_offload", "checkpoint_every", "checkpointing", "precision"},
+    "autotune/search/proposer.py": {"checkpoint_every", "checkpointing", "precision"},
     "autotune/search/space.py": {
         "activation_offload",
         "attention",

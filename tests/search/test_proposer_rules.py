@@ -326,7 +326,7 @@ def test_more_checkpointing_than_a_config_that_fits_is_never_measured(tmp_path):
 def test_checkpointing_with_activation_offload_is_measured_even_where_the_plain_config_fits():
     """With activation offload, checkpointing moves only the checkpoints' inputs: less traffic than without it,
     so it may be faster and is not left out."""
-    from autotune.search.proposer import recomputes_more_than_fitting
+    from autotune.search.memory_bounds import recomputes_more_than_fitting
 
     plain = TrialConfig(micro_batch=4, activation_offload=True)
     checkpointed = plain.replace(checkpointing=True)

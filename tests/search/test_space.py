@@ -11,7 +11,8 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.estimate.results import MemoryEstimate
-from autotune.search.proposer import Proposer, implied_too_big
+from autotune.search.memory_bounds import implied_too_big
+from autotune.search.proposer import Proposer
 from autotune.search.space import SearchSpace, load_space, preset_names
 from autotune.study.summary import TrialRecord
 

@@ -11,10 +11,10 @@ import pytest
 from autotune.config.device import DeviceInfo
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
+from autotune.search.clock import Clock
 from autotune.search.proposer import MEASUREMENT_NOISE, Outlook, Proposer
 from autotune.search.space import load_space
 from autotune.search.throughput import ThroughputModel
-from autotune.search.tuner import _Clock
 from autotune.study.summary import TrialRecord
 
 CPU = DeviceInfo("cpu", "test-cpu", 1, 16 * 2**30, bf16=True, fp16_deepspeed=False)
@@ -165,7 +165,7 @@ def test_the_outlook_settles_only_when_nothing_is_owed_and_the_upper_prediction_
 
 
 def test_the_time_limit_leaves_the_confirmation_its_share():
-    clock = _Clock(10.0)
+    clock = Clock(10.0)
     outlook = Outlook(best=1.0, top=None, predicted=None, error=None, owed=frozenset(), untried=7)
     assert clock.search_over(outlook) is None  # nothing timed yet, nothing spent
     clock.trial_seconds.append(2.0)  # the next trial takes ~2 s, and the leader's re-run ~5 s after it
@@ -179,4 +179,4 @@ def test_the_time_limit_leaves_the_confirmation_its_share():
         time.sleep(0.01)
     clock.started -= 6.5
     assert not clock.holds_a_rerun()
-    assert _Clock(None).search_over(outlook) is None and _Clock(None).holds_a_rerun()
+    assert Clock(None).search_over(outlook) is None and Clock(None).holds_a_rerun()
