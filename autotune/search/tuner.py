@@ -83,7 +83,7 @@ __all__ = ["tune", "find", "find_name", "Progress", "TrialBackend", "LocalBacken
 
 DEFAULT_HEADROOM = 0.10  # a config fits when its peak stays 10% under the budget
 CONFIRM_STEPS_FACTOR = 2  # a candidate's first re-run measures 2x as many steps: the fit held over a longer run
-WARM_MICRO_BATCHES = 4  # a warm-up step of this many micro batches warms the first trial without another step
+WARM_MICRO_BATCHES = 4  # a warm-up step of this many micro batches warms a cold trial without another step
 MAX_CONFIRM_ROUNDS = 3  # one more round when the first ones disagree on who leads
 MAX_CONFIRMATIONS = 3  # decisions per tune call (a new one when every contender of the last was refuted)
 PROBE_KEY = "device_probe"  # study user attribute: matmul speed per precision relative to fp32
@@ -897,19 +897,15 @@ def _confirm_winner(
     backend: TrialBackend,
     clock: Clock | None = None,
 ) -> None:
-    """Re-run the top candidates longer, interleaved, until a decided answer fits (or re-runs are spent).
+    """Re-run the top candidates, interleaved, until a decided answer fits (or re-runs are spent).
 
-    The contenders are the candidates whose first figure is within ``CONTENDER_BAND`` of the top
-    one (at most ``MAX_CONTENDERS``), with the answer decided before, if any. Each runs
-    ``CONFIRM_ROUNDS`` times in turn (A B C A B C; a third round when the rounds disagree on who
-    leads), so every round sees them under the same
-    conditions, and they are ranked by their paired figures: a candidate's figure over the
-    round's mean, the median over rounds. A re-run that does not train or does not fit refutes
-    its candidate (``confirmed`` False); a slower one only ranks it lower: a refuted speed
-    demotes, it never turns "fits" into "nothing".
-
-    Under ``--max-time`` (``clock``) the leader's first re-run always runs, so the answer is confirmed;
-    a further re-run only where the time left holds it.
+    The contenders (:func:`contenders_of`) run in turn (A B C A B C), so every round sees them under the same
+    conditions; a challenger behind the held answer in a round is out (:func:`still_racing`), and a third round
+    comes when those left disagree on who leads. They are ranked by their paired figures: a candidate's figure
+    over the round's mean, the median over rounds. A re-run that does not train or does not fit refutes its
+    candidate (``confirmed`` False); a slower one only ranks it lower: a refuted speed demotes, it never turns
+    "fits" into "nothing". Under ``--max-time`` (``clock``) the leader's first re-run always runs, so the
+    answer is confirmed; a further re-run only where the time left holds it.
     """
     clock = clock or Clock(None)
     limit = memory_limit(study.user_attrs["autotune"])
@@ -937,6 +933,7 @@ def _confirm_winner(
                 if any(runs.values()) and not clock.holds_a_rerun():
                     break
                 progress.confirming(record=record, steps=steps)
+                cold = record.config.grad_accum_steps(workload) < WARM_MICRO_BATCHES  # warmed as a first trial
                 # It measures ``factor`` x the steps, so it gets as many times the trial's time.
                 with clock.timing(rerun=True):
                     runs[record.number].append(
@@ -945,7 +942,7 @@ def _confirm_winner(
                             record.config,
                             memory_budget_bytes=measure.memory_budget_bytes,
                             timeout_s=measure.trial_timeout_s * factor,
-                            warmup_steps=measure.warmup_steps + 1,
+                            warmup_steps=measure.warmup_steps + cold,
                             measure_steps=steps,
                         )
                     )

@@ -484,11 +484,15 @@ def test_the_first_trial_warms_up_one_step_more_unless_its_step_holds_many_micro
     few = ScriptedBackend(first={1: 50.0, 2: 97.0, 4: 100.0}, reruns={m: [100.0] * 3 for m in (1, 2, 4)})
     _tune(tmp_path / "many", few)
     assert few.runs[0] == (2, False) and few.warmups[0] == 1
+    # A re-run starts cold too: the same rule (mb=4 accumulates 4 a step; mb=1 16).
+    reruns = [warm for (_, again), warm in zip(few.runs, few.warmups, strict=True) if again]
+    assert reruns and all(warm == 1 for warm in reruns)
     # mb=8 and mb=16 accumulate 2 and 1: the first trial gets its extra warm-up step, the next ones do not.
     (tmp_path / "few").mkdir()
     backend = ScriptedBackend(first={8: 100.0, 16: 120.0}, reruns={8: [100.0] * 3, 16: [120.0] * 3})
     _tune(tmp_path / "few", backend, knobs="  micro_batch: [8, 16]\n  precision: [fp32]\n")
     assert backend.warmups[0] == 2 and backend.warmups[1] == 1
+    assert [warm for (_, again), warm in zip(backend.runs, backend.warmups, strict=True) if again] == [2]  # mb=16 alone
 
 
 class _PredictedBackend(ScriptedBackend):
