@@ -57,6 +57,10 @@ BAD_INPUTS = [
     (["trial", "--trial-timeout", "0"], "--trial-timeout 0 must be more than 0"),
     (["find", "--max-time", "soon"], "--max-time 'soon' is not a duration; write a number with a unit, e.g. 90s"),
     (["find", "--executor", "slurm", "--max-time", "5m"], "--max-time 5m bounds a find on this machine"),
+    (
+        ["tune", "--study", "s", "--executor", "slurm", "--max-time", "5m"],
+        "--max-time 5m bounds a tune on this machine",
+    ),
     (["tune", "--study", "s", "--max-time", "0m"], "--max-time '0m' must be longer than zero"),
     (["tune", "--study", "kept", "--n-trials", "0"], "--n-trials 0 must be a number of at least 1"),
     (["tune", "--study", "kept", "--headroom", "2"], "--headroom 2.0 must be a fraction"),

@@ -11,7 +11,7 @@ import typer
 
 from autotune.cli.options import OUTPUT_HELP, Script, command
 from autotune.cli.parse import duration, size
-from autotune.cli.searching import finish, on_slurm, progress, search_arguments
+from autotune.cli.searching import finish, on_slurm, progress, refuse_max_time_on_slurm, search_arguments
 from autotune.cli.servers import start_trial_server
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
@@ -66,7 +66,9 @@ def find(
     if plan:
         return _plan(workload, space=space, budget=size(memory_budget), headroom=headroom, as_json=as_json)
     resources = executor.resources(nproc=workload.nproc, command=script)
-    _refuse_what_slurm_does_not_take(on_slurm=resources is not None, workers=workers, max_time=max_time)
+    if resources is None and workers != 1:
+        raise ConfigError(f"--workers {workers} on find is for --executor slurm; use autotune tune --workers here")
+    refuse_max_time_on_slurm(max_time, on_slurm=resources is not None, command="find")
     # autotune.find's arguments, here or in each SLURM worker (which runs tune on the study find names)
     search = search_arguments(
         space=space,
@@ -93,17 +95,6 @@ def find(
             )
     written = write_export(summary, export, output) if export is not None and summary.best else None
     return finish(summary, as_json=as_json, exported=written, wanted_export=export)
-
-
-def _refuse_what_slurm_does_not_take(*, on_slurm: bool, workers: int, max_time: str | None) -> None:
-    """--workers are SLURM jobs (tune has local ones); --max-time bounds a find here, not jobs the queue starts."""
-    if not on_slurm and workers != 1:
-        raise ConfigError(f"--workers {workers} on find is for --executor slurm; use autotune tune --workers here")
-    if on_slurm and max_time is not None:
-        raise ConfigError(
-            f"--max-time {max_time} bounds a find on this machine; SLURM workers start when the queue lets them: "
-            "bound each worker's job with --time, or the search with --timeout"
-        )
 
 
 def _refuse_what_does_not_go_together(

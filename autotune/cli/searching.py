@@ -7,11 +7,13 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from autotune.errors import ConfigError
+
 if TYPE_CHECKING:
     from autotune.search.slurm import SlurmResources
     from autotune.study.summary import StudySummary
 
-__all__ = ["progress", "on_slurm", "finish", "search_arguments"]
+__all__ = ["progress", "on_slurm", "finish", "search_arguments", "refuse_max_time_on_slurm"]
 
 
 def search_arguments(
@@ -54,6 +56,15 @@ def progress(*, quiet: bool) -> Any:
     from autotune.output.render import ConsoleProgress
 
     return contextlib.nullcontext() if quiet else ConsoleProgress()
+
+
+def refuse_max_time_on_slurm(max_time: str | None, *, on_slurm: bool, command: str) -> None:
+    """--max-time bounds a search on this machine, not SLURM jobs that start when the queue lets them."""
+    if on_slurm and max_time is not None:
+        raise ConfigError(
+            f"--max-time {max_time} bounds a {command} on this machine; SLURM workers start when the queue lets "
+            "them: bound each worker's job with --time, or the search with --timeout"
+        )
 
 
 def on_slurm(

@@ -8,7 +8,7 @@ import typer
 
 from autotune.cli.options import Script, command
 from autotune.cli.parse import duration, size
-from autotune.cli.searching import finish, on_slurm, progress, search_arguments
+from autotune.cli.searching import finish, on_slurm, progress, refuse_max_time_on_slurm, search_arguments
 from autotune.cli.servers import start_trial_server
 from autotune.config.workload import Workload
 from autotune.search.slurm import Executor
@@ -53,6 +53,7 @@ def tune(
     from autotune.search.tuner import tune as tune_study
 
     resources = executor.resources(nproc=workload.nproc, command=script)
+    refuse_max_time_on_slurm(max_time, on_slurm=resources is not None, command="tune")
     # autotune.tune's arguments, here or in each SLURM worker
     search = search_arguments(
         space=space,
