@@ -927,9 +927,7 @@ def _confirm_winner(
             # every contender of a round measures as many steps as the others.
             factor = CONFIRM_STEPS_FACTOR if round_index == 0 else 1
             steps = measure.measure_steps * factor
-            for record in racing:
-                if any(not holds(result, limit) for result in runs[record.number]):
-                    continue  # refuted already: no need to time it again
+            for record in racing:  # a refuted contender is out of the race (still_racing): not timed again
                 if any(runs.values()) and not clock.holds_a_rerun():
                     break
                 progress.confirming(record=record, steps=steps)
