@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+from autotune.levers import ACTIVATION_OFFLOAD, CHECKPOINTING
+
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
     from autotune.estimate.results import MemoryEstimate
@@ -35,8 +37,6 @@ def recomputes_more_than_fitting(config: TrialConfig, fitting: list[TrialConfig]
     ``config`` only in checkpointing fewer layers (:meth:`CheckpointingLever.recomputes_more`): where the memory
     is there without them, ``config`` does that config's work and more, so no trial of it can win. (Activation
     offload is the exception: :meth:`ActivationOffloadLever.saves_with_more_checkpointing`.)"""
-    from autotune.levers import ACTIVATION_OFFLOAD, CHECKPOINTING
-
     if ACTIVATION_OFFLOAD.saves_with_more_checkpointing(config):
         return False
     return any(
