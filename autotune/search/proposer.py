@@ -84,7 +84,7 @@ class Outlook:
     best: float  # throughput of the fastest config measured that fits; 0 before one
     top: TrialConfig | None  # the open config predicted fastest among those that should fit
     predicted: float | None  # its throughput by the corrected model, in the trials' unit
-    error: float | None  # the model's error in log throughput; None until enough trials
+    error: float | None  # a bound on the model's error in log throughput (ThroughputModel.error_bound); None before it
     owed: frozenset[Value]  # knob values a measurement is owed for
     untried: int  # open configs not known to run out of memory
     # Knob values never measured whose configs are all predicted far below the best (the model's error
@@ -241,7 +241,7 @@ class Proposer:
             best=best,
             top=top,
             predicted=math.exp(model.predict(top)) if top is not None and best > 0 else None,
-            error=model.error(),
+            error=model.error_bound(),
             owed=frozenset(owed),
             untried=len(open_configs),
             waived=tuple(sorted(waived.items())),
@@ -473,14 +473,14 @@ class Proposer:
         """Those of ``values`` that cannot pay on this device: the open configs holding one are predicted, at
         the model's error above their predictions, ``WAIVE_FACTOR`` times or more below the best measured, the
         most promising of them from its own traced step (a placed guess proves nothing: its family is traced
-        first). Value -> the highest upper prediction over the best. Nothing before the model's error is known
-        (enough trials to tell how far its predictions are off here)."""
+        first). Value -> the highest upper prediction over the best. Nothing before two trials bound the model's
+        error (:meth:`ThroughputModel.error_bound`)."""
         best = _best_fitting(records)
         if not best or not values or self.profile is None:
             return {}
         open_configs = self._open_configs(records)
         model = self._model(open_configs).fit(_throughputs(records))
-        if model.error() is None:
+        if model.error_bound() is None:
             return {}
         far: dict[Value, float] = {}
         for value in sorted(values):
@@ -493,7 +493,7 @@ class Proposer:
                 if self.out_of_time() or self._estimate(smallest) is None:
                     continue
                 model = self._model(open_configs).fit(_throughputs(records))
-                if self._predicted_throughput(top) is None or model.error() is None:
+                if self._predicted_throughput(top) is None or model.error_bound() is None:
                     continue
             upper = self._upper(model, holding)
             if upper * WAIVE_FACTOR <= best:
@@ -503,7 +503,7 @@ class Proposer:
     @staticmethod
     def _upper(model: ThroughputModel, configs: list[TrialConfig]) -> float:
         """The highest throughput any of ``configs`` may reach: its prediction at the model's error above."""
-        error = model.error() or 0.0
+        error = model.error_bound() or 0.0
         return max(math.exp(model.predict(c) + error) for c in configs)
 
     def memory_estimate(self, config: TrialConfig) -> MemoryEstimate | None:

@@ -32,6 +32,8 @@ MEASURED_RIDGE = 1e-3  # a measured precision's pull: enough to keep the fit sol
 UNTRUSTED_PRIORS = ("precision",)  # knobs whose prior counts only until a step with the value is measured
 MIN_HELD_OUT = 4  # trials the error needs, each predicted without itself, before it means anything
 MAX_LEVERAGE = 0.9  # a trial that alone sets its feature cannot be predicted without itself
+# Until MIN_HELD_OUT trials tell the error, a bound on it (ThroughputModel.error_bound) no tighter than this factor.
+PROVISIONAL_ERROR_FACTOR = 2.0
 
 
 class ThroughputModel:
@@ -60,6 +62,7 @@ class ThroughputModel:
         self._weights: list[float] = []
         self._intercept = 0.0
         self._error: float | None = None
+        self._provisional: float | None = None
 
     def prior(self, config: TrialConfig) -> float:
         predicted = self._predicted(config)
@@ -101,6 +104,9 @@ class ThroughputModel:
         held_out = [r / (1 - h) for r, h in zip(residuals, leverage, strict=True) if h <= MAX_LEVERAGE]
         if len(held_out) >= MIN_HELD_OUT:
             self._error = float(np.sqrt(np.mean(np.square(held_out))))
+        if len(points) >= 2:  # how far apart the prior's misses of two measured configs lie: its error between them
+            misses = [math.log(t) - self.prior(c) for c, t in points]
+            self._provisional = max(max(misses) - min(misses), math.log(PROVISIONAL_ERROR_FACTOR))
         return self
 
     def error(self) -> float | None:
@@ -108,6 +114,13 @@ class ThroughputModel:
         square of the trials' residuals, each predicted by the fit without itself; None before
         ``MIN_HELD_OUT`` such trials."""
         return self._error
+
+    def error_bound(self) -> float | None:
+        """:meth:`error` once it is known; before, from two measured trials, the widest disagreement between
+        the prior's misses of them (what the prior got wrong between two configs), at least
+        ``PROVISIONAL_ERROR_FACTOR``: enough to tell a config many times below the best (a 16-bit step on a
+        CPU without 16-bit matmuls) from one that may pay, not to rank neighbours. None before two trials."""
+        return self._error if self._error is not None else self._provisional
 
     def _vector(self, config: TrialConfig) -> list[float]:
         params = {(k, repr(v)) for k, v in self._params_of(config).items() if k != "micro_batch"}

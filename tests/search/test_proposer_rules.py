@@ -376,3 +376,38 @@ def test_a_value_held_only_by_configs_of_a_waived_value_is_not_owed(tmp_path):
     assert set(waived) == {("precision", "'fp16'"), ("checkpointing", "True")}
     assert all(ratio < 0.1 for ratio in waived.values())
     assert not outlook.owed and outlook.settled  # the search ends: nothing open may beat the best
+
+
+def test_two_trials_bound_the_error_enough_to_waive_a_precision_many_times_slower(tmp_path):
+    """Only mb=1 and mb=2 fit (mb=4 is predicted over the limit): two trials, too few for the model's
+    error (MIN_HELD_OUT), but enough to bound it (ThroughputModel.error_bound, at least 2x). fp16, 100x
+    slower in matmuls here, is predicted far below the best even at that bound: the search ends
+    without its slow trial, rather than measuring it because the error was not yet known."""
+    (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [1, 2, 4]\n  precision: [fp32, fp16]\n")
+    slow_fp16 = dataclasses.replace(TOY_CPU, matmul_flops={"float32": 1000.0, "float16": 10.0})
+
+    def estimate(config: TrialConfig) -> MemoryEstimate:
+        dtype = "float16" if config.precision == "fp16" else "float32"
+        ops = tuple(dataclasses.replace(op, dtype=dtype) for op in toy_costs(100).ops)
+        return _toy_estimate(config, dataclasses.replace(toy_costs(100), ops=ops), int(config.micro_batch * 20 * MiB))
+
+    proposer = _toy_proposer(tmp_path / "space.yaml", estimate)
+    proposer.profile = slow_fp16
+    proposer.precision_speed = matmul_speedups(slow_fp16, ("fp32", "fp16"))
+    records = [
+        dataclasses.replace(
+            _measured(TrialConfig(micro_batch=mb), 16 * 128 / toy_step_s(100, 16, mb), 4 + 20 * mb, 4 + 20 * mb),
+            number=i,
+        )
+        for i, mb in enumerate((1, 2))
+    ]
+    records.append(
+        dataclasses.replace(_measured(TrialConfig(micro_batch=4), 0, 84, 84), status="skipped", fits=False, number=2)
+    )
+    proposer.outlook(records)  # ranks, and so traces the fp16 family
+    outlook = proposer.outlook(records)
+    assert dict(outlook.waived).keys() == {("precision", "'fp16'")}
+    assert not outlook.owed and outlook.settled
+    # One trial bounds nothing: fp16 stays owed, and the search goes on to measure it.
+    alone = proposer.outlook(records[1:])
+    assert ("precision", "'fp16'") in alone.owed and not alone.settled

@@ -49,6 +49,25 @@ def test_the_models_error_is_the_spread_of_its_leave_one_out_residuals(tmp_path)
     assert model.error() == pytest.approx(math.sqrt(sum(r * r for r in held_out) / len(held_out)), rel=1e-6)
     # Too few trials to predict any without itself: no error, so nothing can be ruled out by it.
     assert ThroughputModel(space.params_of).fit(measured[:3]).error() is None
+    assert model.error_bound() == model.error()  # once known, the error is its own bound
+
+
+def test_before_the_error_is_known_two_trials_bound_it_by_how_far_apart_the_priors_misses_lie(tmp_path):
+    from autotune.search.throughput import PROVISIONAL_ERROR_FACTOR
+
+    space = _space(tmp_path)
+    prior = {2: math.log(100.0), 4: math.log(150.0), 8: math.log(300.0)}
+    model = ThroughputModel(space.params_of, predicted=lambda c: prior[c.micro_batch])
+    assert model.fit([(TrialConfig(micro_batch=2), 90.0)]).error_bound() is None  # one trial bounds nothing
+    # Both missed by about the same factor: the prior told them apart well, the floor holds.
+    close = [(TrialConfig(micro_batch=2), 90.0), (TrialConfig(micro_batch=4), 140.0)]
+    fitted = ThroughputModel(space.params_of, predicted=lambda c: prior[c.micro_batch]).fit(close)
+    assert fitted.error() is None
+    assert fitted.error_bound() == pytest.approx(math.log(PROVISIONAL_ERROR_FACTOR))
+    # One missed 3x, the other not at all: the prior's error between them is 3x, wider than the floor.
+    apart = [(TrialConfig(micro_batch=2), 100.0), (TrialConfig(micro_batch=8), 100.0)]
+    fitted = ThroughputModel(space.params_of, predicted=lambda c: prior[c.micro_batch]).fit(apart)
+    assert fitted.error_bound() == pytest.approx(math.log(3.0))
 
 
 def test_a_measured_precision_sets_its_own_factor_whatever_the_probe_said(tmp_path):
