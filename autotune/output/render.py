@@ -316,6 +316,8 @@ class ConsoleProgress:
         warning = (
             f" (uncertain: {_unsettled_why(record.step_time_spread)})" if unsettled(record.step_time_spread) else ""
         )
+        if record.outpaced:
+            warning = " (one timed step: far slower than the best, not worth more)"
         self._say(
             f"  -> {record.status}: {figure}, peak {format_size(record.peak_memory_bytes)}{fit}; "
             f"best so far {best_text}; {elapsed_s:.0f} s elapsed{warning}"

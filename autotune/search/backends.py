@@ -32,6 +32,7 @@ class TrialBackend(Protocol):
         timeout_s: float,
         warmup_steps: int,
         measure_steps: int,
+        outpaced_step_s: float | None = None,
     ) -> TrialResult: ...
 
     def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None: ...
@@ -123,6 +124,8 @@ class ScriptBackend(LocalBackend):
     def run(self, workload: Workload, config: TrialConfig, **measure: Any) -> TrialResult:
         from autotune.scripts.runner import run_script_trial
 
+        # The user's loop runs its steps to the end: its ranks have no way to agree on stopping early.
+        measure.pop("outpaced_step_s", None)
         with cpu_turn(self._device_type):
             return run_script_trial(self._command, workload, config, **measure)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import signal
 import statistics
@@ -46,6 +45,7 @@ from autotune.search.confirm import (
     rounds_agree,
     still_racing,
 )
+from autotune.search.measuring import Measure, outpaced_step_s, run_undisturbed
 from autotune.search.simple import SIMPLE_KEY, next_ramp_config, ramp_answer, ramp_family
 from autotune.search.space import SearchSpace, is_preset, load_space
 from autotune.search.workers import (
@@ -88,7 +88,6 @@ MAX_CONFIRM_ROUNDS = 3  # one more round when the first ones disagree on who lea
 MAX_CONFIRMATIONS = 3  # decisions per tune call (a new one when every contender of the last was refuted)
 PROBE_KEY = "device_probe"  # study user attribute: matmul speed per precision relative to fp32
 ROOFLINE_KEY = "device_roofline"  # study user attribute: the device profile the step-time model times against
-DISTURBED_SPREAD = 0.2  # a trial whose step times still spread this much (IQR / median) is measured again
 SKIP_MARGIN = 0.05  # skip a config predicted more than 5% over the limit; closer ones still run
 _BROKEN_AFTER = 2  # stop when this many trials, and every one so far, errored or crashed
 _WATCH_S = 2.0  # how often a worker with nothing left to start looks at the others' trials
@@ -132,14 +131,6 @@ class Progress(Protocol):
 class _Silent:
     def __getattr__(self, name: str) -> Any:
         return lambda **_: None
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Measure:
-    memory_budget_bytes: int
-    trial_timeout_s: float
-    warmup_steps: int
-    measure_steps: int
 
 
 def tune(
@@ -243,7 +234,7 @@ def tune(
     record_model_facts(the_study, workload, proposer.choices.get("lora", ()), script=bool(command))
     target = n_trials or space.n_trials
     patience = patience if patience is not None else space.patience
-    measure = _Measure(
+    measure = Measure(
         memory_budget_bytes=budget,
         trial_timeout_s=trial_timeout_s,
         warmup_steps=warmup_steps,
@@ -348,7 +339,7 @@ class _Search:
     proposer: Proposer
     oracle: _Oracle | None
     workload: Workload
-    measure: _Measure
+    measure: Measure
     backend: TrialBackend
     progress: Progress
     clock: Clock
@@ -589,7 +580,7 @@ def _simple_answer(
     proposer: Proposer,
     oracle: _Oracle | None,
     workload: Workload,
-    measure: _Measure,
+    measure: Measure,
     backend: TrialBackend,
     progress: Progress,
     clock: Clock,
@@ -647,7 +638,7 @@ def _start_and_measure(
     config: TrialConfig,
     records: list[TrialRecord],
     workload: Workload,
-    measure: _Measure,
+    measure: Measure,
     prediction: MemoryEstimate | None,
     backend: TrialBackend,
     progress: Progress,
@@ -661,6 +652,7 @@ def _start_and_measure(
     if retry_of is not None:
         trial.set_user_attr(RETRY_ATTR, retry_of)
     progress.trial_started(index=len(measured(records)) + 1, target=target, config=config, retry=retry_of is not None)
+    measure = dataclasses.replace(measure, outpaced_step_s=outpaced_step_s(records, workload))
     with clock.timing():
         return _measure_in_study(study, trial, config, workload, measure, prediction, backend)
 
@@ -679,7 +671,7 @@ def _measure_in_study(
     trial: optuna.Trial,
     config: TrialConfig,
     workload: Workload,
-    measure: _Measure,
+    measure: Measure,
     prediction: MemoryEstimate | None,
     backend: TrialBackend,
 ) -> TrialRecord:
@@ -692,7 +684,7 @@ def _measure_in_study(
         _stop["in_trial"] = True
         try:
             _stop_point()
-            result = _run_undisturbed(backend, workload, config, measure, trial)
+            result = run_undisturbed(backend, workload, config, measure, trial)
         finally:
             _stop["in_trial"] = False
     except KeyboardInterrupt:
@@ -716,29 +708,6 @@ def _measure_in_study(
     else:
         study.tell(trial, state=TrialState.FAIL)
     return next(r for r in records_of(study) if r.number == trial.number)
-
-
-def _run_undisturbed(
-    backend: TrialBackend, workload: Workload, config: TrialConfig, measure: _Measure, trial: optuna.Trial
-) -> TrialResult:
-    """The trial's result; measured once more where its steps still spread more than ``DISTURBED_SPREAD``
-    after the extra steps (something else ran on the cores: its figure would mislead the model and the
-    ranking for good), keeping the less disturbed of the two. The first figure is kept on the trial."""
-    run = functools.partial(
-        backend.run,
-        workload,
-        config,
-        memory_budget_bytes=measure.memory_budget_bytes,
-        timeout_s=measure.trial_timeout_s,
-        warmup_steps=measure.warmup_steps,
-        measure_steps=measure.measure_steps,
-    )
-    result = run()
-    if not result.ok or result.step_time_spread is None or result.step_time_spread <= DISTURBED_SPREAD:
-        return result
-    trial.set_user_attr("disturbed", {"throughput": result.throughput, "spread": result.step_time_spread})
-    again = run()
-    return again if again.ok and (again.step_time_spread or 0.0) < result.step_time_spread else result
 
 
 def _precision_speed(
@@ -892,7 +861,7 @@ def _confirm_winner(
     study: optuna.Study,
     proposer: Proposer,
     workload: Workload,
-    measure: _Measure,
+    measure: Measure,
     progress: Progress,
     backend: TrialBackend,
     clock: Clock | None = None,

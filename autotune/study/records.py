@@ -173,6 +173,7 @@ def records_of(study: optuna.Study | StoredStudy) -> list[TrialRecord]:
                 confirmed_peak_memory_bytes=None if confirm is None else confirm.get("peak_memory_bytes"),
                 decided_rank=order.index(trial.number) if trial.number in order else None,
                 step_time_spread=result.get("step_time_spread"),
+                outpaced=bool(result.get("outpaced")),
                 lost=trial.user_attrs.get(LOST_ATTR),
                 retry_of=trial.user_attrs.get(RETRY_ATTR),
             )

@@ -42,6 +42,7 @@ class TrialRecord:
     confirmed_peak_memory_bytes: int | None = None
     decided_rank: int | None = None  # place in the interleaved confirmation (0: the answer)
     step_time_spread: float | None = None  # IQR / median of its step times (0.1 = within 10%)
+    outpaced: bool = False  # one timed step showed it far slower than the best: not measured further
     lost: str | None = None  # interrupted because its worker died: why it was taken for gone
     retry_of: int | None = None  # the interrupted trial whose config this one measures again
 

@@ -136,6 +136,7 @@ def _train(
         steps=spec.measure_steps,
         max_steps=spec.max_measure_steps,
         agree=_agreed(world_size, device),
+        outpaced_s=spec.outpaced_step_s,
     )
     # Per optimizer step, from the median step: a few steps slowed by another process move a
     # mean, not a median (the spread says how much they disagreed).
@@ -150,6 +151,7 @@ def _train(
         step_time_spread=times.spread,
         disturbed_steps=times.disturbed_steps,
         measured_steps=len(times.seconds),
+        outpaced=times.outpaced,
         final_loss=times.last_loss,
         optimizer_state_bytes=engine.optimizer_state_bytes(),
         optimizer=optimizer_library(config),

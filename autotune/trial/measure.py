@@ -43,6 +43,7 @@ class StepTimes:
     seconds: list[float]
     warmup_s: float
     last_loss: float
+    outpaced: bool = False  # stopped after a step that showed the config cannot compete (see time_steps)
 
     @property
     def median_s(self) -> float:
@@ -83,6 +84,7 @@ def time_steps(
     steps: int,
     max_steps: int | None = None,
     agree: Callable[[bool], bool] = lambda more: more,
+    outpaced_s: float | None = None,
 ) -> StepTimes:
     """Run ``warmup`` untimed and at least ``steps`` timed optimizer steps.
 
@@ -92,6 +94,11 @@ def time_steps(
     to ``max_steps`` (default ``MAX_STEPS_FACTOR`` x ``steps``) and ``MAX_EXTRA_TIME_FACTOR`` x the
     time the first ``steps`` took. ``agree`` turns this rank's wish for one more step into every
     rank's decision (ranks of one trial must run the same number of steps).
+
+    ``outpaced_s``: a step time no competitive config takes (a few times the best config's so far). A timed
+    step that long ends the measurement there, ``outpaced``: its figure bounds what more steps would read
+    (a disturbance slows a step, it never speeds one up), and a config many times too slow is not worth
+    them (a 16-bit step on a CPU without 16-bit matmuls can take half a minute).
     """
     max_steps = max(steps, max_steps if max_steps is not None else MAX_STEPS_FACTOR * steps)
     loss = math.nan
@@ -111,6 +118,8 @@ def time_steps(
 
     for _ in range(steps):
         timed()
+        if outpaced_s is not None and agree(times[-1] >= outpaced_s):
+            return StepTimes(times, warmup_s, loss, outpaced=True)
     deadline = time.perf_counter() + MAX_EXTRA_TIME_FACTOR * sum(times)
     while agree(
         len(times) < max_steps and time.perf_counter() < deadline and not StepTimes(times, warmup_s, loss).settled

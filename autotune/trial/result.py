@@ -64,6 +64,7 @@ class TrialResult:
     step_time_spread: float | None = None  # that range over the median: 0.1 = the middle half within 10%
     disturbed_steps: int | None = None  # steps 25% slower than the median (another process, ...)
     measured_steps: int = 0
+    outpaced: bool = False  # measuring stopped after a step too slow to compete (see trial.measure.time_steps)
     grad_accum_steps: int | None = None
     peak_memory_bytes: int | None = None  # reserved on CUDA, tracked tensor bytes on CPU; max over ranks
     peak_allocated_bytes: int | None = None  # CUDA allocated (tracked bytes on CPU); max over ranks

@@ -68,6 +68,7 @@ def run_trial(
     device: DeviceInfo | None = None,
     env: dict[str, str] | None = None,
     srun: bool = False,
+    outpaced_step_s: float | None = None,
 ) -> TrialResult:
     """Measure ``config`` on ``workload`` in a fresh process and say what happened.
 
@@ -76,21 +77,11 @@ def run_trial(
     node sees (the submitting directory, on the shared file system).
 
     Raises ConfigError/WorkloadError (before starting anything) for a config that cannot run;
-    every failure after the start is a TrialResult with its status instead.
+    every failure after the start is a TrialResult with its status instead. ``outpaced_step_s``: see
+    :func:`autotune.trial.measure.time_steps`.
     """
     device = device or detect_device(workload.device)
-    nodes = len(node_ranks(os.environ, nproc=workload.nproc)) if srun else 1
-    if nodes != workload.nodes:
-        raise WorkloadError(
-            f"--nodes {workload.nodes}: this trial would start its ranks on {nodes} node(s); "
-            + (f"run it in a SLURM job of {workload.nodes} nodes" if srun else "several nodes need --executor slurm")
-        )
-    if device.type == "cuda" and workload.ranks_per_node > device.count:  # CPU ranks share the host's cores
-        per_node = " per node" if workload.nodes > 1 else ""
-        raise WorkloadError(
-            f"--nproc {workload.nproc} needs {workload.ranks_per_node} GPUs{per_node}; {device.count} visible here "
-            f"(use --nproc {device.count * workload.nodes} or less, or --device cpu)"
-        )
+    _refuse_where_ranks_cannot_start(workload, device, srun=srun)
     config.validate_for(workload, device)
     task = resolve_task(workload)
     refusal = refusal_before_trial(workload, config, task)
@@ -106,6 +97,7 @@ def run_trial(
         memory_budget_bytes=memory_budget_bytes,
         warmup_steps=warmup_steps,
         measure_steps=measure_steps,
+        outpaced_step_s=outpaced_step_s,
         # Measured here, under the caller's CPU turn: the trial's ranks run only on the cores free now.
         # (srun: each node's ranks on the cores SLURM gave the job there)
         cpu_cores=free_cores() if device.type == "cpu" and not srun else None,
@@ -438,6 +430,23 @@ def _is_record(record: Any) -> bool:
     )
 
 
+def _refuse_where_ranks_cannot_start(workload: Workload, device: DeviceInfo, *, srun: bool) -> None:
+    """WorkloadError where the trial's ranks would not start as the workload says: on other nodes, or on more
+    GPUs per node than there are."""
+    nodes = len(node_ranks(os.environ, nproc=workload.nproc)) if srun else 1
+    if nodes != workload.nodes:
+        raise WorkloadError(
+            f"--nodes {workload.nodes}: this trial would start its ranks on {nodes} node(s); "
+            + (f"run it in a SLURM job of {workload.nodes} nodes" if srun else "several nodes need --executor slurm")
+        )
+    if device.type == "cuda" and workload.ranks_per_node > device.count:  # CPU ranks share the host's cores
+        per_node = " per node" if workload.nodes > 1 else ""
+        raise WorkloadError(
+            f"--nproc {workload.nproc} needs {workload.ranks_per_node} GPUs{per_node}; {device.count} visible here "
+            f"(use --nproc {device.count * workload.nodes} or less, or --device cpu)"
+        )
+
+
 def combine_records(
     config: TrialConfig,
     records: list[dict[str, Any] | None],
@@ -494,6 +503,7 @@ def combine_records(
         config=config,
         status=status,
         measured_steps=base.get("measured_steps") or 0,
+        outpaced=bool(base.get("outpaced")),
         peak_memory_bytes=max(peaks) if peaks else None,
         peak_allocated_bytes=_max_of(written, "peak_allocated_bytes"),
         build_peak_bytes=_max_of(written, "build_peak_bytes"),

@@ -533,3 +533,30 @@ def test_a_ramp_predicted_well_over_the_limit_at_its_smallest_size_is_skipped_no
     close = _PredictedBackend(int(2**30 * 0.9 * 1.03))
     _tune(tmp_path / "close", close, knobs="  micro_batch: [1, 2]\n  precision: [fp32]\n", estimate=True)
     assert (1, False) in close.runs
+
+
+def test_each_trial_is_handed_three_times_the_fastest_fitting_configs_step_and_not_the_re_runs(tmp_path):
+    """A trial may stop after a timed step three times as long as the fastest fitting config's so far (see
+    autotune.search.measuring): at 4 samples/s (mb=4), global batch 16, that is 12 s. Before any config fits, no
+    bound; a re-run is never cut short."""
+    from autotune.config.workload import Workload
+    from autotune.search.measuring import OUTPACED_FACTOR
+
+    global_batch = Workload(model="builtin:gpt2-tiny").global_batch
+
+    class Bounded(ScriptedBackend):
+        def run(self, workload, config, *, measure_steps, outpaced_step_s=None, **kwargs):
+            self.bounds = getattr(self, "bounds", []) + [outpaced_step_s]
+            result = super().run(workload, config, measure_steps=measure_steps, **kwargs)
+            return result.replace(samples_per_s=result.tokens_per_s / 25) if result.ok else result
+
+    backend = Bounded(first={1: 50.0, 2: 80.0, 4: 100.0}, reruns={4: [100.0] * 3, 2: [80.0] * 3})
+    _tune(tmp_path, backend)
+    fastest = 0.0  # samples/s of the fastest trial so far (each fits)
+    for (micro_batch, again), bound in zip(backend.runs, backend.bounds, strict=True):
+        if again:
+            assert bound is None
+            continue
+        assert bound == (pytest.approx(OUTPACED_FACTOR * global_batch / fastest) if fastest else None)
+        fastest = max(fastest, backend.first[micro_batch] / 25)
+    assert fastest == 4.0 and len(backend.runs) > 3

@@ -55,3 +55,24 @@ def test_spread_is_the_interquartile_range_over_the_median():
     times = StepTimes([1.0, 1.0, 2.0, 2.0, 3.0], warmup_s=0.0, last_loss=1.0)
     assert times.median_s == 2.0 and times.iqr_s == 1.0 and times.spread == 0.5
     assert times.disturbed_steps == 1 and not times.settled
+
+
+def test_a_step_too_slow_to_compete_ends_the_measurement_there():
+    # The bound is three times a competitor's step: a 60 ms step at a 30 ms bound is the only one timed.
+    times = time_steps(_steps([0.06] * 5), lambda: None, warmup=1, steps=3, outpaced_s=0.03)
+    assert len(times.seconds) == 1 and times.outpaced
+    assert times.seconds[0] >= 0.06  # its figure is the step's own: a bound on what more steps would read
+    # Steps under the bound are measured as asked.
+    times = time_steps(_steps([0.02] * 5), lambda: None, warmup=1, steps=3, outpaced_s=0.5)
+    assert len(times.seconds) == 3 and not times.outpaced
+
+
+def test_ranks_stop_early_together_when_any_of_them_was_outpaced():
+    asked = []
+
+    def agree(wish: bool) -> bool:  # another rank's step took past the bound: every rank stops
+        asked.append(wish)
+        return True
+
+    times = time_steps(_steps([0.02] * 5), lambda: None, warmup=0, steps=3, agree=agree, outpaced_s=0.5)
+    assert asked == [False] and len(times.seconds) == 1 and times.outpaced

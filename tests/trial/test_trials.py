@@ -50,6 +50,18 @@ def test_a_trial_reports_what_it_measured(gpt2_baseline):
     assert math.isfinite(r.final_loss)
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_step_far_slower_than_the_best_ends_the_trial_after_it(nproc):
+    """The search hands a trial the step time three times the best's: past it, one timed step is its figure."""
+    workload = Workload(model="builtin:gpt2-tiny", seq_len=64, global_batch=8, nproc=nproc)
+    config = TrialConfig(micro_batch=2)
+    result = run_trial(workload, config, warmup_steps=1, measure_steps=3, timeout_s=300, outpaced_step_s=1e-6)
+    assert result.status is TrialStatus.OK, result.error
+    assert result.outpaced and result.measured_steps == 1 and result.throughput and result.throughput > 0
+    far = run_trial(workload, config, warmup_steps=1, measure_steps=3, timeout_s=300, outpaced_step_s=1e6)
+    assert far.status is TrialStatus.OK and not far.outpaced and far.measured_steps >= 3
+
+
 def test_checkpointing_lowers_the_peak(gpt2_baseline):
     checkpointed = trial(GPT2, micro_batch=8, checkpointing=True)
     assert checkpointed.status is TrialStatus.OK, checkpointed.error
