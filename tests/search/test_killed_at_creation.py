@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 from autotune.study.stale import LOST_ATTR, recover_stale_trials
 from autotune.study.storage import open_storage
 
-# In a process of its own: create the study as tune does, then take a trial through the tuner's own _ask,
+# In a process of its own: create the study as tune does, then take a trial through the tuner's own ask,
 # with Optuna's ask() wrapped so that the process dies (os._exit: no cleanup, as kill -9) as soon as the
 # trial it returns is RUNNING.
 CHILD = """
@@ -24,7 +24,8 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.search.proposer import Proposer
 from autotune.search.space import load_space
-from autotune.search.tuner import _ask, question
+from autotune.search.study_trials import ask
+from autotune.search.tuner import question
 from autotune.study.storage import create_study, open_storage
 
 url, space_file = sys.argv[1], sys.argv[2]
@@ -41,7 +42,7 @@ def ask_then_die(self, *args, **kwargs):
     os._exit(9)
 
 optuna.Study.ask = ask_then_die
-_ask(study, proposer, TrialConfig(micro_batch=2))
+ask(study, proposer, TrialConfig(micro_batch=2))
 """
 
 

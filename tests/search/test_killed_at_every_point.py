@@ -30,7 +30,7 @@ CHILD = """
 import json, os, runpy, signal, sys, time
 import optuna
 import psutil
-import autotune.search.tuner as tuner
+import autotune.search.tuning as tuning
 import autotune.trial.runner as runner
 
 point, note = sys.argv[1], sys.argv[2]
@@ -41,11 +41,11 @@ def die(**facts):
     os.kill(os.getpid(), signal.SIGKILL)
 
 if point == "worker recorded":  # the trial RUNNING, its worker and config stored, its first heartbeat recorded
-    real_ask = tuner._ask
+    real_ask = tuning.ask
     def ask(*args, **kwargs):
         trial, config = real_ask(*args, **kwargs)
         die(number=trial.number)
-    tuner._ask = ask
+    tuning.ask = ask  # where the search takes its trials
 elif point == "measuring":  # the trial server forked the trial's child, and the child runs
     real_send, real_reply = runner._TrialServer._send, runner._TrialServer._reply
     forked = []
@@ -59,7 +59,7 @@ elif point == "measuring":  # the trial server forked the trial's child, and the
             die(pid=forked[-1], alive=psutil.pid_exists(forked[-1]))
         return real_reply(self, process, key, timeout_s)
     runner._TrialServer._send, runner._TrialServer._reply = send, reply
-elif point == "result written":  # _measure_in_study stored the trial's result, then tells Optuna
+elif point == "result written":  # measure_in_study stored the trial's result, then tells Optuna
     def tell(self, trial, *args, **kwargs):
         die(number=trial if isinstance(trial, int) else trial.number)
     optuna.Study.tell = tell

@@ -208,7 +208,8 @@ def test_the_study_records_as_skipped_only_what_is_over_the_skip_margin(tmp_path
     for it (an asked trial never told would stay RUNNING in the study)."""
     import optuna
 
-    from autotune.search.tuner import _Oracle, _record_ruled_out, _Silent
+    from autotune.search.progress import Silent
+    from autotune.search.study_trials import Oracle, record_ruled_out
 
     asked: list[TrialConfig] = []
     proposer = _proposer(tmp_path, "[1, 2, 4, 8]", {False: 10.0, True: 2.0}, asked)
@@ -233,7 +234,7 @@ def test_the_study_records_as_skipped_only_what_is_over_the_skip_margin(tmp_path
             )
 
     proposer._ruled_out = [within, over]
-    _record_ruled_out(study, proposer, _Oracle(Backend(), Workload(global_batch=16)), [], _Silent())
+    record_ruled_out(study, proposer, Oracle(Backend(), Workload(global_batch=16)), [], Silent())
     trials = study.get_trials(deepcopy=False)
     assert [(t.state.name, t.user_attrs.get("status"), t.user_attrs["config"]["micro_batch"]) for t in trials] == [
         ("PRUNED", "skipped", 8)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from autotune.config.knobs import TrialConfig
-from autotune.search.tuner import _stop_reason, tune
+from autotune.search.stopping import stop_reason
+from autotune.search.tuner import tune
 from autotune.study.records import ranking
 from autotune.study.summary import TrialRecord
 
@@ -31,34 +32,34 @@ def test_stop_on_trial_count_counting_only_measured_trials():
         TrialRecord(number=1, config=TrialConfig(micro_batch=2), status="interrupted"),
         _ok(2, 4, 20),
     ]
-    assert _stop_reason(records, target=3, patience=None, timeout_s=None, elapsed_s=0) is None
-    assert "2 trials measured (--n-trials 2)" in _stop_reason(
+    assert stop_reason(records, target=3, patience=None, timeout_s=None, elapsed_s=0) is None
+    assert "2 trials measured (--n-trials 2)" in stop_reason(
         records, target=2, patience=None, timeout_s=None, elapsed_s=0
     )
 
 
 def test_stop_on_time():
-    assert _stop_reason([], target=5, patience=None, timeout_s=60, elapsed_s=59) is None
-    assert _stop_reason([], target=5, patience=None, timeout_s=60, elapsed_s=60) == "--timeout 60 s reached"
+    assert stop_reason([], target=5, patience=None, timeout_s=60, elapsed_s=59) is None
+    assert stop_reason([], target=5, patience=None, timeout_s=60, elapsed_s=60) == "--timeout 60 s reached"
 
 
 def test_stop_on_patience_counts_trials_since_the_last_faster_fit():
     records = [_ok(0, 1, 10), _ok(1, 2, 30), _failed(2, "oom"), _ok(3, 4, 50, fits=False), _ok(4, 8, 20)]
     # Since the best fit (trial 1): an OOM, one over the limit (faster but does not fit), a slower one.
-    assert _stop_reason(records, target=99, patience=4, timeout_s=None, elapsed_s=0) is None
-    assert "in the last 3 trials (--patience 3)" in _stop_reason(
+    assert stop_reason(records, target=99, patience=4, timeout_s=None, elapsed_s=0) is None
+    assert "in the last 3 trials (--patience 3)" in stop_reason(
         records, target=99, patience=3, timeout_s=None, elapsed_s=0
     )
 
 
 def test_stop_when_every_trial_fails_with_the_same_workload_error():
     one = [_failed(0, "error", "Traceback\nValueError: factory exploded")]
-    assert _stop_reason(one, target=9, patience=None, timeout_s=None, elapsed_s=0) is None
+    assert stop_reason(one, target=9, patience=None, timeout_s=None, elapsed_s=0) is None
     two = one + [_failed(1, "crashed", "trial process killed by SIGSEGV")]
-    reason = _stop_reason(two, target=9, patience=None, timeout_s=None, elapsed_s=0)
+    reason = stop_reason(two, target=9, patience=None, timeout_s=None, elapsed_s=0)
     assert "every trial so far ended in crashed (trial process killed by SIGSEGV)" in reason
     # An OOM says something about the config, not the workload: keep searching.
-    assert _stop_reason(one + [_failed(1, "oom")], target=9, patience=None, timeout_s=None, elapsed_s=0) is None
+    assert stop_reason(one + [_failed(1, "oom")], target=9, patience=None, timeout_s=None, elapsed_s=0) is None
 
 
 def test_ranking_compares_first_figures_and_drops_refuted_configs():
@@ -378,7 +379,7 @@ def test_the_device_probe_times_a_collective_only_for_a_study_of_several_ranks(t
 
 
 def test_a_worker_that_waited_its_turn_takes_the_roofline_another_worker_stored():
-    from autotune.search.tuner import ROOFLINE_KEY, _device_profile
+    from autotune.search.device_probes import ROOFLINE_KEY, device_profile
 
     class _Study:  # the study's user attributes, as another worker's process sees them
         user_attrs: dict = {}
@@ -388,7 +389,7 @@ def test_a_worker_that_waited_its_turn_takes_the_roofline_another_worker_stored(
 
     study = _Study()
     backend = _ProfilingBackend(meanwhile=lambda: study.set_user_attr(ROOFLINE_KEY, _ROOFLINE))
-    profile = _device_profile(study, backend, ranks=1)
+    profile = device_profile(study, backend, ranks=1)
     assert backend.probed == 0, "probed again what another worker had stored"
     assert profile is not None and profile.name == "cpu" and study.user_attrs[ROOFLINE_KEY] == _ROOFLINE
 

@@ -1,0 +1,36 @@
+"""What the driver tells its caller while it works: the CLI prints it, the API passes :class:`Silent`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from autotune.config.knobs import TrialConfig
+    from autotune.study.summary import TrialRecord
+
+__all__ = ["Progress", "Silent"]
+
+
+class Progress(Protocol):
+    """What the driver tells its caller while it works (the CLI prints it; the API ignores it)."""
+
+    def started(self, *, study: str, storage: str, measured: int, target: int, recovered: list[int]) -> None: ...
+    def trial_started(self, *, index: int, target: int, config: TrialConfig, retry: bool) -> None: ...
+    def trial_finished(
+        self, *, record: TrialRecord, best: TrialRecord | None, elapsed_s: float, leading: TrialRecord | None = None
+    ) -> None: ...
+    def simple_answer(self, *, record: TrialRecord | None, elapsed_s: float, accumulation: int) -> None: ...
+    def skipped(self, *, record: TrialRecord, limit_bytes: int) -> None: ...
+    def dropped(self, *, reasons: list[str]) -> None: ...
+    def space_kept(self, *, name: str, added: list[str]) -> None: ...
+    def confirming(self, *, record: TrialRecord, steps: int) -> None: ...
+    def standing(self, *, text: str) -> None: ...
+    def stopped(self, *, reason: str) -> None: ...
+    def lost(self, *, numbers: list[int]) -> None: ...
+
+
+class Silent:
+    """Says nothing."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda **_: None
