@@ -12,6 +12,9 @@ Not yet levers (their fields, checks and labels are still in ``config/knobs.py``
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 from autotune.levers.activation_offload import ActivationOffloadLever
 from autotune.levers.attention import AttentionLever
 from autotune.levers.base import Lever, ModelFacts
@@ -20,6 +23,9 @@ from autotune.levers.compile import CompileLever
 from autotune.levers.loss import LossLever
 from autotune.levers.optimizer import OptimizerLever
 from autotune.levers.precision import PrecisionLever
+
+if TYPE_CHECKING:
+    from autotune.config.knobs import TrialConfig
 
 __all__ = [
     "Lever",
@@ -36,6 +42,8 @@ __all__ = [
     "OPTIMIZER",
     "ACTIVATION_OFFLOAD",
     "COMPILE",
+    "STATES_KEEPERS",
+    "model_states_twin",
 ]
 
 ATTENTION = AttentionLever()
@@ -69,3 +77,18 @@ MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
     ACTIVATION_OFFLOAD,
     COMPILE,
 )
+
+# The levers whose values leave a config's model states (its parameters, gradients and optimizer state per rank)
+# as they are: they change what a step computes or keeps of its activations, not what the model holds between
+# steps. (Precision and the optimizer change them; so do the sharding and adapter knobs that are not levers yet.)
+STATES_KEEPERS: tuple[Lever, ...] = (ATTENTION, CHECKPOINTING, LOSS, ACTIVATION_OFFLOAD, COMPILE)
+
+
+def model_states_twin(config: TrialConfig) -> TrialConfig:
+    """``config`` at micro batch 1 with every lever of :data:`STATES_KEEPERS` at its default: the same model
+    states per rank, so configs with one twin hold the same parameters, gradients and optimizer state."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config) if f.name in _KEEPERS_FIELDS}
+    return config.replace(micro_batch=1, **defaults)
+
+
+_KEEPERS_FIELDS = frozenset(name for lever in STATES_KEEPERS for name in lever.fields)

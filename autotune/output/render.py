@@ -16,7 +16,7 @@ from autotune.trial.measure import unsettled
 from autotune.trial.result import TOKENS_PER_S, TrialResult
 
 if TYPE_CHECKING:
-    from autotune.search.plan import Plan
+    from autotune.search.plan import Plan, PlanRow
 
 __all__ = ["print_trial", "print_summary", "print_plan", "nothing_fits", "ConsoleProgress"]
 
@@ -388,6 +388,13 @@ def _grouped(reasons: list[str]) -> dict[str, list[str]]:
     return grouped
 
 
+def _twin_word(row: PlanRow) -> str:
+    """What the row's twin differs in, in the describe() words of its config that the row's lacks."""
+    assert row.twin is not None
+    words = set(row.config.describe().split())
+    return " ".join(word for word in row.twin.describe().split() if word not in words)
+
+
 def print_plan(plan: Plan, workload: Workload, *, console: Console | None = None, top: int = 20) -> None:
     """``find --plan``: the fitting configs, fastest first (the first ``top``), and what the figures are."""
     from autotune.search.plan import PLAN_ERROR
@@ -404,7 +411,7 @@ def print_plan(plan: Plan, workload: Workload, *, console: Console | None = None
         figure = per_step / workload.nproc
         table.add_row(
             str(rank),
-            row.config.describe(),
+            row.config.describe() + (f" (or {_twin_word(row)})" if row.twin is not None else ""),
             f"{figure:,.0f}",
             f"{row.step.step_s:.3g} s",
             _num(row.step.mfu, "{:.0%}"),
@@ -419,7 +426,14 @@ def print_plan(plan: Plan, workload: Workload, *, console: Console | None = None
         f"{len(plan.rows)} configs predicted to fit under {format_size(plan.limit_bytes)} "
         f"({format_size(plan.memory_budget_bytes)} less the headroom), {shown} shown; {plan.too_big} "
         f"predicted not to; {plan.estimates} estimates in {plan.seconds:.0f} s"
+        + (
+            f" ({plan.states_over} families not traced: their model states alone are over the limit)"
+            if plan.states_over
+            else ""
+        )
     )
+    if plan.twin_note:
+        console.print(f"(or ...): {plan.twin_note}")
     console.print(
         f"memory: what the caching allocator reserves (~: its family's straight line through an estimate); "
         f"verify first: within the model's {PLAN_ERROR:.0%} error of the top one: the trials to run on the card"

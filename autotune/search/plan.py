@@ -8,12 +8,16 @@ A model of many layers is traced as two shallow copies of itself, 2 and 4 layers
 step drawn by the straight line through them (:mod:`autotune.estimate.depth_proxy`): a 7B then costs
 two traces of a second, not one of ten; configs that trace the same step (compile, tf32, every ZeRO
 stage and offload of one precision) share one.
-Per family (the configs that differ only in the micro batch) the largest micro batch that fits is
-found by bisecting with the estimator, as the driver does (a straight line through each estimate
-says where the next one goes); each config of the family up to it is timed from the family's traced
-operators, which are kept per sample, so one trace times every micro batch. The configs whose
-predicted throughput is within the model's error of the top one are marked "verify first": those are
-the trials worth running once the card is there.
+Each family (the configs that differ only in the micro batch) is traced once, at its middle size: the
+straight line through that estimate (model states fixed, the rest per sample) says which sizes fit, and
+only a size the line puts within ``LINE_MARGIN`` of the limit is estimated itself. Each config of the
+family that fits is timed from the family's traced operators, which are kept per sample, so one trace
+times every micro batch. Before any trace, a family whose model states alone (parameters, gradients and
+optimizer state per rank, from a traced family that holds the same ones) are over the limit is not
+traced: nothing of it fits the card. On a card that multiplies fp16 and bf16 at one rate, the two hold the
+same tensors and time alike: one row shows both (bf16 first: it needs no loss scaling).
+The configs whose predicted throughput is within the model's error of the top one are marked "verify
+first": those are the trials worth running once the card is there.
 """
 
 from __future__ import annotations
@@ -31,11 +35,14 @@ if TYPE_CHECKING:
     from autotune.estimate.step_time import DeviceProfile, StepTime
     from autotune.search.space import SearchSpace
 
-__all__ = ["Plan", "PlanRow", "plan", "plan_space", "PLAN_ERROR"]
+__all__ = ["Plan", "PlanRow", "Twin", "plan", "plan_space", "PLAN_ERROR", "LINE_MARGIN"]
 
 # The step-time model's error on published GPU runs (bench/results/plan_published.txt): configs
 # predicted within it of the top one cannot be told apart by prediction alone.
 PLAN_ERROR = 0.2
+# A size the family's straight line puts within this share of the limit is estimated itself: the line's error
+# (activations not quite per sample, the allocator's rounding) could turn its verdict.
+LINE_MARGIN = 0.05
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +53,7 @@ class PlanRow:
     device_bytes: int | None  # what nvidia-smi would show (CUDA)
     estimated: bool  # this config's own estimate (else its family's straight line)
     verify_first: bool = False
+    twin: TrialConfig | None = None  # a config this row stands for too: the same figures (see plan_space)
 
     def to_dict(self, limit_bytes: int) -> dict[str, Any]:
         return {
@@ -57,6 +65,7 @@ class PlanRow:
             "headroom_bytes": limit_bytes - self.memory_bytes,
             "memory_from": ("its own estimate" if self.estimated else "its family's straight line"),
             "verify_first": self.verify_first,
+            "twin": self.twin.describe() if self.twin is not None else None,
         }
 
 
@@ -66,11 +75,13 @@ class Plan:
     profile_source: str
     memory_budget_bytes: int
     limit_bytes: int
-    rows: list[PlanRow]  # fitting configs, fastest first
+    rows: list[PlanRow]  # fitting configs, fastest first (a twin of another row's config in its row)
     too_big: int  # configs predicted not to fit
     not_estimated: list[str] = field(default_factory=list)  # families the estimator could not trace, why
     estimates: int = 0
     seconds: float = 0.0
+    states_over: int = 0  # families not traced: their model states alone are over the limit
+    twin_note: str | None = None  # why a row shows one config of a twin pair and not the other
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -84,6 +95,8 @@ class Plan:
             "not_estimated": self.not_estimated,
             "estimates": self.estimates,
             "seconds": self.seconds,
+            "families_over_in_model_states": self.states_over,
+            "twin_note": self.twin_note,
         }
 
 
@@ -100,29 +113,38 @@ def plan(
     memory_budget_bytes: int,
     estimator: Estimator,
     progress: Callable[[int, int], None] | None = None,
+    twin: Twin | None = None,
 ) -> Plan:
     """Every config of ``space`` predicted to fit under ``limit_bytes`` on ``device``, fastest first.
 
     ``estimator(config)`` predicts one config's memory and traced costs (raising
-    :class:`autotune.estimate.results.EstimateError` where it cannot).
+    :class:`autotune.estimate.results.EstimateError` where it cannot). ``twin``: the configs another config's
+    row stands for (their figures are its own), and why that one is shown.
     """
     from autotune.estimate.results import EstimateError
     from autotune.estimate.step_time import predict_step_time
+    from autotune.levers import model_states_twin
 
     started = time.monotonic()
     families: dict[TrialConfig, list[TrialConfig]] = {}
     for config in space.candidates(workload, device):
         families.setdefault(config.replace(micro_batch=1), []).append(config)
     rows: list[PlanRow] = []
-    too_big = estimates = 0
+    too_big = estimates = states_over = 0
     not_estimated: list[str] = []
+    over: set[TrialConfig] = set()  # model-states twins whose states alone are over the limit
     for index, members in enumerate(families.values(), start=1):
         members.sort(key=lambda c: c.micro_batch)
+        if model_states_twin(members[0]) in over:  # nothing of it fits: not traced
+            too_big, states_over = too_big + len(members), states_over + 1
+            continue
         try:
             fitting, made = _fitting(members, estimator, limit_bytes)
         except EstimateError as exc:
             not_estimated.append(f"{members[0].replace(micro_batch=1).describe()}: {exc}")
             continue
+        if any(_states(estimate) > limit_bytes for estimate in made):
+            over.add(model_states_twin(members[0]))
         estimates += len(made)
         too_big += len(members) - len(fitting)
         for config, estimate, memory, device_bytes in fitting:
@@ -140,6 +162,7 @@ def plan(
         if progress is not None:
             progress(index, len(families))
     rows.sort(key=lambda row: -row.step.samples_per_s)
+    rows = _twins_merged(rows, twin.of if twin is not None else None)
     if rows:
         top = rows[0].step.samples_per_s
         rows = [_verify(row, row.step.samples_per_s >= top * (1 - PLAN_ERROR)) for row in rows]
@@ -153,7 +176,32 @@ def plan(
         not_estimated=not_estimated,
         estimates=estimates,
         seconds=time.monotonic() - started,
+        states_over=states_over,
+        twin_note=twin.note if twin is not None and any(row.twin for row in rows) else None,
     )
+
+
+@dataclass(frozen=True)
+class Twin:
+    """Configs that hold the same tensors and time alike on a card: ``of(config)`` is the config whose row also
+    stands for ``config`` (None: its own row); ``note`` says why that one is shown."""
+
+    of: Callable[[TrialConfig], TrialConfig | None]
+    note: str
+
+
+def _twins_merged(rows: list[PlanRow], twin_of: Callable[[TrialConfig], TrialConfig | None] | None) -> list[PlanRow]:
+    """``rows`` with each config whose twin has a row folded into that row."""
+    if twin_of is None:
+        return rows
+    shown = {row.config for row in rows}
+    folded = {shown_as: row.config for row in rows if (shown_as := twin_of(row.config)) in shown}
+    return [replace(row, twin=folded.get(row.config)) for row in rows if twin_of(row.config) not in shown]
+
+
+def _states(estimate: MemoryEstimate) -> int:
+    """Model states per rank: what a config holds however small its micro batch."""
+    return estimate.parameters_bytes + estimate.gradients_bytes + estimate.optimizer_state_bytes
 
 
 def _verify(row: PlanRow, verify: bool) -> PlanRow:
@@ -178,40 +226,30 @@ def _fitting(
     members: list[TrialConfig], estimator: Estimator, limit: int
 ) -> tuple[list[tuple[TrialConfig, MemoryEstimate, float, int | None]], list[MemoryEstimate]]:
     """The family's configs predicted to fit, each with the estimate that times it, its memory and its
-    device figure; and the estimates made. Bisects as the driver does: the first estimate in the
-    middle, then where the straight line through the last one puts the limit."""
+    device figure; and the estimates made. One estimate, at the middle size; each size is judged by the
+    straight line through the nearest estimate, and one the line puts within ``LINE_MARGIN`` of the limit
+    gets an estimate of its own. Memory grows with the micro batch: the first size over the limit ends it."""
     made: dict[int, MemoryEstimate] = {}
-    fit, big = -1, len(members)
 
-    def estimate(index: int) -> MemoryEstimate:
-        if index not in made:
-            made[index] = estimator(members[index])
-        return made[index]
+    def judged(index: int) -> tuple[MemoryEstimate, float, int | None]:
+        nearest = made.get(index) or made[min(made, key=lambda k: abs(k - index))]
+        if index in made:
+            return nearest, float(_held(nearest)), nearest.predicted_device_bytes
+        ratio = _held(nearest) / max(nearest.predicted_peak_bytes, 1)  # reserved over live tensors, as there
+        memory = straight_line(nearest)(members[index].micro_batch) * ratio
+        extra = (nearest.predicted_device_bytes - _held(nearest)) if nearest.predicted_device_bytes else None
+        return nearest, memory, int(memory + extra) if extra is not None else None
 
-    index = (fit + big) // 2
-    while big - fit > 1:
-        result = estimate(index)
-        if result.fits(limit):
-            fit = index
-        else:
-            big = index
-        line = straight_line(result)
-        ratio = _held(result) / max(result.predicted_peak_bytes, 1)  # reserved over live tensors, as measured there
-        below = [i for i in range(fit + 1, big) if line(members[i].micro_batch) * ratio <= limit]
-        index = max(below, default=fit + 1) if below else fit + 1
-        if index >= big:
-            break
+    made[(len(members) - 1) // 2] = estimator(members[(len(members) - 1) // 2])
     fitting = []
-    for i in range(fit + 1):
-        nearest = made.get(i) or made[min(made, key=lambda k: abs(k - i))]
-        if i in made:
-            memory, device_bytes = float(_held(nearest)), nearest.predicted_device_bytes
-        else:
-            ratio = _held(nearest) / max(nearest.predicted_peak_bytes, 1)
-            memory = straight_line(nearest)(members[i].micro_batch) * ratio
-            extra = (nearest.predicted_device_bytes - _held(nearest)) if nearest.predicted_device_bytes else None
-            device_bytes = int(memory + extra) if extra is not None else None
-        fitting.append((members[i], nearest, memory, device_bytes))
+    for index, config in enumerate(members):
+        nearest, memory, device_bytes = judged(index)
+        if index not in made and abs(memory / limit - 1) <= LINE_MARGIN:
+            made[index] = estimator(config)
+            nearest, memory, device_bytes = judged(index)
+        if memory > limit:
+            break
+        fitting.append((config, nearest, memory, device_bytes))
     return fitting, list(made.values())
 
 
@@ -257,6 +295,9 @@ def plan_space(
         traced = config.replace(precision="bf16") if twins and config.precision == "fp16" else config
         return _as(predict_memory(workload, traced, proxy=proxy), config)
 
+    def bf16_twin(config: TrialConfig) -> TrialConfig | None:
+        return config.replace(precision="bf16") if config.precision == "fp16" else None
+
     return plan(
         workload=workload,
         space=space,
@@ -266,4 +307,11 @@ def plan_space(
         memory_budget_bytes=budget,
         estimator=estimate,
         progress=progress,
+        twin=Twin(
+            bf16_twin,
+            "fp16 holds the same tensors and multiplies as fast on this card: its row is bf16's, which needs no "
+            "loss scaling (fp16's gradients can overflow without it)",
+        )
+        if twins
+        else None,
     )

@@ -61,3 +61,90 @@ def test_find_plan_prints_its_table_and_json_without_running_anything(tmp_path):
     assert data["device"] == "H100-80GB" and data["rows"][0]["verify_first"]
     assert {"tokens_per_s", "mfu", "memory_bytes", "device_bytes", "headroom_bytes"} <= set(data["rows"][0])
     assert not (tmp_path / "storage").exists()  # no study: nothing was measured
+
+
+# -- the plan's rules, on the toy CPU of tests/step_toys.py with an exact estimator (nothing traced) ----------
+MiB = 2**20
+
+
+def _toy_plan(tmp_path, knobs: str, states_mib, asked: list, twin=None):
+    """A plan of ``knobs`` under a 50 MiB limit: ``states_mib(config)`` of model states, and 4 MiB a sample
+    (1.5 with checkpointing), exactly; every estimate asked for is appended to ``asked``."""
+    from step_toys import TOY_CPU, toy_costs
+
+    from autotune.config.device import DeviceInfo
+    from autotune.estimate.results import MemoryEstimate
+    from autotune.search.plan import plan
+    from autotune.search.space import load_space
+
+    (tmp_path / "space.yaml").write_text("knobs:\n" + knobs)
+
+    def estimate(config):
+        asked.append(config)
+        states = int(states_mib(config) * MiB)
+        activations = int(config.micro_batch * (1.5 if config.checkpointing else 4) * MiB)
+        return MemoryEstimate(
+            config=config,
+            predicted_peak_bytes=states + activations,
+            parameters_bytes=states // 4,
+            gradients_bytes=states // 4,
+            optimizer_state_bytes=states - 2 * (states // 4),
+            activations_bytes=activations,
+            temporaries_bytes=0,
+            overhead_bytes=None,
+            method="test",
+            seconds=0.0,
+            step_costs=toy_costs(100),
+        )
+
+    return plan(
+        workload=Workload(global_batch=32),
+        space=load_space(str(tmp_path / "space.yaml")),
+        profile=TOY_CPU,
+        device=DeviceInfo("cpu", "test-cpu", 1, 16 * 2**30, bf16=True, fp16_deepspeed=False),
+        limit_bytes=50 * MiB,
+        memory_budget_bytes=55 * MiB,
+        estimator=estimate,
+        twin=twin,
+    )
+
+
+SIZES = "  micro_batch: [1, 2, 4, 8, 16, 32]\n  checkpointing: [false, true]\n"
+
+
+def test_each_family_is_traced_once_and_again_only_where_its_line_comes_near_the_limit(tmp_path):
+    asked: list = []
+    result = _toy_plan(tmp_path, SIZES, lambda config: 4, asked)
+    plain = [c.micro_batch for c in asked if not c.checkpointing]
+    checkpointed = [c.micro_batch for c in asked if c.checkpointing]
+    # Plain: mb=4 (20 MiB) is the one estimate; its line puts mb=8 at 36 MiB and mb=16 at 68, both far from 50.
+    assert plain == [4]
+    # Checkpointed: mb=4 (10 MiB); the line puts mb=32 at 52 MiB, within 5% of the limit: estimated itself.
+    assert checkpointed == [4, 32]
+    fitting = {(row.config.checkpointing, row.config.micro_batch) for row in result.rows}
+    assert fitting == {(False, mb) for mb in (1, 2, 4, 8)} | {(True, mb) for mb in (1, 2, 4, 8, 16)}
+    assert result.too_big == 3 and result.estimates == 3
+    assert {row.config.micro_batch for row in result.rows if row.estimated} == {4}  # the rest: the line's
+
+
+def test_a_family_whose_model_states_alone_are_over_the_limit_is_not_traced_again(tmp_path):
+    # fp32 holds 60 MiB of states here, over the 50 MiB limit whatever the micro batch or checkpointing: once one
+    # fp32 family's estimate says so, the other fp32 family (the same states) is not traced.
+    asked: list = []
+    knobs = SIZES + "  precision: [bf16, fp32]\n"
+    result = _toy_plan(tmp_path, knobs, lambda config: 60 if config.precision == "fp32" else 4, asked)
+    fp32_families = {c.checkpointing for c in asked if c.precision == "fp32"}
+    assert len(fp32_families) == 1 and result.states_over == 1
+    assert not [row for row in result.rows if row.config.precision == "fp32"] and result.too_big == 3 + 12
+
+
+def test_twins_share_one_row_that_says_why_it_shows_the_one_it_shows(tmp_path):
+    from autotune.search.plan import Twin
+
+    asked: list = []
+    knobs = SIZES + "  precision: [bf16, fp32]\n"
+    twin = Twin(lambda c: c.replace(precision="bf16") if c.precision == "fp32" else None, "the same, here")
+    result = _toy_plan(tmp_path, knobs, lambda config: 4, asked, twin=twin)
+    assert result.rows and all(row.config.precision == "bf16" for row in result.rows)
+    assert all(row.twin == row.config.replace(precision="fp32") for row in result.rows)
+    assert result.twin_note == "the same, here" and result.to_dict()["rows"][0]["twin"].startswith("mb=")
