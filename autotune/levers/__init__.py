@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from autotune.levers.activation_offload import ActivationOffloadLever
 from autotune.levers.attention import AttentionLever
-from autotune.levers.base import Lever, ModelFacts
+from autotune.levers.base import Axis, Lever, ModelFacts
 from autotune.levers.checkpointing import CheckpointingLever
 from autotune.levers.compile import CompileLever
 from autotune.levers.loss import LossLever
@@ -22,6 +22,7 @@ from autotune.levers.optimizer import OptimizerLever
 from autotune.levers.precision import PrecisionLever
 
 __all__ = [
+    "Axis",
     "Lever",
     "ModelFacts",
     "LEVERS",
@@ -29,6 +30,8 @@ __all__ = [
     "CHECK_ORDER",
     "REFUSAL_ORDER",
     "MODEL_REFUSAL_ORDER",
+    "AXIS_ORDER",
+    "DROPPED_ORDER",
     "ATTENTION",
     "CHECKPOINTING",
     "PRECISION",
@@ -69,3 +72,8 @@ MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
     ACTIVATION_OFFLOAD,
     COMPILE,
 )
+# A search space's (``autotune.search.space``): the order of the levers' keys in a space file, its errors and its
+# dict, and so of the tuner's parameters (the moved-only ones after the others); the order of the lines saying what
+# the space drops for a workload and device.
+AXIS_ORDER: tuple[Lever, ...] = (PRECISION, CHECKPOINTING, LOSS, ATTENTION, OPTIMIZER, ACTIVATION_OFFLOAD, COMPILE)
+DROPPED_ORDER: tuple[Lever, ...] = (PRECISION, CHECKPOINTING, LOSS, ATTENTION, COMPILE, ACTIVATION_OFFLOAD, OPTIMIZER)
