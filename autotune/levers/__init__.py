@@ -72,6 +72,7 @@ MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
     ACTIVATION_OFFLOAD,
     COMPILE,
 )
+
 # A search space's (``autotune.search.space``): the order of the levers' keys in a space file, its errors and its
 # dict, and so of the tuner's parameters (the moved-only ones after the others); the order of the lines saying what
 # the space drops for a workload and device.
