@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from autotune.levers.activation_offload import ActivationOffloadLever
 from autotune.levers.attention import AttentionLever
-from autotune.levers.base import Lever, ModelFacts
+from autotune.levers.base import Axis, Lever, ModelFacts
 from autotune.levers.checkpointing import CheckpointingLever
 from autotune.levers.compile import CompileLever
 from autotune.levers.loss import LossLever
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
 
 __all__ = [
+    "Axis",
     "Lever",
     "ModelFacts",
     "LEVERS",
@@ -35,6 +36,8 @@ __all__ = [
     "CHECK_ORDER",
     "REFUSAL_ORDER",
     "MODEL_REFUSAL_ORDER",
+    "AXIS_ORDER",
+    "DROPPED_ORDER",
     "ATTENTION",
     "CHECKPOINTING",
     "PRECISION",
@@ -77,6 +80,12 @@ MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
     ACTIVATION_OFFLOAD,
     COMPILE,
 )
+
+# A search space's (``autotune.search.space``): the order of the levers' keys in a space file, its errors and its
+# dict, and so of the tuner's parameters (the moved-only ones after the others); the order of the lines saying what
+# the space drops for a workload and device.
+AXIS_ORDER: tuple[Lever, ...] = (PRECISION, CHECKPOINTING, LOSS, ATTENTION, OPTIMIZER, ACTIVATION_OFFLOAD, COMPILE)
+DROPPED_ORDER: tuple[Lever, ...] = (PRECISION, CHECKPOINTING, LOSS, ATTENTION, COMPILE, ACTIVATION_OFFLOAD, OPTIMIZER)
 
 # The levers whose values leave a config's model states (its parameters, gradients and optimizer state per rank)
 # as they are: they change what a step computes or keeps of its activations, not what the model holds between

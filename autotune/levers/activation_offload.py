@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Lever
+from autotune.levers.base import Axis, Lever, a_bool
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +72,16 @@ class ActivationOffloadLever(Lever):
 
     name = "activation_offload"
     fields = ("activation_offload",)
+    axes = (
+        Axis(
+            "activation_offload",
+            "a list of true/false (true: CUDA only; left out on a CPU device)",
+            False,
+            a_bool,
+            moved_only=True,  # on a CPU device the knob stays at off: no parameter, as in spaces without it
+            added_later=True,
+        ),
+    )
 
     def check(self, config: TrialConfig) -> None:
         if not isinstance(config.activation_offload, bool):
@@ -79,6 +89,9 @@ class ActivationOffloadLever(Lever):
 
     def refusal(self, config: TrialConfig, workload: Workload, device: DeviceInfo) -> str | None:
         return offload_device_refusal(device.type) if config.activation_offload else None
+
+    def on_refusal(self, key: str, device: DeviceInfo) -> str | None:
+        return offload_device_refusal(device.type)
 
     def labels(self, config: TrialConfig) -> list[str]:
         return ["act-offload"] if config.activation_offload else []

@@ -9,11 +9,12 @@ the kernel moves memory as well as speed on long sequences.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Lever, ModelFacts
+from autotune.levers.base import Axis, Lever, ModelFacts, one_of
 
 if TYPE_CHECKING:
     import torch
@@ -106,6 +107,7 @@ def attention_device_refusal(attention: str, device_type: str) -> str | None:
 class AttentionLever(Lever):
     name = "attention"
     fields = ("attention",)
+    axes = (Axis("attention", f"a list of {', '.join(ATTENTIONS)}", "auto", one_of(ATTENTIONS), added_later=True),)
 
     def check(self, config: TrialConfig) -> None:
         if config.attention not in ATTENTIONS:
@@ -120,9 +122,31 @@ class AttentionLever(Lever):
     def model_refusal(self, config: TrialConfig, facts: ModelFacts) -> str | None:
         return attention_refusal(config.attention, facts)
 
+    def runnable(
+        self, key: str, values: tuple[Any, ...], workload: Workload, device: DeviceInfo, facts: ModelFacts
+    ) -> tuple[Any, ...]:
+        kept = tuple(value for value in values if _space_refusal(value, device, facts) is None)
+        if not kept:
+            raise ConfigError(f"knobs.attention {list(values)}: {_space_refusal(values[0], device, facts)}; add auto")
+        return kept
+
+    def dropped(
+        self, space: Mapping[str, tuple[Any, ...]], workload: Workload, device: DeviceInfo, facts: ModelFacts
+    ) -> list[str]:
+        refusals = [_space_refusal(value, device, facts) for value in space["attention"]]
+        return [refusal for refusal in refusals if refusal is not None]  # each names the flag and the value
+
     def apply(self, model: torch.nn.Module, config: TrialConfig, *, source: str) -> torch.nn.Module:
         set_attention(model, config.attention, source=source)
         return model
 
     def labels(self, config: TrialConfig) -> list[str]:
         return [] if config.attention == "auto" else [f"attn={config.attention}"]
+
+
+def _space_refusal(attention: str, device: DeviceInfo, facts: ModelFacts) -> str | None:
+    """Why a space's ``attention`` cannot run for this model, device or install (None: it can)."""
+    if attention == "auto":
+        return None
+    refusal = attention_device_refusal(attention, device.type)
+    return refusal if refusal is not None else attention_refusal(attention, facts)

@@ -4,13 +4,19 @@ A lever is one knob family (its fields are a frozen mixin of :class:`~autotune.c
 Its class says, for a config, which of its values are wrong (:meth:`Lever.check`), why they cannot go with the
 other levers' values (:meth:`Lever.conflict`) or run for a workload on a device (:meth:`Lever.refusal`), why a
 model cannot take them (:meth:`Lever.model_refusal`, from :class:`ModelFacts` read once per workload), how it
-changes a built model (:meth:`Lever.apply`) and its words in a config's label (:meth:`Lever.labels`). A lever
-that says nothing for one of these keeps the default.
+changes a built model (:meth:`Lever.apply`), its words in a config's label (:meth:`Lever.labels`), and its axes
+in a search space (:class:`Axis`: the space file's keys it owns, how their values parse, which of them can run
+for a workload on a device, and the tuner's parameters they are). A lever that says nothing for one of these
+keeps the default.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from autotune.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -19,7 +25,7 @@ if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
 
-__all__ = ["Lever", "ModelFacts", "is_count"]
+__all__ = ["Axis", "Lever", "ModelFacts", "is_count", "a_bool", "one_of", "keep_off_where_refused"]
 
 
 class ModelFacts(Protocol):
@@ -52,11 +58,29 @@ class ModelFacts(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Axis:
+    """One key of a search space file that a lever owns (``knobs.<key>``, the ``SearchSpace`` field of that name,
+    and the tuner's parameter of that name): a tuple of values, each parsed from the file on load."""
+
+    key: str
+    allowed: str  # what a file may give it, said in its errors ("a list of true/false")
+    default: Any  # its one value where a file leaves the key out (a config's default)
+    parse: Callable[[Any], Any]  # one value in a file -> the value the space holds; None: not allowed
+    # A tuner parameter only where the space's values that can run here are more than the default: the studies,
+    # grids and samplers of the spaces before it see the parameters they always had.
+    moved_only: bool = False
+    # Added after the first studies: a space at the default keeps the digest it had before (its studies resume),
+    # and a stored config's parameters may lack it.
+    added_later: bool = False
+
+
 class Lever:
     """One knob family. Subclasses set ``name`` and ``fields`` and override what concerns them."""
 
     name: ClassVar[str]
     fields: ClassVar[tuple[str, ...]]  # its TrialConfig fields, in their order
+    axes: ClassVar[tuple[Axis, ...]] = ()  # its keys in a search space, in the order a space lists them
 
     def check(self, config: TrialConfig) -> None:
         """Raise ConfigError when one of this lever's values (alone, or with its own others) is not known."""
@@ -87,6 +111,39 @@ class Lever:
         """Its words in ``TrialConfig.describe()`` (none when the lever is at its default)."""
         return []
 
+    # -- its axes in a search space (``autotune.search.space``) ------------------------------------------------
+    def runnable(
+        self, key: str, values: tuple[Any, ...], workload: Workload, device: DeviceInfo, facts: ModelFacts
+    ) -> tuple[Any, ...]:
+        """The values of its axis ``key`` that a space offers and that can run for this workload on ``device``
+        (``facts``: its model's, read only when asked). None can: raise ConfigError, ``knobs.<key> [...]: why;
+        what to add`` (the space prefixes its name). By default: an on/off axis without on where
+        :meth:`on_refusal` says why."""
+        return keep_off_where_refused(key, values, self.on_refusal(key, device))
+
+    def dropped(
+        self, space: Mapping[str, tuple[Any, ...]], workload: Workload, device: DeviceInfo, facts: ModelFacts
+    ) -> list[str]:
+        """One line for each refusal that makes :meth:`runnable` leave out values the space offers (``space``: its
+        axes' values there), said once by the tuner; the precisions a device lacks go unsaid. By default:
+        :meth:`on_refusal` for each on/off axis the space turns on."""
+        refusals = [self.on_refusal(axis.key, device) for axis in self.axes if True in space[axis.key]]
+        return [refusal for refusal in refusals if refusal is not None]
+
+    def on_refusal(self, key: str, device: DeviceInfo) -> str | None:
+        """Why its on/off axis ``key`` cannot be on for any workload on ``device`` (None: it can)."""
+        return None
+
+    def param_of(self, key: str, config: TrialConfig) -> Any:
+        """The value of the tuner's parameter ``key`` (one of its axes) that makes ``config``."""
+        return getattr(config, key)
+
+    def config_fields(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Its TrialConfig fields from one value per tuner parameter (the inverse of :meth:`param_of`)."""
+        return {
+            axis.key: params.get(axis.key, axis.default) if axis.added_later else params[axis.key] for axis in self.axes
+        }
+
     def __repr__(self) -> str:
         return f"<lever {self.name}>"
 
@@ -94,3 +151,21 @@ class Lever:
 def is_count(value: Any) -> bool:
     """A whole number of at least 1 (not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def a_bool(value: Any) -> bool | None:
+    """A space file's true/false (None: anything else)."""
+    return value if isinstance(value, bool) else None
+
+
+def one_of(names: tuple[str, ...]) -> Callable[[Any], Any]:
+    """The parser of a space file's value among ``names`` (None: anything else)."""
+    return lambda value: value if value in names else None
+
+
+def keep_off_where_refused(key: str, values: tuple[Any, ...], refusal: str | None) -> tuple[Any, ...]:
+    """An on/off axis's values without ``True`` where ``refusal`` says why on cannot run here (None: it can)."""
+    kept = tuple(value for value in values if not value or refusal is None)
+    if not kept:
+        raise ConfigError(f"knobs.{key} [true]: {refusal}; add false")
+    return kept

@@ -5,16 +5,19 @@ are found by ``autotune.prepare.model_facts``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Lever, ModelFacts, is_count
+from autotune.levers.base import Axis, Lever, ModelFacts, is_count
 
 if TYPE_CHECKING:
     import torch
 
+    from autotune.config.device import DeviceInfo
     from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
 
 __all__ = [
     "CheckpointingFields",
@@ -121,6 +124,14 @@ def every_n_refusal(facts: ModelFacts) -> str | None:
     return None
 
 
+def _in_space(value: Any) -> bool | str | None:
+    """A space file's checkpointing value: true, false, or every-N with N >= 2 (None: anything else)."""
+    if isinstance(value, bool):
+        return value
+    kind, _, every = value.partition("-") if isinstance(value, str) else ("", "", "")
+    return f"every-{int(every)}" if kind == "every" and every.isdigit() and int(every) >= 2 else None
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointingFields:
     checkpointing: bool = field(
@@ -139,6 +150,10 @@ class CheckpointingFields:
 class CheckpointingLever(Lever):
     name = "checkpointing"
     fields = ("checkpointing", "checkpoint_every")
+    # One axis for both fields: false, true (every layer) or every-N.
+    axes = (
+        Axis("checkpointing", "a list of true/false, or every-N (every N-th decoder layer, N >= 2)", False, _in_space),
+    )
 
     def check(self, config: TrialConfig) -> None:
         if not isinstance(config.checkpointing, bool):
@@ -161,6 +176,42 @@ class CheckpointingLever(Lever):
         # A Hugging Face model's class says so from its config; a factory's model is asked by its trial.
         missing = None if facts.is_factory else facts.missing_checkpointing
         return None if missing is None else f"--checkpointing on: {missing}; use --checkpointing off"
+
+    def runnable(
+        self, key: str, values: tuple[Any, ...], workload: Workload, device: DeviceInfo, facts: ModelFacts
+    ) -> tuple[Any, ...]:
+        kept = values
+        missing = facts.missing_checkpointing if any(values) else None
+        if missing is not None:
+            kept = tuple(value for value in values if not value)
+            if not kept:
+                on = ", ".join("true" if value is True else str(value) for value in values if value)
+                raise ConfigError(f"knobs.checkpointing [{on}]: {missing}; add false")
+        refusal = every_n_refusal(facts) if any(isinstance(value, str) for value in kept) else None
+        if refusal is not None:
+            kept = tuple(value for value in kept if not isinstance(value, str))
+            if not kept:
+                every = ", ".join(str(value) for value in values)
+                raise ConfigError(f"knobs.checkpointing [{every}]: {refusal}; add true or false")
+        return kept
+
+    def dropped(
+        self, space: Mapping[str, tuple[Any, ...]], workload: Workload, device: DeviceInfo, facts: ModelFacts
+    ) -> list[str]:
+        missing = facts.missing_checkpointing if any(space["checkpointing"]) else None
+        if missing is not None:
+            return [f"checkpointing on: {missing}"]
+        every_n = [value for value in space["checkpointing"] if isinstance(value, str)]
+        refusal = every_n_refusal(facts) if every_n else None
+        return [] if refusal is None else [f"checkpointing {', '.join(every_n)}: {refusal}"]
+
+    def param_of(self, key: str, config: TrialConfig) -> Any:
+        return config.checkpointing if config.checkpoint_every == 1 else f"every-{config.checkpoint_every}"
+
+    def config_fields(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        value = params["checkpointing"]
+        every = int(value.removeprefix("every-")) if isinstance(value, str) else 1
+        return {"checkpointing": bool(value), "checkpoint_every": every}
 
     def apply(self, model: torch.nn.Module, config: TrialConfig, *, source: str) -> torch.nn.Module:
         if config.checkpointing:

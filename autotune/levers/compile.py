@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Lever
+from autotune.levers.base import Axis, Lever, a_bool
 
 if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
@@ -46,6 +46,7 @@ def compile_device_refusal(device_type: str) -> str | None:
 class CompileLever(Lever):
     name = "compile"
     fields = ("compile",)
+    axes = (Axis("compile", "a list of true/false (true: CUDA only)", False, a_bool, added_later=True),)
 
     def check(self, config: TrialConfig) -> None:
         if not isinstance(config.compile, bool):
@@ -53,6 +54,9 @@ class CompileLever(Lever):
 
     def refusal(self, config: TrialConfig, workload: Workload, device: DeviceInfo) -> str | None:
         return compile_device_refusal(device.type) if config.compile else None
+
+    def on_refusal(self, key: str, device: DeviceInfo) -> str | None:
+        return compile_device_refusal(device.type)
 
     def labels(self, config: TrialConfig) -> list[str]:
         return ["compiled"] if config.compile else []

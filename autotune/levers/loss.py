@@ -23,16 +23,19 @@ then hold the final hidden states, since no full logits are made.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Lever, ModelFacts
+from autotune.levers.base import Axis, Lever, ModelFacts
 
 if TYPE_CHECKING:
     import torch
 
+    from autotune.config.device import DeviceInfo
     from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
 
 __all__ = [
     "LossFields",
@@ -102,6 +105,15 @@ def chunked_loss_refusal(facts: ModelFacts) -> str | None:
 class LossLever(Lever):
     name = "loss"
     fields = ("loss",)
+    axes = (
+        Axis(
+            "loss",
+            "a list of standard, chunked, chunked-kept, chunked:K or chunked-kept:K (K slices of 2 or more)",
+            "standard",
+            lambda v: v if is_loss(v) else None,
+            added_later=True,
+        ),
+    )
 
     def check(self, config: TrialConfig) -> None:
         if not is_loss(config.loss):
@@ -115,6 +127,23 @@ class LossLever(Lever):
 
     def model_refusal(self, config: TrialConfig, facts: ModelFacts) -> str | None:
         return None if config.loss_chunks is None else chunked_loss_refusal(facts)
+
+    def runnable(
+        self, key: str, values: tuple[Any, ...], workload: Workload, device: DeviceInfo, facts: ModelFacts
+    ) -> tuple[Any, ...]:
+        refusal = chunked_loss_refusal(facts) if any(value != "standard" for value in values) else None
+        if refusal is None:
+            return values
+        if "standard" not in values:
+            raise ConfigError(f"knobs.loss {list(values)}: {refusal}; add standard")
+        return ("standard",)
+
+    def dropped(
+        self, space: Mapping[str, tuple[Any, ...]], workload: Workload, device: DeviceInfo, facts: ModelFacts
+    ) -> list[str]:
+        chunked = [value for value in space["loss"] if value != "standard"]
+        refusal = chunked_loss_refusal(facts) if chunked else None
+        return [] if refusal is None else [f"loss {', '.join(chunked)}: {refusal}"]
 
     def apply(self, model: torch.nn.Module, config: TrialConfig, *, source: str) -> torch.nn.Module:
         if config.loss_chunks is not None:

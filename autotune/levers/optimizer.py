@@ -16,11 +16,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Lever
+from autotune.levers.base import Axis, Lever, ModelFacts, a_bool, one_of
 
 if TYPE_CHECKING:
     import torch
@@ -116,6 +117,26 @@ class OptimizerLever(Lever):
 
     name = "optimizer"
     fields = ("fused_optimizer", "optimizer", "optimizer_in_backward")
+    # optimizer and optimizer_in_backward are tuner parameters only where a space moves them (they came later)
+    axes = (
+        Axis("fused_optimizer", "a list of true/false", False, a_bool, added_later=True),
+        Axis(
+            "optimizer",
+            f"a list of {', '.join(OPTIMIZERS)} (they change the maths, like precision)",
+            "adamw",
+            one_of(OPTIMIZERS),
+            moved_only=True,
+            added_later=True,
+        ),
+        Axis(
+            "optimizer_in_backward",
+            "a list of true/false (true: one rank, no accumulation, no fp16)",
+            False,
+            a_bool,
+            moved_only=True,
+            added_later=True,
+        ),
+    )
 
     def check(self, config: TrialConfig) -> None:
         if not isinstance(config.fused_optimizer, bool):
@@ -146,6 +167,20 @@ class OptimizerLever(Lever):
         if config.optimizer == "adamw-8bit" and eight_bit_library() is None:
             return EIGHT_BIT_REFUSAL
         return None
+
+    def runnable(
+        self, key: str, values: tuple[Any, ...], workload: Workload, device: DeviceInfo, facts: ModelFacts
+    ) -> tuple[Any, ...]:
+        if "adamw-8bit" not in values or eight_bit_library() is not None:
+            return values
+        if values == ("adamw-8bit",):
+            raise ConfigError(f"knobs.optimizer [adamw-8bit]: {EIGHT_BIT_REFUSAL}")
+        return tuple(value for value in values if value != "adamw-8bit")
+
+    def dropped(
+        self, space: Mapping[str, tuple[Any, ...]], workload: Workload, device: DeviceInfo, facts: ModelFacts
+    ) -> list[str]:
+        return [EIGHT_BIT_REFUSAL] if "adamw-8bit" in space["optimizer"] and eight_bit_library() is None else []
 
     def labels(self, config: TrialConfig) -> list[str]:
         labels = [] if config.optimizer == "adamw" else [config.optimizer]

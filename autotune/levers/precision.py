@@ -13,10 +13,10 @@ DeepSpeed's fp16/bf16 modes cast the model themselves: nothing here applies unde
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Lever
+from autotune.levers.base import Axis, Lever, ModelFacts, one_of
 
 if TYPE_CHECKING:
     import torch
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
 
-__all__ = ["PrecisionFields", "PrecisionLever", "PRECISIONS", "sixteen_bit_type", "hold_weights"]
+__all__ = ["PrecisionFields", "PrecisionLever", "PRECISIONS", "sixteen_bit_type", "trains_on", "hold_weights"]
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "bf16-true")
 # The 16-bit type each precision computes in (torch's name). fp16 and bf16 are mixed precision:
@@ -75,6 +75,7 @@ class PrecisionFields:
 class PrecisionLever(Lever):
     name = "precision"
     fields = ("precision",)
+    axes = (Axis("precision", f"a list of {', '.join(PRECISIONS)}", "fp32", one_of(PRECISIONS)),)
 
     def check(self, config: TrialConfig) -> None:
         if config.precision not in PRECISIONS:
@@ -97,12 +98,31 @@ class PrecisionLever(Lever):
             )
         return None
 
+    def runnable(
+        self, key: str, values: tuple[Any, ...], workload: Workload, device: DeviceInfo, facts: ModelFacts
+    ) -> tuple[Any, ...]:
+        kept = tuple(precision for precision in values if trains_on(precision, device))
+        if not kept:
+            raise ConfigError(
+                f"knobs.precision {list(values)}: none of them trains on {device.name} ({device.type}); add fp32"
+            )
+        return kept
+
     def apply(self, model: torch.nn.Module, config: TrialConfig, *, source: str) -> torch.nn.Module:
         hold_weights(model, config)  # after LoRA: PEFT makes its adapters fp32
         return model
 
     def labels(self, config: TrialConfig) -> list[str]:
         return [config.precision]
+
+
+def trains_on(precision: str, device: DeviceInfo) -> bool:
+    """Whether ``device`` can train in ``precision`` at all (whatever the other knobs)."""
+    if precision == "tf32":
+        return device.type == "cuda"
+    if sixteen_bit_type(precision) == "bfloat16":
+        return device.bf16
+    return True
 
 
 def hold_weights(model: torch.nn.Module, config: TrialConfig) -> None:

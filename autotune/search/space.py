@@ -21,45 +21,32 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.config.knobs import (
-    ATTENTIONS,
-    EIGHT_BIT_REFUSAL,
     FSDP_MODES,
     OFFLOADS,
-    OPTIMIZERS,
     PP_SCHEDULES,
-    PRECISIONS,
     QUANTIZATIONS,
     QUANTIZE_REFUSAL,
     ZERO_STAGES,
     TrialConfig,
-    attention_device_refusal,
-    compile_device_refusal,
-    eight_bit_library,
-    is_loss,
-    offload_device_refusal,
     quantize_library_refusal,
-    sixteen_bit_type,
 )
 from autotune.errors import ConfigError
+from autotune.levers import AXIS_ORDER, DROPPED_ORDER
+from autotune.levers.base import Axis, Lever
 
 if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
     from autotune.config.workload import Workload
+    from autotune.levers.base import ModelFacts
 
 __all__ = ["SearchSpace", "load_space", "preset_names", "is_preset", "KNOBS", "LATER_KNOBS", "later_knob_value"]
 
+# The levers' axes (autotune/levers/), in the order a space lists them.
+_AXES: tuple[tuple[Lever, Axis], ...] = tuple((lever, axis) for lever in AXIS_ORDER for axis in lever.axes)
 # Knob -> what the file may give it (said in errors).
 KNOBS = {
     "micro_batch": "auto, or a list of whole numbers >= 1 that divide the per-rank batch",
-    "precision": f"a list of {', '.join(PRECISIONS)}",
-    "checkpointing": "a list of true/false, or every-N (every N-th decoder layer, N >= 2)",
-    "loss": "a list of standard, chunked, chunked-kept, chunked:K or chunked-kept:K (K slices of 2 or more)",
-    "attention": f"a list of {', '.join(ATTENTIONS)}",
-    "fused_optimizer": "a list of true/false",
-    "optimizer": f"a list of {', '.join(OPTIMIZERS)} (they change the maths, like precision)",
-    "optimizer_in_backward": "a list of true/false (true: one rank, no accumulation, no fp16)",
-    "activation_offload": "a list of true/false (true: CUDA only; left out on a CPU device)",
-    "compile": "a list of true/false (true: CUDA only)",
+    **{axis.key: axis.allowed for _, axis in _AXES},
     "zero_stage": "a list of off, 0, 1, 2, 3",
     "fsdp": "a list of off, full, grad-op (FSDP2 instead of ZeRO)",
     "offload": f"a list of {', '.join(OFFLOADS)}",
@@ -71,19 +58,11 @@ KNOBS = {
     f"ppN or ppN:SCHEDULE ({', '.join(PP_SCHEDULES)}), or a tensor and a pipeline split together ('tp2 pp2:1f1b')",
 }
 # Knobs that are tuner parameters only in the spaces that move them (see SearchSpace.choices).
-LATER_KNOBS = ("optimizer", "optimizer_in_backward", "activation_offload", "layout")
+LATER_KNOBS = (*(axis.key for _, axis in _AXES if axis.moved_only), "layout")
 _TOP_LEVEL = {"description", "knobs", "n_trials", "patience"}
 _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "micro_batch": ("auto",),
-    "precision": ("fp32",),
-    "checkpointing": (False,),
-    "loss": ("standard",),
-    "attention": ("auto",),
-    "fused_optimizer": (False,),
-    "optimizer": ("adamw",),
-    "optimizer_in_backward": (False,),
-    "activation_offload": (False,),
-    "compile": (False,),
+    **{axis.key: (axis.default,) for _, axis in _AXES},
     "zero_stage": (None,),
     "fsdp": (None,),
     "offload": ("none",),
@@ -91,6 +70,11 @@ _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "lora_targets": ("default",),
     "quantize_base": ("off",),
     "layout": ("dp",),
+}
+# Knobs added after the first studies -> their value before: a space at it keeps its digest (its studies resume).
+_ADDED_LATER = {
+    **{axis.key: [axis.default] for _, axis in _AXES if axis.added_later},
+    **dict(fsdp=[None], quantize_base=["off"], layout=["dp"]),
 }
 
 
@@ -125,47 +109,17 @@ class SearchSpace:
     def digest(self) -> str:
         """Identifies what the space searches (not its name or description)."""
         knobs = {k: v for k, v in self.to_dict().items() if k not in ("name", "description")}
-        for knob, old in (
-            ("loss", ["standard"]),
-            ("attention", ["auto"]),
-            ("fused_optimizer", [False]),
-            ("compile", [False]),
-            ("fsdp", [None]),
-            ("optimizer", ["adamw"]),
-            ("optimizer_in_backward", [False]),
-            ("activation_offload", [False]),
-            ("quantize_base", ["off"]),
-            ("layout", ["dp"]),
-        ):
+        for knob, old in _ADDED_LATER.items():
             if knobs[knob] == old:
                 del knobs[knob]  # a knob added later, at its old behaviour: studies made before it still resume
         return hashlib.sha256(json.dumps(knobs, sort_keys=True).encode()).hexdigest()[:12]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "description": self.description,
-            "micro_batch": list(self.micro_batch) if self.micro_batch is not None else "auto",
-            "precision": list(self.precision),
-            "checkpointing": list(self.checkpointing),
-            "loss": list(self.loss),
-            "attention": list(self.attention),
-            "fused_optimizer": list(self.fused_optimizer),
-            "optimizer": list(self.optimizer),
-            "optimizer_in_backward": list(self.optimizer_in_backward),
-            "activation_offload": list(self.activation_offload),
-            "compile": list(self.compile),
-            "zero_stage": list(self.zero_stage),
-            "fsdp": list(self.fsdp),
-            "offload": list(self.offload),
-            "lora_rank": list(self.lora_rank),
-            "lora_alpha": self.lora_alpha,
-            "lora_targets": list(self.lora_targets),
-            "quantize_base": list(self.quantize_base),
-            "layout": list(self.layout),
-            "n_trials": self.n_trials,
-            "patience": self.patience,
-        }
+        data: dict[str, Any] = {"name": self.name, "description": self.description}
+        for knob in KNOBS:
+            value = getattr(self, knob)
+            data[knob] = value if knob == "lora_alpha" else "auto" if value is None else list(value)
+        return {**data, "n_trials": self.n_trials, "patience": self.patience}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SearchSpace:
@@ -201,12 +155,8 @@ class SearchSpace:
                 f"{self.name}: knobs.micro_batch {bad} do not divide the per-rank batch "
                 f"{per_rank} (--global-batch {workload.global_batch} / --nproc {workload.nproc})"
             )
-        precision = tuple(p for p in self.precision if _trains_in(p, device))
-        if not precision:
-            raise ConfigError(
-                f"{self.name}: knobs.precision {list(self.precision)}: none of them trains on "
-                f"{device.name} ({device.type}); add fp32"
-            )
+        facts = _facts(workload)
+        choices = {"micro_batch": tuple(micro), **self._runnable(workload, device, facts, moved_only=False)}
         zero = tuple(
             _zero_label(stage, offload)
             for stage in self.zero_stage
@@ -231,34 +181,6 @@ class SearchSpace:
                 f"no pair means something on {workload.nproc} rank(s) of a {device.type} ({why}); "
                 "add off to zero_stage"
             )
-        checkpointing = self.checkpointing
-        missing = _missing_checkpointing(workload) if any(checkpointing) else None
-        if missing is not None:
-            checkpointing = tuple(c for c in checkpointing if not c)
-            if not checkpointing:
-                on = ", ".join("true" if c is True else str(c) for c in self.checkpointing if c)
-                raise ConfigError(f"{self.name}: knobs.checkpointing [{on}]: {missing}; add false")
-        refusal = _every_n_refusal(workload) if any(isinstance(c, str) for c in checkpointing) else None
-        if refusal is not None:
-            checkpointing = tuple(c for c in checkpointing if not isinstance(c, str))
-            if not checkpointing:
-                every = ", ".join(str(c) for c in self.checkpointing)
-                raise ConfigError(f"{self.name}: knobs.checkpointing [{every}]: {refusal}; add true or false")
-        loss = self.loss
-        refusal = _chunked_loss_refusal(workload) if any(v != "standard" for v in loss) else None
-        if refusal is not None:
-            loss = tuple(v for v in loss if v == "standard")
-            if not loss:
-                raise ConfigError(f"{self.name}: knobs.loss {list(self.loss)}: {refusal}; add standard")
-        attention = tuple(a for a in self.attention if _attention_refusal(workload, a, device) is None)
-        if not attention:
-            raise ConfigError(
-                f"{self.name}: knobs.attention {list(self.attention)}: "
-                f"{_attention_refusal(workload, self.attention[0], device)}; add auto"
-            )
-        compile_ = tuple(c for c in self.compile if not c or compile_device_refusal(device.type) is None)
-        if not compile_:
-            raise ConfigError(f"{self.name}: knobs.compile [true]: {compile_device_refusal(device.type)}; add false")
         # A quantized base only under LoRA: each rank's labels with each quantization (16/nf4:q_proj,v_proj).
         quantize = tuple(q for q in self.quantize_base if q == "off" or quantize_library_refusal() is None)
         if not quantize:
@@ -279,37 +201,30 @@ class SearchSpace:
                     f"{self.name}: knobs.lora_rank {list(self.lora_rank)}: {refusal}; add null "
                     "(LoRA off), or name lora_targets"
                 )
-        optimizer = tuple(o for o in self.optimizer if o != "adamw-8bit" or eight_bit_library() is not None)
-        if not optimizer:
-            raise ConfigError(f"{self.name}: knobs.optimizer [adamw-8bit]: {EIGHT_BIT_REFUSAL}")
-        offload = tuple(o for o in self.activation_offload if not o or offload_device_refusal(device.type) is None)
-        if not offload:
-            raise ConfigError(
-                f"{self.name}: knobs.activation_offload [true]: {offload_device_refusal(device.type)}; add false"
-            )
-        choices = {
-            "micro_batch": tuple(micro),
-            "precision": precision,
-            "checkpointing": checkpointing,
-            "loss": loss,
-            "attention": attention,
-            "fused_optimizer": self.fused_optimizer,
-            "compile": compile_,
-            "zero": tuple(dict.fromkeys(zero)),
-            "lora": lora,
-        }
-        # Knobs added later are parameters only where the space moves them: the studies, grids and samplers of
-        # the spaces before them see the parameters they always had.
-        if self.optimizer != ("adamw",):
-            choices["optimizer"] = optimizer
-        if self.optimizer_in_backward != (False,):
-            choices["optimizer_in_backward"] = self.optimizer_in_backward
-        if offload != (False,):  # on a CPU device the knob stays at off: no parameter, as in spaces without it
-            choices["activation_offload"] = offload
+        choices["zero"] = tuple(dict.fromkeys(zero))
+        choices["lora"] = lora
+        # Those added later are parameters only where the space moves them (Axis.moved_only).
+        choices.update(self._runnable(workload, device, facts, moved_only=True))
         layouts = tuple(label for label in self._layouts(workload) if _layout_refusal(workload, label) is None)
         if layouts != ("dp",):
             choices["layout"] = layouts or ("dp",)
         return choices
+
+    def _runnable(
+        self, workload: Workload, device: DeviceInfo, facts: ModelFacts, *, moved_only: bool
+    ) -> dict[str, tuple[Any, ...]]:
+        """The values of the levers' axes that can run here (each lever says): the moved-only ones, or the others."""
+        found = {}
+        for lever, axis in _AXES:
+            if axis.moved_only != moved_only:
+                continue
+            try:
+                values = lever.runnable(axis.key, getattr(self, axis.key), workload, device, facts)
+            except ConfigError as exc:
+                raise ConfigError(f"{self.name}: {exc}") from None
+            if not moved_only or values != (axis.default,):
+                found[axis.key] = values
+        return found
 
     def _layouts(self, workload: Workload) -> tuple[str, ...]:
         """The layout labels the space offers for the workload's ranks: ``auto`` expands to every split."""
@@ -332,29 +247,9 @@ class SearchSpace:
         refusal = _default_lora_refusal(workload) if self._default_lora() else None
         if refusal is not None:
             dropped.append(f"lora on its default targets: {refusal}")
-        missing = _missing_checkpointing(workload) if any(self.checkpointing) else None
-        if missing is not None:
-            dropped.append(f"checkpointing on: {missing}")
-        every_n = [c for c in self.checkpointing if isinstance(c, str)]
-        refusal = _every_n_refusal(workload) if every_n and missing is None else None
-        if refusal is not None:
-            dropped.append(f"checkpointing {', '.join(every_n)}: {refusal}")
-        chunked = [v for v in self.loss if v != "standard"]
-        refusal = _chunked_loss_refusal(workload) if chunked else None
-        if refusal is not None:
-            dropped.append(f"loss {', '.join(chunked)}: {refusal}")
-        for attention in self.attention:
-            refusal = _attention_refusal(workload, attention, device)
-            if refusal is not None:
-                dropped.append(refusal)  # it names the flag and the value
-        refusal = compile_device_refusal(device.type) if True in self.compile else None
-        if refusal is not None:
-            dropped.append(refusal)
-        refusal = offload_device_refusal(device.type) if True in self.activation_offload else None
-        if refusal is not None:
-            dropped.append(refusal)
-        if "adamw-8bit" in self.optimizer and eight_bit_library() is None:
-            dropped.append(EIGHT_BIT_REFUSAL)
+        facts, space = _facts(workload), {axis.key: getattr(self, axis.key) for _, axis in _AXES}
+        for lever in DROPPED_ORDER:
+            dropped += lever.dropped(space, workload, device, facts)
         if set(self.quantize_base) - {"off"} and quantize_library_refusal() is not None:
             dropped.append(QUANTIZE_REFUSAL)
         refusals = [_layout_refusal(workload, label) for label in self._layouts(workload)]
@@ -380,20 +275,10 @@ class SearchSpace:
         stage = "off" if fsdp else sharding
         rank_and_quantization, _, targets = params["lora"].partition(":")
         rank, _, quantization = rank_and_quantization.partition("/")
-        checkpointing = params["checkpointing"]
-        every = int(checkpointing.removeprefix("every-")) if isinstance(checkpointing, str) else 1
+        levers = {name: value for lever in AXIS_ORDER for name, value in lever.config_fields(params).items()}
         return TrialConfig(
             micro_batch=params["micro_batch"],
-            precision=params["precision"],
-            checkpointing=bool(checkpointing),
-            checkpoint_every=every,
-            loss=params.get("loss", "standard"),
-            attention=params.get("attention", "auto"),
-            fused_optimizer=params.get("fused_optimizer", False),
-            optimizer=params.get("optimizer", "adamw"),
-            optimizer_in_backward=params.get("optimizer_in_backward", False),
-            activation_offload=params.get("activation_offload", False),
-            compile=params.get("compile", False),
+            **levers,
             zero_stage=None if stage == "off" else int(stage),
             fsdp=fsdp,
             offload=offload or "none",
@@ -414,19 +299,12 @@ class SearchSpace:
                 ",".join(config.lora_targets) if config.lora_targets else "default",
                 config.quantize_base,
             )
+        values = {axis.key: (axis, lever.param_of(axis.key, config)) for lever, axis in _AXES}
+        levers = {key: value for key, (axis, value) in values.items() if not axis.moved_only}
+        levers |= {key: value for key, (axis, value) in values.items() if axis.moved_only and value != axis.default}
         return {
             "micro_batch": config.micro_batch,
-            "precision": config.precision,
-            "checkpointing": config.checkpointing
-            if config.checkpoint_every == 1
-            else f"every-{config.checkpoint_every}",
-            "loss": config.loss,
-            "attention": config.attention,
-            "fused_optimizer": config.fused_optimizer,
-            "compile": config.compile,
-            **({} if config.optimizer == "adamw" else {"optimizer": config.optimizer}),
-            **({"optimizer_in_backward": True} if config.optimizer_in_backward else {}),
-            **({"activation_offload": True} if config.activation_offload else {}),
+            **levers,
             **({} if config.model_parallel == 1 else {"layout": config.layout}),
             "zero": _fsdp_label(config.fsdp, config.offload)
             if config.fsdp is not None
@@ -461,12 +339,11 @@ def _zero_pair_means_something(stage: int | None, offload: str, nproc: int, devi
     return nproc > 1 or offload != "none"  # sharding over one rank saves nothing; offload still does
 
 
-def _missing_checkpointing(workload: Workload) -> str | None:
-    from autotune.prepare.model_facts import (
-        missing_checkpointing,  # imports transformers: only when asked
-    )
+def _facts(workload: Workload) -> ModelFacts:
+    """The workload's model's facts that the levers' axes ask for, each read once, when first asked."""
+    from autotune.prepare.model_facts import WorkloadFacts  # its task imports transformers: only when asked
 
-    return missing_checkpointing(workload)
+    return WorkloadFacts(workload)
 
 
 @functools.lru_cache(maxsize=16)  # the tuner asks for the choices before every trial
@@ -482,33 +359,6 @@ def _default_lora_refusal(workload: Workload) -> str | None:
     except WorkloadError as exc:
         return str(exc)
     return None
-
-
-def _every_n_refusal(workload: Workload) -> str | None:
-    from autotune.levers.checkpointing import every_n_refusal
-    from autotune.prepare.model_facts import WorkloadFacts
-
-    return every_n_refusal(WorkloadFacts(workload))
-
-
-def _chunked_loss_refusal(workload: Workload) -> str | None:
-    from autotune.levers.loss import chunked_loss_refusal
-    from autotune.prepare.model_facts import WorkloadFacts  # its task imports transformers: only when asked
-
-    return chunked_loss_refusal(WorkloadFacts(workload))
-
-
-def _attention_refusal(workload: Workload, attention: str, device: DeviceInfo) -> str | None:
-    """Why ``attention`` cannot run for this model, device or install (None: it can)."""
-    if attention == "auto":
-        return None
-    refusal = attention_device_refusal(attention, device.type)
-    if refusal is not None:
-        return refusal
-    from autotune.levers.attention import attention_refusal
-    from autotune.prepare.model_facts import WorkloadFacts  # its task imports transformers: only when asked
-
-    return attention_refusal(attention, WorkloadFacts(workload))
 
 
 def _fsdp_pair_means_something(offload: str, nproc: int, device_type: str) -> bool:
@@ -594,27 +444,7 @@ def _parse(data: Any, label: str) -> SearchSpace:
         name=label,
         description=str(data.get("description") or ""),
         micro_batch=_micro_batch(values["micro_batch"], label),
-        precision=_each(values["precision"], label, "precision", lambda v: v if v in PRECISIONS else None),
-        checkpointing=_each(values["checkpointing"], label, "checkpointing", _checkpointing),
-        loss=_each(values["loss"], label, "loss", lambda v: v if is_loss(v) else None),
-        attention=_each(values["attention"], label, "attention", lambda v: v if v in ATTENTIONS else None),
-        fused_optimizer=_each(
-            values["fused_optimizer"], label, "fused_optimizer", lambda v: v if isinstance(v, bool) else None
-        ),
-        compile=_each(values["compile"], label, "compile", lambda v: v if isinstance(v, bool) else None),
-        optimizer=_each(values["optimizer"], label, "optimizer", lambda v: v if v in OPTIMIZERS else None),
-        optimizer_in_backward=_each(
-            values["optimizer_in_backward"],
-            label,
-            "optimizer_in_backward",
-            lambda v: v if isinstance(v, bool) else None,
-        ),
-        activation_offload=_each(
-            values["activation_offload"],
-            label,
-            "activation_offload",
-            lambda v: v if isinstance(v, bool) else None,
-        ),
+        **{axis.key: _each(values[axis.key], label, axis.key, axis.parse) for _, axis in _AXES},
         zero_stage=_each(values["zero_stage"], label, "zero_stage", _zero_stage),
         fsdp=_each(values["fsdp"], label, "fsdp", lambda v: v if v in FSDP_MODES else None),
         offload=_each(values["offload"], label, "offload", lambda v: v if v in OFFLOADS else None),
@@ -726,13 +556,6 @@ def _micro_batch(values: list[Any], label: str) -> tuple[int, ...] | None:
     return tuple(sorted(set(values)))
 
 
-def _checkpointing(value: Any) -> Any:
-    if isinstance(value, bool):
-        return value
-    kind, _, every = value.partition("-") if isinstance(value, str) else ("", "", "")
-    return f"every-{int(every)}" if kind == "every" and every.isdigit() and int(every) >= 2 else _OFF
-
-
 def _zero_stage(value: Any) -> Any:
     if _means_off(value, "zero_stage"):
         return None
@@ -768,14 +591,6 @@ def _count(value: Any, label: str, key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{label}: {key}: {value!r} must be a whole number of at least 1")
     return value
-
-
-def _trains_in(precision: str, device: DeviceInfo) -> bool:
-    if precision == "tf32":
-        return device.type == "cuda"
-    if sixteen_bit_type(precision) == "bfloat16":
-        return device.bf16
-    return True
 
 
 def _preset_dir() -> Path:

@@ -1,4 +1,5 @@
-"""Search spaces: every preset loads, the schema refuses bad files by name, and the proposer's rules."""
+"""Search spaces: every preset loads, the schema refuses bad files by name, and the proposer's rules (each lever's
+axis on its own: tests/levers/test_axes.py)."""
 
 from __future__ import annotations
 
@@ -44,15 +45,6 @@ def test_presets_move_precision_and_lora_only_where_they_say():
     assert len(quick) < len(default) and load_space("quick").n_trials < load_space("default").n_trials
 
 
-def test_precisions_the_device_lacks_are_dropped():
-    precisions = {c.precision for c in load_space("default").candidates(Workload(), CPU)}
-    assert "tf32" not in precisions and "fp32" in precisions
-    # DeepSpeed's CPU accelerator has no fp16 here: no fp16 + ZeRO pair survives.
-    assert not any(
-        c.precision == "fp16" and c.uses_deepspeed for c in load_space("default").candidates(Workload(), CPU)
-    )
-
-
 def test_zero_only_where_it_means_something_for_the_rank_count():
     space = load_space("default")
     one_rank = space.candidates(Workload(nproc=1), GPU)
@@ -80,58 +72,6 @@ def test_offload_means_nothing_when_the_device_is_the_cpu():
         r"CPU changes nothing\); add off to zero_stage",
     ):
         load_space("zero").candidates(Workload(nproc=1), CPU)
-
-
-def test_activation_offload_is_left_out_on_a_cpu_device_and_offered_on_cuda(tmp_path):
-    path = tmp_path / "space.yaml"
-    path.write_text("knobs:\n  micro_batch: [4]\n  activation_offload: [false, true]\n")
-    space = load_space(str(path))
-    workload = Workload(global_batch=16)
-    # On the CPU the knob is no tuner parameter at all (the sampler can never propose it), as in a space without it.
-    assert "activation_offload" not in space.choices(workload, CPU)
-    assert [c.activation_offload for c in space.candidates(workload, CPU)] == [False]
-    dropped = space.dropped_knobs(workload, CPU)
-    assert any("--activation-offload on" in line and "cpu device" in line for line in dropped)
-    assert space.choices(workload, GPU)["activation_offload"] == (False, True)
-    on_gpu = space.candidates(workload, GPU)
-    assert {c.activation_offload for c in on_gpu} == {False, True}
-    assert all(space.config_of(space.params_of(c)) == c for c in on_gpu)
-    assert not any("activation-offload" in line for line in space.dropped_knobs(workload, GPU))
-    path.write_text("knobs:\n  activation_offload: [true]\n")
-    with pytest.raises(ConfigError, match=r"knobs.activation_offload \[true\]: .*on a cpu device.*; add false"):
-        load_space(str(path)).candidates(workload, CPU)
-    # A space that never lists it searches what it searched before the knob existed (old studies resume).
-    assert "activation_offload" not in load_space("default").choices(workload, GPU)
-    path.write_text("knobs:\n  micro_batch: [4]\n")
-    before = load_space(str(path)).digest
-    path.write_text("knobs:\n  micro_batch: [4]\n  activation_offload: [false]\n")
-    assert load_space(str(path)).digest == before
-
-
-def test_checkpointing_is_dropped_for_a_factory_model_without_it():
-    space = load_space("quick")
-    plain = Workload(model="factories:tiny", global_batch=4, seq_len=8)  # TinyLM: no checkpointing method
-    assert {c.checkpointing for c in space.candidates(plain, CPU)} == {False}
-    assert space.choices(plain, CPU)["checkpointing"] == (False,)
-    assert space.dropped_knobs(plain, CPU) == [
-        "checkpointing on: the model from --model factories:tiny has no activation_checkpointing_enable() "
-        "or gradient_checkpointing_enable()"
-    ]
-    able = plain.replace(model="factories:checkpointable")
-    assert {c.checkpointing for c in space.candidates(able, CPU)} == {False, True}
-    assert space.dropped_knobs(able, CPU) == []
-    assert {c.checkpointing for c in space.candidates(Workload(), CPU)} == {False, True}  # a Hugging Face model
-
-
-def test_a_space_of_checkpointing_only_is_refused_for_a_model_without_it(tmp_path):
-    path = tmp_path / "space.yaml"
-    path.write_text("knobs:\n  checkpointing: [true]\n")
-    with pytest.raises(
-        ConfigError,
-        match=r"knobs.checkpointing \[true\]: the model from --model factories:tiny has "
-        r"no activation_checkpointing_enable\(\) or gradient_checkpointing_enable\(\); add false",
-    ):
-        load_space(str(path)).candidates(Workload(model="factories:tiny", global_batch=4, seq_len=8), CPU)
 
 
 def test_missing_checkpointing_reads_the_model_class_without_building_a_model():
