@@ -316,10 +316,13 @@ def _hybrid_collectives_s(
             reduced += moved
         else:
             gathered += moved
-    within = gathered * (shard - 1) / shard / _link(profile, shard)
-    between_nodes = workload.nodes > 1 or (profile.type == "cuda" and workload.nproc > _GPUS_PER_NODE)
-    link = _link(profile, _GPUS_PER_NODE + 1) if between_nodes else profile.link_bandwidth
-    return within + 2 * reduced * (replicas - 1) / replicas / link
+    # A replicate group takes every shard-th rank: it spans the nodes there are. A shard group spans them where it
+    # is larger than one node's ranks (consecutive ranks, as torchrun numbers them).
+    network = _link(profile, _GPUS_PER_NODE + 1)
+    nodes_apart = workload.nodes > 1 or (profile.type == "cuda" and workload.nproc > _GPUS_PER_NODE)
+    within_link = network if shard > workload.ranks_per_node else _link(profile, shard)
+    within = gathered * (shard - 1) / shard / within_link
+    return within + 2 * reduced * (replicas - 1) / replicas / (network if nodes_apart else profile.link_bandwidth)
 
 
 def _link(profile: DeviceProfile, ranks: int) -> float:

@@ -259,6 +259,12 @@ def test_hybrid_gathers_within_its_shard_group_and_all_reduces_across_nodes():
     # The same bytes as one FSDP group of 16 ranks over two nodes: every gather on the slower link.
     full = predict_step_time(_hand_estimate(TrialConfig(micro_batch=1, fsdp="full"), costs), workload, profile)
     assert hybrid.communication_s < full.communication_s
+    # Shard groups of 16 over 8 nodes of 4 GPUs: each group spans nodes, its gathers on the network too.
+    wide = workload.replace(nproc=32, nodes=8, global_batch=32)
+    spanning = TrialConfig(micro_batch=1, fsdp="hybrid", shard_group=16)
+    step = predict_step_time(_hand_estimate(spanning, costs), wide, profile)
+    traced = gathered * 15 / 16 / infiniband + 2 * reduced * (1 / 2) / infiniband
+    assert step.communication_s == pytest.approx(max(traced - step.compute_s, 0.0) + 0.05 * traced)
 
 
 @pytest.mark.slow
