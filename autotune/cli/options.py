@@ -99,6 +99,7 @@ KNOB_OPTIONS = {
     "quantize_base": Option(str, "off", ("--quantize-base",), _help(TrialConfig, "quantize_base")),
     "zero_stage": Option(str, "off", ("--zero-stage",), _help(TrialConfig, "zero_stage")),
     "fsdp": Option(str, "off", ("--fsdp",), _help(TrialConfig, "fsdp")),
+    "shard_group": Option(Optional[int], None, ("--shard-group",), _help(TrialConfig, "shard_group")),
     "offload": Option(str, "none", ("--offload",), _help(TrialConfig, "offload")),
     "tp": Option(int, 1, ("--tp",), _help(TrialConfig, "tp")),
     "sequence_parallel": Option(

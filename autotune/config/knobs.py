@@ -66,8 +66,13 @@ OFFLOADS = ("none", "optimizer", "optimizer+params")
 QUANTIZATIONS = ("off", "nf4", "int8")
 ZERO_STAGES = (0, 1, 2, 3)
 # FSDP2 (torch.distributed.fsdp.fully_shard): "full" reshards each unit's parameters after its
-# forward (like ZeRO-3); "grad-op" keeps them gathered from forward to backward (like ZeRO-2).
-FSDP_MODES = ("full", "grad-op")
+# forward (like ZeRO-3); "grad-op" keeps them gathered from forward to backward (like ZeRO-2); "hybrid" (HSDP)
+# shards as "full" within each group of --shard-group ranks and replicates across the groups, on a 2-D device
+# mesh (replicate, shard): FSDP1's HYBRID_SHARD, torchtitan's data_parallel_replicate_degree x _shard_degree.
+FSDP_MODES = ("full", "grad-op", "hybrid")
+# Fields added after studies were stored, left out of to_dict() at their default (as Workload does), so that a
+# stored config, an export and a study's name read as they did before them.
+_ADDED_LATER: dict[str, Any] = {"shard_group": None}
 # torch.distributed.pipelining's schedules: GPipe (every micro batch's forward, then every backward), 1F1B
 # (one forward, one backward: at most `pp` micro batches' activations in flight) and interleaved 1F1B
 # (two stages per rank, a smaller bubble for more communication).
@@ -133,7 +138,15 @@ class TrialConfig(
         metadata={
             "help": "PyTorch FSDP2 sharding instead of ZeRO: full (parameters resharded after each layer's "
             "forward, like ZeRO-3) or grad-op (kept gathered until the backward, like ZeRO-2); "
-            "off trains with plain PyTorch (DDP across ranks)."
+            "off trains with plain PyTorch (DDP across ranks); hybrid shards as full within groups of "
+            "--shard-group ranks and replicates across the groups (HSDP)."
+        },
+    )
+    shard_group: int | None = field(
+        default=None,
+        metadata={
+            "help": "With --fsdp hybrid: the ranks each shard group spans (FSDP shards within a group and "
+            "all-reduces gradients across the groups); default: the ranks of one node (--nproc / --nodes)."
         },
     )
     offload: str = field(
@@ -268,7 +281,9 @@ class TrialConfig(
         if self.offload not in OFFLOADS:
             raise ConfigError(f"--offload {self.offload!r} is not known; use one of {', '.join(OFFLOADS)}")
         if self.fsdp is not None and self.fsdp not in FSDP_MODES:
-            raise ConfigError(f"--fsdp {self.fsdp!r} is not known; use off, {' or '.join(FSDP_MODES)}")
+            modes = f"{', '.join(FSDP_MODES[:-1])} or {FSDP_MODES[-1]}"
+            raise ConfigError(f"--fsdp {self.fsdp!r} is not known; use off, {modes}")
+        self._check_shard_group()
         if self.fsdp is not None and self.zero_stage is not None:
             raise ConfigError(
                 f"--fsdp {self.fsdp} with --zero-stage {self.zero_stage}: one sharding per config; "
@@ -284,6 +299,54 @@ class TrialConfig(
         if self.offload == "optimizer+params" and self.zero_stage != 3 and not self.uses_fsdp:
             raise ConfigError("--offload optimizer+params needs --zero-stage 3 or --fsdp (only they shard parameters)")
         self._check_layout()
+
+    def _check_shard_group(self) -> None:
+        if self.shard_group is None:
+            return
+        if not _is_count(self.shard_group):
+            raise ConfigError(f"--shard-group {self.shard_group!r} must be a whole number of ranks, 2 or more")
+        if self.fsdp != "hybrid":
+            raise ConfigError(
+                f"--shard-group {self.shard_group} sizes the shard groups of hybrid sharding; "
+                "add --fsdp hybrid, or drop --shard-group"
+            )
+
+    def shard_degree(self, workload: Workload) -> int:
+        """Ranks FSDP shards one copy of the model over: --shard-group with --fsdp hybrid (default: the ranks
+        of one node), else every data-parallel rank; 1 without FSDP."""
+        if not self.uses_fsdp:
+            return 1
+        if self.fsdp == "hybrid":
+            return self.shard_group or workload.ranks_per_node
+        return self.data_parallel(workload)
+
+    def replicate_degree(self, workload: Workload) -> int:
+        """Copies of the sharded model that all-reduce their gradients: the hybrid's shard groups, else 1."""
+        return self.data_parallel(workload) // self.shard_degree(workload) if self.uses_fsdp else 1
+
+    def _check_hybrid_for(self, workload: Workload) -> None:
+        """--fsdp hybrid's shard groups against the workload's ranks."""
+        if self.fsdp != "hybrid":
+            return
+        if self.model_parallel > 1:
+            raise ConfigError(
+                f"--fsdp hybrid with {self._layout_flags()}: a 3-D mesh (replicate, shard, tensor) is not measured "
+                "yet; use --fsdp full with --tp, or --tp 1"
+            )
+        nproc = workload.nproc
+        if self.shard_group is None and workload.nodes == 1:
+            raise ConfigError(
+                f"--fsdp hybrid on one node shards over all --nproc {nproc} ranks (one node's) and replicates "
+                f"nothing; add --shard-group N (N dividing {nproc}, 1 < N < {nproc}), or use --fsdp full"
+            )
+        group = self.shard_degree(workload)
+        fits = [d for d in _divisors(nproc) if 1 < d < nproc] or "none (add ranks)"
+        if nproc % group or not 1 < group < nproc:
+            flag = f"--shard-group {group}" if self.shard_group else f"one node's {group} ranks (--shard-group)"
+            raise ConfigError(
+                f"--fsdp hybrid: {flag} must divide --nproc {nproc} and lie between 1 and {nproc} (exclusive), "
+                f"to leave two or more replicas of two or more shards; use --shard-group from {fits}"
+            )
 
     def _check_layout(self) -> None:
         """Tensor and pipeline parallel: the values, and the combinations no framework runs."""
@@ -344,6 +407,7 @@ class TrialConfig(
             raise ConfigError(
                 f"--fsdp {self.fsdp} on one rank shards nothing; add --nproc 2 or more, or --offload optimizer+params"
             )
+        self._check_hybrid_for(workload)
         for lever in REFUSAL_ORDER:
             conflict = lever.conflict(self)
             if conflict is not None:
@@ -414,6 +478,9 @@ class TrialConfig(
         data = dataclasses.asdict(self)
         if data["lora_targets"] is not None:
             data["lora_targets"] = list(data["lora_targets"])
+        for name, default in _ADDED_LATER.items():
+            if data[name] == default:
+                del data[name]
         return data
 
     @classmethod
@@ -439,7 +506,8 @@ class TrialConfig(
         if self.uses_deepspeed:
             parts.append(f"zero{self.zero_stage}" + ("" if self.offload == "none" else f"+{self.offload}"))
         if self.uses_fsdp:
-            parts.append(f"fsdp-{self.fsdp}" + ("" if self.offload == "none" else "+offload"))
+            group = f"/{self.shard_group}" if self.shard_group else ""
+            parts.append(f"fsdp-{self.fsdp}{group}" + ("" if self.offload == "none" else "+offload"))
         if self.model_parallel > 1:
             parts.append(self.layout)
         return " ".join(parts)

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 __all__ = [
     "all_gather_output_bytes",
     "copy_in_stream_bytes",
+    "hybrid_all_reduce_bytes",
     "kept_after_forward_bytes",
     "nccl_communicator_bytes",
     "no_sync_gradient_bytes",
@@ -69,6 +70,16 @@ def reduce_scatter_bytes(shapes: Iterable[Shape], world_size: int, reduce_dtype_
     reduce-scatter stream, where it becomes the sharded gradient (a view, or cast to the parameters' dtype)."""
     total = sum(padded_numel(shape, world_size) for shape in shapes) * reduce_dtype_bytes
     return total, total // world_size
+
+
+def hybrid_all_reduce_bytes(shapes: Iterable[Shape], shard_group: int, reduce_dtype_bytes: int) -> int:
+    """What hybrid sharding (a 2-D ``(replicate, shard)`` mesh) holds for one group's all-reduce across the
+    replicas: the reduce-scatter's output, sized by the shard group (not the world), all-reduced in place on the
+    all-reduce stream and kept in ``FSDPParamGroup._all_reduce_state`` until the next group's reduce waits on
+    it (``foreach_reduce``, ``_fsdp_collectives.py``; PyTorch PR #140044), so that the next reduce-scatter does
+    not reuse its block while the all-reduce runs. Every other buffer of hybrid is the full mode's over
+    ``shard_group`` ranks: pass ``shard_group`` as the world size to the functions above."""
+    return reduce_scatter_bytes(shapes, shard_group, reduce_dtype_bytes)[1]
 
 
 def no_sync_gradient_bytes(parameters_held: int, reduce_dtype_bytes: int) -> int:

@@ -33,10 +33,13 @@ __all__ = [
 
 
 @contextlib.contextmanager
-def fake_process_group(ranks: int, device_type: str, *, gloo: bool, tp: int = 1, rank: int = 0) -> Iterator[Any]:
+def fake_process_group(
+    ranks: int, device_type: str, *, gloo: bool, tp: int = 1, rank: int = 0, shard: int | None = None
+) -> Iterator[Any]:
     """A process group of ``ranks`` whose collectives move nothing (PyTorch's "fake" backend), this
     process as rank ``rank``, and its device mesh, made before fake tensors (the mesh reads real values):
-    1-D, or (data, tensor) parallel named ``dp`` and ``tp`` when ``tp`` > 1.
+    1-D, or (data, tensor) parallel named ``dp`` and ``tp`` when ``tp`` > 1, or hybrid sharding's
+    (replicate, shard) of groups of ``shard`` ranks (``shard``: set for --fsdp hybrid).
 
     ``gloo``: the trials' CPU backend. Its reduce-scatter reduces a copy of its whole input
     (measured: a 50 MB input takes 50 MB more while it runs), which NCCL does not.
@@ -60,7 +63,9 @@ def fake_process_group(ranks: int, device_type: str, *, gloo: bool, tp: int = 1,
     if gloo:
         dist.reduce_scatter_single = gloo_reduce_scatter
     try:
-        if tp > 1:
+        if shard is not None:
+            yield init_device_mesh(device_type, (ranks // shard, shard), mesh_dim_names=("replicate", "shard"))
+        elif tp > 1:
             yield init_device_mesh(device_type, (ranks // tp, tp), mesh_dim_names=("dp", "tp"))
         else:
             yield init_device_mesh(device_type, (ranks,))

@@ -11,7 +11,8 @@ optimizer's update, then the communication no framework hides:
 * DDP: one all-reduce of the gradients per step (the micro steps before the last skip it), overlapped
   with the last backward but for its last bucket;
 * FSDP2: the collectives traced on its fake process group (all-gathers, reduce-scatters), overlapped
-  with the compute but for the first layer's gather;
+  with the compute but for the first layer's gather; hybrid sharding's gathers and reduce-scatters span its
+  shard group (one node's links) and its gradients' all-reduce the replicas (the network between nodes);
 * DeepSpeed ZeRO-1/2: a reduce-scatter of the gradients and an all-gather of the weights per step,
   not overlapped (``overlap_comm`` is off in the configs autotune writes); ZeRO-3 also gathers the
   weights in each forward and backward, overlapped (its default);
@@ -34,13 +35,14 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 from autotune.config.knobs import sixteen_bit_type
-from autotune.estimate.step_costs import ATTENTION, BACKWARD, COLLECTIVE
+from autotune.estimate.step_costs import ATTENTION, BACKWARD, COLLECTIVE, UPDATE
 
 if TYPE_CHECKING:
     from autotune.config.gpus import GpuSpec
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
     from autotune.estimate.results import MemoryEstimate
+    from autotune.estimate.step_costs import StepCosts
 
 __all__ = ["DeviceProfile", "StepTime", "card_profile", "matmul_speedups", "profile_for", "predict_step_time"]
 
@@ -84,7 +86,11 @@ _ATTENTION_UNMEASURED = 0.5
 # on a GPU it only shows where kernels are shorter (small models, small micro batches).
 _GPU_DISPATCH_S = 8e-6
 _LINK_EFFICIENCY = 0.75  # NCCL's bus bandwidth over the link's, on large messages
-_INFINIBAND = 50e9  # bytes/s per GPU between nodes (400 Gb/s NDR per GPU)
+# Bytes/s per GPU between nodes: one 400 Gb/s InfiniBand NDR port per GPU, as a DGX H100/H200 has (NVIDIA DGX
+# H100/H200 User Guide, "Introduction to the NVIDIA DGX H100/H200 System": eight single-port ConnectX-7 cards
+# for the compute fabric, 400 Gb/s each). A DGX A100's are 200 Gb/s HDR (its user guide: eight ConnectX-6
+# ports): half of this, which the A100s do not say yet.
+_INFINIBAND = 50e9
 _GPUS_PER_NODE = 8
 _DDP_BUCKET = 25 * 2**20  # DDP's last bucket is all-reduced after the backward ends
 _HOST_ADAM_BYTES = 28  # per parameter: fp32 weight, gradient, m, v read; weight, m, v written
@@ -206,7 +212,10 @@ def predict_step_time(
         update_device, update_host = update_device / ranks, update_host
     if config.fused_optimizer:  # one kernel for every tensor: the host issues a handful of operators
         update_host = profile.dispatch_s * 4
-    traced_collectives = _collective_s(micro_ops, profile, ranks)  # collectives are never fused away
+    if config.fsdp == "hybrid":
+        traced_collectives = _hybrid_collectives_s(costs, config.micro_batch, profile, workload, config)
+    else:
+        traced_collectives = _collective_s(micro_ops, profile, ranks)  # collectives are never fused away
     if profile.type == "cpu":  # the host computes: its time and the device's are one
         compute = accum * (micro_device + micro_host)
         update = update_device + update_host
@@ -287,6 +296,33 @@ def _collective_s(ops: list[tuple[str, str, float, float, float]], profile: Devi
     """The traced collectives of one micro step (FSDP2's), each moving (ranks-1)/ranks of its bytes."""
     moved = sum(count * nbytes for kind, _, _, nbytes, count in ops if kind == COLLECTIVE)  # whole buffers
     return moved * (ranks - 1) / ranks / _link(profile, ranks) if ranks > 1 else 0.0
+
+
+def _hybrid_collectives_s(
+    costs: StepCosts, micro_batch: int, profile: DeviceProfile, workload: Workload, config: TrialConfig
+) -> float:
+    """Hybrid sharding's traced collectives of one micro step. Its all-gathers and reduce-scatters span a shard
+    group, each moving (shard-1)/shard of its bytes over that group's links; each reduce-scatter's output (its
+    shard of the gradients) is then all-reduced across the replicas (``foreach_reduce`` in FSDP2's
+    ``_fsdp_collectives.py``), a ring moving 2 (replicas-1)/replicas of it, over the network between nodes
+    when the replicas span nodes."""
+    shard, replicas = config.shard_degree(workload), config.replicate_degree(workload)
+    gathered = reduced = 0.0
+    for op in costs.ops:
+        if op.kind != COLLECTIVE or op.phase == UPDATE:
+            continue
+        moved = op.count * (op.fixed_bytes + op.sample_bytes * micro_batch)
+        if "allreduce" in op.name.replace("_", ""):
+            reduced += moved
+        else:
+            gathered += moved
+    # A replicate group takes every shard-th rank: it spans the nodes there are. A shard group spans them where it
+    # is larger than one node's ranks (consecutive ranks, as torchrun numbers them).
+    network = _link(profile, _GPUS_PER_NODE + 1)
+    nodes_apart = workload.nodes > 1 or (profile.type == "cuda" and workload.nproc > _GPUS_PER_NODE)
+    within_link = network if shard > workload.ranks_per_node else _link(profile, shard)
+    within = gathered * (shard - 1) / shard / within_link
+    return within + 2 * reduced * (replicas - 1) / replicas / (network if nodes_apart else profile.link_bandwidth)
 
 
 def _link(profile: DeviceProfile, ranks: int) -> float:
@@ -370,7 +406,9 @@ def _offload_s(estimate: MemoryEstimate, workload: Workload, profile: DeviceProf
     config = estimate.config
     if config.offload == "none":
         return 0.0
-    parameters = _trainable(estimate) / (workload.nproc if config.uses_deepspeed or config.uses_fsdp else 1)
+    # ZeRO shards over every rank, FSDP over its shard group (every data-parallel rank but hybrid's).
+    shards = workload.nproc if config.uses_deepspeed else config.shard_degree(workload)
+    parameters = _trainable(estimate) / shards
     host_step = parameters * _HOST_ADAM_BYTES / _HOST_BANDWIDTH
     if profile.type == "cpu":
         return host_step  # the host is the device: no link to cross

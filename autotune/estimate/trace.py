@@ -166,7 +166,7 @@ def trace_step(
         adapters_stay_put(traced, adapters=may_hold_adapters(workload, config)),
         unpacked_batches(),
         as_on_cuda,
-        _process_group(config, ranks, traced, target=target, sharded=sharded, pipeline_rank=pipeline_rank) as mesh,
+        _process_group(config, workload, traced, target=target, sharded=sharded, pipeline_rank=pipeline_rank) as mesh,
         pipeline_shapes_given(),
         measured_with.in_effect(),
         sends_hold_their_tensors(),
@@ -220,14 +220,17 @@ def _every_stage_traced(
 
 
 def _process_group(
-    config: TrialConfig, ranks: int, traced: str, *, target: str, sharded: bool, pipeline_rank: int | None
+    config: TrialConfig, workload: Workload, traced: str, *, target: str, sharded: bool, pipeline_rank: int | None
 ) -> contextlib.AbstractContextManager[Any]:
     """The fake process group a sharded step is traced on, as this rank (its mesh as the context's value); none
-    for a step on one rank."""
+    for a step on one rank. Hybrid sharding's mesh is (replicate, shard): its groups, of the workload's nodes."""
     if not sharded:
         return contextlib.nullcontext()
+    shard = config.shard_degree(workload) if config.fsdp == "hybrid" else None
     # A pipeline stage's ranks: stage k holds ranks k x tp to k x tp + tp - 1 (its tensor-parallel pairs).
-    return fake_process_group(ranks, traced, gloo=target == "cpu", tp=config.tp, rank=(pipeline_rank or 0) * config.tp)
+    rank = (pipeline_rank or 0) * config.tp
+    ranks = _traced_ranks(workload, config)
+    return fake_process_group(ranks, traced, gloo=target == "cpu", tp=config.tp, rank=rank, shard=shard)
 
 
 def _refuse_what_is_not_predicted(config: TrialConfig, target: str, sharded: bool) -> None:

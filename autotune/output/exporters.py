@@ -201,6 +201,11 @@ def _yaml(config: TrialConfig, workload: Workload, *, device_type: str, summary:
 
 # -- DeepSpeed and Hugging Face TrainingArguments -------------------------------------------
 def _deepspeed(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
+    if config.uses_fsdp:  # a DeepSpeed config without ZeRO would train DDP: not the sharding that was measured
+        raise ConfigError(
+            f"--format deepspeed: this config shards with PyTorch's FSDP2 (--fsdp {config.fsdp}), which DeepSpeed "
+            "does not run (its ZeRO stages are its own sharding); export --format accelerate, lightning or json"
+        )
     if config.true_16_bit:
         raise ConfigError(
             f"--format deepspeed: this config trains in {config.precision}, and DeepSpeed's bf16 mode "
@@ -212,6 +217,12 @@ def _deepspeed(config: TrialConfig, workload: Workload, *, device_type: str, sum
 
 def _hf(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
     """Keyword arguments of ``transformers.TrainingArguments``; LoRA lives in the peft export."""
+    if config.fsdp == "hybrid":
+        raise ConfigError(
+            "--format hf: hybrid sharding is TrainingArguments' parallelism_config, an Accelerate ParallelismConfig "
+            "object that no JSON file holds; export --format accelerate (its parallelism_config) and start the "
+            "Trainer's script with accelerate launch, which hands it over"
+        )
     return _dump_json(
         trainer_arguments(
             config,
@@ -271,6 +282,16 @@ def _accelerate(
         del data["mixed_precision"]  # likewise: the file's bf16/fp16 blocks say it
     if config.uses_fsdp:
         data["fsdp_config"] = _accelerate_fsdp(config, workload)
+    if config.fsdp == "hybrid":
+        # FSDP2's HSDP in Accelerate: a (dp_replicate, dp_shard) mesh from its ParallelismConfig, as `accelerate
+        # config` writes it (FSDP1's fsdp_sharding_strategy HYBRID_SHARD is deprecated under fsdp_version 2).
+        prefix = "parallelism_config_"
+        data["parallelism_config"] = {
+            f"{prefix}dp_replicate_size": config.replicate_degree(workload),
+            f"{prefix}dp_shard_size": config.shard_degree(workload),
+            f"{prefix}tp_size": 1,
+            f"{prefix}cp_size": 1,
+        }
     launch = _nodes_lines(workload)
     if workload.nodes > 1:  # the same command on every node: a c10d rendezvous on the first, as the trials met
         launch.append(
@@ -286,7 +307,7 @@ def _accelerate_fsdp(config: TrialConfig, workload: Workload) -> dict[str, Any]:
     """FSDP2 as ``accelerate config`` writes it: one unit per decoder layer, as the trial wrapped."""
     return {
         "fsdp_version": 2,
-        "fsdp_reshard_after_forward": config.fsdp == "full",
+        "fsdp_reshard_after_forward": config.fsdp in ("full", "hybrid"),
         "fsdp_offload_params": config.offload == "optimizer+params",
         "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
         "fsdp_transformer_layer_cls_to_wrap": ",".join(layer_classes(workload)),

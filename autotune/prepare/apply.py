@@ -42,7 +42,8 @@ def prepare(
     e.g. ``prepare(model, loss="chunked:8")`` for only what no library flag sets. ``workload``
     (the export's when it has one) names the model for LoRA's default targets and messages.
     With ``fsdp`` set the model is sharded last, over ``mesh`` (default: every rank of the process
-    group, which must exist), on ``device`` (default: where its parameters are).
+    group, which must exist; ``hybrid``: a (replicate, shard) mesh of its ``shard_group``, else of each
+    node's ranks), on ``device`` (default: where its parameters are).
     """
     config, workload = _resolve(config, workload, knobs)
     source = f"the model from --model {workload.model}" if workload is not None else "the model"

@@ -25,6 +25,7 @@ __all__ = [
     "parameters_on_meta",
     "shard_model",
     "shard_units",
+    "hybrid_mesh",
     "INIT_STD",
 ]
 
@@ -91,8 +92,10 @@ def shard_model(
             "torchrun and call torch.distributed.init_process_group() before autotune.prepare"
         )
     device = device or torch_device(model)
-
-    options: dict[str, Any] = {"reshard_after_forward": config.fsdp == "full", "mesh": mesh}
+    if config.fsdp == "hybrid" and mesh is None:
+        mesh = hybrid_mesh(config, device.type)
+    # hybrid reshards as full does, within its shard group (FSDP1's HYBRID_SHARD is FULL_SHARD per group).
+    options: dict[str, Any] = {"reshard_after_forward": config.fsdp in ("full", "hybrid"), "mesh": mesh}
     if config.autocast_type is not None:  # mixed precision: 16-bit compute copies, fp32 gradient reduction
         options["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=getattr(torch, config.autocast_type), reduce_dtype=torch.float32
@@ -107,6 +110,29 @@ def shard_model(
     # Offloaded shards live in CPU memory, the others on the device (torchtitan does the same).
     materialise(model, torch.device("cpu") if config.offload == "optimizer+params" else device)
     return model
+
+
+def hybrid_mesh(config: TrialConfig, device_type: str) -> Any:
+    """The process group's ranks as a 2-D ``(replicate, shard)`` mesh: consecutive ranks (one node's, as
+    torchrun numbers them) form a shard group. ``fully_shard`` on a 2-D mesh shards over its last dimension
+    and replicates over its first (``_fully_shard/_fsdp_init.py``: ``HSDPMeshInfo``), as torchtitan's
+    ``dp_replicate`` x ``dp_shard`` mesh. The group: ``--shard-group``, else the ranks of this node (torchrun's
+    ``LOCAL_WORLD_SIZE``)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotune.errors import ConfigError
+
+    world = dist.get_world_size()
+    group = config.shard_group or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % group or not 1 < group < world:
+        raise ConfigError(
+            f"--fsdp hybrid: a shard group of {group} ranks must divide the {world} ranks of the process group "
+            "and leave two or more groups; set --shard-group to such a divisor"
+        )
+    return init_device_mesh(device_type, (world // group, group), mesh_dim_names=("replicate", "shard"))
 
 
 def torch_fake_mode_active() -> bool:

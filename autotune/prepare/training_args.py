@@ -108,7 +108,7 @@ def trainer_arguments(
         kwargs["fsdp"] = True
         kwargs["fsdp_config"] = {
             "version": 2,
-            "reshard_after_forward": config.fsdp == "full",
+            "reshard_after_forward": config.fsdp in ("full", "hybrid"),
             "cpu_offload": config.offload == "optimizer+params",
             "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             **({} if wrap_classes is None else {"transformer_layer_cls_to_wrap": wrap_classes}),
@@ -141,10 +141,16 @@ def lightning_strategy(
             "init_args": {"data_parallel_size": config.data_parallel(workload), "tensor_parallel_size": config.tp},
         }
     if config.uses_fsdp:  # the same sharding; Lightning's FSDPStrategy wraps with FSDP's first API
+        strategies = {"full": "FULL_SHARD", "grad-op": "SHARD_GRAD_OP", "hybrid": "HYBRID_SHARD"}
+        strategy = strategies[config.fsdp or "full"]  # uses_fsdp: a mode is set
+        # HYBRID_SHARD's groups as its device_mesh (replicas, shard group); LightningCLI reads the list as the
+        # tuple FSDPStrategy takes (without it FSDP1 shards within each node's GPUs).
+        mesh = [config.replicate_degree(workload), config.shard_degree(workload)]
         return {
             "class_path": "lightning.pytorch.strategies.FSDPStrategy",
             "init_args": {
-                "sharding_strategy": "FULL_SHARD" if config.fsdp == "full" else "SHARD_GRAD_OP",
+                "sharding_strategy": strategy,
+                **({"device_mesh": mesh} if config.fsdp == "hybrid" else {}),
                 "cpu_offload": config.offload == "optimizer+params",
                 "state_dict_type": "sharded",
             },

@@ -7,6 +7,7 @@ import pytest
 from autotune.estimate.fsdp_buffers import (
     all_gather_output_bytes,
     copy_in_stream_bytes,
+    hybrid_all_reduce_bytes,
     kept_after_forward_bytes,
     nccl_communicator_bytes,
     no_sync_gradient_bytes,
@@ -99,3 +100,11 @@ def test_the_traced_fsdp2_step_allocates_these_buffers_on_their_streams():
     for group in (root, *units):
         assert all_gather_output_bytes(group, 2, 2) in made_on[1]
         assert reduce_scatter_bytes(group, 2, 4)[1] in made_on[2]
+
+
+def test_hybrid_holds_one_groups_reduced_shard_sized_by_the_shard_group_not_the_world():
+    # 2 nodes x 8 GPUs, shard groups of one node: each rank's shard is 1/8 of a block, not 1/16.
+    block = sum(padded_numel(s, 8) for s in BLOCK)
+    assert hybrid_all_reduce_bytes(BLOCK, 8, 4) == block * 4 // 8  # fp32 reduction
+    assert hybrid_all_reduce_bytes(BLOCK, 8, 4) == reduce_scatter_bytes(BLOCK, 8, 4)[1]
+    assert hybrid_all_reduce_bytes(BLOCK, 8, 4) == 2 * reduce_scatter_bytes(BLOCK, 16, 4)[1]  # full over 16

@@ -237,6 +237,36 @@ def test_zero_communicates_as_deepspeed_runs_each_stage():
     assert comm(3) == pytest.approx(5 * once + gathers)
 
 
+def test_hybrid_gathers_within_its_shard_group_and_all_reduces_across_nodes():
+    """HSDP on 2 nodes x 8 GPUs, shard groups of one node: the traced all-gather and reduce-scatter move 7/8 of
+    their bytes over NVLink, the all-reduce of each reduced shard 2 x 1/2 of it over InfiniBand (one port a GPU)."""
+    gathered, reduced = 8e9, 1e9  # bytes per micro step, as traced on the (replicate, shard) mesh
+    costs = dataclasses.replace(
+        HAND,
+        ops=(
+            *HAND.ops,
+            OpCost("forward", "collective", "_allgather_base_", "float32", 0.0, gathered / 2, 0.0, 1.0),
+            OpCost("backward", "collective", "_reduce_scatter_base_", "float32", 0.0, gathered / 2, 0.0, 1.0),
+            OpCost("backward", "collective", "allreduce_", "float32", 0.0, reduced, 0.0, 1.0),
+        ),
+    )
+    workload = Workload(model="builtin:llama-tiny", seq_len=128, global_batch=16, nproc=16, nodes=2, gpu="H100-80GB")
+    profile = card_profile(gpu_spec("H100-80GB"))
+    hybrid = predict_step_time(_hand_estimate(TrialConfig(micro_batch=1, fsdp="hybrid"), costs), workload, profile)
+    nvlink, infiniband = 450e9 * 0.75, 50e9 * 0.75  # NCCL's bus bandwidth: 3/4 of each link's
+    traced = gathered * 7 / 8 / nvlink + 2 * reduced * (1 / 2) / infiniband
+    assert hybrid.communication_s == pytest.approx(max(traced - hybrid.compute_s, 0.0) + 0.05 * traced)
+    # The same bytes as one FSDP group of 16 ranks over two nodes: every gather on the slower link.
+    full = predict_step_time(_hand_estimate(TrialConfig(micro_batch=1, fsdp="full"), costs), workload, profile)
+    assert hybrid.communication_s < full.communication_s
+    # Shard groups of 16 over 8 nodes of 4 GPUs: each group spans nodes, its gathers on the network too.
+    wide = workload.replace(nproc=32, nodes=8, global_batch=32)
+    spanning = TrialConfig(micro_batch=1, fsdp="hybrid", shard_group=16)
+    step = predict_step_time(_hand_estimate(spanning, costs), wide, profile)
+    traced = gathered * 15 / 16 / infiniband + 2 * reduced * (1 / 2) / infiniband
+    assert step.communication_s == pytest.approx(max(traced - step.compute_s, 0.0) + 0.05 * traced)
+
+
 @pytest.mark.slow
 def test_the_cpu_probe_of_a_study_of_several_ranks_times_a_collective_between_two_processes():
     """What a 2-rank study's roofline holds beyond a 1-rank one's (the tuner asks for it only then:

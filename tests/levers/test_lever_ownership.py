@@ -44,6 +44,7 @@ NOT_YET_LEVERS = {
     "quantize_base",
     "zero_stage",
     "fsdp",
+    "shard_group",
     "offload",
     "tp",
     "sequence_parallel",

@@ -415,6 +415,50 @@ def test_fsdp_exports_load_in_their_libraries_with_the_trials_sharding(tmp_path,
     assert built.cpu_offload.offload_params
 
 
+def test_a_hybrid_export_loads_in_accelerate_and_lightning_with_the_trials_groups(tmp_path, monkeypatch):
+    """--fsdp hybrid on 2 nodes x 8 GPUs (shard groups of one node): Accelerate's FSDP2 with its ParallelismConfig
+    (dp_replicate 2 x dp_shard 8, handed to the script through accelerate launch's environment), Lightning's
+    FSDPStrategy HYBRID_SHARD on a (2, 8) mesh; TrainingArguments (a JSON file) and DeepSpeed refuse in a line."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils.launch import prepare_multi_gpu_env
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    workload = Workload(model="builtin:llama-tiny", nproc=16, nodes=2, global_batch=16)
+    config = TrialConfig(micro_batch=1, precision="bf16", fsdp="hybrid")
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(export_config(config, workload, fmt="accelerate", device_type="cuda"))
+    loaded = load_config_from_file(str(path))
+    assert loaded.fsdp_config["fsdp_version"] == 2 and loaded.fsdp_config["fsdp_reshard_after_forward"] is True
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    env = prepare_multi_gpu_env(args)
+    for name, value in env.items():
+        if name.startswith(("PARALLELISM_CONFIG_", "ACCELERATE_USE_PARALLELISM")):
+            monkeypatch.setenv(name, value)
+    mesh = ParallelismConfig()  # what the script's Accelerator builds from accelerate launch's environment
+    assert (mesh.dp_replicate_size, mesh.dp_shard_size, mesh.tp_size) == (2, 8, 1)
+
+    lightning = yaml.safe_load(export_config(config, workload, fmt="lightning", device_type="cuda"))
+    strategy = lightning["trainer"]["strategy"]
+    assert strategy["init_args"]["device_mesh"] == [2, 8]
+    built = FSDPStrategy(**{**strategy["init_args"], "device_mesh": tuple(strategy["init_args"]["device_mesh"])})
+    assert built.sharding_strategy.name == "HYBRID_SHARD" and built.kwargs["device_mesh"] == (2, 8)
+
+    for fmt, why in (("hf", "an Accelerate ParallelismConfig object"), ("deepspeed", "which DeepSpeed does not run")):
+        with pytest.raises(ConfigError, match=why) as refused:
+            export_config(config, workload, fmt=fmt, device_type="cuda")
+        assert "\n" not in str(refused.value)
+    # the other FSDP modes are no DeepSpeed config either (before, a ZeRO-0 one: DDP)
+    with pytest.raises(ConfigError, match="--fsdp full"):
+        export_config(config.replace(fsdp="full"), workload, fmt="deepspeed", device_type="cuda")
+    # --shard-group given: the groups it says
+    grouped = config.replace(shard_group=4)
+    text = export_config(grouped, workload, fmt="lightning", device_type="cuda")
+    assert yaml.safe_load(text)["trainer"]["strategy"]["init_args"]["device_mesh"] == [4, 4]
+    assert json.loads(export_config(grouped, workload, fmt="json"))["config"]["shard_group"] == 4
+
+
 # -- several nodes ----------------------------------------------------------------------------
 TWO_NODES = WORKLOAD.replace(nproc=4, nodes=2)  # 2 ranks on each node
 

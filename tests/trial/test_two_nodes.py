@@ -163,3 +163,32 @@ def test_the_two_node_launch_export_trains_over_two_real_nodes(tmp_path: Path) -
     assert sorted(rank for rank, *_ in ranks) == [0, 1, 2, 3]
     assert sorted(node for _, _, node, _ in ranks) == sorted(nodes * 2)  # two ranks on each node
     assert all(len(affinity) == workload.ranks_per_node for *_, affinity in ranks), ranks
+
+
+HYBRID = """\
+import json, sys
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.trial.runner import run_trial
+workload = Workload(model="builtin:llama-tiny", nproc=4, nodes=2, global_batch=4, seq_len=32)
+result = run_trial(workload, TrialConfig(micro_batch=1, fsdp="hybrid"), measure_steps=2, srun=True)
+open(sys.argv[1], "w").write(json.dumps(result.to_dict()))
+"""
+
+
+@pytest.mark.slow  # 42 s on this 2-core machine
+def test_hybrid_sharding_on_two_nodes_shards_within_each_node_by_default(tmp_path: Path) -> None:
+    """--fsdp hybrid over 2 nodes x 2 ranks with no --shard-group: each node's two ranks hold a 2-way shard (Adam
+    states of half the model each), and the two nodes are the replicas whose gradients are all-reduced."""
+    cpus = int(slurm("sinfo", "-h", "-N", "-p", PARTITION, "-o", "%c").split()[0])
+    (tmp_path / "hybrid.py").write_text(HYBRID)
+    out = tmp_path / "result.json"
+    job = subprocess.run(
+        ["sbatch", "--wait", f"--partition={PARTITION}", "--nodes=2", "--ntasks-per-node=1", f"--cpus-per-task={cpus}",
+         f"--output={tmp_path}/job.out", "--wrap", f"{sys.executable} {tmp_path}/hybrid.py {out}"],
+        capture_output=True, text=True, timeout=300, env=cluster_env(PYTHONPATH=os.getcwd()), cwd=tmp_path,
+    )  # fmt: skip
+    assert job.returncode == 0, (job.stderr, (tmp_path / "job.out").read_text())
+    result = json.loads(out.read_text())
+    assert result["status"] == "ok" and result["world_size"] == 4, result.get("error")
+    assert result["optimizer_state_bytes"] == 2 * 4 * result["total_params"] // 2  # a 2-way shard, not 4-way
