@@ -388,30 +388,38 @@ def _grouped(reasons: list[str]) -> dict[str, list[str]]:
     return grouped
 
 
-def _twin_word(row: PlanRow) -> str:
-    """What the row's twin differs in, in the describe() words of its config that the row's lacks."""
-    assert row.twin is not None
-    words = set(row.config.describe().split())
-    return " ".join(word for word in row.twin.describe().split() if word not in words)
+def _plan_config(row: PlanRow) -> str:
+    """The row's config in describe() words; where it stands for a twin too, the word they differ in as
+    ``own/twin`` (``mb=2 bf16/fp16 zero1``)."""
+    words = row.config.describe().split()
+    if row.twin is None:
+        return " ".join(words)
+    theirs = row.twin.describe().split()
+    if len(theirs) != len(words):
+        return f"{' '.join(words)} (or {' '.join(theirs)})"
+    return " ".join(own if own == twin else f"{own}/{twin}" for own, twin in zip(words, theirs, strict=True))
 
 
 def print_plan(plan: Plan, workload: Workload, *, console: Console | None = None, top: int = 20) -> None:
     """``find --plan``: the fitting configs, fastest first (the first ``top``), and what the figures are."""
     from autotune.search.plan import PLAN_ERROR
 
-    console = console or Console(width=max(Console().width, 132))  # one line per config, piped or not
+    shown = plan.rows[:top]
+    longest = max((len(_plan_config(row)) for row in shown), default=0)
+    # One line per config, piped or not: the other columns take about 100 characters.
+    console = console or Console(width=max(Console().width, 132, longest + 100))
     per = f"/s per {'GPU' if workload.device != 'cpu' else 'rank'}"
     unit = "tokens" if any(row.step.tokens_per_s for row in plan.rows) else "samples"
     table = Table(title=f"plan for {workload.model} on {workload.nproc} x {plan.device} (nothing was run)")
     for name in ("", "config", f"{unit}{per}", "step", "MFU", "memory", "nvidia-smi", "headroom", ""):
         table.add_column(name, justify="left" if name in ("", "config") else "right", no_wrap=True)
-    for rank, row in enumerate(plan.rows[:top], start=1):
+    for rank, row in enumerate(shown, start=1):
         per_step = row.step.tokens_per_s if unit == "tokens" else row.step.samples_per_s
         assert per_step is not None  # one workload: every row counts tokens, or none does
         figure = per_step / workload.nproc
         table.add_row(
             str(rank),
-            row.config.describe() + (f" (or {_twin_word(row)})" if row.twin is not None else ""),
+            _plan_config(row),
             f"{figure:,.0f}",
             f"{row.step.step_s:.3g} s",
             _num(row.step.mfu, "{:.0%}"),
@@ -421,10 +429,9 @@ def print_plan(plan: Plan, workload: Workload, *, console: Console | None = None
             "verify first" if row.verify_first else "",
         )
     console.print(table)
-    shown = min(top, len(plan.rows))
     console.print(
         f"{len(plan.rows)} configs predicted to fit under {format_size(plan.limit_bytes)} "
-        f"({format_size(plan.memory_budget_bytes)} less the headroom), {shown} shown; {plan.too_big} "
+        f"({format_size(plan.memory_budget_bytes)} less the headroom), {len(shown)} shown; {plan.too_big} "
         f"predicted not to; {plan.estimates} estimates in {plan.seconds:.0f} s"
         + (
             f" ({plan.states_over} families not traced: their model states alone are over the limit)"
@@ -433,7 +440,7 @@ def print_plan(plan: Plan, workload: Workload, *, console: Console | None = None
         )
     )
     if plan.twin_note:
-        console.print(f"(or ...): {plan.twin_note}")
+        console.print(f"a/b: {plan.twin_note}")
     console.print(
         f"memory: what the caching allocator reserves (~: its family's straight line through an estimate); "
         f"verify first: within the model's {PLAN_ERROR:.0%} error of the top one: the trials to run on the card"

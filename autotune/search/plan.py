@@ -309,8 +309,8 @@ def plan_space(
         progress=progress,
         twin=Twin(
             bf16_twin,
-            "fp16 holds the same tensors and multiplies as fast on this card: its row is bf16's, which needs no "
-            "loss scaling (fp16's gradients can overflow without it)",
+            "fp16 holds the same tensors as bf16 and multiplies as fast on this card: one row stands for both, "
+            "bf16 first, as it needs no loss scaling (fp16's gradients can overflow without it)",
         )
         if twins
         else None,

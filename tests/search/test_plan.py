@@ -148,3 +148,11 @@ def test_twins_share_one_row_that_says_why_it_shows_the_one_it_shows(tmp_path):
     assert result.rows and all(row.config.precision == "bf16" for row in result.rows)
     assert all(row.twin == row.config.replace(precision="fp32") for row in result.rows)
     assert result.twin_note == "the same, here" and result.to_dict()["rows"][0]["twin"].startswith("mb=")
+    from rich.console import Console
+
+    from autotune.output.render import print_plan
+
+    console = Console(record=True, width=200)
+    print_plan(result, Workload(global_batch=32), console=console)
+    text = console.export_text()
+    assert "mb=1 bf16/fp32" in text and "a/b: the same, here" in text
