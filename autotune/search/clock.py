@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
-    from autotune.search.proposer import Outlook
+    from autotune.search.outlook import Outlook
 
 __all__ = ["Clock", "SEARCH_SHARE", "CONFIRM_RESERVE"]
 

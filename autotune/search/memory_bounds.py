@@ -13,8 +13,9 @@ from autotune.levers import ACTIVATION_OFFLOAD, CHECKPOINTING
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
     from autotune.estimate.results import MemoryEstimate
+    from autotune.study.summary import TrialRecord
 
-__all__ = ["straight_line", "implied_fits", "implied_too_big", "recomputes_more_than_fitting"]
+__all__ = ["straight_line", "implied_fits", "implied_too_big", "recomputes_more_than_fitting", "known_too_big"]
 
 
 def straight_line(estimate: MemoryEstimate) -> Callable[[int], float]:
@@ -53,3 +54,8 @@ def implied_too_big(config: TrialConfig, too_big: list[TrialConfig]) -> bool:
         config.micro_batch > known.micro_batch and config.replace(micro_batch=known.micro_batch) == known
         for known in too_big
     )
+
+
+def known_too_big(records: list[TrialRecord]) -> list[TrialConfig]:
+    """Configs known not to fit: out of memory, skipped by the estimator, or measured over the limit."""
+    return [r.config for r in records if r.status in ("oom", "skipped") or (r.status == "ok" and not r.fits)]

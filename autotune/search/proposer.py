@@ -8,13 +8,9 @@ The problem has structure, and the proposer uses it instead of a black-box sampl
 * throughput grows with the micro batch until it saturates, so the config to try in a family
   is its largest that fits: its *frontier*;
 * which family is fastest depends on the model and the device, so families are ranked by the
-  step-time model (each family's traced step against this device's measured roofline), corrected
-  by every measured trial (:mod:`autotune.search.throughput`). A family is traced when its
-  frontier is first estimated. Until then its step comes from a traced twin where the two differ by
-  arithmetic (another ZeRO stage or offload; checkpointing, whose layers' forward runs again), or
-  else it is placed at the traced families' steps with its own knobs and its precision's matmul
-  speed; a ranking that traced a family on the way is made again. Level families are traced LoRA
-  first: it does the least work by construction.
+  step-time model (:mod:`autotune.search.step_prior`), corrected by every measured trial
+  (:mod:`autotune.search.throughput`). A family is traced when its frontier is first estimated; a
+  ranking that traced a family on the way is made again. Level families are traced LoRA first.
 
 Each proposal is the open config ranked first whose memory is known, or predicted, to fit. No
 estimate is spent on families predicted within the noise of a config already known to fit (a trial
@@ -24,23 +20,35 @@ A family's frontier is found by bisecting its micro batches with the memory esti
 trial spent); without one, by measuring the middle of its unknown micro batches, so an OOM
 halves what is left. A retry of an interrupted trial comes before anything else.
 
-Evidence is owed before the search may end (:meth:`Proposer.owed_values`): for every knob value
-no trial has measured (a prior, the device probe's included, is not evidence about this step), and
-for a value whose one measurement beat what the model predicted for it without that measurement:
-its family is re-ranked by the surprise, and the new top one is measured too. Past that, the
-search has settled (:class:`Outlook`) when no open config's upper prediction (the corrected model
-plus its error) beats the best measured by more than the measurement noise.
+Evidence is owed before the search may end (:meth:`Proposer.owed_values`) for every knob value no trial
+has measured (a prior is not evidence about this step), and for one whose measurement beat its prediction
+(its family is re-ranked by the surprise). Past that, the search has settled (:class:`Outlook`) when no open
+config's upper prediction (the model plus its error) beats the best measured by more than the noise.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Callable
 
 from autotune.config.knobs import TrialConfig
-from autotune.search.memory_bounds import implied_fits, implied_too_big, recomputes_more_than_fitting, straight_line
+from autotune.search.memory_bounds import (
+    implied_fits,
+    implied_too_big,
+    known_too_big,
+    recomputes_more_than_fitting,
+    straight_line,
+)
+from autotune.search.outlook import (
+    MEASUREMENT_NOISE,
+    WAIVE_FACTOR,
+    Outlook,
+    Value,
+    best_fitting,
+    measured_throughputs,
+)
 from autotune.search.space import LATER_KNOBS, later_knob_value
+from autotune.search.step_prior import StepPrior
 from autotune.search.throughput import ThroughputModel
 from autotune.study.records import measured
 from autotune.study.stale import MAX_LOST
@@ -51,93 +59,15 @@ if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
     from autotune.config.workload import Workload
     from autotune.estimate.results import MemoryEstimate
-    from autotune.estimate.step_costs import StepCosts
     from autotune.estimate.step_time import DeviceProfile
     from autotune.search.space import SearchSpace
     from autotune.study.summary import TrialRecord
 
-__all__ = [
-    "Outlook",
-    "Proposer",
-    "implied_too_big",
-    "implied_fits",
-    "recomputes_more_than_fitting",
-    "straight_line",
-    "MEASUREMENT_NOISE",
-]
+__all__ = ["Proposer"]
 
 Estimator = Callable[[TrialConfig], "MemoryEstimate | None"]  # None when it cannot say
 _LINE_SLACK = 0.05  # a size the straight line puts more than 5% past the threshold is not estimated
 SLOW_EVIDENCE = 4.0  # an owed value whose prior is this many times below the best waits for the rest: a slow trial
-# An unmeasured value predicted this many times below the best (its error included) is not measured: 10x is
-# past the largest miss seen of a traced step on a CPU (a 16-bit step the roofline put 8x too slow).
-WAIVE_FACTOR = 10.0
-MEASUREMENT_NOISE = 0.03  # two short trials of one config differ by about this much on a quiet machine
-
-Value = tuple[str, str]  # (knob, repr of its value)
-
-
-@dataclasses.dataclass(frozen=True)
-class Outlook:
-    """What the open configs may still bring, against the best measured: the stop on evidence."""
-
-    best: float  # throughput of the fastest config measured that fits; 0 before one
-    top: TrialConfig | None  # the open config predicted fastest among those that should fit
-    predicted: float | None  # its throughput by the corrected model, in the trials' unit
-    error: float | None  # a bound on the model's error in log throughput (ThroughputModel.error_bound); None before it
-    owed: frozenset[Value]  # knob values a measurement is owed for
-    untried: int  # open configs not known to run out of memory
-    # Knob values never measured whose configs are all predicted far below the best (the model's error
-    # included, see Proposer.far_below): value -> the most any of them may reach, over the best.
-    waived: tuple[tuple[Value, float], ...] = ()
-    # Configs left out because they only add recompute to one that fits (see recomputes_more_than_fitting).
-    recompute_only: int = 0
-
-    @property
-    def upper(self) -> float | None:
-        """The top open config's throughput at the model's error above its prediction."""
-        if self.predicted is None or self.error is None:
-            return None
-        return self.predicted * math.exp(self.error)
-
-    @property
-    def settled(self) -> bool:
-        """Nothing owed, and no open config can beat the best by more than the noise."""
-        upper = self.upper
-        return not self.owed and self.best > 0 and upper is not None and upper <= self.best * (1 + MEASUREMENT_NOISE)
-
-    def waived_text(self) -> str:
-        """The values left unmeasured because the levers cannot pay here, in words ('' when none)."""
-        if not self.waived:
-            return ""
-        values = ", ".join(f"{k}={v.strip(chr(39))}" for (k, v), _ in self.waived)
-        most = max(ratio for _, ratio in self.waived)
-        return (
-            f"{values} not measured: predicted at most {most:.0%} of the best on this device "
-            f"(the model's error included), {WAIVE_FACTOR:g}x short of paying"
-        )
-
-    def recompute_text(self) -> str:
-        """The configs left untried because they recompute a fitting config's work, in words ('' when none)."""
-        if not self.recompute_only:
-            return ""
-        return (
-            f"{self.recompute_only} configs not measured: each checkpoints more layers than one that fits, "
-            "all else the same (its work and a recompute, no memory it needs)"
-        )
-
-    def describe(self) -> str:
-        """How sure the best so far is, in words."""
-        if self.owed:
-            return "owed a first measurement: " + ", ".join(sorted(f"{k}={v.strip(chr(39))}" for k, v in self.owed))
-        if self.top is None or self.best <= 0:
-            return "nothing open predicted to fit"
-        if self.upper is None:
-            return f"too few trials to bound the {self.untried} untried configs"
-        gain = self.upper / self.best - 1
-        if gain <= MEASUREMENT_NOISE:
-            return f"no untried config predicted to beat it by more than the noise ({gain:+.0%} at best)"
-        return f"an untried config may be up to {gain:+.0%} faster ({self.top.describe()})"
 
 
 class Proposer:
@@ -155,8 +85,6 @@ class Proposer:
         self.space = space
         self.choices = space.choices(workload, device)
         self.candidates = space.candidates(workload, device)
-        self.precision_speed = precision_speed
-        self.profile: DeviceProfile | None = None  # this device's roofline: the step-time model's prior
         # True while an answer is wanted before the ranking settles (--max-time, none yet): a proposal
         # then traces its own family, not every family the re-ranking reaches on the way.
         self.hurry: Callable[[], bool] = lambda: False
@@ -171,10 +99,25 @@ class Proposer:
         self._traced: dict[TrialConfig, MemoryEstimate] = {}  # a family (micro batch 1) -> an estimate with its costs
         self._ruled_out: list[TrialConfig] = []
         self._recompute_only_of: tuple[frozenset[TrialConfig], set[TrialConfig]] = (frozenset(), set())
-        # config -> traced family -> that family's step as the config's (log samples/s), each pair worked out once
-        self._placed_by_family: dict[TrialConfig, dict[TrialConfig, float | None]] = {}
-        self._placed_for: tuple[Any, Any] = (None, None)  # the profile and precision speeds they were worked out for
-        self._predicted_at: tuple[tuple[int, int], dict[TrialConfig, float | None]] = ((0, 0), {})
+        self._prior = StepPrior(workload, self._traced, precision_speed)
+
+    @property
+    def profile(self) -> DeviceProfile | None:
+        """This device's roofline: the step-time model's prior (set once the device is probed)."""
+        return self._prior.profile
+
+    @profile.setter
+    def profile(self, profile: DeviceProfile | None) -> None:
+        self._prior.profile = profile
+
+    @property
+    def precision_speed(self) -> dict[str, float] | None:
+        """The device probe's matmul speed per precision over fp32's: where an untraced family sits."""
+        return self._prior.precision_speed
+
+    @precision_speed.setter
+    def precision_speed(self, speed: dict[str, float] | None) -> None:
+        self._prior.precision_speed = speed
 
     def suggest(self, trial: optuna.Trial) -> TrialConfig:
         """Define-by-run: the config of ``trial``'s parameters (fixed ones when it was enqueued)."""
@@ -195,7 +138,7 @@ class Proposer:
         ``unmeasured_only``: only configs with a knob value evidence is owed for (see
         :meth:`owed_values`), so a prior never dismisses a value on its own.
         """
-        too_big = _too_big(records)
+        too_big = known_too_big(records)
         fitting = [r.config for r in records if r.fits]
         open_configs = self._open_configs(records)
         if unmeasured_only:
@@ -214,10 +157,10 @@ class Proposer:
 
     def outlook(self, records: list[TrialRecord]) -> Outlook:
         """The best measured, the open config predicted fastest that should fit, and how sure the model is."""
-        too_big = _too_big(records)
+        too_big = known_too_big(records)
         fitting = [r.config for r in records if r.fits]
         open_configs = self._open_configs(records)
-        best = _best_fitting(records)
+        best = best_fitting(records)
         owed, waived = self._evidence(records)
         while True:
             traced = len(self._traced)
@@ -266,7 +209,7 @@ class Proposer:
             if frontier is not None and config.micro_batch <= frontier:
                 bar = model.predict(config) + math.log1p(MEASUREMENT_NOISE)
                 return {c for c in skipped if model.predict(c) <= bar}
-            if frontier is None and self._predicted_throughput(config) is not None:
+            if frontier is None and self._prior.predicted(config) is not None:
                 skipped.add(config)  # its own step (or a twin's) predicts it: a placed one is only a guess
         return set()
 
@@ -278,25 +221,12 @@ class Proposer:
     def _ranking(
         self, records: list[TrialRecord], open_configs: list[TrialConfig]
     ) -> tuple[ThroughputModel, list[TrialConfig]]:
-        model = self._model(open_configs).fit(_throughputs(records))
+        model = self._prior.model(self.params_of, open_configs).fit(measured_throughputs(records))
         order = {c: i for i, c in enumerate(self.candidates)}
         # Level predictions (before any trace, every family is level) go to the family that does the least
         # work by construction: LoRA trains no weight gradients of the frozen base and steps no optimizer
         # over it. Only the order of the first traces changes; the traces then rank.
         return model, sorted(open_configs, key=lambda c: (-model.predict(c), c.lora_rank is None, order[c]))
-
-    def _model(self, configs: list[TrialConfig]) -> ThroughputModel:
-        return ThroughputModel(
-            self.params_of,
-            self._predicted_throughput,
-            configs,
-            unpredicted_factor=self._matmul_factor,
-            placed=self._placed_throughput,
-        )
-
-    def _matmul_factor(self, config: TrialConfig) -> float:
-        """log of the device probe's matmul speed of ``config``'s precision over fp32's."""
-        return math.log((self.precision_speed or {}).get(config.precision) or 1.0)
 
     def _not_known_too_big(
         self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig], threshold: float
@@ -336,7 +266,7 @@ class Proposer:
         ranked: list[TrialConfig],
         threshold: float,
     ) -> TrialConfig | None:
-        best = _best_fitting(records)
+        best = best_fitting(records)
         owed, waived = self._evidence(records)
         error = model.error()
         first = possible = far_owed = None
@@ -393,7 +323,7 @@ class Proposer:
         still wants its trial while it may beat the best, and a value it would have measured first stays owed."""
         if proposal is None or (chance := self._chance_to_fit(proposal, threshold)) >= 1.0:
             return proposal
-        best = _best_fitting(records)
+        best = best_fitting(records)
         bar = model.predict(proposal) + math.log(max(chance, 1e-9))
         for config in ranked:
             predicted = model.predict(config)
@@ -434,7 +364,11 @@ class Proposer:
         far = self.far_below(records, unmeasured)
         waived = dict(far)
         open_configs = self._open_configs(records)
-        fitting, too_big, threshold = [r.config for r in records if r.fits], _too_big(records), self._threshold(records)
+        fitting, too_big, threshold = (
+            [r.config for r in records if r.fits],
+            known_too_big(records),
+            self._threshold(records),
+        )
         for value in sorted(unmeasured - far.keys()) if far else ():
             carriers = [
                 self._values(c)
@@ -445,8 +379,8 @@ class Proposer:
                 waived[value] = max(far[w] for held in carriers for w in far.keys() & held)
         owed = unmeasured - waived.keys()
         still_open = set().union(*(self._values(c) for c in open_configs))
-        points = _throughputs(records)
-        best = _best_fitting(records)
+        points = measured_throughputs(records)
+        best = best_fitting(records)
         configs_with: dict[Value, set[TrialConfig]] = {}
         for config, _ in points:
             for value in self._values(config):
@@ -458,7 +392,7 @@ class Proposer:
             others = [(c, t) for c, t in points if c != config]
             if not others:
                 continue
-            without = self._model(open_configs).fit(others)
+            without = self._prior.model(self.params_of, open_configs).fit(others)
             surprise = max(math.log(t) for c, t in points if c == config) - without.predict(config)
             if surprise <= math.log1p(MEASUREMENT_NOISE):
                 continue  # no surprise: the ranking already holds what it says
@@ -475,11 +409,11 @@ class Proposer:
         most promising of them from its own traced step (a placed guess proves nothing: its family is traced
         first). Value -> the highest upper prediction over the best. Nothing before two trials bound the model's
         error (:meth:`ThroughputModel.error_bound`)."""
-        best = _best_fitting(records)
+        best = best_fitting(records)
         if not best or not values or self.profile is None:
             return {}
         open_configs = self._open_configs(records)
-        model = self._model(open_configs).fit(_throughputs(records))
+        model = self._prior.model(self.params_of, open_configs).fit(measured_throughputs(records))
         if model.error_bound() is None:
             return {}
         far: dict[Value, float] = {}
@@ -488,12 +422,12 @@ class Proposer:
             if not holding or self._upper(model, holding) * WAIVE_FACTOR > best:
                 continue  # it may pay (or nothing of it is open): it is measured
             top = max(holding, key=model.predict)
-            if self._predicted_throughput(top) is None:  # placed: trace its family, then judge again
+            if self._prior.predicted(top) is None:  # placed: trace its family, then judge again
                 smallest = top.replace(micro_batch=min(self.choices["micro_batch"]))
                 if self.out_of_time() or self._estimate(smallest) is None:
                     continue
-                model = self._model(open_configs).fit(_throughputs(records))
-                if self._predicted_throughput(top) is None or model.error_bound() is None:
+                model = self._prior.model(self.params_of, open_configs).fit(measured_throughputs(records))
+                if self._prior.predicted(top) is None or model.error_bound() is None:
                     continue
             upper = self._upper(model, holding)
             if upper * WAIVE_FACTOR <= best:
@@ -536,7 +470,7 @@ class Proposer:
             if r.lost:
                 lost[r.config] = lost.get(r.config, 0) + 1
         done |= {c for c, n in lost.items() if n >= MAX_LOST}  # lost on its retry too: not a third time
-        too_big = _too_big(records)
+        too_big = known_too_big(records)
         recompute_only = self._recompute_only(records)
         return [
             c for c in self.candidates if c not in done and not implied_too_big(c, too_big) and c not in recompute_only
@@ -550,71 +484,6 @@ class Proposer:
             dominated = {c for c in self.candidates if recomputes_more_than_fitting(c, list(fitting), offered)}
             self._recompute_only_of = (fitting, dominated)
         return self._recompute_only_of[1]
-
-    def _predicted_throughput(self, config: TrialConfig) -> float | None:
-        """log samples/s of ``config`` by the step-time model; None without a traced step of its family.
-        Kept until another family is traced (a ranking pass asks for each open config many times)."""
-        from autotune.estimate.step_time import predict_step_time
-
-        key = (len(self._traced), id(self.profile))
-        if self._predicted_at[0] != key:
-            self._predicted_at = (key, {})
-        predicted = self._predicted_at[1]
-        if config in predicted:
-            return predicted[config]
-        estimate = self._traced.get(config.replace(micro_batch=1)) or self._twin(config)
-        if estimate is None or self.profile is None:
-            predicted[config] = None
-            return None
-        if estimate.config != config:
-            estimate = dataclasses.replace(estimate, config=config)  # its costs are kept per sample
-        step = predict_step_time(estimate, self._workload, self.profile)
-        predicted[config] = math.log(step.samples_per_s) if step is not None else None
-        return predicted[config]
-
-    def _twin(self, config: TrialConfig) -> MemoryEstimate | None:
-        """The traced step of a family not traced yet, from a twin's trace where the two steps differ by
-        arithmetic: ZeRO's stage and offload (the same step, its partitions and transfers worked out from
-        the trace, as the estimator works them out) and checkpointing (the checkpointed layers' forward
-        run again in the backward; its memory is another matter, which the family's own trace settles when
-        its frontier is needed). None when no such twin is traced."""
-        family = config.replace(micro_batch=1)
-        unsharded = family.replace(zero_stage=None, offload="none") if family.uses_deepspeed else family
-        plain = unsharded.replace(checkpointing=False, checkpoint_every=1) if family.checkpointing else unsharded
-        for twin_family in dict.fromkeys(
-            [unsharded, plain.replace(zero_stage=family.zero_stage, offload=family.offload), plain]
-        ):
-            twin = self._traced.get(twin_family)
-            if twin is not None and twin.step_costs is not None and twin_family != family:
-                return _step_as(twin, twin.step_costs, twin_family, config)
-        return None
-
-    def _placed_throughput(self, config: TrialConfig) -> float | None:
-        """log samples/s where a family with no traced step (nor a twin's) sits until it is traced: each
-        traced family's step with ``config``'s own micro batch, ZeRO, offload, checkpointing and (from a LoRA
-        trace) weights trained, and its precision's matmul speed in place of the traced one's; their mean.
-        None before any trace."""
-        from autotune.estimate.step_time import predict_step_time
-
-        if self._placed_for[0] is not self.profile or self._placed_for[1] is not self.precision_speed:
-            # Both are set after the proposer is made: its placed figures are worked out anew for them.
-            self._placed_for, self._placed_by_family = (self.profile, self.precision_speed), {}
-        by_family = self._placed_by_family.setdefault(config, {})
-        logs: list[float] = []
-        for family, estimate in self._traced.items():
-            if family not in by_family:  # a family traced since: only its step is worked out
-                by_family[family] = None
-                if estimate.step_costs is not None and self.profile is not None:
-                    as_config = _step_as(estimate, estimate.step_costs, family, config)
-                    step = predict_step_time(as_config, self._workload, self.profile)
-                    if step is not None:
-                        by_family[family] = (
-                            math.log(step.samples_per_s) - self._matmul_factor(family) + self._matmul_factor(config)
-                        )
-            placed = by_family[family]
-            if placed is not None:
-                logs.append(placed)
-        return sum(logs) / len(logs) if logs else None
 
     def take_ruled_out(self) -> list[TrialConfig]:
         """Configs the estimator put over the limit since the last call (for the study to record)."""
@@ -724,29 +593,3 @@ class Proposer:
         fit, big = self._known_bounds(family, fitting, too_big)
         middle = family[(fit + big) // 2] if big - fit > 1 else config
         return middle if middle in open_configs else config
-
-
-def _step_as(estimate: MemoryEstimate, costs: StepCosts, family: TrialConfig, config: TrialConfig) -> MemoryEstimate:
-    """``estimate`` (``family``'s trace, of ``costs``) as ``config``'s step: the checkpointed layers' forward run
-    again where ``config`` checkpoints and the trace did not, and the base's weight gradients and an update over
-    every parameter where ``config`` trains all weights and the trace was a LoRA step."""
-    if config.checkpointing and not family.checkpointing:
-        costs = costs.with_forward_rerun(1 / config.checkpoint_every)
-    if config.lora_rank is None and family.lora_rank is not None:
-        costs = costs.with_all_weights_trained()
-    return dataclasses.replace(estimate, config=config, step_costs=costs)
-
-
-def _best_fitting(records: list[TrialRecord]) -> float:
-    """Throughput of the fastest measured config that fits; 0 before one."""
-    return max((r.throughput or 0.0 for r in records if r.fits), default=0.0)
-
-
-def _throughputs(records: list[TrialRecord]) -> list[tuple[TrialConfig, float]]:
-    """(config, throughput) of the trials that trained with a figure: what corrects the model."""
-    return [(r.config, r.throughput) for r in records if r.status == "ok" and r.throughput]
-
-
-def _too_big(records: list[TrialRecord]) -> list[TrialConfig]:
-    """Configs known not to fit: out of memory, skipped by the estimator, or measured over the limit."""
-    return [r.config for r in records if r.status in ("oom", "skipped") or (r.status == "ok" and not r.fits)]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from autotune.study.records import measured
 
 if TYPE_CHECKING:
-    from autotune.search.proposer import Outlook
+    from autotune.search.outlook import Outlook
     from autotune.study.summary import TrialRecord
 
 __all__ = ["stop_reason", "settled_reason", "waits_on_others", "patience_spent"]
@@ -40,7 +40,7 @@ def stop_reason(
 
 def settled_reason(outlook: Outlook) -> str | None:
     """The stop on evidence: no untried config is predicted to beat the best by more than the noise."""
-    from autotune.search.proposer import MEASUREMENT_NOISE
+    from autotune.search.outlook import MEASUREMENT_NOISE
 
     if not outlook.settled or outlook.upper is None:
         return None

@@ -39,8 +39,9 @@ if TYPE_CHECKING:
     from autotune.estimate.results import MemoryEstimate
     from autotune.search.backends import TrialBackend
     from autotune.search.clock import Clock
+    from autotune.search.outlook import Outlook
     from autotune.search.progress import Progress
-    from autotune.search.proposer import Outlook, Proposer
+    from autotune.search.proposer import Proposer
     from autotune.study.summary import TrialRecord
 
 __all__ = ["Tuning"]

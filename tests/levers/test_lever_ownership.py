@@ -98,7 +98,7 @@ NOT_YET: dict[str, set[str]] = {
     "autotune/output/render.py": {"checkpointing"},
     # the proposer's and the plan's moves, the summary's notes
     "autotune/search/plan.py": {"precision"},
-    "autotune/search/proposer.py": {"checkpoint_every", "checkpointing", "precision"},
+    "autotune/search/step_prior.py": {"checkpoint_every", "checkpointing", "precision"},
     "autotune/study/summary.py": {"precision"},
 }
 

@@ -131,7 +131,7 @@ def test_a_checkpointed_family_is_ranked_by_its_plain_twins_trace_before_its_own
     ckpt = TrialConfig(micro_batch=8, checkpointing=True)
     rerun = dataclasses.replace(plain, config=ckpt, step_costs=costs.with_forward_rerun(1.0))
     expected = predict_step_time(rerun, Workload(global_batch=16), TOY_CPU)
-    assert proposer._predicted_throughput(ckpt) == math.log(expected.samples_per_s)
+    assert proposer._prior.predicted(ckpt) == math.log(expected.samples_per_s)
     assert TrialConfig(micro_batch=1, checkpointing=True) not in proposer._traced
 
 
@@ -254,10 +254,7 @@ def test_checkpointing_is_ranked_by_the_recompute_its_traced_step_holds(tmp_path
         assert proposer.next_config([]) == first, flops
         ckpt, plain = TrialConfig(micro_batch=8, checkpointing=True), TrialConfig(micro_batch=2)
         expected = toy_step_s(flops[False], 16, 2) / toy_step_s(flops[True], 16, 8)
-        assert (
-            abs(proposer._predicted_throughput(ckpt) - proposer._predicted_throughput(plain) - math.log(expected))
-            < 1e-9
-        )
+        assert abs(proposer._prior.predicted(ckpt) - proposer._prior.predicted(plain) - math.log(expected)) < 1e-9
 
 
 def test_full_fine_tuning_is_placed_below_a_traced_lora_family_by_the_weight_gradients_it_adds(tmp_path):
@@ -278,7 +275,7 @@ def test_full_fine_tuning_is_placed_below_a_traced_lora_family_by_the_weight_gra
     # A step of 16 x 300 FLOPs (the base's weight gradients added) + 4 micro steps x 3 operators x 0.05 s,
     # against LoRA's 16 x 200 + 4 x 2 x 0.05.
     full = TrialConfig(micro_batch=4)
-    ratio = math.exp(proposer._placed_throughput(full) - proposer._predicted_throughput(lora))
+    ratio = math.exp(proposer._prior.placed(full) - proposer._prior.predicted(lora))
     assert ratio == pytest.approx((3.2 + 0.4) / (4.8 + 0.6))
 
 
