@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from autotune.config.device import DeviceInfo, detect_device
 from autotune.config.knobs import TrialConfig
@@ -90,6 +91,32 @@ def run_script_trial(
         elapsed = time.monotonic() - started
         records = read_rank_records(work, workload.nproc)
         stderr_tail = stderr_tail_of(work / "stderr.log")
+    failed = _not_measured(records, config, workload, returncode, timed_out, elapsed, stderr_tail)
+    if failed is not None:
+        return failed.replace(memory_budget_bytes=memory_budget_bytes)
+    return combine_records(
+        config,
+        records,
+        returncode=returncode,
+        timed_out=timed_out,
+        timeout_s=timeout_s,
+        stderr_tail=stderr_tail,
+        world_size=workload.nproc,
+        memory_budget_bytes=memory_budget_bytes,
+    )
+
+
+def _not_measured(
+    records: list[dict[str, Any] | None],
+    config: TrialConfig,
+    workload: Workload,
+    returncode: int,
+    timed_out: bool,
+    elapsed: float,
+    stderr_tail: str,
+) -> TrialResult | None:
+    """The error of a command that ran without being measured as the workload says: it ended before its first
+    optimizer step, or trained in fewer processes than ``--nproc``; None when its records tell what it did."""
     if not any(records) and not timed_out:
         # Nothing stepped and nothing raised in Python: the command ended on its own.
         why = (
@@ -103,7 +130,6 @@ def run_script_trial(
             status=TrialStatus.ERROR,
             exit_code=returncode,
             world_size=workload.nproc,
-            memory_budget_bytes=memory_budget_bytes,
             error=f"{why}\n{stderr_tail}".rstrip(),
         )
     stepped = [record for record in records if record is not None]
@@ -119,23 +145,13 @@ def run_script_trial(
             status=TrialStatus.ERROR,
             exit_code=returncode,
             world_size=workload.nproc,
-            memory_budget_bytes=memory_budget_bytes,
             error=(
                 f"the command trained in {len(stepped)} process(es), --nproc says {workload.nproc}: "
                 "launch that many ranks (e.g. torchrun --nproc-per-node), or pass --nproc "
                 f"{len(stepped)}\n{stderr_tail}"
             ).rstrip(),
         )
-    return combine_records(
-        config,
-        records,
-        returncode=returncode,
-        timed_out=timed_out,
-        timeout_s=timeout_s,
-        stderr_tail=stderr_tail,
-        world_size=workload.nproc,
-        memory_budget_bytes=memory_budget_bytes,
-    )
+    return None
 
 
 def run_with_config(
