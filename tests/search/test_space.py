@@ -296,3 +296,18 @@ def test_the_sharding_space_offers_zero_and_fsdp_side_by_side_and_zero_is_its_ol
         line.startswith("fsdp full, grad-op: on one rank FSDP shards nothing")
         for line in load_space("default").dropped_knobs(Workload(nproc=1), CPU)
     )
+
+
+def test_the_sharding_and_parallel_spaces_shard_hybrid_only_past_one_node():
+    """Hybrid sharding shards within a node and replicates across nodes: on one node there is nothing to
+    replicate across, so the presets offer it only to a workload of several nodes."""
+    from autotune.config.device import detect_device
+
+    cpu = detect_device("cpu")
+    for name in ("sharding", "parallel"):
+        space = load_space(name)
+        one = Workload(model="builtin:llama-tiny", seq_len=64, global_batch=8, nproc=4)
+        two = one.replace(nodes=2)
+        assert not [c for c in space.candidates(one, cpu) if c.fsdp == "hybrid"]
+        hybrid = [c for c in space.candidates(two, cpu) if c.fsdp == "hybrid"]
+        assert hybrid and all(c.shard_degree(two) == 2 for c in hybrid)  # the default group: one node's ranks
