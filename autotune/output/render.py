@@ -430,8 +430,9 @@ def print_plan(plan: Plan, workload: Workload, *, console: Console | None = None
         )
     console.print(table)
     console.print(
-        f"{len(plan.rows)} configs predicted to fit under {format_size(plan.limit_bytes)} "
-        f"({format_size(plan.memory_budget_bytes)} less the headroom), {len(shown)} shown; {plan.too_big} "
+        f"{plan.fitting} configs predicted to fit under {format_size(plan.limit_bytes)} "
+        f"({format_size(plan.memory_budget_bytes)} less the headroom), in {len(plan.rows)} rows, {len(shown)} "
+        f"shown; {plan.too_big} "
         f"predicted not to; {plan.estimates} estimates in {plan.seconds:.0f} s"
         + (
             f" ({plan.states_over} families not traced: their model states alone are over the limit)"

@@ -83,6 +83,11 @@ class Plan:
     states_over: int = 0  # families not traced: their model states alone are over the limit
     twin_note: str | None = None  # why a row shows one config of a twin pair and not the other
 
+    @property
+    def fitting(self) -> int:
+        """Configs predicted to fit: a row's own and its twin's."""
+        return len(self.rows) + sum(row.twin is not None for row in self.rows)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "device": self.device,
@@ -96,6 +101,7 @@ class Plan:
             "estimates": self.estimates,
             "seconds": self.seconds,
             "families_over_in_model_states": self.states_over,
+            "fitting": self.fitting,
             "twin_note": self.twin_note,
         }
 

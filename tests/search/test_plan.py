@@ -148,6 +148,7 @@ def test_twins_share_one_row_that_says_why_it_shows_the_one_it_shows(tmp_path):
     assert result.rows and all(row.config.precision == "bf16" for row in result.rows)
     assert all(row.twin == row.config.replace(precision="fp32") for row in result.rows)
     assert result.twin_note == "the same, here" and result.to_dict()["rows"][0]["twin"].startswith("mb=")
+    assert result.fitting == 2 * len(result.rows)  # each row stands for its config and its twin
     from rich.console import Console
 
     from autotune.output.render import print_plan
