@@ -119,3 +119,22 @@ def test_an_image_study_counts_images_and_ranks_by_them():
     text = _printed(summary)
     assert summary.throughput_unit == "images/s"
     assert "images/s" in text and "78.0 images/s" in text and "tokens/s" not in text
+
+
+def test_a_trial_stopped_after_one_outpaced_step_says_so_in_its_line():
+    from autotune.output.render import ConsoleProgress
+
+    out = io.StringIO()
+    best = TrialRecord(number=0, config=TrialConfig(micro_batch=2), status="ok", tokens_per_s=1400.0, fits=True)
+    slow = TrialRecord(
+        number=1,
+        config=TrialConfig(micro_batch=2, precision="bf16"),
+        status="ok",
+        tokens_per_s=73.0,
+        fits=True,
+        outpaced=True,
+    )
+    ConsoleProgress(Console(file=out, width=300)).trial_finished(record=slow, best=best, elapsed_s=40.0)
+    line = out.getvalue()
+    assert "-> ok: 73 tokens/s" in line or "-> ok: 73.0 tokens/s" in line
+    assert "one timed step: far slower than the best, not worth more" in line
