@@ -141,7 +141,8 @@ def plan(
     over: set[TrialConfig] = set()  # model-states twins whose states alone are over the limit
     for index, members in enumerate(families.values(), start=1):
         members.sort(key=lambda c: c.micro_batch)
-        if model_states_twin(members[0]) in over:  # nothing of it fits: not traced
+        states_twin = model_states_twin(members[0])
+        if states_twin in over:  # nothing of it fits: not traced
             too_big, states_over = too_big + len(members), states_over + 1
             continue
         try:
@@ -150,7 +151,7 @@ def plan(
             not_estimated.append(f"{members[0].replace(micro_batch=1).describe()}: {exc}")
             continue
         if any(_states(estimate) > limit_bytes for estimate in made):
-            over.add(model_states_twin(members[0]))
+            over.add(states_twin)
         estimates += len(made)
         too_big += len(members) - len(fitting)
         for config, estimate, memory, device_bytes in fitting:

@@ -85,6 +85,43 @@ def _measured(config: TrialConfig, tokens: float, peak_mib: float, predicted_mib
     )
 
 
+def _slow_fp16_proposer(tmp_path, knobs: str, per_sample_mib: Callable[[TrialConfig], float]) -> Proposer:
+    """A toy proposer of ``knobs`` (see :func:`_toy_proposer`) on the toy CPU with fp16 matmuls 100x slower than
+    fp32's, its exact estimator holding ``per_sample_mib(config)`` MiB of activations a sample."""
+    (tmp_path / "space.yaml").write_text("knobs:\n" + knobs)
+    slow_fp16 = dataclasses.replace(TOY_CPU, matmul_flops={"float32": 1000.0, "float16": 10.0})
+
+    def estimate(config: TrialConfig) -> MemoryEstimate:
+        dtype = "float16" if config.precision == "fp16" else "float32"
+        ops = tuple(dataclasses.replace(op, dtype=dtype) for op in toy_costs(100).ops)
+        activations = int(config.micro_batch * per_sample_mib(config) * MiB)
+        return _toy_estimate(config, dataclasses.replace(toy_costs(100), ops=ops), activations)
+
+    proposer = _toy_proposer(tmp_path / "space.yaml", estimate)
+    proposer.profile = slow_fp16
+    proposer.precision_speed = matmul_speedups(slow_fp16, ("fp32", "fp16"))
+    return proposer
+
+
+def _fp32_trials(sizes: tuple[int, ...], *, per_sample_mib: float, skipped: int) -> list[TrialRecord]:
+    """fp32 trials of ``sizes`` at the toy step's throughput, each peaking (as predicted) at 4 MiB of states and
+    ``per_sample_mib`` a sample; then micro batch ``skipped`` recorded as skipped at 84 MiB."""
+    records = [
+        dataclasses.replace(
+            _measured(
+                TrialConfig(micro_batch=mb),
+                16 * 128 / toy_step_s(100, 16, mb),
+                4 + per_sample_mib * mb,
+                4 + per_sample_mib * mb,
+            ),
+            number=i,
+        )
+        for i, mb in enumerate(sizes)
+    ]
+    too_big = _measured(TrialConfig(micro_batch=skipped), 0, 84, 84)
+    return records + [dataclasses.replace(too_big, status="skipped", fits=False, number=len(sizes))]
+
+
 def test_a_config_predicted_over_the_limit_runs_only_while_the_estimator_may_be_high(tmp_path):
     # No checkpointing: mb=4 is predicted 50.4 MiB, 0.8% over the 50 MiB limit (within the 5% margin): its
     # chance to fit (0.84, the margin's share left) times its speed still beats mb=2's (2.0 s a step against
@@ -343,31 +380,10 @@ def test_a_value_held_only_by_configs_of_a_waived_value_is_not_owed(tmp_path):
     checkpointing at fp32 only repeating configs that fit (mb <= 8), and mb=16 predicted over the limit with or
     without it, every open config holding checkpointing that may fit is an fp16 one: measuring it there is a
     slow trial about a config the answer cannot be, so it is waived too, not owed."""
-    (tmp_path / "space.yaml").write_text(
-        "knobs:\n  micro_batch: [1, 2, 4, 8, 16]\n  precision: [fp32, fp16]\n  checkpointing: [false, true]\n"
-    )
-    slow_fp16 = dataclasses.replace(TOY_CPU, matmul_flops={"float32": 1000.0, "float16": 10.0})
-
-    def estimate(config: TrialConfig) -> MemoryEstimate:
-        dtype = "float16" if config.precision == "fp16" else "float32"
-        ops = tuple(dataclasses.replace(op, dtype=dtype) for op in toy_costs(100).ops)
-        per_sample = 3.5 if config.checkpointing else 5.0  # mb=16: 60 or 84 MiB, over the 50 MiB limit
-        activations = int(config.micro_batch * per_sample * MiB)
-        return _toy_estimate(config, dataclasses.replace(toy_costs(100), ops=ops), activations)
-
-    proposer = _toy_proposer(tmp_path / "space.yaml", estimate)
-    proposer.profile = slow_fp16
-    proposer.precision_speed = matmul_speedups(slow_fp16, ("fp32", "fp16"))
-    records = [
-        dataclasses.replace(
-            _measured(TrialConfig(micro_batch=mb), 16 * 128 / toy_step_s(100, 16, mb), 4 + 5 * mb, 4 + 5 * mb),
-            number=i,
-        )
-        for i, mb in enumerate((1, 2, 4, 8))
-    ]
-    records.append(
-        dataclasses.replace(_measured(TrialConfig(micro_batch=16), 0, 84, 84), status="skipped", fits=False, number=4)
-    )
+    knobs = "  micro_batch: [1, 2, 4, 8, 16]\n  precision: [fp32, fp16]\n  checkpointing: [false, true]\n"
+    # mb=16: 60 or 84 MiB, over the 50 MiB limit
+    proposer = _slow_fp16_proposer(tmp_path, knobs, lambda config: 3.5 if config.checkpointing else 5.0)
+    records = _fp32_trials((1, 2, 4, 8), per_sample_mib=5, skipped=16)
     proposer.outlook(records)  # ranks, and so estimates the fp32 checkpointed family's frontier
     outlook = proposer.outlook(records)
     waived = dict(outlook.waived)
@@ -381,27 +397,8 @@ def test_two_trials_bound_the_error_enough_to_waive_a_precision_many_times_slowe
     error (MIN_HELD_OUT), but enough to bound it (ThroughputModel.error_bound, at least 2x). fp16, 100x
     slower in matmuls here, is predicted far below the best even at that bound: the search ends
     without its slow trial, rather than measuring it because the error was not yet known."""
-    (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [1, 2, 4]\n  precision: [fp32, fp16]\n")
-    slow_fp16 = dataclasses.replace(TOY_CPU, matmul_flops={"float32": 1000.0, "float16": 10.0})
-
-    def estimate(config: TrialConfig) -> MemoryEstimate:
-        dtype = "float16" if config.precision == "fp16" else "float32"
-        ops = tuple(dataclasses.replace(op, dtype=dtype) for op in toy_costs(100).ops)
-        return _toy_estimate(config, dataclasses.replace(toy_costs(100), ops=ops), int(config.micro_batch * 20 * MiB))
-
-    proposer = _toy_proposer(tmp_path / "space.yaml", estimate)
-    proposer.profile = slow_fp16
-    proposer.precision_speed = matmul_speedups(slow_fp16, ("fp32", "fp16"))
-    records = [
-        dataclasses.replace(
-            _measured(TrialConfig(micro_batch=mb), 16 * 128 / toy_step_s(100, 16, mb), 4 + 20 * mb, 4 + 20 * mb),
-            number=i,
-        )
-        for i, mb in enumerate((1, 2))
-    ]
-    records.append(
-        dataclasses.replace(_measured(TrialConfig(micro_batch=4), 0, 84, 84), status="skipped", fits=False, number=2)
-    )
+    proposer = _slow_fp16_proposer(tmp_path, "  micro_batch: [1, 2, 4]\n  precision: [fp32, fp16]\n", lambda c: 20)
+    records = _fp32_trials((1, 2), per_sample_mib=20, skipped=4)
     proposer.outlook(records)  # ranks, and so traces the fp16 family
     outlook = proposer.outlook(records)
     assert dict(outlook.waived).keys() == {("precision", "'fp16'")}

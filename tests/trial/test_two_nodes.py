@@ -43,6 +43,22 @@ def slurm(*args: str) -> str:
     return subprocess.run(list(args), capture_output=True, text=True, env=cluster_env(), check=True).stdout
 
 
+def node_cpus() -> int:
+    """The CPUs of each of the cluster's nodes (the same on both)."""
+    return int(slurm("sinfo", "-h", "-N", "-p", PARTITION, "-o", "%c").split()[0])
+
+
+def _on_both_nodes(tmp_path: Path, python_args: str) -> subprocess.CompletedProcess[str]:
+    """``python python_args`` as one task on each of the cluster's two nodes, holding every CPU there (a job that
+    launches the ranks itself), waited for; its output in ``tmp_path/job.out``."""
+    cpus = node_cpus()
+    return subprocess.run(
+        ["sbatch", "--wait", f"--partition={PARTITION}", "--nodes=2", "--ntasks-per-node=1", f"--cpus-per-task={cpus}",
+         f"--output={tmp_path}/job.out", "--wrap", f"{sys.executable} {python_args}"],
+        capture_output=True, text=True, timeout=300, env=cluster_env(PYTHONPATH=os.getcwd()), cwd=tmp_path,
+    )  # fmt: skip
+
+
 # Each rank says who it is, where (SLURM's node name: the two nodes share this host's name) and on which CPUs.
 PROBE = """\
 import json, os, sys
@@ -71,15 +87,11 @@ sys.exit(code)
 def test_four_ranks_start_on_two_real_nodes_each_nodes_on_the_cpus_the_job_holds_there(tmp_path: Path) -> None:
     nodes = slurm("sinfo", "-h", "-N", "-p", PARTITION, "-o", "%N").split()
     assert len(set(nodes)) == 2, nodes
-    cpus = int(slurm("sinfo", "-h", "-N", "-p", PARTITION, "-o", "%c").split()[0])
+    cpus = node_cpus()
     (tmp_path / "probe.py").write_text(PROBE)
     (tmp_path / "launch.py").write_text(LAUNCH)
     out = tmp_path / "ranks.json"
-    job = subprocess.run(
-        ["sbatch", "--wait", f"--partition={PARTITION}", "--nodes=2", "--ntasks-per-node=1", f"--cpus-per-task={cpus}",
-         f"--output={tmp_path}/job.out", "--wrap", f"{sys.executable} {tmp_path}/launch.py {tmp_path}/probe.py {out}"],
-        capture_output=True, text=True, timeout=300, env=cluster_env(PYTHONPATH=os.getcwd()), cwd=tmp_path,
-    )  # fmt: skip
+    job = _on_both_nodes(tmp_path, f"{tmp_path}/launch.py {tmp_path}/probe.py {out}")
     said = (tmp_path / "job.out").read_text()
     assert job.returncode == 0, (job.stderr, said)
     ranks = sorted(map(tuple, json.loads(out.read_text())))
@@ -180,14 +192,9 @@ open(sys.argv[1], "w").write(json.dumps(result.to_dict()))
 def test_hybrid_sharding_on_two_nodes_shards_within_each_node_by_default(tmp_path: Path) -> None:
     """--fsdp hybrid over 2 nodes x 2 ranks with no --shard-group: each node's two ranks hold a 2-way shard (Adam
     states of half the model each), and the two nodes are the replicas whose gradients are all-reduced."""
-    cpus = int(slurm("sinfo", "-h", "-N", "-p", PARTITION, "-o", "%c").split()[0])
     (tmp_path / "hybrid.py").write_text(HYBRID)
     out = tmp_path / "result.json"
-    job = subprocess.run(
-        ["sbatch", "--wait", f"--partition={PARTITION}", "--nodes=2", "--ntasks-per-node=1", f"--cpus-per-task={cpus}",
-         f"--output={tmp_path}/job.out", "--wrap", f"{sys.executable} {tmp_path}/hybrid.py {out}"],
-        capture_output=True, text=True, timeout=300, env=cluster_env(PYTHONPATH=os.getcwd()), cwd=tmp_path,
-    )  # fmt: skip
+    job = _on_both_nodes(tmp_path, f"{tmp_path}/hybrid.py {out}")
     assert job.returncode == 0, (job.stderr, (tmp_path / "job.out").read_text())
     result = json.loads(out.read_text())
     assert result["status"] == "ok" and result["world_size"] == 4, result.get("error")
