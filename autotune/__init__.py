@@ -30,7 +30,7 @@ _EXPORTS = {
     "tune": "autotune.search.tuner",
     "load_summary": "autotune.study.records",
     "SearchSpace": "autotune.search.space",
-    "load_space": "autotune.search.space",
+    "load_space": "autotune.search.presets",
     "StudySummary": "autotune.study.summary",
     "TrialRecord": "autotune.study.summary",
     "export_config": "autotune.output.exporters",
@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from autotune.prepare.apply import prepare
     from autotune.scripts.current import current_config
     from autotune.scripts.runner import run_script_trial
-    from autotune.search.space import SearchSpace, load_space
+    from autotune.search.presets import load_space
+    from autotune.search.space import SearchSpace
     from autotune.search.tuner import find, tune
     from autotune.sizes import parse_size
     from autotune.study.records import load_summary

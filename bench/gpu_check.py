@@ -55,35 +55,66 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rehearse", action="store_true", help="on a CPU: a tiny model, one step each")
     parser.add_argument("--out", type=Path, help="the results file (default: bench/results/gpu_check_<card>.txt)")
+    parser.add_argument(
+        "--predict-for",
+        metavar="CARD",
+        help="no measuring: write each config's prediction for CARD (an `estimate --gpu` name) as JSON to --out, "
+        "made on any machine so that the lent GPU's minutes go to measuring",
+    )
+    parser.add_argument(
+        "--predictions", type=Path, help="a file --predict-for wrote: take the predictions from it, estimate none"
+    )
     args = parser.parse_args()
+    if args.predict_for:
+        _predict_for(args.predict_for, args.out)
+        return
     card = _card(args.rehearse)
+    out = args.out or ROOT / "bench" / "results" / f"gpu_check_{card.replace(' ', '_')}.txt"
+    predictions = json.loads(args.predictions.read_text()) if args.predictions else {}
     lines = [f"# bash bench/gpu_check.sh{' --rehearse' if args.rehearse else ''}: {card}"]
-    lines += _gpu_tests(args.rehearse)
+    if predictions:
+        lines.append(f"predictions from {args.predictions.name}: {predictions['command']}")
     model, workload = ("builtin:gpt2-tiny", REHEARSAL_WORKLOAD) if args.rehearse else (GPU_MODEL, GPU_WORKLOAD)
     device = ["--device", "cpu"] if args.rehearse else ["--device", "cuda"]
     steps = ["--warmup-steps", "1", "--steps", "1" if args.rehearse else "5"]
     lines.append(f"model {model}, {' '.join(workload)}; each config estimated, then measured ({' '.join(steps)})")
     rows = []
+    # The measurements first, each written as it lands: a lease that ends early still leaves them.
     for label, flags in CONFIGS:
         if args.rehearse and "nf4" in flags and not _has("bitsandbytes"):
             rows.append((label, None, None, "bitsandbytes not installed"))
             continue
         common = ["--model", model, *workload, *device, *flags]
-        predicted = _autotune(["estimate", *common, "--json"])
+        predicted = predictions["configs"][label] if predictions else _autotune(["estimate", *common, "--json"])
         measured = _autotune(["trial", *common, *steps, "--json"])
         rows.append((label, predicted, measured, None))
+        _write(out, lines + _table(rows), args)
     lines += _table(rows)
+    lines += _gpu_tests(args.rehearse)
     if args.rehearse:
         lines.append(
             "rehearsal: on the GPU machine the same steps run the gpu-marked tests, then these configs on "
             f"{GPU_MODEL} ({' '.join(GPU_WORKLOAD)}, --device cuda, 5 timed steps): "
             "max_memory_allocated and max_memory_reserved against the predictions, and tokens/s"
         )
-    text = "\n".join(lines) + "\n"
-    print(text, end="")
+    print("\n".join(lines))
+    _write(out, lines, args)
+
+
+def _write(out: Path, lines: list[str], args: argparse.Namespace) -> None:
     if not args.rehearse or args.out:
-        out = args.out or ROOT / "bench" / "results" / f"gpu_check_{card.replace(' ', '_')}.txt"
-        out.write_text(text)
+        out.write_text("\n".join(lines) + "\n")
+
+
+def _predict_for(card: str, out: Path | None) -> None:
+    """Each config's estimate for CARD, made here (a trace needs no GPU), as the GPU run reads them."""
+    command = f"python bench/gpu_check.py --predict-for {card}"
+    configs = {}
+    for label, flags in CONFIGS:
+        configs[label] = _autotune(["estimate", "--model", GPU_MODEL, *GPU_WORKLOAD, "--gpu", card, *flags, "--json"])
+        print(f"{label}: {configs[label].get('status', 'predicted')}", flush=True)
+    path = out or ROOT / "bench" / "results" / f"gpu_check_predicted_{card}.json"
+    path.write_text(json.dumps({"command": command, "card": card, "configs": configs}, indent=1) + "\n")
 
 
 def _card(rehearse: bool) -> str:
@@ -97,19 +128,29 @@ def _card(rehearse: bool) -> str:
 
 
 def _gpu_tests(rehearse: bool) -> list[str]:
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:randomly"]
+    # One line per failure, each test cut at 60 s (pytest-timeout is on the GPU machine): a lease's few
+    # minutes end with every failure's reason printed, not with tracebacks that never came.
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:randomly", "--tb=line", "-rfE"]
+    command += ["--continue-on-collection-errors", *(["--timeout=60"] if _has("pytest_timeout") else [])]
     if rehearse:
         return [f"gpu-marked tests: would run `{shlex.join(command[1:])}` (skipped on a CPU)"]
     started = time.monotonic()
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
-    return [f"gpu-marked tests ({time.monotonic() - started:.0f} s, exit {proc.returncode}): {summary}"]
+    try:
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        return [f"gpu-marked tests: not finished in 240 s (`{shlex.join(command[1:])}`)"]
+    output = proc.stdout.strip().splitlines() or ["no output"]
+    failures = [line for line in output if line.startswith(("FAILED", "ERROR"))]
+    return [f"gpu-marked tests ({time.monotonic() - started:.0f} s, exit {proc.returncode}): {output[-1]}", *failures]
 
 
 def _autotune(args: list[str]) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "autotune", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "autotune", *args], cwd=ROOT, capture_output=True, text=True, timeout=240
+        )
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "error": f"`autotune {args[0]}` not finished in 240 s"}
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
@@ -118,7 +159,8 @@ def _autotune(args: list[str]) -> dict[str, Any]:
 
 def _table(rows: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None, str | None]]) -> list[str]:
     out = [
-        "config | allocated: predicted / measured (error) | reserved: predicted / measured (error) | tokens/s measured"
+        "config | allocated: predicted / measured (error) | reserved: predicted / measured (error) "
+        "| tokens/s: predicted / measured (error)"
     ]
     for label, predicted, measured, why in rows:
         if why is not None or predicted is None or measured is None:
@@ -129,12 +171,8 @@ def _table(rows: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None, s
             continue
         allocated = _pair(predicted.get("predicted_peak_bytes"), measured.get("peak_allocated_bytes"))
         reserved = _pair(predicted.get("predicted_reserved_bytes"), measured.get("peak_reserved_bytes"))
-        tokens = measured.get("tokens_per_s")
-        out.append(
-            f"{label} | {allocated} | {reserved} | {tokens:,.0f}"
-            if tokens
-            else f"{label} | {allocated} | {reserved} | -"
-        )
+        tokens = _rate((predicted.get("step_time") or {}).get("tokens_per_s"), measured.get("tokens_per_s"))
+        out.append(f"{label} | {allocated} | {reserved} | {tokens}")
     return out
 
 
@@ -144,6 +182,14 @@ def _pair(predicted: float | None, measured: float | None) -> str:
 
     error = f" ({predicted / measured - 1:+.1%})" if predicted and measured else ""
     return f"{size(predicted)} / {size(measured)}{error}"
+
+
+def _rate(predicted: float | None, measured: float | None) -> str:
+    def rate(value: float | None) -> str:
+        return "-" if not value else f"{value:,.0f}"
+
+    error = f" ({predicted / measured - 1:+.1%})" if predicted and measured else ""
+    return f"{rate(predicted)} / {rate(measured)}{error}"
 
 
 def _has(package: str) -> bool:

@@ -177,7 +177,7 @@ THREE_HEADS = (
 # The study `kept` as `tune --study kept` (all defaults) would create it, with one finished trial.
 _SEED = """
 from autotune.config.device import detect_device
-from autotune.search.space import load_space
+from autotune.search.presets import load_space
 from autotune.study.storage import create_study, open_storage
 from autotune.search.tuner import question
 from autotune.config.workload import Workload

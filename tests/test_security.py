@@ -14,7 +14,7 @@ import pytest
 
 import autotune
 from autotune.errors import ConfigError
-from autotune.search.space import load_space
+from autotune.search.presets import load_space
 from autotune.study.storage import create_study, open_storage
 
 SOURCE = Path(autotune.__file__).parent

@@ -40,7 +40,7 @@ def grid(
     from pathlib import Path
 
     from autotune.search.grid import estimate_grid, measure_grid
-    from autotune.search.space import load_space
+    from autotune.search.presets import load_space
     from autotune.sizes import format_size
     from autotune.trial.result import TrialResult
 

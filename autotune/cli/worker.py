@@ -32,7 +32,7 @@ def worker() -> int:
     preempted = _on_preemption(spec.pop("slurm_signal", None))
     try:
         if spec.pop("find", False):  # the find study's name depends on the device here
-            from autotune.search.space import load_space
+            from autotune.search.presets import load_space
             from autotune.search.tuner import find_name
 
             spec["space"] = load_space(spec["space"])

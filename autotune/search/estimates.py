@@ -85,7 +85,7 @@ def estimate_configs(
         assert device is not None  # a named card
         budget = card_budget(budget, device)
     if space is not None:
-        from autotune.search.space import load_space
+        from autotune.search.presets import load_space
 
         if device is None:
             from autotune.config.device import detect_device

@@ -275,7 +275,8 @@ def plan_space(
     from autotune.estimate.client import predict_memory
     from autotune.estimate.depth_proxy import depth_proxy
     from autotune.estimate.step_time import profile_for
-    from autotune.search.space import SearchSpace, load_space
+    from autotune.search.presets import load_space
+    from autotune.search.space import SearchSpace
 
     space = space if isinstance(space, SearchSpace) else load_space(space)
     if workload.gpu is not None:

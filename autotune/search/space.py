@@ -16,8 +16,6 @@ import itertools
 import json
 import re
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.config.knobs import (
@@ -39,7 +37,7 @@ if TYPE_CHECKING:
     from autotune.config.workload import Workload
     from autotune.levers.base import ModelFacts
 
-__all__ = ["SearchSpace", "load_space", "preset_names", "is_preset", "KNOBS", "LATER_KNOBS", "later_knob_value"]
+__all__ = ["SearchSpace", "parse_space", "KNOBS", "LATER_KNOBS", "later_knob_value"]
 
 # The levers' axes (autotune/levers/), in the order a space lists them.
 _AXES: tuple[tuple[Lever, Axis], ...] = tuple((lever, axis) for lever in AXIS_ORDER for axis in lever.axes)
@@ -126,7 +124,7 @@ class SearchSpace:
         """The inverse of :meth:`to_dict` (a study's stored space); knobs added since default to off."""
         knobs = {k: v for k, v in data.items() if k in KNOBS}
         top = {k: data[k] for k in ("description", "n_trials", "patience") if k in data}
-        return _parse({**top, "knobs": knobs}, str(data["name"]))
+        return parse_space({**top, "knobs": knobs}, str(data["name"]))
 
     def added_since(self, older: SearchSpace) -> list[str]:
         """``knob value`` for each value this space searches that ``older`` did not."""
@@ -386,48 +384,7 @@ def _lora_label(rank: int | None, targets: str, quantization: str = "off") -> st
     return rank_part if targets == "default" else f"{rank_part}:{targets}"
 
 
-# A preset's former name -> the preset it became (studies made under the old name still resume).
-_ALIASES = {"zero": "sharding"}
-
-
-def preset_names() -> list[str]:
-    files = [p.name.removesuffix(".yaml") for p in _preset_dir().iterdir() if p.name.endswith(".yaml")]
-    return sorted([*files, *_ALIASES])
-
-
-def is_preset(name: str) -> bool:
-    """Whether a space's name is a preset's (a file's name is its path)."""
-    return name in preset_names()
-
-
-def load_space(name_or_path: str | Path) -> SearchSpace:
-    """A preset by name (``default``, ``full``, ``lora``, ``quick``, ``sharding`` or its old name ``zero``)
-    or a YAML file by path."""
-    import yaml
-
-    text_name = str(name_or_path)
-    path = Path(text_name)
-    if not text_name.endswith((".yaml", ".yml")) and "/" not in text_name:
-        path = _preset_dir() / f"{_ALIASES.get(text_name, text_name)}.yaml"
-        if not path.is_file():
-            raise ConfigError(
-                f"--space {text_name}: no such preset; use one of {', '.join(preset_names())} or a path to a .yaml file"
-            )
-        label = text_name
-    else:
-        if not path.is_file():
-            raise ConfigError(f"--space {text_name}: no such file")
-        label = str(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise ConfigError(f"{label}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    return _parse(data, label)
-
-
-def _parse(data: Any, label: str) -> SearchSpace:
+def parse_space(data: Any, label: str) -> SearchSpace:
     if not isinstance(data, dict):
         raise ConfigError(f"{label}: a search space is a mapping with keys {sorted(_TOP_LEVEL)}")
     unknown = sorted(set(data) - _TOP_LEVEL)
@@ -591,8 +548,3 @@ def _count(value: Any, label: str, key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{label}: {key}: {value!r} must be a whole number of at least 1")
     return value
-
-
-def _preset_dir() -> Path:
-    # Shipped as package data (pyproject maps search_spaces/ to autotune.search_spaces).
-    return Path(str(resources.files("autotune.search_spaces")))

@@ -29,9 +29,10 @@ from autotune.search.clock import Clock
 from autotune.search.device_probes import device_profile, precision_speed
 from autotune.search.interrupt import interrupt_safely
 from autotune.search.measuring import Measure
+from autotune.search.presets import is_preset, load_space
 from autotune.search.progress import Progress, Silent
 from autotune.search.simple import SIMPLE_KEY
-from autotune.search.space import SearchSpace, is_preset, load_space
+from autotune.search.space import SearchSpace
 from autotune.search.study_trials import SKIP_MARGIN, Oracle
 from autotune.search.tuning import Tuning
 from autotune.search.workers import gpu_slices, start_helpers, wait_helpers

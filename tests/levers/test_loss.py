@@ -17,7 +17,7 @@ from autotune.levers.loss import chunk_loss, chunked_loss_refusal
 from autotune.models.sources import build_model
 from autotune.prepare.lora import apply_lora
 from autotune.prepare.model_facts import WorkloadFacts
-from autotune.search.space import load_space
+from autotune.search.presets import load_space
 from autotune.trial.runner import run_trial
 
 VOCAB_32K = Workload(model="builtin:llama-tiny-32k", seq_len=128, global_batch=8)

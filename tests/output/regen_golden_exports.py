@@ -137,7 +137,7 @@ def build_studies(folder: Path) -> None:
 
     Each space is read from a file named relatively (``golden-NAME.yaml``) in a temporary directory made the
     current one, because the study stores the space's name as it was given: no path of this machine in it."""
-    from autotune.search.space import load_space
+    from autotune.search.presets import load_space
     from autotune.search.tuner import tune
 
     folder = folder.resolve()

@@ -14,7 +14,7 @@ import pytest
 _SEED = """
 from autotune.config.device import detect_device
 from autotune.config.knobs import TrialConfig
-from autotune.search.space import load_space
+from autotune.search.presets import load_space
 from autotune.study.storage import create_study, open_storage
 from autotune.study.records import CONFIRM_PREFIX
 from autotune.search.tuner import question

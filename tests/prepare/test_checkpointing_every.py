@@ -11,7 +11,7 @@ from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.estimate.client import predict_memory
 from autotune.output.exporters import export_config
-from autotune.search.space import load_space
+from autotune.search.presets import load_space
 from autotune.trial.runner import run_trial
 
 SIX_LAYERS = Workload(model="builtin:gpt2-deep-tiny", seq_len=128, global_batch=8)

@@ -109,7 +109,7 @@ def test_exports_say_bf16_true_and_lightning_trains_it(tmp_path):
 
 def test_the_full_space_searches_bf16_true_beside_the_mixed_precisions_but_not_under_zero():
     from autotune.config.device import detect_device
-    from autotune.search.space import load_space
+    from autotune.search.presets import load_space
 
     space = load_space("full")
     candidates = space.candidates(WORKLOAD.replace(nproc=2), detect_device("cpu"))

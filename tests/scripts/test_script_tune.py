@@ -12,7 +12,7 @@ import pytest
 
 from autotune.config.workload import Workload
 from autotune.errors import StorageError
-from autotune.search.space import load_space
+from autotune.search.presets import load_space
 from autotune.search.tuner import tune
 from autotune.study.records import ANSWER_ATTR
 

@@ -23,7 +23,7 @@ from autotune.config.device import detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.search.proposer import Proposer
-from autotune.search.space import load_space
+from autotune.search.presets import load_space
 from autotune.search.study_trials import ask
 from autotune.search.tuner import question
 from autotune.study.storage import create_study, open_storage

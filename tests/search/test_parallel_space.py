@@ -15,7 +15,8 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.output.exporters import export_config
-from autotune.search.space import SearchSpace, layout_knobs, load_space
+from autotune.search.presets import load_space
+from autotune.search.space import SearchSpace, layout_knobs
 from autotune.search.tuner import find
 
 # Four wide layers over a small vocabulary: the layers' weights (which TP and PP split) dominate.

@@ -75,7 +75,7 @@ def _toy_plan(tmp_path, knobs: str, states_mib, asked: list, twin=None):
     from autotune.config.device import DeviceInfo
     from autotune.estimate.results import MemoryEstimate
     from autotune.search.plan import plan
-    from autotune.search.space import load_space
+    from autotune.search.presets import load_space
 
     (tmp_path / "space.yaml").write_text("knobs:\n" + knobs)
 

@@ -17,8 +17,8 @@ from autotune.config.workload import Workload
 from autotune.estimate.results import MemoryEstimate
 from autotune.estimate.step_costs import OpCost, StepCosts
 from autotune.estimate.step_time import matmul_speedups
+from autotune.search.presets import load_space
 from autotune.search.proposer import Proposer
-from autotune.search.space import load_space
 from autotune.study.summary import TrialRecord
 
 CPU = DeviceInfo("cpu", "test-cpu", 1, 16 * 2**30, bf16=True, fp16_deepspeed=False)

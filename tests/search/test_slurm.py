@@ -106,7 +106,7 @@ class _Replayed:
 def test_a_study_tuned_in_a_two_node_job_exports_for_two_nodes(tmp_path, monkeypatch):
     """The node count is the workload's, so the study's question: show, export and the JSON output say it."""
     from autotune.config.workload import Workload
-    from autotune.search.space import load_space
+    from autotune.search.presets import load_space
     from autotune.search.tuner import tune
 
     (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [1, 2]\n  precision: [fp32]\n")
@@ -217,7 +217,7 @@ def test_a_worker_in_a_job_of_another_node_count_is_refused_in_one_line_before_t
 def test_workers_for_another_node_count_than_the_studys_are_refused_before_any_is_submitted(tmp_path):
     from autotune.config.device import DeviceInfo
     from autotune.config.workload import Workload
-    from autotune.search.space import load_space
+    from autotune.search.presets import load_space
     from autotune.search.tuner import question
     from autotune.study.storage import create_study
 

@@ -13,8 +13,9 @@ from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.estimate.results import MemoryEstimate
 from autotune.search.memory_bounds import implied_too_big
+from autotune.search.presets import load_space, preset_names
 from autotune.search.proposer import Proposer
-from autotune.search.space import SearchSpace, load_space, preset_names
+from autotune.search.space import SearchSpace
 from autotune.study.summary import TrialRecord
 
 CPU = DeviceInfo("cpu", "test-cpu", 1, 16 * 2**30, bf16=True, fp16_deepspeed=False)
@@ -265,7 +266,7 @@ def test_the_throughput_model_starts_from_the_step_time_model_and_follows_the_me
 def test_a_space_none_of_whose_configs_can_run_here_says_why(tmp_path):
     from autotune.config.workload import Workload
     from autotune.errors import ConfigError
-    from autotune.search.space import load_space
+    from autotune.search.presets import load_space
 
     (tmp_path / "fp16_zero.yaml").write_text("knobs:\n  micro_batch: [2]\n  precision: [fp16]\n  zero_stage: [2]\n")
     space = load_space(tmp_path / "fp16_zero.yaml")
@@ -311,3 +312,27 @@ def test_the_sharding_and_parallel_spaces_shard_hybrid_only_past_one_node():
         assert not [c for c in space.candidates(one, cpu) if c.fsdp == "hybrid"]
         hybrid = [c for c in space.candidates(two, cpu) if c.fsdp == "hybrid"]
         assert hybrid and all(c.shard_degree(two) == 2 for c in hybrid)  # the default group: one node's ranks
+
+
+def test_a_source_checkout_that_is_not_installed_finds_its_presets(tmp_path):
+    # A checkout on PYTHONPATH has search_spaces/ at its top, not the package autotune.search_spaces
+    # that an install maps it to: the presets are found there (the GPU machine runs autotune so).
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    shutil.copytree(root / "autotune", tmp_path / "autotune")
+    shutil.copytree(root / "search_spaces", tmp_path / "search_spaces")
+    code = (
+        "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
+        f"sys.path.insert(0, {str(tmp_path)!r}); "
+        "import autotune, importlib.util; assert importlib.util.find_spec('autotune.search_spaces') is None; "
+        "from autotune.search.presets import load_space, preset_names; "
+        "print(autotune.__file__, preset_names(), load_space('quick').name)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(str(tmp_path)), proc.stdout
+    assert "'default'" in proc.stdout and proc.stdout.rstrip().endswith("quick")

@@ -13,8 +13,8 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.search.clock import Clock
 from autotune.search.outlook import MEASUREMENT_NOISE, Outlook
+from autotune.search.presets import load_space
 from autotune.search.proposer import Proposer
-from autotune.search.space import load_space
 from autotune.search.throughput import ThroughputModel
 from autotune.study.summary import TrialRecord
 

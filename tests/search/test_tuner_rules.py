@@ -137,7 +137,7 @@ class ScriptedBackend:
 
 def _tune(tmp_path, backend, knobs="  micro_batch: [1, 2, 4]\n  precision: [fp32]\n", **kwargs):
     from autotune.config.workload import Workload
-    from autotune.search.space import load_space
+    from autotune.search.presets import load_space
 
     (tmp_path / "space.yaml").write_text("knobs:\n" + knobs + "  checkpointing: [false]\n")
     return tune(
@@ -280,7 +280,7 @@ def test_a_study_of_a_preset_that_grew_since_resumes_with_the_space_it_was_start
     import dataclasses
 
     from autotune.config.workload import Workload
-    from autotune.search.space import load_space
+    from autotune.search.presets import load_space
 
     # The `quick` preset as an older autotune shipped it: fewer micro batches, no checkpointing.
     older = dataclasses.replace(load_space("quick"), micro_batch=(1, 2), checkpointing=(False,))
@@ -359,7 +359,7 @@ _ROOFLINE = {
 
 def test_the_device_probe_times_a_collective_only_for_a_study_of_several_ranks(tmp_path):
     from autotune.config.workload import Workload
-    from autotune.search.space import load_space
+    from autotune.search.presets import load_space
 
     (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [1, 2]\n  precision: [fp32]\n")
     for nproc in (1, 2):

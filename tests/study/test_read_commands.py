@@ -16,7 +16,7 @@ import pytest
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.output.exporters import FORMATS, export_config
-from autotune.search.space import load_space
+from autotune.search.presets import load_space
 from autotune.search.tuner import tune
 from autotune.study.records import load_summaries, load_summary, summarize
 from autotune.study.sqlite_reader import (

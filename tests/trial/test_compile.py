@@ -11,7 +11,7 @@ from autotune.config.device import detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.output.exporters import export_config
-from autotune.search.space import load_space
+from autotune.search.presets import load_space
 from autotune.trial.measure import compile_payoff_steps
 
 WORKLOAD = Workload(model="builtin:llama-tiny", seq_len=32, global_batch=4)

@@ -6,7 +6,7 @@ import torch
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.search.space import load_space
+from autotune.search.presets import load_space
 from autotune.trial.engine import build_engine
 from autotune.trial.runner import run_trial
 
