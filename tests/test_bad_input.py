@@ -114,6 +114,8 @@ BAD_INPUTS = [
     (["estimate", "--memory-budget", "-1GiB"], "--memory-budget"),
     (["estimate", "--precision", "tf32"], "--precision tf32 only exists on CUDA"),
     (["estimate", "--gpu", "banana"], "--gpu 'banana' is not a known card; use one of V100-16GB, V100-32GB, A100-40GB"),
+    (["estimate", "--gpu", "H200-141GB"], "--gpu 'H200-141GB' is not a known card (did you mean H200?)"),
+    (["estimate", "--gpu", "a100"], "--gpu 'a100' is not a known card (did you mean A100-40GB?)"),
     (
         ["estimate", "--gpu", "H100-80GB", "--device", "cpu"],
         "--gpu H100-80GB names a card for a CUDA workload, not --device cpu",

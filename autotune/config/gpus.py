@@ -204,7 +204,10 @@ def gpu_spec(name: str) -> GpuSpec:
     for card in _CARDS:
         if card.name.lower() == name.strip().lower():
             return card
-    close = difflib.get_close_matches(name.upper(), list(GPUS), n=1)
+    # The chip's name first ("H200-141GB" means the H200, not the V100-16GB that spells most alike).
+    model = name.strip().upper().split("-")[0]
+    close = [card for card in GPUS if card.upper().split("-")[0] == model]
+    close = close or difflib.get_close_matches(name.upper(), list(GPUS), n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
     raise WorkloadError(f"--gpu {name!r} is not a known card{hint}; use one of {', '.join(GPUS)}")
 
