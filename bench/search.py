@@ -50,7 +50,8 @@ from autotune.config.workload import Workload
 from autotune.estimate.results import MemoryEstimate
 from autotune.estimate.trace import trace_key
 from autotune.search.grid import read_grid
-from autotune.search.space import SearchSpace, load_space
+from autotune.search.presets import load_space
+from autotune.search.space import SearchSpace
 from autotune.sizes import parse_size
 from autotune.study.storage import quiet_optuna
 from autotune.trial.result import TrialResult, TrialStatus

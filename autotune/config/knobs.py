@@ -4,25 +4,25 @@ Exact knobs (micro batch, checkpointing, ZeRO stage, offload) do not change what
 precision and LoRA do, and are only moved where the user's search space allows them.
 
 The knob families that are levers (``autotune/levers/``) bring their fields, values, refusals and labels as a
-mixin and a registry entry; ``TrialConfig`` asks them in a loop. The families not yet levers (LoRA and the
-quantized base, ZeRO, FSDP, offload, tensor, sequence and pipeline parallel) are still written out here.
+mixin and a registry entry; ``TrialConfig`` asks them in a loop. The families not yet levers (ZeRO, FSDP,
+offload, tensor, sequence and pipeline parallel) are still written out here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.levers import ATTENTION, CHECK_ORDER, LABEL_ORDER, REFUSAL_ORDER
+from autotune.levers import CHECK_ORDER, LABEL_ORDER, REFUSAL_ORDER
 from autotune.levers.activation_offload import ActivationOffloadFields, offload_device_refusal
 from autotune.levers.attention import ATTENTIONS, AttentionFields, attention_device_refusal
 from autotune.levers.base import is_count as _is_count
 from autotune.levers.checkpointing import CheckpointingFields
 from autotune.levers.compile import CompileFields, compile_device_refusal
+from autotune.levers.lora import LoraFields
 from autotune.levers.loss import DEFAULT_LOSS_CHUNKS, LOSSES, LossFields, is_loss
 from autotune.levers.optimizer import (
     EIGHT_BIT_REFUSAL,
@@ -46,7 +46,6 @@ __all__ = [
     "PP_SCHEDULES",
     "LOSSES",
     "OPTIMIZERS",
-    "QUANTIZATIONS",
     "DEFAULT_LOSS_CHUNKS",
     "is_loss",
     "sixteen_bit_type",
@@ -56,14 +55,9 @@ __all__ = [
     "offload_device_refusal",
     "eight_bit_library",
     "EIGHT_BIT_REFUSAL",
-    "QUANTIZE_REFUSAL",
-    "quantize_refusal",
-    "quantize_library_refusal",
 ]
 
 OFFLOADS = ("none", "optimizer", "optimizer+params")
-# QLoRA's frozen base under LoRA: off, NF4 (4-bit, double-quantized scales) or LLM.int8() (bitsandbytes).
-QUANTIZATIONS = ("off", "nf4", "int8")
 ZERO_STAGES = (0, 1, 2, 3)
 # FSDP2 (torch.distributed.fsdp.fully_shard): "full" reshards each unit's parameters after its
 # forward (like ZeRO-3); "grad-op" keeps them gathered from forward to backward (like ZeRO-2); "hybrid" (HSDP)
@@ -95,6 +89,7 @@ class _MicroBatchField:
 # dataclasses.fields(TrialConfig) keeps the order it has always had (micro_batch, precision, checkpointing, ...).
 @dataclass(frozen=True, kw_only=True)
 class TrialConfig(
+    LoraFields,
     CompileFields,
     ActivationOffloadFields,
     OptimizerFields,
@@ -106,29 +101,6 @@ class TrialConfig(
 ):
     """One point of the search space. ``None`` means a knob is off, never a sentinel number."""
 
-    lora_rank: int | None = field(
-        default=None,
-        metadata={"help": "Train LoRA adapters of this rank (PEFT) instead of all weights."},
-    )
-    lora_alpha: int | None = field(
-        default=None,
-        metadata={"help": "LoRA scaling alpha (default: 2 x rank)."},
-    )
-    lora_targets: tuple[str, ...] | None = field(
-        default=None,
-        metadata={
-            "help": "Comma-separated module names LoRA adapts, or all-linear "
-            "(default: PEFT's choice for the architecture)."
-        },
-    )
-    quantize_base: str = field(
-        default="off",
-        metadata={
-            "help": "With LoRA: hold the frozen base's linear layers quantized (bitsandbytes, as "
-            "BitsAndBytesConfig loads them): nf4 (QLoRA's 4-bit NormalFloat, double-quantized scales), "
-            "int8 (LLM.int8()) or off. Changes the maths, like precision."
-        },
-    )
     zero_stage: int | None = field(
         default=None,
         metadata={"help": "DeepSpeed ZeRO stage 0-3; off trains with plain PyTorch (DDP across ranks)."},
@@ -188,16 +160,10 @@ class TrialConfig(
     )
 
     def __post_init__(self) -> None:
-        # Normalise list-like targets so equal configs compare (and hash) equal.
-        if self.lora_targets is not None and not isinstance(self.lora_targets, tuple):
-            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        super().__post_init__()  # the levers' normalising (LoRA's targets as a tuple)
         self._check_values()
 
     # -- derived values -------------------------------------------------------------------
-    @property
-    def uses_lora(self) -> bool:
-        return self.lora_rank is not None
-
     @property
     def uses_deepspeed(self) -> bool:
         return self.zero_stage is not None
@@ -228,12 +194,6 @@ class TrialConfig(
         """Ranks that each train on their own micro batches: --nproc / (tp x pp)."""
         return max(1, workload.nproc // self.model_parallel)
 
-    @property
-    def effective_lora_alpha(self) -> int | None:
-        if self.lora_rank is None:  # not uses_lora
-            return None
-        return self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
-
     def grad_accum_steps(self, workload: Workload) -> int:
         """Micro-steps per optimizer step so that micro x accumulation x data-parallel ranks = global batch
         (tensor- and pipeline-parallel ranks share their micro batches)."""
@@ -258,24 +218,6 @@ class TrialConfig(
             raise ConfigError(f"--micro-batch {self.micro_batch!r} must be a whole number of at least 1")
         for lever in CHECK_ORDER:
             lever.check(self)
-        if self.lora_rank is not None and not _is_count(self.lora_rank):
-            raise ConfigError(f"--lora-rank {self.lora_rank!r} must be a whole number of at least 1")
-        if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets is not None):
-            flag = "--lora-alpha" if self.lora_alpha is not None else "--lora-targets"
-            raise ConfigError(f"{flag} is set but LoRA is off; add --lora-rank R to train LoRA adapters")
-        if self.lora_alpha is not None and not _is_count(self.lora_alpha):
-            raise ConfigError(f"--lora-alpha {self.lora_alpha!r} must be a whole number of at least 1")
-        if self.lora_targets is not None and (not self.lora_targets or not all(self.lora_targets)):
-            raise ConfigError("--lora-targets is empty; name modules (e.g. q_proj,v_proj) or use all-linear")
-        if self.quantize_base not in QUANTIZATIONS:
-            raise ConfigError(
-                f"--quantize-base {self.quantize_base!r} is not known; use one of {', '.join(QUANTIZATIONS)}"
-            )
-        if self.quantize_base != "off" and not self.uses_lora:
-            raise ConfigError(
-                f"--quantize-base {self.quantize_base} quantizes the frozen base that LoRA trains adapters on; "
-                "add --lora-rank R, or use --quantize-base off"
-            )
         if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
             raise ConfigError(f"--zero-stage {self.zero_stage!r} is not known; use off, 0, 1, 2 or 3")
         if self.offload not in OFFLOADS:
@@ -372,7 +314,7 @@ class TrialConfig(
                 "PyTorch's tensor-parallel and pipeline modules; shard the data-parallel ranks with --fsdp full "
                 "(FSDP x TP, as torchtitan builds it), or use --zero-stage off"
             )
-        if self.uses_lora or self.quantize_base != "off":
+        if self.uses_lora or self.quantizes_base:
             raise ConfigError(
                 f"{layout} with LoRA: PEFT's adapters on split layers are not measured yet; "
                 "use --lora-rank off, or --tp 1 --pp 1"
@@ -430,9 +372,7 @@ class TrialConfig(
             )
             raise ConfigError(f"{what} with {sharding}: {why}; use --optimizer adamw without it, or drop the sharding")
         for lever in REFUSAL_ORDER:
-            # The quantized base is not a lever yet: its refusal keeps its place, before attention's.
-            refusal = quantize_refusal(self) if lever is ATTENTION and self.quantize_base != "off" else None
-            refusal = refusal or lever.refusal(self, workload, device)
+            refusal = lever.refusal(self, workload, device)
             if refusal is not None:
                 raise ConfigError(refusal)
 
@@ -476,8 +416,9 @@ class TrialConfig(
     # -- (de)serialisation ----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        if data["lora_targets"] is not None:
-            data["lora_targets"] = list(data["lora_targets"])
+        for name, value in data.items():  # tuples (LoRA's targets) as the lists JSON and YAML write
+            if isinstance(value, tuple):
+                data[name] = list(value)
         for name, default in _ADDED_LATER.items():
             if data[name] == default:
                 del data[name]
@@ -499,10 +440,6 @@ class TrialConfig(
         parts = [f"mb={self.micro_batch}"]
         for lever in LABEL_ORDER:
             parts.extend(lever.labels(self))
-        if self.uses_lora:
-            parts.append(f"lora{self.lora_rank}" + (":" + ",".join(self.lora_targets) if self.lora_targets else ""))
-        if self.quantize_base != "off":
-            parts.append(self.quantize_base)
         if self.uses_deepspeed:
             parts.append(f"zero{self.zero_stage}" + ("" if self.offload == "none" else f"+{self.offload}"))
         if self.uses_fsdp:
@@ -511,32 +448,6 @@ class TrialConfig(
         if self.model_parallel > 1:
             parts.append(self.layout)
         return " ".join(parts)
-
-
-QUANTIZE_REFUSAL = (
-    "--quantize-base needs bitsandbytes (pip install 'bitsandbytes>=0.48'; it runs on a CPU too), "
-    "which is not installed; install it, or use --quantize-base off"
-)
-
-
-def quantize_library_refusal() -> str | None:
-    """Why no base can be quantized here (bitsandbytes is not installed), or None."""
-    return QUANTIZE_REFUSAL if importlib.util.find_spec("bitsandbytes") is None else None
-
-
-def quantize_refusal(config: TrialConfig) -> str | None:
-    """Why ``config``'s base cannot be quantized here (None: it can)."""
-    refusal = quantize_library_refusal()
-    if refusal is not None:
-        return refusal
-    if config.uses_deepspeed or config.uses_fsdp:
-        sharding = f"--zero-stage {config.zero_stage}" if config.uses_deepspeed else f"--fsdp {config.fsdp}"
-        return (
-            f"--quantize-base {config.quantize_base} with {sharding}: sharding a bitsandbytes-quantized base "
-            "needs its storage type set to the compute type, which autotune does not measure yet; "
-            "use --quantize-base off, or drop the sharding (a quantized base with LoRA fits on one rank)"
-        )
-    return None
 
 
 def _divisors(n: int) -> list[int]:

@@ -447,8 +447,4 @@ def may_hold_adapters(workload: Workload, config: TrialConfig) -> bool:
     code makes (a model Transformers ships code for makes none of its own)."""
     from autotune.models.sources import parse_model_source
 
-    return (
-        config.lora_rank is not None
-        or workload.trust_remote_code
-        or parse_model_source(workload.model).kind == "factory"
-    )
+    return config.uses_lora or workload.trust_remote_code or parse_model_source(workload.model).kind == "factory"

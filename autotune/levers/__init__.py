@@ -7,7 +7,8 @@ folder at run time (type-only imports of ``config`` aside); what it needs to kno
 it (:class:`~autotune.levers.base.ModelFacts`).
 
 Not yet levers (their fields, checks and labels are still in ``config/knobs.py``, their applying in
-``prepare/``): LoRA and the quantized base, ZeRO, FSDP, offload, tensor and sequence parallel, pipeline parallel.
+``prepare/``): ZeRO, FSDP, offload, tensor and sequence parallel, pipeline parallel. LoRA's applying and its
+search-space parameter are still outside its module (``prepare/lora.py``, ``search/space.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from autotune.levers.attention import AttentionLever
 from autotune.levers.base import Axis, Lever, ModelFacts
 from autotune.levers.checkpointing import CheckpointingLever
 from autotune.levers.compile import CompileLever
+from autotune.levers.lora import LoraLever
 from autotune.levers.loss import LossLever
 from autotune.levers.optimizer import OptimizerLever
 from autotune.levers.precision import PrecisionLever
@@ -40,6 +42,7 @@ __all__ = [
     "DROPPED_ORDER",
     "ATTENTION",
     "CHECKPOINTING",
+    "LORA",
     "PRECISION",
     "LOSS",
     "OPTIMIZER",
@@ -51,6 +54,7 @@ __all__ = [
 
 ATTENTION = AttentionLever()
 CHECKPOINTING = CheckpointingLever()
+LORA = LoraLever()
 PRECISION = PrecisionLever()
 LOSS = LossLever()
 OPTIMIZER = OptimizerLever()
@@ -58,19 +62,55 @@ ACTIVATION_OFFLOAD = ActivationOffloadLever()
 COMPILE = CompileLever()
 
 # In the order they are applied, as torchtitan's parallelize applies TP, then checkpointing, then compile, then
-# FSDP. To the built model (``autotune.prepare``): the attention kernel, checkpointing, [LoRA on a base quantized
-# or not], where weights are held for the precision (after LoRA: PEFT makes its adapters fp32), the chunked loss,
+# FSDP. To the built model (``autotune.prepare``): the attention kernel, checkpointing, LoRA on a base quantized
+# or not, where weights are held for the precision (after LoRA: PEFT makes its adapters fp32), the chunked loss,
 # [pipeline stages, or tensor parallel then FSDP]. Then in the trial's engine: the optimizer over the prepared
 # parameters, activation offload's hooks around each step, compile after the first steps.
-LEVERS: tuple[Lever, ...] = (ATTENTION, CHECKPOINTING, PRECISION, LOSS, OPTIMIZER, ACTIVATION_OFFLOAD, COMPILE)
+LEVERS: tuple[Lever, ...] = (
+    ATTENTION,
+    CHECKPOINTING,
+    LORA,
+    PRECISION,
+    LOSS,
+    OPTIMIZER,
+    ACTIVATION_OFFLOAD,
+    COMPILE,
+)
 
 # The orders the other consumers ask the levers in. Each is the order the knobs were asked in before they were
 # levers, so that a label reads as the labels stored in studies do, and where two values are wrong, or two
 # refusals hold, the one said first is the one said before. Each names every lever once (a test checks it); a
 # new lever goes at the end of each.
-LABEL_ORDER: tuple[Lever, ...] = (PRECISION, CHECKPOINTING, ATTENTION, LOSS, OPTIMIZER, ACTIVATION_OFFLOAD, COMPILE)
-CHECK_ORDER: tuple[Lever, ...] = (PRECISION, CHECKPOINTING, ATTENTION, COMPILE, OPTIMIZER, ACTIVATION_OFFLOAD, LOSS)
-REFUSAL_ORDER: tuple[Lever, ...] = (OPTIMIZER, ATTENTION, COMPILE, ACTIVATION_OFFLOAD, PRECISION, CHECKPOINTING, LOSS)
+LABEL_ORDER: tuple[Lever, ...] = (
+    PRECISION,
+    CHECKPOINTING,
+    ATTENTION,
+    LOSS,
+    OPTIMIZER,
+    ACTIVATION_OFFLOAD,
+    COMPILE,
+    LORA,
+)
+CHECK_ORDER: tuple[Lever, ...] = (
+    PRECISION,
+    CHECKPOINTING,
+    ATTENTION,
+    COMPILE,
+    OPTIMIZER,
+    ACTIVATION_OFFLOAD,
+    LOSS,
+    LORA,
+)
+REFUSAL_ORDER: tuple[Lever, ...] = (
+    OPTIMIZER,
+    LORA,
+    ATTENTION,
+    COMPILE,
+    ACTIVATION_OFFLOAD,
+    PRECISION,
+    CHECKPOINTING,
+    LOSS,
+)
 MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
     LOSS,
     ATTENTION,
@@ -79,17 +119,36 @@ MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
     OPTIMIZER,
     ACTIVATION_OFFLOAD,
     COMPILE,
+    LORA,
 )
 
 # A search space's (``autotune.search.space``): the order of the levers' keys in a space file, its errors and its
 # dict, and so of the tuner's parameters (the moved-only ones after the others); the order of the lines saying what
-# the space drops for a workload and device.
-AXIS_ORDER: tuple[Lever, ...] = (PRECISION, CHECKPOINTING, LOSS, ATTENTION, OPTIMIZER, ACTIVATION_OFFLOAD, COMPILE)
-DROPPED_ORDER: tuple[Lever, ...] = (PRECISION, CHECKPOINTING, LOSS, ATTENTION, COMPILE, ACTIVATION_OFFLOAD, OPTIMIZER)
+# the space drops for a workload and device. (LoRA's ``lora`` parameter is still the space's own: no axes yet.)
+AXIS_ORDER: tuple[Lever, ...] = (
+    PRECISION,
+    CHECKPOINTING,
+    LOSS,
+    ATTENTION,
+    OPTIMIZER,
+    ACTIVATION_OFFLOAD,
+    COMPILE,
+    LORA,
+)
+DROPPED_ORDER: tuple[Lever, ...] = (
+    PRECISION,
+    CHECKPOINTING,
+    LOSS,
+    ATTENTION,
+    COMPILE,
+    ACTIVATION_OFFLOAD,
+    OPTIMIZER,
+    LORA,
+)
 
 # The levers whose values leave a config's model states (its parameters, gradients and optimizer state per rank)
 # as they are: they change what a step computes or keeps of its activations, not what the model holds between
-# steps. (Precision and the optimizer change them; so do the sharding and adapter knobs that are not levers yet.)
+# steps. (Precision, the optimizer and LoRA change them; so do the sharding knobs that are not levers yet.)
 STATES_KEEPERS: tuple[Lever, ...] = (ATTENTION, CHECKPOINTING, LOSS, ACTIVATION_OFFLOAD, COMPILE)
 
 

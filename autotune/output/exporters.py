@@ -417,7 +417,7 @@ def _peft(config: TrialConfig, workload: Workload, *, device_type: str, summary:
 
 def _bnb(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
     """``BitsAndBytesConfig`` keyword arguments (``BitsAndBytesConfig(**json.load(f))``) for ``from_pretrained``."""
-    if config.quantize_base == "off":
+    if not config.quantizes_base:
         raise ConfigError(
             "--format bnb: this config holds its base unquantized (--quantize-base off), so there is no "
             "quantization config; tune with --space lean to search quantized bases"

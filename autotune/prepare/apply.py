@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.levers import LEVERS, PRECISION
+from autotune.levers import LEVERS, LORA
 
 if TYPE_CHECKING:
     import torch
@@ -48,9 +48,10 @@ def prepare(
     config, workload = _resolve(config, workload, knobs)
     source = f"the model from --model {workload.model}" if workload is not None else "the model"
     for lever in LEVERS:  # those that change the model; the others return it as it is
-        if lever is PRECISION:  # LoRA (not yet a lever) goes first: PEFT makes its adapters fp32
-            model = _lora(model, config, workload, task, device)
-        model = lever.apply(model, config, source=source)
+        # LoRA's applying needs the workload (its targets) and the device (a quantized base): still here.
+        model = (
+            _lora(model, config, workload, task, device) if lever is LORA else lever.apply(model, config, source=source)
+        )
     if config.pp > 1:  # this rank's stages, and the schedule that runs them
         from autotune.prepare.pipeline import Pipeline
         from autotune.prepare.sharding import torch_device, torch_fake_mode_active
@@ -93,7 +94,7 @@ def _lora(
             "or the path of the autotune export, which carries it"
         )
     task = task or resolve_task(workload)
-    if config.quantize_base != "off":  # before LoRA, which wraps the quantized layers
+    if config.quantizes_base:  # before LoRA, which wraps the quantized layers
         from autotune.prepare.model_facts import head_names
         from autotune.prepare.quantize import quantize_base
 

@@ -24,8 +24,8 @@ import contextlib
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Iterator
 
-from autotune.config.knobs import quantize_library_refusal
 from autotune.errors import ConfigError
+from autotune.levers.lora import quantize_library_refusal
 from autotune.prepare.model_facts import is_under
 
 if TYPE_CHECKING:

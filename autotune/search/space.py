@@ -18,19 +18,11 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autotune.config.knobs import (
-    FSDP_MODES,
-    OFFLOADS,
-    PP_SCHEDULES,
-    QUANTIZATIONS,
-    QUANTIZE_REFUSAL,
-    ZERO_STAGES,
-    TrialConfig,
-    quantize_library_refusal,
-)
+from autotune.config.knobs import FSDP_MODES, OFFLOADS, PP_SCHEDULES, ZERO_STAGES, TrialConfig
 from autotune.errors import ConfigError
 from autotune.levers import AXIS_ORDER, DROPPED_ORDER
 from autotune.levers.base import Axis, Lever
+from autotune.levers.lora import QUANTIZATIONS, QUANTIZE_REFUSAL, quantize_library_refusal
 
 if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo

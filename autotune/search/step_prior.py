@@ -123,6 +123,6 @@ def _step_as(estimate: MemoryEstimate, costs: StepCosts, family: TrialConfig, co
     every parameter where ``config`` trains all weights and the trace was a LoRA step."""
     if config.checkpointing and not family.checkpointing:
         costs = costs.with_forward_rerun(1 / config.checkpoint_every)
-    if config.lora_rank is None and family.lora_rank is not None:
+    if not config.uses_lora and family.uses_lora:
         costs = costs.with_all_weights_trained()
     return dataclasses.replace(estimate, config=config, step_costs=costs)

@@ -247,7 +247,7 @@ def _built_where_it_lives(workload: Workload, config: TrialConfig, device: torch
         return contextlib.nullcontext()
     if (config.uses_fsdp or config.model_parallel > 1) and parse_model_source(workload.model).kind != "factory":
         return parameters_on_meta()  # each rank then makes its own shards
-    if config.quantize_base != "off" and parse_model_source(workload.model).kind != "factory":
+    if config.quantizes_base and parse_model_source(workload.model).kind != "factory":
         return parameters_on_meta()  # each linear layer made and quantized in turn, as from_pretrained loads it
     if config.zero_stage == 3:
         import deepspeed

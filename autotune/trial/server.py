@@ -135,7 +135,7 @@ def _preload_for_config(spec_path: str) -> None:
         config = TrialSpec.read(spec_path).config
     except Exception:  # noqa: BLE001 - the trial itself will report what is wrong
         return
-    preload_libraries(config, adapters=config.lora_rank is not None)
+    preload_libraries(config, adapters=config.uses_lora)
 
 
 def preload_libraries(config: Any, *, adapters: bool) -> None:

@@ -38,10 +38,6 @@ ROOT = PACKAGE.parent
 # Fields of knob families that are not yet a lever of their own: their fields, checks and labels are in
 # config/knobs.py, their applying in prepare/. Shrinks as each becomes a module of autotune/levers/.
 NOT_YET_LEVERS = {
-    "lora_rank",
-    "lora_alpha",
-    "lora_targets",
-    "quantize_base",
     "zero_stage",
     "fsdp",
     "shard_group",
@@ -74,7 +70,7 @@ NOT_YET: dict[str, set[str]] = {
     # the estimator's cases (its arithmetic stays in estimate/ for now)
     "autotune/estimate/fake_step.py": {"optimizer"},
     "autotune/estimate/step_time.py": {"compile", "fused_optimizer", "precision"},
-    "autotune/estimate/trace.py": {"activation_offload", "compile"},
+    "autotune/estimate/trace.py": {"activation_offload", "compile", "quantize_base"},
     "autotune/estimate/zero_states.py": {"precision"},
     # the export keys
     "autotune/output/exporters.py": {
@@ -96,10 +92,16 @@ NOT_YET: dict[str, set[str]] = {
         "precision",
     },
     "autotune/output/render.py": {"checkpointing"},
+    # LoRA's applying (its targets for the model, the quantized base's layers), its search-space parameter, and the
+    # adapter facts a study stores and shows: the lever's module holds its fields, checks, refusal and labels
+    "autotune/prepare/lora.py": {"lora_rank", "lora_targets"},
+    "autotune/prepare/quantize.py": {"quantize_base"},
+    "autotune/search/space.py": {"lora_rank", "lora_targets", "quantize_base"},
+    "autotune/study/stored_facts.py": {"lora_rank", "lora_targets"},
     # the proposer's and the plan's moves, the summary's notes
     "autotune/search/plan.py": {"precision"},
     "autotune/search/step_prior.py": {"checkpoint_every", "checkpointing", "precision"},
-    "autotune/study/summary.py": {"precision"},
+    "autotune/study/summary.py": {"lora_rank", "lora_targets", "precision"},
 }
 
 
