@@ -79,23 +79,35 @@ class _Traces:
         self._kept: collections.OrderedDict[str, Any] = collections.OrderedDict()
 
     def get(self, workload: Any, config: Any, task: str | None, measured_with: Any) -> Any:
+        return self.get_all([workload], config, task, measured_with)[0]
+
+    def get_all(self, workloads: list[Any], config: Any, task: str | None, measured_with: Any) -> list[Any]:
+        """``config``'s traced step for each workload (a plan's two proxy depths): those not kept are traced in
+        children forked together, as many at once as there are cores, so two depths cost one trace's wall time
+        on two cores."""
         from autotune.estimate.trace import trace_key
 
-        key = trace_key(workload, config, task=task, measured_with=measured_with)
-        if key in self._kept:
-            self._kept.move_to_end(key)
-            return self._kept[key]
-        _preload_for(workload, config)
+        keys = [trace_key(workload, config, task=task, measured_with=measured_with) for workload in workloads]
+        missing = {key: workload for key, workload in zip(keys, workloads, strict=True) if key not in self._kept}
+        if missing:
+            _preload_for(workloads[0], config)
         if config.pp > 1:  # each stage's rank traced in a child of its own, as many at once as there are cores
             from autotune.estimate.trace import pipeline_step
 
-            traced = pipeline_step(_stages_in_children(workload, config, task, measured_with))
+            for key, workload in missing.items():
+                self._keep(key, pipeline_step(_stages_in_children(workload, config, task, measured_with)))
         else:
-            traced = _collect(*_fork_trace(workload, config, task, measured_with))
+            traced = _in_children([(workload, config, task, measured_with, None) for workload in missing.values()])
+            for key, step in zip(missing, traced, strict=True):
+                self._keep(key, step)
+        for key in keys:
+            self._kept.move_to_end(key)
+        return [self._kept[key] for key in keys]
+
+    def _keep(self, key: str, traced: Any) -> None:
         self._kept[key] = traced
         while len(self._kept) > _KEPT_TRACES:
             self._kept.popitem(last=False)
-        return traced
 
 
 def _preload_for(workload: Any, config: Any) -> None:
@@ -128,7 +140,7 @@ def _answer(request: dict[str, Any], traces: _Traces) -> dict[str, Any]:
             estimate = estimate_from_trace(traces.get(workload, config, task, measured_with), workload, config)
         else:
             shallow, deeper = Workload.from_dict(proxy["shallow"]), Workload.from_dict(proxy["deeper"])
-            two, four = (traces.get(w, config, task, measured_with) for w in (shallow, deeper))
+            two, four = traces.get_all([shallow, deeper], config, task, measured_with)
             like = estimate_from_trace(four, deeper, config)  # its allocator's reserve stands for the whole model's
             estimate = estimate_from_trace(extrapolate(two, four, proxy["layers"]), workload, config, cuda_as=like)
         # What this answer cost: a kept trace is not paid for again.
@@ -150,13 +162,16 @@ def _one_line(exc: BaseException) -> str:
 
 def _stages_in_children(workload: Any, config: Any, task: str | None, measured_with: Any) -> list[Any]:
     """Every pipeline stage's traced step, in stage order, ``os.cpu_count()`` children at a time."""
+    return _in_children([(workload, config, task, measured_with, rank) for rank in range(config.pp)])
+
+
+def _in_children(traces: list[tuple[Any, Any, str | None, Any, int | None]]) -> list[Any]:
+    """Each ``(workload, config, task, measured_with, pipeline_rank)``'s traced step, in order, traced in forked
+    children ``os.cpu_count()`` at a time (a trace is one core's work)."""
     at_once = max(1, os.cpu_count() or 1)
     traced: list[Any] = []
-    for first in range(0, config.pp, at_once):
-        children = [
-            _fork_trace(workload, config, task, measured_with, pipeline_rank=rank)
-            for rank in range(first, min(first + at_once, config.pp))
-        ]
+    for first in range(0, len(traces), at_once):
+        children = [_fork_trace(*trace) for trace in traces[first : first + at_once]]
         failed: _TraceFailed | None = None
         for child in children:  # every child collected, so none is left behind when one failed
             try:
