@@ -215,11 +215,13 @@ def nothing_fits(summary: StudySummary) -> list[str]:
         if t.status == "ok" and t.fits:
             key = "fit, refuted on the re-run" if t.confirmed is False else "fit, not confirmed yet"
         counts[key] = counts.get(key, 0) + 1
-    lines = [
-        f"no config fits: {summary.n_trials} trials measured ("
-        + ", ".join(f"{n} {what}" for what, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-        + ")"
-    ]
+    tally = ", ".join(f"{n} {what}" for what, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    if counts.get("fit, not confirmed yet"):  # configs fit: what is missing is their re-run, not memory
+        return [
+            f"no confirmed config yet: {summary.n_trials} trials measured ({tally}); "
+            "run the same command without --no-confirm to re-run the fastest and confirm it"
+        ]
+    lines = [f"no config fits: {summary.n_trials} trials measured ({tally})"]
     peaks = [
         (t.peak_memory_bytes, t.config, "measured")
         for t in trials

@@ -88,22 +88,16 @@ def confirm_winner(
             # The first round proves each contender's fit over a longer run; later rounds pair figures, and
             # every contender of a round measures as many steps as the others.
             factor = CONFIRM_STEPS_FACTOR if round_index == 0 else 1
-            steps = measure.measure_steps * factor
             for record in racing:  # a refuted contender is out of the race (still_racing): not timed again
                 if any(runs.values()) and not clock.holds_a_rerun():
                     break
-                progress.confirming(record=record, steps=steps)
+                progress.confirming(record=record, steps=measure.measure_steps * factor)
                 cold = record.config.grad_accum_steps(workload) < WARM_MICRO_BATCHES  # warmed as a first trial
                 # It measures ``factor`` x the steps, so it gets as many times the trial's time.
                 with clock.timing(rerun=True):
                     runs[record.number].append(
-                        backend.run(
-                            workload,
-                            record.config,
-                            memory_budget_bytes=measure.memory_budget_bytes,
-                            timeout_s=measure.trial_timeout_s * factor,
-                            warmup_steps=measure.warmup_steps + cold,
-                            measure_steps=steps,
+                        measure.run(
+                            backend, workload, record.config, steps_factor=factor, extra_warmup_steps=cold, rerun=True
                         )
                     )
         # Cut short by --max-time: a contender never re-run is not refuted, just not compared.

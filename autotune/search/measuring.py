@@ -35,6 +35,29 @@ class Measure:
     measure_steps: int
     outpaced_step_s: float | None = None  # see trial.measure.time_steps; set per trial from the best so far
 
+    def run(
+        self,
+        backend: TrialBackend,
+        workload: Workload,
+        config: TrialConfig,
+        *,
+        steps_factor: int = 1,
+        extra_warmup_steps: int = 0,
+        rerun: bool = False,
+    ) -> TrialResult:
+        """One trial of ``config`` as asked: ``steps_factor`` x the timed steps in as many times the time (a re-run
+        proving a fit over a longer run), ``extra_warmup_steps`` more untimed ones; a re-run (``rerun``) is never
+        cut short as outpaced."""
+        return backend.run(
+            workload,
+            config,
+            memory_budget_bytes=self.memory_budget_bytes,
+            timeout_s=self.trial_timeout_s * steps_factor,
+            warmup_steps=self.warmup_steps + extra_warmup_steps,
+            measure_steps=self.measure_steps * steps_factor,
+            outpaced_step_s=None if rerun else self.outpaced_step_s,
+        )
+
 
 def run_undisturbed(
     backend: TrialBackend, workload: Workload, config: TrialConfig, measure: Measure, trial: optuna.Trial
@@ -42,16 +65,7 @@ def run_undisturbed(
     """The trial's result; measured once more where its steps still spread more than ``DISTURBED_SPREAD``
     after the extra steps (something else ran on the cores: its figure would mislead the model and the
     ranking for good), keeping the less disturbed of the two. The first figure is kept on the trial."""
-    run = functools.partial(
-        backend.run,
-        workload,
-        config,
-        memory_budget_bytes=measure.memory_budget_bytes,
-        timeout_s=measure.trial_timeout_s,
-        warmup_steps=measure.warmup_steps,
-        measure_steps=measure.measure_steps,
-        outpaced_step_s=measure.outpaced_step_s,
-    )
+    run = functools.partial(measure.run, backend, workload, config)
     result = run()
     if not result.ok or result.step_time_spread is None or result.step_time_spread <= DISTURBED_SPREAD:
         return result

@@ -58,6 +58,16 @@ def test_nothing_fits_says_what_was_tried_the_smallest_peak_and_what_to_change()
     assert "no config fits" in _printed(_summary(trials))
 
 
+def test_configs_that_fit_but_were_not_re_run_are_not_called_too_big():
+    trials = [
+        TrialRecord(number=0, config=TrialConfig(micro_batch=1), status="ok", tokens_per_s=10.0, fits=True),
+        TrialRecord(number=1, config=TrialConfig(micro_batch=2), status="oom", peak_memory_bytes=120 * MIB),
+    ]
+    (line,) = nothing_fits(_summary(trials))
+    assert line.startswith("no confirmed config yet: 2 trials measured (1 fit, not confirmed yet, 1 oom)"), line
+    assert "without --no-confirm" in line and "no config fits" not in line
+
+
 def test_a_study_without_trials_says_so():
     assert nothing_fits(_summary([])) == ["no confirmed config yet: no trial measured"]
 

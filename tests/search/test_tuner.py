@@ -194,6 +194,9 @@ def _start_tune(work: Path) -> subprocess.Popen[str]:
             "64",
             "--no-estimate",
             "--no-confirm",
+            # Every requested trial runs: on a loaded machine the figures can settle the search after two (the
+            # stop on evidence), and the count after a resume is what is tested.
+            "--measure-all",
         ],
         cwd=work,  # resuming is tested, not re-runs
         stdout=subprocess.PIPE,
