@@ -28,6 +28,10 @@ BAD_INPUTS = [
     (["trial", "--zero-stage", "two"], "--zero-stage 'two' is not known"),
     (["trial", "--offload", "optimizer"], "--offload optimizer needs ZeRO"),
     (["trial", "--lora-alpha", "16"], "--lora-alpha is set but LoRA is off"),
+    (
+        ["trial", "--model", "factories:slow_tiny", "--seq-len", "64", "--lora-rank", "8"],
+        "has no linear layer besides its task head to adapt; name the modules with --lora-targets",
+    ),
     # layouts of the ranks
     (["trial", "--nproc", "2", "--tp", "3"], "--tp 3 does not divide --nproc 2"),
     (["trial", "--nproc", "2", "--tp", "2", "--model", "three_heads.json"], "3 attention heads, which 2 ranks cannot"),

@@ -57,6 +57,12 @@ class ModelFacts(Protocol):
         """Why the model cannot checkpoint activations, or None (it can, or it is unknown before a trial)."""
         ...
 
+    @property
+    def default_lora_refusal(self) -> str | None:
+        """Why LoRA on its default targets cannot adapt the model (nothing but its task head is linear, or a
+        factory's model cannot be built to find its layers), or None."""
+        ...
+
 
 @dataclass(frozen=True)
 class Axis:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Lever, is_count
+from autotune.levers.base import Lever, ModelFacts, is_count
 
 if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
@@ -135,6 +135,12 @@ class LoraLever(Lever):
 
     def refusal(self, config: TrialConfig, workload: Workload, device: DeviceInfo) -> str | None:
         return quantize_refusal(config) if config.quantize_base != "off" else None
+
+    def needs_model_facts(self, config: TrialConfig) -> bool:
+        return config.lora_rank is not None and config.lora_targets is None  # named targets need no facts
+
+    def model_refusal(self, config: TrialConfig, facts: ModelFacts) -> str | None:
+        return facts.default_lora_refusal
 
     def labels(self, config: TrialConfig) -> list[str]:
         labels = []

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "WorkloadFacts",
+    "default_lora_refusal",
     "missing_checkpointing",
     "factory_facts",
     "checkpointing_gap",
@@ -227,3 +228,21 @@ class WorkloadFacts:
     @functools.cached_property
     def missing_checkpointing(self) -> str | None:
         return missing_checkpointing(self.workload)
+
+    @property
+    def default_lora_refusal(self) -> str | None:
+        return default_lora_refusal(self.workload, self.task)
+
+
+@functools.lru_cache(maxsize=16)  # a tuner asks its space's choices before every trial, and each trial's refusal
+def default_lora_refusal(workload: Workload, task: str) -> str | None:
+    """Why LoRA on its default targets cannot adapt the workload's model, or None. A factory's model is built on
+    the meta device in a process of its own; a Hugging Face model whose targets PEFT does not name, here."""
+    from autotune.errors import WorkloadError
+    from autotune.prepare.lora import lora_targets  # it imports this module
+
+    try:
+        lora_targets(workload, None, task=task)
+    except WorkloadError as exc:
+        return str(exc)
+    return None

@@ -183,7 +183,7 @@ class SearchSpace:
                 for q in quantize
             )
         )
-        refusal = _default_lora_refusal(workload) if self._default_lora() else None
+        refusal = _facts(workload).default_lora_refusal if self._default_lora() else None
         if refusal is not None:  # the model has nothing PEFT's defaults (or our fallback) would adapt
             lora = tuple(label for label in lora if label == "off" or ":" in label)
             if not lora:
@@ -234,7 +234,7 @@ class SearchSpace:
         """Knob values this space offers that :meth:`choices` leaves out for this model and device,
         beyond the precisions the device lacks: one line each, said once by the tuner."""
         dropped = []
-        refusal = _default_lora_refusal(workload) if self._default_lora() else None
+        refusal = _facts(workload).default_lora_refusal if self._default_lora() else None
         if refusal is not None:
             dropped.append(f"lora on its default targets: {refusal}")
         facts, space = _facts(workload), {axis.key: getattr(self, axis.key) for _, axis in _AXES}
@@ -334,21 +334,6 @@ def _facts(workload: Workload) -> ModelFacts:
     from autotune.prepare.model_facts import WorkloadFacts  # its task imports transformers: only when asked
 
     return WorkloadFacts(workload)
-
-
-@functools.lru_cache(maxsize=16)  # the tuner asks for the choices before every trial
-def _default_lora_refusal(workload: Workload) -> str | None:
-    """Why LoRA on the default targets cannot adapt the workload's model (e.g. nothing but its head
-    is linear), or None. A factory's model is built on the meta device in a separate process."""
-    from autotune.errors import WorkloadError
-    from autotune.models.sources import resolve_task
-    from autotune.prepare.lora import lora_targets
-
-    try:
-        lora_targets(workload, None, task=resolve_task(workload))
-    except WorkloadError as exc:
-        return str(exc)
-    return None
 
 
 def _fsdp_pair_means_something(offload: str, nproc: int, device_type: str) -> bool:
