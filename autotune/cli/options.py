@@ -20,6 +20,7 @@ from autotune.cli import parse
 from autotune.cli.app import app
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import DEFAULT_MODEL, Workload
+from autotune.levers import LEVER_FLAGS
 
 __all__ = [
     "Option",
@@ -73,30 +74,12 @@ WORKLOAD_OPTIONS = {
 # -- the knobs: one training configuration (a command's ``config`` parameter) ----------------------
 KNOB_OPTIONS = {
     "micro_batch": Option(int, 1, ("--micro-batch",), _help(TrialConfig, "micro_batch")),
-    "precision": Option(str, "fp32", ("--precision",), _help(TrialConfig, "precision")),
-    "checkpointing": Option(
-        str,
-        "off",
-        ("--checkpointing",),
-        "off, on, or every-N (every N-th decoder layer). " + _help(TrialConfig, "checkpointing"),
-    ),
-    "loss": Option(str, "standard", ("--loss",), _help(TrialConfig, "loss")),
-    "attention": Option(str, "auto", ("--attention",), _help(TrialConfig, "attention")),
-    "fused_optimizer": Option(
-        str, "off", ("--fused-optimizer",), "off or on. " + _help(TrialConfig, "fused_optimizer")
-    ),
-    "optimizer": Option(str, "adamw", ("--optimizer",), _help(TrialConfig, "optimizer")),
-    "optimizer_in_backward": Option(
-        str, "off", ("--optimizer-in-backward",), "off or on. " + _help(TrialConfig, "optimizer_in_backward")
-    ),
-    "activation_offload": Option(
-        str, "off", ("--activation-offload",), "off or on. " + _help(TrialConfig, "activation_offload")
-    ),
-    "compile": Option(str, "off", ("--compile",), "off or on. " + _help(TrialConfig, "compile")),
-    "lora_rank": Option(Optional[int], None, ("--lora-rank",), _help(TrialConfig, "lora_rank")),
-    "lora_alpha": Option(Optional[int], None, ("--lora-alpha",), _help(TrialConfig, "lora_alpha")),
-    "lora_targets": Option(Optional[str], None, ("--lora-targets",), _help(TrialConfig, "lora_targets")),
-    "quantize_base": Option(str, "off", ("--quantize-base",), _help(TrialConfig, "quantize_base")),
+    # Each lever's options (autotune/levers/: its Flag), in its fields' order.
+    **{
+        flag.field: Option(flag.type, flag.default, flag.names, flag.help_prefix + _help(TrialConfig, flag.field))
+        for flag in LEVER_FLAGS
+    },
+    # Those of the knob families that are not levers yet.
     "zero_stage": Option(str, "off", ("--zero-stage",), _help(TrialConfig, "zero_stage")),
     "fsdp": Option(str, "off", ("--fsdp",), _help(TrialConfig, "fsdp")),
     "shard_group": Option(Optional[int], None, ("--shard-group",), _help(TrialConfig, "shard_group")),

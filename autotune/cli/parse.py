@@ -9,59 +9,31 @@ from typing import Any
 
 from autotune.config.knobs import TrialConfig
 from autotune.errors import ConfigError
+from autotune.levers import LEVER_FLAGS
+from autotune.levers.base import on_off
 from autotune.search.slurm import Executor
 
 __all__ = ["knobs", "executor", "size", "duration"]
 
 
-def knobs(
-    micro_batch: int,
-    precision: str,
-    checkpointing: str,
-    loss: str,
-    attention: str,
-    fused_optimizer: str,
-    optimizer: str,
-    optimizer_in_backward: str,
-    activation_offload: str,
-    compile: str,
-    lora_rank: int | None,
-    lora_alpha: int | None,
-    lora_targets: str | None,
-    quantize_base: str,
-    zero_stage: str,
-    fsdp: str,
-    shard_group: int | None,
-    offload: str,
-    tp: int,
-    sequence_parallel: str,
-    pp: int,
-    pp_schedule: str,
-) -> TrialConfig:
-    """The knob options (as typed) as one config."""
+def knobs(**values: Any) -> TrialConfig:
+    """The knob options (as typed) as one config: each lever's from its flags (``autotune.levers``), then those of
+    the families that are not levers yet."""
+    fields: dict[str, Any] = {"micro_batch": values.pop("micro_batch")}
+    for flag in LEVER_FLAGS:
+        fields.update(flag.fields_of(values.pop(flag.field)))
+    fsdp = values.pop("fsdp")
     return TrialConfig(
-        micro_batch=micro_batch,
-        precision=precision,
-        **_checkpointing(checkpointing),
-        loss=loss,
-        attention=attention,
-        fused_optimizer=_on_off(fused_optimizer, "--fused-optimizer"),
-        optimizer=optimizer,
-        optimizer_in_backward=_on_off(optimizer_in_backward, "--optimizer-in-backward"),
-        activation_offload=_on_off(activation_offload, "--activation-offload"),
-        compile=_on_off(compile, "--compile"),
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_targets=tuple(t.strip() for t in lora_targets.split(",")) if lora_targets is not None else None,
-        quantize_base=quantize_base,
-        zero_stage=_zero_stage(zero_stage),
+        **fields,
+        zero_stage=_zero_stage(values.pop("zero_stage")),
         fsdp=None if fsdp.lower() in ("off", "none") else fsdp.lower(),
-        shard_group=shard_group,
-        offload=offload,
-        tp=tp,
-        sequence_parallel=_on_off(sequence_parallel, "--sequence-parallel"),
-        pp=pp,
-        pp_schedule=pp_schedule,
+        shard_group=values.pop("shard_group"),
+        offload=values.pop("offload"),
+        tp=values.pop("tp"),
+        sequence_parallel=on_off(values.pop("sequence_parallel"), "--sequence-parallel"),
+        pp=values.pop("pp"),
+        pp_schedule=values.pop("pp_schedule"),
+        **values,  # none left: a knob option without a place here is a TypeError, not silently dropped
     )
 
 
@@ -104,28 +76,6 @@ def duration(text: str | None, flag: str) -> float | None:
     from autotune.sizes import parse_duration
 
     return parse_duration(text, flag=flag) if text is not None else None
-
-
-def _on_off(value: str, flag: str) -> bool:
-    if value.lower() in ("on", "true", "yes", "1"):
-        return True
-    if value.lower() in ("off", "false", "no", "0"):
-        return False
-    raise ConfigError(f"{flag} {value!r} must be on or off")
-
-
-def _checkpointing(value: str) -> dict[str, Any]:
-    kind, _, every = value.lower().partition("-")
-    if kind == "every":
-        if not every.isdigit() or int(every) < 2:
-            raise ConfigError(
-                f"--checkpointing {value!r}: write every-N with N a whole number of 2 or more, e.g. every-2"
-            )
-        return {"checkpointing": True, "checkpoint_every": int(every)}
-    try:
-        return {"checkpointing": _on_off(value, "--checkpointing")}
-    except ConfigError:
-        raise ConfigError(f"--checkpointing {value!r} must be on, off or every-N (e.g. every-2)") from None
 
 
 def _zero_stage(value: str) -> int | None:

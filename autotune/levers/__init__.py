@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from autotune.levers.activation_offload import ActivationOffloadLever
 from autotune.levers.attention import AttentionLever
-from autotune.levers.base import Axis, Lever, ModelFacts
+from autotune.levers.base import Axis, Flag, Lever, ModelFacts
 from autotune.levers.checkpointing import CheckpointingLever
 from autotune.levers.compile import CompileLever
 from autotune.levers.lora import LoraLever
@@ -31,9 +31,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Axis",
+    "Flag",
     "Lever",
     "ModelFacts",
     "LEVERS",
+    "LEVER_FLAGS",
     "LABEL_ORDER",
     "CHECK_ORDER",
     "REFUSAL_ORDER",
@@ -75,6 +77,14 @@ LEVERS: tuple[Lever, ...] = (
     OPTIMIZER,
     ACTIVATION_OFFLOAD,
     COMPILE,
+)
+
+# Every lever's command-line options, in the order of their fields in TrialConfig (its mixins' order, which --help
+# lists them in; tests/levers/test_lever_ownership.py checks it).
+LEVER_FLAGS: tuple[Flag, ...] = tuple(
+    flag
+    for lever in (PRECISION, CHECKPOINTING, LOSS, ATTENTION, OPTIMIZER, ACTIVATION_OFFLOAD, COMPILE, LORA)
+    for flag in lever.flags
 )
 
 # The orders the other consumers ask the levers in. Each is the order the knobs were asked in before they were

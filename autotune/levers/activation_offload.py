@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Axis, Lever, a_bool
+from autotune.levers.base import Axis, Flag, Lever, a_bool
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +72,7 @@ class ActivationOffloadLever(Lever):
 
     name = "activation_offload"
     fields = ("activation_offload",)
+    flags = (Flag.on_off("activation_offload", "--activation-offload"),)
     axes = (
         Axis(
             "activation_offload",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Axis, Lever, ModelFacts, one_of
+from autotune.levers.base import Axis, Flag, Lever, ModelFacts, one_of
 
 if TYPE_CHECKING:
     import torch
@@ -107,6 +107,7 @@ def attention_device_refusal(attention: str, device_type: str) -> str | None:
 class AttentionLever(Lever):
     name = "attention"
     fields = ("attention",)
+    flags = (Flag("attention", ("--attention",), str, "auto"),)
     axes = (Axis("attention", f"a list of {', '.join(ATTENTIONS)}", "auto", one_of(ATTENTIONS), added_later=True),)
 
     def check(self, config: TrialConfig) -> None:

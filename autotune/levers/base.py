@@ -25,7 +25,17 @@ if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
 
-__all__ = ["Axis", "Lever", "ModelFacts", "is_count", "a_bool", "one_of", "keep_off_where_refused"]
+__all__ = [
+    "Axis",
+    "Flag",
+    "Lever",
+    "ModelFacts",
+    "is_count",
+    "a_bool",
+    "one_of",
+    "on_off",
+    "keep_off_where_refused",
+]
 
 
 class ModelFacts(Protocol):
@@ -81,12 +91,36 @@ class Axis:
     added_later: bool = False
 
 
+@dataclass(frozen=True)
+class Flag:
+    """One command-line option a lever owns, which every command that takes a config offers (``autotune.cli``):
+    ``names`` for the field ``field`` (whose help it shows, after ``help_prefix``), its type and default as typed,
+    and how a typed value makes the lever's fields (``parse``; by default the value is the field's)."""
+
+    field: str
+    names: tuple[str, ...]
+    type: Any = str
+    default: Any = None
+    help_prefix: str = ""
+    parse: Callable[[Any], dict[str, Any]] | None = None
+
+    def fields_of(self, value: Any) -> dict[str, Any]:
+        """The config's fields from the value typed (a bad one: ConfigError naming the flag)."""
+        return self.parse(value) if self.parse is not None else {self.field: value}
+
+    @classmethod
+    def on_off(cls, field: str, flag: str) -> Flag:
+        """An on/off option for a bool field (on, off, true, false, yes, no, 1, 0)."""
+        return cls(field, (flag,), str, "off", "off or on. ", lambda value: {field: on_off(value, flag)})
+
+
 class Lever:
     """One knob family. Subclasses set ``name`` and ``fields`` and override what concerns them."""
 
     name: ClassVar[str]
     fields: ClassVar[tuple[str, ...]]  # its TrialConfig fields, in their order
     axes: ClassVar[tuple[Axis, ...]] = ()  # its keys in a search space, in the order a space lists them
+    flags: ClassVar[tuple[Flag, ...]] = ()  # its command-line options, in its fields' order
 
     def check(self, config: TrialConfig) -> None:
         """Raise ConfigError when one of this lever's values (alone, or with its own others) is not known."""
@@ -167,6 +201,15 @@ def a_bool(value: Any) -> bool | None:
 def one_of(names: tuple[str, ...]) -> Callable[[Any], Any]:
     """The parser of a space file's value among ``names`` (None: anything else)."""
     return lambda value: value if value in names else None
+
+
+def on_off(value: str, flag: str) -> bool:
+    """A command line's on/off for ``flag`` (ConfigError naming it for anything else)."""
+    if value.lower() in ("on", "true", "yes", "1"):
+        return True
+    if value.lower() in ("off", "false", "no", "0"):
+        return False
+    raise ConfigError(f"{flag} {value!r} must be on or off")
 
 
 def keep_off_where_refused(key: str, values: tuple[Any, ...], refusal: str | None) -> tuple[Any, ...]:

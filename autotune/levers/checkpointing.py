@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Axis, Lever, ModelFacts, is_count
+from autotune.levers.base import Axis, Flag, Lever, ModelFacts, is_count, on_off
 
 if TYPE_CHECKING:
     import torch
@@ -147,9 +147,34 @@ class CheckpointingFields:
     )
 
 
+def checkpointing_flag(value: str) -> dict[str, Any]:
+    """``--checkpointing off|on|every-N`` as the lever's fields."""
+    kind, _, every = value.lower().partition("-")
+    if kind == "every":
+        if not every.isdigit() or int(every) < 2:
+            raise ConfigError(
+                f"--checkpointing {value!r}: write every-N with N a whole number of 2 or more, e.g. every-2"
+            )
+        return {"checkpointing": True, "checkpoint_every": int(every)}
+    try:
+        return {"checkpointing": on_off(value, "--checkpointing")}
+    except ConfigError:
+        raise ConfigError(f"--checkpointing {value!r} must be on, off or every-N (e.g. every-2)") from None
+
+
 class CheckpointingLever(Lever):
     name = "checkpointing"
     fields = ("checkpointing", "checkpoint_every")
+    flags = (
+        Flag(
+            "checkpointing",
+            ("--checkpointing",),
+            str,
+            "off",
+            "off, on, or every-N (every N-th decoder layer). ",
+            checkpointing_flag,
+        ),
+    )
     # One axis for both fields: false, true (every layer) or every-N.
     axes = (
         Axis("checkpointing", "a list of true/false, or every-N (every N-th decoder layer, N >= 2)", False, _in_space),

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Axis, Lever, a_bool
+from autotune.levers.base import Axis, Flag, Lever, a_bool
 
 if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
@@ -46,6 +46,7 @@ def compile_device_refusal(device_type: str) -> str | None:
 class CompileLever(Lever):
     name = "compile"
     fields = ("compile",)
+    flags = (Flag.on_off("compile", "--compile"),)
     axes = (Axis("compile", "a list of true/false (true: CUDA only)", False, a_bool, added_later=True),)
 
     def check(self, config: TrialConfig) -> None:

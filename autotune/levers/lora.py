@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Lever, ModelFacts, is_count
+from autotune.levers.base import Flag, Lever, ModelFacts, is_count
 
 if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
@@ -109,9 +109,26 @@ def quantize_refusal(config: TrialConfig) -> str | None:
     return None
 
 
+def _targets(value: str | None) -> tuple[str, ...] | None:
+    """``--lora-targets q_proj,v_proj`` as the field's tuple (None: the default targets)."""
+    return tuple(target.strip() for target in value.split(",")) if value is not None else None
+
+
 class LoraLever(Lever):
     name = "lora"
     fields = ("lora_rank", "lora_alpha", "lora_targets", "quantize_base")
+    flags = (
+        Flag("lora_rank", ("--lora-rank",), Optional[int], None),
+        Flag("lora_alpha", ("--lora-alpha",), Optional[int], None),
+        Flag(
+            "lora_targets",
+            ("--lora-targets",),
+            Optional[str],
+            None,
+            parse=lambda value: {"lora_targets": _targets(value)},
+        ),
+        Flag("quantize_base", ("--quantize-base",), str, "off"),
+    )
 
     def check(self, config: TrialConfig) -> None:
         if config.lora_rank is not None and not is_count(config.lora_rank):

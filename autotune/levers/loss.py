@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Axis, Lever, ModelFacts
+from autotune.levers.base import Axis, Flag, Lever, ModelFacts
 
 if TYPE_CHECKING:
     import torch
@@ -105,6 +105,7 @@ def chunked_loss_refusal(facts: ModelFacts) -> str | None:
 class LossLever(Lever):
     name = "loss"
     fields = ("loss",)
+    flags = (Flag("loss", ("--loss",), str, "standard"),)
     axes = (
         Axis(
             "loss",

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Axis, Lever, ModelFacts, a_bool, one_of
+from autotune.levers.base import Axis, Flag, Lever, ModelFacts, a_bool, one_of
 
 if TYPE_CHECKING:
     import torch
@@ -117,6 +117,11 @@ class OptimizerLever(Lever):
 
     name = "optimizer"
     fields = ("fused_optimizer", "optimizer", "optimizer_in_backward")
+    flags = (
+        Flag.on_off("fused_optimizer", "--fused-optimizer"),
+        Flag("optimizer", ("--optimizer",), str, "adamw"),
+        Flag.on_off("optimizer_in_backward", "--optimizer-in-backward"),
+    )
     # optimizer and optimizer_in_backward are tuner parameters only where a space moves them (they came later)
     axes = (
         Axis("fused_optimizer", "a list of true/false", False, a_bool, added_later=True),

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Axis, Lever, ModelFacts, one_of
+from autotune.levers.base import Axis, Flag, Lever, ModelFacts, one_of
 
 if TYPE_CHECKING:
     import torch
@@ -75,6 +75,7 @@ class PrecisionFields:
 class PrecisionLever(Lever):
     name = "precision"
     fields = ("precision",)
+    flags = (Flag("precision", ("--precision",), str, "fp32"),)
     axes = (Axis("precision", f"a list of {', '.join(PRECISIONS)}", "fp32", one_of(PRECISIONS)),)
 
     def check(self, config: TrialConfig) -> None:

@@ -27,6 +27,7 @@ from autotune.levers import (
     CHECK_ORDER,
     DROPPED_ORDER,
     LABEL_ORDER,
+    LEVER_FLAGS,
     LEVERS,
     MODEL_REFUSAL_ORDER,
     REFUSAL_ORDER,
@@ -159,11 +160,16 @@ def test_every_field_belongs_to_one_lever_or_is_listed_as_not_yet() -> None:
 
 
 def test_each_levers_fields_are_its_mixins() -> None:
-    """A lever's ``fields`` are the fields its module's mixin gives TrialConfig, in TrialConfig's order."""
+    """A lever's ``fields`` are the fields its module's mixin gives TrialConfig, in TrialConfig's order; its flags
+    name its own fields, and every lever's flags come in that order too (the order --help lists them in)."""
     order = [f.name for f in dataclasses.fields(TrialConfig)]
     for lever in LEVERS:
         positions = [order.index(name) for name in lever.fields]
         assert positions == sorted(positions), f"{lever}: fields out of TrialConfig's order"
+        assert {flag.field for flag in lever.flags} <= set(lever.fields), f"{lever}: a flag for another's field"
+    positions = [order.index(flag.field) for flag in LEVER_FLAGS]
+    assert positions == sorted(positions), "LEVER_FLAGS out of TrialConfig's order"
+    assert {flag.field for flag in LEVER_FLAGS} == set(order) - NOT_YET_LEVERS - CORE - {"checkpoint_every"}
 
 
 def test_no_lever_field_is_read_outside_its_lever_and_the_places_that_must_know_it() -> None:
