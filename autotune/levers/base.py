@@ -40,7 +40,7 @@ __all__ = [
 
 class ModelFacts(Protocol):
     """What a lever's refusal may ask about the workload's model; read lazily, once per workload
-    (``autotune.prepare.model_facts.WorkloadFacts`` reads them)."""
+    (``autotune.prepare.workload_facts.WorkloadFacts`` reads them)."""
 
     @property
     def model(self) -> str:

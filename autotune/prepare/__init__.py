@@ -46,7 +46,7 @@ def refusal_before_trial(workload: Workload, config: TrialConfig, task: str | No
     ``task``: the workload's, resolved here only when a lever asks for it. The model's facts are read once,
     when a lever first asks, and handed to every lever's refusal."""
     from autotune.levers import CHECKPOINTING, MODEL_REFUSAL_ORDER
-    from autotune.prepare.model_facts import WorkloadFacts
+    from autotune.prepare.workload_facts import WorkloadFacts
 
     facts = WorkloadFacts(workload, task=task)
     for lever in MODEL_REFUSAL_ORDER:

@@ -5,7 +5,6 @@ checkpoint activations. A factory's model is built on the meta device in a proce
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from typing import TYPE_CHECKING, Any, Iterable
@@ -26,8 +25,6 @@ if TYPE_CHECKING:
     from autotune.config.workload import Workload
 
 __all__ = [
-    "WorkloadFacts",
-    "default_lora_refusal",
     "missing_checkpointing",
     "factory_facts",
     "checkpointing_gap",
@@ -197,52 +194,3 @@ def missing_checkpointing(workload: Workload) -> str | None:
 
 
 _MISSING_CHECKPOINTING: dict[tuple[Any, ...], str | None] = {}
-
-
-class WorkloadFacts:
-    """The facts about a workload's model that levers' refusals ask for (``autotune.levers.base.ModelFacts``),
-    each read once, when first asked: the task resolves the model's config, the class imports transformers."""
-
-    def __init__(self, workload: Workload, *, task: str | None = None) -> None:
-        self.workload = workload
-        self._task = task
-
-    @property
-    def model(self) -> str:
-        return self.workload.model
-
-    @functools.cached_property
-    def is_factory(self) -> bool:
-        return parse_model_source(self.workload.model).kind == "factory"
-
-    @property
-    def task(self) -> str:
-        if self._task is None:
-            self._task = resolve_task(self.workload)  # reads the model's config: only when asked
-        return self._task
-
-    @functools.cached_property
-    def model_class(self) -> type | None:
-        return hf_model_class(self.workload, self.task)
-
-    @functools.cached_property
-    def missing_checkpointing(self) -> str | None:
-        return missing_checkpointing(self.workload)
-
-    @property
-    def default_lora_refusal(self) -> str | None:
-        return default_lora_refusal(self.workload, self.task)
-
-
-@functools.lru_cache(maxsize=16)  # a tuner asks its space's choices before every trial, and each trial's refusal
-def default_lora_refusal(workload: Workload, task: str) -> str | None:
-    """Why LoRA on its default targets cannot adapt the workload's model, or None. A factory's model is built on
-    the meta device in a process of its own; a Hugging Face model whose targets PEFT does not name, here."""
-    from autotune.errors import WorkloadError
-    from autotune.prepare.lora import lora_targets  # it imports this module
-
-    try:
-        lora_targets(workload, None, task=task)
-    except WorkloadError as exc:
-        return str(exc)
-    return None

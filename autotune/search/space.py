@@ -331,7 +331,7 @@ def _zero_pair_means_something(stage: int | None, offload: str, nproc: int, devi
 
 def _facts(workload: Workload) -> ModelFacts:
     """The workload's model's facts that the levers' axes ask for, each read once, when first asked."""
-    from autotune.prepare.model_facts import WorkloadFacts  # its task imports transformers: only when asked
+    from autotune.prepare.workload_facts import WorkloadFacts  # its task imports transformers: only when asked
 
     return WorkloadFacts(workload)
 

@@ -16,7 +16,7 @@ from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.levers.attention import attention_refusal
 from autotune.models.sources import build_model
-from autotune.prepare.model_facts import WorkloadFacts
+from autotune.prepare.workload_facts import WorkloadFacts
 from autotune.search.presets import load_space
 
 LONG = Workload(model="builtin:llama-tiny", seq_len=256, global_batch=4)

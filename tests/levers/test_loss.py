@@ -16,7 +16,7 @@ from autotune.estimate.client import predict_memory
 from autotune.levers.loss import chunk_loss, chunked_loss_refusal
 from autotune.models.sources import build_model
 from autotune.prepare.lora import apply_lora
-from autotune.prepare.model_facts import WorkloadFacts
+from autotune.prepare.workload_facts import WorkloadFacts
 from autotune.search.presets import load_space
 from autotune.trial.runner import run_trial
 

@@ -7,12 +7,12 @@ import pytest
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.levers import LABEL_ORDER, LEVERS
-from autotune.prepare import model_facts, refusal_before_trial
+from autotune.prepare import refusal_before_trial, workload_facts
 
 
 def test_the_model_facts_are_read_once_for_every_lever(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    monkeypatch.setattr(model_facts, "resolve_task", lambda workload: calls.append(workload.model) or "causal-lm")
+    monkeypatch.setattr(workload_facts, "resolve_task", lambda workload: calls.append(workload.model) or "causal-lm")
     config = TrialConfig(loss="chunked", attention="eager", checkpointing=True, checkpoint_every=2)
     assert refusal_before_trial(Workload(model="builtin:llama-tiny"), config) is None
     assert calls == ["builtin:llama-tiny"]  # the loss and attention both asked for the task: resolved once

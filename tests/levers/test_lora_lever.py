@@ -7,7 +7,7 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.levers import LORA
 from autotune.prepare import refusal_before_trial
-from autotune.prepare.model_facts import WorkloadFacts
+from autotune.prepare.workload_facts import WorkloadFacts
 
 # A factory whose only linear layer is its head (tests/factories.py): nothing for LoRA's default targets.
 NO_TARGETS = Workload(model="factories:slow_tiny", seq_len=64, global_batch=4)
