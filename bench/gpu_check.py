@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_MODEL = "bench/data/published/llama-3.2-3b.json"
@@ -171,25 +171,25 @@ def _table(rows: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None, s
             continue
         allocated = _pair(predicted.get("predicted_peak_bytes"), measured.get("peak_allocated_bytes"))
         reserved = _pair(predicted.get("predicted_reserved_bytes"), measured.get("peak_reserved_bytes"))
-        tokens = _rate((predicted.get("step_time") or {}).get("tokens_per_s"), measured.get("tokens_per_s"))
+        tokens = _pair((predicted.get("step_time") or {}).get("tokens_per_s"), measured.get("tokens_per_s"), _rate)
         out.append(f"{label} | {allocated} | {reserved} | {tokens}")
     return out
 
 
-def _pair(predicted: float | None, measured: float | None) -> str:
-    def size(value: float | None) -> str:
-        return "-" if value is None else f"{value / GiB:.3f} GiB"
+def _pair(
+    predicted: float | None, measured: float | None, show: Callable[[float], str] = lambda v: f"{v / GiB:.3f} GiB"
+) -> str:
+    """``predicted / measured (error)``, each value as ``show`` writes it (a size by default), ``-`` where none."""
+
+    def text(value: float | None) -> str:
+        return "-" if value is None else show(value)
 
     error = f" ({predicted / measured - 1:+.1%})" if predicted and measured else ""
-    return f"{size(predicted)} / {size(measured)}{error}"
+    return f"{text(predicted)} / {text(measured)}{error}"
 
 
-def _rate(predicted: float | None, measured: float | None) -> str:
-    def rate(value: float | None) -> str:
-        return "-" if not value else f"{value:,.0f}"
-
-    error = f" ({predicted / measured - 1:+.1%})" if predicted and measured else ""
-    return f"{rate(predicted)} / {rate(measured)}{error}"
+def _rate(value: float) -> str:
+    return f"{value:,.0f}" if value else "-"
 
 
 def _has(package: str) -> bool:

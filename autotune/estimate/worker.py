@@ -89,8 +89,8 @@ class _Traces:
 
         keys = [trace_key(workload, config, task=task, measured_with=measured_with) for workload in workloads]
         missing = {key: workload for key, workload in zip(keys, workloads, strict=True) if key not in self._kept}
-        if missing:
-            _preload_for(workloads[0], config)
+        for workload in missing.values():  # once each: a module imported already costs nothing
+            _preload_for(workload, config)
         if config.pp > 1:  # each stage's rank traced in a child of its own, as many at once as there are cores
             from autotune.estimate.trace import pipeline_step
 

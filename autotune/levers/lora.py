@@ -144,26 +144,26 @@ class LoraLever(Lever):
             raise ConfigError(
                 f"--quantize-base {config.quantize_base!r} is not known; use one of {', '.join(QUANTIZATIONS)}"
             )
-        if config.quantize_base != "off" and not config.uses_lora:
+        if config.quantizes_base and not config.uses_lora:
             raise ConfigError(
                 f"--quantize-base {config.quantize_base} quantizes the frozen base that LoRA trains adapters on; "
                 "add --lora-rank R, or use --quantize-base off"
             )
 
     def refusal(self, config: TrialConfig, workload: Workload, device: DeviceInfo) -> str | None:
-        return quantize_refusal(config) if config.quantize_base != "off" else None
+        return quantize_refusal(config) if config.quantizes_base else None
 
     def needs_model_facts(self, config: TrialConfig) -> bool:
-        return config.lora_rank is not None and config.lora_targets is None  # named targets need no facts
+        return config.uses_lora and config.lora_targets is None  # named targets need no facts
 
     def model_refusal(self, config: TrialConfig, facts: ModelFacts) -> str | None:
         return facts.default_lora_refusal
 
     def labels(self, config: TrialConfig) -> list[str]:
         labels = []
-        if config.lora_rank is not None:
+        if config.uses_lora:
             targets = ":" + ",".join(config.lora_targets) if config.lora_targets else ""
             labels.append(f"lora{config.lora_rank}{targets}")
-        if config.quantize_base != "off":
+        if config.quantizes_base:
             labels.append(config.quantize_base)
         return labels
