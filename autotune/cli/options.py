@@ -101,7 +101,13 @@ OPTIONS = {
         "Memory a trial may use, e.g. 512MiB or 24GiB; enforced for real (OOM beyond it).",
     ),
     "trial_timeout": Option(float, 600.0, ("--trial-timeout",), "Seconds before a trial is killed (status timeout)."),
-    "warmup_steps": Option(int, 1, ("--warmup-steps",), "Untimed optimizer steps before measuring."),
+    "warmup_steps": Option(
+        int,
+        1,
+        ("--warmup-steps",),
+        "Untimed optimizer steps before measuring, each after one micro batch (DeepSpeed's and pipeline trials': "
+        "whole steps).",
+    ),
     "steps": Option(int, 3, ("--steps",), "Timed optimizer steps."),
     "as_json": Option(bool, False, ("--json",), "Print one JSON object instead of a table."),
     "gpu": Option(Optional[str], None, ("--gpu",), _help(Workload, "gpu") + " --memory-budget defaults to its memory."),

@@ -19,7 +19,6 @@ from autotune.search.confirm import (
     rounds_agree,
     still_racing,
 )
-from autotune.search.measuring import WARM_MICRO_BATCHES
 from autotune.search.simple import SIMPLE_KEY
 from autotune.search.study_trials import ask
 from autotune.study.records import (
@@ -92,12 +91,12 @@ def confirm_winner(
                 if any(runs.values()) and not clock.holds_a_rerun():
                     break
                 progress.confirming(record=record, steps=measure.measure_steps * factor)
-                cold = record.config.grad_accum_steps(workload) < WARM_MICRO_BATCHES  # warmed as a first trial
-                # It measures ``factor`` x the steps, so it gets as many times the trial's time.
+                # It measures ``factor`` x the steps, so it gets as many times the trial's time; it warms up one
+                # step more, as a call's first trial does (a fresh process after a pause is not measured cold).
                 with clock.timing(rerun=True):
                     runs[record.number].append(
                         measure.run(
-                            backend, workload, record.config, steps_factor=factor, extra_warmup_steps=cold, rerun=True
+                            backend, workload, record.config, steps_factor=factor, extra_warmup_steps=1, rerun=True
                         )
                     )
         # Cut short by --max-time: a contender never re-run is not refuted, just not compared.

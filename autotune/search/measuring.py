@@ -16,13 +16,12 @@ if TYPE_CHECKING:
     from autotune.study.summary import TrialRecord
     from autotune.trial.result import TrialResult
 
-__all__ = ["Measure", "run_undisturbed", "outpaced_step_s", "DISTURBED_SPREAD", "OUTPACED_FACTOR", "WARM_MICRO_BATCHES"]
+__all__ = ["Measure", "run_undisturbed", "outpaced_step_s", "DISTURBED_SPREAD", "OUTPACED_FACTOR"]
 
 DISTURBED_SPREAD = 0.2  # a trial whose step times still spread this much (IQR / median) is measured again
 # A trial whose timed step takes this many times the fastest fitting config's step is ended there: a disturbed
 # step is slower, not this much (see trial.measure.time_steps).
 OUTPACED_FACTOR = 3.0
-WARM_MICRO_BATCHES = 4  # a warm-up step of this many micro batches warms a cold trial without another step
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from autotune.search.confirm import held_answer
 from autotune.search.confirming import confirm_winner
 from autotune.search.interrupt import stop_point
-from autotune.search.measuring import WARM_MICRO_BATCHES, Measure, outpaced_step_s
+from autotune.search.measuring import Measure, outpaced_step_s
 from autotune.search.simple import SIMPLE_KEY, next_ramp_config, ramp_answer, ramp_family
 from autotune.search.stopping import patience_spent, settled_reason, stop_reason, waits_on_others
 from autotune.search.study_trials import (
@@ -74,9 +74,8 @@ class Tuning:
         """Measure the ramp of :mod:`autotune.search.simple` and store its answer, the first one held.
 
         The first trial of the call warms up one step more: the machine's first trial after the servers'
-        start-up (caches, the first fork's page faults) is not measured cold. Not where a step holds
-        ``WARM_MICRO_BATCHES`` micro batches or more: its warm-up step alone runs that many forwards and
-        backwards."""
+        start-up (caches, the first fork's page faults) is not measured cold. A warm-up step is one micro batch
+        and an optimizer step (:meth:`autotune.trial.engine.TrainingEngine.warm_up`): the extra one is cheap."""
         from autotune.study.storage import DEFAULT_STORAGE
 
         family = ramp_family(self.proposer.candidates)
@@ -92,10 +91,9 @@ class Tuning:
                 if config is None or len(measured(records)) >= self.target:
                     break
                 trial, config = ask(self.study, self.proposer, config)
-            warm = first if config.grad_accum_steps(self.workload) < WARM_MICRO_BATCHES else self.measure
             # Predicted well over the limit (the smallest size, where none is predicted under): skipped, as the
             # search skips it; the ramp ends with no answer, as a finder's would at its first size.
-            if self._measure(trial, config, records, warm):
+            if self._measure(trial, config, records, first):
                 first = self.measure
         answer = ramp_answer(family, records_of(self.study))
         self.study.set_user_attr(SIMPLE_KEY, answer.number if answer is not None else None)

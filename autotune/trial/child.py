@@ -137,6 +137,7 @@ def _train(
         max_steps=spec.max_measure_steps,
         agree=_agreed(world_size, device),
         outpaced_s=spec.outpaced_step_s,
+        warm_up=engine.warm_up,
     )
     # Per optimizer step, from the median step: a few steps slowed by another process move a
     # mean, not a median (the spread says how much they disagreed).

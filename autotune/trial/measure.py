@@ -85,11 +85,13 @@ def time_steps(
     max_steps: int | None = None,
     agree: Callable[[bool], bool] = lambda more: more,
     outpaced_s: float | None = None,
+    warm_up: Callable[[], float] | None = None,
 ) -> StepTimes:
     """Run ``warmup`` untimed and at least ``steps`` timed optimizer steps.
 
     ``step`` runs every accumulation micro-step of one optimizer step and returns the loss as a
     Python float (which waits for the device); ``sync`` waits for whatever else is queued.
+    ``warm_up`` runs one untimed step (default ``step``; an engine's may run fewer micro batches).
     While the times have not settled (see :data:`SETTLED_SPREAD`), one more step is measured, up
     to ``max_steps`` (default ``MAX_STEPS_FACTOR`` x ``steps``) and ``MAX_EXTRA_TIME_FACTOR`` x the
     time the first ``steps`` took. ``agree`` turns this rank's wish for one more step into every
@@ -104,7 +106,7 @@ def time_steps(
     loss = math.nan
     start = time.perf_counter()
     for _ in range(warmup):
-        loss = _checked(step())
+        loss = _checked((warm_up or step)())
     sync()
     warmup_s = time.perf_counter() - start
     times: list[float] = []

@@ -479,21 +479,22 @@ def test_a_trial_disturbed_by_other_work_is_measured_once_more_and_the_steadier_
     assert backend.runs[:2] == [("fp32", 4), ("fp32", 4)]
 
 
-def test_the_first_trial_warms_up_one_step_more_unless_its_step_holds_many_micro_batches(tmp_path):
-    # Global batch 16. mb=2 accumulates 8 micro batches a step: its warm-up step is warm-up enough.
-    (tmp_path / "many").mkdir()
-    few = ScriptedBackend(first={1: 50.0, 2: 97.0, 4: 100.0}, reruns={m: [100.0] * 3 for m in (1, 2, 4)})
-    _tune(tmp_path / "many", few)
-    assert few.runs[0] == (2, False) and few.warmups[0] == 1
-    # A re-run starts cold too: the same rule (mb=4 accumulates 4 a step; mb=1 16).
-    reruns = [warm for (_, again), warm in zip(few.runs, few.warmups, strict=True) if again]
-    assert reruns and all(warm == 1 for warm in reruns)
-    # mb=8 and mb=16 accumulate 2 and 1: the first trial gets its extra warm-up step, the next ones do not.
-    (tmp_path / "few").mkdir()
-    backend = ScriptedBackend(first={8: 100.0, 16: 120.0}, reruns={8: [100.0] * 3, 16: [120.0] * 3})
-    _tune(tmp_path / "few", backend, knobs="  micro_batch: [8, 16]\n  precision: [fp32]\n")
-    assert backend.warmups[0] == 2 and backend.warmups[1] == 1
-    assert [warm for (_, again), warm in zip(backend.runs, backend.warmups, strict=True) if again] == [2]  # mb=16 alone
+def test_the_first_trial_and_every_rerun_warm_up_one_step_more(tmp_path):
+    # A warm-up step is one micro batch and the optimizer step, whatever the accumulation (global batch 16: mb=2
+    # accumulates 8 micro batches, mb=16 one): the call's first trial warms up twice, the search's others once.
+    for micro_batches in ([2, 4], [8, 16]):
+        folder = tmp_path / f"mb{micro_batches[0]}"
+        folder.mkdir()
+        backend = ScriptedBackend(
+            first={micro_batches[0]: 100.0, micro_batches[1]: 97.0},
+            reruns={m: [100.0] * 3 for m in micro_batches},
+        )
+        _tune(folder, backend, knobs=f"  micro_batch: {micro_batches}\n  precision: [fp32]\n")
+        searched = [warm for (_, again), warm in zip(backend.runs, backend.warmups, strict=True) if not again]
+        assert searched[0] == 2 and searched[1:] and all(warm == 1 for warm in searched[1:])
+        # A re-run is a fresh process after a pause, as the first trial is: it warms up as that one does.
+        reruns = [warm for (_, again), warm in zip(backend.runs, backend.warmups, strict=True) if again]
+        assert reruns and all(warm == 2 for warm in reruns)
 
 
 class _PredictedBackend(ScriptedBackend):

@@ -76,3 +76,16 @@ def test_ranks_stop_early_together_when_any_of_them_was_outpaced():
 
     times = time_steps(_steps([0.02] * 5), lambda: None, warmup=0, steps=3, agree=agree, outpaced_s=0.5)
     assert asked == [False] and len(times.seconds) == 1 and times.outpaced
+
+
+def test_warm_up_steps_run_the_engines_warm_up_and_are_not_timed():
+    warmed: list[int] = []
+
+    def warm_up() -> float:
+        warmed.append(1)
+        time.sleep(0.2)
+        return 1.0
+
+    times = time_steps(_steps([0.02] * 5), lambda: None, warmup=2, steps=3, warm_up=warm_up)
+    assert len(warmed) == 2 and times.warmup_s >= 0.4
+    assert len(times.seconds) == 3 and times.median_s < 0.1
