@@ -167,7 +167,7 @@ def print_summary(summary: StudySummary, *, console: Console | None = None, all_
             console.print(line, highlight=False, markup=False)
         return
     console.print(
-        f"[bold green]best[/]: {best.config.describe()}  (trial {best.number}, confirmed on a longer re-run)",
+        f"[bold green]best[/]: {best.config.describe()}  (trial {best.number}, confirmed in re-runs)",
         highlight=False,
     )
     if summary.certainty:
@@ -266,7 +266,7 @@ def nothing_fits(summary: StudySummary) -> list[str]:
         lines.append("  knobs that save memory and were not tried: " + "; ".join(untried))
     if counts.get("fit, refuted on the re-run"):
         lines.append(
-            "  configs that fit in their trial ran out of room on the longer re-run: "
+            "  configs that fit in their trial ran out of room on a re-run: "
             "a larger --memory-budget or a lower --headroom leaves them room"
         )
     return lines

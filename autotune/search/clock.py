@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 __all__ = ["Clock", "SEARCH_SHARE", "CONFIRM_RESERVE"]
 
 SEARCH_SHARE = 0.8  # under --max-time, the search's share of it at most: the rest confirms the winner
-CONFIRM_RESERVE = 2.5  # ... and at least this many trials' time is left for the leader's re-run (2x its steps)
+CONFIRM_RESERVE = 2.5  # ... and at least this many trials' time is left for the re-runs (the leader's and one more)
 
 
 class Clock:
@@ -42,7 +42,6 @@ class Clock:
         if self.max_time_s is None:
             return False
         next_trial = statistics.median(self.trial_seconds) if self.trial_seconds else 0.0
-        # The leader's first re-run measures CONFIRM_STEPS_FACTOR x the steps: about twice a trial's time.
         reserve = max(CONFIRM_RESERVE * next_trial, self.max_time_s * (1 - SEARCH_SHARE))
         return self.elapsed() + next_trial + reserve > self.max_time_s
 

@@ -29,19 +29,22 @@ def held_answer(records: list[TrialRecord], simple: int | None) -> TrialRecord |
     return decided or next((r for r in ranked if r.number == simple), None) or next(iter(ranked), None)
 
 
-def rounds_agree(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], limit: int) -> bool:
-    """Whether the leader by paired figures was ahead of every other contender in every round both ran."""
+def worth_another_round(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], limit: int) -> bool:
+    """Whether the rounds so far leave a lead a further round could settle: the leader by paired figures was
+    behind another contender in some round, and their paired figures lie more than ``CONFIRM_NOISE`` apart.
+    Two configs the rounds call within the noise of each other are as good an answer either way: a third round
+    would most likely call them so again."""
     held = held_up(contenders, runs, limit)
     scores, _ = paired_scores(held, runs)
     if len(scores) < 2:
-        return True
+        return False
     leader = max(scores, key=scores.__getitem__)
-    return all(
-        (runs[leader][i].throughput or 0.0) > (runs[n][i].throughput or 0.0)
-        for n in scores
-        if n != leader
-        for i in range(min(len(runs[leader]), len(runs[n])))
-    )
+
+    def disagree(number: int) -> bool:
+        both = range(min(len(runs[leader]), len(runs[number])))
+        return any((runs[leader][i].throughput or 0.0) <= (runs[number][i].throughput or 0.0) for i in both)
+
+    return any(disagree(n) and scores[leader] / scores[n] - 1 > CONFIRM_NOISE for n in scores if n != leader)
 
 
 def still_racing(

@@ -16,8 +16,8 @@ from autotune.search.confirm import (
     holds,
     paired_scores,
     proven_order,
-    rounds_agree,
     still_racing,
+    worth_another_round,
 )
 from autotune.search.simple import SIMPLE_KEY
 from autotune.search.study_trials import ask
@@ -42,10 +42,9 @@ if TYPE_CHECKING:
     from autotune.study.summary import TrialRecord
     from autotune.trial.result import TrialResult
 
-__all__ = ["confirm_winner", "CONFIRM_STEPS_FACTOR", "MAX_CONFIRM_ROUNDS", "MAX_CONFIRMATIONS"]
+__all__ = ["confirm_winner", "MAX_CONFIRM_ROUNDS", "MAX_CONFIRMATIONS"]
 
-CONFIRM_STEPS_FACTOR = 2  # a candidate's first re-run measures 2x as many steps: the fit held over a longer run
-MAX_CONFIRM_ROUNDS = 3  # one more round when the first ones disagree on who leads
+MAX_CONFIRM_ROUNDS = 3  # one more round when the first ones disagree on who leads by more than the noise
 MAX_CONFIRMATIONS = 3  # decisions per tune call (a new one when every contender of the last was refuted)
 
 
@@ -60,9 +59,10 @@ def confirm_winner(
 ) -> None:
     """Re-run the top candidates, interleaved, until a decided answer fits (or re-runs are spent).
 
-    The contenders (:func:`contenders_of`) run in turn (A B C A B C), so every round sees them under the same
-    conditions; a challenger behind the held answer in a round is out (:func:`still_racing`), and a third round
-    comes when those left disagree on who leads. They are ranked by their paired figures: a candidate's figure
+    The contenders (:func:`contenders_of`) run in turn (A B C A B C), each re-run a fresh process measuring as
+    many steps as a trial, so every round sees them under the same conditions; a challenger behind the held answer
+    in a round is out (:func:`still_racing`), and a third round comes when those left disagree on who leads by
+    more than the noise (:func:`worth_another_round`). They are ranked by their paired figures: a candidate's figure
     over the round's mean, the median over rounds. A re-run that does not train or does not fit refutes its
     candidate (``confirmed`` False); a slower one only ranks it lower: a refuted speed demotes, it never turns
     "fits" into "nothing". Under ``--max-time`` (``clock``) the leader's first re-run always runs, so the
@@ -82,22 +82,16 @@ def confirm_winner(
         for round_index in range(MAX_CONFIRM_ROUNDS if len(contenders) > 1 else 1):
             if round_index > 0:
                 racing = still_racing(racing, runs, limit, held.number if held is not None else None)
-                if len(racing) < 2 or (round_index >= CONFIRM_ROUNDS and rounds_agree(racing, runs, limit)):
+                if len(racing) < 2 or (round_index >= CONFIRM_ROUNDS and not worth_another_round(racing, runs, limit)):
                     break
-            # The first round proves each contender's fit over a longer run; later rounds pair figures, and
-            # every contender of a round measures as many steps as the others.
-            factor = CONFIRM_STEPS_FACTOR if round_index == 0 else 1
             for record in racing:  # a refuted contender is out of the race (still_racing): not timed again
                 if any(runs.values()) and not clock.holds_a_rerun():
                     break
-                progress.confirming(record=record, steps=measure.measure_steps * factor)
-                # It measures ``factor`` x the steps, so it gets as many times the trial's time; it warms up one
-                # step more, as a call's first trial does (a fresh process after a pause is not measured cold).
+                progress.confirming(record=record, steps=measure.measure_steps)
+                # It warms up one step more, as a call's first trial does (a fresh process after a pause).
                 with clock.timing(rerun=True):
                     runs[record.number].append(
-                        measure.run(
-                            backend, workload, record.config, steps_factor=factor, extra_warmup_steps=1, rerun=True
-                        )
+                        measure.run(backend, workload, record.config, extra_warmup_steps=1, rerun=True)
                     )
         # Cut short by --max-time: a contender never re-run is not refuted, just not compared.
         _store_decision(study, proposer, [r for r in contenders if runs[r.number]], runs, limit)

@@ -40,20 +40,18 @@ class Measure:
         workload: Workload,
         config: TrialConfig,
         *,
-        steps_factor: int = 1,
         extra_warmup_steps: int = 0,
         rerun: bool = False,
     ) -> TrialResult:
-        """One trial of ``config`` as asked: ``steps_factor`` x the timed steps in as many times the time (a re-run
-        proving a fit over a longer run), ``extra_warmup_steps`` more untimed ones; a re-run (``rerun``) is never
-        cut short as outpaced."""
+        """One trial of ``config`` as asked, with ``extra_warmup_steps`` more untimed steps; a re-run (``rerun``) is
+        never cut short as outpaced."""
         return backend.run(
             workload,
             config,
             memory_budget_bytes=self.memory_budget_bytes,
-            timeout_s=self.trial_timeout_s * steps_factor,
+            timeout_s=self.trial_timeout_s,
             warmup_steps=self.warmup_steps + extra_warmup_steps,
-            measure_steps=self.measure_steps * steps_factor,
+            measure_steps=self.measure_steps,
             outpaced_step_s=None if rerun else self.outpaced_step_s,
         )
 

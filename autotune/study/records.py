@@ -186,7 +186,7 @@ def ranking(records: list[TrialRecord]) -> list[TrialRecord]:
 
     The ones the interleaved confirmation compared come first, in the order it decided (paired
     runs under the same conditions); the others follow by their first figures, like with like
-    (every trial measured the same way; a longer re-run on a busy machine reads lower).
+    (every trial measured the same way; a re-run on a busy machine reads lower).
     """
     candidates = [r for r in records if r.fits and r.confirmed is not False]
     return sorted(candidates, key=lambda r: (r.decided_rank is None, r.decided_rank or 0, -(r.throughput or 0.0)))
