@@ -32,13 +32,8 @@ import math
 from typing import TYPE_CHECKING, Any, Callable
 
 from autotune.config.knobs import TrialConfig
-from autotune.search.memory_bounds import (
-    implied_fits,
-    implied_too_big,
-    known_too_big,
-    recomputes_more_than_fitting,
-    straight_line,
-)
+from autotune.search.frontier import Estimator, Frontiers
+from autotune.search.memory_bounds import implied_too_big, known_too_big, recomputes_more_than_fitting
 from autotune.search.outlook import (
     MEASUREMENT_NOISE,
     WAIVE_FACTOR,
@@ -65,8 +60,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Proposer"]
 
-Estimator = Callable[[TrialConfig], "MemoryEstimate | None"]  # None when it cannot say
-_LINE_SLACK = 0.05  # a size the straight line puts more than 5% past the threshold is not estimated
 SLOW_EVIDENCE = 4.0  # an owed value whose prior is this many times below the best waits for the rest: a slow trial
 
 
@@ -92,14 +85,16 @@ class Proposer:
         # trace costs seconds, a ranking pass over untraced families would overrun the limit).
         self.out_of_time: Callable[[], bool] = lambda: False
         self._workload = workload
-        self._estimator = estimator
-        self._limit = limit_bytes
-        self._margin = margin
-        self._estimates: dict[TrialConfig, MemoryEstimate | None] = {}
-        self._traced: dict[TrialConfig, MemoryEstimate] = {}  # a family (micro batch 1) -> an estimate with its costs
-        self._ruled_out: list[TrialConfig] = []
+        # The families' frontiers and the estimates made for them (kept for the step-time model: _prior).
+        self._memory = Frontiers(
+            list(self.choices["micro_batch"]),
+            estimator=estimator,
+            limit=limit_bytes,
+            margin=margin,
+            out_of_time=lambda: self.out_of_time(),
+        )
         self._recompute_only_of: tuple[frozenset[TrialConfig], set[TrialConfig]] = (frozenset(), set())
-        self._prior = StepPrior(workload, self._traced, precision_speed)
+        self._prior = StepPrior(workload, self._memory.traced, precision_speed)
 
     @property
     def profile(self) -> DeviceProfile | None:
@@ -150,9 +145,9 @@ class Proposer:
         if retry is not None:
             return retry
         while True:  # again when the ranking traced a family on the way (its frontier's estimates): it moved
-            traced = len(self._traced)
+            traced = len(self._memory.traced)
             proposal = self._ranked_proposal(records, open_configs, fitting, too_big)
-            if len(self._traced) == traced or self.hurry():
+            if len(self._memory.traced) == traced or self.hurry():
                 return proposal
 
     def outlook(self, records: list[TrialRecord]) -> Outlook:
@@ -163,9 +158,9 @@ class Proposer:
         best = best_fitting(records)
         owed, waived = self._evidence(records)
         while True:
-            traced = len(self._traced)
+            traced = len(self._memory.traced)
             model, ranked = self._ranking(records, open_configs)
-            threshold = self._threshold(records)
+            threshold = self._memory.threshold(records)
             # Before a trial fits, the outlook cannot settle the search: it need not estimate what the
             # proposal will not either.
             skipped = self._not_worth_an_estimate(model, ranked, fitting, too_big, threshold) if not best else set()
@@ -178,7 +173,7 @@ class Proposer:
                     break
                 if self._moved(traced):
                     break  # the estimate traced a family: the ranking below it is stale
-            if len(self._traced) == traced or self.hurry():
+            if len(self._memory.traced) == traced or self.hurry():
                 break
         return Outlook(
             best=best,
@@ -205,7 +200,7 @@ class Proposer:
         stay open, and the known one is measured first; if its trial disappoints, they rank above it again."""
         skipped: set[TrialConfig] = set()
         for config in ranked:
-            frontier = self._frontier(config, fitting, too_big, threshold, cached_only=True)
+            frontier = self._memory.frontier(config, fitting, too_big, threshold, cached_only=True)
             if frontier is not None and config.micro_batch <= frontier:
                 bar = model.predict(config) + math.log1p(MEASUREMENT_NOISE)
                 return {c for c in skipped if model.predict(c) <= bar}
@@ -216,7 +211,7 @@ class Proposer:
     def _moved(self, traced: int) -> bool:
         """A family was traced since ``traced`` families were, so a ranking made before is stale (unless an
         answer is wanted now: then the pass goes on down the ranking it has)."""
-        return len(self._traced) != traced and not self.hurry()
+        return len(self._memory.traced) != traced and not self.hurry()
 
     def _ranking(
         self, records: list[TrialRecord], open_configs: list[TrialConfig]
@@ -232,13 +227,13 @@ class Proposer:
         self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig], threshold: float
     ) -> bool:
         """``config`` is not over its family's frontier as the trials and the estimates made so far put it."""
-        frontier = self._frontier(config, fitting, too_big, threshold, cached_only=True)
+        frontier = self._memory.frontier(config, fitting, too_big, threshold, cached_only=True)
         return frontier is None or config.micro_batch <= frontier
 
     def _may_fit(
         self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig], threshold: float
     ) -> bool:
-        frontier = self._frontier(config, fitting, too_big, threshold)
+        frontier = self._memory.frontier(config, fitting, too_big, threshold)
         return frontier is None or config.micro_batch <= frontier
 
     def _ranked_proposal(
@@ -249,8 +244,8 @@ class Proposer:
         too_big: list[TrialConfig],
     ) -> TrialConfig | None:
         model, ranked = self._ranking(records, open_configs)
-        threshold = self._threshold(records)
-        traced = len(self._traced)
+        threshold = self._memory.threshold(records)
+        traced = len(self._memory.traced)
         proposal = self._first_worth_a_trial(records, open_configs, fitting, too_big, model, ranked, threshold)
         if self._moved(traced):
             return proposal  # the caller ranks again before going on
@@ -270,16 +265,16 @@ class Proposer:
         owed, waived = self._evidence(records)
         error = model.error()
         first = possible = far_owed = None
-        traced = len(self._traced)
+        traced = len(self._memory.traced)
         skipped = self._not_worth_an_estimate(model, ranked, fitting, too_big, threshold)
         for config in ranked:
             if config in skipped:
                 continue
-            frontier = self._frontier(config, fitting, too_big, threshold)
+            frontier = self._memory.frontier(config, fitting, too_big, threshold)
             if frontier is None and self.out_of_time():
                 continue  # not estimated in time: only what is known may be proposed
             if frontier is None:  # nothing can tell: measure the middle of what is unknown
-                return first or self._bisecting_trial(config, fitting, too_big, open_configs)
+                return first or self._memory.bisecting_trial(config, fitting, too_big, open_configs)
             if config.micro_batch > frontier:
                 if self._moved(traced):
                     return first  # its estimate traced a family: the caller ranks again before going on
@@ -333,7 +328,7 @@ class Proposer:
                 continue
             if math.exp(predicted) * (1 + MEASUREMENT_NOISE) <= best:
                 continue  # cannot improve the answer: not worth a trial before the gamble
-            frontier = self._frontier(config, fitting, too_big, threshold)
+            frontier = self._memory.frontier(config, fitting, too_big, threshold)
             if frontier is not None and config.micro_batch <= frontier and self._chance_to_fit(config, threshold) >= 1:
                 return config
         return proposal
@@ -342,11 +337,11 @@ class Proposer:
         """1 for a config predicted under the limit (or not estimated: trials or the straight line settled
         it); for one predicted over it by a share of the estimator's margin, 1 minus that share (the margin
         is what the estimator may over-predict by; its error taken as spread evenly over it)."""
-        estimate = self._estimates.get(config)
-        if estimate is None or self._limit is None or estimate.predicted_peak_bytes <= self._limit:
+        estimate = self._memory.estimates.get(config)
+        if estimate is None or self._memory.limit is None or estimate.predicted_peak_bytes <= self._memory.limit:
             return 1.0
-        margin = threshold / self._limit - 1
-        over = estimate.predicted_peak_bytes / self._limit - 1
+        margin = threshold / self._memory.limit - 1
+        over = estimate.predicted_peak_bytes / self._memory.limit - 1
         return max(0.0, 1.0 - over / margin) if margin > 0 else 0.0
 
     def owed_values(self, records: list[TrialRecord]) -> set[Value]:
@@ -367,7 +362,7 @@ class Proposer:
         fitting, too_big, threshold = (
             [r.config for r in records if r.fits],
             known_too_big(records),
-            self._threshold(records),
+            self._memory.threshold(records),
         )
         for value in sorted(unmeasured - far.keys()) if far else ():
             carriers = [
@@ -424,7 +419,7 @@ class Proposer:
             top = max(holding, key=model.predict)
             if self._prior.predicted(top) is None:  # placed: trace its family, then judge again
                 smallest = top.replace(micro_batch=min(self.choices["micro_batch"]))
-                if self.out_of_time() or self._estimate(smallest) is None:
+                if self.out_of_time() or self._memory.estimate(smallest) is None:
                     continue
                 model = self._prior.model(self.params_of, open_configs).fit(measured_throughputs(records))
                 if self._prior.predicted(top) is None or model.error_bound() is None:
@@ -443,7 +438,7 @@ class Proposer:
     def memory_estimate(self, config: TrialConfig) -> MemoryEstimate | None:
         """The estimator's prediction for ``config`` (cached, and its trace kept for the step-time model);
         None without an estimator or where it cannot say."""
-        return self._estimate(config)
+        return self._memory.estimate(config)
 
     def unmeasured_values(self, records: list[TrialRecord]) -> set[tuple[str, Any]]:
         """Knob values (micro batch aside) the space offers that no trial has measured and that
@@ -487,109 +482,4 @@ class Proposer:
 
     def take_ruled_out(self) -> list[TrialConfig]:
         """Configs the estimator put over the limit since the last call (for the study to record)."""
-        ruled_out, self._ruled_out = self._ruled_out, []
-        return ruled_out
-
-    # -- memory ------------------------------------------------------------------------------------
-    def _family_sizes(self, config: TrialConfig) -> list[TrialConfig]:
-        return [config.replace(micro_batch=size) for size in sorted(self.choices["micro_batch"])]
-
-    def _threshold(self, records: list[TrialRecord]) -> float:
-        """The predicted peak up to which a config is worth a trial: the limit, plus the margin
-        for the estimator's error. Once trials have measured peaks it predicted, the margin is no
-        more than the largest over-prediction seen on this workload: an estimator that has been
-        right (or low) here says a config predicted over the limit will not fit."""
-        if self._limit is None:
-            return 0.0
-        over = [
-            predicted / r.peak_memory_bytes - 1
-            for r in records
-            if r.status == "ok" and r.peak_memory_bytes and (predicted := self._predicted(r))
-        ]
-        margin = min(self._margin, max(0.0, *over)) if over else self._margin
-        return self._limit * (1 + margin)
-
-    def _predicted(self, record: TrialRecord) -> int | None:
-        if record.predicted_peak_bytes is not None:
-            return record.predicted_peak_bytes
-        estimate = self._estimates.get(record.config)
-        return estimate.predicted_peak_bytes if estimate is not None else None
-
-    def _frontier(
-        self,
-        config: TrialConfig,
-        fitting: list[TrialConfig],
-        too_big: list[TrialConfig],
-        threshold: float,
-        *,
-        cached_only: bool = False,
-    ) -> int | None:
-        """The largest micro batch of ``config``'s family known or predicted to fit under
-        ``threshold`` (0: none); None when neither trials nor the estimator can tell (``cached_only``, or
-        out of time: nor the estimates made so far, without a new one).
-
-        The first estimate probes the middle of what is unknown; from then on each estimate goes
-        where a straight line through the last one says the limit is (model states stay, the
-        rest grows with the micro batch), so a family usually costs two estimates. A size the
-        line puts clearly over the limit is not estimated at all, nor one it puts clearly under (that
-        one's own estimate, made before its trial, checks it if it is ever proposed).
-        """
-        family = self._family_sizes(config)
-        fit, big = self._known_bounds(family, fitting, too_big)
-        cached_only = cached_only or self.out_of_time()
-        line: Callable[[int], float] | None = None
-        while big - fit > 1:
-            if line is None:
-                index = (fit + big) // 2
-            else:
-                below = [i for i in range(fit + 1, big) if line(family[i].micro_batch) <= threshold]
-                if not below and line(family[fit + 1].micro_batch) > threshold * (1 + _LINE_SLACK):
-                    break  # clearly over: the line is enough
-                index = max(below, default=fit + 1)
-                if below and line(family[index].micro_batch) <= threshold / (1 + _LINE_SLACK):
-                    fit = index  # clearly under
-                    continue
-            if cached_only and family[index] not in self._estimates:
-                return None
-            estimate = self._estimate(family[index])
-            if estimate is None:
-                return None
-            line = straight_line(estimate)
-            if estimate.predicted_peak_bytes <= threshold:
-                fit = index
-            else:
-                big = index
-                assert self._limit is not None  # _estimate gives None without a limit
-                skip = self._limit * (1 + self._margin)  # what the study records as skipped; closer ones stay open
-                if estimate.predicted_peak_bytes > skip and family[index] not in self._ruled_out:
-                    self._ruled_out.append(family[index])
-        return family[fit].micro_batch if fit >= 0 else 0
-
-    def _known_bounds(
-        self, family: list[TrialConfig], fitting: list[TrialConfig], too_big: list[TrialConfig]
-    ) -> tuple[int, int]:
-        """Indices into ``family``: the largest measured (or implied) to fit, the smallest that does not."""
-        fit = max((i for i, c in enumerate(family) if implied_fits(c, fitting)), default=-1)
-        big = min((i for i, c in enumerate(family) if c in too_big or implied_too_big(c, too_big)), default=len(family))
-        return fit, big
-
-    def _estimate(self, config: TrialConfig) -> MemoryEstimate | None:
-        if self._estimator is None or self._limit is None:
-            return None
-        if config not in self._estimates:
-            estimate = self._estimates[config] = self._estimator(config)
-            if estimate is not None and estimate.step_costs is not None:
-                self._traced.setdefault(config.replace(micro_batch=1), estimate)
-        return self._estimates[config]
-
-    def _bisecting_trial(
-        self,
-        config: TrialConfig,
-        fitting: list[TrialConfig],
-        too_big: list[TrialConfig],
-        open_configs: list[TrialConfig],
-    ) -> TrialConfig:
-        family = self._family_sizes(config)
-        fit, big = self._known_bounds(family, fitting, too_big)
-        middle = family[(fit + big) // 2] if big - fit > 1 else config
-        return middle if middle in open_configs else config
+        return self._memory.take_ruled_out()

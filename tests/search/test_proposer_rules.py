@@ -162,14 +162,14 @@ def test_a_checkpointed_family_is_ranked_by_its_plain_twins_trace_before_its_own
         100 / 3,
         layers_marked=True,
     )
-    plain = proposer._estimator(TrialConfig(micro_batch=4))
-    proposer._estimates[plain.config] = plain
-    proposer._traced[TrialConfig(micro_batch=1)] = dataclasses.replace(plain, step_costs=costs)
+    plain = proposer._memory.estimator(TrialConfig(micro_batch=4))
+    proposer._memory.estimates[plain.config] = plain
+    proposer._memory.traced[TrialConfig(micro_batch=1)] = dataclasses.replace(plain, step_costs=costs)
     ckpt = TrialConfig(micro_batch=8, checkpointing=True)
     rerun = dataclasses.replace(plain, config=ckpt, step_costs=costs.with_forward_rerun(1.0))
     expected = predict_step_time(rerun, Workload(global_batch=16), TOY_CPU)
     assert proposer._prior.predicted(ckpt) == math.log(expected.samples_per_s)
-    assert TrialConfig(micro_batch=1, checkpointing=True) not in proposer._traced
+    assert TrialConfig(micro_batch=1, checkpointing=True) not in proposer._memory.traced
 
 
 def test_no_estimate_is_spent_on_a_family_predicted_within_the_noise_of_a_config_known_to_fit(tmp_path):
@@ -179,7 +179,7 @@ def test_no_estimate_is_spent_on_a_family_predicted_within_the_noise_of_a_config
     it disappoints, the other ranks above it again."""
     asked: list[TrialConfig] = []
     proposer = _proposer(tmp_path, "[2, 4]", {False: 20, True: 4}, asked)
-    plain_estimate = proposer._estimator
+    plain_estimate = proposer._memory.estimator
 
     def estimate(config: TrialConfig):
         made = plain_estimate(config)
@@ -193,7 +193,7 @@ def test_no_estimate_is_spent_on_a_family_predicted_within_the_noise_of_a_config
         )
         return dataclasses.replace(made, step_costs=costs)
 
-    proposer._estimator = estimate
+    proposer._memory.estimator = estimate
     assert proposer.next_config([]) == TrialConfig(micro_batch=2)
     assert all(not config.checkpointing for config in asked), asked
 
@@ -270,7 +270,7 @@ def test_the_study_records_as_skipped_only_what_is_over_the_skip_margin(tmp_path
                 seconds=0.0,
             )
 
-    proposer._ruled_out = [within, over]
+    proposer._memory.ruled_out = [within, over]
     record_ruled_out(study, proposer, Oracle(Backend(), Workload(global_batch=16)), [], Silent())
     trials = study.get_trials(deepcopy=False)
     assert [(t.state.name, t.user_attrs.get("status"), t.user_attrs["config"]["micro_batch"]) for t in trials] == [
@@ -308,7 +308,7 @@ def test_full_fine_tuning_is_placed_below_a_traced_lora_family_by_the_weight_gra
         parameters=1000,
     )
     lora = TrialConfig(micro_batch=4, lora_rank=8)
-    proposer._traced[lora.replace(micro_batch=1)] = _toy_estimate(lora, lora_costs)
+    proposer._memory.traced[lora.replace(micro_batch=1)] = _toy_estimate(lora, lora_costs)
     # A step of 16 x 300 FLOPs (the base's weight gradients added) + 4 micro steps x 3 operators x 0.05 s,
     # against LoRA's 16 x 200 + 4 x 2 x 0.05.
     full = TrialConfig(micro_batch=4)
