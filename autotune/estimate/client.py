@@ -25,7 +25,13 @@ if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
 
-__all__ = ["predict_memory", "probe_in_estimate_server", "start_estimate_server", "wait_for_estimate_server"]
+__all__ = [
+    "predict_memory",
+    "predict_memories",
+    "probe_in_estimate_server",
+    "start_estimate_server",
+    "wait_for_estimate_server",
+]
 
 
 class _Proxy(Protocol):
@@ -74,6 +80,37 @@ def predict_memory(
     if "error" in reply:
         raise EstimateError(f"the estimate failed: {reply['error']}")
     return MemoryEstimate.from_dict(reply["ok"])
+
+
+def predict_memories(
+    workload: Workload, configs: list[TrialConfig], *, task: str | None = None, timeout_s: float = 300
+) -> list[MemoryEstimate | EstimateError | ConfigError]:
+    """:func:`predict_memory` for each of ``configs``, their steps traced together, as many at once as there are
+    cores (a trace is one core's work: two configs on two cores take one trace's wall time). Each config's
+    estimate, or the error :func:`predict_memory` would raise for it."""
+    from autotune.prepare import refusal_before_trial
+
+    refusals = [refusal_before_trial(workload, config, task) for config in configs]
+    asked = [config for config, refusal in zip(configs, refusals, strict=True) if refusal is None]
+    request = {
+        "workload": workload.to_dict(),
+        "configs": [config.to_dict() for config in asked],
+        "task": task,
+        "measured_with": AS_INSTALLED.to_dict(),
+    }
+    replies = iter(_SERVER.ask({"all": request}, timeout_s * len(asked))["all"] if asked else [])
+
+    def answer(refusal: str | None) -> MemoryEstimate | EstimateError | ConfigError:
+        if refusal is not None:
+            return ConfigError(refusal)
+        reply = next(replies)  # an asked config's: in the order asked
+        return (
+            MemoryEstimate.from_dict(reply["ok"])
+            if "ok" in reply
+            else EstimateError(f"the estimate failed: {reply['error']}")
+        )
+
+    return [answer(refusal) for refusal in refusals]
 
 
 class _EstimateServer:

@@ -11,7 +11,9 @@ teardown; the server keeps the traced steps, derives the estimate from one (ZeRO
 arithmetic on the plain step, so configs differing only there share a trace) and writes one JSON
 line per request on stdout, after a first ``{"ready": 1}`` once its imports are done. It dies with the
 process that started it. A ``{"probe": [device type, what], "env"}`` request forks the device probe
-(:mod:`autotune.trial.device_probe`) instead: ``{"probe": what it measured, or null}``.
+(:mod:`autotune.trial.device_probe`) instead: ``{"probe": what it measured, or null}``. A ``{"all": [request,
+...]}`` request traces what its estimates need together, as many at once as there are cores, and answers
+``{"all": [reply, ...]}``.
 """
 
 from __future__ import annotations
@@ -54,7 +56,13 @@ def serve() -> None:
     for line in sys.stdin:
         if line.strip():
             request = json.loads(line)
-            reply = _probe(request) if "probe" in request else _answer(request, traces)
+            if "probe" in request:
+                reply = _probe(request)
+            elif "all" in request:
+                reply = {"all": _answer_all(request["all"], traces)}
+            else:
+                reply = _answer(request, traces)
+            traces.forget_failures()
             replies.write(json.dumps(reply) + "\n")
             replies.flush()
 
@@ -77,6 +85,7 @@ class _Traces:
 
     def __init__(self) -> None:
         self._kept: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._failed: dict[str, str] = {}  # why a trace of this request failed: said again, not traced again
 
     def get(self, workload: Any, config: Any, task: str | None, measured_with: Any) -> Any:
         return self.get_all([workload], config, task, measured_with)[0]
@@ -88,21 +97,45 @@ class _Traces:
         from autotune.estimate.trace import trace_key
 
         keys = [trace_key(workload, config, task=task, measured_with=measured_with) for workload in workloads]
-        missing = {key: workload for key, workload in zip(keys, workloads, strict=True) if key not in self._kept}
-        for workload in missing.values():  # once each: a module imported already costs nothing
-            _preload_for(workload, config)
-        if config.pp > 1:  # each stage's rank traced in a child of its own, as many at once as there are cores
-            from autotune.estimate.trace import pipeline_step
-
-            for key, workload in missing.items():
-                self._keep(key, pipeline_step(_stages_in_children(workload, config, task, measured_with)))
-        else:
-            traced = _in_children([(workload, config, task, measured_with, None) for workload in missing.values()])
-            for key, step in zip(missing, traced, strict=True):
-                self._keep(key, step)
+        self._trace_missing([(key, w, config) for key, w in zip(keys, workloads, strict=True)], task, measured_with)
         for key in keys:
+            if key in self._failed:
+                raise _TraceFailed(self._failed[key])
             self._kept.move_to_end(key)
         return [self._kept[key] for key in keys]
+
+    def trace_all(self, workload: Any, configs: list[Any], task: str | None, measured_with: Any) -> None:
+        """Trace the steps of ``configs`` not kept yet, as many at once as there are cores: each estimate asked
+        next finds its step kept, or why its trace failed (until the request's end: :meth:`forget_failures`)."""
+        from autotune.estimate.trace import trace_key
+
+        keyed = [(trace_key(workload, c, task=task, measured_with=measured_with), workload, c) for c in configs]
+        self._trace_missing(keyed, task, measured_with)
+
+    def forget_failures(self) -> None:
+        """A later request traces a failed step again (a child killed for memory may fit another time)."""
+        self._failed.clear()
+
+    def _trace_missing(self, items: list[tuple[str, Any, Any]], task: str | None, measured_with: Any) -> None:
+        missing = {key: (workload, config) for key, workload, config in items if key not in self._kept}
+        missing = {key: item for key, item in missing.items() if key not in self._failed}
+        for workload, config in missing.values():  # once each: a module imported already costs nothing
+            _preload_for(workload, config)
+        plain = {key: item for key, item in missing.items() if item[1].pp == 1}
+        for key, (workload, config) in missing.items():
+            if config.pp > 1:  # each stage's rank traced in a child of its own, as many at once as there are cores
+                from autotune.estimate.trace import pipeline_step
+
+                try:
+                    self._keep(key, pipeline_step(_stages_in_children(workload, config, task, measured_with)))
+                except _TraceFailed as exc:
+                    self._failed[key] = str(exc)
+        traced = _in_children([(workload, config, task, measured_with, None) for workload, config in plain.values()])
+        for key, step in zip(plain, traced, strict=True):
+            if isinstance(step, _TraceFailed):
+                self._failed[key] = str(step)
+            else:
+                self._keep(key, step)
 
     def _keep(self, key: str, traced: Any) -> None:
         self._kept[key] = traced
@@ -151,6 +184,23 @@ def _answer(request: dict[str, Any], traces: _Traces) -> dict[str, Any]:
         return {"error": _one_line(exc)}
 
 
+def _answer_all(request: dict[str, Any], traces: _Traces) -> list[dict[str, Any]]:
+    """``{"workload", "configs", "task", "measured_with"}``: each config's reply, as :func:`_answer` gives it,
+    after tracing the steps they need together."""
+    from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
+    from autotune.estimate.measured_with import MeasuredWith
+
+    workload = Workload.from_dict(request["workload"])
+    configs = [TrialConfig.from_dict(c) for c in request["configs"]]
+    task, measured_with = request.get("task"), MeasuredWith.from_dict(request.get("measured_with"))
+    try:
+        traces.trace_all(workload, configs, task, measured_with)
+    except Exception:  # noqa: BLE001 - each estimate below traces again on its own and says why it failed
+        pass
+    return [_answer({**request, "config": c.to_dict(), "proxy": None}, traces) for c in configs]
+
+
 class _TraceFailed(Exception):
     """A trace's exception, in words (it happened in the child)."""
 
@@ -162,24 +212,26 @@ def _one_line(exc: BaseException) -> str:
 
 def _stages_in_children(workload: Any, config: Any, task: str | None, measured_with: Any) -> list[Any]:
     """Every pipeline stage's traced step, in stage order, ``os.cpu_count()`` children at a time."""
-    return _in_children([(workload, config, task, measured_with, rank) for rank in range(config.pp)])
+    stages = _in_children([(workload, config, task, measured_with, rank) for rank in range(config.pp)])
+    failed = next((stage for stage in stages if isinstance(stage, _TraceFailed)), None)
+    if failed is not None:
+        raise failed
+    return stages
 
 
 def _in_children(traces: list[tuple[Any, Any, str | None, Any, int | None]]) -> list[Any]:
-    """Each ``(workload, config, task, measured_with, pipeline_rank)``'s traced step, in order, traced in forked
-    children ``os.cpu_count()`` at a time (a trace is one core's work)."""
+    """Each ``(workload, config, task, measured_with, pipeline_rank)``'s traced step, in order, or the
+    :class:`_TraceFailed` that says why not: traced in forked children ``os.cpu_count()`` at a time (a trace is one
+    core's work)."""
     at_once = max(1, os.cpu_count() or 1)
     traced: list[Any] = []
     for first in range(0, len(traces), at_once):
         children = [_fork_trace(*trace) for trace in traces[first : first + at_once]]
-        failed: _TraceFailed | None = None
         for child in children:  # every child collected, so none is left behind when one failed
             try:
                 traced.append(_collect(*child))
             except _TraceFailed as exc:
-                failed = failed or exc
-        if failed is not None:
-            raise failed
+                traced.append(exc)
     return traced
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from autotune.search.workers import cpu_turn
 from autotune.trial.runner import run_trial
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from autotune.estimate.results import MemoryEstimate
     from autotune.trial.result import TrialResult
 
-__all__ = ["LocalBackend", "ScriptBackend", "TrialBackend"]
+__all__ = ["EstimatesTogether", "LocalBackend", "ScriptBackend", "TrialBackend"]
 
 
 class TrialBackend(Protocol):
@@ -36,6 +36,15 @@ class TrialBackend(Protocol):
     ) -> TrialResult: ...
 
     def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None: ...
+
+
+@runtime_checkable
+class EstimatesTogether(Protocol):
+    """A backend that traces several estimates at once (one core each)."""
+
+    def estimate_all(
+        self, workload: Workload, configs: list[TrialConfig]
+    ) -> dict[TrialConfig, MemoryEstimate | None]: ...
 
 
 class LocalBackend:
@@ -112,6 +121,24 @@ class LocalBackend:
         except EstimateError:  # a model the estimator cannot trace is simply measured
             return None
 
+    def estimate_all(self, workload: Workload, configs: list[TrialConfig]) -> dict[TrialConfig, MemoryEstimate | None]:
+        """:meth:`estimate` of each of ``configs``, traced together, as many at once as there are cores; a config
+        refused before any trace is left out (its own :meth:`estimate` says why)."""
+        from autotune.errors import ConfigError
+        from autotune.estimate.client import predict_memories
+        from autotune.estimate.results import EstimateError
+
+        try:
+            with cpu_turn(self._device_type):
+                answers = predict_memories(workload, configs)
+        except EstimateError:  # the server failed (or took too long): each is asked on its own
+            return {}
+        return {
+            config: None if isinstance(answer, EstimateError) else answer
+            for config, answer in zip(configs, answers, strict=True)
+            if not isinstance(answer, ConfigError)
+        }
+
 
 class ScriptBackend(LocalBackend):
     """Trials of the user's own command (:mod:`autotune.scripts`); no estimates: the model is the script's."""
@@ -131,3 +158,6 @@ class ScriptBackend(LocalBackend):
 
     def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None:
         return None
+
+    def estimate_all(self, workload: Workload, configs: list[TrialConfig]) -> dict[TrialConfig, MemoryEstimate | None]:
+        return dict.fromkeys(configs)

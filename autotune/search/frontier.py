@@ -5,6 +5,7 @@ one), and the estimates made on the way, kept for the proposer and the step-time
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Callable
 
 from autotune.search.memory_bounds import implied_fits, implied_too_big, straight_line
@@ -18,6 +19,7 @@ __all__ = ["Frontiers", "Estimator"]
 
 Estimator = Callable[["TrialConfig"], "MemoryEstimate | None"]  # None when it cannot say
 _LINE_SLACK = 0.05  # a size the straight line puts more than 5% past the threshold is not estimated
+TRACED_AT_ONCE = max(1, os.cpu_count() or 1)  # estimates prefetched together: a trace is one core's work
 
 
 class Frontiers:
@@ -29,6 +31,7 @@ class Frontiers:
         sizes: list[int],
         *,
         estimator: Estimator | None,
+        prefetcher: Callable[[list[TrialConfig]], None] | None = None,
         limit: int | None,
         margin: float,
         out_of_time: Callable[[], bool],
@@ -38,8 +41,8 @@ class Frontiers:
         self.limit = limit
         self.margin = margin
         self.out_of_time = out_of_time
-        # Estimates asked together where the estimator can trace several at once (None: one at a time).
-        self.prefetcher: Callable[[list[TrialConfig]], None] | None = None
+        # Asks for several estimates together, where the estimator traces them at once (None: one at a time).
+        self.prefetcher = prefetcher
         self.estimates: dict[TrialConfig, MemoryEstimate | None] = {}
         self.traced: dict[TrialConfig, MemoryEstimate] = {}  # a family (micro batch 1) -> an estimate with its costs
         self.ruled_out: list[TrialConfig] = []
@@ -92,9 +95,48 @@ class Frontiers:
         line puts clearly over the limit is not estimated at all, nor one it puts clearly under (that
         one's own estimate, made before its trial, checks it if it is ever proposed).
         """
+        cached_only = cached_only or self.out_of_time()
+        while True:  # each pass goes as far as the estimates made so far take it
+            frontier, needed = self._search(config, fitting, too_big, threshold)
+            if needed is None:
+                return frontier
+            if cached_only or self.estimate(needed) is None:
+                return None
+
+    def prefetch(
+        self, walk: list[TrialConfig], fitting: list[TrialConfig], too_big: list[TrialConfig], threshold: float
+    ) -> None:
+        """Ask together for the estimates the next families down ``walk`` need first, as many as the machine
+        traces at once (one at a time, a trace leaves every core but one idle). A walk stops at the first config
+        its family's frontier holds; the families after the first that needs an estimate are a guess, traced on
+        cores that would idle."""
+        if self.prefetcher is None or self.estimator is None or self.limit is None or self.out_of_time():
+            return
+        needed: list[TrialConfig] = []
+        for config in walk:
+            frontier, estimate = self._search(config, fitting, too_big, threshold)
+            if estimate is None and (frontier is None or config.micro_batch <= frontier):
+                break  # the walk stops here
+            if estimate is not None and estimate not in needed:
+                needed.append(estimate)
+            if len(needed) >= TRACED_AT_ONCE:
+                break
+        self.prefetch_all(needed)
+
+    def prefetch_all(self, configs: list[TrialConfig]) -> None:
+        """Ask for the estimates of ``configs`` together (where there are two or more to make), for
+        :meth:`estimate` to find."""
+        needed = [c for c in dict.fromkeys(configs) if c not in self.estimates]
+        if len(needed) > 1 and self.prefetcher is not None and self.limit is not None and not self.out_of_time():
+            self.prefetcher(needed)
+
+    def _search(
+        self, config: TrialConfig, fitting: list[TrialConfig], too_big: list[TrialConfig], threshold: float
+    ) -> tuple[int | None, TrialConfig | None]:
+        """(``config``'s family's frontier, None) as far as the trials and the estimates made so far tell it;
+        (None, the config to estimate next) where they do not; (None, None) where the estimator cannot say."""
         family = self.family_sizes(config)
         fit, big = self.known_bounds(family, fitting, too_big)
-        cached_only = cached_only or self.out_of_time()
         line: Callable[[int], float] | None = None
         while big - fit > 1:
             if line is None:
@@ -107,21 +149,21 @@ class Frontiers:
                 if below and line(family[index].micro_batch) <= threshold / (1 + _LINE_SLACK):
                     fit = index  # clearly under
                     continue
-            if cached_only and family[index] not in self.estimates:
-                return None
-            estimate = self.estimate(family[index])
+            if family[index] not in self.estimates:
+                return None, family[index]
+            estimate = self.estimates[family[index]]
             if estimate is None:
-                return None
+                return None, None
             line = straight_line(estimate)
             if estimate.predicted_peak_bytes <= threshold:
                 fit = index
             else:
                 big = index
-                assert self.limit is not None  # _estimate gives None without a limit
+                assert self.limit is not None  # estimate() gives None without a limit
                 skip = self.limit * (1 + self.margin)  # what the study records as skipped; closer ones stay open
                 if estimate.predicted_peak_bytes > skip and family[index] not in self.ruled_out:
                     self.ruled_out.append(family[index])
-        return family[fit].micro_batch if fit >= 0 else 0
+        return (family[fit].micro_batch if fit >= 0 else 0), None
 
     def known_bounds(
         self, family: list[TrialConfig], fitting: list[TrialConfig], too_big: list[TrialConfig]
@@ -132,6 +174,7 @@ class Frontiers:
         return fit, big
 
     def estimate(self, config: TrialConfig) -> MemoryEstimate | None:
+        """``config``'s estimate, asked once (None: no estimator, no limit, or it cannot say)."""
         if self.estimator is None or self.limit is None:
             return None
         if config not in self.estimates:

@@ -71,6 +71,7 @@ class Proposer:
         device: DeviceInfo,
         *,
         estimator: Estimator | None = None,
+        prefetcher: Callable[[list[TrialConfig]], None] | None = None,
         limit_bytes: int | None = None,
         margin: float = 0.0,
         precision_speed: dict[str, float] | None = None,
@@ -89,6 +90,7 @@ class Proposer:
         self._memory = Frontiers(
             list(self.choices["micro_batch"]),
             estimator=estimator,
+            prefetcher=prefetcher,
             limit=limit_bytes,
             margin=margin,
             out_of_time=lambda: self.out_of_time(),
@@ -164,6 +166,7 @@ class Proposer:
             # Before a trial fits, the outlook cannot settle the search: it need not estimate what the
             # proposal will not either.
             skipped = self._not_worth_an_estimate(model, ranked, fitting, too_big, threshold) if not best else set()
+            self._memory.prefetch([c for c in ranked if c not in skipped], fitting, too_big, threshold)
             top = None
             for config in ranked:
                 if config in skipped:
@@ -267,6 +270,7 @@ class Proposer:
         first = possible = far_owed = None
         traced = len(self._memory.traced)
         skipped = self._not_worth_an_estimate(model, ranked, fitting, too_big, threshold)
+        self._memory.prefetch([c for c in ranked if c not in skipped], fitting, too_big, threshold)
         for config in ranked:
             if config in skipped:
                 continue
@@ -412,14 +416,17 @@ class Proposer:
         if model.error_bound() is None:
             return {}
         far: dict[Value, float] = {}
+        smallest = min(self.choices["micro_batch"])
+        # The families whose trace each value's judgement below needs first (placed: untraced), asked together.
+        tops = self._tops_far_below(model, open_configs, values, best)
+        self._memory.prefetch_all([t.replace(micro_batch=smallest) for t in tops if self._prior.predicted(t) is None])
         for value in sorted(values):
             holding = [c for c in open_configs if value in self._values(c)]
             if not holding or self._upper(model, holding) * WAIVE_FACTOR > best:
                 continue  # it may pay (or nothing of it is open): it is measured
             top = max(holding, key=model.predict)
             if self._prior.predicted(top) is None:  # placed: trace its family, then judge again
-                smallest = top.replace(micro_batch=min(self.choices["micro_batch"]))
-                if self.out_of_time() or self._memory.estimate(smallest) is None:
+                if self.out_of_time() or self._memory.estimate(top.replace(micro_batch=smallest)) is None:
                     continue
                 model = self._prior.model(self.params_of, open_configs).fit(measured_throughputs(records))
                 if self._prior.predicted(top) is None or model.error_bound() is None:
@@ -428,6 +435,18 @@ class Proposer:
             if upper * WAIVE_FACTOR <= best:
                 far[value] = upper / best
         return far
+
+    def _tops_far_below(
+        self, model: ThroughputModel, open_configs: list[TrialConfig], values: set[Value], best: float
+    ) -> list[TrialConfig]:
+        """For each of ``values`` whose open configs all lie ``WAIVE_FACTOR`` below ``best`` as ``model`` predicts
+        them now, the most promising of those configs."""
+        tops = []
+        for value in sorted(values):
+            holding = [c for c in open_configs if value in self._values(c)]
+            if holding and self._upper(model, holding) * WAIVE_FACTOR <= best:
+                tops.append(max(holding, key=model.predict))
+        return tops
 
     @staticmethod
     def _upper(model: ThroughputModel, configs: list[TrialConfig]) -> float:

@@ -196,6 +196,15 @@ class Oracle:
             self._cache[config] = self._backend.estimate(self._workload, config)
         return self._cache[config]
 
+    def prefetch(self, configs: list[TrialConfig]) -> None:
+        """Estimate ``configs`` together, where the backend traces several at once
+        (:class:`autotune.search.backends.EstimatesTogether`): :meth:`lookup` then finds them."""
+        from autotune.search.backends import EstimatesTogether
+
+        missing = [c for c in dict.fromkeys(configs) if c not in self._cache]
+        if len(missing) > 1 and isinstance(self._backend, EstimatesTogether):
+            self._cache.update(self._backend.estimate_all(self._workload, missing))
+
 
 def recover_lost(study: optuna.Study, progress: Progress) -> None:
     """Fail the trials of workers that died since (see :mod:`autotune.study.stale`), and say so."""

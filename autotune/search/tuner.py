@@ -198,8 +198,10 @@ def _proposer(
     from autotune.study.stored_facts import record as record_model_facts
 
     limit = memory_limit(the_study.user_attrs["autotune"])
-    estimator = oracle.lookup if oracle else None
-    proposer = Proposer(space, workload, device, estimator=estimator, limit_bytes=limit, margin=SKIP_MARGIN)
+    estimator, prefetcher = (oracle.lookup, oracle.prefetch) if oracle else (None, None)
+    proposer = Proposer(
+        space, workload, device, estimator=estimator, prefetcher=prefetcher, limit_bytes=limit, margin=SKIP_MARGIN
+    )
     proposer.hurry = clock.hurried
     proposer.out_of_time = clock.out_of_time
     record_model_facts(the_study, workload, proposer.choices.get("lora", ()), script=bool(command))

@@ -1,0 +1,31 @@
+"""Estimates asked together (``predict_memories``): traced as many at once as there are cores, each the estimate
+it is when asked alone; a config whose estimate fails answers its error in its place."""
+
+from __future__ import annotations
+
+from autotune.config.knobs import TrialConfig
+from autotune.config.workload import Workload
+from autotune.estimate.client import predict_memories, predict_memory
+from autotune.estimate.results import EstimateError, MemoryEstimate
+
+WORKLOAD = Workload(model="builtin:llama-tiny", seq_len=32, global_batch=4, device="cpu")
+
+
+def test_estimates_asked_together_are_the_ones_asked_alone():
+    configs = [TrialConfig(micro_batch=2), TrialConfig(micro_batch=4, checkpointing=True), TrialConfig(micro_batch=1)]
+    together = predict_memories(WORKLOAD, configs)
+    assert all(isinstance(e, MemoryEstimate) for e in together)
+    alone = [predict_memory(WORKLOAD, config) for config in configs]  # kept by the server: the same traces
+    assert [e.config for e in together] == configs
+    assert [e.predicted_peak_bytes for e in together] == [e.predicted_peak_bytes for e in alone]
+
+
+def test_a_config_whose_estimate_fails_answers_its_error_in_its_place():
+    refused = TrialConfig(micro_batch=2, activation_offload=True)  # the trace refuses it: nothing to offload to
+    answers = predict_memories(WORKLOAD, [TrialConfig(micro_batch=2), refused, TrialConfig(micro_batch=1)])
+    assert [type(a) for a in answers] == [MemoryEstimate, EstimateError, MemoryEstimate]
+    assert "--activation-offload on" in str(answers[1])
+    assert [a.config for a in answers if isinstance(a, MemoryEstimate)] == [
+        TrialConfig(micro_batch=2),
+        TrialConfig(micro_batch=1),
+    ]
