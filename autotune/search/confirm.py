@@ -114,15 +114,16 @@ def noise_band(records: list[TrialRecord]) -> float:
 
 def proven_order(order: list[int], runs: dict[int, list[TrialResult]], incumbent: int | None) -> list[int]:
     """``order`` (by paired scores) with the held answer ``incumbent`` first unless a contender beat it in
-    every interleaved round they both ran, two rounds at least: a lead within the noise does not replace it."""
+    every interleaved round they both ran, two rounds at least, by more than ``CONFIRM_NOISE`` over those rounds
+    (the median of its leads): a lead within the noise does not replace it. Two configs of one speed would
+    otherwise swap on coin flips, and the answer read behind the simple one as often as ahead."""
     if incumbent not in order:
         return order
 
     def beats(number: int) -> bool:
         both = min(len(runs[number]), len(runs[incumbent]))
-        return both >= CONFIRM_ROUNDS and all(
-            (runs[number][i].throughput or 0.0) > (runs[incumbent][i].throughput or 0.0) for i in range(both)
-        )
+        leads = [(runs[number][i].throughput or 0.0) / (runs[incumbent][i].throughput or 1e-9) - 1 for i in range(both)]
+        return both >= CONFIRM_ROUNDS and min(leads) > 0 and statistics.median(leads) > CONFIRM_NOISE
 
     others = [n for n in order if n != incumbent]
     return [n for n in others if beats(n)] + [incumbent] + [n for n in others if not beats(n)]

@@ -458,11 +458,18 @@ def test_a_config_ahead_on_its_first_measurement_alone_does_not_replace_the_simp
     summary = _tune(tmp_path, backend, knobs=_TWO_PRECISIONS)
     assert backend.confirmed.count(("bf16", 4)) == 2  # compared; behind once, it can no longer replace it
     assert summary.best.config == TrialConfig(micro_batch=4)  # fp32: the simple answer held
-    # Ahead in every round: it replaces it.
-    backend = _PerConfigBackend(first, {("fp32", 4): [100.0, 100.0, 100.0], ("bf16", 4): [103.0, 102.0, 104.0]})
+    # Ahead in every round, by more than the noise: it replaces it.
+    backend = _PerConfigBackend(first, {("fp32", 4): [100.0, 100.0, 100.0], ("bf16", 4): [106.0, 105.0, 107.0]})
     (tmp_path / "again").mkdir()
     summary = _tune(tmp_path / "again", backend, knobs=_TWO_PRECISIONS)
     assert summary.best.config.precision == "bf16"
+    # Ahead in every round by 1-2%: a lead within the noise, and the simple answer holds (two configs of one
+    # speed would otherwise swap on coin flips).
+    backend = _PerConfigBackend(first, {("fp32", 4): [100.0, 100.0, 100.0], ("bf16", 4): [101.0, 102.0, 101.5]})
+    (tmp_path / "within").mkdir()
+    summary = _tune(tmp_path / "within", backend, knobs=_TWO_PRECISIONS)
+    assert summary.best.config == TrialConfig(micro_batch=4)
+    assert "within noise of the runner-up" in summary.certainty
 
 
 def test_a_trial_disturbed_by_other_work_is_measured_once_more_and_the_steadier_figure_kept(tmp_path):
