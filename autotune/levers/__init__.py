@@ -42,6 +42,8 @@ __all__ = [
     "MODEL_REFUSAL_ORDER",
     "AXIS_ORDER",
     "DROPPED_ORDER",
+    "IN_CODE_BEFORE_LAYOUT",
+    "IN_CODE_AFTER_LAYOUT",
     "ATTENTION",
     "CHECKPOINTING",
     "LORA",
@@ -155,6 +157,11 @@ DROPPED_ORDER: tuple[Lever, ...] = (
     OPTIMIZER,
     LORA,
 )
+# The order of their lines in an export's header of what a job applies in its own code: how the model is loaded
+# and compiled (checkpointing and LoRA have header lines of their own, none here), then the layout's lines (not
+# levers yet), then what wraps each step: the optimizer, activation offload's hooks around the forward, the loss.
+IN_CODE_BEFORE_LAYOUT: tuple[Lever, ...] = (PRECISION, ATTENTION, CHECKPOINTING, LORA, COMPILE)
+IN_CODE_AFTER_LAYOUT: tuple[Lever, ...] = (OPTIMIZER, ACTIVATION_OFFLOAD, LOSS)
 
 # The levers whose values leave a config's model states (its parameters, gradients and optimizer state per rank)
 # as they are: they change what a step computes or keeps of its activations, not what the model holds between

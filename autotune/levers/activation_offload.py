@@ -97,6 +97,17 @@ class ActivationOffloadLever(Lever):
     def labels(self, config: TrialConfig) -> list[str]:
         return ["act-offload"] if config.activation_offload else []
 
+    def in_code(self, config: TrialConfig) -> list[str]:
+        if not config.activation_offload:
+            return []
+        return [
+            "activation offload: no library's config has it; run the forward (not the backward) inside "
+            "`autotune.prepare.offload.offload_activations()`: a plain loop or a LightningModule's training_step "
+            "`with offload_activations(): loss = model(**batch).loss`; the hf Trainer has no argument for it: "
+            "subclass Trainer with compute_loss_context_manager returning super()'s ExitStack after "
+            "stack.enter_context(offload_activations())"
+        ]
+
     def saves_with_more_checkpointing(self, config: TrialConfig) -> bool:
         """Whether checkpointing more layers moves less to the host here: with checkpointing, only the
         checkpoints' inputs are offloaded, fewer bytes than every saved activation."""

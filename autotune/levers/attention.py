@@ -144,6 +144,15 @@ class AttentionLever(Lever):
     def labels(self, config: TrialConfig) -> list[str]:
         return [] if config.attention == "auto" else [f"attn={config.attention}"]
 
+    def in_code(self, config: TrialConfig) -> list[str]:
+        if config.attention == "auto":
+            return []
+        return [
+            f'attention: load the model with attn_implementation="{config.attention}" '
+            f'(from_pretrained(..., attn_implementation="{config.attention}")), or '
+            f'`model = autotune.prepare(model, attention="{config.attention}")`'
+        ]
+
 
 def _space_refusal(attention: str, device: DeviceInfo, facts: ModelFacts) -> str | None:
     """Why a space's ``attention`` cannot run for this model, device or install (None: it can)."""

@@ -61,3 +61,17 @@ class CompileLever(Lever):
 
     def labels(self, config: TrialConfig) -> list[str]:
         return ["compiled"] if config.compile else []
+
+    def in_code(self, config: TrialConfig) -> list[str]:
+        if not config.compile:
+            return []
+        if config.uses_deepspeed:
+            return [
+                "compile: engine.compile() after deepspeed.initialize (DeepSpeed's JSON has no switch for it; "
+                "the hf export sets torch_compile, the accelerate export dynamo_backend INDUCTOR); "
+                "the first steps compile"
+            ]
+        return [
+            "compile: model = torch.compile(model) before training (the hf export sets torch_compile, "
+            "the accelerate export dynamo_backend INDUCTOR); the first steps compile"
+        ]

@@ -158,6 +158,16 @@ class LossLever(Lever):
         label = "chunked-kept-loss" if config.loss_keeps_logits else "chunked-loss"
         return [label + (f":{chunks}" if chunks else "")]
 
+    def in_code(self, config: TrialConfig) -> list[str]:
+        if config.loss_chunks is None:
+            return []
+        kind = "chunked-kept" if config.loss_keeps_logits else "chunked"
+        return [
+            f"loss: {kind} in {config.loss_chunks} slices, which no library flag sets: after building the model, "
+            f'`model = autotune.prepare(model, loss="{kind}:{config.loss_chunks}")` '
+            "(same loss; outputs.logits then hold the hidden states)"
+        ]
+
 
 def chunk_loss(
     model: torch.nn.Module,

@@ -195,6 +195,11 @@ class OptimizerLever(Lever):
             labels.append("step-in-bwd")
         return labels
 
+    def in_code(self, config: TrialConfig) -> list[str]:
+        if not config.fused_optimizer:
+            return []
+        return ["optimizer: torch.optim.AdamW(..., fused=True) (the hf export sets optim adamw_torch_fused)"]
+
 
 def _class_and_arguments(config: TrialConfig) -> tuple[str, str]:
     """The class that steps ``config``'s parameters and the arguments beyond ``(params, lr=LR)`` it is built with."""

@@ -116,6 +116,15 @@ class PrecisionLever(Lever):
     def labels(self, config: TrialConfig) -> list[str]:
         return [config.precision]
 
+    def in_code(self, config: TrialConfig) -> list[str]:
+        if not config.true_16_bit:
+            return []
+        return [
+            "bf16-true: load the model in bf16 "
+            "(from_pretrained(..., dtype=torch.bfloat16), or model.to(torch.bfloat16)) "
+            "and build the optimizer over its bf16 parameters; Lightning's precision: bf16-true does both"
+        ]
+
 
 def trains_on(precision: str, device: DeviceInfo) -> bool:
     """Whether ``device`` can train in ``precision`` at all (whatever the other knobs)."""

@@ -24,6 +24,7 @@ from autotune.config.deepspeed_config import deepspeed_config
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
+from autotune.levers import IN_CODE_AFTER_LAYOUT, IN_CODE_BEFORE_LAYOUT
 from autotune.levers.checkpointing import checkpointing_call
 from autotune.levers.optimizer import optimizer_line
 from autotune.prepare.model_facts import layer_classes
@@ -470,31 +471,10 @@ def _nodes_lines(workload: Workload) -> list[str]:
 
 
 def in_code(config: TrialConfig, workload: Workload | None = None) -> list[str]:
-    """What the job must apply in its own code because no library's config carries it, a line each."""
-    lines = []
-    if config.true_16_bit:
-        lines.append(
-            "bf16-true: load the model in bf16 "
-            "(from_pretrained(..., dtype=torch.bfloat16), or model.to(torch.bfloat16)) "
-            "and build the optimizer over its bf16 parameters; Lightning's precision: bf16-true does both"
-        )
-    if config.attention != "auto":
-        lines.append(
-            f'attention: load the model with attn_implementation="{config.attention}" '
-            f'(from_pretrained(..., attn_implementation="{config.attention}")), or '
-            f'`model = autotune.prepare(model, attention="{config.attention}")`'
-        )
-    if config.compile and config.uses_deepspeed:
-        lines.append(
-            "compile: engine.compile() after deepspeed.initialize (DeepSpeed's JSON has no switch for it; "
-            "the hf export sets torch_compile, the accelerate export dynamo_backend INDUCTOR); "
-            "the first steps compile"
-        )
-    elif config.compile:
-        lines.append(
-            "compile: model = torch.compile(model) before training (the hf export sets torch_compile, "
-            "the accelerate export dynamo_backend INDUCTOR); the first steps compile"
-        )
+    """What the job must apply in its own code because no library's config carries it, a line each: each lever's
+    (:meth:`autotune.levers.base.Lever.in_code`), the layout's between how the model is loaded and what wraps
+    its step."""
+    lines = [line for lever in IN_CODE_BEFORE_LAYOUT for line in lever.in_code(config)]
     if config.uses_fsdp:
         units = (", ".join(layer_classes(workload)) if workload is not None else "") or "decoder layer"
         lines.append(
@@ -517,24 +497,7 @@ def in_code(config: TrialConfig, workload: Workload | None = None) -> list[str]:
             "`pipeline.step(input_ids=batch, labels=batch)` on the step's whole batch (its micro batches are the "
             "accumulation steps), then the optimizer over pipeline.parameters()"
         )
-    if config.fused_optimizer:
-        lines.append("optimizer: torch.optim.AdamW(..., fused=True) (the hf export sets optim adamw_torch_fused)")
-    if config.activation_offload:
-        lines.append(
-            "activation offload: no library's config has it; run the forward (not the backward) inside "
-            "`autotune.prepare.offload.offload_activations()`: a plain loop or a LightningModule's training_step "
-            "`with offload_activations(): loss = model(**batch).loss`; the hf Trainer has no argument for it: "
-            "subclass Trainer with compute_loss_context_manager returning super()'s ExitStack after "
-            "stack.enter_context(offload_activations())"
-        )
-    if config.loss_chunks is None:
-        return lines
-    kind = "chunked-kept" if config.loss_keeps_logits else "chunked"
-    return lines + [
-        f"loss: {kind} in {config.loss_chunks} slices, which no library flag sets: after building the model, "
-        f'`model = autotune.prepare(model, loss="{kind}:{config.loss_chunks}")` '
-        "(same loss; outputs.logits then hold the hidden states)"
-    ]
+    return lines + [line for lever in IN_CODE_AFTER_LAYOUT for line in lever.in_code(config)]
 
 
 def _dump_json(data: dict[str, Any]) -> str:
