@@ -42,6 +42,7 @@ __all__ = [
     "MODEL_REFUSAL_ORDER",
     "AXIS_ORDER",
     "DROPPED_ORDER",
+    "TRAINER_ORDER",
     "IN_CODE_BEFORE_LAYOUT",
     "IN_CODE_AFTER_LAYOUT",
     "ATTENTION",
@@ -157,6 +158,19 @@ DROPPED_ORDER: tuple[Lever, ...] = (
     OPTIMIZER,
     LORA,
 )
+# The order of their keys in Transformers' TrainingArguments (as the hf export writes them): the precision's, the
+# optimizer's, compile's, checkpointing's, then those of the levers with none.
+TRAINER_ORDER: tuple[Lever, ...] = (
+    PRECISION,
+    OPTIMIZER,
+    COMPILE,
+    CHECKPOINTING,
+    ATTENTION,
+    LOSS,
+    ACTIVATION_OFFLOAD,
+    LORA,
+)
+
 # The order of their lines in an export's header of what a job applies in its own code: how the model is loaded
 # and compiled (checkpointing and LoRA have header lines of their own, none here), then the layout's lines (not
 # levers yet), then what wraps each step: the optimizer, activation offload's hooks around the forward, the loss.

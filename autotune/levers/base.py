@@ -4,8 +4,9 @@ A lever is one knob family (its fields are a frozen mixin of :class:`~autotune.c
 Its class says, for a config, which of its values are wrong (:meth:`Lever.check`), why they cannot go with the
 other levers' values (:meth:`Lever.conflict`) or run for a workload on a device (:meth:`Lever.refusal`), why a
 model cannot take them (:meth:`Lever.model_refusal`, from :class:`ModelFacts` read once per workload), how it
-changes a built model (:meth:`Lever.apply`), its words in a config's label (:meth:`Lever.labels`), what a job
-applies in its own code for it where no library's config can (:meth:`Lever.in_code`), and its axes
+changes a built model (:meth:`Lever.apply`), its words in a config's label (:meth:`Lever.labels`), its keys in
+Transformers' ``TrainingArguments`` (:meth:`Lever.trainer_arguments`), what a job applies in its own code for it
+where no library's config can (:meth:`Lever.in_code`), and its axes
 in a search space (:class:`Axis`: the space file's keys it owns, how their values parse, which of them can run
 for a workload on a device, and the tuner's parameters they are). A lever that says nothing for one of these
 keeps the default.
@@ -151,6 +152,11 @@ class Lever:
     def labels(self, config: TrialConfig) -> list[str]:
         """Its words in ``TrialConfig.describe()`` (none when the lever is at its default)."""
         return []
+
+    def trainer_arguments(self, config: TrialConfig) -> dict[str, Any]:
+        """Its keys of ``transformers.TrainingArguments`` (the hf export, and a Trainer script's trial); raise
+        ConfigError, naming ``--format hf``, where the Trainer has none for its values."""
+        return {}
 
     def in_code(self, config: TrialConfig) -> list[str]:
         """What a job must apply in its own code for this lever's values, because no library's config carries

@@ -50,6 +50,13 @@ EVERY_N_SINCE = (5, 23)
 ACTIVATION_NAMES_SINCE = (5, 24)
 
 
+def checkpointing_argument() -> str:
+    """Transformers 5.23 renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (the old name
+    goes in v6): the name the installed version reads, found without importing transformers."""
+    release = transformers_release()
+    return "activation_checkpointing" if release is None or release >= EVERY_N_SINCE else "gradient_checkpointing"
+
+
 def transformers_release() -> tuple[int, int] | None:
     """(major, minor) of the installed transformers, read without importing it; None if unknown."""
     from importlib.metadata import PackageNotFoundError, version
@@ -247,6 +254,15 @@ class CheckpointingLever(Lever):
         if not config.checkpointing:
             return []
         return ["ckpt" if config.checkpoint_every == 1 else f"ckpt/{config.checkpoint_every}"]
+
+    def trainer_arguments(self, config: TrialConfig) -> dict[str, Any]:
+        name = checkpointing_argument()
+        if not config.checkpointing:
+            return {name: False}
+        # What the trials measured: non-reentrant (it works with LoRA and DeepSpeed); every n-th layer read by the
+        # Trainer out of these kwargs (Transformers >= 5.23).
+        every = {"every_n_layers": config.checkpoint_every} if config.checkpoint_every > 1 else {}
+        return {name: True, f"{name}_kwargs": {"use_reentrant": False, **every}}
 
     def recomputes_more(self, config: TrialConfig, lighter: TrialConfig) -> bool:
         """Whether ``config`` is ``lighter`` checkpointing more layers, all else the same: ``lighter``'s work and

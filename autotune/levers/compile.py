@@ -6,7 +6,7 @@ of its own and never in tokens/s.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autotune.errors import ConfigError
 from autotune.levers.base import Axis, Flag, Lever, a_bool
@@ -61,6 +61,9 @@ class CompileLever(Lever):
 
     def labels(self, config: TrialConfig) -> list[str]:
         return ["compiled"] if config.compile else []
+
+    def trainer_arguments(self, config: TrialConfig) -> dict[str, Any]:
+        return {"torch_compile": True} if config.compile else {}
 
     def in_code(self, config: TrialConfig) -> list[str]:
         if not config.compile:

@@ -195,6 +195,22 @@ class OptimizerLever(Lever):
             labels.append("step-in-bwd")
         return labels
 
+    def trainer_arguments(self, config: TrialConfig) -> dict[str, Any]:
+        if config.optimizer_in_backward:
+            raise ConfigError(
+                "--format hf: this config steps the optimizer inside backward, which the Trainer has no argument "
+                "for; export --format json and build it in your loop with "
+                "autotune.prepare.optimizer.build_optimizer(params, config, lr=...), or pick a config without it"
+            )
+        if config.uses_deepspeed:
+            return {}  # DeepSpeed's optimizer block says it
+        if config.optimizer == "adamw-8bit":  # the Trainer's names for the two libraries' AdamW8bit
+            return {"optim": "adamw_torch_8bit" if eight_bit_library() == "torchao" else "adamw_bnb_8bit"}
+        if config.optimizer == "adafactor":  # the Trainer's Adafactor: a fixed learning rate, as the trials ran
+            return {"optim": "adafactor"}
+        # What the trials ran (Transformers 5's default is the fused one).
+        return {"optim": "adamw_torch_fused" if config.fused_optimizer else "adamw_torch"}
+
     def in_code(self, config: TrialConfig) -> list[str]:
         if not config.fused_optimizer:
             return []

@@ -116,6 +116,13 @@ class PrecisionLever(Lever):
     def labels(self, config: TrialConfig) -> list[str]:
         return [config.precision]
 
+    def trainer_arguments(self, config: TrialConfig) -> dict[str, Any]:
+        return {
+            "bf16": config.sixteen_bit == "bfloat16",  # bf16-true: autocast on a bf16 model changes nothing
+            "fp16": config.precision == "fp16",
+            **({"tf32": True} if config.precision == "tf32" else {}),
+        }
+
     def in_code(self, config: TrialConfig) -> list[str]:
         if not config.true_16_bit:
             return []

@@ -11,10 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from autotune.config.deepspeed_config import deepspeed_config
-from autotune.config.knobs import TrialConfig, eight_bit_library
+from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.errors import ConfigError
-from autotune.levers.checkpointing import EVERY_N_SINCE, transformers_release
+from autotune.levers import TRAINER_ORDER
 
 __all__ = [
     "trainer_arguments",
@@ -22,7 +21,6 @@ __all__ = [
     "lightning_strategy",
     "accelerate_arguments",
     "accelerate_deepspeed_plugin",
-    "checkpointing_argument",
 ]
 
 # Lightning's precision strings: mixed precision is autocast, -true holds the model in 16 bits.
@@ -70,33 +68,9 @@ def trainer_arguments(
     kwargs: dict[str, Any] = {
         "per_device_train_batch_size": config.micro_batch,
         "gradient_accumulation_steps": config.grad_accum_steps(workload),
-        "bf16": config.sixteen_bit == "bfloat16",  # bf16-true: autocast on a bf16 model changes nothing
-        "fp16": config.precision == "fp16",
     }
-    if config.optimizer_in_backward:
-        raise ConfigError(
-            "--format hf: this config steps the optimizer inside backward, which the Trainer has no argument "
-            "for; export --format json and build it in your loop with "
-            "autotune.prepare.optimizer.build_optimizer(params, config, lr=...), or pick a config without it"
-        )
-    if config.uses_deepspeed:
-        pass  # DeepSpeed's optimizer block says it
-    elif config.optimizer == "adamw-8bit":  # the Trainer's names for the two libraries' AdamW8bit
-        kwargs["optim"] = "adamw_torch_8bit" if eight_bit_library() == "torchao" else "adamw_bnb_8bit"
-    elif config.optimizer == "adafactor":  # the Trainer's Adafactor: a fixed learning rate, as the trials ran
-        kwargs["optim"] = "adafactor"
-    else:  # what the trials ran (Transformers 5's default is the fused one)
-        kwargs["optim"] = "adamw_torch_fused" if config.fused_optimizer else "adamw_torch"
-    if config.compile:
-        kwargs["torch_compile"] = True
-    checkpointing = checkpointing_argument()
-    kwargs[checkpointing] = config.checkpointing
-    if config.precision == "tf32":
-        kwargs["tf32"] = True
-    if config.checkpointing:  # what the trials measured: works with LoRA and DeepSpeed
-        kwargs[f"{checkpointing}_kwargs"] = {"use_reentrant": False}
-        if config.checkpoint_every > 1:  # read by the Trainer (Transformers >= 5.23) out of these kwargs
-            kwargs[f"{checkpointing}_kwargs"]["every_n_layers"] = config.checkpoint_every
+    for lever in TRAINER_ORDER:
+        kwargs.update(lever.trainer_arguments(config))
     if config.uses_deepspeed:
         ds = deepspeed_config(config, workload, device_type=device_type, hidden_size=hidden_size)
         ds.update(dict.fromkeys(_AUTO_KEYS, "auto"))
@@ -204,10 +178,3 @@ def accelerate_deepspeed_plugin(
     if hidden_size is None:
         ds["zero_optimization"].update(dict.fromkeys(_AUTO_BUCKET_KEYS[config.zero_stage == 3], "auto"))
     return {"hf_ds_config": ds, "zero3_init_flag": config.zero_stage == 3}
-
-
-def checkpointing_argument() -> str:
-    """Transformers 5.23 renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (the old name
-    goes in v6): the name the installed version reads, found without importing transformers."""
-    release = transformers_release()
-    return "activation_checkpointing" if release is None or release >= EVERY_N_SINCE else "gradient_checkpointing"

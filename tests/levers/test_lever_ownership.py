@@ -33,6 +33,7 @@ from autotune.levers import (
     LEVERS,
     MODEL_REFUSAL_ORDER,
     REFUSAL_ORDER,
+    TRAINER_ORDER,
 )
 
 PACKAGE = Path(autotune.__file__).parent
@@ -77,15 +78,7 @@ NOT_YET: dict[str, set[str]] = {
     "autotune/estimate/zero_states.py": {"precision"},
     # the export keys
     "autotune/output/exporters.py": {"checkpoint_every", "checkpointing", "compile", "precision"},
-    "autotune/prepare/training_args.py": {
-        "checkpoint_every",
-        "checkpointing",
-        "compile",
-        "fused_optimizer",
-        "optimizer",
-        "optimizer_in_backward",
-        "precision",
-    },
+    "autotune/prepare/training_args.py": {"precision"},
     "autotune/output/render.py": {"checkpointing"},
     # LoRA's applying (its targets for the model, the quantized base's layers), its search-space parameter, and the
     # adapter facts a study stores and shows: the lever's module holds its fields, checks, refusal and labels
@@ -150,7 +143,8 @@ def test_every_field_belongs_to_one_lever_or_is_listed_as_not_yet() -> None:
         "a new knob is a new module of autotune/levers/ (docs/design.md, how to add a lever)"
     )
     in_code = IN_CODE_BEFORE_LAYOUT + IN_CODE_AFTER_LAYOUT
-    for order in (LABEL_ORDER, CHECK_ORDER, REFUSAL_ORDER, MODEL_REFUSAL_ORDER, AXIS_ORDER, DROPPED_ORDER, in_code):
+    orders = (LABEL_ORDER, CHECK_ORDER, REFUSAL_ORDER, MODEL_REFUSAL_ORDER, AXIS_ORDER, DROPPED_ORDER, TRAINER_ORDER)
+    for order in (*orders, in_code):
         assert sorted(map(id, order)) == sorted(map(id, LEVERS)), "each order of autotune.levers names every lever once"
 
 
