@@ -5,7 +5,8 @@ Its class says, for a config, which of its values are wrong (:meth:`Lever.check`
 other levers' values (:meth:`Lever.conflict`) or run for a workload on a device (:meth:`Lever.refusal`), why a
 model cannot take them (:meth:`Lever.model_refusal`, from :class:`ModelFacts` read once per workload), how it
 changes a built model (:meth:`Lever.apply`), its words in a config's label (:meth:`Lever.labels`), its keys in
-Transformers' ``TrainingArguments`` (:meth:`Lever.trainer_arguments`), what a job applies in its own code for it
+Transformers' ``TrainingArguments``, Lightning's ``Trainer`` and Accelerate's ``Accelerator``
+(:meth:`Lever.trainer_arguments` and its two neighbours), what a job applies in its own code for it
 where no library's config can (:meth:`Lever.in_code`), and its axes
 in a search space (:class:`Axis`: the space file's keys it owns, how their values parse, which of them can run
 for a workload on a device, and the tuner's parameters they are). A lever that says nothing for one of these
@@ -156,6 +157,14 @@ class Lever:
     def trainer_arguments(self, config: TrialConfig) -> dict[str, Any]:
         """Its keys of ``transformers.TrainingArguments`` (the hf export, and a Trainer script's trial); raise
         ConfigError, naming ``--format hf``, where the Trainer has none for its values."""
+        return {}
+
+    def lightning_arguments(self, config: TrialConfig) -> dict[str, Any]:
+        """Its keys among ``lightning.pytorch.Trainer``'s arguments (what the model's code does not apply)."""
+        return {}
+
+    def accelerate_arguments(self, config: TrialConfig) -> dict[str, Any]:
+        """Its keys among ``accelerate.Accelerator``'s arguments (what the model's code does not apply)."""
         return {}
 
     def in_code(self, config: TrialConfig) -> list[str]:

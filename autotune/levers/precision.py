@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 __all__ = ["PrecisionFields", "PrecisionLever", "PRECISIONS", "sixteen_bit_type", "trains_on", "hold_weights"]
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "bf16-true")
+# Lightning's precision strings: mixed precision is autocast, -true holds the model in 16 bits.
+_LIGHTNING_PRECISION = {"fp16": "16-mixed", "bf16": "bf16-mixed", "bf16-true": "bf16-true"}
 # The 16-bit type each precision computes in (torch's name). fp16 and bf16 are mixed precision:
 # fp32 weights, gradients and Adam states, matmuls under autocast. bf16-true holds all of them in
 # bf16 (Lightning's "bf16-true"). No fp16-true: Adam's eps (1e-8) and small second moments
@@ -122,6 +124,13 @@ class PrecisionLever(Lever):
             "fp16": config.precision == "fp16",
             **({"tf32": True} if config.precision == "tf32" else {}),
         }
+
+    def lightning_arguments(self, config: TrialConfig) -> dict[str, Any]:
+        return {"precision": _LIGHTNING_PRECISION.get(config.precision, "32-true")}
+
+    def accelerate_arguments(self, config: TrialConfig) -> dict[str, Any]:
+        # bf16-true: autocast on the bf16 model autotune.prepare made changes nothing, as in the Trainer's.
+        return {"mixed_precision": {"float16": "fp16", "bfloat16": "bf16"}.get(config.sixteen_bit or "", "no")}
 
     def in_code(self, config: TrialConfig) -> list[str]:
         if not config.true_16_bit:

@@ -13,7 +13,7 @@ from typing import Any
 from autotune.config.deepspeed_config import deepspeed_config
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.levers import TRAINER_ORDER
+from autotune.levers import LEVERS, TRAINER_ORDER
 
 __all__ = [
     "trainer_arguments",
@@ -22,9 +22,6 @@ __all__ = [
     "accelerate_arguments",
     "accelerate_deepspeed_plugin",
 ]
-
-# Lightning's precision strings: mixed precision is autocast, -true holds the model in 16 bits.
-_LIGHTNING_PRECISION = {"fp16": "16-mixed", "bf16": "bf16-mixed", "bf16-true": "bf16-true"}
 
 # Lightning's registered DeepSpeed strategy names, by (stage, offload).
 _LIGHTNING_DEEPSPEED = {
@@ -98,7 +95,7 @@ def lightning_arguments(config: TrialConfig, workload: Workload) -> dict[str, An
     """The knobs among ``lightning.pytorch.Trainer``'s arguments: precision and accumulation (the micro
     batch is the DataLoader's; checkpointing and LoRA are the model's, applied by ``autotune.prepare``)."""
     return {
-        "precision": _LIGHTNING_PRECISION.get(config.precision, "32-true"),
+        **{key: value for lever in LEVERS for key, value in lever.lightning_arguments(config).items()},
         "accumulate_grad_batches": config.grad_accum_steps(workload),
     }
 
@@ -152,9 +149,8 @@ def lightning_strategy(
 def accelerate_arguments(config: TrialConfig, workload: Workload) -> dict[str, Any]:
     """The knobs among ``accelerate.Accelerator``'s arguments: mixed precision and accumulation (the
     micro batch is the DataLoader's; the rest is the model's, applied by ``autotune.prepare``)."""
-    # bf16-true: autocast on the bf16 model autotune.prepare made changes nothing, as in the Trainer's
     return {
-        "mixed_precision": {"float16": "fp16", "bfloat16": "bf16"}.get(config.sixteen_bit or "", "no"),
+        **{key: value for lever in LEVERS for key, value in lever.accelerate_arguments(config).items()},
         "gradient_accumulation_steps": config.grad_accum_steps(workload),
     }
 
