@@ -159,6 +159,15 @@ class Lever:
         ConfigError, naming ``--format hf``, where the Trainer has none for its values."""
         return {}
 
+    def format_refusal(self, config: TrialConfig, format_name: str) -> str | None:
+        """Why export format ``format_name`` (``autotune export --format``) cannot carry this lever's values (a
+        line that names the format and what to export instead); None: it can."""
+        return None
+
+    def accelerate_config(self, config: TrialConfig) -> dict[str, Any]:
+        """Its keys in an ``accelerate config`` file (the accelerate export), beside the Accelerator's own."""
+        return {}
+
     def lightning_arguments(self, config: TrialConfig) -> dict[str, Any]:
         """Its keys among ``lightning.pytorch.Trainer``'s arguments (what the model's code does not apply)."""
         return {}

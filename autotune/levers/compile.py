@@ -65,6 +65,10 @@ class CompileLever(Lever):
     def trainer_arguments(self, config: TrialConfig) -> dict[str, Any]:
         return {"torch_compile": True} if config.compile else {}
 
+    def accelerate_config(self, config: TrialConfig) -> dict[str, Any]:
+        # Accelerator(dynamo_backend=...) compiles the prepared model.
+        return {"dynamo_config": {"dynamo_backend": "INDUCTOR"}} if config.compile else {}
+
     def in_code(self, config: TrialConfig) -> list[str]:
         if not config.compile:
             return []

@@ -125,6 +125,15 @@ class PrecisionLever(Lever):
             **({"tf32": True} if config.precision == "tf32" else {}),
         }
 
+    def format_refusal(self, config: TrialConfig, format_name: str) -> str | None:
+        if format_name != "deepspeed" or not config.true_16_bit:
+            return None
+        return (
+            f"--format deepspeed: this config trains in {config.precision}, and DeepSpeed's bf16 mode "
+            "keeps fp32 master weights (that is --precision bf16); export --format hf, lightning "
+            "or accelerate instead"
+        )
+
     def lightning_arguments(self, config: TrialConfig) -> dict[str, Any]:
         return {"precision": _LIGHTNING_PRECISION.get(config.precision, "32-true")}
 

@@ -24,7 +24,7 @@ from autotune.config.deepspeed_config import deepspeed_config
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.levers import IN_CODE_AFTER_LAYOUT, IN_CODE_BEFORE_LAYOUT
+from autotune.levers import IN_CODE_AFTER_LAYOUT, IN_CODE_BEFORE_LAYOUT, LEVERS
 from autotune.levers.checkpointing import checkpointing_call
 from autotune.levers.optimizer import optimizer_line
 from autotune.prepare.model_facts import layer_classes
@@ -207,12 +207,7 @@ def _deepspeed(config: TrialConfig, workload: Workload, *, device_type: str, sum
             f"--format deepspeed: this config shards with PyTorch's FSDP2 (--fsdp {config.fsdp}), which DeepSpeed "
             "does not run (its ZeRO stages are its own sharding); export --format accelerate, lightning or json"
         )
-    if config.true_16_bit:
-        raise ConfigError(
-            f"--format deepspeed: this config trains in {config.precision}, and DeepSpeed's bf16 mode "
-            "keeps fp32 master weights (that is --precision bf16); export --format hf, lightning "
-            "or accelerate instead"
-        )
+    _refuse_where_a_lever_cannot_be_written(config, "deepspeed")
     return _dump_json(deepspeed_config(config, workload, device_type=device_type, hidden_size=hidden_size(workload)))
 
 
@@ -272,8 +267,8 @@ def _accelerate(
         data["main_process_port"] = RDZV_PORT
     if not cpu:
         data["gpu_ids"] = "all"
-    if config.compile:  # Accelerator(dynamo_backend=...) compiles the prepared model
-        data["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
+    for lever in LEVERS:
+        data.update(lever.accelerate_config(config))
     if config.uses_deepspeed:
         # Only these two keys beside a file: Accelerate refuses accumulation, stage or offload keys that
         # the file would override (the file says them; the script's Accelerator reads them from it).
@@ -427,6 +422,14 @@ def _bnb(config: TrialConfig, workload: Workload, *, device_type: str, summary: 
 
 
 # -- shared helpers -------------------------------------------------------------------------
+def _refuse_where_a_lever_cannot_be_written(config: TrialConfig, format_name: str) -> None:
+    """Raise the first lever's refusal of ``format_name`` for ``config`` (see ``Lever.format_refusal``)."""
+    for lever in LEVERS:
+        refusal = lever.format_refusal(config, format_name)
+        if refusal is not None:
+            raise ConfigError(refusal)
+
+
 def _header(
     config: TrialConfig, workload: Workload, summary: dict[str, Any], *, launch: list[str] | None = None
 ) -> str:

@@ -77,7 +77,7 @@ NOT_YET: dict[str, set[str]] = {
     "autotune/estimate/trace.py": {"activation_offload", "compile", "quantize_base"},
     "autotune/estimate/zero_states.py": {"precision"},
     # the export keys
-    "autotune/output/exporters.py": {"checkpoint_every", "checkpointing", "compile", "precision"},
+    "autotune/output/exporters.py": {"checkpoint_every", "checkpointing", "precision"},
     "autotune/output/render.py": {"checkpointing"},
     # LoRA's applying (its targets for the model, the quantized base's layers), its search-space parameter, and the
     # adapter facts a study stores and shows: the lever's module holds its fields, checks, refusal and labels
