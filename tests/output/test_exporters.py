@@ -701,3 +701,13 @@ def test_the_hf_exports_trainer_offloads_its_forward_as_the_line_beside_it_says(
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], save_strategy="no", **kwargs)
     OffloadTrainer(model=model, args=args, train_dataset=data).train()
     assert packed  # the forward ran inside the hooks, and the step trained with what they gave back
+
+
+def test_a_format_that_cannot_carry_a_levers_values_is_refused_in_one_line():
+    # DeepSpeed's bf16 mode keeps fp32 master weights: bf16-true (every weight in bf16) is not its mode.
+    with pytest.raises(ConfigError, match=r"--format deepspeed: this config trains in bf16-true.*--format hf") as no:
+        export_config(TrialConfig(micro_batch=4, precision="bf16-true"), WORKLOAD, fmt="deepspeed", device_type="cuda")
+    assert "\n" not in str(no.value)
+    # The same config is written in the formats that carry it.
+    hf = json.loads(export_config(TrialConfig(micro_batch=4, precision="bf16-true"), WORKLOAD, fmt="hf"))
+    assert hf["bf16"] is True and hf["fp16"] is False
