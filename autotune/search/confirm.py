@@ -133,8 +133,16 @@ def holds(result: TrialResult, limit: int) -> bool:
     return result.ok and result.peak_memory_bytes is not None and result.peak_memory_bytes <= limit
 
 
-def certainty(order: list[int], runs: dict[int, list[TrialResult]], by_number: dict[int, TrialRecord]) -> str | None:
-    """How sure the answer is, in words: its lead over the runner-up in the paired rounds both ran."""
+def certainty(
+    order: list[int],
+    runs: dict[int, list[TrialResult]],
+    by_number: dict[int, TrialRecord],
+    *,
+    held: int | None = None,
+) -> str | None:
+    """How sure the answer is, in words: its lead over the runner-up in the paired rounds both ran. Where the
+    answer is the one held (``held``) and the runner-up led it in every round, within the margin
+    (:func:`proven_order`), it says why the held one stays."""
     if not order:
         return None
     if len(order) == 1:
@@ -152,7 +160,12 @@ def certainty(order: list[int], runs: dict[int, list[TrialResult]], by_number: d
     verdict = (
         "clearly faster than" if clear and rounds >= CONFIRM_ROUNDS else "ahead of" if clear else "within noise of"
     )
+    kept = (
+        "; held: a challenger replaces it only by leading it in every round, two at least, by more than 3%"
+        if winner == held and rounds and wins == 0
+        else ""
+    )
     return (
         f"{verdict} the runner-up {by_number[runner_up].config.describe()} in interleaved re-runs: "
-        f"ahead in {wins} of {rounds} rounds ({spread})"
+        f"ahead in {wins} of {rounds} rounds ({spread}){kept}"
     )

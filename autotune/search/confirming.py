@@ -139,7 +139,9 @@ def _store_decision(
             "contenders": [r.number for r in contenders],
             "rounds": rounds,
             "scores": {str(n): v for n, v in scores.items()},
-            "certainty": certainty(order, runs, {r.number: r for r in contenders}),
+            "certainty": certainty(
+                order, runs, {r.number: r for r in contenders}, held=incumbent.number if incumbent else None
+            ),
         },
     )
     if order:

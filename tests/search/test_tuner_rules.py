@@ -469,7 +469,9 @@ def test_a_config_ahead_on_its_first_measurement_alone_does_not_replace_the_simp
     (tmp_path / "within").mkdir()
     summary = _tune(tmp_path / "within", backend, knobs=_TWO_PRECISIONS)
     assert summary.best.config == TrialConfig(micro_batch=4)
-    assert "within noise of the runner-up" in summary.certainty
+    assert "within noise of the runner-up" in summary.certainty and "ahead in 0 of 2 rounds" in summary.certainty
+    held = "held: a challenger replaces it only by leading it in every round, two at least, by more than 3%"
+    assert held in summary.certainty
 
 
 def test_a_trial_disturbed_by_other_work_is_measured_once_more_and_the_steadier_figure_kept(tmp_path):
