@@ -117,8 +117,7 @@ class _Traces:
         self._failed.clear()
 
     def _trace_missing(self, items: list[tuple[str, Any, Any]], task: str | None, measured_with: Any) -> None:
-        missing = {key: (workload, config) for key, workload, config in items if key not in self._kept}
-        missing = {key: item for key, item in missing.items() if key not in self._failed}
+        missing = {key: (w, c) for key, w, c in items if key not in self._kept and key not in self._failed}
         for workload, config in missing.values():  # once each: a module imported already costs nothing
             _preload_for(workload, config)
         plain = {key: item for key, item in missing.items() if item[1].pp == 1}

@@ -121,12 +121,17 @@ def proven_order(order: list[int], runs: dict[int, list[TrialResult]], incumbent
         return order
 
     def beats(number: int) -> bool:
-        both = min(len(runs[number]), len(runs[incumbent]))
-        leads = [(runs[number][i].throughput or 0.0) / (runs[incumbent][i].throughput or 1e-9) - 1 for i in range(both)]
-        return both >= CONFIRM_ROUNDS and min(leads) > 0 and statistics.median(leads) > CONFIRM_NOISE
+        leads = round_leads(runs, number, incumbent)
+        return len(leads) >= CONFIRM_ROUNDS and min(leads) > 0 and statistics.median(leads) > CONFIRM_NOISE
 
     others = [n for n in order if n != incumbent]
     return [n for n in others if beats(n)] + [incumbent] + [n for n in others if not beats(n)]
+
+
+def round_leads(runs: dict[int, list[TrialResult]], number: int, other: int) -> list[float]:
+    """``number``'s lead over ``other`` in each interleaved round both ran (0.05: 5% ahead)."""
+    both = min(len(runs[number]), len(runs[other]))
+    return [(runs[number][i].throughput or 0.0) / (runs[other][i].throughput or 1e-9) - 1 for i in range(both)]
 
 
 def holds(result: TrialResult, limit: int) -> bool:
@@ -152,8 +157,8 @@ def certainty(
             else "the one candidate; re-run to check it fits, no runner-up close enough to compare"
         )
     winner, runner_up = order[0], order[1]
-    rounds = min(len(runs[winner]), len(runs[runner_up]))
-    leads = [(runs[winner][i].throughput or 0.0) / (runs[runner_up][i].throughput or 1e-9) - 1 for i in range(rounds)]
+    leads = round_leads(runs, winner, runner_up)
+    rounds = len(leads)
     wins = sum(lead > 0 for lead in leads)
     spread = f"{min(leads):+.0%} to {max(leads):+.0%}" if len(leads) > 1 else f"{leads[0]:+.0%}"
     clear = wins == rounds and min(leads) > CONFIRM_NOISE

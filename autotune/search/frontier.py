@@ -53,7 +53,7 @@ class Frontiers:
         return ruled_out
 
     def family_sizes(self, config: TrialConfig) -> list[TrialConfig]:
-        return [config.replace(micro_batch=size) for size in sorted(self.sizes)]
+        return [config.replace(micro_batch=size) for size in self.sizes]
 
     def threshold(self, records: list[TrialRecord]) -> float:
         """The predicted peak up to which a config is worth a trial: the limit, plus the margin

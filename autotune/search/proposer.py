@@ -421,8 +421,8 @@ class Proposer:
         tops = self._tops_far_below(model, open_configs, values, best)
         self._memory.prefetch_all([t.replace(micro_batch=smallest) for t in tops if self._prior.predicted(t) is None])
         for value in sorted(values):
-            holding = [c for c in open_configs if value in self._values(c)]
-            if not holding or self._upper(model, holding) * WAIVE_FACTOR > best:
+            holding = self._far_holders(model, open_configs, value, best)
+            if not holding:
                 continue  # it may pay (or nothing of it is open): it is measured
             top = max(holding, key=model.predict)
             if self._prior.predicted(top) is None:  # placed: trace its family, then judge again
@@ -441,12 +441,16 @@ class Proposer:
     ) -> list[TrialConfig]:
         """For each of ``values`` whose open configs all lie ``WAIVE_FACTOR`` below ``best`` as ``model`` predicts
         them now, the most promising of those configs."""
-        tops = []
-        for value in sorted(values):
-            holding = [c for c in open_configs if value in self._values(c)]
-            if holding and self._upper(model, holding) * WAIVE_FACTOR <= best:
-                tops.append(max(holding, key=model.predict))
-        return tops
+        holders = (self._far_holders(model, open_configs, value, best) for value in sorted(values))
+        return [max(holding, key=model.predict) for holding in holders if holding]
+
+    def _far_holders(
+        self, model: ThroughputModel, open_configs: list[TrialConfig], value: Value, best: float
+    ) -> list[TrialConfig]:
+        """The open configs holding ``value``, where all of them lie ``WAIVE_FACTOR`` below ``best`` at the model's
+        error above their predictions; none where one may pay (or none is open)."""
+        holding = [c for c in open_configs if value in self._values(c)]
+        return holding if holding and self._upper(model, holding) * WAIVE_FACTOR <= best else []
 
     @staticmethod
     def _upper(model: ThroughputModel, configs: list[TrialConfig]) -> float:
