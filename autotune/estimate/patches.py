@@ -193,11 +193,16 @@ def pipeline_shapes_given() -> Iterator[None]:
     whether each stage's shapes are known: on fake tensors they are, given by the stages
     (:class:`autotune.prepare.pipeline.Pipeline`'s ``shapes``).
 
-    Written for torch 2.13's private ``_PipelineSchedule._warmup_p2p`` (pyproject: torch>=2.4).
+    Written for torch 2.13's private ``_PipelineSchedule._warmup_p2p`` (pyproject: torch>=2.4). Releases without
+    it (2.11 has neither the vote nor ``InferenceMode``) have no such exchange to skip.
     """
     from torch.distributed.pipelining import schedules
-    from torch.distributed.pipelining._utils import InferenceMode
 
+    try:
+        from torch.distributed.pipelining._utils import InferenceMode
+    except ImportError:
+        yield
+        return
     original = schedules._PipelineSchedule._warmup_p2p
 
     def shapes_given(self: Any, stages: list[Any], *args: Any, **kwargs: Any) -> None:

@@ -167,9 +167,10 @@ def trace_step(
         unpacked_batches(),
         as_on_cuda,
         _process_group(config, workload, traced, target=target, sharded=sharded, pipeline_rank=pipeline_rank) as mesh,
-        pipeline_shapes_given(),
+        # The pipeline patches reach into torch's private schedules: entered only for a pipeline's trace.
+        pipeline_shapes_given() if config.pp > 1 else contextlib.nullcontext(),
         measured_with.in_effect(),
-        sends_hold_their_tensors(),
+        sends_hold_their_tensors() if config.pp > 1 else contextlib.nullcontext(),
     ):
         warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
         # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
