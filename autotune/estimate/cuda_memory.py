@@ -131,6 +131,9 @@ def _with_what_pytorch_adds(
     the model) and cuBLAS's workspace (the first matmul's); the first step with the state made in
     its update; then two more steps, whose new storages get keys of their own.
     """
+    # The trace's teardown frees every storage after the step: replayed as part of the step, the next steps
+    # found the model and its optimizer's state freed, and the reserve read the first step's alone.
+    events = events[: marks.end]
     made_before_step = events[marks.state : marks.step]
     freed = {event[0] for event in made_before_step if event[1] == 0}
     state = [event for event in made_before_step if event[1] and event[0] not in freed]
@@ -152,11 +155,13 @@ def _with_what_pytorch_adds(
 @dataclass(frozen=True)
 class TraceMarks:
     """Where the trace's phases begin in its events: the optimizer's state made (after the model's
-    storages), the step (its forwards and backwards), the update (optimizer step and zero_grad)."""
+    storages), the step (its forwards and backwards), the update (optimizer step and zero_grad), and
+    where the step ends (None: with the events)."""
 
     state: int
     step: int
     update: int
+    end: int | None = None
 
 
 def _ddp_buckets(gradient_bytes: int) -> list[int]:

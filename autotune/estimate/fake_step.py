@@ -149,6 +149,7 @@ def fake_steps(
     engine.optimizer.step()
     engine.optimizer.zero_grad(set_to_none=not keep_gradients)
     del loss  # the last micro step's graph, alive through the update as in the trial's step
+    tracker.mark("end")  # what is freed after it (the fake model, as the trace lets it go) is no step's
     tracker.costs.phase = None
     samples = micro_steps * engine.config.micro_batch
     every = list(engine.model.parameters())
