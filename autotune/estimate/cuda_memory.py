@@ -18,7 +18,7 @@ Three figures, each the one before plus what it leaves out:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 from autotune.config.gpus import GpuSpec
 from autotune.estimate.cuda_allocator import AllocatorSettings, Event, replay
@@ -129,7 +129,8 @@ def _with_what_pytorch_adds(
     blocks the activations had and the next forward needs new ones: that is where most of a
     training job's cache comes from. So: the model's storages; DDP's buckets (made when DDP wraps
     the model) and cuBLAS's workspace (the first matmul's); the first step with the state made in
-    its update; then two more steps, whose new storages get keys of their own.
+    its update; then two more steps, whose new storages get keys of their own (but for what the first
+    step made and kept).
     """
     # The trace's teardown frees every storage after the step: replayed as part of the step, the next steps
     # found the model and its optimizer's state freed, and the reserve read the first step's alone.
@@ -146,10 +147,17 @@ def _with_what_pytorch_adds(
     yield from events[marks.update :]
     step = events[marks.step :]
     born_in_step = {event[0] for event in step if event[1]}
+    live: dict[Hashable, int] = {}
+    for event in step:
+        live[event[0]] = event[1]
+    # What the first step makes and keeps (gradients zero_grad keeps, a pipeline's receive buffers) a real job
+    # makes once: the next steps use it again.
+    kept = {key for key in born_in_step if live[key]}
     for repeat in (2, 3):
         for event in step:
             key = event[0]
-            yield ((repeat, key) if key in born_in_step else key, *event[1:])
+            if key not in kept:
+                yield ((repeat, key) if key in born_in_step else key, *event[1:])
 
 
 @dataclass(frozen=True)
