@@ -33,6 +33,7 @@ class TrialBackend(Protocol):
         warmup_steps: int,
         measure_steps: int,
         outpaced_step_s: float | None = None,
+        enough_measured_s: float | None = None,
     ) -> TrialResult: ...
 
     def estimate(self, workload: Workload, config: TrialConfig) -> MemoryEstimate | None: ...
@@ -153,6 +154,7 @@ class ScriptBackend(LocalBackend):
 
         # The user's loop runs its steps to the end: its ranks have no way to agree on stopping early.
         measure.pop("outpaced_step_s", None)
+        measure.pop("enough_measured_s", None)
         with cpu_turn(self._device_type):
             return run_script_trial(self._command, workload, config, **measure)
 

@@ -7,6 +7,8 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from autotune.trial.measure import ENOUGH_MEASURED_S
+
 if TYPE_CHECKING:
     import optuna
 
@@ -33,6 +35,7 @@ class Measure:
     warmup_steps: int
     measure_steps: int
     outpaced_step_s: float | None = None  # see trial.measure.time_steps; set per trial from the best so far
+    enough_measured_s: float | None = ENOUGH_MEASURED_S  # see trial.measure.time_steps
 
     def run(
         self,
@@ -53,6 +56,7 @@ class Measure:
             warmup_steps=self.warmup_steps + extra_warmup_steps,
             measure_steps=self.measure_steps,
             outpaced_step_s=None if rerun else self.outpaced_step_s,
+            enough_measured_s=self.enough_measured_s,
         )
 
 

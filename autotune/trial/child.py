@@ -138,6 +138,7 @@ def _train(
         agree=_agreed(world_size, device),
         outpaced_s=spec.outpaced_step_s,
         warm_up=engine.warm_up,
+        enough_s=spec.enough_measured_s,
     )
     # Per optimizer step, from the median step: a few steps slowed by another process move a
     # mean, not a median (the spread says how much they disagreed).

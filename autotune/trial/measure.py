@@ -31,6 +31,10 @@ SETTLED_SPREAD = 0.10  # steps have settled when their IQR is within 10% of thei
 DISTURBED_FACTOR = 1.25  # a step 25% slower than the median was disturbed (by another process, a GC, ...)
 MAX_STEPS_FACTOR = 3  # an unsettled measurement takes at most 3x the requested steps...
 MAX_EXTRA_TIME_FACTOR = 1  # ...and at most as much extra time as the requested steps took
+# Two steps that took this long in all and agree end a search's measurement: at over a second a step, what one
+# more step would settle (the timer, a stray interrupt) is far under what differs between two runs of the config,
+# which the search's re-runs measure. Only the search asks for it (``enough_s``); a trial asked for N steps runs N.
+ENOUGH_MEASURED_S = 2.5
 
 
 def unsettled(spread: float | None) -> TypeGuard[float]:
@@ -86,6 +90,7 @@ def time_steps(
     agree: Callable[[bool], bool] = lambda more: more,
     outpaced_s: float | None = None,
     warm_up: Callable[[], float] | None = None,
+    enough_s: float | None = None,
 ) -> StepTimes:
     """Run ``warmup`` untimed and at least ``steps`` timed optimizer steps.
 
@@ -101,6 +106,9 @@ def time_steps(
     step that long ends the measurement there, ``outpaced``: its figure bounds what more steps would read
     (a disturbance slows a step, it never speeds one up), and a config many times too slow is not worth
     them (a 16-bit step on a CPU without 16-bit matmuls can take half a minute).
+
+    ``enough_s``: two or more steps that took this long in all and agree (settled) end the measurement before
+    ``steps`` (see :data:`ENOUGH_MEASURED_S`).
     """
     max_steps = max(steps, max_steps if max_steps is not None else MAX_STEPS_FACTOR * steps)
     loss = math.nan
@@ -122,12 +130,18 @@ def time_steps(
         timed()
         if outpaced_s is not None and agree(times[-1] >= outpaced_s):
             return StepTimes(times, warmup_s, loss, outpaced=True)
+        if enough_s is not None and len(times) < steps and agree(_enough(times, enough_s)):
+            return StepTimes(times, warmup_s, loss)
     deadline = time.perf_counter() + MAX_EXTRA_TIME_FACTOR * sum(times)
     while agree(
         len(times) < max_steps and time.perf_counter() < deadline and not StepTimes(times, warmup_s, loss).settled
     ):
         timed()
     return StepTimes(times, warmup_s, loss)
+
+
+def _enough(times: list[float], enough_s: float) -> bool:
+    return len(times) >= 2 and sum(times) >= enough_s and StepTimes(times, 0.0, math.nan).settled
 
 
 def _checked(loss: float) -> float:

@@ -69,6 +69,7 @@ def run_trial(
     env: dict[str, str] | None = None,
     srun: bool = False,
     outpaced_step_s: float | None = None,
+    enough_measured_s: float | None = None,
 ) -> TrialResult:
     """Measure ``config`` on ``workload`` in a fresh process and say what happened.
 
@@ -77,8 +78,8 @@ def run_trial(
     node sees (the submitting directory, on the shared file system).
 
     Raises ConfigError/WorkloadError (before starting anything) for a config that cannot run;
-    every failure after the start is a TrialResult with its status instead. ``outpaced_step_s``: see
-    :func:`autotune.trial.measure.time_steps`.
+    every failure after the start is a TrialResult with its status instead. ``outpaced_step_s`` and
+    ``enough_measured_s``: see :func:`autotune.trial.measure.time_steps`.
     """
     device = device or detect_device(workload.device)
     _refuse_where_ranks_cannot_start(workload, device, srun=srun)
@@ -98,6 +99,7 @@ def run_trial(
         warmup_steps=warmup_steps,
         measure_steps=measure_steps,
         outpaced_step_s=outpaced_step_s,
+        enough_measured_s=enough_measured_s,
         # Measured here, under the caller's CPU turn: the trial's ranks run only on the cores free now.
         # (srun: each node's ranks on the cores SLURM gave the job there)
         cpu_cores=free_cores() if device.type == "cpu" and not srun else None,

@@ -35,6 +35,7 @@ class TrialSpec:
     task: str | None = None  # the workload's task, resolved once by the runner (autotune's own trials)
     max_measure_steps: int | None = None  # None: the measuring module's own bound
     outpaced_step_s: float | None = None  # a timed step this long ends the measurement (see time_steps)
+    enough_measured_s: float | None = None  # steps that took this long in all and agree end it (see time_steps)
     out_dir: str | None = None  # script mode: where each rank writes its record
     launched: float | None = None  # script mode: time.perf_counter() as the command was started
 

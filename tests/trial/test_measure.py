@@ -89,3 +89,17 @@ def test_warm_up_steps_run_the_engines_warm_up_and_are_not_timed():
     times = time_steps(_steps([0.02] * 5), lambda: None, warmup=2, steps=3, warm_up=warm_up)
     assert len(warmed) == 2 and times.warmup_s >= 0.4
     assert len(times.seconds) == 3 and times.median_s < 0.1
+
+
+def test_two_long_steps_that_agree_are_enough_for_a_search():
+    # 60 ms steps against a 100 ms "enough": two agree and took 120 ms, so the third asked for is not run.
+    times = time_steps(_steps([0.06] * 5), lambda: None, warmup=0, steps=4, enough_s=0.1)
+    assert len(times.seconds) == 2 and times.settled
+    # Short steps take every step asked for; so do long ones that disagree.
+    times = time_steps(_steps([0.02] * 5), lambda: None, warmup=0, steps=4, enough_s=0.1)
+    assert len(times.seconds) == 4
+    times = time_steps(_steps([0.04, 0.12, 0.06, 0.06, 0.06]), lambda: None, warmup=0, steps=3, enough_s=0.1)
+    assert len(times.seconds) >= 3
+    # Without it (a trial asked for its steps), they are all run.
+    times = time_steps(_steps([0.06] * 5), lambda: None, warmup=0, steps=4)
+    assert len(times.seconds) == 4
