@@ -43,6 +43,7 @@ __all__ = [
     "AXIS_ORDER",
     "DROPPED_ORDER",
     "TRAINER_ORDER",
+    "HEADER_ORDER",
     "IN_CODE_BEFORE_LAYOUT",
     "IN_CODE_AFTER_LAYOUT",
     "ATTENTION",
@@ -168,6 +169,19 @@ TRAINER_ORDER: tuple[Lever, ...] = (
     ATTENTION,
     LOSS,
     ACTIVATION_OFFLOAD,
+    LORA,
+)
+
+# The order of their own lines in a YAML export's header (Lever.header_lines): checkpointing, the optimizer, TF32, then
+# the levers with none (LoRA's line says which layers it adapts: the exporter writes it, from the model).
+HEADER_ORDER: tuple[Lever, ...] = (
+    CHECKPOINTING,
+    OPTIMIZER,
+    PRECISION,
+    ATTENTION,
+    LOSS,
+    ACTIVATION_OFFLOAD,
+    COMPILE,
     LORA,
 )
 

@@ -181,6 +181,11 @@ class Lever:
         them: a line each, for the exports' headers (none at its default)."""
         return []
 
+    def header_lines(self, config: TrialConfig) -> list[str]:
+        """Its lines in a YAML export's header (the Lightning and Accelerate formats), for what the format's keys
+        leave unsaid: how the job turns it on, or that it is off."""
+        return []
+
     # -- its axes in a search space (``autotune.search.space``) ------------------------------------------------
     def runnable(
         self, key: str, values: tuple[Any, ...], workload: Workload, device: DeviceInfo, facts: ModelFacts

@@ -171,6 +171,7 @@ def checkpointing_flag(value: str) -> dict[str, Any]:
 
 class CheckpointingLever(Lever):
     name = "checkpointing"
+
     fields = ("checkpointing", "checkpoint_every")
     flags = (
         Flag(
@@ -263,6 +264,10 @@ class CheckpointingLever(Lever):
         # Trainer out of these kwargs (Transformers >= 5.23).
         every = {"every_n_layers": config.checkpoint_every} if config.checkpoint_every > 1 else {}
         return {name: True, f"{name}_kwargs": {"use_reentrant": False, **every}}
+
+    def header_lines(self, config: TrialConfig) -> list[str]:
+        call = f"on: {checkpointing_call(config.checkpoint_every)}" if config.checkpointing else "off"
+        return [f"activation checkpointing: {call}"]
 
     def recomputes_more(self, config: TrialConfig, lighter: TrialConfig) -> bool:
         """Whether ``config`` is ``lighter`` checkpointing more layers, all else the same: ``lighter``'s work and

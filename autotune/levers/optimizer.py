@@ -211,6 +211,9 @@ class OptimizerLever(Lever):
         # What the trials ran (Transformers 5's default is the fused one).
         return {"optim": "adamw_torch_fused" if config.fused_optimizer else "adamw_torch"}
 
+    def header_lines(self, config: TrialConfig) -> list[str]:
+        return [f"optimizer: {optimizer_line(config)}"]
+
     def in_code(self, config: TrialConfig) -> list[str]:
         if not config.fused_optimizer:
             return []

@@ -141,6 +141,11 @@ class PrecisionLever(Lever):
         # bf16-true: autocast on the bf16 model autotune.prepare made changes nothing, as in the Trainer's.
         return {"mixed_precision": {"float16": "fp16", "bfloat16": "bf16"}.get(config.sixteen_bit or "", "no")}
 
+    def header_lines(self, config: TrialConfig) -> list[str]:
+        if config.precision != "tf32":
+            return []
+        return ['tf32: call torch.set_float32_matmul_precision("high") before training']
+
     def in_code(self, config: TrialConfig) -> list[str]:
         if not config.true_16_bit:
             return []

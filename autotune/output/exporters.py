@@ -24,9 +24,7 @@ from autotune.config.deepspeed_config import deepspeed_config
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.levers import IN_CODE_AFTER_LAYOUT, IN_CODE_BEFORE_LAYOUT, LEVERS
-from autotune.levers.checkpointing import checkpointing_call
-from autotune.levers.optimizer import optimizer_line
+from autotune.levers import HEADER_ORDER, IN_CODE_AFTER_LAYOUT, IN_CODE_BEFORE_LAYOUT, LEVERS
 from autotune.prepare.model_facts import layer_classes
 from autotune.prepare.quantize import bitsandbytes_config, quantization_lines
 from autotune.prepare.training_args import (
@@ -54,8 +52,6 @@ DEFAULT_FILENAMES = {
     "bnb": "quantization_config.json",
     "launch": "launch.sh",
 }
-
-_TF32_HINT = 'tf32: call torch.set_float32_matmul_precision("high") before training'
 
 
 def export_config(
@@ -442,10 +438,8 @@ def _header(
         f"micro batch: {config.micro_batch} per rank (the DataLoader's batch_size), "
         f"gradient accumulation: {config.grad_accum_steps(workload)}, global batch: {workload.global_batch}",
         *(_nodes_lines(workload) if launch is None else launch),
-        "activation checkpointing: "
-        + (f"on: {checkpointing_call(config.checkpoint_every)}" if config.checkpointing else "off"),
+        *(line for lever in HEADER_ORDER for line in lever.header_lines(config)),
     ]
-    lines.append(f"optimizer: {optimizer_line(config)}")
     if config.uses_lora:
         lora = trains["lora"]
         targets = lora.get("targets_note") or (",".join(lora["targets"]) if lora["targets"] else "default")
@@ -455,8 +449,6 @@ def _header(
         )
     else:
         lines.append("LoRA: off (all weights trained)")
-    if config.precision == "tf32":
-        lines.append(_TF32_HINT)
     lines += quantization_lines(config)
     lines += in_code(config, workload)
     lines += [f"{key}: {value}" for key, value in summary.items()]
