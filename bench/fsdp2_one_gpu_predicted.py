@@ -22,19 +22,6 @@ GiB = 2**30
 
 
 def main() -> None:
-    import autotune.config.knobs as knobs
-    from autotune.config.knobs import TrialConfig
-    from autotune.config.workload import Workload
-    from autotune.estimate.trace import estimate_memory
-
-    checked = knobs.TrialConfig.validate_for
-
-    def one_rank_fsdp_allowed(self: TrialConfig, workload: Workload, *args: Any, **kwargs: Any) -> None:
-        if not (self.uses_fsdp and workload.nproc == 1):
-            checked(self, workload, *args, **kwargs)
-
-    knobs.TrialConfig.validate_for = one_rank_fsdp_allowed  # type: ignore[method-assign]  # this bench only
-
     measured = json.loads(MEASURED.read_text())
     lines = [
         "# python bench/fsdp2_one_gpu_predicted.py",
@@ -46,28 +33,44 @@ def main() -> None:
         if spec["reduce_dtype"] != "float32":
             lines.append(f"{spec['label']} | not predicted: a {spec['reduce_dtype']} reduce has no autotune knob")
             continue
-        workload = Workload(
-            model=MODEL,
-            seq_len=spec["seq_len"],
-            global_batch=spec["micro_batch"],
-            nproc=1,
-            device="cuda",
-            gpu="H200",
-        )
-        config = TrialConfig(
-            micro_batch=spec["micro_batch"],
-            precision="bf16",
-            checkpointing=spec["checkpointing"],
-            fsdp="full" if spec["reshard_after_forward"] else "grad-op",
-        )
-        estimate = estimate_memory(workload, config)
+        label, estimate = predict(spec)
         allocated = _pair(estimate.predicted_peak_bytes, cuda["max_allocated"])
         reserved = _pair(estimate.predicted_reserved_bytes, cuda["max_reserved"])
-        lines.append(f"{spec['label']} ({config.describe()}) | {allocated} | {reserved}")
+        lines.append(f"{spec['label']} ({label}) | {allocated} | {reserved}")
         print(lines[-1], flush=True)
     out = ROOT / "bench" / "results" / "fsdp2_one_gpu_predicted.txt"
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def predict(spec: dict[str, Any]) -> tuple[str, Any]:
+    """A measured config (a row's ``config`` in the results JSON) as autotune's label and its estimate for the card,
+    traced in this process with the one-rank refusal lifted (also what ``tests/estimate/test_cuda_traces.py`` runs)."""
+    import autotune.config.knobs as knobs
+    from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
+    from autotune.estimate.trace import estimate_memory
+
+    checked = knobs.TrialConfig.validate_for
+
+    def one_rank_fsdp_allowed(self: TrialConfig, workload: Workload, *args: Any, **kwargs: Any) -> None:
+        if not (self.uses_fsdp and workload.nproc == 1):
+            checked(self, workload, *args, **kwargs)
+
+    workload = Workload(
+        model=MODEL, seq_len=spec["seq_len"], global_batch=spec["micro_batch"], nproc=1, device="cuda", gpu="H200"
+    )
+    config = TrialConfig(
+        micro_batch=spec["micro_batch"],
+        precision="bf16",
+        checkpointing=spec["checkpointing"],
+        fsdp="full" if spec["reshard_after_forward"] else "grad-op",
+    )
+    knobs.TrialConfig.validate_for = one_rank_fsdp_allowed  # type: ignore[method-assign]  # lifted while it traces
+    try:
+        return config.describe(), estimate_memory(workload, config)
+    finally:
+        knobs.TrialConfig.validate_for = checked  # type: ignore[method-assign]  # restored
 
 
 def _pair(predicted: int, measured: int) -> str:

@@ -18,7 +18,7 @@ Three figures, each the one before plus what it leaves out:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from autotune.config.gpus import GpuSpec
 from autotune.estimate.cuda_allocator import AllocatorSettings, Event, replay
@@ -147,12 +147,10 @@ def _with_what_pytorch_adds(
     yield from events[marks.update :]
     step = events[marks.step :]
     born_in_step = {event[0] for event in step if event[1]}
-    live: dict[Hashable, int] = {}
-    for event in step:
-        live[event[0]] = event[1]
+    size_at_end = {event[0]: event[1] for event in step}  # the last event of each storage wins
     # What the first step makes and keeps (gradients zero_grad keeps, a pipeline's receive buffers) a real job
     # makes once: the next steps use it again.
-    kept = {key for key in born_in_step if live[key]}
+    kept = {key for key in born_in_step if size_at_end[key]}
     for repeat in (2, 3):
         for event in step:
             key = event[0]

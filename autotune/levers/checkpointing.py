@@ -171,7 +171,6 @@ def checkpointing_flag(value: str) -> dict[str, Any]:
 
 class CheckpointingLever(Lever):
     name = "checkpointing"
-
     fields = ("checkpointing", "checkpoint_every")
     flags = (
         Flag(

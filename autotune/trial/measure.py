@@ -92,7 +92,8 @@ def time_steps(
     warm_up: Callable[[], float] | None = None,
     enough_s: float | None = None,
 ) -> StepTimes:
-    """Run ``warmup`` untimed and at least ``steps`` timed optimizer steps.
+    """Run ``warmup`` untimed and ``steps`` timed optimizer steps (more while unsettled, fewer where ``enough_s``
+    says so).
 
     ``step`` runs every accumulation micro-step of one optimizer step and returns the loss as a
     Python float (which waits for the device); ``sync`` waits for whatever else is queued.

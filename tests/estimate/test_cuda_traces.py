@@ -61,22 +61,11 @@ def test_the_estimate_traced_on_this_cpu_predicts_the_reserve_the_card_read(path
 
 
 ONE_RANK_FSDP = """
-import json
-import autotune.config.knobs as knobs
-from autotune.config.knobs import TrialConfig
-from autotune.config.workload import Workload
-from autotune.estimate.trace import estimate_memory
+import json, sys
+sys.path.insert(0, "bench")
+from fsdp2_one_gpu_predicted import MEASURED, predict
 
-checked = knobs.TrialConfig.validate_for
-
-def one_rank_fsdp_allowed(self, workload, *args, **kwargs):
-    if not (self.uses_fsdp and workload.nproc == 1):
-        checked(self, workload, *args, **kwargs)
-
-knobs.TrialConfig.validate_for = one_rank_fsdp_allowed
-workload = Workload(model="bench/data/published/llama-3.2-3b.json", seq_len=2048, global_batch=1, nproc=1,
-                    device="cuda", gpu="H200")
-estimate = estimate_memory(workload, TrialConfig(micro_batch=1, precision="bf16", fsdp="full"))
+_, estimate = predict(json.loads(MEASURED.read_text())["results"][0]["config"])
 print(json.dumps({"allocated": estimate.predicted_peak_bytes, "reserved": estimate.predicted_reserved_bytes}))
 """
 
@@ -84,8 +73,8 @@ print(json.dumps({"allocated": estimate.predicted_peak_bytes, "reserved": estima
 def test_the_fsdp2_reserve_a_card_read_on_one_rank_is_predicted():
     # bench/fsdp2_one_gpu.py on an H200: a 3B Llama under FSDP2 over a world of one rank, whose sharded gradients
     # live in the reduce-scatter stream's pool. autotune refuses FSDP on one rank (it shards nothing there); the card
-    # ran it, so the refusal is lifted for this check, in a process of its own (a trace leaves state behind). Before
-    # the replay ended at the step's end it read 6.7% under.
+    # ran it, so bench/fsdp2_one_gpu_predicted.py lifts the refusal for this check, here in a process of its own (a
+    # trace leaves state behind). Before the replay ended at the step's end it read 6.7% under.
     root = Path(__file__).parent.parent.parent
     row = json.loads((root / "bench" / "results" / "fsdp2_one_gpu_NVIDIA_H200.json").read_text())["results"][0]
     assert row["config"]["reshard_after_forward"] and not row["config"]["checkpointing"]
