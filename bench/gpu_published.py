@@ -435,7 +435,7 @@ NOT_EXPRESSIBLE = {
 }
 
 
-# -- Sharded and parallel runs (S1-S17 of ../shared/gpu-published.md) ------------------------------------------
+# -- Sharded and parallel runs (S1-S17: published FSDP, tensor- and pipeline-parallel runs, each source named) ------
 # torchtitan at 9dec370 (2024-12-26, the commit its benchmarks/llama3_h100_202412_torchtitan.md names):
 # train_configs/llama3_8b.toml (seq 8192, selective_ac_option "op", AdamW without fused, so foreach),
 # parallelize_llama.apply_fsdp (MixedPrecisionPolicy(param_dtype bf16, reduce_dtype fp32) from
