@@ -5,12 +5,14 @@ results; the tuner runs the re-runs (:func:`autotune.search.tuner.tune`).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from typing import TYPE_CHECKING
 
 from autotune.study.records import ranking
 
 if TYPE_CHECKING:
+    from autotune.config.knobs import TrialConfig
     from autotune.study.summary import TrialRecord
     from autotune.trial.result import TrialResult
 
@@ -18,6 +20,14 @@ CONFIRM_ROUNDS = 2  # interleaved re-runs per contender (A B A B): paired under 
 CONTENDER_BAND = 0.3  # the widest noise band: candidates whose first figure is this close to the top one's
 NOISE_FLOOR = 0.05  # the narrowest: two first figures of one config differ by this much on a quiet machine
 MAX_CONTENDERS = 4  # ... at most this many (plus the simple answer and the answer decided before)
+# The top config's twins one knob apart (the same micro batch) join when their first figure is this close: the
+# re-runs then prove each lever the top one adopted. First figures of one config in fresh processes lie 6-16%
+# apart on a shared machine, where each run's own step times spread 1-3% (bench/results/rerun_spread_cpu.txt).
+TWIN_BAND = 0.2
+MAX_TWINS = 2
+# A lead in every interleaved round wider than first figures of one config lie apart is proven in one round: paired
+# in one round, two configs of one speed read at most 13% apart there; a second round would only spend the time.
+DECISIVE_LEAD = TWIN_BAND
 CONFIRM_NOISE = 0.03  # a lead under 3% in some round is "within noise"
 
 
@@ -53,17 +63,25 @@ def still_racing(
     """The contenders worth another round: the held answer ``incumbent`` and every challenger that was ahead
     of it in each round so far. A challenger replaces the held answer only by beating it in every round
     (:func:`proven_order`), so one round lost ends its challenge, and timing it again could change nothing.
-    While the held answer has not held up (it did not fit or train in a re-run), all race on."""
+    A held answer some challenger beat decisively (:func:`decisively_ahead`) is out: the challengers race on
+    among themselves. While the held answer has not held up (it did not fit or train in a re-run), all race on."""
     held = {r.number for r in held_up(contenders, runs, limit)}
     if incumbent not in held:
         return [r for r in contenders if r.number in held or not runs[r.number]]
-    mine = runs[incumbent]
+    challengers = [
+        r
+        for r in contenders
+        if r.number != incumbent and r.number in held and all(x > 0 for x in round_leads(runs, r.number, incumbent))
+    ]
+    if any(decisively_ahead(runs, r.number, incumbent) for r in challengers):
+        return challengers
+    return [r for r in contenders if r.number == incumbent] + challengers
 
-    def ahead(number: int) -> bool:
-        theirs = runs[number]
-        return all((theirs[i].throughput or 0.0) > (mine[i].throughput or 0.0) for i in range(len(theirs)))
 
-    return [r for r in contenders if r.number == incumbent or (r.number in held and ahead(r.number))]
+def decisively_ahead(runs: dict[int, list[TrialResult]], number: int, other: int) -> bool:
+    """Whether ``number`` led ``other`` by more than ``DECISIVE_LEAD`` in every round both ran, one at least."""
+    leads = round_leads(runs, number, other)
+    return bool(leads) and min(leads) > DECISIVE_LEAD
 
 
 def held_up(contenders: list[TrialRecord], runs: dict[int, list[TrialResult]], limit: int) -> list[TrialRecord]:
@@ -90,7 +108,11 @@ def paired_scores(held: list[TrialRecord], runs: dict[int, list[TrialResult]]) -
 def contenders_of(records: list[TrialRecord], *, simple: int | None) -> list[TrialRecord]:
     """The candidates a re-run should compare, the held answer first (:func:`held_answer`: the decided one,
     else the simple answer), then the simple answer, then the top first figure and every first figure within
-    the measured noise band of it (:func:`noise_band`), at most ``MAX_CONTENDERS`` of those."""
+    the measured noise band of it (:func:`noise_band`), at most ``MAX_CONTENDERS`` of those, then the top one's
+    measured twins one knob apart within ``TWIN_BAND`` (:func:`one_knob_apart`), at most ``MAX_TWINS``.
+
+    A twin tells whether a lever the top config adopted pays: a chunked loss or a fused optimizer taken on one
+    lucky first figure is re-run beside the same config without it, not only beside the simple answer."""
     ranked = ranking(records)
     if not ranked:
         return []
@@ -98,10 +120,23 @@ def contenders_of(records: list[TrialRecord], *, simple: int | None) -> list[Tri
     top = by_first[0].throughput or 0.0
     band = noise_band(records)
     close = [r for r in by_first if (r.throughput or 0.0) * (1 + band) >= top][:MAX_CONTENDERS]
+    twins = [
+        r
+        for r in by_first[1:]
+        if one_knob_apart(r.config, by_first[0].config) and (r.throughput or 0.0) * (1 + TWIN_BAND) >= top
+    ][:MAX_TWINS]
     held = held_answer(records, simple)
     kept = [r for r in ranked if r.number == simple or r.decided_rank == 0]
-    chosen = {r.number: r for r in [*([held] if held else []), *kept, *close]}
+    chosen = {r.number: r for r in [*([held] if held else []), *kept, *close, *twins]}
     return list(chosen.values())
+
+
+def one_knob_apart(config: TrialConfig, other: TrialConfig) -> bool:
+    """The same micro batch, and one other knob at another value: what sets their figures apart is that knob."""
+    if config.micro_batch != other.micro_batch:
+        return False
+    fields = dataclasses.fields(config)
+    return sum(getattr(config, f.name) != getattr(other, f.name) for f in fields) == 1
 
 
 def noise_band(records: list[TrialRecord]) -> float:
@@ -115,14 +150,16 @@ def noise_band(records: list[TrialRecord]) -> float:
 def proven_order(order: list[int], runs: dict[int, list[TrialResult]], incumbent: int | None) -> list[int]:
     """``order`` (by paired scores) with the held answer ``incumbent`` first unless a contender beat it in
     every interleaved round they both ran, two rounds at least, by more than ``CONFIRM_NOISE`` over those rounds
-    (the median of its leads): a lead within the noise does not replace it. Two configs of one speed would
-    otherwise swap on coin flips, and the answer read behind the simple one as often as ahead."""
+    (the median of its leads), or in one round by more than ``DECISIVE_LEAD``: a lead within the noise does not
+    replace it. Two configs of one speed would otherwise swap on coin flips, and the answer read behind the simple
+    one as often as ahead."""
     if incumbent not in order:
         return order
 
     def beats(number: int) -> bool:
         leads = round_leads(runs, number, incumbent)
-        return len(leads) >= CONFIRM_ROUNDS and min(leads) > 0 and statistics.median(leads) > CONFIRM_NOISE
+        proven = len(leads) >= CONFIRM_ROUNDS and min(leads) > 0 and statistics.median(leads) > CONFIRM_NOISE
+        return proven or decisively_ahead(runs, number, incumbent)
 
     others = [n for n in order if n != incumbent]
     return [n for n in others if beats(n)] + [incumbent] + [n for n in others if not beats(n)]
@@ -162,9 +199,8 @@ def certainty(
     wins = sum(lead > 0 for lead in leads)
     spread = f"{min(leads):+.0%} to {max(leads):+.0%}" if len(leads) > 1 else f"{leads[0]:+.0%}"
     clear = wins == rounds and min(leads) > CONFIRM_NOISE
-    verdict = (
-        "clearly faster than" if clear and rounds >= CONFIRM_ROUNDS else "ahead of" if clear else "within noise of"
-    )
+    proven = rounds >= CONFIRM_ROUNDS or min(leads) > DECISIVE_LEAD
+    verdict = "clearly faster than" if clear and proven else "ahead of" if clear else "within noise of"
     kept = (
         "; held: a challenger replaces it only by leading it in every round, two at least, by more than 3%"
         if winner == held and rounds and wins == 0

@@ -158,8 +158,8 @@ def _confirming(backend):
 def test_close_candidates_are_re_run_interleaved_and_ranked_by_paired_figures(tmp_path):
     # First figures: mb=4 100 (the simple answer: the ramp's largest), mb=2 97 (within the noise band: both
     # contend), mb=1 50 (not). The machine gets twice as busy for the second round; mb=2 is ahead of mb=4
-    # in each round all the same, so it replaces the simple answer.
-    backend = ScriptedBackend(first={1: 50.0, 2: 97.0, 4: 100.0}, reruns={4: [60.0, 30.0], 2: [75.0, 36.0]})
+    # in each round all the same (by 10% and 20%: neither lead decisive alone), so it replaces the simple answer.
+    backend = ScriptedBackend(first={1: 50.0, 2: 97.0, 4: 100.0}, reruns={4: [60.0, 30.0], 2: [66.0, 36.0]})
     summary = _tune(tmp_path, backend)
     assert _confirming(backend) == [4, 2, 4, 2]  # A B A B: each round under the same conditions
     # Every re-run measures as many steps as a trial: its figures pair with the others' of its round.
@@ -169,6 +169,23 @@ def test_close_candidates_are_re_run_interleaved_and_ranked_by_paired_figures(tm
     assert "ahead in 2 of 2 rounds" in summary.certainty
     four = next(t for t in summary.trials if t.config.micro_batch == 4)
     assert four.confirmed is True and four.decided_rank == 1  # slower, still fits: demoted, not refuted
+
+
+def test_a_lead_wider_than_one_configs_runs_ever_spread_is_proven_in_one_round(tmp_path):
+    # mb=2 leads the simple answer (mb=4) by 30% in the first round: beyond the spread of one config's runs, so
+    # the simple answer is out, and mb=2, alone, is not timed again.
+    backend = ScriptedBackend(first={1: 50.0, 2: 97.0, 4: 100.0}, reruns={4: [60.0, 60.0], 2: [78.0, 78.0]})
+    summary = _tune(tmp_path, backend)
+    assert _confirming(backend) == [4, 2]
+    assert summary.best.config.micro_batch == 2
+    assert "clearly faster than the runner-up mb=4 fp32" in summary.certainty
+    assert "ahead in 1 of 1 rounds (+30%)" in summary.certainty
+    # Two challengers both far ahead of it: the simple answer is out, and they race on between themselves.
+    backend = ScriptedBackend(first={1: 96.0, 2: 97.0, 4: 100.0}, reruns={4: [60.0], 2: [78.0, 80.0], 1: [76.0, 70.0]})
+    (tmp_path / "two").mkdir()
+    summary = _tune(tmp_path / "two", backend)
+    assert _confirming(backend) == [4, 2, 1, 2, 1]
+    assert summary.best.config.micro_batch == 2
 
 
 def test_a_machine_that_slows_down_between_rounds_does_not_flip_the_answer(tmp_path):
@@ -417,7 +434,7 @@ class _PerConfigBackend:
     def run(self, workload, config, *, measure_steps, **_):
         from autotune.trial.result import TrialResult, TrialStatus
 
-        key = (config.precision, config.micro_batch)
+        key = self.key(config)
         confirming = key in self.seen
         self.seen.add(key)
         if confirming:
@@ -432,6 +449,9 @@ class _PerConfigBackend:
             peak_memory_bytes=2**20,
             measured_steps=measure_steps,
         )
+
+    def key(self, config: TrialConfig) -> tuple:
+        return (config.precision, config.micro_batch)
 
     def estimate(self, workload, config):
         return None
@@ -472,6 +492,49 @@ def test_a_config_ahead_on_its_first_measurement_alone_does_not_replace_the_simp
     assert "within noise of the runner-up" in summary.certainty and "ahead in 0 of 2 rounds" in summary.certainty
     held = "held: a challenger replaces it only by leading it in every round, two at least, by more than 3%"
     assert held in summary.certainty
+
+
+def test_a_lever_the_top_config_took_on_a_lucky_first_figure_is_re_run_beside_the_config_without_it(tmp_path):
+    # bf16 with the fused optimizer reads 140 on its first figure, 12% above bf16 without it (125): outside a
+    # trial's noise band (the step spread), so alone it would be re-run only beside the simple answer (fp32).
+    # Its twin one knob apart is re-run beside it, leads it in every round, and answers.
+
+    class WithFused(_PerConfigBackend):
+        def key(self, config):
+            return (config.precision, config.micro_batch, config.fused_optimizer)
+
+    first = {("fp32", 4, False): 100.0, ("fp32", 4, True): 100.0, ("bf16", 4, False): 125.0, ("bf16", 4, True): 140.0}
+    reruns = {("fp32", 4, False): [100.0] * 3, ("bf16", 4, True): [115.0] * 3, ("bf16", 4, False): [125.0] * 3}
+    backend = WithFused(first, reruns)
+    knobs = "  micro_batch: [4]\n  precision: [fp32, bf16]\n  fused_optimizer: [false, true]\n"
+    summary = _tune(tmp_path, backend, knobs=knobs, stop_on_evidence=False)
+    assert ("bf16", 4, False) in backend.confirmed, backend.confirmed
+    assert ("fp32", 4, True) not in backend.confirmed  # one knob apart, but 29% under: outside the twins' band
+    assert summary.best.config == TrialConfig(micro_batch=4, precision="bf16")
+
+
+def test_twins_are_one_knob_apart_at_the_same_micro_batch():
+    from autotune.search.confirm import MAX_TWINS, TWIN_BAND, contenders_of, one_knob_apart
+
+    top = TrialConfig(micro_batch=4, precision="bf16", fused_optimizer=True, loss="chunked")
+    assert one_knob_apart(top, TrialConfig(micro_batch=4, precision="bf16", fused_optimizer=True))
+    assert one_knob_apart(top, TrialConfig(micro_batch=4, precision="bf16", loss="chunked"))
+    assert not one_knob_apart(top, TrialConfig(micro_batch=4, precision="bf16"))  # two levers off
+    assert not one_knob_apart(top, TrialConfig(micro_batch=2, precision="bf16", fused_optimizer=True, loss="chunked"))
+    assert not one_knob_apart(top, top)
+
+    def record(number: int, config: TrialConfig, tokens: float) -> TrialRecord:
+        return TrialRecord(number=number, config=config, status="ok", tokens_per_s=tokens, fits=True)
+
+    records = [
+        record(0, TrialConfig(micro_batch=2), 80.0),  # the simple answer
+        record(1, top, 100.0),
+        record(2, TrialConfig(micro_batch=4, precision="bf16", fused_optimizer=True), 92.0),  # a twin, 8% under
+        record(3, TrialConfig(micro_batch=4, precision="bf16", loss="chunked"), 100 / (1 + TWIN_BAND) - 1),  # out
+        record(4, TrialConfig(micro_batch=4, precision="bf16"), 99.0),  # two levers apart: within the noise band
+    ]
+    assert [r.number for r in contenders_of(records, simple=0)] == [0, 1, 4, 2]
+    assert MAX_TWINS >= 1
 
 
 def test_a_trial_disturbed_by_other_work_is_measured_once_more_and_the_steadier_figure_kept(tmp_path):
