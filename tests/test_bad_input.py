@@ -144,7 +144,13 @@ BAD_INPUTS = [
     # model sources
     (["trial", "--model", "builtin:gpt5"], "no such built-in model"),
     (["trial", "--model", "nobody/nothing"], "not in the local Hugging Face cache"),
-    (["estimate", "--model", "no_such_module_xyz:build"], "--model no_such_module_xyz:build"),
+    (["estimate", "--model", "no_such_module_xyz:build"], "--model no_such_module_xyz:build: no module"),
+    # a typo in a factory's module: refused before a study, a trial or the estimate server starts
+    (
+        ["tune", "--study", "kept", "--model", "no_such_module_xyz:build"],
+        "no module 'no_such_module_xyz' in the current directory, on PYTHONPATH or installed",
+    ),
+    (["trial", "--model", "no_such_module_xyz:build"], "--model no_such_module_xyz:build: no module"),
     (["tune", "--study", "kept", "--model", "empty_dir/"], "--model empty_dir/"),
     # search-space YAML
     (["tune", "--study", "kept", "--space", "nope"], "--space nope: no such preset"),

@@ -193,6 +193,28 @@ def _takes_images(config: PretrainedConfig) -> bool:
     return getattr(config, "num_channels", None) is not None and getattr(config, "vocab_size", None) is None
 
 
+def check_factory_module(workload: Workload) -> None:
+    """Refuse a factory ``module:function`` whose module is nowhere a trial would import it from: the current
+    directory or PYTHONPATH (or an installed package). Only its top-level package is looked up, never imported:
+    the user's code runs in a trial's or an estimate's own process. Asked where the user's command starts (its
+    working directory is the trials'), before anything is probed or written."""
+    source = parse_model_source(workload.model)
+    if source.kind != "factory":
+        return
+    import importlib.machinery
+    import importlib.util
+    import sys
+
+    top = source.ref.split(":")[0].split(".")[0]
+    where = [os.getcwd(), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    if importlib.machinery.PathFinder.find_spec(top, where) is None and top not in sys.modules:
+        if importlib.util.find_spec(top) is None:
+            raise WorkloadError(
+                f"--model {workload.model}: no module {top!r} in the current directory, on PYTHONPATH or "
+                "installed; run from the directory that holds it, or add that directory to PYTHONPATH"
+            )
+
+
 def resolve_task(workload: Workload) -> str:
     """Check the workload against its model (before any trial starts) and return its task:
     given, or from the preset / config; factories default to causal-lm."""

@@ -85,10 +85,11 @@ def _job_nodes() -> int:
 def check_workload(workload: Workload, device: DeviceInfo) -> None:
     """Refuse a workload that no trial could run, before a study is created for it."""
     from autotune.errors import WorkloadError
-    from autotune.models.sources import resolve_task
+    from autotune.models.sources import check_factory_module, resolve_task
 
     if device.type == "cuda" and workload.ranks_per_node > device.count:
         raise WorkloadError(
             f"--nproc {workload.nproc} needs {workload.ranks_per_node} GPUs per node; {device.count} visible here"
         )
+    check_factory_module(workload)
     resolve_task(workload)

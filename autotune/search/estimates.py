@@ -76,8 +76,9 @@ def estimate_configs(
     from autotune.estimate.client import start_estimate_server
     from autotune.estimate.fit import card_budget, estimated_device, memory_limit
     from autotune.estimate.step_time import profile_for
-    from autotune.models.sources import resolve_task
+    from autotune.models.sources import check_factory_module, resolve_task
 
+    check_factory_module(workload)  # before the estimate server starts: a typo is said at once
     start_estimate_server()
     device = estimated_device(workload)
     budget = memory_budget_bytes
@@ -98,6 +99,14 @@ def estimate_configs(
         if device is not None:
             config.validate_for(workload, device)
     task = resolve_task(workload)
+    if space is None:
+        from autotune.prepare import refusal_before_trial
+
+        # Refused before the device's roofline is probed (seconds, a collective between processes for several
+        # ranks): a config the model cannot take is bad input, said at once.
+        refusal = refusal_before_trial(workload, config, task)
+        if refusal is not None:
+            raise ConfigError(refusal)
     return Estimates(
         workload=workload,
         configs=list(configs),

@@ -24,7 +24,7 @@ from autotune.config.device import DeviceInfo, detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError, WorkloadError
-from autotune.models.sources import resolve_task
+from autotune.models.sources import check_factory_module, resolve_task
 from autotune.prepare import refusal_before_trial
 from autotune.trial.child import LAUNCH_TIME_ENV
 from autotune.trial.cpu_cores import free_cores
@@ -84,6 +84,7 @@ def run_trial(
     device = device or detect_device(workload.device)
     _refuse_where_ranks_cannot_start(workload, device, srun=srun)
     config.validate_for(workload, device)
+    check_factory_module(workload)
     task = resolve_task(workload)
     refusal = refusal_before_trial(workload, config, task)
     if refusal is not None:
