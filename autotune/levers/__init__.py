@@ -7,8 +7,9 @@ folder at run time (type-only imports of ``config`` aside); what it needs to kno
 it (:class:`~autotune.levers.base.ModelFacts`).
 
 Not yet levers (their fields, checks and labels are still in ``config/knobs.py``, their applying in
-``prepare/``): ZeRO, FSDP, offload, tensor and sequence parallel, pipeline parallel. LoRA's applying and its
-search-space parameter are still outside its module (``prepare/lora.py``, ``search/space.py``).
+``prepare/``): ZeRO, FSDP, offload, tensor and sequence parallel, pipeline parallel. LoRA's quantized base's
+applying and its search-space parameter are still outside its module (``prepare/quantize.py``,
+``search/space.py``).
 """
 
 from __future__ import annotations

@@ -76,6 +76,23 @@ class ModelFacts(Protocol):
         factory's model cannot be built to find its layers), or None."""
         ...
 
+    @property
+    def model_type(self) -> str | None:
+        """The Hugging Face config's ``model_type`` (``llama``), or None (a factory's model)."""
+        ...
+
+    @property
+    def new_head(self) -> bool:
+        """The task puts a new head on the model (a classifier), which trains in full beside LoRA's adapters."""
+        ...
+
+    @property
+    def linear_layers(self) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+        """The last names (as PEFT matches them) of the model's linear layers outside its task head, and of its
+        heads: of the built model where the facts were read from one, else of one built on the meta device;
+        None where it cannot be built to find out (a factory whose build failed)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Axis:

@@ -3,23 +3,28 @@
 (``--quantize-base nf4|int8``: QLoRA). Both change what is trained, like the precision, so a search moves them
 only where its space says.
 
-Applied to a built model by ``autotune.prepare`` (:mod:`autotune.prepare.lora` resolves the targets for the
-model's architecture, :mod:`autotune.prepare.quantize` swaps the base's linear layers first), between
-checkpointing and the precision: PEFT makes its adapters fp32, and the precision then decides where the frozen
-base is held. The search space's ``lora`` parameter (rank, quantization and targets in one label) is still
-written out in ``autotune.search.space``.
+Which layers LoRA adapts (:func:`lora_targets`: PEFT's default targets for the architecture where PEFT has
+them, else every linear layer but the task head) is resolved here from the model's facts, for trials, the
+estimator and the peft export alike, so a user's job adapts what was measured. Applied to a built model by
+``autotune.prepare`` (:meth:`LoraLever.adapt`; :mod:`autotune.prepare.quantize` swaps the base's linear layers
+first), between checkpointing and the precision: PEFT makes its adapters fp32, and the precision then decides
+where the frozen base is held. The search space's ``lora`` parameter (rank, quantization and targets in one
+label) and the quantized base's applying are still outside this module (``autotune.search.space``,
+``autotune.prepare.quantize``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from autotune.errors import ConfigError
+from autotune.errors import ConfigError, WorkloadError
 from autotune.levers.base import Flag, Lever, ModelFacts, is_count
 
 if TYPE_CHECKING:
+    import torch
+
     from autotune.config.device import DeviceInfo
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
@@ -27,6 +32,9 @@ if TYPE_CHECKING:
 __all__ = [
     "LoraFields",
     "LoraLever",
+    "LoraTargets",
+    "lora_targets",
+    "lora_targets_note",
     "QUANTIZATIONS",
     "QUANTIZE_REFUSAL",
     "quantize_library_refusal",
@@ -109,6 +117,85 @@ def quantize_refusal(config: TrialConfig) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class LoraTargets:
+    """What ``LoraConfig`` gets for a model and config, and the same said in words.
+
+    Trials and the peft export both use it, so the user's job adapts what was measured.
+    """
+
+    target_modules: str | tuple[str, ...]  # "all-linear" (PEFT's keyword) or module names
+    modules_to_save: tuple[str, ...] | None  # heads trained in full (a classifier's), as PEFT saves them
+    task_type: str | None  # PEFT's TaskType value; None for a factory's plain module
+    note: str  # e.g. "q_proj, v_proj (PEFT's default targets for llama)"
+
+    def peft_kwargs(self) -> dict[str, Any]:
+        """``LoraConfig`` keyword arguments: what a trial applies and the peft export writes."""
+        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
+        # PEFT's SEQ_CLS adds classifier and score to modules_to_save itself: name only other heads.
+        own = ("classifier", "score") if self.task_type == "SEQ_CLS" else ()
+        extra = [name for name in self.modules_to_save or () if name not in own]
+        return {"target_modules": targets, "modules_to_save": extra or None, "task_type": self.task_type}
+
+
+# PEFT has no masked-LM type: a masked LM's LoRA is a plain PeftModel.
+_PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS", "seq2seq-lm": "SEQ_2_SEQ_LM"}
+
+
+def lora_targets(facts: ModelFacts, targets: tuple[str, ...] | None) -> LoraTargets:
+    """Resolve ``--lora-targets`` (None: the default) for the model ``facts`` describe.
+
+    The default is PEFT's own targets for the architecture where PEFT has them, else every linear layer but the
+    task head, and a classifier's head then trains in full (as PEFT's SEQ_CLS does). WorkloadError where the
+    model's layers cannot be found, or none but its head is linear.
+    """
+    task_type = None if facts.is_factory else _PEFT_TASK_TYPES.get(facts.task)
+    note = lora_targets_note(facts, targets)
+    if targets == ("all-linear",):
+        return LoraTargets("all-linear", None, task_type, note)
+    if targets is not None:
+        return LoraTargets(tuple(targets), None, task_type, note)
+    defaults = _peft_default_targets(facts.model_type)
+    if defaults is not None:  # named here: PEFT's own lookup fails on some (Mixtral under transformers 5)
+        # PEFT has no image task type: its recipe names the classifier to train in full.
+        return LoraTargets(defaults, ("classifier",) if facts.task == "image-cls" else None, task_type, note)
+    layers = facts.linear_layers
+    if layers is None:
+        raise WorkloadError(
+            f"--model {facts.model}: building it on the meta device failed, so its linear "
+            "layers are unknown; name the modules to adapt with --lora-targets"
+        )
+    found, heads = layers
+    if not found:
+        raise WorkloadError(
+            f"--lora-rank: the model from --model {facts.model} has no linear layer besides "
+            "its task head to adapt; name the modules with --lora-targets"
+        )
+    return LoraTargets(found, heads if facts.new_head and heads else None, task_type, note)
+
+
+def lora_targets_note(facts: ModelFacts, targets: tuple[str, ...] | None) -> str:
+    """Which layers LoRA adapts, in words, without building the model."""
+    if targets == ("all-linear",):
+        return "every linear layer but the output layer or classifier (PEFT's all-linear)"
+    if targets is not None:
+        return ", ".join(targets)
+    name = facts.model_type
+    defaults = _peft_default_targets(name)
+    if defaults is not None:
+        return f"{', '.join(defaults)} (PEFT's default targets for {name})"
+    return f"every linear layer but the task head (PEFT has no default targets for {name or 'a custom model'})"
+
+
+def _peft_default_targets(model_type: str | None) -> tuple[str, ...] | None:
+    if model_type is None:
+        return None
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    return tuple(targets) if targets else None
+
+
 def _targets(value: str | None) -> tuple[str, ...] | None:
     """``--lora-targets q_proj,v_proj`` as the field's tuple (None: the default targets)."""
     return tuple(target.strip() for target in value.split(",")) if value is not None else None
@@ -158,6 +245,30 @@ class LoraLever(Lever):
 
     def model_refusal(self, config: TrialConfig, facts: ModelFacts) -> str | None:
         return facts.default_lora_refusal
+
+    def adapt(self, model: torch.nn.Module, config: TrialConfig, facts: ModelFacts) -> torch.nn.Module:
+        """PEFT's LoRA adapters on a built model (``facts``: the built model's), on the targets
+        :func:`lora_targets` resolves; the model as it is without LoRA. A quantized base is swapped in before
+        (``autotune.prepare``): the adapters wrap its quantized layers."""
+        if not config.uses_lora:
+            return model
+        from peft import LoraConfig, get_peft_model
+
+        try:
+            targets = lora_targets(facts, config.lora_targets)
+        except WorkloadError as exc:
+            raise ConfigError(str(exc)) from exc
+        assert config.lora_rank is not None and config.effective_lora_alpha is not None, "a LoRA config only"
+        lora = LoraConfig(
+            r=config.lora_rank, lora_alpha=config.effective_lora_alpha, lora_dropout=0.0, **targets.peft_kwargs()
+        )
+        try:
+            return get_peft_model(model, lora)
+        except (ValueError, TypeError) as exc:  # TypeError: e.g. a target inside a head PEFT trains in full
+            raise ConfigError(
+                f"--lora-targets: {str(exc).splitlines()[0]}; name the modules to adapt, "
+                "e.g. --lora-targets q_proj,v_proj, or --lora-targets all-linear"
+            ) from exc
 
     def labels(self, config: TrialConfig) -> list[str]:
         labels = []

@@ -48,7 +48,7 @@ def prepare(
     config, workload = _resolve(config, workload, knobs)
     source = f"the model from --model {workload.model}" if workload is not None else "the model"
     for lever in LEVERS:  # those that change the model; the others return it as it is
-        # LoRA's applying needs the workload (its targets) and the device (a quantized base): still here.
+        # LoRA's adapters need the built model's facts (their targets), a quantized base the device: _lora.
         model = (
             _lora(model, config, workload, task, device) if lever is LORA else lever.apply(model, config, source=source)
         )
@@ -86,7 +86,7 @@ def _lora(
     if not config.uses_lora:
         return model
     from autotune.models.sources import resolve_task
-    from autotune.prepare.lora import apply_lora
+    from autotune.prepare.workload_facts import WorkloadFacts
 
     if workload is None:
         raise ConfigError(
@@ -99,7 +99,7 @@ def _lora(
         from autotune.prepare.quantize import quantize_base
 
         quantize_base(model, config, heads=tuple(head_names(model, task=task)), device=device)
-    return apply_lora(model, config, workload, task=task)
+    return LORA.adapt(model, config, WorkloadFacts(workload, task=task, built=model))
 
 
 def _tensor_parallel(model: torch.nn.Module, config: TrialConfig, device: torch.device | None, mesh: Any) -> Any:

@@ -3,7 +3,7 @@
 Saying which layers LoRA adapts, PEFT's adapter_config.json and DeepSpeed's bucket sizes (from
 the hidden size) need the model's config, PEFT's tables, for some models the model built on the
 meta device: transformers, PEFT and torch, seconds to import. The tuner works them out once per
-study, with the same functions the trials apply (:func:`autotune.prepare.lora.lora_targets`),
+study, with the same functions the trials apply (:func:`autotune.levers.lora.lora_targets`),
 and keeps them as the study user attribute ``model_facts``. Reading a study hands them to
 :func:`remember`; ``what_is_trained`` and the exporters then take them from here, and work them
 out as before for a workload no study read in this process recorded (older studies included).
@@ -116,17 +116,16 @@ def _stored_lora(config: TrialConfig, workload: Workload) -> dict[str, Any] | No
 
 
 def _lora_where(targets: tuple[str, ...] | None, workload: Workload) -> tuple[str, bool] | None:
-    from autotune.config.workload import CLASSIFIER_TASKS
     from autotune.errors import AutotuneError
-    from autotune.models.sources import parse_model_source, resolve_task
-    from autotune.prepare.lora import lora_targets_note
+    from autotune.levers.lora import lora_targets_note
+    from autotune.prepare.workload_facts import WorkloadFacts
 
     try:
-        task = resolve_task(workload)
+        facts = WorkloadFacts(workload)
         # A classifier's head trains in full (PEFT's SEQ_CLS, or modules_to_save for images); a
         # factory's plain module only on the default targets.
-        head = task in CLASSIFIER_TASKS and (targets is None or parse_model_source(workload.model).kind != "factory")
-        return lora_targets_note(workload, targets, task=task), head
+        head = facts.new_head and (targets is None or not facts.is_factory)
+        return lora_targets_note(facts, targets), head
     except AutotuneError:  # e.g. a Hub model no longer cached here: say less rather than fail
         return None
 
@@ -152,11 +151,10 @@ def _adapter_config_without_model(targets: tuple[str, ...] | None, *, rank: int,
 def _adapter_config(targets: tuple[str, ...] | None, workload: Workload, *, rank: int, alpha: int) -> dict[str, Any]:
     from peft import LoraConfig
 
-    from autotune.models.sources import resolve_task
-    from autotune.prepare.lora import lora_targets
+    from autotune.prepare.workload_facts import lora_targets_for
 
     # The same LoraConfig the trials applied: PEFT's default targets named, or the fallback's layers.
-    plan = lora_targets(workload, targets, task=resolve_task(workload))
+    plan = lora_targets_for(workload, targets)
     lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, **plan.peft_kwargs())
     data = {key: sorted(value) if isinstance(value, set) else value for key, value in lora.to_dict().items()}
     return json.loads(json.dumps(data, default=str))  # as JSON holds it: a stored one reads back the same

@@ -79,9 +79,8 @@ NOT_YET: dict[str, set[str]] = {
     "autotune/estimate/zero_states.py": {"precision"},
     # the export keys
     "autotune/output/render.py": {"checkpointing"},
-    # LoRA's applying (its targets for the model, the quantized base's layers), its search-space parameter, and the
-    # adapter facts a study stores and shows: the lever's module holds its fields, checks, refusal and labels
-    "autotune/prepare/lora.py": {"lora_rank", "lora_targets"},
+    # the quantized base's applying, LoRA's search-space parameter, and the adapter facts a study stores and shows:
+    # the lever's module holds its fields, checks, refusals, labels, targets and adapters
     "autotune/prepare/quantize.py": {"quantize_base"},
     "autotune/search/space.py": {"lora_rank", "lora_targets", "quantize_base"},
     "autotune/study/stored_facts.py": {"lora_rank", "lora_targets"},

@@ -13,9 +13,9 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.estimate.client import predict_memory
+from autotune.levers import LORA
 from autotune.levers.loss import chunk_loss, chunked_loss_refusal
 from autotune.models.sources import build_model
-from autotune.prepare.lora import apply_lora
 from autotune.prepare.workload_facts import WorkloadFacts
 from autotune.search.presets import load_space
 from autotune.trial.runner import run_trial
@@ -28,7 +28,7 @@ def _loss_and_grads(model_name: str, loss: str, *, lora: bool = False) -> tuple[
     torch.manual_seed(0)
     model = build_model(workload, task="causal-lm", device=torch.device("cpu"))
     if lora:
-        model = apply_lora(model, TrialConfig(lora_rank=4), workload, task="causal-lm")
+        model = LORA.adapt(model, TrialConfig(lora_rank=4), WorkloadFacts(workload, task="causal-lm", built=model))
     config = TrialConfig(micro_batch=4, loss=loss)
     if config.loss_chunks is not None:
         chunk_loss(model, config.loss_chunks, keep_logits=config.loss_keeps_logits)

@@ -14,7 +14,7 @@ import torch
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.models.sources import build_model
-from autotune.prepare.lora import lora_targets
+from autotune.prepare.workload_facts import lora_targets_for
 from autotune.study.summary import what_is_trained
 from autotune.trial.result import TrialStatus
 from autotune.trial.runner import run_trial
@@ -58,7 +58,7 @@ def _trainable(model: torch.nn.Module) -> set[str]:
 
 def test_distilbert_default_targets_are_every_linear_layer_but_the_head(distilbert):
     workload = Workload(model=str(distilbert), seq_len=16)
-    plan = lora_targets(workload, None, task="seq-cls")  # no model given: built on the meta device
+    plan = lora_targets_for(workload, None, task="seq-cls")  # no model given: built on the meta device
     assert plan.target_modules == DISTILBERT_FALLBACK  # pre_classifier belongs to the head PEFT trains in full
     assert plan.modules_to_save == ("classifier",) and plan.task_type == "SEQ_CLS"
     assert plan.note == "every linear layer but the task head (PEFT has no default targets for distilbert)"
@@ -126,7 +126,7 @@ def test_distilbert_peft_export_adapts_what_the_trial_adapted(distilbert, tmp_pa
 
 def test_mixtral_lora_with_default_targets_trains(mixtral):
     workload = Workload(model=str(mixtral), seq_len=16, global_batch=2)
-    assert lora_targets(workload, None, task="causal-lm").target_modules == ("q_proj", "v_proj")
+    assert lora_targets_for(workload, None, task="causal-lm").target_modules == ("q_proj", "v_proj")
     r = run_trial(workload, TrialConfig(micro_batch=2, lora_rank=8), warmup_steps=0, measure_steps=1, timeout_s=300)
     assert r.status is TrialStatus.OK, r.error
     # q_proj (64 -> 64) and v_proj (64 -> 32, two KV heads) in 2 layers, rank 8
@@ -135,7 +135,7 @@ def test_mixtral_lora_with_default_targets_trains(mixtral):
 
 def test_a_factory_model_gets_its_linear_layers_but_the_vocabulary_projection():
     workload = Workload(model="factories:mlp", seq_len=8, global_batch=2)
-    plan = lora_targets(workload, None, task="causal-lm")  # built on the meta device in a child process
+    plan = lora_targets_for(workload, None, task="causal-lm")  # built on the meta device in a child process
     assert (plan.target_modules, plan.modules_to_save, plan.task_type) == (("hidden",), None, None)
     r = run_trial(workload, TrialConfig(micro_batch=2, lora_rank=4), warmup_steps=0, measure_steps=1, timeout_s=300)
     assert r.status is TrialStatus.OK, r.error
