@@ -9,6 +9,7 @@ import dataclasses
 import statistics
 from typing import TYPE_CHECKING
 
+from autotune.levers import LEVERS
 from autotune.study.records import ranking
 
 if TYPE_CHECKING:
@@ -132,11 +133,17 @@ def contenders_of(records: list[TrialRecord], *, simple: int | None) -> list[Tri
 
 
 def one_knob_apart(config: TrialConfig, other: TrialConfig) -> bool:
-    """The same micro batch, and one other knob at another value: what sets their figures apart is that knob."""
+    """The same micro batch, and one other knob at another value: what sets their figures apart is that knob. A
+    lever's fields are one knob (checkpointing every 2nd layer against none differs in two fields)."""
     if config.micro_batch != other.micro_batch:
         return False
-    fields = dataclasses.fields(config)
-    return sum(getattr(config, f.name) != getattr(other, f.name) for f in fields) == 1
+    knob_of = {name: lever.name for lever in LEVERS for name in lever.fields}
+    differ = {
+        knob_of.get(f.name, f.name)
+        for f in dataclasses.fields(config)
+        if getattr(config, f.name) != getattr(other, f.name)
+    }
+    return len(differ) == 1
 
 
 def noise_band(records: list[TrialRecord]) -> float:

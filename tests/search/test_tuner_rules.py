@@ -522,6 +522,9 @@ def test_twins_are_one_knob_apart_at_the_same_micro_batch():
     assert not one_knob_apart(top, TrialConfig(micro_batch=4, precision="bf16"))  # two levers off
     assert not one_knob_apart(top, TrialConfig(micro_batch=2, precision="bf16", fused_optimizer=True, loss="chunked"))
     assert not one_knob_apart(top, top)
+    # Checkpointing every 2nd layer against none: two fields of one lever, one knob.
+    every_2nd = TrialConfig(micro_batch=4, precision="bf16", checkpointing=True, checkpoint_every=2)
+    assert one_knob_apart(every_2nd, TrialConfig(micro_batch=4, precision="bf16"))
 
     def record(number: int, config: TrialConfig, tokens: float) -> TrialRecord:
         return TrialRecord(number=number, config=config, status="ok", tokens_per_s=tokens, fits=True)
