@@ -207,12 +207,12 @@ def check_factory_module(workload: Workload) -> None:
 
     top = source.ref.split(":")[0].split(".")[0]
     where = [os.getcwd(), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
-    if importlib.machinery.PathFinder.find_spec(top, where) is None and top not in sys.modules:
-        if importlib.util.find_spec(top) is None:
-            raise WorkloadError(
-                f"--model {workload.model}: no module {top!r} in the current directory, on PYTHONPATH or "
-                "installed; run from the directory that holds it, or add that directory to PYTHONPATH"
-            )
+    here = importlib.machinery.PathFinder.find_spec(top, where) is not None
+    if not here and top not in sys.modules and importlib.util.find_spec(top) is None:
+        raise WorkloadError(
+            f"--model {workload.model}: no module {top!r} in the current directory, on PYTHONPATH or "
+            "installed; run from the directory that holds it, or add that directory to PYTHONPATH"
+        )
 
 
 def resolve_task(workload: Workload) -> str:

@@ -29,6 +29,7 @@ MAX_TWINS = 2
 # A lead in every interleaved round wider than first figures of one config lie apart is proven in one round: paired
 # in one round, two configs of one speed read at most 13% apart there; a second round would only spend the time.
 DECISIVE_LEAD = TWIN_BAND
+_KNOB_OF = {name: lever.name for lever in LEVERS for name in lever.fields}  # a lever's fields are one knob
 CONFIRM_NOISE = 0.03  # a lead under 3% in some round is "within noise"
 
 
@@ -137,9 +138,8 @@ def one_knob_apart(config: TrialConfig, other: TrialConfig) -> bool:
     lever's fields are one knob (checkpointing every 2nd layer against none differs in two fields)."""
     if config.micro_batch != other.micro_batch:
         return False
-    knob_of = {name: lever.name for lever in LEVERS for name in lever.fields}
     differ = {
-        knob_of.get(f.name, f.name)
+        _KNOB_OF.get(f.name, f.name)
         for f in dataclasses.fields(config)
         if getattr(config, f.name) != getattr(other, f.name)
     }
