@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autotune.levers import CHECKPOINTING
+
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
     from autotune.trial.spec import TrialSpec
@@ -222,8 +224,8 @@ def _needs_prepare(knobs: TrialConfig, *, trainer: bool) -> str | None:
         for flag, on in (
             (f"--lora-rank {knobs.lora_rank}", knobs.uses_lora),
             (
-                "--checkpointing " + ("on" if knobs.checkpoint_every == 1 else f"every-{knobs.checkpoint_every}"),
-                knobs.checkpointing and not trainer,
+                f"--checkpointing {CHECKPOINTING.flag_value(knobs)}",
+                knobs.checkpointing and not (trainer and CHECKPOINTING.trainer_applies(knobs)),
             ),
             (f"--loss {knobs.loss}", knobs.loss != "standard"),
             (f"--attention {knobs.attention}", knobs.attention != "auto"),

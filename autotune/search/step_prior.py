@@ -9,6 +9,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Callable
 
+from autotune.levers import CHECKPOINTING
 from autotune.search.throughput import ThroughputModel
 
 if TYPE_CHECKING:
@@ -81,9 +82,10 @@ class StepPrior:
         family = config.replace(micro_batch=1)
         unsharded = family.replace(zero_stage=None, offload="none") if family.uses_deepspeed else family
         plain = unsharded.replace(checkpointing=False, checkpoint_every=1) if family.checkpointing else unsharded
-        for twin_family in dict.fromkeys(
-            [unsharded, plain.replace(zero_stage=family.zero_stage, offload=family.offload), plain]
-        ):
+        twins = [unsharded, plain.replace(zero_stage=family.zero_stage, offload=family.offload), plain]
+        if CHECKPOINTING.forward_rerun_share(family) is None:  # selective: only a trace of it says what it reruns
+            twins = [unsharded]
+        for twin_family in dict.fromkeys(twins):
             twin = self._traced.get(twin_family)
             if twin is not None and twin.step_costs is not None and twin_family != family:
                 return _step_as(twin, twin.step_costs, twin_family, config)
@@ -121,8 +123,9 @@ def _step_as(estimate: MemoryEstimate, costs: StepCosts, family: TrialConfig, co
     """``estimate`` (``family``'s trace, of ``costs``) as ``config``'s step: the checkpointed layers' forward run
     again where ``config`` checkpoints and the trace did not, and the base's weight gradients and an update over
     every parameter where ``config`` trains all weights and the trace was a LoRA step."""
-    if config.checkpointing and not family.checkpointing:
-        costs = costs.with_forward_rerun(1 / config.checkpoint_every)
+    rerun = CHECKPOINTING.forward_rerun_share(config)
+    if rerun and not family.checkpointing:
+        costs = costs.with_forward_rerun(rerun)
     if not config.uses_lora and family.uses_lora:
         costs = costs.with_all_weights_trained()
     return dataclasses.replace(estimate, config=config, step_costs=costs)

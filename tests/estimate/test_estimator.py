@@ -24,6 +24,13 @@ CASES = [
     ("builtin:gpt2-deep-tiny", 1, TrialConfig(micro_batch=8, checkpointing=True)),
     ("builtin:llama-tiny", 1, TrialConfig(micro_batch=4, lora_rank=8)),
     ("builtin:llama-tiny", 1, TrialConfig(micro_batch=4, precision="bf16", checkpointing=True)),
+    # selective checkpointing: what it keeps and what its backward reruns, through the trace's own policy
+    (
+        "builtin:llama-tiny",
+        1,
+        TrialConfig(micro_batch=4, precision="bf16", checkpointing=True, checkpoint_selective=True),
+    ),
+    ("builtin:gpt2-deep-tiny", 1, TrialConfig(micro_batch=8, checkpointing=True, checkpoint_selective=True)),
     ("builtin:bert-tiny", 1, TrialConfig(micro_batch=4)),
     ("builtin:bert-tiny", 1, TrialConfig(micro_batch=4, checkpointing=True)),
     ("builtin:bert-tiny", 1, TrialConfig(micro_batch=4, lora_rank=8)),

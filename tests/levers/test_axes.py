@@ -49,6 +49,7 @@ def test_each_axis_is_a_space_field_and_a_knob_of_its_lever_at_the_configs_defau
         TrialConfig(precision="bf16", checkpointing=True, checkpoint_every=3, loss="chunked:4", attention="sdpa"),
         TrialConfig(optimizer="adafactor", optimizer_in_backward=True, activation_offload=True, compile=True),
         TrialConfig(fused_optimizer=True, checkpointing=True),
+        TrialConfig(precision="bf16", checkpointing=True, checkpoint_selective=True),
         TrialConfig(lora_rank=8, lora_targets=("q_proj", "v_proj")),
     ],
 )
@@ -97,7 +98,7 @@ def test_a_bad_checkpointing_value_in_a_space_file_is_one_line(tmp_path, value):
     assert "\n" not in message
     assert message.startswith(f"{tmp_path / 'space.yaml'}: knobs.checkpointing: ")
     assert message.endswith(
-        "is not allowed; allowed: a list of true/false, or every-N (every N-th decoder layer, N >= 2)"
+        "is not allowed; allowed: a list of true/false, every-N (every N-th decoder layer, N >= 2) or selective"
     )
 
 
