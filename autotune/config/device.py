@@ -18,6 +18,7 @@ class DeviceInfo:
     total_memory_bytes: int | None
     bf16: bool
     fp16_deepspeed: bool  # DeepSpeed's accelerator trains fp16 here
+    compute_capability: tuple[int, int] | None = None  # a CUDA card's (major, minor); None for a CPU
 
 
 def detect_device(requested: str = "auto") -> DeviceInfo:
@@ -36,6 +37,7 @@ def detect_device(requested: str = "auto") -> DeviceInfo:
             props.total_memory,
             bf16=torch.cuda.is_bf16_supported(),
             fp16_deepspeed=True,
+            compute_capability=(props.major, props.minor),
         )
     try:
         import psutil

@@ -44,6 +44,7 @@ class GpuSpec:
     link_bandwidth: float  # bytes/s per GPU, one direction, to its peers (NVLink or PCIe)
     host_link_bandwidth: float  # bytes/s per GPU, one direction, to host memory (its PCIe generation, x16)
     context_bytes: int  # the CUDA context and kernels, before any tensor
+    fp8_flops: float | None = None  # dense float8 tensor-core peak (fp32 accumulation); None: no float8 cores
 
     @property
     def bf16(self) -> bool:
@@ -67,9 +68,11 @@ class GpuSpec:
 
 
 # Sources: NVIDIA's data sheets (V100, A100, H100, H200, L40S, RTX 4090 / Ada whitepaper) and AMD's
-# MI300X data sheet; dense peaks, the tensor-core figures with fp32 accumulation. Links: NVLink per
-# direction (V100 NVLink2 300 GB/s both ways, A100 NVLink3 600, H100/H200 NVLink4 900, MI300X
-# Infinity Fabric 896), PCIe x16 per direction for the host (Gen3 16 GB/s, Gen4 32, Gen5 64).
+# MI300X data sheet; dense peaks, the tensor-core figures with fp32 accumulation (float8: half the sheets'
+# figures "with sparsity"; the RTX 4090's 330 TFLOP/s is the Ada whitepaper's with FP32 accumulate, which
+# torch._scaled_mm uses). Links: NVLink per direction (V100 NVLink2 300 GB/s both ways, A100 NVLink3 600,
+# H100/H200 NVLink4 900, MI300X Infinity Fabric 896), PCIe x16 per direction for the host (Gen3 16 GB/s,
+# Gen4 32, Gen5 64).
 _CARDS = (
     GpuSpec(
         name="V100-16GB",
@@ -138,6 +141,7 @@ _CARDS = (
         link_bandwidth=450 * _G,
         host_link_bandwidth=64 * _G,
         context_bytes=_TYPICAL_CONTEXT,
+        fp8_flops=1_979 * _T,
     ),
     GpuSpec(
         name="H200",
@@ -151,6 +155,7 @@ _CARDS = (
         link_bandwidth=450 * _G,
         host_link_bandwidth=64 * _G,
         context_bytes=_TYPICAL_CONTEXT,
+        fp8_flops=1_979 * _T,
     ),
     GpuSpec(
         name="L40S",
@@ -164,6 +169,7 @@ _CARDS = (
         link_bandwidth=32 * _G,
         host_link_bandwidth=32 * _G,
         context_bytes=_TYPICAL_CONTEXT,
+        fp8_flops=733 * _T,
     ),
     GpuSpec(
         name="RTX-4090",
@@ -177,6 +183,7 @@ _CARDS = (
         link_bandwidth=32 * _G,
         host_link_bandwidth=32 * _G,
         context_bytes=_TYPICAL_CONTEXT,
+        fp8_flops=330 * _T,
     ),
     GpuSpec(
         name="MI300X",
@@ -190,6 +197,7 @@ _CARDS = (
         link_bandwidth=448 * _G,
         host_link_bandwidth=64 * _G,
         context_bytes=_TYPICAL_CONTEXT,
+        fp8_flops=2_615 * _T,
     ),
 )
 GPUS: dict[str, GpuSpec] = {card.name: card for card in _CARDS}
@@ -214,4 +222,12 @@ def gpu_spec(name: str) -> GpuSpec:
 
 def device_info(card: GpuSpec, *, count: int = 1) -> DeviceInfo:
     """What the rest of autotune knows of a device, for a card that is not here."""
-    return DeviceInfo("cuda", card.name, count, card.memory_bytes, bf16=card.bf16, fp16_deepspeed=True)
+    return DeviceInfo(
+        "cuda",
+        card.name,
+        count,
+        card.memory_bytes,
+        bf16=card.bf16,
+        fp16_deepspeed=True,
+        compute_capability=card.compute_capability,
+    )

@@ -22,6 +22,7 @@ from autotune.levers.attention import ATTENTIONS, AttentionFields, attention_dev
 from autotune.levers.base import is_count as _is_count
 from autotune.levers.checkpointing import CheckpointingFields
 from autotune.levers.compile import CompileFields, compile_device_refusal
+from autotune.levers.float8 import Float8Fields
 from autotune.levers.lora import LoraFields
 from autotune.levers.loss import DEFAULT_LOSS_CHUNKS, LOSSES, LossFields, is_loss
 from autotune.levers.optimizer import (
@@ -89,6 +90,7 @@ class _MicroBatchField:
 # dataclasses.fields(TrialConfig) keeps the order it has always had (micro_batch, precision, checkpointing, ...).
 @dataclass(frozen=True, kw_only=True)
 class TrialConfig(
+    Float8Fields,
     LoraFields,
     CompileFields,
     ActivationOffloadFields,

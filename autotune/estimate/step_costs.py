@@ -260,7 +260,7 @@ class CostRecorder:
         self._last_written = {_storage(t) for t in outputs} if kind == OTHER else set()
         if kind == ATTENTION and _causal(func, args, kwargs):
             flops *= _CAUSAL_WORK
-        dtype = str((inputs or outputs)[0].dtype).removeprefix("torch.")
+        dtype = _computed_in(inputs[0]) if kind == MATMUL and inputs else _type_name((inputs or outputs)[0].dtype)
         if self.phase == FORWARD:
             self._forward_flops += flops
         in_layer = self.phase == FORWARD and self._in_layers > 0
@@ -362,6 +362,19 @@ def _storage(tensor: Any) -> Any:
 def _aliases(outputs: list[Any], inputs: list[Any]) -> bool:
     held = {_storage(t) for t in inputs} - {None}
     return any(_storage(t) in held for t in outputs)
+
+
+def _type_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _computed_in(tensor: Any) -> str:
+    """The type a matmul on ``tensor`` runs in: a wrapper subclass's data's (torchao's Float8TrainingTensor says
+    the type it stands for, bf16, and holds float8 data, which its ``mm`` hands to ``torch._scaled_mm``)."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is not None:
+        return _computed_in(getattr(tensor, flatten()[0][0]))
+    return _type_name(tensor.dtype)
 
 
 def _bytes_touched(tensor: Any) -> float:

@@ -155,6 +155,8 @@ def card_profile(card: GpuSpec) -> DeviceProfile:
         flops["bfloat16"] = card.bf16_flops * efficiency
     if card.tf32_flops is not None:
         flops["tf32"] = card.tf32_flops * efficiency
+    if card.fp8_flops is not None:  # torch._scaled_mm's operands (--float8): e4m3 forward, e5m2 gradients
+        flops["float8_e4m3fn"] = flops["float8_e5m2"] = card.fp8_flops * efficiency
     attention = _ATTENTION.get(card.compute_capability[0], _ATTENTION_UNMEASURED) / efficiency
     return DeviceProfile(
         name=card.name,

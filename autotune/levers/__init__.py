@@ -22,6 +22,7 @@ from autotune.levers.attention import AttentionLever
 from autotune.levers.base import Axis, Flag, Lever, ModelFacts
 from autotune.levers.checkpointing import CheckpointingLever
 from autotune.levers.compile import CompileLever
+from autotune.levers.float8 import Float8Lever
 from autotune.levers.lora import LoraLever
 from autotune.levers.loss import LossLever
 from autotune.levers.optimizer import OptimizerLever
@@ -55,6 +56,7 @@ __all__ = [
     "OPTIMIZER",
     "ACTIVATION_OFFLOAD",
     "COMPILE",
+    "FLOAT8",
     "STATES_KEEPERS",
     "model_states_twin",
 ]
@@ -67,17 +69,20 @@ LOSS = LossLever()
 OPTIMIZER = OptimizerLever()
 ACTIVATION_OFFLOAD = ActivationOffloadLever()
 COMPILE = CompileLever()
+FLOAT8 = Float8Lever()
 
 # In the order they are applied, as torchtitan's parallelize applies TP, then checkpointing, then compile, then
 # FSDP. To the built model (``autotune.prepare``): the attention kernel, checkpointing, LoRA on a base quantized
-# or not, where weights are held for the precision (after LoRA: PEFT makes its adapters fp32), the chunked loss,
-# [pipeline stages, or tensor parallel then FSDP]. Then in the trial's engine: the optimizer over the prepared
+# or not, where weights are held for the precision (after LoRA: PEFT makes its adapters fp32), float8's Linear
+# layers (as torchtitan converts them before it parallelizes), the chunked loss, [pipeline stages, or tensor
+# parallel then FSDP]. Then in the trial's engine: the optimizer over the prepared
 # parameters, activation offload's hooks around each step, compile after the first steps.
 LEVERS: tuple[Lever, ...] = (
     ATTENTION,
     CHECKPOINTING,
     LORA,
     PRECISION,
+    FLOAT8,
     LOSS,
     OPTIMIZER,
     ACTIVATION_OFFLOAD,
@@ -88,7 +93,7 @@ LEVERS: tuple[Lever, ...] = (
 # lists them in; tests/levers/test_lever_ownership.py checks it).
 LEVER_FLAGS: tuple[Flag, ...] = tuple(
     flag
-    for lever in (PRECISION, CHECKPOINTING, LOSS, ATTENTION, OPTIMIZER, ACTIVATION_OFFLOAD, COMPILE, LORA)
+    for lever in (PRECISION, CHECKPOINTING, LOSS, ATTENTION, OPTIMIZER, ACTIVATION_OFFLOAD, COMPILE, LORA, FLOAT8)
     for flag in lever.flags
 )
 
@@ -105,6 +110,7 @@ LABEL_ORDER: tuple[Lever, ...] = (
     ACTIVATION_OFFLOAD,
     COMPILE,
     LORA,
+    FLOAT8,
 )
 CHECK_ORDER: tuple[Lever, ...] = (
     PRECISION,
@@ -115,6 +121,7 @@ CHECK_ORDER: tuple[Lever, ...] = (
     ACTIVATION_OFFLOAD,
     LOSS,
     LORA,
+    FLOAT8,
 )
 REFUSAL_ORDER: tuple[Lever, ...] = (
     OPTIMIZER,
@@ -125,6 +132,7 @@ REFUSAL_ORDER: tuple[Lever, ...] = (
     PRECISION,
     CHECKPOINTING,
     LOSS,
+    FLOAT8,
 )
 MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
     LOSS,
@@ -135,6 +143,7 @@ MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
     ACTIVATION_OFFLOAD,
     COMPILE,
     LORA,
+    FLOAT8,
 )
 
 # A search space's (``autotune.search.space``): the order of the levers' keys in a space file, its errors and its
@@ -149,6 +158,7 @@ AXIS_ORDER: tuple[Lever, ...] = (
     ACTIVATION_OFFLOAD,
     COMPILE,
     LORA,
+    FLOAT8,
 )
 DROPPED_ORDER: tuple[Lever, ...] = (
     PRECISION,
@@ -159,6 +169,7 @@ DROPPED_ORDER: tuple[Lever, ...] = (
     ACTIVATION_OFFLOAD,
     OPTIMIZER,
     LORA,
+    FLOAT8,
 )
 # The order of their keys in Transformers' TrainingArguments (as the hf export writes them): the precision's, the
 # optimizer's, compile's, checkpointing's, then those of the levers with none.
@@ -171,6 +182,7 @@ TRAINER_ORDER: tuple[Lever, ...] = (
     LOSS,
     ACTIVATION_OFFLOAD,
     LORA,
+    FLOAT8,
 )
 
 # The order of their own lines in a YAML export's header (Lever.header_lines): checkpointing, the optimizer, TF32, then
@@ -184,12 +196,13 @@ HEADER_ORDER: tuple[Lever, ...] = (
     ACTIVATION_OFFLOAD,
     COMPILE,
     LORA,
+    FLOAT8,
 )
 
 # The order of their lines in an export's header of what a job applies in its own code: how the model is loaded
 # and compiled (checkpointing and LoRA have header lines of their own, none here), then the layout's lines (not
 # levers yet), then what wraps each step: the optimizer, activation offload's hooks around the forward, the loss.
-IN_CODE_BEFORE_LAYOUT: tuple[Lever, ...] = (PRECISION, ATTENTION, CHECKPOINTING, LORA, COMPILE)
+IN_CODE_BEFORE_LAYOUT: tuple[Lever, ...] = (PRECISION, ATTENTION, CHECKPOINTING, LORA, COMPILE, FLOAT8)
 IN_CODE_AFTER_LAYOUT: tuple[Lever, ...] = (OPTIMIZER, ACTIVATION_OFFLOAD, LOSS)
 
 # The levers whose values leave a config's model states (its parameters, gradients and optimizer state per rank)

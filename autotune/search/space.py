@@ -84,6 +84,7 @@ class SearchSpace:
     optimizer_in_backward: tuple[bool, ...] = (False,)
     activation_offload: tuple[bool, ...] = (False,)
     compile: tuple[bool, ...] = (False,)
+    float8: tuple[bool, ...] = (False,)
     zero_stage: tuple[int | None, ...] = (None,)
     fsdp: tuple[str | None, ...] = (None,)  # None: off; else an FSDP2 mode (full, grad-op)
     offload: tuple[str, ...] = ("none",)

@@ -22,6 +22,7 @@ import time
 from typing import Any, Callable
 
 from autotune.config.knobs import sixteen_bit_type
+from autotune.levers.float8 import FLOAT8_SINCE
 
 __all__ = [
     "probe_precisions",
@@ -157,6 +158,11 @@ def measure_profile(device_type: str, *, between_ranks: bool = True) -> dict[str
             except (RuntimeError, TypeError):
                 continue
             flops[dtype] = max(flops.get(dtype, 0.0), rate * 2 * size**3)
+        if device.type == "cuda" and torch.cuda.get_device_capability(0) >= FLOAT8_SINCE:
+            float8 = _float8_rate(torch, device, size, sync)
+            if float8 is not None:  # --float8's matmuls: e4m3 operands forward, an e5m2 one in the backward
+                best = max(flops.get("float8_e4m3fn", 0.0), float8 * 2 * size**3)
+                flops["float8_e4m3fn"] = flops["float8_e5m2"] = best
         bandwidth = max(bandwidth, 3 * a.numel() * 4 / _best_time(lambda: torch.add(a, b), sync))
         per_op = _best_time(step, sync) / operators
         dispatch = per_op if not dispatch else min(dispatch, per_op)
@@ -184,12 +190,30 @@ def measure_profile(device_type: str, *, between_ranks: bool = True) -> dict[str
         # gloo between ranks on one host copies through memory: a quarter of its bandwidth is a guess
         "link_bandwidth": bandwidth / 4 if device.type == "cpu" else host_link,
         "host_link_bandwidth": host_link,
-        "peak_flops": max(flops.values(), default=None),
+        # The dense 16-bit (or fp32) peak, as MFU is counted with float8 too (torchtitan's MFU).
+        "peak_flops": max((rate for dtype, rate in flops.items() if not dtype.startswith("float8")), default=None),
         "source": "measured by the device probe",
     }
 
 
 _PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _float8_rate(torch: Any, device: Any, size: int, sync: Any) -> float | None:
+    """Products per second of ``torch._scaled_mm`` on float8 e4m3 operands with tensorwise scales and a bf16
+    output (what torchao's Float8Linear runs); None where this device or torch has no such kernel."""
+    a = torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device=device).to(torch.float8_e4m3fn).t()  # _scaled_mm takes b column-major
+    scale = torch.ones((), device=device)
+
+    def product() -> None:
+        torch._scaled_mm(a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16)
+
+    try:
+        product()  # selects the kernel
+        return 1 / _best_time(product, sync)
+    except (RuntimeError, TypeError, AttributeError):
+        return None
 
 
 def _gloo_collective_s(rounds: int = 50) -> float | None:

@@ -31,6 +31,8 @@ CASES = [
         TrialConfig(micro_batch=4, precision="bf16", checkpointing=True, checkpoint_selective=True),
     ),
     ("builtin:gpt2-deep-tiny", 1, TrialConfig(micro_batch=8, checkpointing=True, checkpoint_selective=True)),
+    # float8 Linear layers (torchao): their casts and what the float8 matmuls keep
+    ("builtin:llama-tiny", 1, TrialConfig(micro_batch=4, precision="bf16", float8=True)),
     ("builtin:bert-tiny", 1, TrialConfig(micro_batch=4)),
     ("builtin:bert-tiny", 1, TrialConfig(micro_batch=4, checkpointing=True)),
     ("builtin:bert-tiny", 1, TrialConfig(micro_batch=4, lora_rank=8)),
