@@ -193,6 +193,11 @@ class Lever:
         """Its keys among ``accelerate.Accelerator``'s arguments (what the model's code does not apply)."""
         return {}
 
+    def maths_note(self, config: TrialConfig) -> str | None:
+        """How its values change what is trained beyond the precision and LoRA (said in every output's note of
+        what is trained, ``autotune.study.summary.what_is_trained``); None: they do not."""
+        return None
+
     def in_code(self, config: TrialConfig) -> list[str]:
         """What a job must apply in its own code for this lever's values, because no library's config carries
         them: a line each, for the exports' headers (none at its default)."""

@@ -125,6 +125,9 @@ class Float8Lever(Lever):
     def labels(self, config: TrialConfig) -> list[str]:
         return ["float8"] if config.float8 else []
 
+    def maths_note(self, config: TrialConfig) -> str | None:
+        return "the Linear layers' matmuls in float8 (tensorwise scales)" if config.float8 else None
+
     def in_code(self, config: TrialConfig) -> list[str]:
         if not config.float8:
             return []

@@ -13,6 +13,7 @@ from typing import Any
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
+from autotune.levers import LEVERS
 from autotune.study.stored_facts import lora_where
 from autotune.trial.result import TOKENS_PER_S, pick_throughput
 
@@ -183,4 +184,5 @@ def what_is_trained(config: TrialConfig, workload: Workload | None = None) -> di
             )
         if config.precision in ("fp16", "bf16"):  # as PEFT recipes load it: dtype=the 16-bit type
             note += f"; the frozen base held in {config.precision}"
+    note += "".join(f"; {said}" for lever in LEVERS if (said := lever.maths_note(config)))
     return {"precision": config.precision, "lora": lora, "note": note}

@@ -140,3 +140,12 @@ def test_on_a_gpu_a_float8_trial_runs_where_the_card_has_float8_cores_and_the_es
     assert measured.ok, measured.error
     predicted = predict_memory(workload, FLOAT8_CONFIG)
     assert abs(predicted.predicted_peak_bytes / measured.peak_allocated_bytes - 1) <= 0.10
+
+
+def test_every_output_says_the_matmuls_train_in_float8() -> None:
+    from autotune.study.summary import what_is_trained
+
+    assert what_is_trained(FLOAT8_CONFIG)["note"] == (
+        "all weights trained in bf16 mixed precision; the Linear layers' matmuls in float8 (tensorwise scales)"
+    )
+    assert "float8" not in what_is_trained(TrialConfig(micro_batch=4, precision="bf16"))["note"]
