@@ -17,12 +17,12 @@ Rows it cannot express are listed with the reason.
 The sharded and parallel runs (S1-S17: torchtitan's Llama-3-8B FSDP2 runs at seq 8192 with its max reserved,
 KempnerForge's TP / FSDP runs on H200s with its max allocated and one nvidia-smi reading, OneFlow DLPerf's
 Megatron-LM runs with nvidia-smi) get a table of their own, each in its metric, rebuilt in the nearest config
-autotune can express, never skipped: what each rebuild leaves out (selective per-op checkpointing, float8,
-Megatron's fp16 optimizer and vocabulary-parallel layers, data-parallel copies beside tensor and pipeline
-parallelism, KempnerForge's unreduced gradient accumulation and bf16 loss) and what its source leaves open is
-printed under it, with sizes where the sources give them. The fit boundaries (S16, S17) print the estimate's
-verdict against the card beside the published one; selective checkpointing there is bounded by the estimates
-with every layer checkpointed and with none. The sources' configs were read at the commits their reports name
+autotune can express, never skipped: torchtitan's selective per-op checkpointing and float8 Linear layers are
+traced as ``--checkpointing selective`` and ``--float8 on``; what each rebuild leaves out (Megatron's fp16
+optimizer and vocabulary-parallel layers, data-parallel copies beside tensor and pipeline parallelism,
+KempnerForge's unreduced gradient accumulation and bf16 loss) and what its source leaves open is printed under
+it, with sizes where the sources give them. The fit boundaries (S16, S17) print the estimate's verdict against
+the card beside the published one. The sources' configs were read at the commits their reports name
 (torchtitan 9dec370, KempnerForge 601aba9 / 01b461a). ``bench/fsdp2_cuda_memory.md`` accounts for what FSDP2
 and NCCL hold beyond the traced tensors and compares it with these rows' errors. The reserved figures replay
 FSDP2's copy-in and reduce-scatter streams in pools of their own; KempnerForge's FSDP rows are printed again
@@ -72,7 +72,6 @@ class Row:
     left_out: list[str] = field(default_factory=list)
     left_open: list[str] = field(default_factory=list)
     unit: str | None = None
-    selective: bool = False  # ran torchtitan's selective per-op checkpointing (rebuilt as full)
     # KempnerForge's FSDP rows: the parameters a rank holds unsharded (after tensor parallelism), whose gradients
     # its maybe_no_sync accumulates unreduced in the fp32 reduce dtype (added by arithmetic: no knob rebuilds it).
     no_sync_params: int = 0
@@ -440,18 +439,12 @@ NOT_EXPRESSIBLE = {
 # train_configs/llama3_8b.toml (seq 8192, selective_ac_option "op", AdamW without fused, so foreach),
 # parallelize_llama.apply_fsdp (MixedPrecisionPolicy(param_dtype bf16, reduce_dtype fp32) from
 # --training.mixed_precision_param / _reduce; every block resharded after forward except the last), train.py
-# (the logged "memory" is max_reserved_gib; its loss upcasts bf16 logits with .float()).
-def _titan_left_out(tokens: int) -> list[str]:
-    """What a torchtitan row's rebuild leaves out, with the size of its checkpointing's share (``tokens`` a micro
-    batch's, Llama-3-8B's 32 layers)."""
-    kept = 27_648 * 2 * tokens * 32 / GiB
-    return [
-        "selective per-op checkpointing (torchtitan's _save_list: every other mm's output, SDPA's output and the "
-        "reduce-scatters kept, the rest recomputed) rebuilt as every layer checkpointed, which keeps less: each "
-        "layer's wq, wv, w1 and w2 outputs and the attention output (27,648 bf16 values a token a layer) on top of "
-        f"the layer input, {kept:.1f} GiB here; the rebuild is a lower bound",
-        "the last block not resharded after forward (torchtitan keeps its bf16 parameters gathered: 0.41 GiB)",
-    ]
+# (the logged "memory" is max_reserved_gib; its loss upcasts bf16 logits with .float()). Its selective op
+# checkpointing (_save_list: every other mm's output, SDPA's output, max) is traced as --checkpointing selective,
+# its float8 converter (torchao's convert_to_float8_training, tensorwise) as --float8 on.
+_TITAN_LEFT_OUT = [
+    "the last block not resharded after forward (torchtitan keeps its bf16 parameters gathered: 0.41 GiB)",
+]
 
 
 _TITAN_OPEN = [
@@ -460,6 +453,15 @@ _TITAN_OPEN = [
     "the figure is the largest reserved of the last logging interval (10 steps), read at step 90",
 ]
 _COMPILE_NOTE = "torch.compile predicted as eager (its fused kernels may hold less)"
+_FLOAT8_GATHER_OPEN = (
+    "whether FSDP's all-gathers ran in float8 (enable_fsdp_float8_all_gather); the rebuild gathers bf16 weights "
+    "and casts them after"
+)
+_TORCHAO_TABLE_NOTE = "torchao's float8 table: the largest reserved over all logged steps, labelled GB"
+_S6_OPEN = [
+    "the H100 variant is not stated (predicted for H100-80GB)",
+    "torchtitan 0.0.2's own defaults (taken as 9dec370's: foreach AdamW, last block kept gathered)",
+]
 _KF_NOTE = (
     "KempnerForge at 601aba9 / 01b461a (the commits of its config_validation and mfu_scaling reports): the model "
     "cast to bf16 before fully_shard (build_parallel_model: .to(dtype=param_dtype)), so weights, gradients and "
@@ -527,7 +529,7 @@ _MEGATRON_PP_LEFT_OUT = [
 ]
 
 
-def _titan(nproc: int, mb: int, compile: bool, *, nodes: int = 1) -> tuple[Workload, TrialConfig]:
+def _titan(nproc: int, mb: int, compile: bool, *, nodes: int = 1, float8: bool = False) -> tuple[Workload, TrialConfig]:
     workload = Workload(
         model=_model("llama-3-8b"),
         task="causal-lm",
@@ -537,7 +539,16 @@ def _titan(nproc: int, mb: int, compile: bool, *, nodes: int = 1) -> tuple[Workl
         nodes=nodes,
         gpu="H100-80GB",
     )
-    return workload, TrialConfig(micro_batch=mb, precision="bf16", checkpointing=True, fsdp="full", compile=compile)
+    config = TrialConfig(
+        micro_batch=mb,
+        precision="bf16",
+        checkpointing=True,
+        checkpoint_selective=True,
+        fsdp="full",
+        compile=compile,
+        float8=float8,
+    )
+    return workload, config
 
 
 def _kempner(
@@ -596,9 +607,8 @@ SHARDED_ROWS: list[Row] = [
         "reserved",
         int(82.4 * GiB),
         "82.4 GiB (reserved)",
-        left_out=_titan_left_out(2 * 8192),
+        left_out=_TITAN_LEFT_OUT,
         left_open=_TITAN_OPEN,
-        selective=True,
     ),
     Row(
         "S2",
@@ -608,26 +618,19 @@ SHARDED_ROWS: list[Row] = [
         int(77.0 * GiB),
         "77.0 GiB (reserved)",
         notes=[_COMPILE_NOTE],
-        left_out=_titan_left_out(2 * 8192),
+        left_out=_TITAN_LEFT_OUT,
         left_open=_TITAN_OPEN,
-        selective=True,
     ),
     Row(
         "S3",
         "S2 + float8 Linear layers (tensorwise)",
-        *_titan(8, 2, True),
+        *_titan(8, 2, True, float8=True),
         "reserved",
         int(76.8 * GiB),
         "76.8 GiB (reserved)",
         notes=[_COMPILE_NOTE],
-        left_out=[
-            "float8 Linear layers (torchao's tensorwise scaling: float8 copies of inputs and weights kept for the "
-            "backward, amax) rebuilt as bf16 ones: autotune has no float8 knob; the published figure is 0.2 GiB "
-            "below S2's",
-            *_titan_left_out(2 * 8192),
-        ],
-        left_open=[*_TITAN_OPEN, "whether FSDP's all-gathers ran in float8 (enable_fsdp_float8_all_gather)"],
-        selective=True,
+        left_out=_TITAN_LEFT_OUT,
+        left_open=[*_TITAN_OPEN, _FLOAT8_GATHER_OPEN],
     ),
     Row(
         "S4",
@@ -636,9 +639,8 @@ SHARDED_ROWS: list[Row] = [
         "reserved",
         int(67.0 * GiB),
         "67.0 GiB (reserved)",
-        left_out=_titan_left_out(2 * 8192),
+        left_out=_TITAN_LEFT_OUT,
         left_open=_TITAN_OPEN,
-        selective=True,
     ),
     Row(
         "S5",
@@ -648,9 +650,8 @@ SHARDED_ROWS: list[Row] = [
         int(62.0 * GiB),
         "62.0 GiB (reserved)",
         notes=[_COMPILE_NOTE],
-        left_out=_titan_left_out(2 * 8192),
+        left_out=_TITAN_LEFT_OUT,
         left_open=_TITAN_OPEN,
-        selective=True,
     ),
     Row(
         "S6",
@@ -659,13 +660,23 @@ SHARDED_ROWS: list[Row] = [
         "reserved",
         int(47.65 * GiB),
         "47.65 GiB (reserved)",
-        notes=[_COMPILE_NOTE, "torchao's float8 table: the largest reserved over all logged steps, labelled GB"],
-        left_out=_titan_left_out(8192),
-        left_open=[
-            "the H100 variant is not stated (predicted for H100-80GB)",
-            "torchtitan 0.0.2's own defaults (taken as 9dec370's: foreach AdamW, last block kept gathered)",
+        notes=[_COMPILE_NOTE, _TORCHAO_TABLE_NOTE],
+        left_out=_TITAN_LEFT_OUT,
+        left_open=_S6_OPEN,
+    ),
+    Row(
+        "S6-float8",
+        "S6 + float8 Linear layers (tensorwise)",
+        *_titan(8, 1, True, float8=True),
+        "reserved",
+        int(47.77 * GiB),
+        "47.77 GiB (reserved)",
+        notes=[_COMPILE_NOTE, _TORCHAO_TABLE_NOTE],
+        left_out=[
+            *_TITAN_LEFT_OUT,
+            "the table's rowwise line (47.79 GiB): autotune's --float8 is tensorwise scaling only",
         ],
-        selective=True,
+        left_open=[*_S6_OPEN, _FLOAT8_GATHER_OPEN],
     ),
     Row(
         "S7-tp2",
@@ -878,11 +889,9 @@ class FitRow:
     card_bytes: tuple[int, ...]  # the card's memory, every way the source states it
     left_out: list[str] = field(default_factory=list)
     left_open: list[str] = field(default_factory=list)
-    # Selective per-op checkpointing keeps more than full checkpointing and less than none: both are estimated.
-    bounds: bool = False
 
 
-def _titan_70b(mb: int) -> tuple[Workload, TrialConfig]:
+def _titan_70b(mb: int, *, selective: bool) -> tuple[Workload, TrialConfig]:
     workload = Workload(
         model=_model("llama-2-70b"),
         task="causal-lm",
@@ -892,7 +901,10 @@ def _titan_70b(mb: int) -> tuple[Workload, TrialConfig]:
         nodes=8,
         gpu="A100-80GB",
     )
-    return workload, TrialConfig(micro_batch=mb, precision="bf16", checkpointing=True, fsdp="full")
+    config = TrialConfig(
+        micro_batch=mb, precision="bf16", checkpointing=True, checkpoint_selective=selective, fsdp="full"
+    )
+    return workload, config
 
 
 def _titan_405b(tp: int) -> tuple[Workload, TrialConfig]:
@@ -911,38 +923,29 @@ def _titan_405b(tp: int) -> tuple[Workload, TrialConfig]:
     return workload, config
 
 
-_SAC_BOUNDS = (
-    "selective per-op checkpointing: no autotune knob; estimated with every layer checkpointed (keeps less: "
-    "the lower bound) and with none (keeps more: the upper bound); the verdict is the lower bound's plus what "
-    "torchtitan's policy keeps beyond it, by arithmetic (selective_kept_bytes)"
-)
 _A100_80 = (81_920 * MiB,)
 _TITAN_405B_CARD = (94 * GiB, 95 * GiB, 96 * GiB)  # "H100 (94GB memory)", "SXM H100(95GB)", "96GB HBM2e"
 FIT_ROWS: list[FitRow] = [
     FitRow(
         "S16-mb1-sac",
         "Llama-2-70B FSDP 64 seq 4096 bf16, mb1, selective per-op checkpointing",
-        *_titan_70b(1),
+        *_titan_70b(1, selective=True),
         fits=True,
         card_bytes=_A100_80,
-        left_out=[_SAC_BOUNDS],
-        bounds=True,
     ),
     FitRow(
         "S16-mb2-full",
         "same, mb2, every layer checkpointed",
-        *_titan_70b(2),
+        *_titan_70b(2, selective=False),
         fits=True,
         card_bytes=_A100_80,
     ),
     FitRow(
         "S16-mb2-sac",
         "same, mb2, selective per-op checkpointing",
-        *_titan_70b(2),
+        *_titan_70b(2, selective=True),
         fits=False,
         card_bytes=_A100_80,
-        left_out=[_SAC_BOUNDS],
-        bounds=True,
     ),
     FitRow(
         "S17-fsdp16tp8",
@@ -951,7 +954,8 @@ FIT_ROWS: list[FitRow] = [
         fits=True,
         card_bytes=_TITAN_405B_CARD,
         left_out=[
-            "float8 and async TP (the published lines with them ran too; the plain line is rebuilt)",
+            "float8 and async TP (the published lines with them ran too; the plain line is rebuilt: autotune's "
+            "--float8 refuses --tp, and it has no async TP)",
             "4 accumulation steps where the run had none (global batch 32): autotune's workload needs a global "
             "batch that splits over all 128 ranks, tensor-parallel ones included; the traced peak is a micro "
             "step's, which accumulation into sharded gradients does not change",
@@ -1019,9 +1023,6 @@ def predict(row: Row) -> dict[str, object]:
     predicted = _predicted(estimate, row.metric)
     assert predicted is not None
     error = predicted / row.published_bytes - 1
-    if row.selective:
-        kept = selective_kept_bytes(row.workload, row.config.micro_batch)
-        result.update(selective_kept_bytes=kept, error_with_selective=(predicted + kept) / row.published_bytes - 1)
     if row.no_sync_params:
         grads = no_sync_gradient_bytes(row.no_sync_params, 4)  # fp32 reduce dtype
         logits = row.workload.seq_len * row.config.micro_batch * 128_256 * 6  # at most (see _kf_left_out)
@@ -1054,77 +1055,39 @@ def _layout(workload: Workload, config: TrialConfig) -> str:
     return f"{workload.nproc} ranks{nodes}: {' x '.join(parts) or 'one rank'}"
 
 
-def selective_kept_bytes(workload: Workload, micro_batch: int) -> int:
-    """What torchtitan's selective per-op checkpointing keeps beyond full checkpointing, by arithmetic: per layer
-    and token the bf16 outputs of wq, wv, w1 and w2 (every other matmul: _save_list and its mm counter in
-    parallelize_llama at 9dec370) and of the attention, on every layer of the model's config."""
-    config = json.loads(Path(workload.model).read_text())
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * config.get("head_dim", hidden // heads)
-    per_token = 3 * hidden + kv + config["intermediate_size"]
-    return 2 * per_token * micro_batch * workload.seq_len * config["num_hidden_layers"]
-
-
 def predict_fit(row: FitRow) -> dict[str, object]:
     """The estimate's verdict against the card (the predicted device figure within its memory; and with
     ``estimate``'s default 10% headroom: reserved within 90% of it), each way the source states the card, beside
-    the published one. Selective checkpointing: bounded by every layer checkpointed and none, and the verdict
-    taken from the first plus what the policy keeps beyond it (:func:`selective_kept_bytes`)."""
+    the published one."""
     started = time.perf_counter()
-    configs = {"as rebuilt": row.config}
-    if row.bounds:
-        configs = {
-            "lower (every layer checkpointed)": row.config,
-            "upper (no checkpointing)": row.config.replace(checkpointing=False),
-        }
-    estimates: dict[str, dict[str, object]] = {}
-
-    def verdicts(reserved: int, device: int) -> dict[str, object]:
-        return {
-            "predicted_reserved_bytes": reserved,
-            "predicted_device_bytes": device,
-            "fits": [device <= card for card in row.card_bytes],
-            "fits_with_headroom": [reserved <= card * 0.9 and device <= card for card in row.card_bytes],
-        }
-
-    for name, config in configs.items():
-        try:
-            estimate = _estimate(row.workload, config)
-        except (ConfigError, EstimateError) as exc:
-            estimates[name] = {"not_rebuilt": str(exc)}
-            continue
-        reserved, device = estimate.predicted_reserved_bytes, estimate.predicted_device_bytes
-        assert reserved is not None and device is not None
-        estimates[name] = {
-            "predicted_peak_bytes": estimate.predicted_peak_bytes,
-            **verdicts(reserved, device),
-            "estimate": estimate.to_dict(),
-        }
-    lower = estimates.get("lower (every layer checkpointed)", {})
-    if row.bounds and "fits" in lower:
-        kept = selective_kept_bytes(row.workload, row.config.micro_batch)
-        estimates["lower + selective's kept outputs (arithmetic)"] = {
-            "selective_kept_bytes": kept,
-            **verdicts(int(lower["predicted_reserved_bytes"]) + kept, int(lower["predicted_device_bytes"]) + kept),  # type: ignore[call-overload]
-        }
-    decisive = (
-        [estimates["lower + selective's kept outputs (arithmetic)"]]
-        if "lower + selective's kept outputs (arithmetic)" in estimates
-        else list(estimates.values())
-    )
-    said = {v for e in decisive for v in e.get("fits", [])}  # type: ignore[attr-defined]
-    return {
+    result: dict[str, object] = {
         "row": row.key,
         "what": row.what,
         "gpu": row.workload.gpu,
         "layout": _layout(row.workload, row.config),
         "card_bytes": list(row.card_bytes),
         "published_fits": row.fits,
-        "estimates": estimates,
-        "agrees": said == {row.fits} if said else None,
-        "undecided": len(said) > 1,
         "left_out": row.left_out,
         "left_open": row.left_open,
+    }
+    try:
+        estimate = _estimate(row.workload, row.config)
+    except (ConfigError, EstimateError) as exc:
+        return {**result, "not_rebuilt": str(exc), "agrees": None, "seconds": time.perf_counter() - started}
+    reserved, device = estimate.predicted_reserved_bytes, estimate.predicted_device_bytes
+    assert reserved is not None and device is not None
+    fits = [device <= card for card in row.card_bytes]
+    said = set(fits)
+    return {
+        **result,
+        "predicted_peak_bytes": estimate.predicted_peak_bytes,
+        "predicted_reserved_bytes": reserved,
+        "predicted_device_bytes": device,
+        "fits": fits,
+        "fits_with_headroom": [reserved <= card * 0.9 and device <= card for card in row.card_bytes],
+        "agrees": said == {row.fits},
+        "undecided": len(said) > 1,
+        "estimate": estimate.to_dict(),
         "seconds": time.perf_counter() - started,
     }
 
@@ -1202,22 +1165,6 @@ def _sharded_table(results: list[dict[str, object]]) -> list[str]:
             f"median |error| {statistics.median(abs(e) for e in errors):.1%}, largest {max(abs(e) for e in errors):.1%}"
             f" over {len(errors)} rows; median signed error {statistics.median(errors):+.1%}",
         ]
-    selective = [r for r in results if r.get("selective_kept_bytes") is not None]
-    if selective:
-        lines += [
-            "",
-            "torchtitan's rows with what its selective per-op checkpointing keeps beyond full checkpointing added by "
-            "arithmetic (selective_kept_bytes):",
-            "",
-            "| row | published | predicted (full) | + kept outputs | = | error |",
-            "|---|---|---|---|---|---|",
-        ]
-        for r in selective:
-            kept, predicted = int(r["selective_kept_bytes"]), int(r["predicted_bytes"])  # type: ignore[call-overload]
-            lines.append(
-                f"| {r['row']} | {r['published']} | {predicted / GiB:.2f} GiB | {kept / GiB:.2f} GiB | "
-                f"{(predicted + kept) / GiB:.2f} GiB | {float(r['error_with_selective']):+.1%} |"  # type: ignore[arg-type]
-            )
     lines += _no_sync_table(results)
     by_key = {str(r["row"]): r for r in results}
     pair = by_key.get("S11"), by_key.get("S11-smi")
@@ -1261,29 +1208,26 @@ def _no_sync_table(results: list[dict[str, object]]) -> list[str]:
 def _fit_table(results: list[dict[str, object]]) -> list[str]:
     lines = [
         "Fit boundaries (fits: the predicted device figure within the card's memory; the headroom column adds "
-        "estimate's default: reserved within 90% of it; a selective row's verdict is its arithmetic line's):",
+        "estimate's default: reserved within 90% of it):",
         "",
-        "| row | run | layout (rebuilt), GPU | published | estimate | reserved | nvidia-smi | fits | with headroom "
-        "| agrees |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| row | run | layout (rebuilt), GPU | published | reserved | nvidia-smi | fits | with headroom | agrees |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    verdict = lambda flags: "/".join("yes" if f else "no" for f in flags)  # noqa: E731
     for r in results:
-        estimates = r["estimates"]
-        assert isinstance(estimates, dict)
-        for name, e in estimates.items():
-            verdict = lambda flags: "/".join("yes" if f else "no" for f in flags)  # noqa: E731
-            if "not_rebuilt" in e:
-                figures = f"not rebuilt: {e['not_rebuilt']} | - | - | -"
-            else:
-                figures = (
-                    f"{e['predicted_reserved_bytes'] / GiB:.1f} GiB | {e['predicted_device_bytes'] / GiB:.1f} GiB | "
-                    f"{verdict(e['fits'])} | {verdict(e['fits_with_headroom'])}"
-                )
-            agrees = "undecided" if r["undecided"] else ("yes" if r["agrees"] else "no")
-            lines.append(
-                f"| {r['row']} | {r['what']} | {r['layout']}, {r['gpu']} | "
-                f"{'fits' if r['published_fits'] else 'out of memory'} | {name} | {figures} | {agrees} |"
+        if "not_rebuilt" in r:
+            figures, agrees = f"not rebuilt: {r['not_rebuilt']} | - | - | -", "-"
+        else:
+            figures = (
+                f"{int(r['predicted_reserved_bytes']) / GiB:.1f} GiB | "  # type: ignore[call-overload]
+                f"{int(r['predicted_device_bytes']) / GiB:.1f} GiB | "  # type: ignore[call-overload]
+                f"{verdict(r['fits'])} | {verdict(r['fits_with_headroom'])}"
             )
+            agrees = "undecided" if r["undecided"] else ("yes" if r["agrees"] else "no")
+        lines.append(
+            f"| {r['row']} | {r['what']} | {r['layout']}, {r['gpu']} | "
+            f"{'fits' if r['published_fits'] else 'out of memory'} | {figures} | {agrees} |"
+        )
     lines += ["", "(fits: one verdict for each way the source states the card's memory, as listed below.)"]
     return lines
 
@@ -1318,7 +1262,11 @@ def main() -> None:
     for fit in FIT_ROWS:
         if wanted is None or fit.key in wanted:
             fits.append(predict_fit(fit))
-            verdict = "undecided" if fits[-1]["undecided"] else ("agrees" if fits[-1]["agrees"] else "disagrees")
+            verdict = (
+                "not rebuilt"
+                if fits[-1]["agrees"] is None
+                else ("undecided" if fits[-1]["undecided"] else ("agrees" if fits[-1]["agrees"] else "disagrees"))
+            )
             print(f"{fit.key}: {verdict} ({fits[-1]['seconds']:.0f} s)", flush=True)
     lines = []
     if results:

@@ -24,6 +24,10 @@ samples/s where the source printed that (the bert-large rows). Then the median a
 * Transformers docs bert-large on a V100 (H1-H9: AdamW, Adafactor, bitsandbytes' 8-bit Adam):
   ``bench/gpu_published.py``'s rows reused as they are (eager attention, the PyTorch 1.x optimizer
   step), against the ``train_samples_per_second`` the docs printed.
+* torchtitan Llama-3-8B (S1-S6): ``bench/gpu_published.py``'s rows as they are (FSDP2 on 8 or 128
+  fake ranks, seq 8192, selective per-op checkpointing, S3 and S6-float8 with float8 Linear layers:
+  their matmuls timed at the card's float8 peak), against torchtitan's TPS/GPU and torchao's
+  float8 table (S6: bf16 and float8 tensorwise, the median over logged steps).
 
 Part 2, CPU grids. Each committed grid ``bench/data/GRID.jsonl`` is predicted line by line with
 the roofline measured beside it before its trials (``GRID.roofline.json``; for an older grid
@@ -244,7 +248,33 @@ def _bert_rows() -> list[Row]:
     ]
 
 
-ROWS: list[Row] = _mpt_rows() + _torchtune_rows() + _bert_rows()
+_TITAN_CARD_NOTE = (
+    "torchtitan's H100s (Grand Teton: 96GB HBM2e at 2.4 TB/s, 500 W, a peak between SXM's and NVL's, as its "
+    "benchmark notes say) timed as autotune's H100-80GB (SXM: 3.35 TB/s, 700 W): a faster card"
+)
+
+
+def _titan_rows() -> list[Row]:
+    """gpu_published.py's torchtitan rows as they are (Llama-3-8B seq 8192, FSDP2, selective per-op
+    checkpointing; S3 and S6-float8 with float8 Linear layers), against the TPS/GPU torchtitan's and torchao's
+    tables printed (S6's: the median)."""
+    published = {"S1": 5_762, "S2": 6_667, "S3": 8_532, "S4": 5_605, "S5": 6_514, "S6": 6_150, "S6-float8": 7_689.5}
+    return [
+        Row(
+            row.key,
+            row.what,
+            row.workload,
+            row.config,
+            published[row.key],
+            "tokens/s",
+            notes=((_COMPILE_NOTE,) if row.config.compile else ()) + (_TITAN_CARD_NOTE,),
+        )
+        for row in gpu_published.SHARDED_ROWS
+        if row.key in published
+    ]
+
+
+ROWS: list[Row] = _mpt_rows() + _torchtune_rows() + _bert_rows() + _titan_rows()
 
 # Each sweep: row keys in the published order, fastest first (per GPU).
 SWEEPS: dict[str, list[str]] = {
@@ -257,10 +287,15 @@ SWEEPS: dict[str, list[str]] = {
     "bert-large V100 (H1-H5)": ["H4", "H5", "H1", "H2", "H3"],
     "bert-large V100 optimizers, fp32 mb4 (H1, H6, H8)": ["H8", "H1", "H6"],
     "bert-large V100 optimizers, fp16 mb1 x4 ckpt (H5, H7, H9)": ["H9", "H5", "H7"],
+    "torchtitan levers, FSDP 8 (S1-S3)": ["S3", "S2", "S1"],
+    "torchtitan levers, FSDP 128 (S4, S5)": ["S5", "S4"],
+    "float8 tensorwise vs bf16, mb1 (S6)": ["S6-float8", "S6"],
 }
 
 NOT_EXPRESSIBLE = {
     "L1-L4, P1, P2": "memory only (no throughput published, L1's 2.36 min per 1k steps is on unpadded samples)",
+    "S21": "torchtitan's async TP notes (FSDP 8 x TP 8): async TP has no knob, and its float8 lines cannot be "
+    "rebuilt: --float8 refuses --tp (not measured)",
 }
 
 
