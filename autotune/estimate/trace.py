@@ -63,6 +63,7 @@ __all__ = [
     "may_hold_adapters",
     "pipeline_step",
     "prepare_tracing",
+    "refuse_untraceable",
     "trace_key",
     "trace_step",
 ]
@@ -206,6 +207,13 @@ def trace_step(
         method=_method(config, sharded, ranks, pipeline_rank),
         seconds=time.perf_counter() - started,
     )
+
+
+def refuse_untraceable(workload: Workload, config: TrialConfig) -> None:
+    """Raise what :func:`trace_step` raises before it traces anything where it cannot predict ``config``: the
+    estimate server asks first, and a config it refuses costs no forked process."""
+    target, _, _ = _devices(workload)
+    _refuse_what_is_not_predicted(config, target, config.uses_fsdp or config.model_parallel > 1)
 
 
 def _every_stage_traced(

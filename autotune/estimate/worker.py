@@ -118,6 +118,7 @@ class _Traces:
 
     def _trace_missing(self, items: list[tuple[str, Any, Any]], task: str | None, measured_with: Any) -> None:
         missing = {key: (w, c) for key, w, c in items if key not in self._kept and key not in self._failed}
+        missing = {key: item for key, item in missing.items() if not self._refused(key, *item)}
         for workload, config in missing.values():  # once each: a module imported already costs nothing
             _preload_for(workload, config)
         plain = {key: item for key, item in missing.items() if item[1].pp == 1}
@@ -135,6 +136,18 @@ class _Traces:
                 self._failed[key] = str(step)
             else:
                 self._keep(key, step)
+
+    def _refused(self, key: str, workload: Any, config: Any) -> bool:
+        """Whether the trace of ``config`` is refused before it starts (FSDP's offload on a GPU, say): its
+        child would say only that, so none is forked (a plan asks for hundreds of such configs)."""
+        from autotune.estimate.trace import refuse_untraceable
+
+        try:
+            refuse_untraceable(workload, config)
+        except Exception as exc:  # noqa: BLE001 - said as the child would say it (see _trace)
+            self._failed[key] = _one_line(exc)
+            return True
+        return False
 
     def _keep(self, key: str, traced: Any) -> None:
         self._kept[key] = traced
