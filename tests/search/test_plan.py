@@ -138,6 +138,15 @@ def test_a_family_whose_model_states_alone_are_over_the_limit_is_not_traced_agai
     assert not [row for row in result.rows if row.config.precision == "fp32"] and result.too_big == 3 + 12
 
 
+def test_fused_adamw_holds_the_states_of_the_default_one_so_it_is_not_traced_where_those_are_over(tmp_path):
+    # Fused AdamW keeps the same moments: once unfused fp32 is over the limit, no fused fp32 family is traced.
+    asked: list = []
+    knobs = SIZES + "  precision: [bf16, fp32]\n  fused_optimizer: [false, true]\n"
+    result = _toy_plan(tmp_path, knobs, lambda config: 60 if config.precision == "fp32" else 4, asked)
+    assert [(c.fused_optimizer, c.checkpointing) for c in asked if c.precision == "fp32"] == [(False, False)]
+    assert result.states_over == 3 and not [row for row in result.rows if row.config.precision == "fp32"]
+
+
 def test_twins_share_one_row_that_says_why_it_shows_the_one_it_shows(tmp_path):
     from autotune.search.plan import Twin
 
