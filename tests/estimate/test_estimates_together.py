@@ -46,3 +46,22 @@ def test_a_trace_refused_before_it_starts_forks_no_process(monkeypatch):
     config = TrialConfig(micro_batch=2, fsdp="full", offload="optimizer+params")
     with pytest.raises(worker._TraceFailed, match=r"^EstimateError: --fsdp full --offload optimizer\+params: the"):
         worker._Traces().get(workload, config, None, AS_INSTALLED)
+
+
+def test_a_trace_made_traces_the_first_config_ahead_that_needs_one_beside_it(monkeypatch):
+    from autotune.estimate import worker
+    from autotune.estimate.measured_with import AS_INSTALLED
+
+    batches = []
+    monkeypatch.setattr(worker, "_in_children", lambda traces: batches.append(traces) or [object() for _ in traces])
+    traces = worker._Traces()
+    config, kept, refused = (
+        TrialConfig(micro_batch=2),
+        TrialConfig(micro_batch=2, compile=True),
+        TrialConfig(micro_batch=2, activation_offload=True),
+    )
+    ahead = [kept, refused, TrialConfig(micro_batch=1), TrialConfig(micro_batch=4)]  # compile: the same trace
+    traces.get_all([WORKLOAD], config, None, AS_INSTALLED, ahead)
+    assert [[c for _, c, *_ in batch] for batch in batches if batch] == [[config, TrialConfig(micro_batch=1)]]
+    traces.get_all([WORKLOAD], TrialConfig(micro_batch=1), None, AS_INSTALLED, ahead)  # kept: nothing traced
+    assert len([batch for batch in batches if batch]) == 1
