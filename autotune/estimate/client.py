@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from autotune.errors import ConfigError
 from autotune.estimate.measured_with import AS_INSTALLED, MeasuredWith
@@ -48,6 +48,7 @@ def predict_memory(
     timeout_s: float = 300,
     measured_with: MeasuredWith = AS_INSTALLED,
     proxy: _Proxy | None = None,
+    ahead: Sequence[TrialConfig] = (),
 ) -> MemoryEstimate:
     """:func:`autotune.estimate.trace.estimate_memory` in a fresh process, like a trial: the caller's process
     stays clean.
@@ -62,19 +63,23 @@ def predict_memory(
     ``proxy``: the workload's model drawn from its 2- and 4-layer copies
     (:mod:`autotune.estimate.depth_proxy`), not traced whole. ``measured_with``: what a published
     measurement ran beyond autotune's knobs, to rebuild it (:mod:`autotune.estimate.measured_with`).
+    ``ahead``: configs the caller will ask for next, with the same ``proxy``: where this estimate traces, the
+    first of them that needs a trace of its own is traced beside it (see :meth:`worker._Traces.get_all`).
     """
     from autotune.prepare import refusal_before_trial
 
     refusal = refusal_before_trial(workload, config, task)  # refused in words, as a trial refuses it
     if refusal is not None:
         raise ConfigError(refusal)
+    proxied = proxy is not None and config.pp == 1  # pipeline stages cut the real depth: a copy has too few layers
     request = {
         "workload": workload.to_dict(),
         "config": config.to_dict(),
         "task": task,
         "measured_with": measured_with.to_dict(),
-        # Pipeline stages cut the real depth into stages: a 2- or 4-layer copy has too few layers for them.
-        "proxy": None if proxy is None or config.pp > 1 else proxy.to_dict(),
+        "proxy": proxy.to_dict() if proxy is not None and proxied else None,
+        # Only what would be asked for through the proxy too. A hint: what it traces changes no answer.
+        "ahead": [c.to_dict() for c in ahead if proxied and c.pp == 1],
     }
     reply = _SERVER.ask(request, timeout_s)
     if "error" in reply:

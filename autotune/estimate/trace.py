@@ -39,7 +39,7 @@ from autotune.config.knobs import TrialConfig, offload_device_refusal
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.estimate.cuda_autocast import cuda_fp32_policy
-from autotune.estimate.cuda_memory import TraceMarks, predict_cuda_memory
+from autotune.estimate.cuda_memory import CudaMemory, TraceMarks, predict_cuda_memory
 from autotune.estimate.fake_step import fake_steps, run_as_on_target
 from autotune.estimate.measured_with import AS_INSTALLED, MeasuredWith
 from autotune.estimate.patches import (
@@ -63,6 +63,7 @@ __all__ = [
     "may_hold_adapters",
     "pipeline_step",
     "prepare_tracing",
+    "refuse_untraceable",
     "trace_key",
     "trace_step",
 ]
@@ -206,6 +207,13 @@ def trace_step(
         method=_method(config, sharded, ranks, pipeline_rank),
         seconds=time.perf_counter() - started,
     )
+
+
+def refuse_untraceable(workload: Workload, config: TrialConfig) -> None:
+    """Raise what :func:`trace_step` raises before it traces anything where it cannot predict ``config``: the
+    estimate server asks first, and a config it refuses costs no forked process."""
+    target, _, _ = _devices(workload)
+    _refuse_what_is_not_predicted(config, target, config.uses_fsdp or config.model_parallel > 1)
 
 
 def _every_stage_traced(
@@ -373,9 +381,9 @@ def _cuda_figures(
     caching allocator replayed over the trace's allocations, or scaled from ``cuda_as`` (see
     :func:`estimate_from_trace`). Nothing for a CPU workload."""
     if traced.target == "cuda" and traced.events is not None:
-        cuda = predict_cuda_memory(
+        cuda = _replayed(
             traced.events,
-            TraceMarks(**traced.marks),
+            traced.marks,
             tensor_peak_bytes=peak,
             card=traced.card,
             ranks=workload.nproc,
@@ -394,6 +402,25 @@ def _cuda_figures(
         reserved = int(peak * cuda_as.predicted_reserved_bytes / max(cuda_as.predicted_peak_bytes, 1))
         return reserved, reserved + cuda_as.predicted_device_bytes - cuda_as.predicted_reserved_bytes, None, ""
     return None, None, None, ""
+
+
+# The replays made last, each with the events it replayed (kept alive, so that no other list takes its id). A plan
+# asks for many configs of one kept trace that replay it alike (compile on and off; tf32 and fp32, some 200
+# families apart), and the replay is most of what such an estimate costs.
+_REPLAYS: collections.OrderedDict[tuple[Any, ...], tuple[Any, CudaMemory]] = collections.OrderedDict()
+_KEPT_REPLAYS = 256
+
+
+def _replayed(events: list[Any], marks: dict[str, int], **figures: Any) -> CudaMemory:
+    """:func:`predict_cuda_memory` of ``events``, once for each set of figures (it reads nothing else)."""
+    key = (id(events), tuple(sorted(marks.items())), tuple(sorted(figures.items())))
+    kept = _REPLAYS.get(key)
+    if kept is None:
+        kept = _REPLAYS[key] = (events, predict_cuda_memory(events, TraceMarks(**marks), **figures))
+        if len(_REPLAYS) > _KEPT_REPLAYS:
+            _REPLAYS.popitem(last=False)
+    _REPLAYS.move_to_end(key)
+    return kept[1]
 
 
 def _devices(workload: Workload) -> tuple[str, str, str | None]:

@@ -24,7 +24,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 __all__ = ["serve"]
 
@@ -90,19 +90,47 @@ class _Traces:
     def get(self, workload: Any, config: Any, task: str | None, measured_with: Any) -> Any:
         return self.get_all([workload], config, task, measured_with)[0]
 
-    def get_all(self, workloads: list[Any], config: Any, task: str | None, measured_with: Any) -> list[Any]:
+    def get_all(
+        self, workloads: list[Any], config: Any, task: str | None, measured_with: Any, ahead: Sequence[Any] = ()
+    ) -> list[Any]:
         """``config``'s traced step for each workload (a plan's two proxy depths): those not kept are traced in
         children forked together, as many at once as there are cores, so two depths cost one trace's wall time
-        on two cores."""
-        from autotune.estimate.trace import trace_key
-
-        keys = [trace_key(workload, config, task=task, measured_with=measured_with) for workload in workloads]
-        self._trace_missing([(key, w, config) for key, w in zip(keys, workloads, strict=True)], task, measured_with)
+        on two cores. Where ``config`` is traced, so is the first config of ``ahead`` (the caller's next) that
+        needs traces of its own: the deeper copies of both first, then the shallower, so that the cores trace
+        steps of one depth, which take about as long, side by side (a 2-layer copy traces in about two thirds of a
+        4-layer one's time: alone beside it, its core would idle for the rest). Not where ``config`` is refused:
+        its next would be traced alone, and the one after it with nothing beside it."""
+        keys = self._keys(workloads, config, task, measured_with)
+        items = list(zip(keys, workloads, [config] * len(keys), strict=True))
+        untraced = [item for item in items if item[0] not in self._kept and item[0] not in self._failed]
+        if untraced and not any(self._refused(*item) for item in untraced):
+            items += self._first_untraced(workloads, ahead, set(keys), task, measured_with)
+            items.sort(key=lambda item: -workloads.index(item[1]))  # the last workload is the deepest copy
+        self._trace_missing(items, task, measured_with)
         for key in keys:
             if key in self._failed:
                 raise _TraceFailed(self._failed[key])
             self._kept.move_to_end(key)
         return [self._kept[key] for key in keys]
+
+    @staticmethod
+    def _keys(workloads: list[Any], config: Any, task: str | None, measured_with: Any) -> list[str]:
+        from autotune.estimate.trace import trace_key
+
+        return [trace_key(workload, config, task=task, measured_with=measured_with) for workload in workloads]
+
+    def _first_untraced(
+        self, workloads: list[Any], ahead: Sequence[Any], taken: set[str], task: str | None, measured_with: Any
+    ) -> list[tuple[str, Any, Any]]:
+        """The traces of the first config of ``ahead`` whose steps are none of those kept, failed or ``taken``, and
+        are not refused before they start."""
+        for config in ahead:
+            keys = self._keys(workloads, config, task, measured_with)
+            items = list(zip(keys, workloads, [config] * len(keys), strict=True))
+            if not any(key in self._kept or key in self._failed or key in taken for key, _, _ in items):
+                if not any(self._refused(*item) for item in items):
+                    return items
+        return []
 
     def trace_all(self, workload: Any, configs: list[Any], task: str | None, measured_with: Any) -> None:
         """Trace the steps of ``configs`` not kept yet, as many at once as there are cores: each estimate asked
@@ -118,6 +146,7 @@ class _Traces:
 
     def _trace_missing(self, items: list[tuple[str, Any, Any]], task: str | None, measured_with: Any) -> None:
         missing = {key: (w, c) for key, w, c in items if key not in self._kept and key not in self._failed}
+        missing = {key: item for key, item in missing.items() if not self._refused(key, *item)}
         for workload, config in missing.values():  # once each: a module imported already costs nothing
             _preload_for(workload, config)
         plain = {key: item for key, item in missing.items() if item[1].pp == 1}
@@ -135,6 +164,18 @@ class _Traces:
                 self._failed[key] = str(step)
             else:
                 self._keep(key, step)
+
+    def _refused(self, key: str, workload: Any, config: Any) -> bool:
+        """Whether the trace of ``config`` is refused before it starts (FSDP's offload on a GPU, say): its
+        child would say only that, so none is forked (a plan asks for hundreds of such configs)."""
+        from autotune.estimate.trace import refuse_untraceable
+
+        try:
+            refuse_untraceable(workload, config)
+        except Exception as exc:  # noqa: BLE001 - said as the child would say it (see _trace)
+            self._failed[key] = _one_line(exc)
+            return True
+        return False
 
     def _keep(self, key: str, traced: Any) -> None:
         self._kept[key] = traced
@@ -172,7 +213,8 @@ def _answer(request: dict[str, Any], traces: _Traces) -> dict[str, Any]:
             estimate = estimate_from_trace(traces.get(workload, config, task, measured_with), workload, config)
         else:
             shallow, deeper = Workload.from_dict(proxy["shallow"]), Workload.from_dict(proxy["deeper"])
-            two, four = traces.get_all([shallow, deeper], config, task, measured_with)
+            ahead = [TrialConfig.from_dict(c) for c in request.get("ahead", ())]
+            two, four = traces.get_all([shallow, deeper], config, task, measured_with, ahead)
             like = estimate_from_trace(four, deeper, config)  # its allocator's reserve stands for the whole model's
             estimate = estimate_from_trace(extrapolate(two, four, proxy["layers"]), workload, config, cuda_as=like)
         # What this answer cost: a kept trace is not paid for again.

@@ -212,10 +212,11 @@ STATES_KEEPERS: tuple[Lever, ...] = (ATTENTION, CHECKPOINTING, LOSS, ACTIVATION_
 
 
 def model_states_twin(config: TrialConfig) -> TrialConfig:
-    """``config`` at micro batch 1 with every lever of :data:`STATES_KEEPERS` at its default: the same model
-    states per rank, so configs with one twin hold the same parameters, gradients and optimizer state."""
+    """``config`` at micro batch 1 with every lever of :data:`STATES_KEEPERS` at its default, and AdamW unfused: the
+    same model states per rank, so configs with one twin hold the same parameters, gradients and optimizer state.
+    (Fused AdamW keeps the moments the default one keeps; only the kernel that steps them differs.)"""
     defaults = {f.name: f.default for f in dataclasses.fields(config) if f.name in _KEEPERS_FIELDS}
-    return config.replace(micro_batch=1, **defaults)
+    return config.replace(micro_batch=1, fused_optimizer=False, **defaults)
 
 
 _KEEPERS_FIELDS = frozenset(name for lever in STATES_KEEPERS for name in lever.fields)

@@ -14,8 +14,10 @@ only a size the line puts within ``LINE_MARGIN`` of the limit is estimated itsel
 family that fits is timed from the family's traced operators, which are kept per sample, so one trace
 times every micro batch. Before any trace, a family whose model states alone (parameters, gradients and
 optimizer state per rank, from a traced family that holds the same ones) are over the limit is not
-traced: nothing of it fits the card. On a card that multiplies fp16 and bf16 at one rate, the two hold the
-same tensors and time alike: one row shows both (bf16 first: it needs no loss scaling).
+traced: nothing of it fits the card. Each estimate that traces is told the families the plan will estimate next
+whatever it learns first, and the first of them that needs a trace of its own is traced beside it: two
+families' copies of one depth side by side on two cores. On a card that multiplies fp16 and bf16 at one
+rate, the two hold the same tensors and time alike: one row shows both (bf16 first: it needs no loss scaling).
 The configs whose predicted throughput is within the model's error of the top one are marked "verify
 first": those are the trials worth running once the card is there.
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from autotune.search.memory_bounds import straight_line
 
@@ -40,6 +42,9 @@ __all__ = ["Plan", "PlanRow", "Twin", "plan", "plan_space", "PLAN_ERROR", "LINE_
 # The step-time model's error on published GPU runs (bench/results/plan_published.txt): configs
 # predicted within it of the top one cannot be told apart by prediction alone.
 PLAN_ERROR = 0.2
+# Families the plan looks ahead to, past the one it estimates, for the next that needs a trace of its own: a default
+# space lists the twelve shardings of each family, and compile's twin (the same trace) after them.
+LOOK_AHEAD = 32
 # A size the family's straight line puts within this share of the limit is estimated itself: the line's error
 # (activations not quite per sample, the allocator's rounding) could turn its verdict.
 LINE_MARGIN = 0.05
@@ -106,7 +111,7 @@ class Plan:
         }
 
 
-Estimator = Callable[["TrialConfig"], "MemoryEstimate"]
+Estimator = Callable[["TrialConfig", "Sequence[TrialConfig]"], "MemoryEstimate"]
 
 
 def plan(
@@ -123,35 +128,29 @@ def plan(
 ) -> Plan:
     """Every config of ``space`` predicted to fit under ``limit_bytes`` on ``device``, fastest first.
 
-    ``estimator(config)`` predicts one config's memory and traced costs (raising
-    :class:`autotune.estimate.results.EstimateError` where it cannot). ``twin``: the configs another config's
-    row stands for (their figures are its own), and why that one is shown.
+    ``estimator(config, ahead)`` predicts one config's memory and traced costs (raising
+    :class:`autotune.estimate.results.EstimateError` where it cannot); ``ahead``: the configs the plan will ask
+    for next, which it may trace beside ``config`` (see :meth:`_Families.ahead`). ``twin``: the configs another
+    config's row stands for (their figures are its own), and why that one is shown.
     """
     from autotune.estimate.results import EstimateError
     from autotune.estimate.step_time import predict_step_time
-    from autotune.levers import model_states_twin
 
     started = time.monotonic()
-    families: dict[TrialConfig, list[TrialConfig]] = {}
-    for config in space.candidates(workload, device):
-        families.setdefault(config.replace(micro_batch=1), []).append(config)
+    families = _Families.of(space.candidates(workload, device))
     rows: list[PlanRow] = []
     too_big = estimates = states_over = 0
     not_estimated: list[str] = []
-    over: set[TrialConfig] = set()  # model-states twins whose states alone are over the limit
-    for index, members in enumerate(families.values(), start=1):
-        members.sort(key=lambda c: c.micro_batch)
-        states_twin = model_states_twin(members[0])
-        if states_twin in over:  # nothing of it fits: not traced
+    for index, members in enumerate(families.members):
+        if families.twins[index] in families.over:  # nothing of it fits: not traced
             too_big, states_over = too_big + len(members), states_over + 1
             continue
         try:
-            fitting, made = _fitting(members, estimator, limit_bytes)
+            fitting, made = _fitting(members, estimator, limit_bytes, families.ahead(index))
         except EstimateError as exc:
             not_estimated.append(f"{members[0].replace(micro_batch=1).describe()}: {exc}")
             continue
-        if any(_states(estimate) > limit_bytes for estimate in made):
-            over.add(states_twin)
+        families.learn(index, over=any(_states(estimate) > limit_bytes for estimate in made))
         estimates += len(made)
         too_big += len(members) - len(fitting)
         for config, estimate, memory, device_bytes in fitting:
@@ -167,7 +166,7 @@ def plan(
                     )
                 )
         if progress is not None:
-            progress(index, len(families))
+            progress(index + 1, len(families.members))
     rows.sort(key=lambda row: -row.step.samples_per_s)
     rows = _twins_merged(rows, twin.of if twin is not None else None)
     if rows:
@@ -186,6 +185,44 @@ def plan(
         states_over=states_over,
         twin_note=twin.note if twin is not None and any(row.twin for row in rows) else None,
     )
+
+
+@dataclass
+class _Families:
+    """A space's families (configs that differ only in the micro batch, smallest first) in the order planned, each
+    with its model-states twin, and what the estimates so far said of those twins' states."""
+
+    members: list[list[TrialConfig]]
+    twins: list[TrialConfig]
+    over: set[TrialConfig] = field(default_factory=set)  # twins whose states alone are over the limit
+    under: set[TrialConfig] = field(default_factory=set)  # twins an estimate found within it
+
+    @classmethod
+    def of(cls, configs: Iterable[TrialConfig]) -> _Families:
+        from autotune.levers import model_states_twin
+
+        families: dict[TrialConfig, list[TrialConfig]] = {}
+        for config in configs:
+            families.setdefault(config.replace(micro_batch=1), []).append(config)
+        members = [sorted(family, key=lambda c: c.micro_batch) for family in families.values()]
+        return cls(members, [model_states_twin(family[0]) for family in members])
+
+    def learn(self, index: int, *, over: bool) -> None:
+        (self.over if over else self.under).add(self.twins[index])
+
+    def ahead(self, index: int) -> list[TrialConfig]:
+        """The middle configs of the families after ``index`` the plan will estimate whatever it learns first
+        (``LOOK_AHEAD`` families at most): none whose twin is over, and of a twin not estimated yet only its first
+        family (an estimate before the others' may find its states over). Tracing them early changes no figure."""
+        firsts: dict[TrialConfig, int] = {}
+        for later, twin in enumerate(self.twins[: index + 1 + LOOK_AHEAD]):
+            firsts.setdefault(twin, later)
+        return [
+            family[(len(family) - 1) // 2]
+            for later, family in enumerate(self.members[index + 1 : index + 1 + LOOK_AHEAD], start=index + 1)
+            if self.twins[later] not in self.over
+            and (self.twins[later] in self.under or firsts[self.twins[later]] == later)
+        ]
 
 
 @dataclass(frozen=True)
@@ -230,7 +267,7 @@ def _held(estimate: MemoryEstimate) -> int:
 
 
 def _fitting(
-    members: list[TrialConfig], estimator: Estimator, limit: int
+    members: list[TrialConfig], estimator: Estimator, limit: int, ahead: Sequence[TrialConfig] = ()
 ) -> tuple[list[tuple[TrialConfig, MemoryEstimate, float, int | None]], list[MemoryEstimate]]:
     """The family's configs predicted to fit, each with the estimate that times it, its memory and its
     device figure; and the estimates made. One estimate, at the middle size; each size is judged by the
@@ -247,12 +284,12 @@ def _fitting(
         extra = (nearest.predicted_device_bytes - _held(nearest)) if nearest.predicted_device_bytes else None
         return nearest, memory, int(memory + extra) if extra is not None else None
 
-    made[(len(members) - 1) // 2] = estimator(members[(len(members) - 1) // 2])
+    made[(len(members) - 1) // 2] = estimator(members[(len(members) - 1) // 2], ahead)
     fitting = []
     for index, config in enumerate(members):
         nearest, memory, device_bytes = judged(index)
         if index not in made and abs(memory / limit - 1) <= LINE_MARGIN:
-            made[index] = estimator(config)
+            made[index] = estimator(config, ())
             nearest, memory, device_bytes = judged(index)
         if memory > limit:
             break
@@ -299,9 +336,12 @@ def plan_space(
     # (compile, tf32 and ZeRO's stages share a trace in the estimate server already.)
     twins = profile.matmul_flops.get("float16") == profile.matmul_flops.get("bfloat16")
 
-    def estimate(config: TrialConfig) -> MemoryEstimate:
-        traced = config.replace(precision="bf16") if twins and config.precision == "fp16" else config
-        return _as(predict_memory(workload, traced, proxy=proxy), config)
+    def as_traced(config: TrialConfig) -> TrialConfig:
+        return config.replace(precision="bf16") if twins and config.precision == "fp16" else config
+
+    def estimate(config: TrialConfig, ahead: Sequence[TrialConfig]) -> MemoryEstimate:
+        traced = predict_memory(workload, as_traced(config), proxy=proxy, ahead=[as_traced(c) for c in ahead])
+        return _as(traced, config)
 
     def bf16_twin(config: TrialConfig) -> TrialConfig | None:
         return config.replace(precision="bf16") if config.precision == "fp16" else None

@@ -165,3 +165,24 @@ def test_side_stream_events_survive_the_steps_repeats_and_cost_their_own_segment
         for events in (one, two)
     ]
     assert figures[1].reserved_bytes - figures[0].reserved_bytes == 40 * MiB
+
+
+def test_a_trace_is_replayed_once_for_the_configs_that_replay_it_alike(monkeypatch):
+    # Compile on and off share a trace and every figure its replay reads: one replay answers both; DDP's buckets
+    # (two ranks) are another replay.
+    from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
+    from autotune.estimate import trace
+
+    workload = Workload(model="builtin:llama-tiny", seq_len=32, global_batch=4, gpu="A100-80GB")
+    config = TrialConfig(micro_batch=2, precision="bf16")
+    traced = trace.trace_step(workload, config)
+    replays = []
+    real = trace.predict_cuda_memory
+    monkeypatch.setattr(trace, "predict_cuda_memory", lambda *args, **kw: replays.append(kw) or real(*args, **kw))
+    eager = trace.estimate_from_trace(traced, workload, config)
+    compiled = trace.estimate_from_trace(traced, workload, config.replace(compile=True))
+    assert len(replays) == 1 and compiled.predicted_reserved_bytes == eager.predicted_reserved_bytes
+    assert compiled.cuda_parts == eager.cuda_parts and compiled.method != eager.method
+    trace.estimate_from_trace(traced, workload.replace(nproc=2), config)
+    assert len(replays) == 2

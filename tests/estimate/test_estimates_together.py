@@ -3,6 +3,8 @@ it is when asked alone; a config whose estimate fails answers its error in its p
 
 from __future__ import annotations
 
+import pytest
+
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.estimate.client import predict_memories, predict_memory
@@ -29,3 +31,37 @@ def test_a_config_whose_estimate_fails_answers_its_error_in_its_place():
         TrialConfig(micro_batch=2),
         TrialConfig(micro_batch=1),
     ]
+
+
+def test_a_trace_refused_before_it_starts_forks_no_process(monkeypatch):
+    # FSDP's CPU offload on a GPU: the server says why, as the trace would, without forking a child to say it.
+    from autotune.estimate import worker
+    from autotune.estimate.measured_with import AS_INSTALLED
+
+    def forked(*args):
+        raise AssertionError("a refused trace forked a child")
+
+    monkeypatch.setattr(worker, "_fork_trace", forked)
+    workload = Workload(model="builtin:llama-tiny", seq_len=32, global_batch=4, nproc=2, gpu="A100-80GB")
+    config = TrialConfig(micro_batch=2, fsdp="full", offload="optimizer+params")
+    with pytest.raises(worker._TraceFailed, match=r"^EstimateError: --fsdp full --offload optimizer\+params: the"):
+        worker._Traces().get(workload, config, None, AS_INSTALLED)
+
+
+def test_a_trace_made_traces_the_first_config_ahead_that_needs_one_beside_it(monkeypatch):
+    from autotune.estimate import worker
+    from autotune.estimate.measured_with import AS_INSTALLED
+
+    batches = []
+    monkeypatch.setattr(worker, "_in_children", lambda traces: batches.append(traces) or [object() for _ in traces])
+    traces = worker._Traces()
+    config, kept, refused = (
+        TrialConfig(micro_batch=2),
+        TrialConfig(micro_batch=2, compile=True),
+        TrialConfig(micro_batch=2, activation_offload=True),
+    )
+    ahead = [kept, refused, TrialConfig(micro_batch=1), TrialConfig(micro_batch=4)]  # compile: the same trace
+    traces.get_all([WORKLOAD], config, None, AS_INSTALLED, ahead)
+    assert [[c for _, c, *_ in batch] for batch in batches if batch] == [[config, TrialConfig(micro_batch=1)]]
+    traces.get_all([WORKLOAD], TrialConfig(micro_batch=1), None, AS_INSTALLED, ahead)  # kept: nothing traced
+    assert len([batch for batch in batches if batch]) == 1

@@ -67,7 +67,7 @@ def test_find_plan_prints_its_table_and_json_without_running_anything(tmp_path):
 MiB = 2**20
 
 
-def _toy_plan(tmp_path, knobs: str, states_mib, asked: list, twin=None):
+def _toy_plan(tmp_path, knobs: str, states_mib, asked: list, twin=None, looked_ahead=None):
     """A plan of ``knobs`` under a 50 MiB limit: ``states_mib(config)`` of model states, and 4 MiB a sample
     (1.5 with checkpointing), exactly; every estimate asked for is appended to ``asked``."""
     from step_toys import TOY_CPU, toy_costs
@@ -78,9 +78,11 @@ def _toy_plan(tmp_path, knobs: str, states_mib, asked: list, twin=None):
     from autotune.search.presets import load_space
 
     (tmp_path / "space.yaml").write_text("knobs:\n" + knobs)
+    looked_ahead = [] if looked_ahead is None else looked_ahead
 
-    def estimate(config):
+    def estimate(config, ahead=()):
         asked.append(config)
+        looked_ahead.append((config, list(ahead)))
         states = int(states_mib(config) * MiB)
         activations = int(config.micro_batch * (1.5 if config.checkpointing else 4) * MiB)
         return MemoryEstimate(
@@ -136,6 +138,29 @@ def test_a_family_whose_model_states_alone_are_over_the_limit_is_not_traced_agai
     fp32_families = {c.checkpointing for c in asked if c.precision == "fp32"}
     assert len(fp32_families) == 1 and result.states_over == 1
     assert not [row for row in result.rows if row.config.precision == "fp32"] and result.too_big == 3 + 12
+
+
+def test_fused_adamw_holds_the_states_of_the_default_one_so_it_is_not_traced_where_those_are_over(tmp_path):
+    # Fused AdamW keeps the same moments: once unfused fp32 is over the limit, no fused fp32 family is traced.
+    asked: list = []
+    knobs = SIZES + "  precision: [bf16, fp32]\n  fused_optimizer: [false, true]\n"
+    result = _toy_plan(tmp_path, knobs, lambda config: 60 if config.precision == "fp32" else 4, asked)
+    assert [(c.fused_optimizer, c.checkpointing) for c in asked if c.precision == "fp32"] == [(False, False)]
+    assert result.states_over == 3 and not [row for row in result.rows if row.config.precision == "fp32"]
+
+
+def test_each_estimate_looks_ahead_to_the_families_the_plan_will_estimate_whatever_it_learns(tmp_path):
+    # Families in order: bf16, bf16 ckpt, fp32, fp32 ckpt. Of a states twin not estimated yet only the first family is
+    # certain to be estimated (fp32's finds its states over, and fp32 ckpt is then not traced at all).
+    asked, looked_ahead = [], []
+    knobs = SIZES + "  precision: [bf16, fp32]\n"
+    _toy_plan(tmp_path, knobs, lambda config: 60 if config.precision == "fp32" else 4, asked, looked_ahead=looked_ahead)
+    middles = {(c.precision, c.checkpointing): c for c, _ in looked_ahead if c.micro_batch == 4}
+    ahead = {config: [(c.precision, c.checkpointing) for c in next_ones] for config, next_ones in looked_ahead}
+    assert ahead[middles["bf16", False]] == [("fp32", False)]  # bf16 ckpt's twin is the one being estimated
+    assert ahead[middles["bf16", True]] == [("fp32", False)]
+    assert ahead[middles["fp32", False]] == []
+    assert all(ahead == [] for config, ahead in looked_ahead if config.micro_batch != 4)  # a size near the limit
 
 
 def test_twins_share_one_row_that_says_why_it_shows_the_one_it_shows(tmp_path):
