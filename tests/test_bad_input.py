@@ -19,7 +19,15 @@ BAD_INPUTS = [
     # flags and values
     (["trial", "--no-such-flag"], "No such option: --no-such-flag"),
     (["trial", "--micro-batch", "three"], "--micro-batch"),
-    (["trial", "--checkpointing", "maybe"], "--checkpointing 'maybe' must be on, off or every-N"),
+    (
+        ["trial", "--checkpointing", "maybe"],
+        "--checkpointing 'maybe' must be on, off, every-N (e.g. every-2) or selective",
+    ),
+    (["trial", "--float8", "maybe"], "--float8 'maybe' must be on or off"),
+    (
+        ["estimate", "--model", "builtin:gpt2-tiny", "--gpu", "A100-80GB", "--float8", "on"],
+        "--float8 on needs float8 tensor cores (compute capability 8.9 or newer",
+    ),
     (["trial", "--checkpointing", "every-1"], "--checkpointing 'every-1': write every-N with N a whole number of 2"),
     (
         ["trial", "--model", "factories:tiny", "--checkpointing", "every-2"],
