@@ -369,11 +369,14 @@ def _type_name(dtype: Any) -> str:
 
 
 def _computed_in(tensor: Any) -> str:
-    """The type a matmul on ``tensor`` runs in: a wrapper subclass's data's (torchao's Float8TrainingTensor says
-    the type it stands for, bf16, and holds float8 data, which its ``mm`` hands to ``torch._scaled_mm``)."""
+    """The type a matmul on ``tensor`` runs in: a wrapper subclass's floating-point data's (torchao's
+    Float8TrainingTensor says the type it stands for, bf16, and holds float8 data, which its ``mm`` hands to
+    ``torch._scaled_mm``); a wrapper of integer codes (a 4-bit base's) computes in the type it says."""
     flatten = getattr(tensor, "__tensor_flatten__", None)
     if flatten is not None:
-        return _computed_in(getattr(tensor, flatten()[0][0]))
+        inner = getattr(tensor, flatten()[0][0])
+        if inner.is_floating_point():
+            return _computed_in(inner)
     return _type_name(tensor.dtype)
 
 

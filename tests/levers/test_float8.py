@@ -149,3 +149,18 @@ def test_every_output_says_the_matmuls_train_in_float8() -> None:
         "all weights trained in bf16 mixed precision; the Linear layers' matmuls in float8 (tensorwise scales)"
     )
     assert "float8" not in what_is_trained(TrialConfig(micro_batch=4, precision="bf16"))["note"]
+
+
+def test_a_wrapper_of_float8_data_computes_in_float8_and_one_of_integer_codes_in_the_type_it_says() -> None:
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from autotune.estimate.step_costs import _computed_in
+
+    weight = torch.randn(64, 64, dtype=torch.bfloat16)
+    scale = torch.ones(())
+    float8 = Float8TrainingTensor(weight.to(torch.float8_e4m3fn), scale, torch.bfloat16, None)
+    assert float8.dtype == torch.bfloat16 and _computed_in(float8) == "float8_e4m3fn"
+    codes = OptimState8bit.zeros((256,), signed=True)  # uint8 codes standing for fp32 values
+    assert _computed_in(codes) == "float32"
+    assert _computed_in(weight) == "bfloat16"
