@@ -81,10 +81,10 @@ class StepPrior:
         its frontier is needed). None when no such twin is traced."""
         family = config.replace(micro_batch=1)
         unsharded = family.replace(zero_stage=None, offload="none") if family.uses_deepspeed else family
-        plain = unsharded.replace(checkpointing=False, checkpoint_every=1) if family.checkpointing else unsharded
-        twins = [unsharded, plain.replace(zero_stage=family.zero_stage, offload=family.offload), plain]
-        if CHECKPOINTING.forward_rerun_share(family) is None:  # selective: only a trace of it says what it reruns
-            twins = [unsharded]
+        twins = [unsharded]
+        if CHECKPOINTING.forward_rerun_share(family) is not None:  # selective: only a trace of it says what it reruns
+            plain = unsharded.replace(checkpointing=False, checkpoint_every=1) if family.checkpointing else unsharded
+            twins += [plain.replace(zero_stage=family.zero_stage, offload=family.offload), plain]
         for twin_family in dict.fromkeys(twins):
             twin = self._traced.get(twin_family)
             if twin is not None and twin.step_costs is not None and twin_family != family:
