@@ -6,6 +6,7 @@ layer with per-operator selective checkpointing), and knowing before any trial w
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ ACTIVATION_NAMES_SINCE = (5, 24)
 SELECTIVE = "selective"  # --checkpointing selective, and its value in a search space
 
 
+@functools.lru_cache(maxsize=1)  # asked at every checkpointed layer's call: the same sets each time
 def _selective_ops() -> tuple[frozenset[Any], frozenset[Any]]:
     """The operators whose outputs per-operator selective checkpointing keeps, as torchtitan's "selective op"
     mode keeps them (``_save_list`` in ``parallelize_llama``, at the commit its December 2024 benchmarks name):

@@ -24,11 +24,12 @@ if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
 
-__all__ = ["Float8Fields", "Float8Lever", "FLOAT8_SINCE", "convert_to_float8", "float8_layer"]
+__all__ = ["Float8Fields", "Float8Lever", "FLOAT8_SINCE", "convert_to_float8", "float8_layer", "float8_refusal"]
 
 # The first compute capability with float8 tensor cores (Ada is 8.9, Hopper 9.0); torch._scaled_mm refuses older.
 FLOAT8_SINCE = (8, 9)
 _DIVISOR = 16  # torch._scaled_mm's CUDA kernels take dimensions that are multiples of 16
+_NO_TORCHAO = "--float8 on needs torchao: pip install torchao, or use --float8 off"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,9 +44,9 @@ class Float8Fields:
     )
 
 
-def float8_layer(name: str, module: torch.nn.Module, head: torch.nn.Module | None) -> bool:
-    """Whether ``module`` (named ``name``) trains in float8: a Linear layer with both dimensions a multiple of 16,
-    not the model's output head (``head``: the output embeddings, which torchtitan leaves in bf16 too)."""
+def float8_layer(module: torch.nn.Module, head: torch.nn.Module | None) -> bool:
+    """Whether ``module`` trains in float8: a Linear layer with both dimensions a multiple of 16, not the model's
+    output head (``head``: the output embeddings, which torchtitan leaves in bf16 too)."""
     import torch
 
     if not isinstance(module, torch.nn.Linear) or module is head:
@@ -58,19 +59,23 @@ def convert_to_float8(model: torch.nn.Module, *, source: str = "the model") -> t
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError:
-        raise ConfigError("--float8 on needs torchao: pip install torchao, or use --float8 off") from None
+        raise ConfigError(_NO_TORCHAO) from None
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    if not any(float8_layer(name, module, head) for name, module in model.named_modules()):
+    if not any(float8_layer(module, head) for module in model.modules()):
         raise ConfigError(
             f"--float8 on: {source} has no Linear layer (but its head) with both dimensions a multiple of "
             f"{_DIVISOR}, so nothing would train in float8; use --float8 off"
         )
-    return convert_to_float8_training(model, module_filter_fn=lambda module, name: float8_layer(name, module, head))
+    return convert_to_float8_training(model, module_filter_fn=lambda module, _name: float8_layer(module, head))
 
 
-def _device_refusal(device: DeviceInfo) -> str | None:
-    """Why ``device`` cannot run float8 matmuls (None: it can, or a CPU)."""
+def float8_refusal(device: DeviceInfo) -> str | None:
+    """Why ``--float8 on`` cannot run on ``device`` with what is installed (None: it can; a CPU can)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        return _NO_TORCHAO
     capability = device.compute_capability
     if device.type != "cuda" or capability is None or capability >= FLOAT8_SINCE:
         return None
@@ -104,20 +109,10 @@ class Float8Lever(Lever):
         return None
 
     def refusal(self, config: TrialConfig, workload: Workload, device: DeviceInfo) -> str | None:
-        if not config.float8:
-            return None
-        import importlib.util
-
-        if importlib.util.find_spec("torchao") is None:
-            return "--float8 on needs torchao: pip install torchao, or use --float8 off"
-        return _device_refusal(device)
+        return float8_refusal(device) if config.float8 else None
 
     def on_refusal(self, key: str, device: DeviceInfo) -> str | None:
-        import importlib.util
-
-        if importlib.util.find_spec("torchao") is None:
-            return "float8 needs torchao (pip install torchao)"
-        return _device_refusal(device)
+        return float8_refusal(device)
 
     def apply(self, model: torch.nn.Module, config: TrialConfig, *, source: str) -> torch.nn.Module:
         return convert_to_float8(model, source=source) if config.float8 else model
