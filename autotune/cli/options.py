@@ -79,17 +79,6 @@ KNOB_OPTIONS = {
         flag.field: Option(flag.type, flag.default, flag.names, flag.help_prefix + _help(TrialConfig, flag.field))
         for flag in LEVER_FLAGS
     },
-    # Those of the knob families that are not levers yet.
-    "zero_stage": Option(str, "off", ("--zero-stage",), _help(TrialConfig, "zero_stage")),
-    "fsdp": Option(str, "off", ("--fsdp",), _help(TrialConfig, "fsdp")),
-    "shard_group": Option(Optional[int], None, ("--shard-group",), _help(TrialConfig, "shard_group")),
-    "offload": Option(str, "none", ("--offload",), _help(TrialConfig, "offload")),
-    "tp": Option(int, 1, ("--tp",), _help(TrialConfig, "tp")),
-    "sequence_parallel": Option(
-        str, "off", ("--sequence-parallel",), "off or on. " + _help(TrialConfig, "sequence_parallel")
-    ),
-    "pp": Option(int, 1, ("--pp",), _help(TrialConfig, "pp")),
-    "pp_schedule": Option(str, "1f1b", ("--pp-schedule",), _help(TrialConfig, "pp_schedule")),
 }
 # -- every other option shared by commands: a command takes one by naming its parameter so --------
 OPTIONS = {

@@ -6,10 +6,10 @@ The lowest folder after the package's base facts: a lever imports only ``errors`
 folder at run time (type-only imports of ``config`` aside); what it needs to know about a model is handed to
 it (:class:`~autotune.levers.base.ModelFacts`).
 
-Not yet levers (their fields, checks and labels are still in ``config/knobs.py``, their applying in
-``prepare/``): ZeRO, FSDP, offload, tensor and sequence parallel, pipeline parallel. LoRA's quantized base's
-applying and its search-space parameter are still outside its module (``prepare/quantize.py``,
-``search/space.py``).
+Still outside their modules: the layout levers' applying (ZeRO's DeepSpeed JSON in ``config/``, FSDP's,
+tensor and pipeline parallel's in ``prepare/``), their composite parameters in a search space (``zero``: the
+sharding with its offload; ``layout``: the splits) and their export keys; LoRA's quantized base's applying and
+its search-space parameter (``prepare/quantize.py``, ``search/space.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,15 @@ from autotune.levers.base import Axis, Flag, Lever, ModelFacts
 from autotune.levers.checkpointing import CheckpointingLever
 from autotune.levers.compile import CompileLever
 from autotune.levers.float8 import Float8Lever
+from autotune.levers.fsdp import FsdpLever
 from autotune.levers.lora import LoraLever
 from autotune.levers.loss import LossLever
+from autotune.levers.offload import OffloadLever
 from autotune.levers.optimizer import OptimizerLever
+from autotune.levers.pipeline import PipelineLever
 from autotune.levers.precision import PrecisionLever
+from autotune.levers.tensor_parallel import TensorParallelLever
+from autotune.levers.zero import ZeroLever
 
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
@@ -57,6 +62,11 @@ __all__ = [
     "ACTIVATION_OFFLOAD",
     "COMPILE",
     "FLOAT8",
+    "ZERO",
+    "FSDP",
+    "OFFLOAD",
+    "TENSOR_PARALLEL",
+    "PIPELINE",
     "STATES_KEEPERS",
     "model_states_twin",
 ]
@@ -70,13 +80,19 @@ OPTIMIZER = OptimizerLever()
 ACTIVATION_OFFLOAD = ActivationOffloadLever()
 COMPILE = CompileLever()
 FLOAT8 = Float8Lever()
+ZERO = ZeroLever()
+FSDP = FsdpLever()
+OFFLOAD = OffloadLever()
+TENSOR_PARALLEL = TensorParallelLever()
+PIPELINE = PipelineLever()
 
 # In the order they are applied, as torchtitan's parallelize applies TP, then checkpointing, then compile, then
 # FSDP. To the built model (``autotune.prepare``): the attention kernel, checkpointing, LoRA on a base quantized
 # or not, where weights are held for the precision (after LoRA: PEFT makes its adapters fp32), float8's Linear
-# layers (as torchtitan converts them before it parallelizes), the chunked loss, [pipeline stages, or tensor
-# parallel then FSDP]. Then in the trial's engine: the optimizer over the prepared
-# parameters, activation offload's hooks around each step, compile after the first steps.
+# layers (as torchtitan converts them before it parallelizes), the chunked loss, then the splits: pipeline stages,
+# or tensor parallel then FSDP (with its offload policy). Then in the trial's engine: DeepSpeed's engine (ZeRO, with
+# its offload) or the optimizer over the prepared parameters, activation offload's hooks around each step, compile
+# after the first steps.
 LEVERS: tuple[Lever, ...] = (
     ATTENTION,
     CHECKPOINTING,
@@ -84,16 +100,26 @@ LEVERS: tuple[Lever, ...] = (
     PRECISION,
     FLOAT8,
     LOSS,
+    PIPELINE,
+    TENSOR_PARALLEL,
+    FSDP,
+    OFFLOAD,
+    ZERO,
     OPTIMIZER,
     ACTIVATION_OFFLOAD,
     COMPILE,
 )
+
+# The layout's levers: how the ranks hold the model (the sharding, its offload, the model's splits), in the order of
+# their fields, their words in a label, and their checks (each checks its combinations with those before it).
+_LAYOUT: tuple[Lever, ...] = (ZERO, FSDP, OFFLOAD, TENSOR_PARALLEL, PIPELINE)
 
 # Every lever's command-line options, in the order of their fields in TrialConfig (its mixins' order, which --help
 # lists them in; tests/levers/test_lever_ownership.py checks it).
 LEVER_FLAGS: tuple[Flag, ...] = tuple(
     flag
     for lever in (PRECISION, CHECKPOINTING, LOSS, ATTENTION, OPTIMIZER, ACTIVATION_OFFLOAD, COMPILE, LORA, FLOAT8)
+    + _LAYOUT
     for flag in lever.flags
 )
 
@@ -111,6 +137,7 @@ LABEL_ORDER: tuple[Lever, ...] = (
     COMPILE,
     LORA,
     FLOAT8,
+    *_LAYOUT,
 )
 CHECK_ORDER: tuple[Lever, ...] = (
     PRECISION,
@@ -122,8 +149,10 @@ CHECK_ORDER: tuple[Lever, ...] = (
     LOSS,
     LORA,
     FLOAT8,
+    *_LAYOUT,
 )
 REFUSAL_ORDER: tuple[Lever, ...] = (
+    *_LAYOUT,
     OPTIMIZER,
     LORA,
     ATTENTION,
@@ -144,6 +173,7 @@ MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
     COMPILE,
     LORA,
     FLOAT8,
+    *_LAYOUT,
 )
 
 # A search space's (``autotune.search.space``): the order of the levers' keys in a space file, its errors and its
@@ -159,6 +189,7 @@ AXIS_ORDER: tuple[Lever, ...] = (
     COMPILE,
     LORA,
     FLOAT8,
+    *_LAYOUT,
 )
 DROPPED_ORDER: tuple[Lever, ...] = (
     PRECISION,
@@ -170,6 +201,7 @@ DROPPED_ORDER: tuple[Lever, ...] = (
     OPTIMIZER,
     LORA,
     FLOAT8,
+    *_LAYOUT,
 )
 # The order of their keys in Transformers' TrainingArguments (as the hf export writes them): the precision's, the
 # optimizer's, compile's, checkpointing's, then those of the levers with none.
@@ -183,6 +215,7 @@ TRAINER_ORDER: tuple[Lever, ...] = (
     ACTIVATION_OFFLOAD,
     LORA,
     FLOAT8,
+    *_LAYOUT,
 )
 
 # The order of their own lines in a YAML export's header (Lever.header_lines): checkpointing, the optimizer, TF32, then
@@ -197,13 +230,14 @@ HEADER_ORDER: tuple[Lever, ...] = (
     COMPILE,
     LORA,
     FLOAT8,
+    *_LAYOUT,
 )
 
 # The order of their lines in an export's header of what a job applies in its own code: how the model is loaded
 # and compiled (checkpointing and LoRA have header lines of their own, none here), then the layout's lines (not
 # levers yet), then what wraps each step: the optimizer, activation offload's hooks around the forward, the loss.
-IN_CODE_BEFORE_LAYOUT: tuple[Lever, ...] = (PRECISION, ATTENTION, CHECKPOINTING, LORA, COMPILE, FLOAT8)
-IN_CODE_AFTER_LAYOUT: tuple[Lever, ...] = (OPTIMIZER, ACTIVATION_OFFLOAD, LOSS)
+IN_CODE_BEFORE_LAYOUT: tuple[Lever, ...] = (PRECISION, ATTENTION, CHECKPOINTING, LORA, COMPILE, FLOAT8, ZERO, OFFLOAD)
+IN_CODE_AFTER_LAYOUT: tuple[Lever, ...] = (FSDP, TENSOR_PARALLEL, PIPELINE, OPTIMIZER, ACTIVATION_OFFLOAD, LOSS)
 
 # The levers whose values leave a config's model states (its parameters, gradients and optimizer state per rank)
 # as they are: they change what a step computes or keeps of its activations, not what the model holds between

@@ -141,6 +141,11 @@ class AttentionLever(Lever):
         set_attention(model, config.attention, source=source)
         return model
 
+    def stage_refusal(self, config: TrialConfig) -> str | None:
+        if config.attention in ("eager", "flex_attention"):
+            return f"--attention {config.attention} needs the causal mask the stages do not build; use sdpa or auto"
+        return None
+
     def labels(self, config: TrialConfig) -> list[str]:
         return [] if config.attention == "auto" else [f"attn={config.attention}"]
 

@@ -34,6 +34,7 @@ __all__ = [
     "Lever",
     "ModelFacts",
     "is_count",
+    "divisors",
     "a_bool",
     "one_of",
     "on_off",
@@ -143,7 +144,9 @@ class Lever:
     flags: ClassVar[tuple[Flag, ...]] = ()  # its command-line options, in its fields' order
 
     def check(self, config: TrialConfig) -> None:
-        """Raise ConfigError when one of this lever's values (alone, or with its own others) is not known."""
+        """Raise ConfigError when one of this lever's values (alone, or with its own others) is not known, or (the
+        layout's levers) cannot go with the values of the levers checked before it: a config refused here is
+        never built."""
 
     def conflict(self, config: TrialConfig) -> str | None:
         """Why this lever's values cannot go with the other levers' values, whatever the workload and device;
@@ -192,6 +195,24 @@ class Lever:
     def accelerate_arguments(self, config: TrialConfig) -> dict[str, Any]:
         """Its keys among ``accelerate.Accelerator``'s arguments (what the model's code does not apply)."""
         return {}
+
+    # -- the layout: how the ranks hold the model ------------------------------------------------------------
+    def model_ranks(self, config: TrialConfig) -> int:
+        """Ranks one copy of the model is split over by this lever's values (tensor, pipeline parallel); 1: it
+        splits nothing. A config's model-parallel ranks are the product over the levers."""
+        return 1
+
+    def layout_word(self, config: TrialConfig) -> str | None:
+        """Its word in a layout as a search space writes it (``tp2+sp``, ``pp2:1f1b``); None: it splits nothing."""
+        return None
+
+    def layout_flag(self, config: TrialConfig) -> str | None:
+        """Its layout's flag as typed, for messages (``--zero-stage 2``, ``--tp 2``); None: at its default."""
+        return None
+
+    def stage_refusal(self, config: TrialConfig) -> str | None:
+        """Why its values cannot run on pipeline stages (``--pp``; the pipeline's check says it); None: they can."""
+        return None
 
     def maths_note(self, config: TrialConfig) -> str | None:
         """How its values change what is trained beyond the precision and LoRA (said in every output's note of
@@ -248,6 +269,11 @@ class Lever:
 def is_count(value: Any) -> bool:
     """A whole number of at least 1 (not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def divisors(n: int) -> list[int]:
+    """The whole numbers that divide ``n``, smallest first (what a message offers in place of a bad split)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def a_bool(value: Any) -> bool | None:

@@ -59,6 +59,9 @@ class CompileLever(Lever):
     def on_refusal(self, key: str, device: DeviceInfo) -> str | None:
         return compile_device_refusal(device.type)
 
+    def stage_refusal(self, config: TrialConfig) -> str | None:
+        return "--compile on is not measured on pipeline stages yet; use --compile off" if config.compile else None
+
     def labels(self, config: TrialConfig) -> list[str]:
         return ["compiled"] if config.compile else []
 

@@ -101,7 +101,7 @@ class Float8Lever(Lever):
             return None
         if config.uses_lora or config.quantizes_base:
             return "--float8 on trains the Linear layers' weights in full; with --lora-rank use --float8 off"
-        if config.uses_deepspeed or config.tp > 1 or config.pp > 1:
+        if config.uses_deepspeed or config.model_parallel > 1:
             return (
                 "--float8 on is measured on one rank, DDP and FSDP (torchtitan's layouts for it without tensor "
                 "parallel); use --float8 off with ZeRO, --tp or --pp"

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from autotune.errors import ConfigError, WorkloadError
 from autotune.levers.base import Flag, Lever, ModelFacts, is_count
+from autotune.levers.fsdp import fsdp_flag
+from autotune.levers.zero import zero_flag
 
 if TYPE_CHECKING:
     import torch
@@ -107,8 +109,8 @@ def quantize_refusal(config: TrialConfig) -> str | None:
     refusal = quantize_library_refusal()
     if refusal is not None:
         return refusal
-    if config.uses_deepspeed or config.uses_fsdp:
-        sharding = f"--zero-stage {config.zero_stage}" if config.uses_deepspeed else f"--fsdp {config.fsdp}"
+    sharding = zero_flag(config) or fsdp_flag(config)
+    if sharding is not None:
         return (
             f"--quantize-base {config.quantize_base} with {sharding}: sharding a bitsandbytes-quantized base "
             "needs its storage type set to the compute type, which autotune does not measure yet; "

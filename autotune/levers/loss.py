@@ -151,6 +151,11 @@ class LossLever(Lever):
             chunk_loss(model, config.loss_chunks, keep_logits=config.loss_keeps_logits, source=source)
         return model
 
+    def stage_refusal(self, config: TrialConfig) -> str | None:
+        if config.loss != "standard":
+            return f"--loss {config.loss} replaces the head the last stage runs; use standard"
+        return None
+
     def labels(self, config: TrialConfig) -> list[str]:
         if config.loss == "standard":
             return []

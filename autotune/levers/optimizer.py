@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from autotune.errors import ConfigError
 from autotune.levers.base import Axis, Flag, Lever, ModelFacts, a_bool, one_of
+from autotune.levers.fsdp import fsdp_flag
+from autotune.levers.zero import zero_flag
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +75,23 @@ class OptimizerFields:
             "gradient: no whole gradient buffer. One rank, no accumulation, no fp16 loss scaling."
         },
     )
+
+
+def _sharded_refusal(config: TrialConfig) -> str | None:
+    """Why another optimizer than PyTorch's AdamW, or one stepped in the backward, cannot run on the config's
+    sharded or split model (None: the model is whole on each rank, or the optimizer is AdamW)."""
+    if config.optimizer == "adamw" and not config.optimizer_in_backward:
+        return None
+    sharding = zero_flag(config) or fsdp_flag(config) or (config.split_flags() if config.model_parallel > 1 else None)
+    if sharding is None:
+        return None
+    what = f"--optimizer {config.optimizer}" if config.optimizer != "adamw" else "--optimizer-in-backward on"
+    why = (
+        "DeepSpeed builds and steps its own optimizer over its partitions"
+        if config.uses_deepspeed
+        else "it steps sharded parameters (DTensors), which autotune does not measure yet"
+    )
+    return f"{what} with {sharding}: {why}; use --optimizer adamw without it, or drop the sharding"
 
 
 def eight_bit_library() -> str | None:
@@ -165,6 +184,9 @@ class OptimizerLever(Lever):
         return None
 
     def refusal(self, config: TrialConfig, workload: Workload, device: DeviceInfo) -> str | None:
+        sharded = _sharded_refusal(config)
+        if sharded is not None:
+            return sharded
         if config.optimizer_in_backward:
             refusal = in_backward_refusal(config, workload)
             if refusal is not None:

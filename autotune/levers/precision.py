@@ -115,6 +115,11 @@ class PrecisionLever(Lever):
         hold_weights(model, config)  # after LoRA: PEFT makes its adapters fp32
         return model
 
+    def stage_refusal(self, config: TrialConfig) -> str | None:
+        if config.precision == "fp16":
+            return "--precision fp16's loss scaling would span the stages; use bf16 or fp32"
+        return None
+
     def labels(self, config: TrialConfig) -> list[str]:
         return [config.precision]
 

@@ -476,22 +476,6 @@ def in_code(config: TrialConfig, workload: Workload | None = None) -> list[str]:
             f"fsdp: one unit per {units}, then the root (the hf and accelerate exports say so; "
             "in Lightning: FSDPStrategy(auto_wrap_policy={those classes}))"
         )
-    if config.tp > 1:
-        sp = " and sequence parallel" if config.sequence_parallel else ""
-        lines.append(
-            f"tensor parallel: {config.tp} ranks split each layer (the model's tp_plan{sp}): "
-            "`model = autotune.prepare(model, 'autotune.json')` under torchrun after init_process_group (with "
-            "Lightning: in configure_model, `autotune.prepare(self.model, 'autotune.json', mesh=self.device_mesh)`); "
-            "give the optimizer `autotune.prepare.optimizer.parameter_groups(list(model.parameters()))`, which "
-            "keeps the split and the whole weights apart (a foreach or fused AdamW cannot mix them)"
-        )
-    if config.pp > 1:
-        lines.append(
-            f"pipeline parallel: {config.pp} stages, {config.pp_schedule}: `pipeline = autotune.prepare(model, "
-            "'autotune.json')` under torchrun holds this rank's stages; each optimizer step, "
-            "`pipeline.step(input_ids=batch, labels=batch)` on the step's whole batch (its micro batches are the "
-            "accumulation steps), then the optimizer over pipeline.parameters()"
-        )
     return lines + [line for lever in IN_CODE_AFTER_LAYOUT for line in lever.in_code(config)]
 
 

@@ -255,8 +255,7 @@ def nothing_fits(summary: StudySummary) -> list[str]:
             (any(t.config.sixteen_bit for t in trials), "a 16-bit precision (precision: [bf16])"),
             (any(t.config.uses_lora for t in trials), "LoRA (--space lora)"),
             (
-                any(t.config.zero_stage is not None or t.config.uses_fsdp for t in trials)
-                or summary.workload.nproc == 1,
+                any(t.config.uses_deepspeed or t.config.uses_fsdp for t in trials) or summary.workload.nproc == 1,
                 "ZeRO or FSDP sharding over the ranks (--space sharding)",
             ),
         )

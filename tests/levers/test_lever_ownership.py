@@ -40,18 +40,9 @@ from autotune.levers import (
 PACKAGE = Path(autotune.__file__).parent
 ROOT = PACKAGE.parent
 
-# Fields of knob families that are not yet a lever of their own: their fields, checks and labels are in
-# config/knobs.py, their applying in prepare/. Shrinks as each becomes a module of autotune/levers/.
-NOT_YET_LEVERS = {
-    "zero_stage",
-    "fsdp",
-    "shard_group",
-    "offload",
-    "tp",
-    "sequence_parallel",
-    "pp",
-    "pp_schedule",
-}
+# Fields of knob families that are not yet a lever of their own. Shrinks to nothing: every family is a module of
+# autotune/levers/ now, so a new field must be a lever's.
+NOT_YET_LEVERS: set[str] = set()
 CORE = {"micro_batch"}  # not a lever: every config has a micro batch, and the accumulation derives from it
 
 # file -> the migrated fields it may read, and why.
@@ -69,20 +60,52 @@ MUST_KNOW: dict[str, tuple[set[str], str]] = {
 
 # file -> migrated fields still read there by name (to move into their levers). Only shrinks.
 NOT_YET: dict[str, set[str]] = {
-    # the rules of levers not yet modules: ZeRO's DeepSpeed JSON, the sharding and pipeline refusals
-    "autotune/config/deepspeed_config.py": {"precision"},
-    "autotune/config/knobs.py": {"attention", "compile", "loss", "optimizer", "optimizer_in_backward", "precision"},
+    # the layout levers' applying: ZeRO's DeepSpeed JSON, FSDP's wrapping and offload policy, tensor and pipeline
+    # parallel's plans, and the Trainer's keys for them
+    "autotune/config/deepspeed_config.py": {"offload", "precision", "zero_stage"},
+    "autotune/prepare/__init__.py": {"pp", "tp"},
+    "autotune/prepare/apply.py": {"pp", "tp"},
+    "autotune/prepare/pipeline.py": {"pp", "pp_schedule", "tp"},
+    "autotune/prepare/sharding.py": {"fsdp", "offload", "shard_group"},
+    "autotune/prepare/tensor_parallel.py": {"sequence_parallel", "tp"},
+    "autotune/prepare/training_args.py": {"fsdp", "offload", "tp", "zero_stage"},
+    # the engine feeds a pipeline its whole step, and builds ZeRO-3's engine before the model's weights
+    "autotune/trial/engine.py": {"pp", "zero_stage"},
     # the estimator's cases (its arithmetic stays in estimate/ for now)
+    "autotune/estimate/client.py": {"pp"},
     "autotune/estimate/fake_step.py": {"optimizer"},
-    "autotune/estimate/step_time.py": {"compile", "fused_optimizer", "precision"},
-    "autotune/estimate/trace.py": {"activation_offload", "compile", "quantize_base"},
-    "autotune/estimate/zero_states.py": {"precision"},
+    "autotune/estimate/step_time.py": {
+        "compile",
+        "fsdp",
+        "fused_optimizer",
+        "offload",
+        "pp",
+        "pp_schedule",
+        "precision",
+        "zero_stage",
+    },
+    "autotune/estimate/trace.py": {
+        "activation_offload",
+        "compile",
+        "fsdp",
+        "offload",
+        "pp",
+        "pp_schedule",
+        "quantize_base",
+        "tp",
+    },
+    "autotune/estimate/worker.py": {"pp"},
+    "autotune/estimate/zero_states.py": {"offload", "precision", "zero_stage"},
     # the export keys
+    "autotune/output/exporters.py": {"fsdp", "offload", "pp", "tp", "zero_stage"},
     "autotune/output/render.py": {"checkpointing"},
+    # a framework script's own ZeRO, which the trial leaves alone
+    "autotune/scripts/measure.py": {"zero_stage"},
     # the quantized base's applying, LoRA's search-space parameter, and the adapter facts a study stores and shows:
     # the lever's module holds its fields, checks, refusals, labels, targets and adapters
     "autotune/prepare/quantize.py": {"quantize_base"},
-    "autotune/search/space.py": {"lora_rank", "lora_targets", "quantize_base"},
+    # the space's composite parameters: LoRA's, the sharding with its offload (zero), the splits (layout)
+    "autotune/search/space.py": {"fsdp", "lora_rank", "lora_targets", "offload", "quantize_base", "zero_stage"},
     "autotune/study/stored_facts.py": {"lora_rank", "lora_targets"},
     # the proposer's and the plan's moves, the summary's notes
     "autotune/search/plan.py": {"precision"},

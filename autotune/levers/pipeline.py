@@ -1,0 +1,141 @@
+"""``--pp`` and ``--pp-schedule``: the decoder layers split in order over ``--pp`` ranks, each a stage of
+``torch.distributed.pipelining``, whose micro batches are the accumulation steps. Schedules: GPipe (every micro
+batch's forward, then every backward), 1F1B (one forward, one backward: at most ``pp`` micro batches'
+activations in flight) and interleaved 1F1B (two stages per rank, a smaller bubble for more communication).
+Applied to the built model in place of the other splits (``autotune.prepare.pipeline``).
+
+The model's splits together (tensor and pipeline parallel, the last levers checked) are refused here where no
+framework runs them with the rest of the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from autotune.errors import ConfigError
+from autotune.levers.base import Flag, Lever, is_count
+from autotune.levers.fsdp import fsdp_flag
+from autotune.levers.offload import OffloadLever
+from autotune.levers.tensor_parallel import sequence_parallel_flag
+from autotune.levers.zero import zero_flag
+
+if TYPE_CHECKING:
+    from autotune.config.device import DeviceInfo
+    from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
+
+__all__ = ["PipelineFields", "PipelineLever", "PP_SCHEDULES"]
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineFields:
+    pp: int = field(
+        default=1,
+        metadata={
+            "help": "Pipeline stages: the decoder layers split in order over this many ranks "
+            "(torch.distributed.pipelining); the accumulation steps are the pipeline's micro batches."
+        },
+    )
+    pp_schedule: str = field(
+        default="1f1b",
+        metadata={
+            "help": "With --pp: gpipe (all forwards, then all backwards), 1f1b (at most --pp micro batches in "
+            "flight) or interleaved-1f1b (two stages per rank: a smaller bubble, more transfers)."
+        },
+    )
+
+
+class PipelineLever(Lever):
+    name = "pipeline"
+    fields = ("pp", "pp_schedule")
+    flags = (Flag("pp", ("--pp",), int, 1), Flag("pp_schedule", ("--pp-schedule",), str, "1f1b"))
+
+    def check(self, config: TrialConfig) -> None:
+        """Its values, then the splits (tensor and pipeline) against the levers checked before them."""
+        if not is_count(config.pp):
+            raise ConfigError(f"--pp {config.pp!r} must be a whole number of at least 1 (1: off)")
+        if config.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(
+                f"--pp-schedule {config.pp_schedule!r} is not known; use one of {', '.join(PP_SCHEDULES)}"
+            )
+        if config.pp_schedule != "1f1b" and config.pp == 1:
+            raise ConfigError(f"--pp-schedule {config.pp_schedule} schedules pipeline stages; add --pp 2 or more")
+        if config.model_parallel > 1:
+            _check_splits(config)
+
+    def refusal(self, config: TrialConfig, workload: Workload, device: DeviceInfo) -> str | None:
+        return _stages_refusal(config, workload) if config.pp > 1 else None
+
+    def model_ranks(self, config: TrialConfig) -> int:
+        return config.pp
+
+    def layout_word(self, config: TrialConfig) -> str | None:
+        return f"pp{config.pp}:{config.pp_schedule}" if config.pp > 1 else None
+
+    def layout_flag(self, config: TrialConfig) -> str | None:
+        return f"--pp {config.pp}" if config.pp > 1 else None
+
+    def in_code(self, config: TrialConfig) -> list[str]:
+        if config.pp == 1:
+            return []
+        return [
+            f"pipeline parallel: {config.pp} stages, {config.pp_schedule}: `pipeline = autotune.prepare(model, "
+            "'autotune.json')` under torchrun holds this rank's stages; each optimizer step, "
+            "`pipeline.step(input_ids=batch, labels=batch)` on the step's whole batch (its micro batches are the "
+            "accumulation steps), then the optimizer over pipeline.parameters()"
+        ]
+
+
+def _check_splits(config: TrialConfig) -> None:
+    """The combinations of a split model (tensor or pipeline parallel) that no framework runs."""
+    layout = config.split_flags()
+    zero = zero_flag(config)
+    if zero is not None:
+        raise ConfigError(
+            f"{layout} with {zero}: DeepSpeed partitions its own flat buffers, not "
+            "PyTorch's tensor-parallel and pipeline modules; shard the data-parallel ranks with --fsdp full "
+            "(FSDP x TP, as torchtitan builds it), or use --zero-stage off"
+        )
+    if config.uses_lora or config.quantizes_base:
+        raise ConfigError(
+            f"{layout} with LoRA: PEFT's adapters on split layers are not measured yet; "
+            "use --lora-rank off, or --tp 1 --pp 1"
+        )
+    with_what = sequence_parallel_flag(config) or fsdp_flag(config)
+    if config.pp > 1 and with_what is not None:
+        raise ConfigError(
+            f"--pp {config.pp} with {with_what}: pipeline stages that are also sharded so are not measured yet; "
+            "use --pp with --tp alone, or --pp 1"
+        )
+    offload = OffloadLever().layout_flag(config)
+    if offload is not None:
+        raise ConfigError(f"{layout} with {offload}: not measured yet; use --offload none")
+    if config.pp == 1:
+        return
+    from autotune.levers import CHECK_ORDER  # the registry imports this module
+
+    for lever in CHECK_ORDER:
+        why = lever.stage_refusal(config)
+        if why is not None:
+            raise ConfigError(f"--pp {config.pp}: {why}")
+
+
+def _stages_refusal(config: TrialConfig, workload: Workload) -> str | None:
+    """The stages against the workload's ranks (``--tp``'s refusal has checked that the splits divide them)."""
+    data = config.data_parallel(workload)
+    if data > 1:
+        return (
+            f"--pp {config.pp} on --nproc {workload.nproc} leaves {data} data-parallel copies of each stage, "
+            f"which autotune does not measure yet; use --pp {workload.nproc}"
+        )
+    accum = config.grad_accum_steps(workload)
+    if accum < config.pp and config.pp_schedule != "gpipe":
+        return (
+            f"--pp {config.pp} --pp-schedule {config.pp_schedule} with {accum} accumulation step(s): the "
+            "pipeline's micro batches are the accumulation steps and 1F1B needs at least one per stage; use a "
+            f"micro batch of at most {workload.global_batch // data // config.pp}, or --pp-schedule gpipe"
+        )
+    return None

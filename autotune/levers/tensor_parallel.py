@@ -1,0 +1,114 @@
+"""``--tp`` and ``--sequence-parallel``: each decoder layer's attention and MLP weights split over ``--tp`` ranks
+(the model's Transformers ``tp_plan``, applied with PyTorch's ``parallelize_module``), which all see the same
+micro batch; with sequence parallel, the norms' activations (and the residual stream between layers) split
+along the sequence too. Applied to the built model first of the splits (``autotune.prepare.tensor_parallel``),
+as torchtitan's ``parallelize`` applies TP before checkpointing, compile and FSDP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from autotune.errors import ConfigError
+from autotune.levers.base import Flag, Lever, divisors, is_count
+from autotune.levers.fsdp import fsdp_flag
+
+if TYPE_CHECKING:
+    from autotune.config.device import DeviceInfo
+    from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
+
+__all__ = ["TensorParallelFields", "TensorParallelLever", "sequence_parallel_flag"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorParallelFields:
+    tp: int = field(
+        default=1,
+        metadata={
+            "help": "Tensor-parallel ranks: each decoder layer's attention and MLP weights split over this many "
+            "ranks (the model's Transformers tp_plan, applied with PyTorch's parallelize_module); they all see "
+            "the same micro batch. The other --nproc / (tp x pp) ranks are data parallel."
+        },
+    )
+    sequence_parallel: bool = field(
+        default=False,
+        metadata={
+            "help": "With --tp: the norms' activations (and the residual stream between layers) split over the "
+            "tensor-parallel ranks along the sequence, instead of held whole on each."
+        },
+    )
+
+
+def sequence_parallel_flag(config: TrialConfig) -> str | None:
+    """``--sequence-parallel on`` where the config has it, for messages (None: off)."""
+    return "--sequence-parallel on" if config.sequence_parallel else None
+
+
+class TensorParallelLever(Lever):
+    name = "tensor_parallel"
+    fields = ("tp", "sequence_parallel")
+    flags = (
+        Flag("tp", ("--tp",), int, 1),
+        Flag.on_off("sequence_parallel", "--sequence-parallel"),
+    )
+
+    def check(self, config: TrialConfig) -> None:
+        if not is_count(config.tp):
+            raise ConfigError(f"--tp {config.tp!r} must be a whole number of at least 1 (1: off)")
+        if not isinstance(config.sequence_parallel, bool):
+            raise ConfigError(f"--sequence-parallel {config.sequence_parallel!r} must be on or off")
+        if config.sequence_parallel and config.tp == 1:
+            raise ConfigError(
+                "--sequence-parallel on splits activations over tensor-parallel ranks; add --tp 2 or more"
+            )
+
+    def refusal(self, config: TrialConfig, workload: Workload, device: DeviceInfo) -> str | None:
+        """The splits' ranks (tensor and pipeline parallel) against the workload's, then what runs the rest of
+        a tensor-parallel layout (its refusal is asked before the pipeline's)."""
+        if config.model_parallel == 1:
+            return None
+        if workload.nproc % config.model_parallel:
+            splits = config.split_flags(" x ")
+            fits = [d for d in divisors(workload.nproc) if d > 1] or "none (add ranks)"
+            what = "product" if " x " in splits else "value"
+            return (
+                f"{splits} does not divide --nproc {workload.nproc}: the ranks split as data x tensor x pipeline "
+                f"parallel; use a {what} from {fits}"
+            )
+        data = config.data_parallel(workload)
+        fsdp = fsdp_flag(config)
+        if config.tp > 1 and data == 1 and fsdp is not None:
+            return (
+                f"{fsdp} with --tp {config.tp} on --nproc {workload.nproc}: FSDP shards over the "
+                "data-parallel ranks, and there is one; use --fsdp off, or more ranks (--nproc a multiple of --tp)"
+            )
+        if config.tp > 1 and data > 1 and fsdp is None:
+            return (
+                f"--tp {config.tp} on --nproc {workload.nproc} leaves {data} data-parallel copies, which DDP "
+                "cannot hold (its buckets are not tensor-parallel); shard them with --fsdp full or grad-op "
+                f"(FSDP x TP), or use --tp {workload.nproc}"
+            )
+        return None
+
+    def model_ranks(self, config: TrialConfig) -> int:
+        return config.tp
+
+    def layout_word(self, config: TrialConfig) -> str | None:
+        return f"tp{config.tp}" + ("+sp" if config.sequence_parallel else "") if config.tp > 1 else None
+
+    def layout_flag(self, config: TrialConfig) -> str | None:
+        return f"--tp {config.tp}" if config.tp > 1 else None
+
+    def in_code(self, config: TrialConfig) -> list[str]:
+        if config.tp == 1:
+            return []
+        sp = " and sequence parallel" if config.sequence_parallel else ""
+        return [
+            f"tensor parallel: {config.tp} ranks split each layer (the model's tp_plan{sp}): "
+            "`model = autotune.prepare(model, 'autotune.json')` under torchrun after init_process_group (with "
+            "Lightning: in configure_model, `autotune.prepare(self.model, 'autotune.json', mesh=self.device_mesh)`); "
+            "give the optimizer `autotune.prepare.optimizer.parameter_groups(list(model.parameters()))`, which "
+            "keeps the split and the whole weights apart (a foreach or fused AdamW cannot mix them)"
+        ]

@@ -1,0 +1,77 @@
+"""``--zero-stage``: DeepSpeed's ZeRO, which partitions the optimizer state (stage 1), then the gradients (2),
+then the parameters (3) over the data-parallel ranks, in flat buffers of its own. A config with a stage trains
+in DeepSpeed's engine (``deepspeed.initialize`` from the config's DeepSpeed JSON); without one, plain PyTorch
+(DDP across ranks), or FSDP2 (``autotune.levers.fsdp``): one sharding per config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from autotune.errors import ConfigError
+from autotune.levers.base import Flag, Lever
+from autotune.levers.offload import offload_suffix
+
+if TYPE_CHECKING:
+    from autotune.config.knobs import TrialConfig
+
+__all__ = ["ZeroFields", "ZeroLever", "ZERO_STAGES", "zero_flag"]
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroFields:
+    zero_stage: int | None = field(
+        default=None,
+        metadata={"help": "DeepSpeed ZeRO stage 0-3; off trains with plain PyTorch (DDP across ranks)."},
+    )
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        """The config trains in DeepSpeed's engine (any ZeRO stage, 0 included)."""
+        return self.zero_stage is not None
+
+    @property
+    def partitions_optimizer(self) -> bool:
+        """ZeRO partitions the optimizer's state (stages 1-3), which it can then offload."""
+        return self.zero_stage in (1, 2, 3)
+
+    @property
+    def partitions_parameters(self) -> bool:
+        """ZeRO partitions the parameters too (stage 3), which it can then offload."""
+        return self.zero_stage == 3
+
+
+def zero_flag(config: TrialConfig) -> str | None:
+    """The config's ``--zero-stage N`` as typed, for messages (None: no ZeRO)."""
+    return None if config.zero_stage is None else f"--zero-stage {config.zero_stage}"
+
+
+def _stage(value: str) -> dict[str, Any]:
+    if value.lower() in ("off", "none"):
+        return {"zero_stage": None}
+    if value.isdigit():
+        return {"zero_stage": int(value)}
+    raise ConfigError(f"--zero-stage {value!r} is not known; use off, 0, 1, 2 or 3")
+
+
+class ZeroLever(Lever):
+    """Applied by the trial's engine (DeepSpeed builds the model's engine), not to the model."""
+
+    name = "zero"
+    fields = ("zero_stage",)
+    flags = (Flag("zero_stage", ("--zero-stage",), str, "off", parse=_stage),)
+
+    def check(self, config: TrialConfig) -> None:
+        if config.zero_stage is not None and config.zero_stage not in ZERO_STAGES:
+            raise ConfigError(f"--zero-stage {config.zero_stage!r} is not known; use off, 0, 1, 2 or 3")
+
+    def layout_flag(self, config: TrialConfig) -> str | None:
+        return zero_flag(config)
+
+    def labels(self, config: TrialConfig) -> list[str]:
+        if config.zero_stage is None:
+            return []
+        return [f"zero{config.zero_stage}{offload_suffix(config, named=True)}"]
