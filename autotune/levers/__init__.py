@@ -126,7 +126,8 @@ LEVER_FLAGS: tuple[Flag, ...] = tuple(
 # The orders the other consumers ask the levers in. Each is the order the knobs were asked in before they were
 # levers, so that a label reads as the labels stored in studies do, and where two values are wrong, or two
 # refusals hold, the one said first is the one said before. Each names every lever once (a test checks it); a
-# new lever goes at the end of each.
+# new lever goes at the end of each. The layout's levers kept the places their rules had: their refusals for a
+# workload come first, and the model's splits are refused for a model before checkpointing is.
 LABEL_ORDER: tuple[Lever, ...] = (
     PRECISION,
     CHECKPOINTING,
@@ -166,6 +167,8 @@ REFUSAL_ORDER: tuple[Lever, ...] = (
 MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
     LOSS,
     ATTENTION,
+    TENSOR_PARALLEL,
+    PIPELINE,
     CHECKPOINTING,
     PRECISION,
     OPTIMIZER,
@@ -173,7 +176,9 @@ MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
     COMPILE,
     LORA,
     FLOAT8,
-    *_LAYOUT,
+    ZERO,
+    FSDP,
+    OFFLOAD,
 )
 
 # A search space's (``autotune.search.space``): the order of the levers' keys in a space file, its errors and its

@@ -88,6 +88,12 @@ class ModelFacts(Protocol):
         ...
 
     @property
+    def hf_config(self) -> Any:
+        """The model's Hugging Face config (a ``transformers.PretrainedConfig``); asked only of a model that is not
+        a factory's."""
+        ...
+
+    @property
     def linear_layers(self) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
         """The last names (as PEFT matches them) of the model's linear layers outside its task head, and of its
         heads: of the built model where the facts were read from one, else of one built on the meta device;

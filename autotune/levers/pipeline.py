@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Flag, Lever, is_count
+from autotune.levers.base import Flag, Lever, ModelFacts, is_count
 from autotune.levers.fsdp import fsdp_flag
 from autotune.levers.offload import OffloadLever
 from autotune.levers.tensor_parallel import sequence_parallel_flag
@@ -25,9 +25,10 @@ if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
 
-__all__ = ["PipelineFields", "PipelineLever", "PP_SCHEDULES"]
+__all__ = ["PipelineFields", "PipelineLever", "PP_SCHEDULES", "stages_per_rank"]
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+_PIPELINE_TASKS = ("causal-lm",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +47,11 @@ class PipelineFields:
             "flight) or interleaved-1f1b (two stages per rank: a smaller bubble, more transfers)."
         },
     )
+
+
+def stages_per_rank(config: TrialConfig) -> int:
+    """Stages each rank holds: two under interleaved 1F1B, one otherwise."""
+    return 2 if config.pp_schedule == "interleaved-1f1b" else 1
 
 
 class PipelineLever(Lever):
@@ -68,6 +74,49 @@ class PipelineLever(Lever):
 
     def refusal(self, config: TrialConfig, workload: Workload, device: DeviceInfo) -> str | None:
         return _stages_refusal(config, workload) if config.pp > 1 else None
+
+    def needs_model_facts(self, config: TrialConfig) -> bool:
+        return config.pp > 1
+
+    def model_refusal(self, config: TrialConfig, facts: ModelFacts) -> str | None:
+        """Why the model cannot run as ``--pp`` pipeline stages (None: it can), from its config."""
+        if facts.is_factory:
+            return (
+                f"--pp {config.pp}: the model from --model {facts.model} is a factory's, whose layers autotune "
+                "cannot cut into stages; --pp applies to Hugging Face causal LMs with a base_model_pp_plan (Llama, "
+                "Qwen2, Mistral...)"
+            )
+        if facts.task not in _PIPELINE_TASKS:
+            return (
+                f"--pp {config.pp}: pipeline stages are built for causal LMs; --task {facts.task} is not one; "
+                "use --pp 1"
+            )
+        hf = facts.hf_config
+        if not getattr(hf, "base_model_pp_plan", None):
+            return (
+                f"--pp {config.pp}: {type(hf).__name__} (--model {facts.model}) has no pipeline plan "
+                "(Transformers' base_model_pp_plan); use --pp 1, or shard with --fsdp or --zero-stage"
+            )
+        if getattr(hf, "tie_word_embeddings", False):
+            return (
+                f"--pp {config.pp}: {facts.model} ties its LM head to its embedding, one weight the first and the "
+                "last stage would each hold a copy of, trained apart (their gradients are not summed yet); use "
+                "--pp 1, or a config with tie_word_embeddings false"
+            )
+        stages = config.pp * stages_per_rank(config)
+        layers = getattr(hf, "num_hidden_layers", None) or 0
+        if layers < stages:
+            per = " (two per rank under interleaved-1f1b)" if stages > config.pp else ""
+            fix = (
+                "use --pp-schedule 1f1b or gpipe (one stage per rank)"
+                if layers >= config.pp
+                else f"use a --pp of at most {layers}"
+            )
+            return (
+                f"--pp {config.pp}{' --pp-schedule ' + config.pp_schedule if per else ''}: {facts.model} has "
+                f"{layers} decoder layers, fewer than the {stages} stages{per}; {fix}"
+            )
+        return None
 
     def model_ranks(self, config: TrialConfig) -> int:
         return config.pp

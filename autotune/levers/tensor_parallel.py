@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Flag, Lever, divisors, is_count
+from autotune.levers.base import Flag, Lever, ModelFacts, divisors, is_count
 from autotune.levers.fsdp import fsdp_flag
 
 if TYPE_CHECKING:
@@ -19,7 +19,10 @@ if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
 
-__all__ = ["TensorParallelFields", "TensorParallelLever", "sequence_parallel_flag"]
+__all__ = ["TensorParallelFields", "TensorParallelLever", "sequence_parallel_flag", "TP_STYLES"]
+
+# The plan's styles PyTorch's ColwiseParallel and RowwiseParallel implement as Transformers means them.
+TP_STYLES = ("colwise", "rowwise")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +93,42 @@ class TensorParallelLever(Lever):
                 "cannot hold (its buckets are not tensor-parallel); shard them with --fsdp full or grad-op "
                 f"(FSDP x TP), or use --tp {workload.nproc}"
             )
+        return None
+
+    def needs_model_facts(self, config: TrialConfig) -> bool:
+        return config.tp > 1
+
+    def model_refusal(self, config: TrialConfig, facts: ModelFacts) -> str | None:
+        """Why the model cannot be split ``--tp`` ways (None: it can), from its config alone."""
+        if facts.is_factory:
+            return (
+                f"--tp {config.tp}: the model from --model {facts.model} is a factory's, which has no tensor-parallel "
+                "plan; --tp applies to Hugging Face models whose config has a base_model_tp_plan (Llama, Qwen2, "
+                "Mistral...)"
+            )
+        hf = facts.hf_config
+        plan = getattr(hf, "base_model_tp_plan", None)
+        if not plan:
+            return (
+                f"--tp {config.tp}: {type(hf).__name__} (--model {facts.model}) has no tensor-parallel plan "
+                "(Transformers' base_model_tp_plan); use --tp 1, or shard with --fsdp or --zero-stage"
+            )
+        unknown = sorted({style for style in plan.values() if style not in TP_STYLES})
+        if unknown:
+            return (
+                f"--tp {config.tp}: {type(hf).__name__}'s plan uses {', '.join(unknown)}, which autotune does not "
+                "apply yet (it applies colwise and rowwise); use --tp 1"
+            )
+        for name, count in (
+            ("attention heads", getattr(hf, "num_attention_heads", None)),
+            ("key/value heads", getattr(hf, "num_key_value_heads", None)),
+            ("MLP width", getattr(hf, "intermediate_size", None)),
+        ):
+            if count is not None and count % config.tp:
+                return (
+                    f"--tp {config.tp}: {facts.model} has {count} {name}, which {config.tp} ranks cannot split "
+                    f"evenly; use a --tp that divides {count}"
+                )
         return None
 
     def model_ranks(self, config: TrialConfig) -> int:

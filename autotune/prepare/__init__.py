@@ -45,30 +45,12 @@ def refusal_before_trial(workload: Workload, config: TrialConfig, task: str | No
     """Why this config cannot be prepared for this workload's model, said before any trial; or None.
     ``task``: the workload's, resolved here only when a lever asks for it. The model's facts are read once,
     when a lever first asks, and handed to every lever's refusal."""
-    from autotune.levers import CHECKPOINTING, MODEL_REFUSAL_ORDER
+    from autotune.levers import MODEL_REFUSAL_ORDER
     from autotune.prepare.workload_facts import WorkloadFacts
 
     facts = WorkloadFacts(workload, task=task)
     for lever in MODEL_REFUSAL_ORDER:
-        # Tensor and pipeline parallel are not levers yet: their refusals keep their place, before checkpointing's.
-        refusal = _layout_refusal(workload, config) if lever is CHECKPOINTING else None
-        if refusal is None and lever.needs_model_facts(config):
-            refusal = lever.model_refusal(config, facts)
+        refusal = lever.model_refusal(config, facts) if lever.needs_model_facts(config) else None
         if refusal is not None:
             return refusal
-    return None
-
-
-def _layout_refusal(workload: Workload, config: TrialConfig) -> str | None:
-    """Why the model cannot be split as ``--tp`` and ``--pp`` say, or None."""
-    if config.tp > 1:
-        from autotune.prepare.tensor_parallel import tensor_parallel_refusal
-
-        refusal = tensor_parallel_refusal(workload, config)
-        if refusal is not None:
-            return refusal
-    if config.pp > 1:
-        from autotune.prepare.pipeline import pipeline_refusal
-
-        return pipeline_refusal(workload, config)
     return None

@@ -18,65 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from autotune.levers.pipeline import stages_per_rank
+
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
-    from autotune.config.workload import Workload
 
-__all__ = ["Pipeline", "pipeline_refusal", "stage_layers", "stages_per_rank"]
-
-_PIPELINE_TASKS = ("causal-lm",)
-
-
-def stages_per_rank(config: TrialConfig) -> int:
-    """Stages each rank holds: two under interleaved 1F1B, one otherwise."""
-    return 2 if config.pp_schedule == "interleaved-1f1b" else 1
+__all__ = ["Pipeline", "stage_layers"]
 
 
 def stage_layers(layers: int, stages: int, index: int) -> range:
     """The decoder layers of stage ``index`` of ``stages``: in order, as even as the count allows."""
     return range(index * layers // stages, (index + 1) * layers // stages)
-
-
-def pipeline_refusal(workload: Workload, config: TrialConfig) -> str | None:
-    """Why the workload's model cannot run as ``config.pp`` pipeline stages (None: it can), from its config."""
-    from autotune.models.sources import load_hf_config, parse_model_source, resolve_task
-
-    source = parse_model_source(workload.model)
-    if source.kind == "factory":
-        return (
-            f"--pp {config.pp}: the model from --model {workload.model} is a factory's, whose layers autotune "
-            "cannot cut into stages; --pp applies to Hugging Face causal LMs with a base_model_pp_plan (Llama, "
-            "Qwen2, Mistral...)"
-        )
-    task = resolve_task(workload)
-    if task not in _PIPELINE_TASKS:
-        return f"--pp {config.pp}: pipeline stages are built for causal LMs; --task {task} is not one; use --pp 1"
-    hf = load_hf_config(source, trust_remote_code=workload.trust_remote_code)
-    if not getattr(hf, "base_model_pp_plan", None):
-        return (
-            f"--pp {config.pp}: {type(hf).__name__} (--model {workload.model}) has no pipeline plan "
-            "(Transformers' base_model_pp_plan); use --pp 1, or shard with --fsdp or --zero-stage"
-        )
-    if getattr(hf, "tie_word_embeddings", False):
-        return (
-            f"--pp {config.pp}: {workload.model} ties its LM head to its embedding, one weight the first and the "
-            "last stage would each hold a copy of, trained apart (their gradients are not summed yet); use --pp 1, "
-            "or a config with tie_word_embeddings false"
-        )
-    stages = config.pp * stages_per_rank(config)
-    layers = getattr(hf, "num_hidden_layers", None) or 0
-    if layers < stages:
-        per = " (two per rank under interleaved-1f1b)" if stages > config.pp else ""
-        fix = (
-            "use --pp-schedule 1f1b or gpipe (one stage per rank)"
-            if layers >= config.pp
-            else f"use a --pp of at most {layers}"
-        )
-        return (
-            f"--pp {config.pp}{' --pp-schedule ' + config.pp_schedule if per else ''}: {workload.model} has "
-            f"{layers} decoder layers, fewer than the {stages} stages{per}; {fix}"
-        )
-    return None
 
 
 class _Stage(torch.nn.Module):

@@ -16,55 +16,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from autotune.levers.tensor_parallel import TP_STYLES
+
 if TYPE_CHECKING:
     import torch
 
     from autotune.config.knobs import TrialConfig
-    from autotune.config.workload import Workload
 
-__all__ = ["layout_mesh", "tensor_parallel", "tensor_parallel_plan", "tensor_parallel_refusal"]
+__all__ = ["layout_mesh", "tensor_parallel", "tensor_parallel_plan"]
 
-# The plan's styles PyTorch's ColwiseParallel and RowwiseParallel implement as Transformers means them.
-_STYLES = ("colwise", "rowwise")
 # Where sequence parallel reshards the activations, in a Llama-family layer's names.
 _SP_NORMS = ("input_layernorm", "post_attention_layernorm")
 _SP_BLOCKS = ("self_attn", "mlp")
-
-
-def tensor_parallel_refusal(workload: Workload, config: TrialConfig) -> str | None:
-    """Why the workload's model cannot be split ``config.tp`` ways (None: it can), from its config alone."""
-    from autotune.models.sources import load_hf_config, parse_model_source
-
-    source = parse_model_source(workload.model)
-    if source.kind == "factory":
-        return (
-            f"--tp {config.tp}: the model from --model {workload.model} is a factory's, which has no tensor-parallel "
-            "plan; --tp applies to Hugging Face models whose config has a base_model_tp_plan (Llama, Qwen2, Mistral...)"
-        )
-    hf = load_hf_config(source, trust_remote_code=workload.trust_remote_code)
-    plan = getattr(hf, "base_model_tp_plan", None)
-    if not plan:
-        return (
-            f"--tp {config.tp}: {type(hf).__name__} (--model {workload.model}) has no tensor-parallel plan "
-            "(Transformers' base_model_tp_plan); use --tp 1, or shard with --fsdp or --zero-stage"
-        )
-    unknown = sorted({style for style in plan.values() if style not in _STYLES})
-    if unknown:
-        return (
-            f"--tp {config.tp}: {type(hf).__name__}'s plan uses {', '.join(unknown)}, which autotune does not apply "
-            "yet (it applies colwise and rowwise); use --tp 1"
-        )
-    for name, count in (
-        ("attention heads", getattr(hf, "num_attention_heads", None)),
-        ("key/value heads", getattr(hf, "num_key_value_heads", None)),
-        ("MLP width", getattr(hf, "intermediate_size", None)),
-    ):
-        if count is not None and count % config.tp:
-            return (
-                f"--tp {config.tp}: {workload.model} has {count} {name}, which {config.tp} ranks cannot split "
-                f"evenly; use a --tp that divides {count}"
-            )
-    return None
 
 
 def tensor_parallel_plan(
@@ -89,7 +52,7 @@ def tensor_parallel_plan(
         raise ConfigError(f"--tp: {type(model).__name__} has no tensor-parallel plan (base_model_tp_plan)")
     styles: dict[str, Any] = {}
     for pattern, style in plan.items():
-        if style not in _STYLES:
+        if style not in TP_STYLES:
             raise ConfigError(f"--tp: {type(model).__name__}'s plan uses {style} for {pattern}; use --tp 1")
         # Rowwise outputs are all-reduced whole, or (sequence parallel) reduce-scattered along the sequence.
         if style == "colwise":

@@ -4,12 +4,12 @@ once, when first asked, and handed to every lever: :class:`WorkloadFacts`."""
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autotune.config.workload import CLASSIFIER_TASKS
 from autotune.errors import WorkloadError
 from autotune.levers.lora import LoraTargets, lora_targets
-from autotune.models.sources import meta_model, model_type, parse_model_source, resolve_task
+from autotune.models.sources import load_hf_config, meta_model, model_type, parse_model_source, resolve_task
 from autotune.prepare.model_facts import factory_facts, hf_model_class, linear_layers_but_heads, missing_checkpointing
 
 if TYPE_CHECKING:
@@ -59,6 +59,11 @@ class WorkloadFacts:
     @functools.cached_property
     def model_type(self) -> str | None:
         return model_type(self.workload)
+
+    @functools.cached_property
+    def hf_config(self) -> Any:
+        source = parse_model_source(self.workload.model)
+        return load_hf_config(source, trust_remote_code=self.workload.trust_remote_code)
 
     @property
     def new_head(self) -> bool:

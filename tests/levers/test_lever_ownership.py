@@ -63,7 +63,6 @@ NOT_YET: dict[str, set[str]] = {
     # the layout levers' applying: ZeRO's DeepSpeed JSON, FSDP's wrapping and offload policy, tensor and pipeline
     # parallel's plans, and the Trainer's keys for them
     "autotune/config/deepspeed_config.py": {"offload", "precision", "zero_stage"},
-    "autotune/prepare/__init__.py": {"pp", "tp"},
     "autotune/prepare/apply.py": {"pp", "tp"},
     "autotune/prepare/pipeline.py": {"pp", "pp_schedule", "tp"},
     "autotune/prepare/sharding.py": {"fsdp", "offload", "shard_group"},
