@@ -51,6 +51,7 @@ __all__ = [
     "DROPPED_ORDER",
     "TRAINER_ORDER",
     "HEADER_ORDER",
+    "FORMAT_ORDER",
     "IN_CODE_BEFORE_LAYOUT",
     "IN_CODE_AFTER_LAYOUT",
     "ATTENTION",
@@ -221,6 +222,25 @@ TRAINER_ORDER: tuple[Lever, ...] = (
     LORA,
     FLOAT8,
     *_LAYOUT,
+)
+
+# The order an export asks whether its format can carry their values: the layout's (FSDP's on a CPU first, then the
+# splits, which every format but json, yaml and launch refuses), then the format's own refusals.
+FORMAT_ORDER: tuple[Lever, ...] = (
+    FSDP,
+    PIPELINE,
+    TENSOR_PARALLEL,
+    ZERO,
+    OFFLOAD,
+    PRECISION,
+    CHECKPOINTING,
+    LOSS,
+    ATTENTION,
+    OPTIMIZER,
+    ACTIVATION_OFFLOAD,
+    COMPILE,
+    LORA,
+    FLOAT8,
 )
 
 # The order of their own lines in a YAML export's header (Lever.header_lines): checkpointing, the optimizer, TF32, then

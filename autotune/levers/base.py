@@ -185,9 +185,10 @@ class Lever:
         ConfigError, naming ``--format hf``, where the Trainer has none for its values."""
         return {}
 
-    def format_refusal(self, config: TrialConfig, format_name: str) -> str | None:
-        """Why export format ``format_name`` (``autotune export --format``) cannot carry this lever's values (a
-        line that names the format and what to export instead); None: it can."""
+    def format_refusal(self, config: TrialConfig, format_name: str, device_type: str) -> str | None:
+        """Why export format ``format_name`` (``autotune export --format``) cannot carry this lever's values for a
+        job on a ``device_type`` device (a line that names the format and what to export instead); None: it can.
+        A format that cannot must not drop them: the job would train another config than the one measured."""
         return None
 
     def accelerate_config(self, config: TrialConfig) -> dict[str, Any]:

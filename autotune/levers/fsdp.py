@@ -136,6 +136,31 @@ class FsdpLever(Lever):
     def layout_flag(self, config: TrialConfig) -> str | None:
         return fsdp_flag(config)
 
+    def format_refusal(self, config: TrialConfig, format_name: str, device_type: str) -> str | None:
+        if config.fsdp is None:
+            return None
+        if device_type != "cuda" and format_name in ("hf", "accelerate", "lightning"):
+            # Accelerate (so the Trainer) turns FSDP on for GPU process groups only, and on a CPU wraps the
+            # model in DDP, each rank holding it whole; Lightning's FSDPStrategy refuses a CPU accelerator.
+            return (
+                f"--format {format_name}: this config shards with --fsdp {config.fsdp} on a {device_type}, where "
+                f"{'Lightning' if format_name == 'lightning' else 'Accelerate'} does not run FSDP (it needs GPUs); "
+                "export --format json and apply it with autotune.prepare(model, 'config.json') in a "
+                "torchrun job, or pick a config without FSDP"
+            )
+        if format_name == "deepspeed":  # a DeepSpeed config without ZeRO would train DDP: not the sharding measured
+            return (
+                f"--format deepspeed: this config shards with PyTorch's FSDP2 (--fsdp {config.fsdp}), which DeepSpeed "
+                "does not run (its ZeRO stages are its own sharding); export --format accelerate, lightning or json"
+            )
+        if format_name == "hf" and config.fsdp == "hybrid":
+            return (
+                "--format hf: hybrid sharding is TrainingArguments' parallelism_config, an Accelerate "
+                "ParallelismConfig object that no JSON file holds; export --format accelerate (its "
+                "parallelism_config) and start the Trainer's script with accelerate launch, which hands it over"
+            )
+        return None
+
     def labels(self, config: TrialConfig) -> list[str]:
         if config.fsdp is None:
             return []

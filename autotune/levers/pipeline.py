@@ -29,6 +29,9 @@ __all__ = ["PipelineFields", "PipelineLever", "PP_SCHEDULES", "stages_per_rank"]
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 _PIPELINE_TASKS = ("causal-lm",)
+# The export formats that carry pipeline stages: json and yaml (through autotune.prepare), and launch (it starts
+# the ranks whatever they run).
+_PIPELINE_FORMATS = ("json", "yaml", "launch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +129,16 @@ class PipelineLever(Lever):
 
     def layout_flag(self, config: TrialConfig) -> str | None:
         return f"--pp {config.pp}" if config.pp > 1 else None
+
+    def format_refusal(self, config: TrialConfig, format_name: str, device_type: str) -> str | None:
+        if config.pp == 1 or format_name in _PIPELINE_FORMATS:
+            return None
+        return (
+            f"--format {format_name}: this config runs --pp {config.pp} pipeline stages, which autotune cannot "
+            f"express in {format_name}'s config; export --format json and run autotune.prepare(model, "
+            "'autotune.json') under torchrun (it returns the pipeline: pipeline.step(input_ids=..., labels=...) "
+            "each optimizer step), or pick a config without --pp"
+        )
 
     def in_code(self, config: TrialConfig) -> list[str]:
         if config.pp == 1:

@@ -130,7 +130,7 @@ class PrecisionLever(Lever):
             **({"tf32": True} if config.precision == "tf32" else {}),
         }
 
-    def format_refusal(self, config: TrialConfig, format_name: str) -> str | None:
+    def format_refusal(self, config: TrialConfig, format_name: str, device_type: str) -> str | None:
         if format_name != "deepspeed" or not config.true_16_bit:
             return None
         return (

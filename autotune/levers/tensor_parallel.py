@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 __all__ = ["TensorParallelFields", "TensorParallelLever", "sequence_parallel_flag", "TP_STYLES"]
 
+# The export formats that carry a tensor-parallel layout: json and yaml (through autotune.prepare), Lightning's
+# ModelParallelStrategy, and launch (it starts the ranks whatever they run).
+_TENSOR_PARALLEL_FORMATS = ("json", "yaml", "launch", "lightning")
 # The plan's styles PyTorch's ColwiseParallel and RowwiseParallel implement as Transformers means them.
 TP_STYLES = ("colwise", "rowwise")
 
@@ -139,6 +142,24 @@ class TensorParallelLever(Lever):
 
     def layout_flag(self, config: TrialConfig) -> str | None:
         return f"--tp {config.tp}" if config.tp > 1 else None
+
+    def format_refusal(self, config: TrialConfig, format_name: str, device_type: str) -> str | None:
+        if config.tp == 1 or format_name in _TENSOR_PARALLEL_FORMATS:
+            return None
+        # Accelerate's ParallelismConfig (and the Trainer's, through it) loads the model with Transformers' own
+        # tp_plan="auto", which splits the head too: another layout than the trials', and GPU-only (it refuses
+        # a multi-CPU job).
+        why = (
+            "Accelerate's ParallelismConfig (the Trainer's too) splits the model by Transformers' own plan, head "
+            "included, which is not the layout measured"
+            if format_name in ("hf", "accelerate")
+            else f"{format_name}'s config has no tensor-parallel layout"
+        )
+        return (
+            f"--format {format_name}: this config splits layers with --tp {config.tp}, and {why}; export --format "
+            "json and apply it with autotune.prepare(model, 'autotune.json') under torchrun, or --format lightning "
+            "(ModelParallelStrategy), or pick a config without --tp"
+        )
 
     def in_code(self, config: TrialConfig) -> list[str]:
         if config.tp == 1:

@@ -71,6 +71,16 @@ class ZeroLever(Lever):
     def layout_flag(self, config: TrialConfig) -> str | None:
         return zero_flag(config)
 
+    def format_refusal(self, config: TrialConfig, format_name: str, device_type: str) -> str | None:
+        if config.zero_stage is not None and format_name == "lightning" and device_type != "cuda":
+            # Trainer(...) accepts it, but fit() raises: Lightning's DeepSpeed strategy needs CUDA.
+            return (
+                f"--format lightning: this config uses --zero-stage {config.zero_stage} on a "
+                f"{device_type}, and Lightning runs DeepSpeed only on CUDA GPUs; export "
+                "--format accelerate or hf instead, or pick a config without ZeRO"
+            )
+        return None
+
     def labels(self, config: TrialConfig) -> list[str]:
         if config.zero_stage is None:
             return []

@@ -24,7 +24,7 @@ from autotune.config.deepspeed_config import deepspeed_config
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
-from autotune.levers import HEADER_ORDER, IN_CODE_AFTER_LAYOUT, IN_CODE_BEFORE_LAYOUT, LEVERS
+from autotune.levers import FORMAT_ORDER, HEADER_ORDER, IN_CODE_AFTER_LAYOUT, IN_CODE_BEFORE_LAYOUT, LEVERS
 from autotune.prepare.model_facts import layer_classes
 from autotune.prepare.quantize import bitsandbytes_config, quantization_lines
 from autotune.prepare.training_args import (
@@ -73,18 +73,10 @@ def export_config(
     exporter = _EXPORTERS.get(fmt)
     if exporter is None:
         raise ConfigError(f"--format {fmt} is not known; use one of {', '.join(FORMATS)}")
-    if config.uses_fsdp and device_type != "cuda" and fmt in ("hf", "accelerate", "lightning"):
-        # Accelerate (so the Trainer) turns FSDP on for GPU process groups only, and on a CPU wraps the
-        # model in DDP, each rank holding it whole; Lightning's FSDPStrategy refuses a CPU accelerator.
-        raise ConfigError(
-            f"--format {fmt}: this config shards with --fsdp {config.fsdp} on a {device_type}, where "
-            f"{'Lightning' if fmt == 'lightning' else 'Accelerate'} does not run FSDP (it needs GPUs); "
-            "export --format json and apply it with autotune.prepare(model, 'config.json') in a "
-            "torchrun job, or pick a config without FSDP"
-        )
-    refusal = layout_refusal(config, fmt)
-    if refusal is not None:
-        raise ConfigError(refusal)
+    for lever in FORMAT_ORDER:  # a format that cannot carry a lever's values must not drop them
+        refusal = lever.format_refusal(config, fmt, device_type)
+        if refusal is not None:
+            raise ConfigError(refusal)
     if fmt == "accelerate":
         return _accelerate(
             config,
@@ -94,40 +86,6 @@ def export_config(
             deepspeed_file=deepspeed_file or str(deepspeed_companion(Path(DEFAULT_FILENAMES[fmt]))),
         )
     return exporter(config, workload, device_type=device_type, summary=summary or {})
-
-
-# Formats that carry a tensor-parallel layout (json and yaml through autotune.prepare, Lightning's
-# ModelParallelStrategy) or start the ranks whatever they run (launch); pipeline stages: json and yaml.
-_TENSOR_PARALLEL_FORMATS = ("json", "yaml", "launch", "lightning")
-_PIPELINE_FORMATS = ("json", "yaml", "launch")
-
-
-def layout_refusal(config: TrialConfig, fmt: str) -> str | None:
-    """Why format ``fmt`` cannot carry ``config``'s tensor or pipeline parallel layout (None: it can).
-    A format that cannot must not drop it: the job would train another layout than the one measured."""
-    if config.pp > 1 and fmt not in _PIPELINE_FORMATS:
-        return (
-            f"--format {fmt}: this config runs --pp {config.pp} pipeline stages, which autotune cannot express in "
-            f"{fmt}'s config; export --format json and run autotune.prepare(model, 'autotune.json') under torchrun "
-            "(it returns the pipeline: pipeline.step(input_ids=..., labels=...) each optimizer step), or pick a "
-            "config without --pp"
-        )
-    if config.tp > 1 and fmt not in _TENSOR_PARALLEL_FORMATS:
-        # Accelerate's ParallelismConfig (and the Trainer's, through it) loads the model with Transformers' own
-        # tp_plan="auto", which splits the head too: another layout than the trials', and GPU-only (it refuses
-        # a multi-CPU job).
-        why = (
-            "Accelerate's ParallelismConfig (the Trainer's too) splits the model by Transformers' own plan, head "
-            "included, which is not the layout measured"
-            if fmt in ("hf", "accelerate")
-            else f"{fmt}'s config has no tensor-parallel layout"
-        )
-        return (
-            f"--format {fmt}: this config splits layers with --tp {config.tp}, and {why}; export --format json "
-            "and apply it with autotune.prepare(model, 'autotune.json') under torchrun, or --format lightning "
-            "(ModelParallelStrategy), or pick a config without --tp"
-        )
-    return None
 
 
 def export_files(
@@ -198,23 +156,11 @@ def _yaml(config: TrialConfig, workload: Workload, *, device_type: str, summary:
 
 # -- DeepSpeed and Hugging Face TrainingArguments -------------------------------------------
 def _deepspeed(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
-    if config.uses_fsdp:  # a DeepSpeed config without ZeRO would train DDP: not the sharding that was measured
-        raise ConfigError(
-            f"--format deepspeed: this config shards with PyTorch's FSDP2 (--fsdp {config.fsdp}), which DeepSpeed "
-            "does not run (its ZeRO stages are its own sharding); export --format accelerate, lightning or json"
-        )
-    _refuse_where_a_lever_cannot_be_written(config, "deepspeed")
     return _dump_json(deepspeed_config(config, workload, device_type=device_type, hidden_size=hidden_size(workload)))
 
 
 def _hf(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
     """Keyword arguments of ``transformers.TrainingArguments``; LoRA lives in the peft export."""
-    if config.fsdp == "hybrid":
-        raise ConfigError(
-            "--format hf: hybrid sharding is TrainingArguments' parallelism_config, an Accelerate ParallelismConfig "
-            "object that no JSON file holds; export --format accelerate (its parallelism_config) and start the "
-            "Trainer's script with accelerate launch, which hands it over"
-        )
     return _dump_json(
         trainer_arguments(
             config,
@@ -311,13 +257,6 @@ def _accelerate_fsdp(config: TrialConfig, workload: Workload) -> dict[str, Any]:
 # -- Lightning ------------------------------------------------------------------------------
 def _lightning(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
     """``trainer:`` arguments of ``lightning.pytorch.Trainer``, as LightningCLI reads them."""
-    if config.uses_deepspeed and device_type != "cuda":
-        # Trainer(...) accepts it, but fit() raises: Lightning's DeepSpeed strategy needs CUDA.
-        raise ConfigError(
-            f"--format lightning: this config uses --zero-stage {config.zero_stage} on a "
-            f"{device_type}, and Lightning runs DeepSpeed only on CUDA GPUs; export "
-            "--format accelerate or hf instead, or pick a config without ZeRO"
-        )
     trainer = {
         "accelerator": "cpu" if device_type == "cpu" else "gpu",
         "devices": workload.ranks_per_node,  # Lightning's devices are each node's
@@ -418,14 +357,6 @@ def _bnb(config: TrialConfig, workload: Workload, *, device_type: str, summary: 
 
 
 # -- shared helpers -------------------------------------------------------------------------
-def _refuse_where_a_lever_cannot_be_written(config: TrialConfig, format_name: str) -> None:
-    """Raise the first lever's refusal of ``format_name`` for ``config`` (see ``Lever.format_refusal``)."""
-    for lever in LEVERS:
-        refusal = lever.format_refusal(config, format_name)
-        if refusal is not None:
-            raise ConfigError(refusal)
-
-
 def _header(
     config: TrialConfig, workload: Workload, summary: dict[str, Any], *, launch: list[str] | None = None
 ) -> str:

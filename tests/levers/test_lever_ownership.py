@@ -26,6 +26,7 @@ from autotune.levers import (
     AXIS_ORDER,
     CHECK_ORDER,
     DROPPED_ORDER,
+    FORMAT_ORDER,
     HEADER_ORDER,
     IN_CODE_AFTER_LAYOUT,
     IN_CODE_BEFORE_LAYOUT,
@@ -96,7 +97,7 @@ NOT_YET: dict[str, set[str]] = {
     "autotune/estimate/worker.py": {"pp"},
     "autotune/estimate/zero_states.py": {"offload", "precision", "zero_stage"},
     # the export keys
-    "autotune/output/exporters.py": {"fsdp", "offload", "pp", "tp", "zero_stage"},
+    "autotune/output/exporters.py": {"fsdp", "offload", "zero_stage"},
     "autotune/output/render.py": {"checkpointing"},
     # a framework script's own ZeRO, which the trial leaves alone
     "autotune/scripts/measure.py": {"zero_stage"},
@@ -164,7 +165,7 @@ def test_every_field_belongs_to_one_lever_or_is_listed_as_not_yet() -> None:
     )
     in_code = IN_CODE_BEFORE_LAYOUT + IN_CODE_AFTER_LAYOUT
     orders = (LABEL_ORDER, CHECK_ORDER, REFUSAL_ORDER, MODEL_REFUSAL_ORDER, AXIS_ORDER, DROPPED_ORDER)
-    orders += (TRAINER_ORDER, HEADER_ORDER)
+    orders += (TRAINER_ORDER, HEADER_ORDER, FORMAT_ORDER)
     for order in (*orders, in_code):
         assert sorted(map(id, order)) == sorted(map(id, LEVERS)), "each order of autotune.levers names every lever once"
 
