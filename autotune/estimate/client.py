@@ -7,12 +7,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
-import select
-import signal
-import subprocess
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
@@ -20,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 from autotune.errors import ConfigError
 from autotune.estimate.measured_with import AS_INSTALLED, MeasuredWith
 from autotune.estimate.results import EstimateError, MemoryEstimate
+from autotune.trial.fork_server import ServerGone, ServerProcess
 
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
@@ -119,72 +115,41 @@ def predict_memories(
 
 
 class _EstimateServer:
-    """The caller's handle on one ``python -m autotune.estimate.worker`` process."""
-
-    START_TIMEOUT_S = 120.0  # its imports, on a slow disk
+    """The caller's handle on the estimate server (``python -m autotune.estimate.worker``), one request at a time."""
 
     def __init__(self) -> None:
-        self._process: subprocess.Popen[str] | None = None
-        self._ready = False  # it said it has imported everything
+        self._server = ServerProcess("autotune.estimate.worker")
         self._lock = threading.Lock()
 
     def ask(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         with self._lock:
-            process = self._running()
-            assert process.stdin is not None and process.stdout is not None
-            process.stdin.write(json.dumps(request) + "\n")
-            process.stdin.flush()
             started = time.monotonic()
-            self._read_ready(process, timeout_s)  # the request waits in its pipe meanwhile
-            return self._line(process, timeout_s - (time.monotonic() - started))
+            try:
+                self._server.send(request)  # it waits in the pipe while the server imports
+                self._server.wait_ready(timeout_s)
+                return self._server.reply(timeout_s - (time.monotonic() - started))
+            except TimeoutError:
+                self._server.close()  # a late answer must not be read as the next request's
+                raise EstimateError(f"the estimate took more than {timeout_s:g} s") from None
+            except (ServerGone, BrokenPipeError):
+                self._server.close()
+                raise EstimateError("the estimate server exited") from None
 
     def start(self) -> None:
         """Start the server now, if it is not running, without waiting for its imports."""
         with self._lock:
-            self._running()
+            self._server.start()
 
     def wait_if_starting(self) -> None:
         """Wait until a server started already has imported everything (a server that died is left for
         the next estimate to find out); nothing where none was started."""
         with self._lock:
-            if self._process is not None and self._process.poll() is None:
-                with contextlib.suppress(EstimateError):
-                    self._read_ready(self._process, self.START_TIMEOUT_S)
-
-    def _read_ready(self, process: subprocess.Popen[str], timeout_s: float) -> None:
-        if not self._ready:
-            self._ready = "ready" in self._line(process, timeout_s)
-
-    def _line(self, process: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
-        assert process.stdout is not None
-        ready, _, _ = select.select([process.stdout], [], [], max(timeout_s, 0.0))
-        line = process.stdout.readline() if ready else ""
-        if not line:
-            self.close()  # a late answer must not be read as the next request's
-            if not ready:
-                raise EstimateError(f"the estimate took more than {timeout_s:g} s")
-            raise EstimateError("the estimate server exited")
-        return json.loads(line)
-
-    def _running(self) -> subprocess.Popen[str]:
-        if self._process is None or self._process.poll() is not None:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "autotune.estimate.worker"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-                start_new_session=True,
-            )
-            self._ready = False
-        return self._process
+            if self._server.started:
+                with contextlib.suppress(TimeoutError, ServerGone):
+                    self._server.wait_ready()
 
     def close(self) -> None:
-        if self._process is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._process.pid, signal.SIGKILL)  # the server and an estimate it forked
-            self._process.wait()
-            self._process = None
+        self._server.close()
 
 
 _SERVER = _EstimateServer()

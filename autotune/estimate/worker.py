@@ -22,18 +22,34 @@ import collections
 import dataclasses
 import json
 import os
-import sys
 import time
 from typing import Any, Sequence
+
+from autotune.trial import fork_server
+from autotune.trial.fork_server import Reply
 
 __all__ = ["serve"]
 
 
 def serve() -> None:
-    # A CUDA context does not survive fork, and an estimate for a CUDA workload traces on fake CUDA
-    # tensors (which make one): nothing here may create one. torch.cuda.is_available(), which some
-    # imports call, then asks NVML instead of initialising the CUDA driver.
-    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    traces = _Traces()
+
+    def answer(request: dict[str, Any], reply: Reply) -> None:
+        if "probe" in request:
+            answered = _probe(request)
+        elif "all" in request:
+            answered = {"all": _answer_all(request["all"], traces)}
+        else:
+            answered = _answer(request, traces)
+        traces.forget_failures()
+        reply(answered)
+
+    fork_server.serve(_import_once, answer)
+
+
+def _import_once() -> None:
+    # An estimate for a CUDA workload traces on fake CUDA tensors, which would make a context here: each trace
+    # runs forked, and the server itself makes none (fork_server.serve).
     import torch  # noqa: F401 - imported once here, inherited by every forked estimate
     from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
     from transformers import (  # noqa: F401
@@ -47,24 +63,6 @@ def serve() -> None:
     from autotune.estimate.trace import prepare_tracing
 
     prepare_tracing()
-
-    replies = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # model code's stray prints must not land in the replies
-    replies.write(json.dumps({"ready": 1}) + "\n")  # a device probe waits for these imports to end
-    replies.flush()
-    traces = _Traces()
-    for line in sys.stdin:
-        if line.strip():
-            request = json.loads(line)
-            if "probe" in request:
-                reply = _probe(request)
-            elif "all" in request:
-                reply = {"all": _answer_all(request["all"], traces)}
-            else:
-                reply = _answer(request, traces)
-            traces.forget_failures()
-            replies.write(json.dumps(reply) + "\n")
-            replies.flush()
 
 
 def _probe(request: dict[str, Any]) -> dict[str, Any]:

@@ -266,7 +266,7 @@ IN_CODE_AFTER_LAYOUT: tuple[Lever, ...] = (FSDP, TENSOR_PARALLEL, PIPELINE, OPTI
 
 # The levers whose values leave a config's model states (its parameters, gradients and optimizer state per rank)
 # as they are: they change what a step computes or keeps of its activations, not what the model holds between
-# steps. (Precision, the optimizer and LoRA change them; so do the sharding knobs that are not levers yet.)
+# steps. (Precision, the optimizer, LoRA, float8 and the layout's levers change them.)
 STATES_KEEPERS: tuple[Lever, ...] = (ATTENTION, CHECKPOINTING, LOSS, ACTIVATION_OFFLOAD, COMPILE)
 
 

@@ -1,5 +1,5 @@
 """What a config does to a model: the levers (``autotune.levers``) applied in their order, with LoRA on a base
-quantized or not, tensor parallel, FSDP and pipeline stages (not yet levers of their own) where they go among
+quantized or not, tensor parallel, FSDP and pipeline stages (whose applying is still here) where they go among
 them, the same way in trials and in users' jobs; and the facts about a model that say which of them it can take,
 found before any trial.
 

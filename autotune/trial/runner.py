@@ -29,6 +29,7 @@ from autotune.prepare import refusal_before_trial
 from autotune.trial.child import LAUNCH_TIME_ENV
 from autotune.trial.cpu_cores import free_cores
 from autotune.trial.failures import classify_exit, describe_exit
+from autotune.trial.fork_server import ServerGone, ServerProcess
 from autotune.trial.lifeline import PARENT_PID_ENV, die_with_parent
 from autotune.trial.multinode import node_ranks
 from autotune.trial.result import TOKENS_PER_S, PhaseTimings, TrialResult, TrialStatus
@@ -203,13 +204,12 @@ def run_process_group(
 
 
 class _TrialServer:
-    """The runner's handle on one ``python -m autotune.trial.server`` process, started on first use."""
-
-    START_TIMEOUT_S = 120.0  # its imports, on a slow disk
+    """The runner's handle on the trial server (``python -m autotune.trial.server``), started on first use."""
 
     def __init__(self) -> None:
-        self._process: subprocess.Popen[str] | None = None
-        self._ready = False  # it said it has imported everything
+        self._server = ServerProcess(
+            "autotune.trial.server", env=lambda: dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
+        )
         self._refused = False  # it said it cannot fork safely (CUDA initialised): not asked again
 
     def enabled(self) -> bool:
@@ -223,8 +223,6 @@ class _TrialServer:
     def run(self, spec: TrialSpec, work: Path, *, timeout_s: float, env: dict[str, str]) -> tuple[int, bool] | None:
         """Fork the trial of ``work/spec.json``: its exit code, and whether it was killed on ``timeout_s``;
         None when the server is not there to fork it."""
-        process = self.start()
-        assert process.stdin is not None and process.stdout is not None
         request = {
             "spec": str(work / "spec.json"),
             "out": str(work),
@@ -234,128 +232,90 @@ class _TrialServer:
             "nproc": spec.workload.nproc,
         }
         started = time.monotonic()
-        pid = self._send(process, request)
+        pid = self._send(request)
         if pid is None:
             return None
         try:
-            code = self._read(process, "exit_code", timeout_s - (time.monotonic() - started))
+            code = self._read("exit_code", timeout_s - (time.monotonic() - started))
             _kill_group(pid)  # anything the trial left behind in its group
             return code, False
         except TimeoutError:
             _kill_tree(pid)
-            return self._read(process, "exit_code", 30.0), True
-        except _ServerGone:  # killed from outside mid-trial: so was the trial (it dies with the server)
+            return self._read("exit_code", 30.0), True
+        except ServerGone:  # killed from outside mid-trial: so was the trial (it dies with the server)
             return -signal.SIGKILL, False
         except BaseException:  # Ctrl-C: the trial goes, reaped by the server, which stays for the next
             _kill_tree(pid)
             try:
-                self._read(process, "exit_code", 30.0)
-            except (TimeoutError, _ServerGone):
+                self._read("exit_code", 30.0)
+            except (TimeoutError, ServerGone):
                 self.close()
             raise
 
     def probe(self, device_type: str, what: str, *, timeout_s: float) -> Any:
         """The device probe forked from the server (see :mod:`autotune.trial.device_probe`): what it measured;
         None when it failed or the server is not there to fork it."""
-        process = self.start()
         try:
-            pid = self._send(process, {"probe": [device_type, what], "env": dict(os.environ)})
+            pid = self._send({"probe": [device_type, what], "env": dict(os.environ)})
         except TimeoutError:  # no answer from the server: the probe runs in an interpreter of its own
             return None
         if pid is None:
             return None
         try:
-            return self._reply(process, "probe", timeout_s)["probe"]
-        except _ServerGone:
+            return self._reply("probe", timeout_s)["probe"]
+        except ServerGone:
             return None
         except BaseException as exc:  # a timeout or Ctrl-C: the probe goes, reaped by the server
             _kill_tree(pid)
             try:
-                self._reply(process, "probe", 30.0)
-            except (TimeoutError, _ServerGone):
+                self._reply("probe", 30.0)
+            except (TimeoutError, ServerGone):
                 self.close()
             if isinstance(exc, TimeoutError):
                 return None
             raise
 
-    def _send(self, process: subprocess.Popen[str], request: dict[str, Any]) -> int | None:
+    def _send(self, request: dict[str, Any]) -> int | None:
         """Hand ``request`` to the server once it is ready: the pid (process group) of what it forked, or None
         when the server is not there to fork it (refusing, or gone)."""
-        assert process.stdin is not None
         try:
-            self._wait_ready(process)
-            process.stdin.write(json.dumps(request) + "\n")
-            process.stdin.flush()
-            return self._read(process, "pid", self.START_TIMEOUT_S)
+            self._server.wait_ready()
+            self._server.send(request)
+            return self._read("pid", ServerProcess.START_TIMEOUT_S)
         except _Refused:
             self._refused = True
             self.close()
             return None
-        except (BrokenPipeError, _ServerGone):
+        except (BrokenPipeError, ServerGone):
             self.close()
             return None
         except BaseException:
             self.close()  # it cannot be trusted with the next request
             raise
 
-    def _read(self, process: subprocess.Popen[str], key: str, timeout_s: float) -> int:
-        return int(self._reply(process, key, timeout_s)[key])
+    def _read(self, key: str, timeout_s: float) -> int:
+        return int(self._reply(key, timeout_s)[key])
 
-    def _reply(self, process: subprocess.Popen[str], key: str, timeout_s: float) -> dict[str, Any]:
-        import select
-
-        assert process.stdout is not None
-        ready, _, _ = select.select([process.stdout], [], [], max(timeout_s, 0.0))
-        if not ready:
-            raise TimeoutError(key)
-        line = process.stdout.readline()
-        if not line:
-            self.close()
-            raise _ServerGone()
-        reply: dict[str, Any] = json.loads(line)
+    def _reply(self, key: str, timeout_s: float) -> dict[str, Any]:
+        reply = self._server.reply(timeout_s)
         if "error" in reply:
             raise _Refused(reply["error"])
         return reply
 
-    def start(self) -> subprocess.Popen[str]:
-        """The server process, started now (without waiting for its imports) if it is not running."""
-        if self._process is None or self._process.poll() is not None:
-            env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "autotune.trial.server"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-                start_new_session=True,
-                env=env,
-            )
-            self._ready = False
-        return self._process
+    def start(self) -> None:
+        """Start the server now (without waiting for its imports) if it is not running."""
+        self._server.start()
 
     def wait_until_ready(self) -> None:
         """Start the server if needed and wait until it has imported everything (it says "ready").
         A server that died or refused is left for :meth:`run` to find out."""
         try:
-            self._wait_ready(self.start())
-        except (TimeoutError, _ServerGone, _Refused):
+            self._server.wait_ready()
+        except (TimeoutError, ServerGone):
             self.close()
 
-    def _wait_ready(self, process: subprocess.Popen[str]) -> None:
-        if not self._ready:
-            self._read(process, "ready", self.START_TIMEOUT_S)
-            self._ready = True
-
     def close(self) -> None:
-        if self._process is not None:
-            _kill_group(self._process.pid)
-            self._process.kill()
-            self._process.wait()
-            self._process = None
-
-
-class _ServerGone(RuntimeError):
-    """The trial server exited (killed from outside): the trial's own end is unknown."""
+        self._server.close()
 
 
 class _Refused(RuntimeError):

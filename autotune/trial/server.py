@@ -28,19 +28,22 @@ new interpreter's ``import torch`` is most of its time): ``{"probe": [device typ
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
-from typing import IO, Any
+from typing import Any
+
+from autotune.trial import fork_server
+from autotune.trial.fork_server import Reply
 
 __all__ = ["serve", "preload_libraries"]
 
 
 def serve() -> None:
-    # A CUDA context does not survive fork: nothing here may create one. torch.cuda.is_available(),
-    # which some imports call, then asks NVML instead of initialising the CUDA driver.
-    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    fork_server.serve(_import_once, _answer)
+
+
+def _import_once() -> None:
     import torch  # noqa: F401 - imported once here, inherited by every forked trial
     import transformers  # noqa: F401
 
@@ -49,25 +52,21 @@ def serve() -> None:
     import autotune.trial.measure  # noqa: F401
     import autotune.trial.memory  # noqa: F401
 
-    replies = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # stray prints must not land in the replies
-    _reply(replies, {"ready": 1})  # the runner measures a trial's free cores once these imports are done
-    for line in sys.stdin:
-        if line.strip():
-            request = json.loads(line)
-            if "probe" in request:
-                _serve_probe(request, replies)
-            else:
-                _serve_one(request, replies)
+
+def _answer(request: dict[str, Any], reply: Reply) -> None:
+    if "probe" in request:
+        _serve_probe(request, reply)
+    else:
+        _serve_one(request, reply)
 
 
-def _serve_one(request: dict[str, Any], replies: IO[str]) -> None:
+def _serve_one(request: dict[str, Any], reply: Reply) -> None:
     from autotune.models.sources import import_model_module
 
     workload = request["workload"]
     import_model_module(workload["model"], trust_remote_code=bool(workload.get("trust_remote_code")))
     _preload_for_config(request["spec"])
-    if not _can_fork(replies):
+    if not _can_fork(reply):
         return
     nproc = int(request.get("nproc", 1))
     ranks = _rank_envs(nproc)
@@ -82,28 +81,28 @@ def _serve_one(request: dict[str, Any], replies: IO[str]) -> None:
         with contextlib.suppress(PermissionError, ProcessLookupError):  # the child may have done it already
             os.setpgid(pid, leader)  # every rank in one new process group: killed whole on a timeout
         pids.append(pid)
-    _reply(replies, {"pid": leader})
-    _reply(replies, {"exit_code": _reap(pids, leader)})
+    reply({"pid": leader})
+    reply({"exit_code": _reap(pids, leader)})
 
 
-def _can_fork(replies: IO[str]) -> bool:
+def _can_fork(reply: Reply) -> bool:
     import torch
 
     if torch.cuda.is_initialized():  # some import did it anyway: a fork would inherit a dead context
-        _reply(replies, {"error": "CUDA was initialised in the trial server; trials start in new interpreters"})
+        reply({"error": "CUDA was initialised in the trial server; trials start in new interpreters"})
         return False
     return True
 
 
-def _serve_probe(request: dict[str, Any], replies: IO[str]) -> None:
+def _serve_probe(request: dict[str, Any], reply: Reply) -> None:
     """Fork the device probe; its pid (process group) as soon as it exists, then what it measured."""
     from autotune.trial.device_probe import forked_probe
 
-    if not _can_fork(replies):
+    if not _can_fork(reply):
         return
     device_type, what = request["probe"]
-    measured = forked_probe(device_type, what, request["env"], forked=lambda pid: _reply(replies, {"pid": pid}))
-    _reply(replies, {"probe": measured})
+    measured = forked_probe(device_type, what, request["env"], forked=lambda pid: reply({"pid": pid}))
+    reply({"probe": measured})
 
 
 def _rank_envs(nproc: int) -> list[dict[str, str]]:
@@ -219,11 +218,6 @@ def _look_like_a_new_interpreter(cwd: str) -> None:
     extra = [cwd] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:0] = [p for p in extra if p not in sys.path]
     importlib.invalidate_caches()  # directories the server listed may have changed since
-
-
-def _reply(replies: IO[str], message: dict[str, Any]) -> None:
-    replies.write(json.dumps(message) + "\n")
-    replies.flush()
 
 
 if __name__ == "__main__":
