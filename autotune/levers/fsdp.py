@@ -136,6 +136,31 @@ class FsdpLever(Lever):
     def layout_flag(self, config: TrialConfig) -> str | None:
         return fsdp_flag(config)
 
+    # -- its share of a search space's ``zero`` parameter (ZeRO's, autotune.levers.zero): one sharding per config --
+    def sharding_values(
+        self, modes: tuple[str | None, ...], offloads: tuple[str, ...], nproc: int, device_type: str
+    ) -> tuple[str, ...]:
+        """The parameter's values for a space's modes x offloads (``fsdp-full``, ``fsdp-full+optimizer+params``):
+        only the pairs that mean something on ``nproc`` ranks of a ``device_type`` device."""
+        return tuple(
+            _label(mode, offload)
+            for mode in modes
+            if mode
+            for offload in offloads
+            if _pair_means_something(offload, nproc, device_type)
+        )
+
+    def sharding_fields(self, value: str) -> dict[str, Any] | None:
+        """The config's FSDP and offload fields of one of the parameter's values; None: the value is ZeRO's."""
+        if not value.startswith("fsdp-"):
+            return None
+        mode, _, offload = value.removeprefix("fsdp-").partition("+")
+        return {"fsdp": mode, "offload": offload or "none"}
+
+    def sharding_param(self, config: TrialConfig) -> str | None:
+        """The parameter's value for ``config``; None: it does not use FSDP (ZeRO's lever says it)."""
+        return None if config.fsdp is None else f"fsdp-{config.fsdp}{offload_suffix(config, named=True)}"
+
     def format_refusal(self, config: TrialConfig, format_name: str, device_type: str) -> str | None:
         if config.fsdp is None:
             return None
@@ -166,3 +191,15 @@ class FsdpLever(Lever):
             return []
         group = f"/{config.shard_group}" if config.shard_group else ""
         return [f"fsdp-{config.fsdp}{group}{offload_suffix(config, named=False)}"]
+
+
+def _label(mode: str, offload: str) -> str:
+    return f"fsdp-{mode}" + ("" if offload == "none" else f"+{offload}")
+
+
+def _pair_means_something(offload: str, nproc: int, device_type: str) -> bool:
+    if offload == "optimizer":
+        return False  # FSDP2 offloads parameters, gradients and the optimizer step together
+    if offload != "none" and device_type == "cpu":
+        return False  # offloading from the CPU to the CPU changes nothing
+    return nproc > 1 or offload != "none"

@@ -71,6 +71,28 @@ class ZeroLever(Lever):
     def layout_flag(self, config: TrialConfig) -> str | None:
         return zero_flag(config)
 
+    # -- its share of a search space's ``zero`` parameter: the sharding with its offload (FSDP's too) -----------
+    def sharding_values(
+        self, stages: tuple[int | None, ...], offloads: tuple[str, ...], nproc: int, device_type: str
+    ) -> tuple[str, ...]:
+        """The parameter's values for a space's stages x offloads (``off``, ``2``, ``3+optimizer``): only the pairs
+        that mean something on ``nproc`` ranks of a ``device_type`` device."""
+        return tuple(
+            _label(stage, offload)
+            for stage in stages
+            for offload in offloads
+            if _pair_means_something(stage, offload, nproc, device_type)
+        )
+
+    def sharding_fields(self, value: str) -> dict[str, Any]:
+        """The config's ZeRO and offload fields of one of its values."""
+        stage, _, offload = value.partition("+")
+        return {"zero_stage": None if stage == "off" else int(stage), "offload": offload or "none"}
+
+    def sharding_param(self, config: TrialConfig) -> str:
+        """The parameter's value for ``config`` (one without FSDP)."""
+        return "off" if config.zero_stage is None else f"{config.zero_stage}{offload_suffix(config, named=True)}"
+
     def format_refusal(self, config: TrialConfig, format_name: str, device_type: str) -> str | None:
         if config.zero_stage is not None and format_name == "lightning" and device_type != "cuda":
             # Trainer(...) accepts it, but fit() raises: Lightning's DeepSpeed strategy needs CUDA.
@@ -85,3 +107,19 @@ class ZeroLever(Lever):
         if config.zero_stage is None:
             return []
         return [f"zero{config.zero_stage}{offload_suffix(config, named=True)}"]
+
+
+def _label(stage: int | None, offload: str) -> str:
+    if stage is None:
+        return "off"
+    return str(stage) if offload == "none" else f"{stage}+{offload}"
+
+
+def _pair_means_something(stage: int | None, offload: str, nproc: int, device_type: str) -> bool:
+    if stage is None:
+        return offload == "none"
+    if offload == "optimizer+params" and stage != 3 or offload == "optimizer" and stage == 0:
+        return False
+    if offload != "none" and device_type == "cpu":
+        return False  # offloading from the CPU to the CPU changes nothing
+    return nproc > 1 or offload != "none"  # sharding over one rank saves nothing; offload still does

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.config.knobs import FSDP_MODES, OFFLOADS, PP_SCHEDULES, ZERO_STAGES, TrialConfig
 from autotune.errors import ConfigError
-from autotune.levers import AXIS_ORDER, DROPPED_ORDER
+from autotune.levers import AXIS_ORDER, DROPPED_ORDER, FSDP, ZERO
 from autotune.levers.base import Axis, Lever
 from autotune.levers.lora import QUANTIZATIONS, QUANTIZE_REFUSAL, quantize_library_refusal
 
@@ -148,20 +148,9 @@ class SearchSpace:
             )
         facts = _facts(workload)
         choices = {"micro_batch": tuple(micro), **self._runnable(workload, device, facts, moved_only=False)}
-        zero = tuple(
-            _zero_label(stage, offload)
-            for stage in self.zero_stage
-            for offload in self.offload
-            if _zero_pair_means_something(stage, offload, workload.nproc, device.type)
-        )
-        # FSDP shares ZeRO's parameter: one sharding per config, each value a (mode, offload) pair.
-        zero += tuple(
-            _fsdp_label(mode, offload)
-            for mode in self.fsdp
-            if mode
-            for offload in self.offload
-            if _fsdp_pair_means_something(offload, workload.nproc, device.type)
-        )
+        # FSDP shares ZeRO's parameter: one sharding per config, each value a (stage or mode, offload) pair.
+        zero = ZERO.sharding_values(self.zero_stage, self.offload, workload.nproc, device.type)
+        zero += FSDP.sharding_values(self.fsdp, self.offload, workload.nproc, device.type)
         if not zero:
             why = "on one rank ZeRO and FSDP need offload" + (
                 "; on a CPU device offloading to the CPU changes nothing" if device.type == "cpu" else ""
@@ -261,18 +250,14 @@ class SearchSpace:
 
     def config_of(self, params: dict[str, Any]) -> TrialConfig:
         """The TrialConfig of one value per parameter (see :meth:`choices`)."""
-        sharding, _, offload = params["zero"].partition("+")
-        fsdp = sharding.removeprefix("fsdp-") if sharding.startswith("fsdp-") else None
-        stage = "off" if fsdp else sharding
+        sharding = FSDP.sharding_fields(params["zero"]) or ZERO.sharding_fields(params["zero"])
         rank_and_quantization, _, targets = params["lora"].partition(":")
         rank, _, quantization = rank_and_quantization.partition("/")
         levers = {name: value for lever in AXIS_ORDER for name, value in lever.config_fields(params).items()}
         return TrialConfig(
             micro_batch=params["micro_batch"],
             **levers,
-            zero_stage=None if stage == "off" else int(stage),
-            fsdp=fsdp,
-            offload=offload or "none",
+            **sharding,
             lora_rank=None if rank == "off" else int(rank),
             lora_alpha=self.lora_alpha if rank != "off" else None,
             lora_targets=tuple(targets.split(",")) if targets else None,
@@ -297,9 +282,7 @@ class SearchSpace:
             "micro_batch": config.micro_batch,
             **levers,
             **({} if config.model_parallel == 1 else {"layout": config.layout}),
-            "zero": _fsdp_label(config.fsdp, config.offload)
-            if config.fsdp is not None
-            else _zero_label(config.zero_stage, config.offload),
+            "zero": FSDP.sharding_param(config) or ZERO.sharding_param(config),
             "lora": lora,
         }
 
@@ -320,39 +303,11 @@ class SearchSpace:
         return found
 
 
-def _zero_pair_means_something(stage: int | None, offload: str, nproc: int, device_type: str) -> bool:
-    if stage is None:
-        return offload == "none"
-    if offload == "optimizer+params" and stage != 3 or offload == "optimizer" and stage == 0:
-        return False
-    if offload != "none" and device_type == "cpu":
-        return False  # offloading from the CPU to the CPU changes nothing
-    return nproc > 1 or offload != "none"  # sharding over one rank saves nothing; offload still does
-
-
 def _facts(workload: Workload) -> ModelFacts:
     """The workload's model's facts that the levers' axes ask for, each read once, when first asked."""
     from autotune.prepare.workload_facts import WorkloadFacts  # its task imports transformers: only when asked
 
     return WorkloadFacts(workload)
-
-
-def _fsdp_pair_means_something(offload: str, nproc: int, device_type: str) -> bool:
-    if offload == "optimizer":
-        return False  # FSDP2 offloads parameters, gradients and the optimizer step together
-    if offload != "none" and device_type == "cpu":
-        return False  # offloading from the CPU to the CPU changes nothing
-    return nproc > 1 or offload != "none"
-
-
-def _fsdp_label(mode: str, offload: str) -> str:
-    return f"fsdp-{mode}" + ("" if offload == "none" else f"+{offload}")
-
-
-def _zero_label(stage: int | None, offload: str) -> str:
-    if stage is None:
-        return "off"
-    return str(stage) if offload == "none" else f"{stage}+{offload}"
 
 
 def _lora_label(rank: int | None, targets: str, quantization: str = "off") -> str:

@@ -104,8 +104,8 @@ NOT_YET: dict[str, set[str]] = {
     # the quantized base's applying, LoRA's search-space parameter, and the adapter facts a study stores and shows:
     # the lever's module holds its fields, checks, refusals, labels, targets and adapters
     "autotune/prepare/quantize.py": {"quantize_base"},
-    # the space's composite parameters: LoRA's, the sharding with its offload (zero), the splits (layout)
-    "autotune/search/space.py": {"fsdp", "lora_rank", "lora_targets", "offload", "quantize_base", "zero_stage"},
+    # the space's composite parameter of LoRA
+    "autotune/search/space.py": {"lora_rank", "lora_targets", "quantize_base"},
     "autotune/study/stored_facts.py": {"lora_rank", "lora_targets"},
     # the proposer's and the plan's moves, the summary's notes
     "autotune/search/plan.py": {"precision"},
