@@ -213,6 +213,15 @@ class Lever:
         """Its word in a layout as a search space writes it (``tp2+sp``, ``pp2:1f1b``); None: it splits nothing."""
         return None
 
+    def layout_fields(self, word: str) -> dict[str, Any] | None:
+        """The config's fields of one word of a layout (``tp2+sp``) where the word is this lever's; None: it is not
+        (a space's ``layout`` values are read word by word, each by the lever it names)."""
+        return None
+
+    def layout_words(self, nproc: int) -> list[str]:
+        """This lever's words for every split of ``nproc`` ranks, which a space's ``layout: auto`` offers."""
+        return []
+
     def layout_flag(self, config: TrialConfig) -> str | None:
         """Its layout's flag as typed, for messages (``--zero-stage 2``, ``--tp 2``); None: at its default."""
         return None

@@ -10,11 +10,12 @@ framework runs them with the rest of the config.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autotune.errors import ConfigError
-from autotune.levers.base import Flag, Lever, ModelFacts, is_count
+from autotune.levers.base import Flag, Lever, ModelFacts, divisors, is_count
 from autotune.levers.fsdp import fsdp_flag
 from autotune.levers.offload import OffloadLever
 from autotune.levers.tensor_parallel import sequence_parallel_flag
@@ -126,6 +127,15 @@ class PipelineLever(Lever):
 
     def layout_word(self, config: TrialConfig) -> str | None:
         return f"pp{config.pp}:{config.pp_schedule}" if config.pp > 1 else None
+
+    def layout_fields(self, word: str) -> dict[str, Any] | None:
+        match = re.fullmatch(r"pp(\d+)(?::([a-z0-9-]+))?", word)
+        if match is None or int(match.group(1)) < 2 or match.group(2) not in (None, *PP_SCHEDULES):
+            return None
+        return {"pp": int(match.group(1)), "pp_schedule": match.group(2) or "1f1b"}
+
+    def layout_words(self, nproc: int) -> list[str]:
+        return [f"pp{n}:{schedule}" for n in divisors(nproc) if n > 1 for schedule in PP_SCHEDULES]
 
     def layout_flag(self, config: TrialConfig) -> str | None:
         return f"--pp {config.pp}" if config.pp > 1 else None

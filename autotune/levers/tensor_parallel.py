@@ -7,8 +7,9 @@ as torchtitan's ``parallelize`` applies TP before checkpointing, compile and FSD
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autotune.errors import ConfigError
 from autotune.levers.base import Flag, Lever, ModelFacts, divisors, is_count
@@ -139,6 +140,15 @@ class TensorParallelLever(Lever):
 
     def layout_word(self, config: TrialConfig) -> str | None:
         return f"tp{config.tp}" + ("+sp" if config.sequence_parallel else "") if config.tp > 1 else None
+
+    def layout_fields(self, word: str) -> dict[str, Any] | None:
+        match = re.fullmatch(r"tp(\d+)(\+sp)?", word)
+        if match is None or int(match.group(1)) < 2:
+            return None
+        return {"tp": int(match.group(1)), "sequence_parallel": match.group(2) is not None}
+
+    def layout_words(self, nproc: int) -> list[str]:
+        return [word for n in divisors(nproc) if n > 1 for word in (f"tp{n}", f"tp{n}+sp")]
 
     def layout_flag(self, config: TrialConfig) -> str | None:
         return f"--tp {config.tp}" if config.tp > 1 else None

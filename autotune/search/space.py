@@ -14,13 +14,13 @@ import functools
 import hashlib
 import itertools
 import json
-import re
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autotune.config.knobs import FSDP_MODES, OFFLOADS, PP_SCHEDULES, ZERO_STAGES, TrialConfig
 from autotune.errors import ConfigError
-from autotune.levers import AXIS_ORDER, DROPPED_ORDER, FSDP, ZERO
+from autotune.levers import AXIS_ORDER, DROPPED_ORDER, FSDP, LABEL_ORDER, ZERO
 from autotune.levers.base import Axis, Lever
 from autotune.levers.lora import QUANTIZATIONS, QUANTIZE_REFUSAL, quantize_library_refusal
 
@@ -210,10 +210,7 @@ class SearchSpace:
         """The layout labels the space offers for the workload's ranks: ``auto`` expands to every split."""
         if "auto" not in self.layout:
             return self.layout
-        splits = [n for n in range(2, workload.nproc + 1) if workload.nproc % n == 0]
-        found = ["dp"]
-        found += [label for n in splits for label in (f"tp{n}", f"tp{n}+sp")]
-        found += [f"pp{n}:{schedule}" for n in splits for schedule in PP_SCHEDULES]
+        found = ["dp", *(word for lever in LABEL_ORDER for word in lever.layout_words(workload.nproc))]
         return tuple(dict.fromkeys([*found, *(label for label in self.layout if label != "auto")]))
 
     def _default_lora(self) -> bool:
@@ -366,15 +363,19 @@ def later_knob_value(config: TrialConfig, knob: str) -> Any:
 def layout_knobs(label: str) -> dict[str, Any]:
     """The TrialConfig knobs of a layout label (:attr:`TrialConfig.layout`): ``dp``, ``tp2``, ``tp2+sp``,
     ``pp2`` or ``pp2:gpipe``, or a tensor and a pipeline split together (``tp2 pp2:1f1b``)."""
-    knobs: dict[str, Any] = {}
-    for part in label.split():
-        if part.startswith("tp"):
-            degree, _, sp = part.removeprefix("tp").partition("+")
-            knobs.update(tp=int(degree), sequence_parallel=sp == "sp")
-        elif part.startswith("pp"):
-            degree, _, schedule = part.removeprefix("pp").partition(":")
-            knobs.update(pp=int(degree), pp_schedule=schedule or "1f1b")
-    return knobs
+    return {name: value for _, fields in _layout_words(label) or [] for name, value in fields.items()}
+
+
+def _layout_words(label: str) -> list[tuple[Lever, dict[str, Any]]] | None:
+    """Each word of a layout label (``dp`` has none) with the lever it names and its fields; None where a word
+    is no lever's."""
+    found = []
+    for word in label.split() if label != "dp" else []:
+        owned = [(lever, fields) for lever in LABEL_ORDER if (fields := lever.layout_fields(word)) is not None]
+        if not owned:
+            return None
+        found += owned
+    return found
 
 
 def _is_layout(value: Any) -> bool:
@@ -382,31 +383,23 @@ def _is_layout(value: Any) -> bool:
         return False
     if value == "dp":
         return True
-    parts = value.split()
-    kinds = [part[:2] for part in parts]
-    return 0 < len(parts) == len(set(kinds)) and all(_is_split(part) for part in parts)
-
-
-def _is_split(part: str) -> bool:
-    """One split of a layout label: ``tpN`` or ``tpN+sp``, ``ppN`` or ``ppN:SCHEDULE``, N >= 2."""
-    match = re.fullmatch(r"tp(\d+)(\+sp)?|pp(\d+)(:[a-z0-9-]+)?", part)
-    if match is None or int(match.group(1) or match.group(3)) < 2:
-        return False
-    return match.group(4) is None or match.group(4)[1:] in PP_SCHEDULES
+    words = _layout_words(value)
+    levers = [id(lever) for lever, _ in words or []]
+    return bool(levers) and len(levers) == len(set(levers))  # one word per lever
 
 
 @functools.lru_cache(maxsize=64)  # the tuner asks for the choices before every trial; each reads the model's config
 def _layout_refusal(workload: Workload, label: str) -> str | None:
     """Why the layout cannot split the workload's ranks or model (None: it can), said before any trial."""
-    knobs = layout_knobs(label)
-    if not knobs:
+    words = _layout_words(label) or []
+    if not words:
         return None
-    degree = knobs.get("tp", 1) * knobs.get("pp", 1)
+    degree = math.prod(lever.model_ranks(TrialConfig(**fields)) for lever, fields in words)
     if workload.nproc % degree:
         return f"layout {label}: {degree} ranks do not divide --nproc {workload.nproc}"
     from autotune.prepare import refusal_before_trial
 
-    return refusal_before_trial(workload, TrialConfig(**knobs))
+    return refusal_before_trial(workload, TrialConfig(**layout_knobs(label)))
 
 
 def _as_list(value: Any) -> list[Any]:
