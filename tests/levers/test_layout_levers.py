@@ -75,10 +75,7 @@ def test_each_sharding_value_makes_its_config_and_the_config_gives_it_back(nproc
 
 
 def test_the_sharding_pairs_that_mean_nothing_are_not_offered():
-    pairs = itertools.product((0, 1, 2, 3), ("none", "optimizer", "optimizer+params"))
-    offered = set(
-        ZERO.sharding_values(tuple(s for s, _ in pairs), ("none", "optimizer", "optimizer+params"), 2, "cuda")
-    )
-    assert {"0", "1", "2", "3", "1+optimizer", "2+optimizer", "3+optimizer", "3+optimizer+params"} == offered
+    offered = ZERO.sharding_values((0, 1, 2, 3), ("none", "optimizer", "optimizer+params"), 2, "cuda")
     # ZeRO-0 partitions nothing to offload; only stage 3 partitions the parameters
+    assert offered == ("0", "1", "1+optimizer", "2", "2+optimizer", "3", "3+optimizer", "3+optimizer+params")
     assert FSDP.sharding_values(("full",), ("optimizer",), 2, "cuda") == ()  # FSDP2 offloads all or nothing
