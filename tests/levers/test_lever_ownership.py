@@ -49,9 +49,15 @@ CORE = {"micro_batch"}  # not a lever: every config has a micro batch, and the a
 # file -> the migrated fields it may read, and why.
 MUST_KNOW: dict[str, tuple[set[str], str]] = {
     "autotune/trial/engine.py": (
-        {"precision", "optimizer", "activation_offload", "compile"},
+        {"precision", "optimizer", "activation_offload", "compile", "pp", "zero_stage"},
         "the engine applies what wraps the step, in its order: TF32 matmuls, autocast and fp16's loss scaler, the "
-        "optimizer over the prepared parameters, activation offload's hooks around the step, compile",
+        "optimizer over the prepared parameters, activation offload's hooks around the step, compile; and picks "
+        "the engine the layout needs: a pipeline's schedule fed the whole step, ZeRO-3's model built partitioned",
+    ),
+    "autotune/prepare/apply.py": (
+        {"pp", "tp"},
+        "autotune.prepare applies the model's splits in torchtitan's order: pipeline stages, or tensor parallel "
+        "then FSDP over the other ranks",
     ),
     "autotune/trial/child.py": (
         {"compile"},
@@ -64,13 +70,10 @@ NOT_YET: dict[str, set[str]] = {
     # the layout levers' applying: ZeRO's DeepSpeed JSON, FSDP's wrapping and offload policy, tensor and pipeline
     # parallel's plans, and the Trainer's keys for them
     "autotune/config/deepspeed_config.py": {"offload", "precision", "zero_stage"},
-    "autotune/prepare/apply.py": {"pp", "tp"},
     "autotune/prepare/pipeline.py": {"pp", "pp_schedule", "tp"},
     "autotune/prepare/sharding.py": {"fsdp", "offload", "shard_group"},
     "autotune/prepare/tensor_parallel.py": {"sequence_parallel", "tp"},
     "autotune/prepare/training_args.py": {"fsdp", "offload", "tp", "zero_stage"},
-    # the engine feeds a pipeline its whole step, and builds ZeRO-3's engine before the model's weights
-    "autotune/trial/engine.py": {"pp", "zero_stage"},
     # the estimator's cases (its arithmetic stays in estimate/ for now)
     "autotune/estimate/client.py": {"pp"},
     "autotune/estimate/fake_step.py": {"optimizer"},
