@@ -23,6 +23,7 @@ from autotune.levers.base import is_count as _is_count
 from autotune.levers.checkpointing import CheckpointingFields
 from autotune.levers.compile import CompileFields, compile_device_refusal
 from autotune.levers.float8 import Float8Fields
+from autotune.levers.grad_reduction import GradReductionFields
 from autotune.levers.lora import LoraFields
 from autotune.levers.loss import DEFAULT_LOSS_CHUNKS, LOSSES, LossFields, is_loss
 from autotune.levers.optimizer import (
@@ -67,7 +68,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 FSDP_MODES = ("full", "grad-op", "hybrid")
 # Fields added after studies were stored, left out of to_dict() at their default (as Workload does), so that a
 # stored config, an export and a study's name read as they did before them.
-_ADDED_LATER: dict[str, Any] = {"shard_group": None}
+_ADDED_LATER: dict[str, Any] = {"shard_group": None, "grad_sync": "each", "reduce_dtype": "auto"}
 # torch.distributed.pipelining's schedules: GPipe (every micro batch's forward, then every backward), 1F1B
 # (one forward, one backward: at most `pp` micro batches' activations in flight) and interleaved 1F1B
 # (two stages per rank, a smaller bubble for more communication).
@@ -90,6 +91,7 @@ class _MicroBatchField:
 # dataclasses.fields(TrialConfig) keeps the order it has always had (micro_batch, precision, checkpointing, ...).
 @dataclass(frozen=True, kw_only=True)
 class TrialConfig(
+    GradReductionFields,
     Float8Fields,
     LoraFields,
     CompileFields,

@@ -23,6 +23,7 @@ from autotune.levers.base import Axis, Flag, Lever, ModelFacts
 from autotune.levers.checkpointing import CheckpointingLever
 from autotune.levers.compile import CompileLever
 from autotune.levers.float8 import Float8Lever
+from autotune.levers.grad_reduction import GradReductionLever
 from autotune.levers.lora import LoraLever
 from autotune.levers.loss import LossLever
 from autotune.levers.optimizer import OptimizerLever
@@ -57,6 +58,7 @@ __all__ = [
     "ACTIVATION_OFFLOAD",
     "COMPILE",
     "FLOAT8",
+    "GRAD_REDUCTION",
     "STATES_KEEPERS",
     "model_states_twin",
 ]
@@ -70,6 +72,7 @@ OPTIMIZER = OptimizerLever()
 ACTIVATION_OFFLOAD = ActivationOffloadLever()
 COMPILE = CompileLever()
 FLOAT8 = Float8Lever()
+GRAD_REDUCTION = GradReductionLever()
 
 # In the order they are applied, as torchtitan's parallelize applies TP, then checkpointing, then compile, then
 # FSDP. To the built model (``autotune.prepare``): the attention kernel, checkpointing, LoRA on a base quantized
@@ -87,13 +90,25 @@ LEVERS: tuple[Lever, ...] = (
     OPTIMIZER,
     ACTIVATION_OFFLOAD,
     COMPILE,
+    GRAD_REDUCTION,
 )
 
 # Every lever's command-line options, in the order of their fields in TrialConfig (its mixins' order, which --help
 # lists them in; tests/levers/test_lever_ownership.py checks it).
 LEVER_FLAGS: tuple[Flag, ...] = tuple(
     flag
-    for lever in (PRECISION, CHECKPOINTING, LOSS, ATTENTION, OPTIMIZER, ACTIVATION_OFFLOAD, COMPILE, LORA, FLOAT8)
+    for lever in (
+        PRECISION,
+        CHECKPOINTING,
+        LOSS,
+        ATTENTION,
+        OPTIMIZER,
+        ACTIVATION_OFFLOAD,
+        COMPILE,
+        LORA,
+        FLOAT8,
+        GRAD_REDUCTION,
+    )
     for flag in lever.flags
 )
 
@@ -111,6 +126,7 @@ LABEL_ORDER: tuple[Lever, ...] = (
     COMPILE,
     LORA,
     FLOAT8,
+    GRAD_REDUCTION,
 )
 CHECK_ORDER: tuple[Lever, ...] = (
     PRECISION,
@@ -122,6 +138,7 @@ CHECK_ORDER: tuple[Lever, ...] = (
     LOSS,
     LORA,
     FLOAT8,
+    GRAD_REDUCTION,
 )
 REFUSAL_ORDER: tuple[Lever, ...] = (
     OPTIMIZER,
@@ -133,6 +150,7 @@ REFUSAL_ORDER: tuple[Lever, ...] = (
     CHECKPOINTING,
     LOSS,
     FLOAT8,
+    GRAD_REDUCTION,
 )
 MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
     LOSS,
@@ -144,6 +162,7 @@ MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
     COMPILE,
     LORA,
     FLOAT8,
+    GRAD_REDUCTION,
 )
 
 # A search space's (``autotune.search.space``): the order of the levers' keys in a space file, its errors and its
@@ -159,6 +178,7 @@ AXIS_ORDER: tuple[Lever, ...] = (
     COMPILE,
     LORA,
     FLOAT8,
+    GRAD_REDUCTION,
 )
 DROPPED_ORDER: tuple[Lever, ...] = (
     PRECISION,
@@ -170,6 +190,7 @@ DROPPED_ORDER: tuple[Lever, ...] = (
     OPTIMIZER,
     LORA,
     FLOAT8,
+    GRAD_REDUCTION,
 )
 # The order of their keys in Transformers' TrainingArguments (as the hf export writes them): the precision's, the
 # optimizer's, compile's, checkpointing's, then those of the levers with none.
@@ -183,6 +204,7 @@ TRAINER_ORDER: tuple[Lever, ...] = (
     ACTIVATION_OFFLOAD,
     LORA,
     FLOAT8,
+    GRAD_REDUCTION,
 )
 
 # The order of their own lines in a YAML export's header (Lever.header_lines): checkpointing, the optimizer, TF32, then
@@ -197,13 +219,14 @@ HEADER_ORDER: tuple[Lever, ...] = (
     COMPILE,
     LORA,
     FLOAT8,
+    GRAD_REDUCTION,
 )
 
 # The order of their lines in an export's header of what a job applies in its own code: how the model is loaded
 # and compiled (checkpointing and LoRA have header lines of their own, none here), then the layout's lines (not
 # levers yet), then what wraps each step: the optimizer, activation offload's hooks around the forward, the loss.
 IN_CODE_BEFORE_LAYOUT: tuple[Lever, ...] = (PRECISION, ATTENTION, CHECKPOINTING, LORA, COMPILE, FLOAT8)
-IN_CODE_AFTER_LAYOUT: tuple[Lever, ...] = (OPTIMIZER, ACTIVATION_OFFLOAD, LOSS)
+IN_CODE_AFTER_LAYOUT: tuple[Lever, ...] = (OPTIMIZER, ACTIVATION_OFFLOAD, LOSS, GRAD_REDUCTION)
 
 # The levers whose values leave a config's model states (its parameters, gradients and optimizer state per rank)
 # as they are: they change what a step computes or keeps of its activations, not what the model holds between
