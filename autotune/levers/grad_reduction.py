@@ -3,9 +3,9 @@
 ``--grad-sync each`` (the default) reduce-scatters every micro step's gradients in its backward, so a rank
 holds only its shard of them between micro steps. ``--grad-sync last`` turns the reduction off on every
 micro step but the last (FSDP2's ``set_requires_gradient_sync(False)``, as KempnerForge's ``maybe_no_sync``,
-Accelerate's accumulation without ``sync_each_batch`` and Lightning's accumulation do): one reduce-scatter a
-step instead of one a micro step, but each rank keeps every parameter's unsharded gradient from the first
-micro step to the last reduction. FSDP2 keeps them in the reduce dtype (``FSDPParam.
+Accelerate's ``accumulate()`` without ``sync_each_batch`` and Lightning Fabric's ``no_backward_sync`` do): one
+reduce-scatter a step instead of one a micro step, but each rank keeps every parameter's unsharded gradient from
+the first micro step to the last reduction. FSDP2 keeps them in the reduce dtype (``FSDPParam.
 to_accumulated_grad_if_needed`` casts each unsharded gradient to ``reduce_dtype`` when its group's backward
 does not reduce, ``accumulate_unsharded_grad_if_needed`` adds the next ones into it; PyTorch's
 ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``).
