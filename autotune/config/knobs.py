@@ -23,7 +23,7 @@ from autotune.levers.base import is_count as _is_count
 from autotune.levers.checkpointing import CheckpointingFields
 from autotune.levers.compile import CompileFields, compile_device_refusal
 from autotune.levers.float8 import Float8Fields
-from autotune.levers.grad_reduction import GradReductionFields
+from autotune.levers.grad_reduction import GradReductionFields, asks_fsdp_reduction
 from autotune.levers.lora import LoraFields
 from autotune.levers.loss import DEFAULT_LOSS_CHUNKS, LOSSES, LossFields, is_loss
 from autotune.levers.optimizer import (
@@ -393,10 +393,13 @@ class TrialConfig(
                 f"parallel; use a {what} from {fits}"
             )
         data = self.data_parallel(workload)
-        if self.tp > 1 and data == 1 and self.uses_fsdp:
+        # FSDP over one data-parallel rank shards nothing; it runs where asked for its reduction alone, as
+        # KempnerForge wraps its tensor-parallel models (its distributed/setup.py keeps a dp_shard mesh of 1).
+        if self.tp > 1 and data == 1 and self.uses_fsdp and not asks_fsdp_reduction(self):
             raise ConfigError(
                 f"--fsdp {self.fsdp} with --tp {self.tp} on --nproc {workload.nproc}: FSDP shards over the "
-                "data-parallel ranks, and there is one; use --fsdp off, or more ranks (--nproc a multiple of --tp)"
+                "data-parallel ranks, and there is one; use --fsdp off, or more ranks (--nproc a multiple of --tp), "
+                "or --grad-sync last / --reduce-dtype fp32 for its reduction alone"
             )
         if self.tp > 1 and data > 1 and not self.uses_fsdp:
             raise ConfigError(

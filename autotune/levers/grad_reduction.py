@@ -40,6 +40,7 @@ __all__ = [
     "REDUCE_DTYPES",
     "GradReductionFields",
     "GradReductionLever",
+    "asks_fsdp_reduction",
     "fsdp_precision",
     "gradient_sync",
 ]
@@ -66,6 +67,12 @@ class GradReductionFields:
             "reduce_dtype=float32 on bf16 parameters)."
         },
     )
+
+
+def asks_fsdp_reduction(config: TrialConfig) -> bool:
+    """Whether ``config`` asks FSDP2 for its reduction beside its sharding (either value not the default): what
+    FSDP over one data-parallel rank, which shards nothing, is then for."""
+    return config.grad_sync != "each" or config.reduce_dtype != "auto"
 
 
 def fsdp_precision(config: TrialConfig) -> tuple[str, str] | None:

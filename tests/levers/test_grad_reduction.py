@@ -108,3 +108,25 @@ def test_the_estimator_predicts_the_measured_peak_of_each_value():
         peaks[sync, dtype] = result.peak_memory_bytes
     # Unsharded gradients kept between micro steps, twice as many bytes in fp32 as in bf16.
     assert peaks["each", "auto"] < peaks["last", "auto"] < peaks["last", "fp32"]
+
+
+def test_fsdp_over_one_data_parallel_rank_runs_beside_tensor_parallel_only_for_its_reduction():
+    from autotune.config.device import detect_device
+
+    workload = Workload(model="builtin:llama-tiny", seq_len=32, global_batch=4, nproc=2)
+    alone = TrialConfig(micro_batch=2, precision="bf16-true", tp=2, fsdp="full")
+    with pytest.raises(ConfigError, match="there is one; .* or --grad-sync last / --reduce-dtype fp32"):
+        alone.validate_for(workload, detect_device("cpu"))
+    alone.replace(grad_sync="last").validate_for(workload, detect_device("cpu"))  # as KempnerForge's TP runs
+
+
+@pytest.mark.slow  # one real 2-rank trial and its estimate: ~30 s on a busy 2-core machine
+def test_tensor_parallel_with_fsdp_over_one_data_rank_is_predicted():
+    from autotune.estimate.client import predict_memory
+    from autotune.trial.runner import run_trial
+
+    workload = Workload(model="builtin:llama-tiny-32k", seq_len=64, global_batch=8, nproc=2, device="cpu")
+    config = KEMPNERFORGE.replace(tp=2, sequence_parallel=True, checkpointing=True)
+    result = run_trial(workload, config, measure_steps=1)
+    assert result.ok, result.error
+    assert predict_memory(workload, config).predicted_peak_bytes == pytest.approx(result.peak_memory_bytes, rel=1e-4)
