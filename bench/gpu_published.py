@@ -19,15 +19,13 @@ KempnerForge's TP / FSDP runs on H200s with its max allocated and one nvidia-smi
 Megatron-LM runs with nvidia-smi) get a table of their own, each in its metric, rebuilt in the nearest config
 autotune can express, never skipped: torchtitan's selective per-op checkpointing and float8 Linear layers are
 traced as ``--checkpointing selective`` and ``--float8 on``; what each rebuild leaves out (Megatron's fp16
-optimizer and vocabulary-parallel layers, data-parallel copies beside tensor and pipeline parallelism,
-KempnerForge's unreduced gradient accumulation and bf16 loss) and what its source leaves open is printed under
-it, with sizes where the sources give them. The fit boundaries (S16, S17) print the estimate's verdict against
-the card beside the published one. The sources' configs were read at the commits their reports name
-(torchtitan 9dec370, KempnerForge 601aba9 / 01b461a). ``bench/fsdp2_cuda_memory.md`` accounts for what FSDP2
-and NCCL hold beyond the traced tensors and compares it with these rows' errors. The reserved figures replay
-FSDP2's copy-in and reduce-scatter streams in pools of their own; KempnerForge's FSDP rows are printed again
-with the unsharded fp32 gradients of its unreduced gradient accumulation added by arithmetic
-(``autotune.estimate.fsdp_buffers.no_sync_gradient_bytes``), which no knob rebuilds.
+optimizer and vocabulary-parallel layers, data-parallel copies beside tensor and pipeline parallelism)
+and what its source leaves open is printed under it, with sizes where the sources give them; KempnerForge's loop is
+rebuilt with the levers that run it (``--loss plain``, ``--grad-sync last``, ``--reduce-dtype fp32``). The fit
+boundaries (S16, S17) print the estimate's verdict against the card beside the published one. The sources' configs
+were read at the commits their reports name (torchtitan 9dec370, KempnerForge 601aba9 / 01b461a).
+``bench/fsdp2_cuda_memory.md`` accounts for what FSDP2 and NCCL hold beyond the traced tensors and compares it with
+these rows' errors. The reserved figures replay FSDP2's copy-in and reduce-scatter streams in pools of their own.
 
 The tables go to stdout last, the figures to ``--out`` (and ``.txt`` beside it).
 """
@@ -45,7 +43,6 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.estimate.client import predict_memory
-from autotune.estimate.fsdp_buffers import no_sync_gradient_bytes
 from autotune.estimate.measured_with import AS_INSTALLED, MeasuredWith
 from autotune.estimate.results import EstimateError, MemoryEstimate
 
@@ -72,9 +69,6 @@ class Row:
     left_out: list[str] = field(default_factory=list)
     left_open: list[str] = field(default_factory=list)
     unit: str | None = None
-    # KempnerForge's FSDP rows: the parameters a rank holds unsharded (after tensor parallelism), whose gradients
-    # its maybe_no_sync accumulates unreduced in the fp32 reduce dtype (added by arithmetic: no knob rebuilds it).
-    no_sync_params: int = 0
 
 
 def _model(name: str) -> str:
@@ -471,35 +465,44 @@ _KF_NOTE = (
 )
 
 
-def _kf_left_out(params: float, tokens: int, *, tp: int = 1, fsdp: bool = True) -> list[str]:
-    """What a KempnerForge row holds that its rebuild does not, and the reverse, in GiB: ``params`` as its
-    report counts them (8.03B, 14.84B, 70.55B), ``tokens`` a micro batch's."""
-    logits = tokens * 128_256 * 6 / GiB
-    kept = [
-        f"KempnerForge's loss: F.cross_entropy on the bf16 logits, where Transformers' Llama upcasts them to fp32 "
-        f"and keeps fp32 log-probabilities: the rebuild holds up to 6 bytes a logit more, up to {logits:.1f} GiB "
-        "here (less where its tensor-parallel head splits them)"
-    ]
-    if not fsdp:
-        return kept
-    grads = params / tp * 4 / GiB
+def _kf_rebuilt() -> list[str]:
+    """What a KempnerForge row's rebuild runs as KempnerForge's loop does (read at 01b461a / 601aba9)."""
     return [
-        "gradient accumulation without reduction: KempnerForge's maybe_no_sync calls FSDP2's "
-        "set_requires_gradient_sync(False) on every micro step but the last, so each rank keeps the unsharded "
-        "gradients between micro steps, upcast to the fp32 reduce dtype (FSDPParam.to_accumulated_grad_if_needed): "
-        f"4 bytes a parameter it holds unsharded, {grads:.1f} GiB here; autotune reduce-scatters every micro step",
-        "FSDP2's fp32 gradient reduction (reduce_dtype=float32 on bf16 parameters): autotune's bf16-true shards "
-        "without a mixed-precision policy, so its reduce-scatter input is bf16 where KempnerForge's is an fp32 copy "
-        "of one group's gradients",
-        *kept,
+        "its gradient accumulation (training/grad.py:16-40, maybe_no_sync: set_requires_gradient_sync(False) on "
+        "every micro step but the last) rebuilt as --grad-sync last, and its MixedPrecisionPolicy(param_dtype="
+        "bf16, reduce_dtype=fp32) on bf16 parameters (distributed/parallel.py:67-72, build_parallel_model's "
+        ".to(dtype=param_dtype)) as --reduce-dtype fp32: FSDP2 keeps every unsharded gradient in fp32 between "
+        "micro steps (FSDPParam.to_accumulated_grad_if_needed), traced",
+        "its loss (scripts/train.py:294-297: logits = model(input_ids); F.cross_entropy(logits.view(-1, V), ...) "
+        "on the bf16 logits, no upcast; `logits` alive until the next forward reassigns it) rebuilt as --loss plain",
     ]
 
 
-_KF_TP_LEFT_OUT = [
-    "KempnerForge's own Llama and tensor-parallel plan (SequenceParallel norms, its LM head split column-wise "
-    "over the ranks) rebuilt as Transformers' Llama with its tp_plan and --sequence-parallel on: the LM head "
-    "and its logits stay whole on each rank",
+_KF_TP_ONLY_NOTE = (
+    "its tensor-parallel-only runs are FSDP2 runs too: init_distributed keeps a dp_shard mesh dimension of 1 "
+    "beside tp (distributed/setup.py:153-159, 'so FSDP2 can wrap all parameters as DTensors'), and apply_fsdp2 "
+    "wraps the model over it with the same policy; rebuilt as --fsdp full over one data-parallel rank"
+)
+_KF_LEFT_OUT = [
+    "KempnerForge's own Llama (model/transformer.py; attention.py: its kv heads repeat_interleave'd before SDPA) "
+    "rebuilt as Transformers' Llama of its shape (the same weights, RMSNorm in fp32, SDPA)"
 ]
+
+
+def _kf_tp_left_out(tp: int, data: int) -> list[str]:
+    """KempnerForge's tensor-parallel plan against the rebuild's, with the weights the rebuild's whole LM head adds
+    at the peak: each rank's share of Llama-3's 128256 x ``hidden`` head beyond 1/tp of it, at 2 + 4 bytes of bf16
+    weight and AdamW state a data-parallel rank shares (``data``) and 4 of unsharded fp32 gradient it keeps."""
+    hidden = 8192 if tp * data == 32 else 4096  # S9's 70B, else Llama-3-8B
+    extra = 128_256 * hidden * (1 - 1 / tp) * (6 / data + 4) / GiB
+    return [
+        "KempnerForge's own Llama and tensor-parallel plan (SequenceParallel norms; its LM head ColwiseParallel, "
+        "split by vocabulary columns with the logits gathered whole, tensor_parallel.py:157-164) rebuilt as "
+        "Transformers' Llama with its tp_plan and --sequence-parallel on, whose LM head stays whole on each rank: "
+        f"{extra:.2f} GiB more weights, states and kept gradients here"
+    ]
+
+
 _MEGATRON_NOTE = (
     "DLPerf's Megatron-LM runs (commit 8aa4619, NGC 20.12): nvidia-smi sampled during training, an upper bound "
     "on what PyTorch held. Megatron's fp16 optimizer keeps an fp16 model, fp16 gradients, fp32 main weights, "
@@ -552,7 +555,7 @@ def _titan(nproc: int, mb: int, compile: bool, *, nodes: int = 1, float8: bool =
 
 
 def _kempner(
-    model: str, nproc: int, mb: int, accum: int, *, tp: int = 1, fsdp: bool = True, compile: bool = True
+    model: str, nproc: int, mb: int, accum: int, *, tp: int = 1, compile: bool = True
 ) -> tuple[Workload, TrialConfig]:
     data = nproc // tp
     workload = Workload(
@@ -564,15 +567,21 @@ def _kempner(
         nodes=max(1, nproc // 4),  # 4 H200s a node
         gpu="H200",
     )
+    # Its loop's loss (scripts/train.py:293-297): F.cross_entropy on the bf16 logits, held in `logits` until the
+    # next forward; FSDP2 on every run, over a data mesh of 1 beside TP (distributed/setup.py:153-159), reducing
+    # only on the last micro step (training/grad.py:16-40), in fp32 (distributed/parallel.py:67-72).
     config = TrialConfig(
         micro_batch=mb,
         precision="bf16-true",
         checkpointing=True,
         fused_optimizer=True,
         compile=compile,
-        fsdp="full" if fsdp else None,
+        fsdp="full",
         tp=tp,
         sequence_parallel=tp > 1,
+        loss="plain",
+        grad_sync="last",
+        reduce_dtype="fp32",
     )
     return workload, config
 
@@ -681,23 +690,23 @@ SHARDED_ROWS: list[Row] = [
     Row(
         "S7-tp2",
         "Llama-3-8B seq 4096 mb4 x2, TP 2 (+SP), pure bf16, ckpt, fused AdamW, compile",
-        *_kempner("llama-3-8b", 2, 4, 2, tp=2, fsdp=False),
+        *_kempner("llama-3-8b", 2, 4, 2, tp=2),
         "allocated",
         int(57.8 * GiB),
         '57.8 "GB" (allocated)',
-        notes=[_KF_NOTE, _COMPILE_NOTE],
-        left_out=[*_KF_TP_LEFT_OUT, *_kf_left_out(8.03e9, 4 * 4096, fsdp=False)],
+        notes=[_KF_NOTE, _COMPILE_NOTE, _KF_TP_ONLY_NOTE, *_kf_rebuilt()],
+        left_out=_kf_tp_left_out(2, 1),
         unit="GiB",
     ),
     Row(
         "S7-tp4",
         "same, TP 4 (+SP)",
-        *_kempner("llama-3-8b", 4, 4, 2, tp=4, fsdp=False),
+        *_kempner("llama-3-8b", 4, 4, 2, tp=4),
         "allocated",
         int(39.4 * GiB),
         '39.4 "GB" (allocated)',
-        notes=[_KF_NOTE, _COMPILE_NOTE],
-        left_out=[*_KF_TP_LEFT_OUT, *_kf_left_out(8.03e9, 4 * 4096, fsdp=False)],
+        notes=[_KF_NOTE, _COMPILE_NOTE, _KF_TP_ONLY_NOTE, *_kf_rebuilt()],
+        left_out=_kf_tp_left_out(4, 1),
         unit="GiB",
     ),
     Row(
@@ -707,10 +716,9 @@ SHARDED_ROWS: list[Row] = [
         "allocated",
         int(45.9 * GiB),
         '45.9 "GB" (allocated)',
-        notes=[_KF_NOTE, _COMPILE_NOTE],
-        left_out=[*_KF_TP_LEFT_OUT, *_kf_left_out(8.03e9, 4 * 4096, tp=2)],
+        notes=[_KF_NOTE, _COMPILE_NOTE, *_kf_rebuilt()],
+        left_out=_kf_tp_left_out(2, 2),
         unit="GiB",
-        no_sync_params=int(8.03e9) // 2,
     ),
     Row(
         "S8",
@@ -719,10 +727,9 @@ SHARDED_ROWS: list[Row] = [
         "allocated",
         int(88.5 * GiB),
         '88.5 "GB" (allocated)',
-        notes=[_KF_NOTE],
-        left_out=_kf_left_out(14.84e9, 4 * 4096),
+        notes=[_KF_NOTE, *_kf_rebuilt()],
+        left_out=_KF_LEFT_OUT,
         unit="GiB",
-        no_sync_params=int(14.84e9),
     ),
     Row(
         "S9",
@@ -731,10 +738,9 @@ SHARDED_ROWS: list[Row] = [
         "allocated",
         int(93.2 * GiB),
         '93.2 "GB" (allocated)',
-        notes=[_KF_NOTE, _COMPILE_NOTE],
-        left_out=[*_KF_TP_LEFT_OUT, *_kf_left_out(70.55e9, 2 * 4096, tp=4)],
+        notes=[_KF_NOTE, _COMPILE_NOTE, *_kf_rebuilt()],
+        left_out=_kf_tp_left_out(4, 8),
         unit="GiB",
-        no_sync_params=int(70.55e9) // 4,
     ),
     Row(
         "S10",
@@ -743,10 +749,9 @@ SHARDED_ROWS: list[Row] = [
         "allocated",
         int(81.0 * GiB),
         '81.0 "GB" (allocated)',
-        notes=[_KF_NOTE, _COMPILE_NOTE],
-        left_out=_kf_left_out(8.03e9, 8 * 4096),
+        notes=[_KF_NOTE, _COMPILE_NOTE, *_kf_rebuilt()],
+        left_out=_KF_LEFT_OUT,
         unit="GiB",
-        no_sync_params=int(8.03e9),
     ),
     Row(
         "S11",
@@ -755,10 +760,9 @@ SHARDED_ROWS: list[Row] = [
         "allocated",
         int(51.3 * GiB),
         '51.3 "GB" (allocated)',
-        notes=[_KF_NOTE, _COMPILE_NOTE],
-        left_out=_kf_left_out(8.03e9, 4 * 4096),
+        notes=[_KF_NOTE, _COMPILE_NOTE, *_kf_rebuilt()],
+        left_out=_KF_LEFT_OUT,
         unit="GiB",
-        no_sync_params=int(8.03e9),
     ),
     Row(
         "S11-smi",
@@ -767,8 +771,8 @@ SHARDED_ROWS: list[Row] = [
         "device",
         73_302 * MiB,
         "73,302 MiB (nvidia-smi)",
-        notes=[_KF_NOTE, _COMPILE_NOTE],
-        left_out=_kf_left_out(8.03e9, 4 * 4096),
+        notes=[_KF_NOTE, _COMPILE_NOTE, *_kf_rebuilt()],
+        left_out=_KF_LEFT_OUT,
         left_open=["which rank's allocated peak the report's 51.3 is (the nvidia-smi line is GPU 0's)"],
     ),
     Row(
@@ -1023,15 +1027,6 @@ def predict(row: Row) -> dict[str, object]:
     predicted = _predicted(estimate, row.metric)
     assert predicted is not None
     error = predicted / row.published_bytes - 1
-    if row.no_sync_params:
-        grads = no_sync_gradient_bytes(row.no_sync_params, 4)  # fp32 reduce dtype
-        logits = row.workload.seq_len * row.config.micro_batch * 128_256 * 6  # at most (see _kf_left_out)
-        result.update(
-            no_sync_bytes=grads,
-            fp32_logits_bytes=logits,
-            error_with_no_sync=(predicted + grads) / row.published_bytes - 1,
-            error_with_both=(predicted + grads - logits) / row.published_bytes - 1,
-        )
     return {
         **result,
         "predicted_bytes": predicted,
@@ -1165,7 +1160,6 @@ def _sharded_table(results: list[dict[str, object]]) -> list[str]:
             f"median |error| {statistics.median(abs(e) for e in errors):.1%}, largest {max(abs(e) for e in errors):.1%}"
             f" over {len(errors)} rows; median signed error {statistics.median(errors):+.1%}",
         ]
-    lines += _no_sync_table(results)
     by_key = {str(r["row"]): r for r in results}
     pair = by_key.get("S11"), by_key.get("S11-smi")
     if pair[0] is not None and pair[1] is not None and pair[0]["error"] is not None and pair[1]["error"] is not None:
@@ -1176,32 +1170,6 @@ def _sharded_table(results: list[dict[str, object]]) -> list[str]:
             f"S11's pair: nvidia-smi minus the allocated peak, published {published / GiB:.2f} GiB "
             f"(73,302 MiB - 51.3 GiB), predicted {predicted / GiB:.2f} GiB ({predicted / published - 1:+.0%}).",
         ]
-    return lines
-
-
-def _no_sync_table(results: list[dict[str, object]]) -> list[str]:
-    """KempnerForge's FSDP rows with its unreduced accumulation added (fsdp_buffers.no_sync_gradient_bytes), and
-    then its bf16 loss taken off at its upper bound."""
-    rows = [r for r in results if r.get("no_sync_bytes") is not None]
-    if not rows:
-        return []
-    lines = [
-        "",
-        "KempnerForge's FSDP rows with the unsharded fp32 gradients its set_requires_gradient_sync(False) keeps "
-        "between micro steps added by arithmetic (no_sync_bytes), then the fp32 logits the rebuild holds beyond "
-        "its bf16 loss taken off (fp32_logits_bytes: an upper bound, less under a tensor-parallel head):",
-        "",
-        "| row | published | predicted | + unsharded fp32 grads | = | error | - fp32 logits, at most | = | error |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        predicted, grads, logits = (int(r[k]) for k in ("predicted_bytes", "no_sync_bytes", "fp32_logits_bytes"))  # type: ignore[call-overload]
-        lines.append(
-            f"| {r['row']} | {r['published']} | {predicted / GiB:.2f} GiB | {grads / GiB:.2f} GiB | "
-            f"{(predicted + grads) / GiB:.2f} GiB | {float(r['error_with_no_sync']):+.1%} | "  # type: ignore[arg-type]
-            f"{logits / GiB:.2f} GiB | {(predicted + grads - logits) / GiB:.2f} GiB | "
-            f"{float(r['error_with_both']):+.1%} |"  # type: ignore[arg-type]
-        )
     return lines
 
 

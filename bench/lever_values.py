@@ -3,6 +3,7 @@
 
     python bench/lever_values.py checkpointing [--rounds 3] [--precision fp32]   # off, every-2, selective, on
     python bench/lever_values.py float8 [--rounds 3] [--precision bf16]          # off, on
+    python bench/lever_values.py grad-sync [--rounds 1] [--precision bf16-true]  # each, last (FSDP on 4 ranks)
 
 Each config runs as a search runs it (``autotune trial --json``, a fresh process each time), the values
 interleaved in every round so that a busy machine slows them alike; tokens/s is the median over the rounds with
@@ -27,8 +28,28 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench/data/mistral-narrow/config.json"
 SEQ_LEN, MICRO_BATCH, GLOBAL_BATCH = 512, 4, 8
 WORKLOAD = ["--model", MODEL, "--seq-len", str(SEQ_LEN), "--global-batch", str(GLOBAL_BATCH), "--device", "cpu"]
-VALUES = {"checkpointing": ("off", "every-2", "selective", "on"), "float8": ("off", "on")}
+VALUES = {
+    "checkpointing": ("off", "every-2", "selective", "on"),
+    "float8": ("off", "on"),
+    "grad-sync": ("each", "last"),
+}
+# What a lever needs around it: --grad-sync is FSDP's accumulation (4 CPU ranks, 2 micro steps each), measured as
+# KempnerForge runs it (checkpointed, fp32 reduction of bf16 weights, its loop's loss).
+SETUP: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "grad-sync": (
+        {"nproc": 4, "global_batch": 4 * 2 * MICRO_BATCH},
+        {"fsdp": "full", "checkpointing": True, "reduce_dtype": "fp32", "loss": "plain"},
+    ),
+}
 MiB = 2**20
+
+
+def setup_flags(lever: str) -> list[str]:
+    """The command line of ``SETUP``'s workload and knobs for ``lever`` (none for most)."""
+    workload, knobs = SETUP.get(lever, ({}, {}))
+    typed = {"checkpointing": lambda on: "on" if on else "off"}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in workload.items()]
+    return flags + [f"--{k.replace('_', '-')}={typed.get(k, str)(v)}" for k, v in knobs.items()]
 
 
 def autotune(command: str, flags: list[str]) -> dict[str, Any]:
@@ -53,12 +74,13 @@ def estimate_all(lever: str, precision: str) -> dict[str, tuple[int, float]]:
     from autotune.levers import LEVER_FLAGS
 
     flag = next(flag for flag in LEVER_FLAGS if flag.names == (f"--{lever}",))
-    workload = Workload(model=MODEL, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, device="cpu")
+    around, knobs = SETUP.get(lever, ({}, {}))
+    workload = Workload(model=MODEL, seq_len=SEQ_LEN, device="cpu", **{"global_batch": GLOBAL_BATCH, **around})
     profile = profile_for(workload, "cpu")
     assert profile is not None, "the CPU's probe failed"
     estimates = {}
     for value in VALUES[lever]:
-        config = TrialConfig(micro_batch=MICRO_BATCH, precision=precision, **flag.fields_of(value))
+        config = TrialConfig(micro_batch=MICRO_BATCH, precision=precision, **knobs, **flag.fields_of(value))
         estimate = predict_memory(workload, config)
         step = predict_step_time(estimate, workload, profile)
         assert step is not None and step.tokens_per_s is not None, f"--{lever} {value}: no step time"
@@ -86,14 +108,15 @@ def main() -> None:
     trials: dict[str, list[dict[str, Any]]] = {value: [] for value in values}
     for _ in range(args.rounds):
         for value in values:
-            trials[value].append(autotune("trial", ["--precision", args.precision, f"--{args.lever}", value]))
+            flags = ["--precision", args.precision, *setup_flags(args.lever), f"--{args.lever}", value]
+            trials[value].append(autotune("trial", flags))
     estimates = estimate_all(args.lever, args.precision)
 
     lines = [
         f"# python bench/lever_values.py {args.lever} --rounds {args.rounds} --precision {args.precision}",
         f"# {started} at the start, {os.getloadavg()[0]:.1f} at the end; {args.rounds} rounds interleaved",
         f"# autotune trial|estimate {' '.join(WORKLOAD)} --micro-batch {MICRO_BATCH} --precision {args.precision} "
-        f"--{args.lever} ...",
+        f"{' '.join(setup_flags(args.lever))} --{args.lever} ...".replace("  ", " "),
         f"{'--' + args.lever:<16}{'peak MiB':>10}{'estimate':>10}{'error':>8}"
         f"{'tokens/s median (range)':>28}{'vs ' + values[0]:>8}{'estimate':>10}{'error':>8}",
     ]

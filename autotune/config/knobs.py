@@ -26,6 +26,7 @@ from autotune.levers.checkpointing import CheckpointingFields
 from autotune.levers.compile import CompileFields, compile_device_refusal
 from autotune.levers.float8 import Float8Fields
 from autotune.levers.fsdp import FSDP_MODES, FsdpFields
+from autotune.levers.grad_reduction import GradReductionFields
 from autotune.levers.lora import LoraFields
 from autotune.levers.loss import DEFAULT_LOSS_CHUNKS, LOSSES, LossFields, is_loss
 from autotune.levers.offload import OFFLOADS, OffloadFields
@@ -82,6 +83,7 @@ class _MicroBatchField:
 # (micro_batch, precision, checkpointing, ..., zero_stage, fsdp, ...): stored configs and exports read as before.
 @dataclass(frozen=True, kw_only=True)
 class TrialConfig(
+    GradReductionFields,
     PipelineFields,
     TensorParallelFields,
     OffloadFields,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from autotune.estimate.results import ModelStates
 from autotune.estimate.step_costs import BACKWARD, FORWARD, UPDATE, CostRecorder, StepCosts
 from autotune.levers.activation_offload import ActivationOffload
+from autotune.levers.grad_reduction import gradient_sync
 
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
@@ -171,20 +172,22 @@ def _micro_steps(engine: Any, tracker: Any, micro_steps: int) -> Any:
     from autotune.models.batches import loss_of
 
     with _layers_marked(engine.model, tracker.costs):
-        for _ in range(micro_steps):
-            tracker.in_forward, tracker.costs.phase = True, FORWARD
-            with (
-                torch.autocast(
-                    engine.device.type, dtype=engine.autocast_dtype, enabled=engine.autocast_dtype is not None
-                ),
-                engine.saving(),
-            ):
-                # Assigned over the last micro step's, as the trial's loop (and a user's) does: its graph lives
-                # until then, and with it what a backward node keeps outside its saved tensors (bitsandbytes'
-                # int8 layers keep their input as an attribute of the node).
-                loss = loss_of(engine.forward_model(**engine.batch)) / engine.accum
-            tracker.in_forward, tracker.costs.phase = False, BACKWARD
-            loss.backward()
+        for micro in range(micro_steps):
+            # The traced last one stands for the step's last (it reduces what the ones before accumulated).
+            with gradient_sync(engine.model, engine.config, last=micro == micro_steps - 1):
+                tracker.in_forward, tracker.costs.phase = True, FORWARD
+                with (
+                    torch.autocast(
+                        engine.device.type, dtype=engine.autocast_dtype, enabled=engine.autocast_dtype is not None
+                    ),
+                    engine.saving(),
+                ):
+                    # Assigned over the last micro step's, as the trial's loop (and a user's) does: its graph
+                    # lives until then, and with it what a backward node keeps outside its saved tensors
+                    # (bitsandbytes' int8 layers keep their input as an attribute of the node).
+                    loss = loss_of(engine.forward_model(**engine.batch)) / engine.accum
+                tracker.in_forward, tracker.costs.phase = False, BACKWARD
+                loss.backward()
     return loss
 
 

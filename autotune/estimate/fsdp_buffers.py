@@ -3,7 +3,7 @@
 The estimator does not need these for the traced step: PyTorch's own ``fully_shard`` runs on fake tensors, so
 each buffer below is in the trace, on the stream FSDP2 allocates it on (the allocator replay keeps each side
 stream's blocks apart). They size what the trace cannot show: a run made in a way autotune's trials are not
-(gradient accumulation without reduction, ``reshard_after_forward`` other than ``True``), NCCL's own device
+(``reshard_after_forward`` other than ``True``), NCCL's own device
 memory (outside the caching allocator), and the bench's accounting of published runs. Sources, PyTorch 2.13's
 ``torch/distributed/fsdp/_fully_shard/`` and NCCL (``src/init.cc``, ``src/include/device.h``,
 ``src/transport/p2p.cc``, ``src/transport/nvls.cc``); ``bench/fsdp2_cuda_memory.md`` reads them at length.
@@ -87,7 +87,8 @@ def no_sync_gradient_bytes(parameters_held: int, reduce_dtype_bytes: int) -> int
     the last): ``post_backward`` returns before the reduce-scatter, after ``to_accumulated_grad_if_needed``
     (``_fsdp_param.py``) replaced each unsharded gradient by ``unsharded_grad.to(reduce_dtype)``: every
     parameter a rank holds unsharded (after tensor parallelism) keeps a gradient in the reduce dtype between
-    micro steps, whatever the data-parallel degree. autotune's trials reduce-scatter every micro step."""
+    micro steps, whatever the data-parallel degree. ``--grad-sync last`` runs it in the trials and the trace
+    (``autotune.levers.grad_reduction``); this is the arithmetic to check them against."""
     return parameters_held * reduce_dtype_bytes
 
 

@@ -23,6 +23,7 @@ from autotune.levers.checkpointing import CheckpointingLever
 from autotune.levers.compile import CompileLever
 from autotune.levers.float8 import Float8Lever
 from autotune.levers.fsdp import FsdpLever
+from autotune.levers.grad_reduction import GradReductionLever
 from autotune.levers.lora import LoraLever
 from autotune.levers.loss import LossLever
 from autotune.levers.offload import OffloadLever
@@ -67,6 +68,7 @@ __all__ = [
     "OFFLOAD",
     "TENSOR_PARALLEL",
     "PIPELINE",
+    "GRAD_REDUCTION",
     "STATES_KEEPERS",
     "model_states_twin",
 ]
@@ -85,6 +87,7 @@ FSDP = FsdpLever()
 OFFLOAD = OffloadLever()
 TENSOR_PARALLEL = TensorParallelLever()
 PIPELINE = PipelineLever()
+GRAD_REDUCTION = GradReductionLever()
 
 # In the order they are applied, as torchtitan's parallelize applies TP, then checkpointing, then compile, then
 # FSDP. To the built model (``autotune.prepare``): the attention kernel, checkpointing, LoRA on a base quantized
@@ -108,6 +111,7 @@ LEVERS: tuple[Lever, ...] = (
     OPTIMIZER,
     ACTIVATION_OFFLOAD,
     COMPILE,
+    GRAD_REDUCTION,
 )
 
 # The layout's levers: how the ranks hold the model (the sharding, its offload, the model's splits), in the order of
@@ -120,6 +124,7 @@ LEVER_FLAGS: tuple[Flag, ...] = tuple(
     flag
     for lever in (PRECISION, CHECKPOINTING, LOSS, ATTENTION, OPTIMIZER, ACTIVATION_OFFLOAD, COMPILE, LORA, FLOAT8)
     + _LAYOUT
+    + (GRAD_REDUCTION,)
     for flag in lever.flags
 )
 
@@ -139,6 +144,7 @@ LABEL_ORDER: tuple[Lever, ...] = (
     LORA,
     FLOAT8,
     *_LAYOUT,
+    GRAD_REDUCTION,
 )
 CHECK_ORDER: tuple[Lever, ...] = (
     PRECISION,
@@ -151,6 +157,7 @@ CHECK_ORDER: tuple[Lever, ...] = (
     LORA,
     FLOAT8,
     *_LAYOUT,
+    GRAD_REDUCTION,
 )
 REFUSAL_ORDER: tuple[Lever, ...] = (
     *_LAYOUT,
@@ -163,6 +170,7 @@ REFUSAL_ORDER: tuple[Lever, ...] = (
     CHECKPOINTING,
     LOSS,
     FLOAT8,
+    GRAD_REDUCTION,
 )
 MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
     LOSS,
@@ -179,6 +187,7 @@ MODEL_REFUSAL_ORDER: tuple[Lever, ...] = (
     ZERO,
     FSDP,
     OFFLOAD,
+    GRAD_REDUCTION,
 )
 
 # A search space's (``autotune.search.space``): the order of the levers' keys in a space file, its errors and its
@@ -195,6 +204,7 @@ AXIS_ORDER: tuple[Lever, ...] = (
     LORA,
     FLOAT8,
     *_LAYOUT,
+    GRAD_REDUCTION,
 )
 DROPPED_ORDER: tuple[Lever, ...] = (
     PRECISION,
@@ -207,6 +217,7 @@ DROPPED_ORDER: tuple[Lever, ...] = (
     LORA,
     FLOAT8,
     *_LAYOUT,
+    GRAD_REDUCTION,
 )
 # The order of their keys in Transformers' TrainingArguments (as the hf export writes them): the precision's, the
 # optimizer's, compile's, checkpointing's, then those of the levers with none.
@@ -221,6 +232,7 @@ TRAINER_ORDER: tuple[Lever, ...] = (
     LORA,
     FLOAT8,
     *_LAYOUT,
+    GRAD_REDUCTION,
 )
 
 # The order an export asks whether its format can carry their values: the layout's (FSDP's on a CPU first, then the
@@ -240,6 +252,7 @@ FORMAT_ORDER: tuple[Lever, ...] = (
     COMPILE,
     LORA,
     FLOAT8,
+    GRAD_REDUCTION,
 )
 
 # The order of their own lines in a YAML export's header (Lever.header_lines): checkpointing, the optimizer, TF32, then
@@ -255,13 +268,22 @@ HEADER_ORDER: tuple[Lever, ...] = (
     LORA,
     FLOAT8,
     *_LAYOUT,
+    GRAD_REDUCTION,
 )
 
 # The order of their lines in an export's header of what a job applies in its own code: how the model is loaded
 # and compiled (checkpointing and LoRA have header lines of their own, none here), then the layout's lines (not
 # levers yet), then what wraps each step: the optimizer, activation offload's hooks around the forward, the loss.
 IN_CODE_BEFORE_LAYOUT: tuple[Lever, ...] = (PRECISION, ATTENTION, CHECKPOINTING, LORA, COMPILE, FLOAT8, ZERO, OFFLOAD)
-IN_CODE_AFTER_LAYOUT: tuple[Lever, ...] = (FSDP, TENSOR_PARALLEL, PIPELINE, OPTIMIZER, ACTIVATION_OFFLOAD, LOSS)
+IN_CODE_AFTER_LAYOUT: tuple[Lever, ...] = (
+    FSDP,
+    TENSOR_PARALLEL,
+    PIPELINE,
+    OPTIMIZER,
+    ACTIVATION_OFFLOAD,
+    LOSS,
+    GRAD_REDUCTION,
+)
 
 # The levers whose values leave a config's model states (its parameters, gradients and optimizer state per rank)
 # as they are: they change what a step computes or keeps of its activations, not what the model holds between

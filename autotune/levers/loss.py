@@ -15,7 +15,13 @@ statistics; see :class:`_CrossEntropyOfKeptLogits`): no extra matmul, the whole 
 held from the forward to the start of the backward, never the fp32 upcast of more than one slice.
 Under activation offload they stay on the device (the backward needs them first).
 
-Applied to the model in place (:func:`chunk_loss`), so trials, the estimator and a user's own job
+``plain`` is the loss of a plain training loop, ``logits = model(x); loss = F.cross_entropy(logits.flatten(0, 1),
+y.flatten())`` (KempnerForge's ``scripts/train.py``): the cross-entropy on the whole logits in the type the model
+made them, with no fp32 upcast (bf16 log-probabilities under bf16-true, where Transformers' ``ForCausalLMLoss``
+calls ``logits.float()``), and the logits held by the loop's variable until its next forward replaces them, through
+the backward and the optimizer step (torchtitan ``del``s its ``pred`` before the backward for that reason).
+
+Applied to the model in place (:func:`chunk_loss`, :func:`plain_loss`), so trials, the estimator and a user's own job
 train the same way: ``model(input_ids=..., labels=...)`` still returns ``.loss``; its ``.logits``
 then hold the final hidden states, since no full logits are made.
 """
@@ -45,16 +51,17 @@ __all__ = [
     "is_loss",
     "chunk_loss",
     "chunked_loss_refusal",
+    "plain_loss",
 ]
 
-LOSSES = ("standard", "chunked", "chunked-kept")  # the chunked ones also as chunked:K, chunked-kept:K
+LOSSES = ("standard", "chunked", "chunked-kept", "plain")  # the chunked ones also as chunked:K, chunked-kept:K
 DEFAULT_LOSS_CHUNKS = 8
 
 _IGNORE = -100  # label of positions without a target (the last one, after the shift), as transformers
 
 
 def is_loss(value: Any) -> bool:
-    """standard, chunked, chunked-kept, or chunked:K / chunked-kept:K with K >= 2."""
+    """standard, chunked, chunked-kept, plain, or chunked:K / chunked-kept:K with K >= 2."""
     if value in LOSSES:
         return True
     kind, _, chunks = value.partition(":") if isinstance(value, str) else ("", "", "")
@@ -71,14 +78,15 @@ class LossFields:
             "recomputed in backward, so the full logits never exist. Same loss, less memory. "
             "chunked-kept (chunked-kept:K) keeps each slice's 16-bit logits for the backward instead "
             "of recomputing the head (torchtune's compiled chunked cross-entropy): no extra matmul, "
-            "more memory than chunked, less than standard."
+            "more memory than chunked, less than standard. plain: a plain loop's F.cross_entropy on the "
+            "logits in their own type (no fp32 upcast), the logits held until the next forward."
         },
     )
 
     @property
     def loss_chunks(self) -> int | None:
-        """Slices of tokens the chunked loss works on; None for the standard loss."""
-        if self.loss == "standard":
+        """Slices of tokens the chunked loss works on; None for the standard and the plain loss."""
+        if self.loss in ("standard", "plain"):
             return None
         _, _, chunks = self.loss.partition(":")
         return int(chunks) if chunks else DEFAULT_LOSS_CHUNKS
@@ -90,13 +98,14 @@ class LossFields:
         return self.loss.partition(":")[0] == "chunked-kept"
 
 
-def chunked_loss_refusal(facts: ModelFacts) -> str | None:
-    """Why ``--loss chunked`` cannot apply to the workload's model, or None when it can (known before a trial)."""
+def chunked_loss_refusal(facts: ModelFacts, loss: str = "chunked") -> str | None:
+    """Why ``--loss chunked`` (or another of a causal LM's losses, ``loss``) cannot apply to the workload's model,
+    or None when it can (known before a trial)."""
     if facts.task != "causal-lm":
-        return f"--loss chunked is a causal LM's loss (LM head + cross-entropy); --task {facts.task} keeps its own"
+        return f"--loss {loss} is a causal LM's loss (LM head + cross-entropy); --task {facts.task} keeps its own"
     if facts.is_factory:
         return (
-            f"--loss chunked: the model from --model {facts.model} is a factory's, whose LM head and "
+            f"--loss {loss}: the model from --model {facts.model} is a factory's, whose LM head and "
             "loss autotune does not know; it applies to Hugging Face causal LMs"
         )
     return None
@@ -109,7 +118,7 @@ class LossLever(Lever):
     axes = (
         Axis(
             "loss",
-            "a list of standard, chunked, chunked-kept, chunked:K or chunked-kept:K (K slices of 2 or more)",
+            "a list of standard, chunked, chunked-kept, plain, chunked:K or chunked-kept:K (K slices of 2 or more)",
             "standard",
             lambda v: v if is_loss(v) else None,
             added_later=True,
@@ -119,15 +128,15 @@ class LossLever(Lever):
     def check(self, config: TrialConfig) -> None:
         if not is_loss(config.loss):
             raise ConfigError(
-                f"--loss {config.loss!r} is not known; use standard, chunked, chunked-kept, or chunked:K / "
+                f"--loss {config.loss!r} is not known; use standard, chunked, chunked-kept, plain, or chunked:K / "
                 "chunked-kept:K with K slices of 2 or more (e.g. chunked:16)"
             )
 
     def needs_model_facts(self, config: TrialConfig) -> bool:
-        return config.loss_chunks is not None
+        return config.loss != "standard"
 
     def model_refusal(self, config: TrialConfig, facts: ModelFacts) -> str | None:
-        return None if config.loss_chunks is None else chunked_loss_refusal(facts)
+        return None if config.loss == "standard" else chunked_loss_refusal(facts, config.loss)
 
     def runnable(
         self, key: str, values: tuple[Any, ...], workload: Workload, device: DeviceInfo, facts: ModelFacts
@@ -149,6 +158,8 @@ class LossLever(Lever):
     def apply(self, model: torch.nn.Module, config: TrialConfig, *, source: str) -> torch.nn.Module:
         if config.loss_chunks is not None:
             chunk_loss(model, config.loss_chunks, keep_logits=config.loss_keeps_logits, source=source)
+        elif config.loss == "plain":
+            plain_loss(model, source=source)
         return model
 
     def stage_refusal(self, config: TrialConfig) -> str | None:
@@ -159,11 +170,21 @@ class LossLever(Lever):
     def labels(self, config: TrialConfig) -> list[str]:
         if config.loss == "standard":
             return []
+        if config.loss == "plain":
+            return ["plain-loss"]
         chunks = config.loss.partition(":")[2]
         label = "chunked-kept-loss" if config.loss_keeps_logits else "chunked-loss"
         return [label + (f":{chunks}" if chunks else "")]
 
+    def maths_note(self, config: TrialConfig) -> str | None:
+        return "the cross-entropy in the logits' own type (no fp32 upcast)" if config.loss == "plain" else None
+
     def in_code(self, config: TrialConfig) -> list[str]:
+        if config.loss == "plain":
+            return [
+                "loss: plain, a loop's own logits = model(input_ids); loss = F.cross_entropy(logits.flatten(0, 1), "
+                "labels.flatten()) (no upcast; the logits held until the next forward)"
+            ]
         if config.loss_chunks is None:
             return []
         kind = "chunked-kept" if config.loss_keeps_logits else "chunked"
@@ -193,6 +214,49 @@ def chunk_loss(
             "LM has both); use --loss standard"
         )
     _ChunkedCrossEntropy(head, chunks, keep_logits=keep_logits).install(base)
+
+
+def plain_loss(model: torch.nn.Module, *, source: str = "the model") -> None:
+    """Make ``model`` (a Hugging Face causal LM, or PEFT's wrapper of one) compute its loss as a plain loop does;
+    see the module's docstring."""
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
+    if not hasattr(type(base), "loss_function"):
+        raise ConfigError(
+            f"--loss plain: {source} has no loss_function (a Hugging Face causal LM has one); use --loss standard"
+        )
+    base.loss_function = _PlainCrossEntropy()
+
+
+class _PlainCrossEntropy:
+    """The model's ``loss_function``: ``F.cross_entropy`` on the logits as they come, which it holds (as a loop's
+    ``logits`` variable) until the next call replaces them."""
+
+    def __init__(self) -> None:
+        self.held: Any = None
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int | None = None,
+        num_items_in_batch: Any = None,
+        ignore_index: int = _IGNORE,
+        shift_labels: Any = None,
+        **_: Any,
+    ) -> torch.Tensor:
+        import torch
+
+        self.held = logits
+        if shift_labels is None:  # tokens < n predict n, as transformers' ForCausalLMLoss
+            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        targets = shift_labels.reshape(-1).to(logits.device)
+        flat = logits.reshape(-1, logits.shape[-1])
+        if num_items_in_batch is None:
+            return torch.nn.functional.cross_entropy(flat, targets, ignore_index=ignore_index)
+        total = torch.nn.functional.cross_entropy(flat, targets, ignore_index=ignore_index, reduction="sum")
+        count = num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
+        return total / count
 
 
 class _ChunkedCrossEntropy:

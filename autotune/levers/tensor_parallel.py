@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from autotune.errors import ConfigError
 from autotune.levers.base import Flag, Lever, ModelFacts, divisors, is_count
 from autotune.levers.fsdp import fsdp_flag
+from autotune.levers.grad_reduction import asks_fsdp_reduction
 
 if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
@@ -86,10 +87,13 @@ class TensorParallelLever(Lever):
             )
         data = config.data_parallel(workload)
         fsdp = fsdp_flag(config)
-        if config.tp > 1 and data == 1 and fsdp is not None:
+        # FSDP over one data-parallel rank shards nothing; it runs where asked for its reduction alone, as
+        # KempnerForge wraps its tensor-parallel models (its distributed/setup.py keeps a dp_shard mesh of 1).
+        if config.tp > 1 and data == 1 and fsdp is not None and not asks_fsdp_reduction(config):
             return (
                 f"{fsdp} with --tp {config.tp} on --nproc {workload.nproc}: FSDP shards over the "
-                "data-parallel ranks, and there is one; use --fsdp off, or more ranks (--nproc a multiple of --tp)"
+                "data-parallel ranks, and there is one; use --fsdp off, or more ranks (--nproc a multiple of --tp), "
+                "or --grad-sync last / --reduce-dtype fp32 for its reduction alone"
             )
         if config.tp > 1 and data > 1 and fsdp is None:
             return (

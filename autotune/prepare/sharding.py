@@ -85,6 +85,7 @@ def shard_model(
     )
 
     from autotune.errors import ConfigError
+    from autotune.levers.grad_reduction import fsdp_precision
 
     if mesh is None and not dist.is_initialized():
         raise ConfigError(
@@ -96,9 +97,11 @@ def shard_model(
         mesh = hybrid_mesh(config, device.type)
     # hybrid reshards as full does, within its shard group (FSDP1's HYBRID_SHARD is FULL_SHARD per group).
     options: dict[str, Any] = {"reshard_after_forward": config.fsdp in ("full", "hybrid"), "mesh": mesh}
-    if config.autocast_type is not None:  # mixed precision: 16-bit compute copies, fp32 gradient reduction
+    precision = fsdp_precision(config)  # mixed precision's 16-bit copies, or --reduce-dtype fp32 on bf16 weights
+    if precision is not None:
+        param_dtype, reduce_dtype = precision
         options["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=getattr(torch, config.autocast_type), reduce_dtype=torch.float32
+            param_dtype=getattr(torch, param_dtype), reduce_dtype=getattr(torch, reduce_dtype)
         )
     # Pinned memory needs a GPU; on a CPU device "offload" keeps the same policy, its copies are plain.
     options["offload_policy"] = (

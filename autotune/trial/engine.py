@@ -16,6 +16,7 @@ from autotune.config.deepspeed_config import LEARNING_RATE, deepspeed_config
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.levers.activation_offload import ActivationOffload
+from autotune.levers.grad_reduction import gradient_sync
 from autotune.levers.optimizer import StepInBackward, build_optimizer
 from autotune.models.batches import (
     factory_batch,
@@ -113,7 +114,7 @@ class TorchEngine(TrainingEngine):
             sync = (
                 contextlib.nullcontext() if last or self.forward_model is self.model else self.forward_model.no_sync()
             )
-            with sync:
+            with sync, gradient_sync(self.model, self.config, last=last):
                 autocast = torch.autocast(
                     self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
                 )

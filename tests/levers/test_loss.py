@@ -14,7 +14,7 @@ from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.estimate.client import predict_memory
 from autotune.levers import LORA
-from autotune.levers.loss import chunk_loss, chunked_loss_refusal
+from autotune.levers.loss import chunk_loss, chunked_loss_refusal, plain_loss
 from autotune.models.sources import build_model
 from autotune.prepare.workload_facts import WorkloadFacts
 from autotune.search.presets import load_space
@@ -32,6 +32,8 @@ def _loss_and_grads(model_name: str, loss: str, *, lora: bool = False) -> tuple[
     config = TrialConfig(micro_batch=4, loss=loss)
     if config.loss_chunks is not None:
         chunk_loss(model, config.loss_chunks, keep_logits=config.loss_keeps_logits)
+    elif loss == "plain":
+        plain_loss(model)
     ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(1))
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
@@ -51,6 +53,35 @@ def test_the_chunked_loss_and_its_gradients_are_the_models_own(model_name, lora)
         assert chunked_grads.keys() == grads.keys()
         for name, grad in grads.items():
             torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _down_to_the_head(loss: torch.Tensor) -> list[str]:
+    """The backward's nodes from the loss to the LM head's matmul, along their first inputs."""
+    names, node = [], loss.grad_fn
+    while node is not None and node.name() != "MmBackward0":
+        names.append(node.name())
+        node = node.next_functions[0][0]
+    return names
+
+
+def test_the_plain_loss_is_the_models_own_in_fp32_and_its_logits_type_in_bf16():
+    standard, grads = _loss_and_grads("builtin:llama-tiny", "standard")
+    plain, plain_grads = _loss_and_grads("builtin:llama-tiny", "plain")
+    assert plain == pytest.approx(standard, abs=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(plain_grads[name], grad, msg=name)
+    # In bf16 it keeps bf16 log-probabilities (no fp32 upcast), and holds the logits until the next call.
+    model = build_model(Workload(model="builtin:llama-tiny", seq_len=32), task="causal-lm", device=torch.device("cpu"))
+    model = model.to(torch.bfloat16)
+    ids = torch.randint(0, 512, (2, 32))
+    assert "ToCopyBackward0" in _down_to_the_head(model(input_ids=ids, labels=ids).loss)  # Transformers' upcast
+    plain_loss(model)
+    loss = model(input_ids=ids, labels=ids).loss
+    assert loss.dtype == torch.bfloat16 and "ToCopyBackward0" not in _down_to_the_head(loss)
+    held = model.loss_function.held
+    assert held.dtype == torch.bfloat16 and held.shape == (2, 32, model.config.vocab_size)
+    model(input_ids=ids, labels=ids)
+    assert model.loss_function.held is not held
 
 
 @pytest.mark.slow  # three real trials and three estimates: ~45 s on a busy 2-core machine
