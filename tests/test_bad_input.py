@@ -64,7 +64,7 @@ BAD_INPUTS = [
     ),
     (
         ["trial", "--loss", "chunky"],
-        "--loss 'chunky' is not known; use standard, chunked, chunked-kept, or chunked:K / chunked-kept:K",
+        "--loss 'chunky' is not known; use standard, chunked, chunked-kept, plain, or chunked:K / chunked-kept:K",
     ),
     (["trial", "--loss", "chunked:1"], "--loss 'chunked:1' is not known"),
     (["trial", "--model", "builtin:bert-tiny", "--loss", "chunked"], "--loss chunked is a causal LM's loss"),
