@@ -3,8 +3,6 @@ before any trial, from the model's facts, read once per workload."""
 
 from __future__ import annotations
 
-import pytest
-
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.levers import LORA
@@ -15,7 +13,6 @@ from autotune.prepare.workload_facts import WorkloadFacts
 NO_TARGETS = Workload(model="factories:tiny", seq_len=64, global_batch=4)
 
 
-@pytest.mark.slow
 def test_lora_on_default_targets_is_refused_before_a_trial_where_the_model_has_none():
     refusal = refusal_before_trial(NO_TARGETS, TrialConfig(lora_rank=8))
     assert refusal is not None and "has no linear layer besides its task head" in refusal

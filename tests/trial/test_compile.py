@@ -27,6 +27,7 @@ def test_the_payoff_is_the_compile_cost_over_what_each_step_saves():
     assert compile_payoff_steps(10.0, 0.09, 0.10) is None
 
 
+@pytest.mark.slow
 def test_compile_on_a_cpu_is_refused_in_one_line_with_the_reason(tmp_path):
     proc = subprocess.run(
         [
