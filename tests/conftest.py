@@ -67,7 +67,39 @@ def _fresh_accelerate_state() -> Iterator[None]:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # -n 2 --dist loadfile hands a worker the next file of a queue whenever it is done with one. xdist orders that
+    # queue by each file's number of tests (--loadscope-reorder, on by default), which leaves the files of one or
+    # two long tests (the GPU check's rehearsal) for the end, where one worker runs them while the other has
+    # nothing left to do. The queue keeps the collection's order instead: longest first (_longest_files_first).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def _longest_files_first(items: list[pytest.Item]) -> None:
+    """Order the files by their number of ``slow`` tests, most first (the rest keep pytest's order), so that the
+    two workers end together on short files. Files whose tests share a ``one_at_a_time`` name would make one worker
+    wait for the other if the two took them at once: only the longest of them goes first, the others after every
+    other file with slow tests."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    slow = {name: sum(item.get_closest_marker("slow") is not None for item in tests) for name, tests in files.items()}
+    groups: dict[str, list[str]] = {}
+    for name, tests in files.items():
+        for group in sorted({str(mark.args[0]) for item in tests for mark in item.iter_markers("one_at_a_time")}):
+            groups.setdefault(group, []).append(name)
+    later = {name for members in groups.values() for name in sorted(members, key=lambda n: -slow[n])[1:]}
+    order = {name: i for i, name in enumerate(files)}
+
+    def key(name: str) -> tuple[int, int, int]:
+        return (0 if slow[name] and name not in later else 1 if slow[name] else 2, -slow[name], order[name])
+
+    items[:] = [item for name in sorted(files, key=key) for item in files[name]]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _longest_files_first(items)
     try:
         import torch
 

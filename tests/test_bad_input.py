@@ -37,7 +37,7 @@ BAD_INPUTS = [
     (["trial", "--offload", "optimizer"], "--offload optimizer needs ZeRO"),
     (["trial", "--lora-alpha", "16"], "--lora-alpha is set but LoRA is off"),
     (
-        ["trial", "--model", "factories:slow_tiny", "--seq-len", "64", "--lora-rank", "8"],
+        ["trial", "--model", "factories:tiny", "--seq-len", "64", "--lora-rank", "8"],
         "has no linear layer besides its task head to adapt; name the modules with --lora-targets",
     ),
     # layouts of the ranks

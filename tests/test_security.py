@@ -37,6 +37,7 @@ def test_a_search_space_yaml_cannot_construct_python_objects(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_model_code_from_a_folder_runs_only_with_trust_remote_code(tmp_path):
     model = tmp_path / "model"
     model.mkdir()

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 REQUIRED_KEYS = {"config", "status", "tokens_per_s", "samples_per_s", "peak_memory_bytes", "error"}
 
 
@@ -13,6 +15,7 @@ def autotune(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_trial_json_is_one_object_with_the_documented_keys():
     proc = autotune(
         "trial",
@@ -38,6 +41,7 @@ def test_trial_json_is_one_object_with_the_documented_keys():
     assert result["tokens_per_s"] > 0 and result["peak_memory_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_trial_table_and_non_ok_exit_status():
     proc = autotune(
         "trial",
@@ -65,6 +69,7 @@ def test_models_lists_the_presets():
     assert presets["bert-tiny"]["task"] == "seq-cls"
 
 
+@pytest.mark.slow
 def test_a_hub_id_is_read_from_the_local_cache(tmp_path):
     """The Hub cache layout as `hf download` leaves it: refs/main names a snapshot holding config.json."""
     import os

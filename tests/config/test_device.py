@@ -25,6 +25,7 @@ FP16_ZERO2 = TrialConfig(micro_batch=2, precision="fp16", zero_stage=2)
 WORKLOAD = Workload(model="builtin:gpt2-tiny", seq_len=32, global_batch=4, device="cpu")
 
 
+@pytest.mark.slow
 def test_the_cpu_fp16_answer_is_deepspeeds_own():
     code = "from deepspeed.accelerator import get_accelerator; print(bool(get_accelerator().is_fp16_supported()))"
     out = subprocess.run(
@@ -55,6 +56,7 @@ def test_fp16_under_zero_trains_exactly_where_autotune_allows_it():
         assert "Type fp16 is not supported on your device" in r.error
 
 
+@pytest.mark.slow
 def test_trial_refuses_fp16_under_zero_in_one_line_where_deepspeed_has_no_fp16(tmp_path):
     if CPU.fp16_deepspeed:
         pytest.skip("DeepSpeed trains fp16 on this CPU: the trial test above checks that it does")

@@ -98,6 +98,7 @@ def _estimate_json(*flags: str, env: dict[str, str] | None = None) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
 def test_estimate_for_a_named_card_names_three_figures_and_their_parts():
     result = _estimate_json("--gpu", "H100-80GB")
     peak, reserved, device = (

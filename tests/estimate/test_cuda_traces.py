@@ -70,6 +70,7 @@ print(json.dumps({"allocated": estimate.predicted_peak_bytes, "reserved": estima
 """
 
 
+@pytest.mark.slow
 def test_the_fsdp2_reserve_a_card_read_on_one_rank_is_predicted():
     # bench/fsdp2_one_gpu.py on an H200: a 3B Llama under FSDP2 over a world of one rank, whose sharded gradients
     # live in the reduce-scatter stream's pool. autotune refuses FSDP on one rank (it shards nothing there); the card

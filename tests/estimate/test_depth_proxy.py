@@ -23,6 +23,7 @@ WORKLOAD = Workload(model="builtin:tinyllama-1.1b", seq_len=512, global_batch=8,
     ],
     ids=["bf16 ckpt", "bf16 lora"],
 )
+@pytest.mark.slow
 def test_the_straight_line_through_two_shallow_copies_stands_for_the_whole_model(config):
     proxy = depth_proxy(WORKLOAD)
     assert proxy is not None and proxy.layers == 22
@@ -43,6 +44,7 @@ def _drawn_like_whole(workload, config, proxy):
     return drawn
 
 
+@pytest.mark.slow
 def test_zero3_is_drawn_at_the_real_depth_where_its_cap_on_gathered_weights_applies():
     # Llama-2-7B's 4-layer copy holds 1.07e9 parameters, past ZeRO-3's 1e9 live cap already: a line
     # through two ZeRO-3 estimates would hold the whole 6.7e9 gathered. The line runs through the

@@ -54,7 +54,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("model, nproc, config", CASES, ids=[f"{m}-n{n}-{c.describe()}" for m, n, c in CASES])
+# The two-rank cases start two ranks and DeepSpeed: in the slow part.
+@pytest.mark.parametrize(
+    "model, nproc, config",
+    [pytest.param(*case, marks=[pytest.mark.slow] if case[1] > 1 else []) for case in CASES],
+    ids=[f"{m}-n{n}-{c.describe()}" for m, n, c in CASES],
+)
 def test_predicted_peak_is_within_5_percent_of_the_measured_one(model, nproc, config):
     workload = Workload(model=model, seq_len=64, global_batch=8, nproc=nproc)
     predicted = predict_memory(workload, config)
@@ -298,6 +303,7 @@ def test_estimate_command_table_adds_up():
     assert "timed against this CPU" in proc.stdout.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_the_traced_step_counts_its_flops_and_checkpointing_s_recompute():
     """FLOPs per sample: 6 x matmul weights x tokens plus attention's 2 x 6 x layers x s^2 x d,
     the textbook count, exactly; checkpointing every layer adds one more forward of the layers."""
@@ -337,6 +343,7 @@ def test_activation_offload_is_refused_for_a_cpu_workloads_estimate():
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step-after", "step-in-bwd"])
+@pytest.mark.slow
 def test_on_cuda_the_8_bit_step_is_one_kernel_like_fused_adamw(in_backward):
     # Model states set the peak here (one sample of 16 tokens): the optimizer step's temporaries show.
     cuda = Workload(model="builtin:gpt2-tiny", seq_len=16, global_batch=1, device="cuda", gpu="A100-80GB")
@@ -353,6 +360,7 @@ def test_on_cuda_the_8_bit_step_is_one_kernel_like_fused_adamw(in_backward):
     assert on_cpu.temporaries_bytes > eight_bit.temporaries_bytes
 
 
+@pytest.mark.slow
 def test_a_trace_without_adapters_leaves_peft_unimported():
     # The estimate server imports PEFT only before a trace that may make adapters (LoRA's, a factory's):
     # a trace without them must not import it in every forked estimate instead.
@@ -371,6 +379,7 @@ def test_a_trace_without_adapters_leaves_peft_unimported():
     assert out.stdout.split() == ["False", "True", "True"], out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_trace_after_the_servers_preloads_imports_no_transformers_module():
     # The estimate server imports a model's module, the tracer's and an optimizer's library before it forks a
     # trace; each forked trace imported them again before (1.6 of a tiny model's 2.0 s estimate).
@@ -392,6 +401,7 @@ def test_a_trace_after_the_servers_preloads_imports_no_transformers_module():
     assert out.returncode == 0 and out.stdout.split() == ["[]"], (out.stdout, out.stderr[-2000:])
 
 
+@pytest.mark.slow
 def test_where_a_gpu_is_visible_the_estimate_server_leaves_peft_and_optimizer_libraries_to_the_traces():
     # bitsandbytes (under PEFT and Adafactor's module) initialises CUDA as it imports: a trace forked after that
     # could not run on fake CUDA tensors. The model's module is imported still.

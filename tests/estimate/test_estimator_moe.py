@@ -52,6 +52,7 @@ def test_a_mixture_of_experts_estimate_is_within_5_percent_of_its_trial(mixtral,
     assert abs(error) <= 0.05, (predicted.to_dict(), measured.peak_memory_bytes)
 
 
+@pytest.mark.slow
 def test_estimate_command_on_a_mixtral_config_json(mixtral):
     proc = subprocess.run(
         [

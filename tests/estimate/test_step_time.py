@@ -24,6 +24,7 @@ def _ops(costs: StepCosts, phase: str) -> set[str]:
     return {op.name for op in costs.ops if op.phase == phase}
 
 
+@pytest.mark.slow
 def test_the_trace_counts_kernels_not_views_and_keeps_the_recompute():
     plain = predict_memory(LLAMA, TrialConfig(micro_batch=2)).step_costs
     ckpt = predict_memory(LLAMA, TrialConfig(micro_batch=2, checkpointing=True)).step_costs

@@ -44,6 +44,7 @@ def test_eager_attention_keeps_the_scores_sdpa_does_not_and_the_estimator_predic
         ("flux", "is not known; use one of auto, eager, sdpa, flash_attention_2, flex_attention"),
     ],
 )
+@pytest.mark.slow
 def test_what_this_cpu_cannot_run_is_refused_in_one_line_before_a_trial(tmp_path, attention, reason):
     proc = subprocess.run(
         [

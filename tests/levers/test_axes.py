@@ -110,6 +110,7 @@ def test_the_checkpointing_axis_reads_every_n_and_gives_both_fields(tmp_path):
     assert [space.params_of(c)["checkpointing"] for c in configs] == [False, True, "every-2"]
 
 
+@pytest.mark.slow
 def test_checkpointing_is_dropped_for_a_factory_model_without_it():
     space = load_space("quick")
     plain = Workload(model="factories:tiny", global_batch=4, seq_len=8)  # TinyLM: no checkpointing method

@@ -110,6 +110,7 @@ print(json.dumps(estimate.to_dict()))
 """
 
 
+@pytest.mark.slow
 def test_the_estimate_times_the_layers_matmuls_in_float8() -> None:
     ran = subprocess.run(
         [sys.executable, "-c", ESTIMATE, json.dumps(FLOAT8_CONFIG.to_dict())],

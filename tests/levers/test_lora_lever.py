@@ -10,7 +10,7 @@ from autotune.prepare import refusal_before_trial
 from autotune.prepare.workload_facts import WorkloadFacts
 
 # A factory whose only linear layer is its head (tests/factories.py): nothing for LoRA's default targets.
-NO_TARGETS = Workload(model="factories:slow_tiny", seq_len=64, global_batch=4)
+NO_TARGETS = Workload(model="factories:tiny", seq_len=64, global_batch=4)
 
 
 def test_lora_on_default_targets_is_refused_before_a_trial_where_the_model_has_none():

@@ -134,6 +134,7 @@ def test_a_space_searches_the_loss_where_it_applies_and_says_where_not(tmp_path)
     assert TrialConfig.from_dict(old_config) == TrialConfig(micro_batch=2)
 
 
+@pytest.mark.slow
 def test_exports_say_how_to_apply_the_chunked_loss(tmp_path):
     from autotune.output.exporters import export_config
 

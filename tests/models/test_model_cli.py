@@ -74,6 +74,7 @@ def test_trial_and_estimate_build_the_named_file_not_the_config_json_beside_it(t
     assert json.loads(proc.stdout)["parameters_bytes"] == 4 * _gpt2_params(MINE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["trial", "estimate"])
 def test_a_model_file_that_is_not_json_is_one_line_exit_2(tmp_path, command):
     (tmp_path / "model.yaml").write_text("hidden: 64\nlayers: 2\n")

@@ -78,6 +78,7 @@ def _no_temp_files(folder: Path) -> bool:
     return not [p for p in folder.rglob(".*") if p.name != ".gitignore"]
 
 
+@pytest.mark.slow
 def test_an_existing_directory_gets_the_formats_file_name_inside_it(work):
     (work / "configs").mkdir()
     proc = export(work, "--format", "deepspeed", "-o", "configs")
@@ -87,6 +88,7 @@ def test_an_existing_directory_gets_the_formats_file_name_inside_it(work):
 
 
 @pytest.mark.parametrize("output", ["adapter/", "lora-adapter"])
+@pytest.mark.slow
 def test_peft_writes_adapter_config_json_in_the_directory_peft_loads(work, output):
     from peft import LoraConfig
 
@@ -98,6 +100,7 @@ def test_peft_writes_adapter_config_json_in_the_directory_peft_loads(work, outpu
     assert loaded.r == 8 and loaded.target_modules == {"c_attn"}
 
 
+@pytest.mark.slow
 def test_peft_to_a_json_name_writes_that_file(work):
     proc = export(work, "--format", "peft", "-o", "mine.json")
     assert proc.returncode == 0, proc.stderr
@@ -112,6 +115,7 @@ def test_peft_to_a_json_name_writes_that_file(work):
     ],
     ids=["target-is-a-directory", "parent-is-a-file"],
 )
+@pytest.mark.slow
 def test_a_place_that_cannot_be_written_is_one_line_exit_2(work, setup, output, message):
     if setup == "taken":
         (work / "taken" / "autotune.json").mkdir(parents=True)

@@ -112,6 +112,7 @@ _DEEPSPEED_INIT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_deepspeed_export_initialises_a_deepspeed_engine(tmp_path: Path) -> None:
     configs = [FULL_BF16, ZERO2_OFFLOAD, ZERO3_OFFLOAD_ALL]
     paths = []
@@ -263,6 +264,7 @@ def test_accelerate_export_loads_as_accelerate_config(
     assert "optimizer" not in plugin.deepspeed_config  # the script's own optimizer (Accelerate refuses both)
 
 
+@pytest.mark.slow
 def test_the_accelerate_export_of_a_zero_config_trains_under_accelerate_launch_with_the_trials_buckets(tmp_path):
     config = TrialConfig(micro_batch=2, precision="bf16", zero_stage=2)
     for path, text in export_files(
@@ -582,6 +584,7 @@ def _local_env() -> dict[str, str]:
     return {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", "PYTHON": sys.executable}
 
 
+@pytest.mark.slow
 def test_a_one_node_launch_script_starts_the_trials_ranks(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(_RANK)
     script = _launch(tmp_path, FULL_BF16, WORKLOAD.replace(nproc=2))

@@ -34,6 +34,7 @@ def test_every_second_layer_lands_between_off_and_on_and_the_estimator_predicts_
     assert peaks["on"] < peaks["every-2"] < peaks["off"]
 
 
+@pytest.mark.slow
 def test_the_config_and_the_space_speak_every_n(tmp_path):
     config = TrialConfig(micro_batch=2, checkpointing=True, checkpoint_every=2)
     assert config.describe() == "mb=2 fp32 ckpt/2"

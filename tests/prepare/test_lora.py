@@ -133,6 +133,7 @@ def test_mixtral_lora_with_default_targets_trains(mixtral):
     assert r.trainable_params == 2 * (8 * (64 + 64) + 8 * (64 + 32))
 
 
+@pytest.mark.slow
 def test_a_factory_model_gets_its_linear_layers_but_the_vocabulary_projection():
     workload = Workload(model="factories:mlp", seq_len=8, global_batch=2)
     plan = lora_targets_for(workload, None, task="causal-lm")  # built on the meta device in a child process

@@ -67,6 +67,7 @@ _JOB = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_split_models_compute_the_whole_models_loss_and_gradients_under_torchrun(tmp_path):
     (tmp_path / "job.py").write_text(_JOB)
     ranks = dict(enumerate(run_job(tmp_path)))
@@ -178,6 +179,7 @@ _LIGHTNING_JOB = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_lightning_export_of_a_tensor_parallel_config_trains_under_model_parallel_strategy(tmp_path):
     workload = Workload(model="builtin:llama-tiny", seq_len=32, global_batch=4, nproc=2)
     config = TrialConfig(micro_batch=2, tp=2)

@@ -48,6 +48,7 @@ def test_bf16_true_halves_the_model_states_of_mixed_bf16_and_the_estimator_predi
     assert estimate.optimizer_state_bytes == measured["bf16-true"].optimizer_state_bytes
 
 
+@pytest.mark.slow
 def test_bf16_true_is_refused_where_it_has_no_meaning():
     from autotune.config.device import DeviceInfo
 

@@ -117,12 +117,14 @@ def test_as_lightning_quantizes_the_head_too_from_float16_with_the_modes_scales(
     assert type(again.get_base_model().lm_head) is torch.nn.Linear
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2():
     assert "add --lora-rank R" in _refusal("--quantize-base", "nf4")
     assert "is not known; use one of off, nf4, int8" in _refusal("--lora-rank", "4", "--quantize-base", "nf2")
     assert "drop the sharding" in _refusal("--lora-rank", "4", "--quantize-base", "nf4", "--zero-stage", "2")
 
 
+@pytest.mark.slow
 def test_a_quantized_base_without_bitsandbytes_names_the_package_to_install():
     refusal = _refusal("--lora-rank", "4", "--quantize-base", "int8", without=("bitsandbytes",))
     assert "pip install 'bitsandbytes>=0.48'" in refusal

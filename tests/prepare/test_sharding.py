@@ -48,6 +48,7 @@ _JOB = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_json_export_applied_with_prepare_under_torchrun_shards_and_trains(tmp_path):
     export = tmp_path / "config.json"
     export.write_text(export_config(CONFIG, WORKLOAD, fmt="json", device_type="cpu"))

@@ -42,6 +42,7 @@ def test_a_trainer_script_trains_the_injected_micro_batch_and_checkpoints_throug
     assert checkpointed.peak_memory_bytes < large.peak_memory_bytes
 
 
+@pytest.mark.slow
 def test_a_trainer_script_runs_out_of_the_budget_with_its_own_allocations():
     result = run_script_trial(
         TRAINER, WORKLOAD, TrialConfig(micro_batch=8), memory_budget_bytes=12 * 2**20, measure_steps=2
@@ -49,6 +50,7 @@ def test_a_trainer_script_runs_out_of_the_budget_with_its_own_allocations():
     assert result.status is TrialStatus.OOM, result.error
 
 
+@pytest.mark.slow
 def test_a_loop_that_ignores_the_injected_micro_batch_is_reported_not_measured():
     result = run_script_trial(
         [sys.executable, str(HERE / "fixed_batch_loop.py"), "20"], WORKLOAD, TrialConfig(micro_batch=2), measure_steps=2
@@ -61,6 +63,7 @@ def test_a_loop_that_ignores_the_injected_micro_batch_is_reported_not_measured()
 
 
 @pytest.mark.parametrize("script", ["lightning_script.py", "accelerate_script.py"])
+@pytest.mark.slow
 def test_a_lightning_or_accelerate_script_trains_the_trials_precision(script, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # Lightning writes its logs where it runs
     command = [sys.executable, str(HERE / script), "30"]
@@ -75,6 +78,7 @@ def test_a_lightning_or_accelerate_script_trains_the_trials_precision(script, tm
     assert bf16.peak_memory_bytes < fp32.peak_memory_bytes
 
 
+@pytest.mark.slow
 def test_the_patched_lightning_trainer_keeps_its_signature_for_pl_trainer_defaults():
     # Lightning applies PL_TRAINER_* by reading its Trainer's signature: the patched __init__ must show it.
     code = (

@@ -38,6 +38,7 @@ def test_a_plain_loop_is_measured_in_its_own_steps_and_its_peak_grows_with_the_i
     assert large.peak_memory_bytes > small.peak_memory_bytes  # the script took the injected micro batch
 
 
+@pytest.mark.slow
 def test_a_budget_below_the_largest_micro_batch_is_an_oom_from_the_scripts_own_allocations():
     result = run_script_trial([*LOOP, "20"], WORKLOAD, TrialConfig(micro_batch=8), memory_budget_bytes=16 * 2**20)
     assert result.status is TrialStatus.OOM, result.error
@@ -51,11 +52,13 @@ def test_a_budget_below_the_largest_micro_batch_is_an_oom_from_the_scripts_own_a
         ("0", "no optimizer step in"),
     ],
 )
+@pytest.mark.slow
 def test_a_script_that_stops_short_says_so(steps, expected):
     result = run_script_trial([*LOOP, steps], WORKLOAD, TrialConfig(micro_batch=8))
     assert result.status is TrialStatus.ERROR and expected in result.error, result.error
 
 
+@pytest.mark.slow
 def test_knobs_only_prepare_applies_need_the_script_to_call_it():
     config = TrialConfig(micro_batch=8, checkpointing=True)
     refused = run_script_trial([*LOOP, "20"], WORKLOAD, config, measure_steps=2)
@@ -104,6 +107,7 @@ def test_a_cpu_trial_s_command_sees_no_gpu(capfd):
     assert "visible=''" in capfd.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_launcher_failing_with_its_rank_leaves_the_rank_s_oom_standing():
     # torchrun has no RANK of its own, so its hook is 'rank 0' too; its ChildFailedError comes second.
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(HERE / "ddp_loop.py"), "20"]
@@ -114,6 +118,7 @@ def test_a_launcher_failing_with_its_rank_leaves_the_rank_s_oom_standing():
     assert "ChildFailedError" not in result.error
 
 
+@pytest.mark.slow
 def test_a_timeout_kills_the_whole_command_and_leaves_no_process(monkeypatch, own_processes):
     monkeypatch.setenv("HANG_AFTER_FIRST_STEP", "1")
     result = run_script_trial([*LOOP, "20"], WORKLOAD, TrialConfig(micro_batch=8), timeout_s=10)
@@ -122,6 +127,7 @@ def test_a_timeout_kills_the_whole_command_and_leaves_no_process(monkeypatch, ow
     assert not own_processes("plain_loop.py")
 
 
+@pytest.mark.slow
 def test_the_command_line_takes_the_script_after_a_double_dash_and_refuses_one_that_does_not_exist(tmp_path):
     ok = subprocess.run(
         [

@@ -123,6 +123,7 @@ def test_a_framework_script_is_tuned_under_a_budget_and_its_answer_trains_it(tmp
 # Ctrl-C: the tuner kills its trial's process tree. Kill -9 gives it no chance to: the command must die
 # with it on its own.
 @pytest.mark.parametrize("stop", ["kill -9", "ctrl-c"])
+@pytest.mark.slow
 def test_stopping_a_script_tune_leaves_none_of_the_command_behind(tmp_path, stop, own_processes):
     import os
     import signal

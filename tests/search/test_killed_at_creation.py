@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 from autotune.study.stale import LOST_ATTR, recover_stale_trials
@@ -46,6 +47,7 @@ ask(study, proposer, TrialConfig(micro_batch=2))
 """
 
 
+@pytest.mark.slow
 def test_a_trial_killed_as_it_turns_running_is_failed_as_lost(tmp_path: Path) -> None:
     (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [1, 2]\n  precision: [fp32]\n")
     url = f"sqlite:///{tmp_path}/db.sqlite"

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from autotune.config.workload import Workload
 from autotune.search.plan import PLAN_ERROR, plan_space
 
@@ -28,6 +30,7 @@ def test_a_plan_ranks_what_fits_and_marks_the_configs_to_verify_first(tmp_path):
     assert small.too_big > plan.too_big and all(row.memory_bytes <= small.limit_bytes for row in small.rows)
 
 
+@pytest.mark.slow
 def test_find_plan_prints_its_table_and_json_without_running_anything(tmp_path):
     # Two configs, one family: what is tested here is the command's output; the ranking of a whole
     # space is the test above's (each family costs the command seconds of tracing, twice).

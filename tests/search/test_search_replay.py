@@ -107,6 +107,7 @@ def _line(
     return line
 
 
+@pytest.mark.slow
 def test_the_replayed_driver_with_estimates_finds_the_best_after_the_simple_answer_and_pays_for_its_estimates(
     tmp_path,
 ):
@@ -144,6 +145,7 @@ def test_the_replayed_driver_with_estimates_finds_the_best_after_the_simple_answ
     assert driver["cost_fraction"] * 80 >= 10 + 2 + 2
 
 
+@pytest.mark.slow
 def test_replay_scores_every_strategy_against_the_grid(tmp_path):
     # A hand-made grid: throughput grows with the micro batch, checkpointing costs a third and
     # halves the memory; mb=8 without checkpointing does not fit under 40 MiB (limit 36 MiB).

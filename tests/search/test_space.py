@@ -22,7 +22,10 @@ CPU = DeviceInfo("cpu", "test-cpu", 1, 16 * 2**30, bf16=True, fp16_deepspeed=Fal
 GPU = DeviceInfo("cuda", "test-gpu", 2, 80 * 2**30, bf16=True, fp16_deepspeed=True)
 
 
-@pytest.mark.parametrize("name", ["default", "full", "lora", "quick", "sharding", "zero"])
+@pytest.mark.parametrize(
+    "name",  # full: some 90,000 configs on two ranks of a GPU, each built and validated
+    ["default", pytest.param("full", marks=pytest.mark.slow), "lora", "quick", "sharding", "zero"],
+)
 def test_every_preset_loads_and_round_trips_its_configs(name):
     assert name in preset_names()
     space = load_space(name)
@@ -75,6 +78,7 @@ def test_offload_means_nothing_when_the_device_is_the_cpu():
         load_space("zero").candidates(Workload(nproc=1), CPU)
 
 
+@pytest.mark.slow
 def test_missing_checkpointing_reads_the_model_class_without_building_a_model():
     from autotune.prepare.model_facts import missing_checkpointing
 

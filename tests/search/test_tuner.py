@@ -253,6 +253,7 @@ def test_kill_9_during_a_trial_then_the_same_command_carries_on(tmp_path):
     assert study.trials[0].state is TrialState.COMPLETE and study.trials[0].params == kept[0].params
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_cleanly_and_marks_the_interrupted_trial(tmp_path):
     proc = _start_tune(tmp_path)
     _wait_for_running_trial(tmp_path, 0, proc)

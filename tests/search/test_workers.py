@@ -85,6 +85,7 @@ def test_three_workers_on_local_sqlite_measure_each_config_once_and_find_the_ans
     not POSTGRES_URL and not os.environ.get("CI"),
     reason="no PostgreSQL server: .ci/run starts one and sets AUTOTUNE_TEST_POSTGRES_URL",
 )
+@pytest.mark.slow
 def test_three_workers_on_a_postgresql_server(tmp_path):
     assert POSTGRES_URL, "CI must start PostgreSQL (.ci/postgres.sh) and set AUTOTUNE_TEST_POSTGRES_URL"
     study = f"workers-{uuid.uuid4().hex[:8]}"

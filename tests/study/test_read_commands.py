@@ -286,6 +286,7 @@ def test_a_classifier_study_stores_that_its_head_trains_in_full(studies):
     )
 
 
+@pytest.mark.slow
 def test_a_model_lora_cannot_adapt_is_tuned_without_lora_and_says_why(tmp_path):
     """A model with no linear layer but its head: the space drops LoRA on the default targets before
     the first trial (said once), instead of measuring failures; a LoRA config's peft export refuses."""

@@ -25,6 +25,7 @@ needs_postgres = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("scheme", ["sqlite", "journal", pytest.param("postgresql", marks=needs_postgres)])
+@pytest.mark.slow
 def test_a_trial_whose_remote_worker_stopped_beating_is_failed_as_lost(tmp_path, monkeypatch, scheme):
     monkeypatch.setenv(HEARTBEAT_ENV, "1")  # grace: 6 missed beats
     urls = {

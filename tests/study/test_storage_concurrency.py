@@ -7,6 +7,8 @@ import multiprocessing
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from autotune.study.storage import create_study, open_storage
 
 PROCESSES = 8
@@ -37,6 +39,7 @@ def _rows(path: Path, table: str) -> list[tuple]:
         return list(db.execute(f"SELECT * FROM {table}"))
 
 
+@pytest.mark.slow
 def test_eight_processes_open_one_fresh_sqlite_database_at_once(tmp_path):
     databases = [tmp_path / f"race{i}" / "autotune.db" for i in range(RACES)]
     urls = [f"sqlite:///{db}" for db in databases]

@@ -18,6 +18,7 @@ def _autotune(*args: str, cwd: object) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_trial_refuses_it_on_a_cpu_device_in_one_line_with_exit_2(tmp_path):
     proc = _autotune(
         "trial", "--model", "builtin:gpt2-tiny", "--device", "cpu", "--activation-offload", "on", cwd=tmp_path
@@ -28,6 +29,7 @@ def test_trial_refuses_it_on_a_cpu_device_in_one_line_with_exit_2(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no storage, no study
 
 
+@pytest.mark.slow
 def test_a_space_that_only_offloads_is_refused_on_a_cpu_device_before_a_study_is_written(tmp_path):
     (tmp_path / "offload.yaml").write_text("knobs:\n  micro_batch: [1]\n  activation_offload: [true]\n")
     proc = _autotune(

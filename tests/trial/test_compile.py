@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from autotune.config.device import detect_device
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
@@ -25,6 +27,7 @@ def test_the_payoff_is_the_compile_cost_over_what_each_step_saves():
     assert compile_payoff_steps(10.0, 0.09, 0.10) is None
 
 
+@pytest.mark.slow
 def test_compile_on_a_cpu_is_refused_in_one_line_with_the_reason(tmp_path):
     proc = subprocess.run(
         [
@@ -59,6 +62,7 @@ def test_compile_on_a_cpu_is_refused_in_one_line_with_the_reason(tmp_path):
     assert bad.returncode == 2 and "--compile 'maybe' must be on or off" in bad.stderr
 
 
+@pytest.mark.slow
 def test_compile_runs_on_a_gpu_with_or_without_zero_and_the_full_space_leaves_it_out_on_a_cpu():
     from autotune.config.device import DeviceInfo
 
@@ -95,6 +99,7 @@ print("RESULT", engine.engine.is_compiled, all(math.isfinite(x) for x in losses)
 """
 
 
+@pytest.mark.slow
 def test_a_zero_trial_compiles_through_deepspeeds_own_engine_compile(tmp_path):
     import os
     import socket

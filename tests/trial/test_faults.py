@@ -85,6 +85,7 @@ def test_a_study_survives_every_trial_fault_and_keeps_every_trial(tmp_path):
     assert recorded[1].value > 0
 
 
+@pytest.mark.slow
 def test_a_factory_that_raises_stops_the_study_cleanly_after_two_trials(tmp_path):
     proc = tune(tmp_path, "broken", "factories:broken", "--space", "quick")
     assert proc.returncode == 1, proc.stderr  # no config fits: not an input error, not a crash
@@ -96,6 +97,7 @@ def test_a_factory_that_raises_stops_the_study_cleanly_after_two_trials(tmp_path
     assert all("factory exploded on purpose" in t.user_attrs["result"]["error"] for t in recorded)
 
 
+@pytest.mark.slow
 def test_a_model_module_that_cannot_be_imported_stops_cleanly(tmp_path):
     proc = tune(tmp_path, "unimportable", "broken_module:build", "--space", "quick")
     assert proc.returncode in (1, 2), proc.stderr

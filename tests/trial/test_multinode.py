@@ -126,6 +126,7 @@ sys.exit(subprocess.call(multinode_command(os.environ, nproc=2, argv=sys.argv[1:
 
 @pytest.mark.skipif(not CLUSTER and not os.environ.get("CI"), reason="no SLURM cluster: .ci/run starts one")
 @pytest.mark.one_at_a_time("slurm")  # in a parallel run, not beside another job on the one-node cluster
+@pytest.mark.slow
 def test_two_ranks_start_through_srun_and_torchrun_inside_an_allocation(tmp_path):
     from autotune.trial.rendezvous import free_port
 

@@ -87,6 +87,7 @@ def test_bad_input_is_one_line_and_exit_2():
     assert "fused is PyTorch AdamW's kernel" in _refusal("--optimizer", "adafactor", "--fused-optimizer", "on")
 
 
+@pytest.mark.slow
 def test_adamw_8bit_without_a_library_names_the_packages_to_install():
     # A Python where neither torchao nor bitsandbytes can be found, as on a machine without them.
     refusal = _refusal("--optimizer", "adamw-8bit", without=("torchao", "bitsandbytes"))

@@ -63,6 +63,7 @@ def test_two_rank_layouts_hold_less_than_ddp_and_the_estimator_predicts_every_ra
     [({"tp": 2, "fsdp": "full"}, 2), ({"tp": 2, "pp": 2}, 4)],
     ids=["fsdp x tp", "pp x tp"],
 )
+@pytest.mark.slow
 def test_two_dimensional_layouts_train_on_four_ranks_as_the_estimator_predicts(layers_model, knobs, accumulation):
     workload, config, result = _trial(layers_model, 4, **knobs)
     assert result.status.value == "ok", result.error
@@ -76,6 +77,7 @@ def test_two_dimensional_layouts_train_on_four_ranks_as_the_estimator_predicts(l
             assert predicted.peak_per_rank_bytes[rank // 2] == pytest.approx(peak, rel=0.05), rank
 
 
+@pytest.mark.slow
 def test_a_tied_embedding_stays_one_weight_on_each_tensor_parallel_rank(layers_model, tmp_path):
     # Each rank makes its weights from the meta device: the embedding and the head it is tied to must stay
     # one parameter there, as the estimator traces them (a copy each held 3 MiB more on a 1000-token Qwen2).

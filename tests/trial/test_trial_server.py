@@ -29,6 +29,7 @@ def _run(monkeypatch, server: str, workload: Workload = GPT2, **kwargs):
     return run_trial(workload, TrialConfig(micro_batch=2), warmup_steps=1, measure_steps=1, **kwargs)
 
 
+@pytest.mark.slow
 def test_a_forked_trial_measures_what_a_new_interpreter_measures(monkeypatch):
     fresh = _run(monkeypatch, "off")
     forked = _run(monkeypatch, "on")
@@ -42,6 +43,7 @@ def test_a_forked_trial_measures_what_a_new_interpreter_measures(monkeypatch):
     assert forked_again.phases.startup_s + forked_again.phases.build_s < fresh.phases.startup_s + fresh.phases.build_s
 
 
+@pytest.mark.slow
 def test_two_forked_ranks_measure_what_torchrun_s_ranks_measure(monkeypatch):
     two_ranks = Workload(model="builtin:gpt2-tiny", seq_len=32, global_batch=8, nproc=2)
     monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", "off")
@@ -67,6 +69,7 @@ def _servers() -> list[psutil.Process]:
     return [p for p in psutil.Process().children() if "autotune.trial.server" in " ".join(p.cmdline())]
 
 
+@pytest.mark.slow
 def test_a_killed_server_takes_its_trial_along_and_the_next_trial_starts_a_new_one(monkeypatch):
     _run(monkeypatch, "on")  # the server is up
     (server,) = _servers()
@@ -192,6 +195,7 @@ def test_the_device_probe_forked_from_the_server_measures_what_its_own_interpret
     assert speeds is not None and speeds["fp32"] == 1.0 and speeds["bf16"] > 0
 
 
+@pytest.mark.slow
 def test_the_server_imports_peft_and_an_optimizers_library_only_before_a_trial_that_needs_them(tmp_path):
     # PEFT is over half of the server's imports, which a study without LoRA never needs (a trial without LoRA
     # does not import PEFT: the server imports it once, at the first LoRA trial). Adafactor's module

@@ -100,6 +100,7 @@ def test_zero3_builds_a_model_whose_embedding_has_a_padding_row():
     assert math.isfinite(r.final_loss)
 
 
+@pytest.mark.slow
 def test_zero2_holds_less_optimizer_state_per_rank_than_zero0_on_two_ranks():
     workload = GPT2.replace(nproc=2)
     zero0 = trial(workload, micro_batch=4, zero_stage=0)
@@ -180,6 +181,7 @@ def test_a_builtin_model_over_budget_is_an_oom():
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.slow
 def test_a_hanging_factory_times_out_within_the_limit(nproc):
     before = _children_but_servers()
     start = time.monotonic()
@@ -219,6 +221,7 @@ def test_an_exception_in_the_factory_is_an_error_with_its_last_lines():
     assert "ValueError: factory exploded on purpose" in r.error
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_trial_kills_it_and_leaves_no_process(tmp_path):
     import signal
     import subprocess

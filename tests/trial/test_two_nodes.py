@@ -84,6 +84,7 @@ sys.exit(code)
 """
 
 
+@pytest.mark.slow
 def test_four_ranks_start_on_two_real_nodes_each_nodes_on_the_cpus_the_job_holds_there(tmp_path: Path) -> None:
     nodes = slurm("sinfo", "-h", "-N", "-p", PARTITION, "-o", "%N").split()
     assert len(set(nodes)) == 2, nodes
@@ -118,6 +119,7 @@ knobs:
 """
 
 
+@pytest.mark.slow
 def test_a_tune_on_two_nodes_measures_a_trial_whose_ranks_ran_on_both(tmp_path: Path) -> None:
     (tmp_path / "space.yaml").write_text(SPACE)
     storage = f"journal://{tmp_path}/shared/study.log"
@@ -150,6 +152,7 @@ def test_a_tune_on_two_nodes_measures_a_trial_whose_ranks_ran_on_both(tmp_path: 
     assert shown["workload"]["nodes"] == 2 and shown["workload"]["nproc"] == 2
 
 
+@pytest.mark.slow
 def test_the_two_node_launch_export_trains_over_two_real_nodes(tmp_path: Path) -> None:
     """``export --format launch`` of a 2x2 config, submitted as it says (sbatch launch.sh train.py): its
     #SBATCH lines hold the job, srun starts a torchrun on each node, the rendezvous joins four ranks, and

@@ -3,6 +3,7 @@ whole step, in a fraction of its time."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from autotune.config.knobs import TrialConfig
@@ -25,6 +26,7 @@ def _engine_counting_forwards() -> tuple[object, list[int]]:
     return engine, forwards
 
 
+@pytest.mark.slow
 def test_a_warm_up_runs_one_micro_batch_and_makes_the_optimizer_state():
     engine, forwards = _engine_counting_forwards()
     assert engine.accum == 4 and engine.optimizer_state_bytes() == 0
