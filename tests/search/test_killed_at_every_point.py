@@ -49,17 +49,17 @@ if point == "worker recorded":  # the trial RUNNING, its worker and config store
 elif point == "measuring":  # the trial server forked the trial's child, and the child runs
     real_send, real_reply = runner._TrialServer._send, runner._TrialServer._reply
     forked = []
-    def send(self, process, request):
-        pid = real_send(self, process, request)
+    def send(self, request):
+        pid = real_send(self, request)
         forked.append(pid)
         return pid
-    def reply(self, process, key, timeout_s):
+    def reply(self, key, timeout_s):
         if key == "exit_code":
             # Inside the child's build: a trial of this model (build, a warm-up of one micro batch, two steps)
             # can end within half a second.
             time.sleep(0.1)
             die(pid=forked[-1], alive=psutil.pid_exists(forked[-1]))
-        return real_reply(self, process, key, timeout_s)
+        return real_reply(self, key, timeout_s)
     runner._TrialServer._send, runner._TrialServer._reply = send, reply
 elif point == "result written":  # measure_in_study stored the trial's result, then tells Optuna
     def tell(self, trial, *args, **kwargs):
