@@ -22,6 +22,7 @@ from autotune.levers.activation_offload import ActivationOffloadFields, offload_
 from autotune.levers.attention import ATTENTIONS, AttentionFields, attention_device_refusal
 from autotune.levers.base import divisors as _divisors
 from autotune.levers.base import is_count as _is_count
+from autotune.levers.base import overriding
 from autotune.levers.checkpointing import CheckpointingFields
 from autotune.levers.compile import CompileFields, compile_device_refusal
 from autotune.levers.float8 import Float8Fields
@@ -78,6 +79,13 @@ class _MicroBatchField:
     )
 
 
+# The levers each loop asks, in its order, less those that keep the default answer (Lever's).
+_SPLITTING = overriding(LEVERS, "model_ranks")
+_SPLITTING_IN_LABEL_ORDER = overriding(LABEL_ORDER, "model_ranks")
+_CONFLICTING = overriding(REFUSAL_ORDER, "conflict")
+_REFUSING = overriding(REFUSAL_ORDER, "refusal")
+
+
 # The levers' fields (autotune/levers/). A dataclass orders the fields of its bases from the last base to the first:
 # the mixins are listed last-first so that dataclasses.fields(TrialConfig) keeps the order it has always had
 # (micro_batch, precision, checkpointing, ..., zero_stage, fsdp, ...): stored configs and exports read as before.
@@ -110,17 +118,17 @@ class TrialConfig(
     @property
     def model_parallel(self) -> int:
         """Ranks one copy of the model is spread over: the product of the levers' splits (tensor x pipeline)."""
-        return math.prod(lever.model_ranks(self) for lever in LEVERS)
+        return math.prod(lever.model_ranks(self) for lever in _SPLITTING)
 
     @property
     def layout(self) -> str:
         """How the ranks hold the model, as a search space writes it: ``dp`` (data parallel only), ``tp2``,
         ``tp2+sp``, ``pp2:1f1b``, or both splits: ``tp2 pp2:1f1b``."""
-        return " ".join(word for lever in LABEL_ORDER if (word := lever.layout_word(self))) or "dp"
+        return " ".join(word for lever in _SPLITTING_IN_LABEL_ORDER if (word := lever.layout_word(self))) or "dp"
 
     def split_flags(self, joiner: str = " ") -> str:
         """The model's splits as typed, for messages, e.g. ``--tp 2 --pp 2``."""
-        flags = (lever.layout_flag(self) for lever in LABEL_ORDER if lever.model_ranks(self) > 1)
+        flags = (lever.layout_flag(self) for lever in _SPLITTING_IN_LABEL_ORDER if lever.model_ranks(self) > 1)
         return joiner.join(flag for flag in flags if flag)
 
     def data_parallel(self, workload: Workload) -> int:
@@ -155,11 +163,11 @@ class TrialConfig(
     def validate_for(self, workload: Workload, device: DeviceInfo) -> None:
         """Refuse combinations that cannot run for this workload on this device."""
         self.grad_accum_steps(workload)  # also refuses a micro batch larger than the per-rank batch
-        for lever in REFUSAL_ORDER:
+        for lever in _CONFLICTING:
             conflict = lever.conflict(self)
             if conflict is not None:
                 raise ConfigError(conflict)
-        for lever in REFUSAL_ORDER:
+        for lever in _REFUSING:
             refusal = lever.refusal(self, workload, device)
             if refusal is not None:
                 raise ConfigError(refusal)

@@ -35,6 +35,7 @@ __all__ = [
     "ModelFacts",
     "is_count",
     "divisors",
+    "overriding",
     "a_bool",
     "one_of",
     "on_off",
@@ -280,6 +281,12 @@ class Lever:
 
     def __repr__(self) -> str:
         return f"<lever {self.name}>"
+
+
+def overriding(levers: tuple[Lever, ...], method: str) -> tuple[Lever, ...]:
+    """Those of ``levers`` (in their order) whose class overrides ``method`` of :class:`Lever`: a loop that asks
+    every lever skips the defaults' answers (a search space builds and validates millions of configs)."""
+    return tuple(lever for lever in levers if getattr(type(lever), method) is not getattr(Lever, method))
 
 
 def is_count(value: Any) -> bool:
