@@ -1,17 +1,43 @@
-"""Timing steps until they settle: scripted step times, real clocks (sleeps of tens of ms)."""
+"""Timing steps until they settle: scripted step times on a scripted clock. A step "takes" its time by moving
+the clock ``time_steps`` reads, so what is tested is the decision (settled, more steps, outpaced, enough), not
+how long a sleep took on a busy machine: with real sleeps of tens of ms, a loaded 2-core machine stretched one
+step and the decision with it."""
 
 from __future__ import annotations
 
-import time
+import pytest
 
+import autotune.trial.measure as measure
 from autotune.trial.measure import StepTimes, time_steps
+
+
+class _Clock:
+    """What ``time_steps`` reads of the time module: ``perf_counter``, moved only by ``sleep``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+CLOCK = _Clock()
+
+
+@pytest.fixture(autouse=True)
+def scripted_clock(monkeypatch):
+    CLOCK.now = 0.0
+    monkeypatch.setattr(measure, "time", CLOCK)
 
 
 def _steps(durations: list[float]):
     queue = list(durations)
 
     def step() -> float:
-        time.sleep(queue.pop(0) if queue else durations[-1])
+        CLOCK.sleep(queue.pop(0) if queue else durations[-1])
         return 1.0
 
     return step
@@ -83,7 +109,7 @@ def test_warm_up_steps_run_the_engines_warm_up_and_are_not_timed():
 
     def warm_up() -> float:
         warmed.append(1)
-        time.sleep(0.2)
+        CLOCK.sleep(0.2)
         return 1.0
 
     times = time_steps(_steps([0.02] * 5), lambda: None, warmup=2, steps=3, warm_up=warm_up)
