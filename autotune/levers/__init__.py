@@ -7,8 +7,8 @@ folder at run time (type-only imports of ``config`` aside); what it needs to kno
 it (:class:`~autotune.levers.base.ModelFacts`).
 
 Still outside their modules: the layout levers' applying (ZeRO's DeepSpeed JSON in ``config/``, FSDP's,
-tensor and pipeline parallel's in ``prepare/``) and their export keys; LoRA's quantized base's applying and
-its search-space parameter (``prepare/quantize.py``, ``search/space.py``).
+tensor and pipeline parallel's in ``prepare/``) and their export keys; LoRA's quantized base's applying
+(``prepare/quantize.py``).
 """
 
 from __future__ import annotations

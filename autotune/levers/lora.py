@@ -239,6 +239,34 @@ class LoraLever(Lever):
                 "add --lora-rank R, or use --quantize-base off"
             )
 
+    # -- a search space's ``lora`` parameter: rank, quantized base and targets in one value ---------------------
+    def lora_values(
+        self, ranks: tuple[int | None, ...], targets: tuple[str, ...], quantizations: tuple[str, ...]
+    ) -> tuple[str, ...]:
+        """The parameter's values for a space's ranks x targets x quantizations (``off``, ``16``, ``16/nf4``,
+        ``16:q_proj,v_proj``), each once: the sampler never proposes a quantized base or targets without LoRA."""
+        return tuple(
+            dict.fromkeys(_lora_label(rank, target, q) for rank in ranks for target in targets for q in quantizations)
+        )
+
+    def lora_fields(self, value: str, alpha: int | None) -> dict[str, Any]:
+        """The config's LoRA fields of one of the parameter's values (``alpha``: the space's, not searched)."""
+        rank_and_quantization, _, targets = value.partition(":")
+        rank, _, quantization = rank_and_quantization.partition("/")
+        return {
+            "lora_rank": None if rank == "off" else int(rank),
+            "lora_alpha": alpha if rank != "off" else None,
+            "lora_targets": tuple(targets.split(",")) if targets else None,
+            "quantize_base": quantization or "off",
+        }
+
+    def lora_param(self, config: TrialConfig) -> str:
+        """The parameter's value for ``config``."""
+        if not config.uses_lora:
+            return "off"
+        targets = ",".join(config.lora_targets) if config.lora_targets else "default"
+        return _lora_label(config.lora_rank, targets, config.quantize_base)
+
     def refusal(self, config: TrialConfig, workload: Workload, device: DeviceInfo) -> str | None:
         return quantize_refusal(config) if config.quantizes_base else None
 
@@ -280,3 +308,10 @@ class LoraLever(Lever):
         if config.quantizes_base:
             labels.append(config.quantize_base)
         return labels
+
+
+def _lora_label(rank: int | None, targets: str, quantization: str = "off") -> str:
+    if rank is None:
+        return "off"
+    rank_part = str(rank) if quantization == "off" else f"{rank}/{quantization}"
+    return rank_part if targets == "default" else f"{rank_part}:{targets}"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.config.knobs import FSDP_MODES, OFFLOADS, PP_SCHEDULES, ZERO_STAGES, TrialConfig
 from autotune.errors import ConfigError
-from autotune.levers import AXIS_ORDER, DROPPED_ORDER, FSDP, LABEL_ORDER, ZERO
+from autotune.levers import AXIS_ORDER, DROPPED_ORDER, FSDP, LABEL_ORDER, LORA, ZERO
 from autotune.levers.base import Axis, Lever
 from autotune.levers.lora import QUANTIZATIONS, QUANTIZE_REFUSAL, quantize_library_refusal
 
@@ -165,14 +165,7 @@ class SearchSpace:
         quantize = tuple(q for q in self.quantize_base if q == "off" or quantize_library_refusal() is None)
         if not quantize:
             raise ConfigError(f"{self.name}: knobs.quantize_base {list(self.quantize_base)}: {QUANTIZE_REFUSAL}")
-        lora = tuple(
-            dict.fromkeys(
-                _lora_label(rank, targets, q)
-                for rank in self.lora_rank
-                for targets in self.lora_targets
-                for q in quantize
-            )
-        )
+        lora = LORA.lora_values(self.lora_rank, self.lora_targets, quantize)
         refusal = _facts(workload).default_lora_refusal if self._default_lora() else None
         if refusal is not None:  # the model has nothing PEFT's defaults (or our fallback) would adapt
             lora = tuple(label for label in lora if label == "off" or ":" in label)
@@ -248,30 +241,18 @@ class SearchSpace:
     def config_of(self, params: dict[str, Any]) -> TrialConfig:
         """The TrialConfig of one value per parameter (see :meth:`choices`)."""
         sharding = FSDP.sharding_fields(params["zero"]) or ZERO.sharding_fields(params["zero"])
-        rank_and_quantization, _, targets = params["lora"].partition(":")
-        rank, _, quantization = rank_and_quantization.partition("/")
         levers = {name: value for lever in AXIS_ORDER for name, value in lever.config_fields(params).items()}
         return TrialConfig(
             micro_batch=params["micro_batch"],
             **levers,
             **sharding,
-            lora_rank=None if rank == "off" else int(rank),
-            lora_alpha=self.lora_alpha if rank != "off" else None,
-            lora_targets=tuple(targets.split(",")) if targets else None,
-            quantize_base=quantization or "off",
+            **LORA.lora_fields(params["lora"], self.lora_alpha),
             **layout_knobs(params.get("layout", "dp")),
         )
 
     @staticmethod
     def params_of(config: TrialConfig) -> dict[str, Any]:
         """The inverse of :meth:`config_of`."""
-        lora = "off"
-        if config.uses_lora:
-            lora = _lora_label(
-                config.lora_rank,
-                ",".join(config.lora_targets) if config.lora_targets else "default",
-                config.quantize_base,
-            )
         values = {axis.key: (axis, lever.param_of(axis.key, config)) for lever, axis in _AXES}
         levers = {key: value for key, (axis, value) in values.items() if not axis.moved_only}
         levers |= {key: value for key, (axis, value) in values.items() if axis.moved_only and value != axis.default}
@@ -280,7 +261,7 @@ class SearchSpace:
             **levers,
             **({} if config.model_parallel == 1 else {"layout": config.layout}),
             "zero": FSDP.sharding_param(config) or ZERO.sharding_param(config),
-            "lora": lora,
+            "lora": LORA.lora_param(config),
         }
 
     def candidates(self, workload: Workload, device: DeviceInfo) -> list[TrialConfig]:
@@ -305,13 +286,6 @@ def _facts(workload: Workload) -> ModelFacts:
     from autotune.prepare.workload_facts import WorkloadFacts  # its task imports transformers: only when asked
 
     return WorkloadFacts(workload)
-
-
-def _lora_label(rank: int | None, targets: str, quantization: str = "off") -> str:
-    if rank is None:
-        return "off"
-    rank_part = str(rank) if quantization == "off" else f"{rank}/{quantization}"
-    return rank_part if targets == "default" else f"{rank_part}:{targets}"
 
 
 def parse_space(data: Any, label: str) -> SearchSpace:

@@ -104,11 +104,9 @@ NOT_YET: dict[str, set[str]] = {
     "autotune/output/render.py": {"checkpointing"},
     # a framework script's own ZeRO, which the trial leaves alone
     "autotune/scripts/measure.py": {"zero_stage"},
-    # the quantized base's applying, LoRA's search-space parameter, and the adapter facts a study stores and shows:
+    # the quantized base's applying, and the adapter facts a study stores and shows:
     # the lever's module holds its fields, checks, refusals, labels, targets and adapters
     "autotune/prepare/quantize.py": {"quantize_base"},
-    # the space's composite parameter of LoRA
-    "autotune/search/space.py": {"lora_rank", "lora_targets", "quantize_base"},
     "autotune/study/stored_facts.py": {"lora_rank", "lora_targets"},
     # the proposer's and the plan's moves, the summary's notes
     "autotune/search/plan.py": {"precision"},
