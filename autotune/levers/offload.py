@@ -17,7 +17,7 @@ from autotune.levers.base import Flag, Lever
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
 
-__all__ = ["OffloadFields", "OffloadLever", "OFFLOADS", "offload_suffix"]
+__all__ = ["OffloadFields", "OffloadLever", "OFFLOADS", "offload_flag", "offload_suffix"]
 
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 
@@ -41,6 +41,11 @@ class OffloadFields:
     def offloads_parameters(self) -> bool:
         """The parameters (and the gradients) live in CPU RAM too, not only the optimizer's state."""
         return self.offload == "optimizer+params"
+
+
+def offload_flag(config: TrialConfig) -> str | None:
+    """The config's ``--offload WHAT`` as typed, for messages (None: no offload)."""
+    return None if config.offload == "none" else f"--offload {config.offload}"
 
 
 def offload_suffix(config: TrialConfig, *, named: bool) -> str:
@@ -74,4 +79,4 @@ class OffloadLever(Lever):
             raise ConfigError("--offload optimizer+params needs --zero-stage 3 or --fsdp (only they shard parameters)")
 
     def layout_flag(self, config: TrialConfig) -> str | None:
-        return None if config.offload == "none" else f"--offload {config.offload}"
+        return offload_flag(config)

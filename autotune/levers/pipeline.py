@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from autotune.errors import ConfigError
 from autotune.levers.base import Flag, Lever, ModelFacts, divisors, is_count
 from autotune.levers.fsdp import fsdp_flag
-from autotune.levers.offload import OffloadLever
+from autotune.levers.offload import offload_flag
 from autotune.levers.tensor_parallel import sequence_parallel_flag
 from autotune.levers.zero import zero_flag
 
@@ -182,7 +182,7 @@ def _check_splits(config: TrialConfig) -> None:
             f"--pp {config.pp} with {with_what}: pipeline stages that are also sharded so are not measured yet; "
             "use --pp with --tp alone, or --pp 1"
         )
-    offload = OffloadLever().layout_flag(config)
+    offload = offload_flag(config)
     if offload is not None:
         raise ConfigError(f"{layout} with {offload}: not measured yet; use --offload none")
     if config.pp == 1:
