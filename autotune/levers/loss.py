@@ -248,15 +248,12 @@ class _PlainCrossEntropy:
         import torch
 
         self.held = logits
-        if shift_labels is None:  # tokens < n predict n, as transformers' ForCausalLMLoss
-            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        targets = shift_labels.reshape(-1).to(logits.device)
+        targets = _next_token_targets(labels, shift_labels, ignore_index, logits.device)
         flat = logits.reshape(-1, logits.shape[-1])
         if num_items_in_batch is None:
             return torch.nn.functional.cross_entropy(flat, targets, ignore_index=ignore_index)
         total = torch.nn.functional.cross_entropy(flat, targets, ignore_index=ignore_index, reduction="sum")
-        count = num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
-        return total / count
+        return total / _on_device(num_items_in_batch, total.device)
 
 
 class _ChunkedCrossEntropy:
@@ -299,21 +296,16 @@ class _ChunkedCrossEntropy:
         from torch.utils.checkpoint import checkpoint
 
         hidden = logits  # see _forward: the head passed the hidden states through
-        if shift_labels is None:  # tokens < n predict n, as transformers' ForCausalLMLoss
-            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         hidden = hidden.reshape(-1, hidden.shape[-1])
-        targets = shift_labels.reshape(-1).to(hidden.device)
+        targets = _next_token_targets(labels, shift_labels, ignore_index, hidden.device)
         total = hidden.new_zeros((), dtype=torch.float32)
         for part, part_targets in zip(hidden.chunk(self.chunks), targets.chunk(self.chunks), strict=True):
             if self.keep_logits:
                 total = total + self._kept_loss(part, part_targets, ignore_index)
             else:
                 total = total + checkpoint(self._summed_loss, part, part_targets, ignore_index, use_reentrant=False)
-        if num_items_in_batch is not None:
-            count = num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
-        else:
-            count = (targets != ignore_index).sum()
-        return total / count
+        count = (targets != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
+        return total / _on_device(count, total.device)
 
     def _kept_loss(self, hidden: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
         import torch
@@ -331,6 +323,24 @@ class _ChunkedCrossEntropy:
         with self._computing():
             logits = self.head(hidden)
         return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+
+
+def _next_token_targets(labels: Any, shift_labels: Any, ignore_index: int, device: Any) -> Any:
+    """The flat targets of a causal LM's positions: the given shifted labels, else tokens < n predict n (as
+    Transformers' ForCausalLMLoss shifts them, the last position ignored)."""
+    import torch
+
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return shift_labels.reshape(-1).to(device)
+
+
+def _on_device(count: Any, device: Any) -> Any:
+    """The items a summed loss is divided by (Transformers' num_items_in_batch: a tensor or a number) where the
+    loss is."""
+    import torch
+
+    return count.to(device) if torch.is_tensor(count) else count
 
 
 def _as_is(tensor: Any) -> Any:
