@@ -224,7 +224,8 @@ class Lever:
         return []
 
     def layout_flag(self, config: TrialConfig) -> str | None:
-        """Its layout's flag as typed, for messages (``--zero-stage 2``, ``--tp 2``); None: at its default."""
+        """Its split's flag as typed (``--tp 2``), for a config's ``split_flags`` in messages; None: it splits nothing.
+        (The sharding's flags are functions of their modules: ``zero_flag``, ``fsdp_flag``, ``offload_flag``.)"""
         return None
 
     def stage_refusal(self, config: TrialConfig) -> str | None:

@@ -133,9 +133,6 @@ class FsdpLever(Lever):
             )
         return None
 
-    def layout_flag(self, config: TrialConfig) -> str | None:
-        return fsdp_flag(config)
-
     # -- its share of a search space's ``zero`` parameter (ZeRO's, autotune.levers.zero): one sharding per config --
     def sharding_values(
         self, modes: tuple[str | None, ...], offloads: tuple[str, ...], nproc: int, device_type: str

@@ -77,6 +77,3 @@ class OffloadLever(Lever):
             raise ConfigError("--offload optimizer needs ZeRO; add --zero-stage 1, 2 or 3")
         if config.offloads_parameters and not config.partitions_parameters and not config.uses_fsdp:
             raise ConfigError("--offload optimizer+params needs --zero-stage 3 or --fsdp (only they shard parameters)")
-
-    def layout_flag(self, config: TrialConfig) -> str | None:
-        return offload_flag(config)

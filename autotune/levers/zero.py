@@ -68,9 +68,6 @@ class ZeroLever(Lever):
         if config.zero_stage is not None and config.zero_stage not in ZERO_STAGES:
             raise ConfigError(f"--zero-stage {config.zero_stage!r} is not known; use off, 0, 1, 2 or 3")
 
-    def layout_flag(self, config: TrialConfig) -> str | None:
-        return zero_flag(config)
-
     # -- its share of a search space's ``zero`` parameter: the sharding with its offload (FSDP's too) -----------
     def sharding_values(
         self, stages: tuple[int | None, ...], offloads: tuple[str, ...], nproc: int, device_type: str
