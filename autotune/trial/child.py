@@ -87,7 +87,7 @@ def _run(spec: TrialSpec, record: dict[str, Any]) -> None:
         import deepspeed  # noqa: F401 - imported before the tracker starts counting
 
     try:
-        with tracker if tracker is not None else contextlib.nullcontext():
+        with tracker if tracker is not None else contextlib.nullcontext(), _gloo_copies(device, world_size):
             _train(
                 spec,
                 record,
@@ -181,6 +181,16 @@ def _compile(engine: Any, sync: Any) -> tuple[float, float]:
     engine.step()
     sync()
     return eager_s, time.perf_counter() - begin
+
+
+def _gloo_copies(device: Any, world_size: int) -> Any:
+    """Between CPU ranks (gloo), each reduce-scatter's copy of its input freed before it returns: in every run,
+    not only where gloo's worker thread let go of it first (see :mod:`autotune.trial.collectives`)."""
+    if device.type != "cpu" or world_size == 1:
+        return contextlib.nullcontext()
+    from autotune.trial.collectives import reduce_scatter_frees_its_copy
+
+    return reduce_scatter_frees_its_copy()
 
 
 def _agreed(world_size: int, device: Any) -> Any:

@@ -1,0 +1,43 @@
+"""A CPU trial's gloo reduce-scatter: gloo's result, its copy of the input freed before the call returns."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+# Two gloo ranks: each reduce-scatter, summed and averaged, as gloo's own; the copy freed on return in every
+# call (the tracker's live bytes back to where they were), where gloo's worker thread sometimes keeps it.
+_RANKS = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    from autotune.trial.collectives import reduce_scatter_frees_its_copy
+    from autotune.trial.memory import LiveBytesTracker
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    same, freed = True, True
+    for step in range(20):
+        data = torch.randn(1 << 20, generator=torch.Generator().manual_seed(step + rank))
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            theirs = torch.empty(1 << 19)
+            dist.reduce_scatter_single(theirs, data, op=op)
+            with LiveBytesTracker() as tracker, reduce_scatter_frees_its_copy():
+                ours = torch.empty(1 << 19)
+                dist.reduce_scatter_single(ours, data, op=op)
+                freed &= tracker.live_bytes == ours.nbytes and tracker.peak_bytes == ours.nbytes + data.nbytes
+            same &= torch.equal(theirs, ours)
+    print(f"RESULT {rank} {same} {freed}", flush=True)  # one write: the two ranks share stdout
+    dist.destroy_process_group()
+""")
+
+
+def test_the_reduce_scatter_is_gloo_s_and_frees_its_copy_before_it_returns(tmp_path):
+    (tmp_path / "ranks.py").write_text(_RANKS)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "ranks.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "RESULT 0 True True" in proc.stdout and "RESULT 1 True True" in proc.stdout, proc.stderr[-3000:]
