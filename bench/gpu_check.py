@@ -8,7 +8,8 @@ On the GPU machine (run it first there; it is made to end well inside 10 minutes
 It runs the ``gpu``-marked tests, then for each config of ``CONFIGS`` on a 3B Llama (a config.json from
 the published rows, random weights): ``autotune estimate --json`` (the prediction) and ``autotune trial
 --json`` (the measurement: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` and tokens/s),
-and prints one table, each prediction's error beside it.
+each command run in this process so that one trial server and one estimate server serve them all, and prints
+one table, each prediction's error beside it.
 
 On a CPU, ``--rehearse`` runs the same steps on a tiny model for one step each (no GPU figure comes of it:
 it proves the script and its commands work) and says what the GPU run would measure.
@@ -17,7 +18,10 @@ it proves the script and its commands work) and says what the GPU run would meas
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -65,6 +69,9 @@ def main() -> None:
         "--predictions", type=Path, help="a file --predict-for wrote: take the predictions from it, estimate none"
     )
     args = parser.parse_args()
+    args.out = args.out.resolve() if args.out else None
+    args.predictions = args.predictions.resolve() if args.predictions else None
+    os.chdir(ROOT)  # the configs' model paths are the repository's
     if args.predict_for:
         _predict_for(args.predict_for, args.out)
         return
@@ -145,16 +152,17 @@ def _gpu_tests(rehearse: bool) -> list[str]:
 
 
 def _autotune(args: list[str]) -> dict[str, Any]:
+    """``autotune ARGS --json``'s last line, run in this process: one trial server and one estimate server
+    serve every config (a new interpreter each would spend a lease's minutes importing torch again)."""
+    from autotune.cli.app import main as autotune_main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = autotune_main(args)
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "autotune", *args], cwd=ROOT, capture_output=True, text=True, timeout=240
-        )
-    except subprocess.TimeoutExpired:
-        return {"status": "error", "error": f"`autotune {args[0]}` not finished in 240 s"}
-    try:
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        return json.loads(out.getvalue().strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
-        return {"status": "error", "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+        return {"status": "error", "error": (err.getvalue().strip().splitlines() or [f"exit {code}, no output"])[-1]}
 
 
 def _table(rows: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None, str | None]]) -> list[str]:
