@@ -11,9 +11,10 @@ the ranks split between data parallel and the model's splits (the levers' ``mode
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
@@ -155,22 +156,33 @@ class TrialConfig(
 
     # -- validation -----------------------------------------------------------------------
     def _check_values(self) -> None:
-        if not _is_count(self.micro_batch):
-            raise ConfigError(f"--micro-batch {self.micro_batch!r} must be a whole number of at least 1")
-        for lever in CHECK_ORDER:
-            lever.check(self)
+        for check in self.value_checks():
+            check()
 
     def validate_for(self, workload: Workload, device: DeviceInfo) -> None:
         """Refuse combinations that cannot run for this workload on this device."""
-        self.grad_accum_steps(workload)  # also refuses a micro batch larger than the per-rank batch
+        for check in self.workload_checks(workload, device):
+            check()
+
+    # Each check apart, in the order they run: a search space's enumeration learns from each refusal which
+    # fields decided it (autotune.search.candidates). Each raises ConfigError.
+    def value_checks(self) -> Iterator[Callable[[], Any]]:
+        """The checks of its values alone (run as it is made)."""
+        yield self._check_micro_batch
+        for lever in CHECK_ORDER:
+            yield functools.partial(lever.check, self)
+
+    def workload_checks(self, workload: Workload, device: DeviceInfo) -> Iterator[Callable[[], Any]]:
+        """The checks of :meth:`validate_for`."""
+        yield functools.partial(self.grad_accum_steps, workload)  # also refuses a micro batch over the per-rank batch
         for lever in _CONFLICTING:
-            conflict = lever.conflict(self)
-            if conflict is not None:
-                raise ConfigError(conflict)
+            yield functools.partial(_refuse, lever.conflict, self)
         for lever in _REFUSING:
-            refusal = lever.refusal(self, workload, device)
-            if refusal is not None:
-                raise ConfigError(refusal)
+            yield functools.partial(_refuse, lever.refusal, self, workload, device)
+
+    def _check_micro_batch(self) -> None:
+        if not _is_count(self.micro_batch):
+            raise ConfigError(f"--micro-batch {self.micro_batch!r} must be a whole number of at least 1")
 
     # -- (de)serialisation ----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -202,3 +214,10 @@ class TrialConfig(
         if self.model_parallel > 1:
             parts.append(self.layout)
         return " ".join(parts)
+
+
+def _refuse(ask: Callable[..., str | None], *args: Any) -> None:
+    """Raise the refusal ``ask(*args)`` gives, if it gives one."""
+    refusal = ask(*args)
+    if refusal is not None:
+        raise ConfigError(refusal)

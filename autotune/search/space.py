@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from autotune.config.knobs import FSDP_MODES, OFFLOADS, PP_SCHEDULES, ZERO_STAGES, TrialConfig
 from autotune.errors import ConfigError
 from autotune.levers import AXIS_ORDER, DROPPED_ORDER, FSDP, LABEL_ORDER, LORA, ZERO
 from autotune.levers.base import Axis, Lever
 from autotune.levers.lora import QUANTIZATIONS, QUANTIZE_REFUSAL, quantize_library_refusal
+from autotune.search.candidates import runnable_configs
 
 if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
@@ -240,15 +240,23 @@ class SearchSpace:
 
     def config_of(self, params: dict[str, Any]) -> TrialConfig:
         """The TrialConfig of one value per parameter (see :meth:`choices`)."""
-        sharding = FSDP.sharding_fields(params["zero"]) or ZERO.sharding_fields(params["zero"])
-        levers = {name: value for lever in AXIS_ORDER for name, value in lever.config_fields(params).items()}
         return TrialConfig(
-            micro_batch=params["micro_batch"],
-            **levers,
-            **sharding,
-            **LORA.lora_fields(params["lora"], self.lora_alpha),
-            **layout_knobs(params.get("layout", "dp")),
+            **{name: value for keys, fields_of in self.field_groups() for name, value in fields_of(params).items()}
         )
+
+    def field_groups(self) -> list[tuple[tuple[str, ...], Callable[[Mapping[str, Any]], dict[str, Any]]]]:
+        """How :meth:`config_of` makes a config's fields: groups of parameters, each with what makes its fields out
+        of their values (it reads no other parameter)."""
+        groups: list[tuple[tuple[str, ...], Callable[[Mapping[str, Any]], dict[str, Any]]]] = [
+            (("micro_batch",), lambda params: {"micro_batch": params["micro_batch"]})
+        ]
+        groups += [(tuple(axis.key for axis in lever.axes), lever.config_fields) for lever in AXIS_ORDER]
+        return [
+            *groups,
+            (("zero",), lambda params: FSDP.sharding_fields(params["zero"]) or ZERO.sharding_fields(params["zero"])),
+            (("lora",), lambda params: LORA.lora_fields(params["lora"], self.lora_alpha)),
+            (("layout",), lambda params: layout_knobs(params.get("layout", "dp"))),
+        ]
 
     @staticmethod
     def params_of(config: TrialConfig) -> dict[str, Any]:
@@ -265,19 +273,10 @@ class SearchSpace:
         }
 
     def candidates(self, workload: Workload, device: DeviceInfo) -> list[TrialConfig]:
-        """Every config of the space that can run here, in a stable order."""
-        choices = self.choices(workload, device)
-        found, refused = [], []
-        for combo in itertools.product(*choices.values()):
-            try:  # e.g. --tp with ZeRO (refused as made), fp16 with ZeRO where DeepSpeed has no fp16
-                config = self.config_of(dict(zip(choices, combo, strict=True)))
-                config.validate_for(workload, device)
-            except ConfigError as exc:
-                refused.append(str(exc))
-                continue
-            found.append(config)
+        """Every config of the space that can run here, in a stable order (the product of :meth:`choices`)."""
+        found, refused = runnable_configs(self.choices(workload, device), self.field_groups(), workload, device)
         if not found and refused:
-            raise ConfigError(f"{self.name}: no config of this space can run here: {refused[0]}")
+            raise ConfigError(f"{self.name}: no config of this space can run here: {refused}")
         return found
 
 

@@ -340,3 +340,22 @@ def test_a_source_checkout_that_is_not_installed_finds_its_presets(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(str(tmp_path)), proc.stdout
     assert "'default'" in proc.stdout and proc.stdout.rstrip().endswith("quick")
+
+
+@pytest.mark.parametrize(("name", "device", "nproc"), [("full", CPU, 1), ("lean", GPU, 2), ("default", CPU, 2)])
+def test_candidates_are_the_products_configs_that_pass_every_check_in_its_order(name, device, nproc):
+    # The enumeration skips what a refusal's fields decide (autotune/search/candidates.py): it must keep
+    # exactly what building and checking every config of the product keeps, in the same order.
+    import itertools
+
+    space, workload = load_space(name), Workload(global_batch=16, nproc=nproc)
+    choices, every = space.choices(workload, device), []
+    for combo in itertools.product(*choices.values()):
+        try:
+            config = space.config_of(dict(zip(choices, combo, strict=True)))
+            config.validate_for(workload, device)
+        except ConfigError:
+            continue
+        every.append(config)
+    assert 100 < len(every) < len(list(itertools.product(*choices.values())))  # some refused, many kept
+    assert space.candidates(workload, device) == every
