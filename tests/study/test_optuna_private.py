@@ -11,6 +11,7 @@ from autotune.study.records import ANSWER_ATTR, ANSWER_CONSTRAINT, retire_answer
 from autotune.study.storage import open_storage
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # trials asked by hand, as a worker asks them
 @pytest.mark.parametrize("scheme", ["sqlite", "journal"])
 def test_retire_answers_makes_earlier_answers_infeasible_where_the_storage_allows(tmp_path, scheme):
     url = f"sqlite:///{tmp_path}/s.db" if scheme == "sqlite" else f"journal://{tmp_path}/s.log"
