@@ -103,6 +103,7 @@ class StepCosts:
     parameter_tensors: int = 0  # ZeRO-3 gathers them one module at a time
     hidden_size: int | None = None  # sets the DeepSpeed buckets autotune configures (hidden^2 elements)
     layers_marked: bool = False  # the forward's operators say whether a checkpointed layer ran them (in_layer)
+    micro_steps: int = 1  # the micro steps traced, over which each operator's count per micro step is a mean
 
     def micro_step(
         self, micro_batch: int, phase: str | None = None, *, fused: bool = False
@@ -168,6 +169,7 @@ class StepCosts:
             "parameter_tensors": self.parameter_tensors,
             "hidden_size": self.hidden_size,
             "layers_marked": self.layers_marked,
+            "micro_steps": self.micro_steps,
         }
 
     @classmethod
@@ -180,6 +182,7 @@ class StepCosts:
             int(data.get("parameter_tensors", 0)),
             data.get("hidden_size"),
             bool(data.get("layers_marked", False)),
+            int(data.get("micro_steps", 1)),
         )
 
 
@@ -309,6 +312,7 @@ class CostRecorder:
             parameter_tensors,
             hidden_size,
             self.layers_marked,
+            micro_steps,
         )
 
 

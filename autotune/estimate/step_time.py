@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from autotune.config.knobs import sixteen_bit_type
 from autotune.estimate.step_costs import ATTENTION, BACKWARD, COLLECTIVE, UPDATE
+from autotune.levers.grad_reduction import reducing_micro_steps
 
 if TYPE_CHECKING:
     from autotune.config.gpus import GpuSpec
@@ -215,9 +216,9 @@ def predict_step_time(
     if config.fused_optimizer:  # one kernel for every tensor: the host issues a handful of operators
         update_host = profile.dispatch_s * 4
     if config.fsdp == "hybrid":
-        traced_collectives = _hybrid_collectives_s(costs, config.micro_batch, profile, workload, config)
+        traced_collectives = accum * _hybrid_collectives_s(costs, config.micro_batch, profile, workload, config)
     else:
-        traced_collectives = _collective_s(micro_ops, profile, ranks)  # collectives are never fused away
+        traced_collectives = _collectives_s(costs, config, accum, profile, ranks)
     if profile.type == "cpu":  # the host computes: its time and the device's are one
         compute = accum * (micro_device + micro_host)
         update = update_device + update_host
@@ -226,7 +227,7 @@ def predict_step_time(
         update = max(update_device, update_host)
     if config.pp > 1:  # the pipeline's bubble: each stage idles while the first micro batches fill the others
         compute *= 1 + _pipeline_bubble(config, accum)
-    communication = _communication_s(estimate, workload, profile, compute, backward, accum * traced_collectives)
+    communication = _communication_s(estimate, workload, profile, compute, backward, traced_collectives)
     offload = _offload_s(estimate, workload, profile)
     step = compute + update + communication + offload
     samples_per_s = workload.global_batch / step
@@ -294,10 +295,22 @@ def _matmul_rate(profile: DeviceProfile, dtype: str, precision: str) -> float:
     return rate if rate else math.inf
 
 
-def _collective_s(ops: list[tuple[str, str, float, float, float]], profile: DeviceProfile, ranks: int) -> float:
-    """The traced collectives of one micro step (FSDP2's), each moving (ranks-1)/ranks of its bytes."""
-    moved = sum(count * nbytes for kind, _, _, nbytes, count in ops if kind == COLLECTIVE)  # whole buffers
-    return moved * (ranks - 1) / ranks / _link(profile, ranks) if ranks > 1 else 0.0
+def _collectives_s(costs: StepCosts, config: TrialConfig, accum: int, profile: DeviceProfile, ranks: int) -> float:
+    """The traced collectives of one optimizer step (FSDP2's, tensor parallel's), each moving (ranks-1)/ranks of its
+    bytes: the gathers of every micro step, the gradients' reduce-scatters of the micro steps that reduce
+    (``--grad-sync``). Collectives are never fused away."""
+    if ranks <= 1:
+        return 0.0
+    gathered = reduced = 0.0  # whole buffers, per micro step
+    for op in costs.ops:
+        if op.kind == COLLECTIVE and op.phase != UPDATE:
+            moved = op.count * (op.fixed_bytes + op.sample_bytes * config.micro_batch)
+            if "reduce_scatter" in op.name:
+                reduced += moved
+            else:
+                gathered += moved
+    moved = accum * gathered + reducing_micro_steps(config, accum, costs.micro_steps) * reduced
+    return moved * (ranks - 1) / ranks / _link(profile, ranks)
 
 
 def _hybrid_collectives_s(

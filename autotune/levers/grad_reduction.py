@@ -43,6 +43,7 @@ __all__ = [
     "asks_fsdp_reduction",
     "fsdp_precision",
     "gradient_sync",
+    "reducing_micro_steps",
 ]
 
 GRAD_SYNCS = ("each", "last")
@@ -85,6 +86,14 @@ def fsdp_precision(config: TrialConfig) -> tuple[str, str] | None:
     if config.reduce_dtype == "fp32" and config.true_16_bit and config.sixteen_bit is not None:
         return config.sixteen_bit, "float32"  # the parameters' own type: no cast before the all-gather
     return None
+
+
+def reducing_micro_steps(config: TrialConfig, accum: int, traced_micro_steps: int) -> int:
+    """How many times one optimizer step pays a trace's gradient reductions per micro step (the trace's mean over
+    its ``traced_micro_steps``): every micro step reduces under ``each`` (``accum`` of them); under ``last`` only
+    the last does, which the trace's mean spread over its micro steps (so as many as it traced, whatever the
+    accumulation of the config timed from it)."""
+    return traced_micro_steps if config.grad_sync == "last" else accum
 
 
 @contextlib.contextmanager

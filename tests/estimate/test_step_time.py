@@ -268,6 +268,43 @@ def test_hybrid_gathers_within_its_shard_group_and_all_reduces_across_nodes():
     assert step.communication_s == pytest.approx(max(traced - step.compute_s, 0.0) + 0.05 * traced)
 
 
+@pytest.mark.parametrize("accum", [1, 2, 8])
+def test_fsdp_reduces_on_each_micro_step_or_once_a_step_as_grad_sync_says(accum):
+    """A trace of two micro steps under --grad-sync last holds one reduce-scatter, a mean of one half per micro step:
+    a step of any accumulation still pays one, where --grad-sync each pays one per micro step."""
+    gathered, reduced = 8e9, 4e9  # bytes per micro step where each micro step reduces
+    ops = (
+        *HAND.ops,
+        OpCost("forward", "collective", "_allgather_base_", "float32", 0.0, gathered, 0.0, 1.0),
+        OpCost("backward", "collective", "_reduce_scatter_base_", "float32", 0.0, reduced, 0.0, 1.0),
+    )
+    each_costs = dataclasses.replace(HAND, ops=ops, micro_steps=2)
+    last_costs = dataclasses.replace(  # the same trace with the first micro step's reduction skipped
+        each_costs, ops=(*ops[:-1], dataclasses.replace(ops[-1], count=0.5))
+    )
+    workload = Workload(model="builtin:llama-tiny", seq_len=128, global_batch=8 * accum, nproc=8, gpu="H100-80GB")
+    profile = card_profile(gpu_spec("H100-80GB"))
+    link = 450e9 * 0.75  # NVLink at NCCL's bus bandwidth
+
+    def traced_s(sync: str, costs: StepCosts) -> float:
+        step = predict_step_time(
+            _hand_estimate(TrialConfig(micro_batch=1, fsdp="full", grad_sync=sync), costs), workload, profile
+        )
+        assert step is not None
+        return step.communication_s
+
+    def waits(traced: float, compute: float) -> float:
+        return max(traced - compute, 0.0) + 0.05 * traced
+
+    step = predict_step_time(_hand_estimate(TrialConfig(micro_batch=1, fsdp="full"), each_costs), workload, profile)
+    assert step is not None
+    each = (accum * gathered + accum * reduced) * 7 / 8 / link
+    last = (accum * gathered + reduced) * 7 / 8 / link
+    assert traced_s("each", each_costs) == pytest.approx(waits(each, step.compute_s))
+    assert traced_s("last", last_costs) == pytest.approx(waits(last, step.compute_s))
+    assert StepCosts.from_dict(last_costs.to_dict()) == last_costs  # the traced micro steps travel with the costs
+
+
 @pytest.mark.slow
 def test_the_cpu_probe_of_a_study_of_several_ranks_times_a_collective_between_two_processes():
     """What a 2-rank study's roofline holds beyond a 1-rank one's (the tuner asks for it only then:
