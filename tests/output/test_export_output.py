@@ -43,17 +43,27 @@ def work(tmp_path_factory) -> Path:
     return work
 
 
-def export(work: Path, *args: str, study: str = "done") -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "autotune", "export", "--study", study, *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=work,
-    )
+# Each export runs the CLI's entry point (autotune.cli.main, what `python -m autotune` calls) in this process:
+# a new interpreter paid 5 s of imports (PEFT's, Transformers') an export, seven times over, for what -o
+# writes, which the export code decides alike either way. `python -m autotune export -o` as a real process:
+# tests/search/test_tuner.py (show, export and report), tests/prepare/test_quantize.py (peft, hf, bnb),
+# tests/scripts/test_script_tune.py; one-line errors with exit 2 from a real process: tests/test_bad_input.py.
+@pytest.fixture
+def export(monkeypatch, capfd):
+    from autotune.cli import main
+
+    def export(work: Path, *args: str, study: str = "done") -> subprocess.CompletedProcess[str]:
+        monkeypatch.chdir(work)
+        capfd.readouterr()
+        argv = ["export", "--study", study, *args]
+        code = main(argv)
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(["autotune", *argv], code, out, err)
+
+    return export
 
 
-def test_an_accelerate_zero_export_is_the_yaml_and_the_deepspeed_config_it_names(work):
+def test_an_accelerate_zero_export_is_the_yaml_and_the_deepspeed_config_it_names(work, export):
     import json
 
     import yaml
@@ -79,7 +89,7 @@ def _no_temp_files(folder: Path) -> bool:
 
 
 @pytest.mark.slow
-def test_an_existing_directory_gets_the_formats_file_name_inside_it(work):
+def test_an_existing_directory_gets_the_formats_file_name_inside_it(work, export):
     (work / "configs").mkdir()
     proc = export(work, "--format", "deepspeed", "-o", "configs")
     assert proc.returncode == 0, proc.stderr
@@ -89,7 +99,7 @@ def test_an_existing_directory_gets_the_formats_file_name_inside_it(work):
 
 @pytest.mark.parametrize("output", ["adapter/", "lora-adapter"])
 @pytest.mark.slow
-def test_peft_writes_adapter_config_json_in_the_directory_peft_loads(work, output):
+def test_peft_writes_adapter_config_json_in_the_directory_peft_loads(work, output, export):
     from peft import LoraConfig
 
     proc = export(work, "--format", "peft", "-o", output)
@@ -101,7 +111,7 @@ def test_peft_writes_adapter_config_json_in_the_directory_peft_loads(work, outpu
 
 
 @pytest.mark.slow
-def test_peft_to_a_json_name_writes_that_file(work):
+def test_peft_to_a_json_name_writes_that_file(work, export):
     proc = export(work, "--format", "peft", "-o", "mine.json")
     assert proc.returncode == 0, proc.stderr
     assert (work / "mine.json").is_file()
@@ -116,7 +126,7 @@ def test_peft_to_a_json_name_writes_that_file(work):
     ids=["target-is-a-directory", "parent-is-a-file"],
 )
 @pytest.mark.slow
-def test_a_place_that_cannot_be_written_is_one_line_exit_2(work, setup, output, message):
+def test_a_place_that_cannot_be_written_is_one_line_exit_2(work, setup, output, message, export):
     if setup == "taken":
         (work / "taken" / "autotune.json").mkdir(parents=True)
     else:
