@@ -214,27 +214,31 @@ def test_zero3_keeps_deepspeeds_live_parameter_default():
     assert DeepSpeedZeroConfig().max_live_parameters == ZERO3_MAX_LIVE_PARAMETERS
 
 
+def _estimate_command(capfd, *args: str) -> subprocess.CompletedProcess[str]:
+    """`autotune estimate ARGS` through the CLI's entry point (autotune.cli.main, what `python -m autotune` runs) in
+    this process, whose estimate server the other tests here started already: a new interpreter paid its imports and
+    a server of its own (~5 s) twice here. `autotune estimate` as a real process: tests/models/test_model_cli.py."""
+    from autotune.cli import main
+
+    capfd.readouterr()
+    code = main(["estimate", *args])
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["autotune", "estimate", *args], code, out, err)
+
+
 @pytest.mark.slow
-def test_estimate_command_json_lines():
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autotune",
-            "estimate",
-            "--model",
-            "builtin:gpt2-tiny",
-            "--seq-len",
-            "32",
-            "--micro-batch",
-            "4",
-            "--memory-budget",
-            "8MiB",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+def test_estimate_command_json_lines(capfd):
+    proc = _estimate_command(
+        capfd,
+        "--model",
+        "builtin:gpt2-tiny",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "4",
+        "--memory-budget",
+        "8MiB",
+        "--json",
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
@@ -262,27 +266,19 @@ def test_estimate_command_json_lines():
 
 
 @pytest.mark.slow
-def test_estimate_command_table_adds_up():
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autotune",
-            "estimate",
-            "--model",
-            "builtin:gpt2-deep-tiny",
-            "--seq-len",
-            "64",
-            "--global-batch",
-            "8",
-            "--micro-batch",
-            "8",
-            "--checkpointing",
-            "on",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+def test_estimate_command_table_adds_up(capfd):
+    proc = _estimate_command(
+        capfd,
+        "--model",
+        "builtin:gpt2-deep-tiny",
+        "--seq-len",
+        "64",
+        "--global-batch",
+        "8",
+        "--micro-batch",
+        "8",
+        "--checkpointing",
+        "on",
     )
     assert proc.returncode == 0, proc.stderr
     header, row = proc.stdout.splitlines()[:2]
