@@ -78,7 +78,7 @@ def test_a_worker_killed_mid_trial_loses_its_trial_to_the_other_worker(tmp_path:
     assert lost[0].state is TrialState.FAIL and lost[0].user_attrs["status"] == "interrupted"
     assert f"pid {helper_pid}" in lost[0].user_attrs[LOST_ATTR] and "is gone" in lost[0].user_attrs[LOST_ATTR]
     retries = [t for t in trials if t.user_attrs.get(RETRY_ATTR) == lost_number]
-    assert len(retries) == 1  # re-queued once
+    assert len(retries) == 1, stderr  # re-queued once (seen once in a loaded CI run: 0; its stderr says why)
     assert retries[0].user_attrs["config"] == lost[0].user_attrs["config"]
     assert retries[0].user_attrs["status"] == "ok"
     assert retries[0].user_attrs["worker"]["pid"] == tune.pid  # measured by the worker still alive
