@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from autotune.config.knobs import sixteen_bit_type
 from autotune.estimate.step_costs import ATTENTION, BACKWARD, COLLECTIVE, UPDATE
@@ -302,13 +302,11 @@ def _collectives_s(costs: StepCosts, config: TrialConfig, accum: int, profile: D
     if ranks <= 1:
         return 0.0
     gathered = reduced = 0.0  # whole buffers, per micro step
-    for op in costs.ops:
-        if op.kind == COLLECTIVE and op.phase != UPDATE:
-            moved = op.count * (op.fixed_bytes + op.sample_bytes * config.micro_batch)
-            if "reduce_scatter" in op.name:
-                reduced += moved
-            else:
-                gathered += moved
+    for name, moved in _traced_collectives(costs, config.micro_batch):
+        if "reduce_scatter" in name:
+            reduced += moved
+        else:
+            gathered += moved
     moved = accum * gathered + reducing_micro_steps(config, accum, costs.micro_steps) * reduced
     return moved * (ranks - 1) / ranks / _link(profile, ranks)
 
@@ -323,11 +321,8 @@ def _hybrid_collectives_s(
     when the replicas span nodes."""
     shard, replicas = config.shard_degree(workload), config.replicate_degree(workload)
     gathered = reduced = 0.0
-    for op in costs.ops:
-        if op.kind != COLLECTIVE or op.phase == UPDATE:
-            continue
-        moved = op.count * (op.fixed_bytes + op.sample_bytes * micro_batch)
-        if "allreduce" in op.name.replace("_", ""):
+    for name, moved in _traced_collectives(costs, micro_batch):
+        if "allreduce" in name.replace("_", ""):
             reduced += moved
         else:
             gathered += moved
@@ -338,6 +333,14 @@ def _hybrid_collectives_s(
     within_link = network if shard > workload.ranks_per_node else _link(profile, shard)
     within = gathered * (shard - 1) / shard / within_link
     return within + 2 * reduced * (replicas - 1) / replicas / (network if nodes_apart else profile.link_bandwidth)
+
+
+def _traced_collectives(costs: StepCosts, micro_batch: int) -> Iterator[tuple[str, float]]:
+    """Each traced collective of a micro step at ``micro_batch``: its operator's name and the bytes of its whole
+    buffers (all its runs in the micro step)."""
+    for op in costs.ops:
+        if op.kind == COLLECTIVE and op.phase != UPDATE:
+            yield op.name, op.count * (op.fixed_bytes + op.sample_bytes * micro_batch)
 
 
 def _link(profile: DeviceProfile, ranks: int) -> float:

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
     from autotune.config.workload import Workload
 
-__all__ = ["runnable_configs"]
+__all__ = ["FieldGroup", "runnable_configs"]
 
+# Parameters of a space and what makes a config's fields out of their values (SearchSpace.field_groups).
 FieldGroup = tuple[tuple[str, ...], Callable[[Mapping[str, Any]], dict[str, Any]]]
 
 _FIELDS = tuple(dataclasses.fields(TrialConfig))
@@ -74,12 +75,12 @@ def runnable_configs(
     made = [_group_fields(keys_of, make, choices) for keys_of, make in groups]
     # Which parameters each field depends on: those of each group that made it for some value.
     position = {key: index for index, key in enumerate(keys)}
+    group_keys = [tuple(position[key] for key in keys_of if key in position) for keys_of, _ in groups]
     depends: dict[str, set[int]] = {}
-    for (keys_of, _), by_places in zip(groups, made, strict=True):
+    for own, by_places in zip(group_keys, made, strict=True):
         for made_fields in by_places.values():
             for name in made_fields:
-                depends.setdefault(name, set()).update(position[key] for key in keys_of if key in position)
-    group_keys = [tuple(position[key] for key in keys_of if key in position) for keys_of, _ in groups]
+                depends.setdefault(name, set()).update(own)
 
     found: list[tuple[tuple[int, ...], TrialConfig]] = []
     first_refusal: str | None = None

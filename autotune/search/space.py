@@ -15,14 +15,14 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from autotune.config.knobs import FSDP_MODES, OFFLOADS, PP_SCHEDULES, ZERO_STAGES, TrialConfig
 from autotune.errors import ConfigError
 from autotune.levers import AXIS_ORDER, DROPPED_ORDER, FSDP, LABEL_ORDER, LORA, ZERO
 from autotune.levers.base import Axis, Lever
 from autotune.levers.lora import QUANTIZATIONS, QUANTIZE_REFUSAL, quantize_library_refusal
-from autotune.search.candidates import runnable_configs
+from autotune.search.candidates import FieldGroup, runnable_configs
 
 if TYPE_CHECKING:
     from autotune.config.device import DeviceInfo
@@ -241,15 +241,13 @@ class SearchSpace:
     def config_of(self, params: dict[str, Any]) -> TrialConfig:
         """The TrialConfig of one value per parameter (see :meth:`choices`)."""
         return TrialConfig(
-            **{name: value for keys, fields_of in self.field_groups() for name, value in fields_of(params).items()}
+            **{name: value for _, fields_of in self.field_groups() for name, value in fields_of(params).items()}
         )
 
-    def field_groups(self) -> list[tuple[tuple[str, ...], Callable[[Mapping[str, Any]], dict[str, Any]]]]:
+    def field_groups(self) -> list[FieldGroup]:
         """How :meth:`config_of` makes a config's fields: groups of parameters, each with what makes its fields out
         of their values (it reads no other parameter)."""
-        groups: list[tuple[tuple[str, ...], Callable[[Mapping[str, Any]], dict[str, Any]]]] = [
-            (("micro_batch",), lambda params: {"micro_batch": params["micro_batch"]})
-        ]
+        groups: list[FieldGroup] = [(("micro_batch",), lambda params: {"micro_batch": params["micro_batch"]})]
         groups += [(tuple(axis.key for axis in lever.axes), lever.config_fields) for lever in AXIS_ORDER]
         return [
             *groups,
