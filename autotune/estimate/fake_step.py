@@ -7,18 +7,19 @@ as the traced config's real step runs on its device.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from autotune.estimate.results import ModelStates
 from autotune.estimate.step_costs import BACKWARD, FORWARD, UPDATE, CostRecorder, StepCosts
 from autotune.levers.activation_offload import ActivationOffload
 from autotune.levers.grad_reduction import gradient_sync
+from autotune.levers.optimizer import become_update_twin
 
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
     from autotune.estimate.measured_with import MeasuredWith
 
-__all__ = ["fake_steps", "run_as_on_target"]
+__all__ = ["fake_steps", "run_as_on_target", "step_as_update_twin"]
 
 _MICRO_STEPS = 2  # accumulation past the second micro-step adds nothing: gradients exist by then
 
@@ -31,13 +32,26 @@ def run_as_on_target(
     if config.uses_deepspeed and engine.autocast_dtype is not None:
         # DeepSpeed's fp16/bf16 modes train a 16-bit model (no autocast): 16-bit activations.
         _to_16_bit(engine)
-    _step_tensors_together(engine.optimizer, target == "cuda" and not measured_with.pytorch1_step)
+    _step_tensors_together(engine.optimizer, _foreach(target, measured_with))
     if engine.offload is not None:
         # The same hooks the trial's forward runs in, their host copies left out of the device's bytes
         # (on a CPU trace of a CUDA step the host is the traced device too); no pinning on fake tensors.
         engine.offload = ActivationOffload(device_type=traced, pin_memory=False, host=tracker.on_host)
     if target == "cuda" and config.optimizer == "adamw-8bit":
         _steps_as_one_kernel(engine.optimizer, tracker)
+
+
+def step_as_update_twin(engine: Any, twin: TrialConfig, *, target: str, measured_with: MeasuredWith) -> None:
+    """From here on, step the optimizer of ``engine`` (run as on ``target``) as ``twin`` steps it: the
+    :func:`autotune.levers.optimizer.update_twin` of the config it was built for."""
+    become_update_twin(engine.optimizer, twin)
+    _step_tensors_together(engine.optimizer, _foreach(target, measured_with))
+
+
+def _foreach(target: str, measured_with: MeasuredWith) -> bool:
+    """Whether an unfused optimizer steps each operation over all its tensors at once (see
+    :func:`_step_tensors_together`): on CUDA, by the PyTorch 2 default."""
+    return target == "cuda" and not measured_with.pytorch1_step
 
 
 def _steps_as_one_kernel(optimizer: Any, tracker: Any) -> None:
@@ -91,7 +105,12 @@ def _to_16_bit(engine: Any) -> None:
 
 
 def fake_steps(
-    engine: Any, tracker: Any, *, keep_gradients: bool = False, record: bool = False
+    engine: Any,
+    tracker: Any,
+    *,
+    keep_gradients: bool = False,
+    record: bool = False,
+    before_update: Callable[[Any], None] | None = None,
 ) -> tuple[ModelStates, int, StepCosts]:
     """The trial's step on fake tensors; returns the whole model states, the FLOPs per sample
     of its forwards and backwards, and every operator's costs (for the step-time model).
@@ -105,7 +124,8 @@ def fake_steps(
     1.x's default) instead of freeing them. ``record``: the tracker keeps every allocation and free
     in order, with where each phase begins (what a CUDA workload's allocator replay needs).
     A pipeline's rank (:class:`autotune.trial.engine.PipelineEngine`) runs its schedule instead of the
-    micro steps: see :func:`_pipeline_forwards_and_backwards`.
+    micro steps: see :func:`_pipeline_forwards_and_backwards`. ``before_update(engine)``: called as the
+    update begins (where a trace forks to trace another optimizer's update on the same forwards and backwards).
     """
     import torch
 
@@ -145,6 +165,8 @@ def fake_steps(
         hidden = getattr(getattr(engine.model, "config", None), "hidden_size", None)
     tracker.count_flops = False
     gradients = _bytes(p.grad for p in trainable if p.grad is not None)
+    if before_update is not None:
+        before_update(engine)
     tracker.mark("update")
     tracker.costs.phase = UPDATE
     engine.optimizer.step()

@@ -32,7 +32,7 @@ import json
 import os
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from autotune.config.gpus import GPUS, GpuSpec, gpu_spec
 from autotune.config.knobs import TrialConfig, offload_device_refusal
@@ -40,7 +40,7 @@ from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.estimate.cuda_autocast import cuda_fp32_policy
 from autotune.estimate.cuda_memory import CudaMemory, TraceMarks, predict_cuda_memory
-from autotune.estimate.fake_step import fake_steps, run_as_on_target
+from autotune.estimate.fake_step import fake_steps, run_as_on_target, step_as_update_twin
 from autotune.estimate.measured_with import AS_INSTALLED, MeasuredWith
 from autotune.estimate.patches import (
     adapters_stay_put,
@@ -56,6 +56,7 @@ from autotune.estimate.patches import (
 )
 from autotune.estimate.results import MODEL_STATES, EstimateError, MemoryEstimate, ModelStates, TracedStep
 from autotune.estimate.zero_states import zero_peak
+from autotune.levers.optimizer import update_twin
 
 __all__ = [
     "estimate_from_trace",
@@ -134,12 +135,19 @@ def trace_step(
     task: str | None = None,
     measured_with: MeasuredWith = AS_INSTALLED,
     pipeline_rank: int | None = None,
+    fork_update: Callable[[], bool] | None = None,
 ) -> TracedStep:
     """Trace ``config``'s plain step (see :func:`_plain`) on fake tensors, in this process.
 
     Pipeline stages hold different layers: each rank's step is traced (``pipeline_rank``, as that rank of a
     fake process group), and the step of the rank that holds the most stands for the config, with every
-    rank's peak beside it."""
+    rank's peak beside it.
+
+    ``fork_update``: where ``config`` has an update twin (:func:`autotune.levers.optimizer.update_twin`), called
+    as the update begins. It forks, and returns True in the process that goes on to trace the twin's update
+    instead of ``config``'s: the step returned there is the twin's, whose forwards and backwards are
+    ``config``'s. The optimizer state both make is the same, and what the state's making leaves in its wake is
+    freed before the step begins (the replay and the peaks leave it out)."""
     if config.pp > 1 and pipeline_rank is None:
         return _every_stage_traced(workload, config, task=task, measured_with=measured_with)
     import torch
@@ -189,8 +197,18 @@ def trace_step(
             # The plain config: ZeRO is arithmetic on it, never DeepSpeed.
             assert isinstance(engine, (TorchEngine, PipelineEngine))
             run_as_on_target(engine, tracker, config, target=target, traced=traced, measured_with=measured_with)
+            twin = update_twin(config) if fork_update is not None and config.pp == 1 else None
+
+            def before_update(engine: Any) -> None:
+                if twin is not None and fork_update is not None and fork_update():
+                    step_as_update_twin(engine, twin, target=target, measured_with=measured_with)
+
             whole, flops_per_sample, step_costs = fake_steps(
-                engine, tracker, keep_gradients=measured_with.pytorch1_step, record=target == "cuda"
+                engine,
+                tracker,
+                keep_gradients=measured_with.pytorch1_step,
+                record=target == "cuda",
+                before_update=before_update,
             )
     return TracedStep(
         **_peak_parts(tracker),

@@ -101,10 +101,15 @@ class _Traces:
         keys = self._keys(workloads, config, task, measured_with)
         items = list(zip(keys, workloads, [config] * len(keys), strict=True))
         untraced = [item for item in items if item[0] not in self._kept and item[0] not in self._failed]
+        twins: dict[str, tuple[str, Any]] = {}
         if untraced and not any(self._refused(*item) for item in untraced):
-            items += self._first_untraced(workloads, ahead, set(keys), task, measured_with)
+            twins = self._wanted_twins(items, ahead, task, measured_with)
+            taken = {*keys, *(twin_key for twin_key, _ in twins.values())}
+            partner = self._first_untraced(workloads, ahead, taken, task, measured_with)
+            twins.update(self._wanted_twins(partner, ahead, task, measured_with))
+            items += partner
             items.sort(key=lambda item: -workloads.index(item[1]))  # the last workload is the deepest copy
-        self._trace_missing(items, task, measured_with)
+        self._trace_missing(items, task, measured_with, twins)
         for key in keys:
             if key in self._failed:
                 raise _TraceFailed(self._failed[key])
@@ -116,6 +121,24 @@ class _Traces:
         from autotune.estimate.trace import trace_key
 
         return [trace_key(workload, config, task=task, measured_with=measured_with) for workload in workloads]
+
+    def _wanted_twins(
+        self, items: list[tuple[str, Any, Any]], ahead: Sequence[Any], task: str | None, measured_with: Any
+    ) -> dict[str, tuple[str, Any]]:
+        """For each item's key, the key and config of its update twin (see :func:`trace.trace_step`'s
+        ``fork_update``), where the caller asks for that twin next (it is in ``ahead``) and it is not traced yet: a
+        trace that forks as its update begins makes both, for little more than one."""
+        from autotune.levers.optimizer import update_twin
+
+        wanted = set(ahead)
+        twins = {}
+        for key, workload, config in items:
+            twin = update_twin(config)
+            if twin is not None and twin in wanted:
+                twin_key = self._keys([workload], twin, task, measured_with)[0]
+                if twin_key not in self._kept and twin_key not in self._failed:
+                    twins[key] = (twin_key, twin)
+        return twins
 
     def _first_untraced(
         self, workloads: list[Any], ahead: Sequence[Any], taken: set[str], task: str | None, measured_with: Any
@@ -142,7 +165,16 @@ class _Traces:
         """A later request traces a failed step again (a child killed for memory may fit another time)."""
         self._failed.clear()
 
-    def _trace_missing(self, items: list[tuple[str, Any, Any]], task: str | None, measured_with: Any) -> None:
+    def _trace_missing(
+        self,
+        items: list[tuple[str, Any, Any]],
+        task: str | None,
+        measured_with: Any,
+        twins: dict[str, tuple[str, Any]] | None = None,
+    ) -> None:
+        """Trace the steps of ``items`` not kept yet; ``twins``: for an item's key, its update twin's key and
+        config, kept from the same trace (see :meth:`_wanted_twins`)."""
+        twins = twins or {}
         missing = {key: (w, c) for key, w, c in items if key not in self._kept and key not in self._failed}
         missing = {key: item for key, item in missing.items() if not self._refused(key, *item)}
         for workload, config in missing.values():  # once each: a module imported already costs nothing
@@ -156,12 +188,16 @@ class _Traces:
                     self._keep(key, pipeline_step(_stages_in_children(workload, config, task, measured_with)))
                 except _TraceFailed as exc:
                     self._failed[key] = str(exc)
-        traced = _in_children([(workload, config, task, measured_with, None) for workload, config in plain.values()])
-        for key, step in zip(plain, traced, strict=True):
+        traced = _in_children(
+            [(workload, config, task, measured_with, None, key in twins) for key, (workload, config) in plain.items()]
+        )
+        for key, (step, twin_step) in zip(plain, traced, strict=True):
             if isinstance(step, _TraceFailed):
                 self._failed[key] = str(step)
             else:
                 self._keep(key, step)
+            if twin_step is not None:  # a twin whose trace failed is traced on its own, when asked for
+                self._keep(twins[key][0], twin_step)
 
     def _refused(self, key: str, workload: Any, config: Any) -> bool:
         """Whether the trace of ``config`` is refused before it starts (FSDP's offload on a GPU, say): its
@@ -251,67 +287,115 @@ def _one_line(exc: BaseException) -> str:
 
 def _stages_in_children(workload: Any, config: Any, task: str | None, measured_with: Any) -> list[Any]:
     """Every pipeline stage's traced step, in stage order, ``os.cpu_count()`` children at a time."""
-    stages = _in_children([(workload, config, task, measured_with, rank) for rank in range(config.pp)])
+    stages = [
+        step
+        for step, _ in _in_children([(workload, config, task, measured_with, rank, False) for rank in range(config.pp)])
+    ]
     failed = next((stage for stage in stages if isinstance(stage, _TraceFailed)), None)
     if failed is not None:
         raise failed
     return stages
 
 
-def _in_children(traces: list[tuple[Any, Any, str | None, Any, int | None]]) -> list[Any]:
-    """Each ``(workload, config, task, measured_with, pipeline_rank)``'s traced step, in order, or the
-    :class:`_TraceFailed` that says why not: traced in forked children ``os.cpu_count()`` at a time (a trace is one
-    core's work)."""
+def _in_children(traces: list[tuple[Any, Any, str | None, Any, int | None, bool]]) -> list[tuple[Any, Any]]:
+    """Each ``(workload, config, task, measured_with, pipeline_rank, with_twin)``'s traced step, or the
+    :class:`_TraceFailed` that says why not, in order, each beside its update twin's traced step where
+    ``with_twin`` (None where that trace failed): traced in forked children ``os.cpu_count()`` at a time (a
+    trace is one core's work; a twin's update, forked from its trace, little more)."""
     at_once = max(1, os.cpu_count() or 1)
-    traced: list[Any] = []
+    traced: list[tuple[Any, Any]] = []
     for first in range(0, len(traces), at_once):
         children = [_fork_trace(*trace) for trace in traces[first : first + at_once]]
         for child in children:  # every child collected, so none is left behind when one failed
-            try:
-                traced.append(_collect(*child))
-            except _TraceFailed as exc:
-                traced.append(exc)
+            traced.append(_collect(*child))
     return traced
 
 
 def _fork_trace(
-    workload: Any, config: Any, task: str | None, measured_with: Any, pipeline_rank: int | None = None
-) -> tuple[int, int]:
-    """Fork; the child traces and writes the result (or why it failed) to a pipe as JSON, then exits.
-    Returns the child's pid and the pipe's read end, for :func:`_collect`."""
+    workload: Any,
+    config: Any,
+    task: str | None,
+    measured_with: Any,
+    pipeline_rank: int | None = None,
+    with_twin: bool = False,
+) -> tuple[int, int, int | None]:
+    """Fork; the child traces and writes the result (or why it failed) to a pipe as JSON, then exits. With
+    ``with_twin``, the child forks again as the update begins, and its own child writes the update twin's
+    step to a second pipe (see :func:`autotune.estimate.trace.trace_step`'s ``fork_update``). Returns the
+    child's pid and the pipes' read ends (the second None without a twin), for :func:`_collect`."""
     read_end, write_end = os.pipe()
+    twin_read, twin_write = os.pipe() if with_twin else (None, None)
     pid = os.fork()
     if pid == 0:
         os.close(read_end)
-        with os.fdopen(write_end, "w") as out:
-            out.write(json.dumps(_trace(workload, config, task, measured_with, pipeline_rank)))
+        if twin_read is not None:
+            os.close(twin_read)
+        out, forked = [write_end, twin_write], []
+
+        def fork_update() -> bool:
+            """Fork; True in the new process, which writes the twin's step from here on."""
+            branch = os.fork()
+            if branch == 0:
+                os.close(out.pop(0))
+                return True
+            forked.append(branch)
+            os.close(out.pop())
+            return False
+
+        result = _trace(workload, config, task, measured_with, pipeline_rank, fork_update if with_twin else None)
+        with os.fdopen(out[0], "w") as pipe:
+            pipe.write(json.dumps(result))
+        for branch in forked:  # the twin's process: written and gone before this one is
+            os.waitpid(branch, 0)
         os._exit(0)  # skip teardown: the traced state's finalisers are not worth waiting (or crashing) for
     os.close(write_end)
-    return pid, read_end
+    if twin_write is not None:
+        os.close(twin_write)
+    return pid, read_end, twin_read
 
 
-def _collect(pid: int, read_end: int) -> Any:
-    """The traced step a child of :func:`_fork_trace` wrote, once it has exited."""
+def _collect(pid: int, read_end: int, twin_read: int | None = None) -> tuple[Any, Any]:
+    """The traced step a child of :func:`_fork_trace` wrote (or the :class:`_TraceFailed` that says why not) and
+    its twin's (None without one, or where its trace failed), once it has exited. Both pipes are read before
+    the wait: the child waits for its twin's process, which may be waiting for its pipe to be read."""
     from autotune.estimate.results import TracedStep
 
     with os.fdopen(read_end) as reply:
         text = reply.read()
+    twin_text = ""
+    if twin_read is not None:
+        with os.fdopen(twin_read) as reply:
+            twin_text = reply.read()
     _, status = os.waitpid(pid, 0)
+    twin = json.loads(twin_text) if twin_text else {}
+    twin_step = TracedStep.from_dict(twin["ok"]) if "ok" in twin else None
     if not text:
-        raise _TraceFailed(f"the estimate's process died ({_describe(status)})")
+        return _TraceFailed(f"the estimate's process died ({_describe(status)})"), twin_step
     result = json.loads(text)
     if "error" in result:
-        raise _TraceFailed(result["error"])
-    return TracedStep.from_dict(result["ok"])
+        return _TraceFailed(result["error"]), twin_step
+    return TracedStep.from_dict(result["ok"]), twin_step
 
 
 def _trace(
-    workload: Any, config: Any, task: str | None, measured_with: Any, pipeline_rank: int | None = None
+    workload: Any,
+    config: Any,
+    task: str | None,
+    measured_with: Any,
+    pipeline_rank: int | None = None,
+    fork_update: Any = None,
 ) -> dict[str, Any]:
     from autotune.estimate.trace import trace_step
 
     try:
-        traced = trace_step(workload, config, task=task, measured_with=measured_with, pipeline_rank=pipeline_rank)
+        traced = trace_step(
+            workload,
+            config,
+            task=task,
+            measured_with=measured_with,
+            pipeline_rank=pipeline_rank,
+            fork_update=fork_update,
+        )
         return {"ok": traced.to_dict()}
     except Exception as exc:
         return {"error": _one_line(exc)}

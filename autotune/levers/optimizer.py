@@ -45,6 +45,8 @@ __all__ = [
     "optimizer_line",
     "parameter_groups",
     "StepInBackward",
+    "become_update_twin",
+    "update_twin",
 ]
 
 # adamw: PyTorch's; adamw-8bit: Adam's moments in 8 bits (torchao or bitsandbytes); adafactor: Transformers'
@@ -302,6 +304,28 @@ def parameter_groups(params: list[torch.nn.Parameter]) -> list[Any]:
     split = [p for p in params if isinstance(p, DTensor)]
     whole = [p for p in params if not isinstance(p, DTensor)]
     return [{"params": split}, {"params": whole}] if split and whole else params
+
+
+def update_twin(config: TrialConfig) -> TrialConfig | None:
+    """The config whose step is ``config``'s up to the update: unfused AdamW's twin is fused AdamW. Both make the
+    same moments by the same code and run the same forwards and backwards; only the update's kernel differs.
+    (Not the other way: fused AdamW keeps each parameter's step count on the device, where the unfused update
+    cannot read it.) None where ``config`` has no such twin: another optimizer, fused already, stepped inside
+    backward (its updates are the backward's), or under ZeRO (DeepSpeed keeps its own Adam)."""
+    if config.optimizer != "adamw" or config.optimizer_in_backward or config.fused_optimizer:
+        return None
+    try:
+        return config.replace(fused_optimizer=True)
+    except ConfigError:
+        return None
+
+
+def become_update_twin(optimizer: Any, twin: TrialConfig) -> None:
+    """Make ``optimizer``, built for the config whose :func:`update_twin` is ``twin``, step as ``twin``'s steps
+    from here on: its groups fused, as :func:`_one_optimizer` builds them."""
+    assert twin.fused_optimizer
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, None
 
 
 def _one_optimizer(params: list[torch.nn.Parameter], config: TrialConfig, *, lr: float) -> Any:

@@ -53,7 +53,9 @@ def test_a_trace_made_traces_the_first_config_ahead_that_needs_one_beside_it(mon
     from autotune.estimate.measured_with import AS_INSTALLED
 
     batches = []
-    monkeypatch.setattr(worker, "_in_children", lambda traces: batches.append(traces) or [object() for _ in traces])
+    monkeypatch.setattr(
+        worker, "_in_children", lambda traces: batches.append(traces) or [(object(), None) for _ in traces]
+    )
     traces = worker._Traces()
     config, kept, refused = (
         TrialConfig(micro_batch=2),
@@ -65,3 +67,46 @@ def test_a_trace_made_traces_the_first_config_ahead_that_needs_one_beside_it(mon
     assert [[c for _, c, *_ in batch] for batch in batches if batch] == [[config, TrialConfig(micro_batch=1)]]
     traces.get_all([WORKLOAD], TrialConfig(micro_batch=1), None, AS_INSTALLED, ahead)  # kept: nothing traced
     assert len([batch for batch in batches if batch]) == 1
+
+
+def test_a_trace_forks_at_its_update_for_a_fused_twin_asked_next_and_the_twin_is_its_own_trace_s_estimate():
+    # Unfused and fused AdamW run the same forwards and backwards: the plan's trace of one makes both.
+    from autotune.estimate import worker
+    from autotune.estimate.measured_with import AS_INSTALLED
+    from autotune.estimate.trace import estimate_from_trace
+
+    workload = Workload(model="builtin:llama-tiny", seq_len=32, global_batch=4, nproc=2, gpu="H100-80GB")
+    config = TrialConfig(micro_batch=2, precision="bf16", fsdp="full")
+    fused = config.replace(fused_optimizer=True)
+    derived = worker._Traces()
+    derived.get_all([workload], config, None, AS_INSTALLED, ahead=[fused])
+    assert len(derived._kept) == 2  # the twin kept from the same trace: nothing traced beside it
+    alone = worker._Traces().get(workload, fused, None, AS_INSTALLED)
+    twin = derived.get(workload, fused, None, AS_INSTALLED)
+    assert twin is not alone
+
+    def figures(traced):
+        estimate = estimate_from_trace(traced, workload, fused).to_dict()
+        estimate.pop("seconds")
+        return estimate
+
+    assert figures(twin) == figures(alone)
+
+
+def test_only_an_unfused_adamw_trace_has_a_fused_twin_asked_for_it(monkeypatch):
+    from autotune.estimate import worker
+    from autotune.estimate.measured_with import AS_INSTALLED
+
+    batches = []
+    monkeypatch.setattr(
+        worker, "_in_children", lambda traces: batches.append(traces) or [(object(), None) for _ in traces]
+    )
+    unfused, fused = TrialConfig(micro_batch=2), TrialConfig(micro_batch=2, fused_optimizer=True)
+    worker._Traces().get_all([WORKLOAD], unfused, None, AS_INSTALLED, [])  # not asked for: no twin
+    worker._Traces().get_all([WORKLOAD], unfused, None, AS_INSTALLED, [fused])
+    worker._Traces().get_all([WORKLOAD], fused, None, AS_INSTALLED, [unfused])  # traced beside, not derived
+    assert [[(c, with_twin) for _, c, *_, with_twin in batch] for batch in batches] == [
+        [(unfused, False)],
+        [(unfused, True)],
+        [(fused, False), (unfused, False)],
+    ]
