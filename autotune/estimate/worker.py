@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
-import os
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
+from autotune.estimate.trace_children import TraceChildren, TraceFailed, one_line, traced_in_children
 from autotune.trial import fork_server
 from autotune.trial.fork_server import Reply
 
@@ -84,6 +83,10 @@ class _Traces:
     def __init__(self) -> None:
         self._kept: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._failed: dict[str, str] = {}  # why a trace of this request failed: said again, not traced again
+        self._children = TraceChildren()  # the traces under way, kept across requests
+        # Each config's keys and refusal, once: a plan asks for the same configs ahead of hundreds of requests.
+        self._key_of: dict[tuple[Any, ...], str] = {}
+        self._refusal_of: dict[str, str | None] = {}
 
     def get(self, workload: Any, config: Any, task: str | None, measured_with: Any) -> Any:
         return self.get_all([workload], config, task, measured_with)[0]
@@ -92,66 +95,99 @@ class _Traces:
         self, workloads: list[Any], config: Any, task: str | None, measured_with: Any, ahead: Sequence[Any] = ()
     ) -> list[Any]:
         """``config``'s traced step for each workload (a plan's two proxy depths): those not kept are traced in
-        children forked together, as many at once as there are cores, so two depths cost one trace's wall time
-        on two cores. Where ``config`` is traced, so is the first config of ``ahead`` (the caller's next) that
-        needs traces of its own: the deeper copies of both first, then the shallower, so that the cores trace
-        steps of one depth, which take about as long, side by side (a 2-layer copy traces in about two thirds of a
-        4-layer one's time: alone beside it, its core would idle for the rest). Not where ``config`` is refused:
-        its next would be traced alone, and the one after it with nothing beside it."""
+        children, as many at once as there are cores, so two depths cost one trace's wall time on two cores.
+
+        ``ahead``: the configs the caller asks for next, in order. A core that is free of ``config``'s traces
+        traces theirs (the deeper copy first, which takes longest), and those children run on while this request
+        is answered and the next one asked: the cores are kept busy. Not where ``config`` is refused (its caller
+        may learn from its answer what it asks next). A config of
+        ``ahead`` that is the update twin of one traced (see :func:`autotune.levers.optimizer.update_twin`) is
+        made by that one's trace."""
         keys = self._keys(workloads, config, task, measured_with)
-        items = list(zip(keys, workloads, [config] * len(keys), strict=True))
-        untraced = [item for item in items if item[0] not in self._kept and item[0] not in self._failed]
-        twins: dict[str, tuple[str, Any]] = {}
-        if untraced and not any(self._refused(*item) for item in untraced):
-            twins = self._wanted_twins(items, ahead, task, measured_with)
-            taken = {*keys, *(twin_key for twin_key, _ in twins.values())}
-            partner = self._first_untraced(workloads, ahead, taken, task, measured_with)
-            twins.update(self._wanted_twins(partner, ahead, task, measured_with))
-            items += partner
-            items.sort(key=lambda item: -workloads.index(item[1]))  # the last workload is the deepest copy
-        self._trace_missing(items, task, measured_with, twins)
+        asked = sorted(
+            zip(keys, workloads, [config] * len(keys), strict=True), key=lambda item: -workloads.index(item[1])
+        )
+        if config.pp > 1:  # its stages are traced together (see _trace_missing)
+            self._trace_missing(asked, task, measured_with)
+        else:
+            untraced = [item for item in asked if not self._done(item[0]) and item[0] not in self._children]
+            refused = [self._refused(*item) for item in untraced]  # each said, none left to start
+            later = iter(()) if any(refused) else self._later(workloads, ahead, task, measured_with)
+            self._run(asked, later, set(ahead), task, measured_with)
         for key in keys:
             if key in self._failed:
-                raise _TraceFailed(self._failed[key])
+                raise TraceFailed(self._failed[key])
             self._kept.move_to_end(key)
         return [self._kept[key] for key in keys]
 
-    @staticmethod
-    def _keys(workloads: list[Any], config: Any, task: str | None, measured_with: Any) -> list[str]:
+    def _done(self, key: str) -> bool:
+        return key in self._kept or key in self._failed
+
+    def _keys(self, workloads: list[Any], config: Any, task: str | None, measured_with: Any) -> list[str]:
         from autotune.estimate.trace import trace_key
 
-        return [trace_key(workload, config, task=task, measured_with=measured_with) for workload in workloads]
+        keys = []
+        for workload in workloads:
+            asked = (workload, config, task, measured_with)
+            if asked not in self._key_of:
+                self._key_of[asked] = trace_key(workload, config, task=task, measured_with=measured_with)
+            keys.append(self._key_of[asked])
+        return keys
 
-    def _wanted_twins(
-        self, items: list[tuple[str, Any, Any]], ahead: Sequence[Any], task: str | None, measured_with: Any
-    ) -> dict[str, tuple[str, Any]]:
-        """For each item's key, the key and config of its update twin (see :func:`trace.trace_step`'s
-        ``fork_update``), where the caller asks for that twin next (it is in ``ahead``) and it is not traced yet: a
-        trace that forks as its update begins makes both, for little more than one."""
-        from autotune.levers.optimizer import update_twin
-
-        wanted = set(ahead)
-        twins = {}
-        for key, workload, config in items:
-            twin = update_twin(config)
-            if twin is not None and twin in wanted:
-                twin_key = self._keys([workload], twin, task, measured_with)[0]
-                if twin_key not in self._kept and twin_key not in self._failed:
-                    twins[key] = (twin_key, twin)
-        return twins
-
-    def _first_untraced(
-        self, workloads: list[Any], ahead: Sequence[Any], taken: set[str], task: str | None, measured_with: Any
-    ) -> list[tuple[str, Any, Any]]:
-        """The traces of the first config of ``ahead`` whose steps are none of those kept, failed or ``taken``, and
-        are not refused before they start."""
+    def _later(
+        self, workloads: list[Any], ahead: Sequence[Any], task: str | None, measured_with: Any
+    ) -> Iterator[tuple[str, Any, Any]]:
+        """The traces of ``ahead``'s configs, each config's deepest copy first, but for those of a config refused
+        before it starts (made when asked for)."""
         for config in ahead:
             keys = self._keys(workloads, config, task, measured_with)
-            items = list(zip(keys, workloads, [config] * len(keys), strict=True))
-            if not any(key in self._kept or key in self._failed or key in taken for key, _, _ in items):
-                if not any(self._refused(*item) for item in items):
-                    return items
-        return []
+            items = sorted(
+                zip(keys, workloads, [config] * len(keys), strict=True), key=lambda item: -workloads.index(item[1])
+            )
+            if not any(not self._done(key) and self._refused(key, workload, config) for key, workload, config in items):
+                yield from items
+
+    def _run(
+        self,
+        asked: list[tuple[str, Any, Any]],
+        later: Iterator[tuple[str, Any, Any]],
+        wanted: set[Any],
+        task: str | None,
+        measured_with: Any,
+    ) -> None:
+        """Trace until every step ``asked`` is kept or failed: those first, then ``later``'s on the cores they
+        leave free. ``wanted``: the configs whose update twins' steps are made by the trace of theirs."""
+        while True:
+            missing = [item for item in asked if not self._done(item[0])]
+            for item in missing:
+                if self._children.free and item[0] not in self._children:
+                    self._start(item, wanted, task, measured_with)
+            while self._children.free and (next_item := next(later, None)) is not None:
+                self._start(next_item, wanted, task, measured_with)
+            if not missing:
+                return
+            if len(self._children):
+                for key, step in self._children.wait():
+                    if isinstance(step, TraceFailed):
+                        self._failed[key] = str(step)
+                    else:
+                        self._keep(key, step)
+
+    def _start(self, item: tuple[str, Any, Any], wanted: set[Any], task: str | None, measured_with: Any) -> None:
+        """Start the trace of ``item`` in a child, and with it its update twin's where that is ``wanted``; nothing
+        where it is kept, under way, failed or refused."""
+        from autotune.levers.optimizer import update_twin
+
+        key, workload, config = item
+        if self._done(key) or key in self._children or self._refused(key, workload, config):
+            return
+        twin, twin_key = update_twin(config), None
+        if twin is not None and twin in wanted:
+            twin_key = self._keys([workload], twin, task, measured_with)[0]
+            if self._done(twin_key) or twin_key in self._children:
+                twin_key = None
+        _preload_for(workload, config)
+        self._children.start(key, workload, config, task, measured_with, twin_key=twin_key)
 
     def trace_all(self, workload: Any, configs: list[Any], task: str | None, measured_with: Any) -> None:
         """Trace the steps of ``configs`` not kept yet, as many at once as there are cores: each estimate asked
@@ -165,17 +201,9 @@ class _Traces:
         """A later request traces a failed step again (a child killed for memory may fit another time)."""
         self._failed.clear()
 
-    def _trace_missing(
-        self,
-        items: list[tuple[str, Any, Any]],
-        task: str | None,
-        measured_with: Any,
-        twins: dict[str, tuple[str, Any]] | None = None,
-    ) -> None:
-        """Trace the steps of ``items`` not kept yet; ``twins``: for an item's key, its update twin's key and
-        config, kept from the same trace (see :meth:`_wanted_twins`)."""
-        twins = twins or {}
-        missing = {key: (w, c) for key, w, c in items if key not in self._kept and key not in self._failed}
+    def _trace_missing(self, items: list[tuple[str, Any, Any]], task: str | None, measured_with: Any) -> None:
+        """Trace the steps of ``items`` not kept yet, as many at once as there are cores, and wait for them."""
+        missing = {key: (w, c) for key, w, c in items if not self._done(key)}
         missing = {key: item for key, item in missing.items() if not self._refused(key, *item)}
         for workload, config in missing.values():  # once each: a module imported already costs nothing
             _preload_for(workload, config)
@@ -186,30 +214,32 @@ class _Traces:
 
                 try:
                     self._keep(key, pipeline_step(_stages_in_children(workload, config, task, measured_with)))
-                except _TraceFailed as exc:
+                except TraceFailed as exc:
                     self._failed[key] = str(exc)
-        traced = _in_children(
-            [(workload, config, task, measured_with, None, key in twins) for key, (workload, config) in plain.items()]
+        traced = traced_in_children(
+            [(workload, config, task, measured_with, None) for workload, config in plain.values()]
         )
-        for key, (step, twin_step) in zip(plain, traced, strict=True):
-            if isinstance(step, _TraceFailed):
+        for key, step in zip(plain, traced, strict=True):
+            if isinstance(step, TraceFailed):
                 self._failed[key] = str(step)
             else:
                 self._keep(key, step)
-            if twin_step is not None:  # a twin whose trace failed is traced on its own, when asked for
-                self._keep(twins[key][0], twin_step)
 
     def _refused(self, key: str, workload: Any, config: Any) -> bool:
         """Whether the trace of ``config`` is refused before it starts (FSDP's offload on a GPU, say): its
         child would say only that, so none is forked (a plan asks for hundreds of such configs)."""
         from autotune.estimate.trace import refuse_untraceable
 
-        try:
-            refuse_untraceable(workload, config)
-        except Exception as exc:  # noqa: BLE001 - said as the child would say it (see _trace)
-            self._failed[key] = _one_line(exc)
-            return True
-        return False
+        if key not in self._refusal_of:
+            try:
+                refuse_untraceable(workload, config)
+                self._refusal_of[key] = None
+            except Exception as exc:  # noqa: BLE001 - said as the child would say it (see trace_children)
+                self._refusal_of[key] = one_line(exc)
+        refusal = self._refusal_of[key]
+        if refusal is not None:
+            self._failed[key] = refusal
+        return refusal is not None
 
     def _keep(self, key: str, traced: Any) -> None:
         self._kept[key] = traced
@@ -253,10 +283,10 @@ def _answer(request: dict[str, Any], traces: _Traces) -> dict[str, Any]:
             estimate = estimate_from_trace(extrapolate(two, four, proxy["layers"]), workload, config, cuda_as=like)
         # What this answer cost: a kept trace is not paid for again.
         return {"ok": dataclasses.replace(estimate, seconds=time.perf_counter() - started).to_dict()}
-    except _TraceFailed as exc:
+    except TraceFailed as exc:
         return {"error": str(exc)}
     except Exception as exc:  # the caller raises it as an EstimateError
-        return {"error": _one_line(exc)}
+        return {"error": one_line(exc)}
 
 
 def _answer_all(request: dict[str, Any], traces: _Traces) -> list[dict[str, Any]]:
@@ -276,135 +306,13 @@ def _answer_all(request: dict[str, Any], traces: _Traces) -> list[dict[str, Any]
     return [_answer({**request, "config": c.to_dict(), "proxy": None}, traces) for c in configs]
 
 
-class _TraceFailed(Exception):
-    """A trace's exception, in words (it happened in the child)."""
-
-
-def _one_line(exc: BaseException) -> str:
-    message = (str(exc).strip().splitlines() or [""])[-1]
-    return f"{type(exc).__name__}: {message}"
-
-
 def _stages_in_children(workload: Any, config: Any, task: str | None, measured_with: Any) -> list[Any]:
     """Every pipeline stage's traced step, in stage order, ``os.cpu_count()`` children at a time."""
-    stages = [
-        step
-        for step, _ in _in_children([(workload, config, task, measured_with, rank, False) for rank in range(config.pp)])
-    ]
-    failed = next((stage for stage in stages if isinstance(stage, _TraceFailed)), None)
+    stages = traced_in_children([(workload, config, task, measured_with, rank) for rank in range(config.pp)])
+    failed = next((stage for stage in stages if isinstance(stage, TraceFailed)), None)
     if failed is not None:
         raise failed
     return stages
-
-
-def _in_children(traces: list[tuple[Any, Any, str | None, Any, int | None, bool]]) -> list[tuple[Any, Any]]:
-    """Each ``(workload, config, task, measured_with, pipeline_rank, with_twin)``'s traced step, or the
-    :class:`_TraceFailed` that says why not, in order, each beside its update twin's traced step where
-    ``with_twin`` (None where that trace failed): traced in forked children ``os.cpu_count()`` at a time (a
-    trace is one core's work; a twin's update, forked from its trace, little more)."""
-    at_once = max(1, os.cpu_count() or 1)
-    traced: list[tuple[Any, Any]] = []
-    for first in range(0, len(traces), at_once):
-        children = [_fork_trace(*trace) for trace in traces[first : first + at_once]]
-        for child in children:  # every child collected, so none is left behind when one failed
-            traced.append(_collect(*child))
-    return traced
-
-
-def _fork_trace(
-    workload: Any,
-    config: Any,
-    task: str | None,
-    measured_with: Any,
-    pipeline_rank: int | None = None,
-    with_twin: bool = False,
-) -> tuple[int, int, int | None]:
-    """Fork; the child traces and writes the result (or why it failed) to a pipe as JSON, then exits. With
-    ``with_twin``, the child forks again as the update begins, and its own child writes the update twin's
-    step to a second pipe (see :func:`autotune.estimate.trace.trace_step`'s ``fork_update``). Returns the
-    child's pid and the pipes' read ends (the second None without a twin), for :func:`_collect`."""
-    read_end, write_end = os.pipe()
-    twin_read, twin_write = os.pipe() if with_twin else (None, None)
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        if twin_read is not None:
-            os.close(twin_read)
-        out, forked = [write_end, twin_write], []
-
-        def fork_update() -> bool:
-            """Fork; True in the new process, which writes the twin's step from here on."""
-            branch = os.fork()
-            if branch == 0:
-                os.close(out.pop(0))
-                return True
-            forked.append(branch)
-            os.close(out.pop())
-            return False
-
-        result = _trace(workload, config, task, measured_with, pipeline_rank, fork_update if with_twin else None)
-        with os.fdopen(out[0], "w") as pipe:
-            pipe.write(json.dumps(result))
-        for branch in forked:  # the twin's process: written and gone before this one is
-            os.waitpid(branch, 0)
-        os._exit(0)  # skip teardown: the traced state's finalisers are not worth waiting (or crashing) for
-    os.close(write_end)
-    if twin_write is not None:
-        os.close(twin_write)
-    return pid, read_end, twin_read
-
-
-def _collect(pid: int, read_end: int, twin_read: int | None = None) -> tuple[Any, Any]:
-    """The traced step a child of :func:`_fork_trace` wrote (or the :class:`_TraceFailed` that says why not) and
-    its twin's (None without one, or where its trace failed), once it has exited. Both pipes are read before
-    the wait: the child waits for its twin's process, which may be waiting for its pipe to be read."""
-    from autotune.estimate.results import TracedStep
-
-    with os.fdopen(read_end) as reply:
-        text = reply.read()
-    twin_text = ""
-    if twin_read is not None:
-        with os.fdopen(twin_read) as reply:
-            twin_text = reply.read()
-    _, status = os.waitpid(pid, 0)
-    twin = json.loads(twin_text) if twin_text else {}
-    twin_step = TracedStep.from_dict(twin["ok"]) if "ok" in twin else None
-    if not text:
-        return _TraceFailed(f"the estimate's process died ({_describe(status)})"), twin_step
-    result = json.loads(text)
-    if "error" in result:
-        return _TraceFailed(result["error"]), twin_step
-    return TracedStep.from_dict(result["ok"]), twin_step
-
-
-def _trace(
-    workload: Any,
-    config: Any,
-    task: str | None,
-    measured_with: Any,
-    pipeline_rank: int | None = None,
-    fork_update: Any = None,
-) -> dict[str, Any]:
-    from autotune.estimate.trace import trace_step
-
-    try:
-        traced = trace_step(
-            workload,
-            config,
-            task=task,
-            measured_with=measured_with,
-            pipeline_rank=pipeline_rank,
-            fork_update=fork_update,
-        )
-        return {"ok": traced.to_dict()}
-    except Exception as exc:
-        return {"error": _one_line(exc)}
-
-
-def _describe(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        return f"killed by signal {os.WTERMSIG(status)}"
-    return f"exit {os.waitstatus_to_exitcode(status)}"
 
 
 if __name__ == "__main__":
