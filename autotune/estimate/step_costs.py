@@ -243,24 +243,26 @@ class CostRecorder:
         outputs = [_local(t) for t in out_leaves if _is_tensor(t)]
         mutates = func._schema.is_mutable
         kind = _kind(name)
-        if kind != COLLECTIVE and (not (outputs or mutates) or (not mutates and _aliases(outputs, inputs))):
+        # Each tensor's storage once: an operator asks it of each tensor up to four times below.
+        in_storages, out_storages = [_storage(t) for t in inputs], [_storage(t) for t in outputs]
+        if kind != COLLECTIVE and (not (outputs or mutates) or (not mutates and _shares(out_storages, in_storages))):
             return  # a query (prim.device) or a view by another name (_unsafe_view, alias): no kernel
         if self._kernel is not None:
             self._kernel.add(inputs, outputs, mutates, flops, self._state)
             return
-        fixed = sample = 0.0
-        # A collective is timed by the whole buffer it gathers or scatters (its largest tensor).
-        tensors = (*inputs, *outputs) if kind != COLLECTIVE else [max((*inputs, *outputs), key=_bytes_touched)]
-        for tensor in tensors:
-            moved = _bytes_touched(tensor)
-            if self._state(tensor):
-                fixed += moved
-            else:
-                sample += moved
-        if inputs and all(self._state(t) for t in inputs):
-            self._derived.update(_storage(t) for t in outputs)
-        fusable = kind == OTHER and any(_storage(t) in self._last_written for t in inputs)
-        self._last_written = {_storage(t) for t in outputs} if kind == OTHER else set()
+        in_states = [self._model_state(t) or storage in self._derived for t, storage in zip(inputs, in_storages)]
+        if kind != COLLECTIVE:
+            states = [*in_states, *(self._model_state(t) or s in self._derived for t, s in zip(outputs, out_storages))]
+            moved = [(_bytes_touched(tensor), state) for tensor, state in zip((*inputs, *outputs), states)]
+        else:  # a collective is timed by the whole buffer it gathers or scatters (its largest tensor)
+            largest = max((*inputs, *outputs), key=_bytes_touched)
+            moved = [(_bytes_touched(largest), self._state(largest))]
+        fixed = sum(nbytes for nbytes, state in moved if state)
+        sample = sum(nbytes for nbytes, state in moved if not state)
+        if inputs and all(in_states):
+            self._derived.update(out_storages)
+        fusable = kind == OTHER and any(storage in self._last_written for storage in in_storages)
+        self._last_written = set(out_storages) if kind == OTHER else set()
         if kind == ATTENTION and _causal(func, args, kwargs):
             flops *= _CAUSAL_WORK
         dtype = _computed_in(inputs[0]) if kind == MATMUL and inputs else _type_name((inputs or outputs)[0].dtype)
@@ -363,9 +365,10 @@ def _storage(tensor: Any) -> Any:
         return None
 
 
-def _aliases(outputs: list[Any], inputs: list[Any]) -> bool:
-    held = {_storage(t) for t in inputs} - {None}
-    return any(_storage(t) in held for t in outputs)
+def _shares(outputs: list[Any], inputs: list[Any]) -> bool:
+    """Whether an output's storage (of ``outputs``) is one of ``inputs``' (None: a tensor without storage)."""
+    held = set(inputs) - {None}
+    return any(storage in held for storage in outputs)
 
 
 def _type_name(dtype: Any) -> str:
