@@ -125,8 +125,7 @@ def fake_steps(
     in order, with where each phase begins (what a CUDA workload's allocator replay needs).
     A pipeline's rank (:class:`autotune.trial.engine.PipelineEngine`) runs its schedule instead of the
     micro steps: see :func:`_pipeline_forwards_and_backwards`. ``before_update(engine)``: called as the
-    update begins (where a trace forks to trace another optimizer's update on the same forwards and backwards).
-    """
+    update begins (where a trace forks to trace another optimizer's update on the same forwards and backwards)."""
     import torch
 
     from autotune.prepare.quantize import quantization_constants

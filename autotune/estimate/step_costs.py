@@ -250,10 +250,15 @@ class CostRecorder:
         if self._kernel is not None:
             self._kernel.add(inputs, outputs, mutates, flops, self._state)
             return
-        in_states = [self._model_state(t) or storage in self._derived for t, storage in zip(inputs, in_storages)]
+        in_states = [
+            self._model_state(t) or storage in self._derived for t, storage in zip(inputs, in_storages, strict=True)
+        ]
         if kind != COLLECTIVE:
-            states = [*in_states, *(self._model_state(t) or s in self._derived for t, s in zip(outputs, out_storages))]
-            moved = [(_bytes_touched(tensor), state) for tensor, state in zip((*inputs, *outputs), states)]
+            states = [
+                *in_states,
+                *(self._model_state(t) or s in self._derived for t, s in zip(outputs, out_storages, strict=True)),
+            ]
+            moved = [(_bytes_touched(tensor), state) for tensor, state in zip((*inputs, *outputs), states, strict=True)]
         else:  # a collective is timed by the whole buffer it gathers or scatters (its largest tensor)
             largest = max((*inputs, *outputs), key=_bytes_touched)
             moved = [(_bytes_touched(largest), self._state(largest))]

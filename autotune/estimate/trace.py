@@ -32,7 +32,7 @@ import json
 import os
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from autotune.config.gpus import GPUS, GpuSpec, gpu_spec
 from autotune.config.knobs import TrialConfig, offload_device_refusal
@@ -141,13 +141,7 @@ def trace_step(
 
     Pipeline stages hold different layers: each rank's step is traced (``pipeline_rank``, as that rank of a
     fake process group), and the step of the rank that holds the most stands for the config, with every
-    rank's peak beside it.
-
-    ``fork_update``: where ``config`` has an update twin (:func:`autotune.levers.optimizer.update_twin`), called
-    as the update begins. It forks, and returns True in the process that goes on to trace the twin's update
-    instead of ``config``'s: the step returned there is the twin's, whose forwards and backwards are
-    ``config``'s. The optimizer state both make is the same, and what the state's making leaves in its wake is
-    freed before the step begins (the replay and the peaks leave it out)."""
+    rank's peak beside it. ``fork_update``: see :func:`_forked_for_twin`."""
     if config.pp > 1 and pipeline_rank is None:
         return _every_stage_traced(workload, config, task=task, measured_with=measured_with)
     import torch
@@ -170,18 +164,7 @@ def trace_step(
     tracker = PeakPartsTracker()
     tracker.sees_dtensors = sharded
     ranks = _traced_ranks(workload, config)
-    with (
-        warnings.catch_warnings(),
-        adapters_stay_put(traced, adapters=may_hold_adapters(workload, config)),
-        unpacked_batches(),
-        as_on_cuda,
-        _process_group(config, workload, traced, target=target, sharded=sharded, pipeline_rank=pipeline_rank) as mesh,
-        # The pipeline patches reach into torch's private schedules: entered only for a pipeline's trace.
-        pipeline_shapes_given() if config.pp > 1 else contextlib.nullcontext(),
-        measured_with.in_effect(),
-        sends_hold_their_tensors() if config.pp > 1 else contextlib.nullcontext(),
-    ):
-        warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
+    with _around_the_trace(workload, config, traced, target, sharded, pipeline_rank, measured_with, as_on_cuda) as mesh:
         # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
         # model code allocates without naming a device is born on the traced one (PEFT's adapters).
         with FakeTensorMode(allow_non_fake_inputs=True), grouped_mm_in_any_dtype(), tracker, device:
@@ -197,18 +180,12 @@ def trace_step(
             # The plain config: ZeRO is arithmetic on it, never DeepSpeed.
             assert isinstance(engine, (TorchEngine, PipelineEngine))
             run_as_on_target(engine, tracker, config, target=target, traced=traced, measured_with=measured_with)
-            twin = update_twin(config) if fork_update is not None and config.pp == 1 else None
-
-            def before_update(engine: Any) -> None:
-                if twin is not None and fork_update is not None and fork_update():
-                    step_as_update_twin(engine, twin, target=target, measured_with=measured_with)
-
             whole, flops_per_sample, step_costs = fake_steps(
                 engine,
                 tracker,
                 keep_gradients=measured_with.pytorch1_step,
                 record=target == "cuda",
-                before_update=before_update,
+                before_update=_forked_for_twin(config, fork_update, target=target, measured_with=measured_with),
             )
     return TracedStep(
         **_peak_parts(tracker),
@@ -225,6 +202,55 @@ def trace_step(
         method=_method(config, sharded, ranks, pipeline_rank),
         seconds=time.perf_counter() - started,
     )
+
+
+@contextlib.contextmanager
+def _around_the_trace(
+    workload: Workload,
+    config: TrialConfig,
+    traced: str,
+    target: str,
+    sharded: bool,
+    pipeline_rank: int | None,
+    measured_with: MeasuredWith,
+    as_on_cuda: Any,
+) -> Iterator[Any]:
+    """What :func:`trace_step` traces inside, but for the fake tensors and the tracker: the patches it needs
+    (``as_on_cuda``'s among them) and its process group; yields the group's device mesh (None without one)."""
+    with (
+        warnings.catch_warnings(),
+        adapters_stay_put(traced, adapters=may_hold_adapters(workload, config)),
+        unpacked_batches(),
+        as_on_cuda,
+        _process_group(config, workload, traced, target=target, sharded=sharded, pipeline_rank=pipeline_rank) as mesh,
+        # The pipeline patches reach into torch's private schedules: entered only for a pipeline's trace.
+        pipeline_shapes_given() if config.pp > 1 else contextlib.nullcontext(),
+        measured_with.in_effect(),
+        sends_hold_their_tensors() if config.pp > 1 else contextlib.nullcontext(),
+    ):
+        warnings.simplefilter("ignore")  # deprecation chatter from model code; nothing runs for real
+        yield mesh
+
+
+def _forked_for_twin(
+    config: TrialConfig, fork_update: Callable[[], bool] | None, *, target: str, measured_with: MeasuredWith
+) -> Callable[[Any], None] | None:
+    """What :func:`trace_step` runs as its update begins: None where it does not fork.
+
+    ``fork_update``, where ``config`` has an update twin (:func:`autotune.levers.optimizer.update_twin`), is
+    called as the update begins. It forks, and returns True in the process that goes on to trace the twin's
+    update instead of ``config``'s: the step returned there is the twin's, whose forwards and backwards are
+    ``config``'s. The optimizer state both make is the same, and what the state's making leaves in its wake is
+    freed before the step begins (the replay and the peaks leave it out)."""
+    twin = update_twin(config) if fork_update is not None and config.pp == 1 else None
+    if twin is None or fork_update is None:
+        return None
+
+    def before_update(engine: Any) -> None:
+        if fork_update():  # this process goes on as the twin
+            step_as_update_twin(engine, twin, target=target, measured_with=measured_with)
+
+    return before_update
 
 
 def refuse_untraceable(workload: Workload, config: TrialConfig) -> None:
