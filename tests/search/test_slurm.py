@@ -15,6 +15,7 @@ import optuna
 import pytest
 import yaml
 from optuna.trial import TrialState
+from slurm_jobs import sbatch_waited
 
 from autotune.search.slurm import SlurmResources, batch_script
 from autotune.study.records import ANSWER_ATTR
@@ -170,12 +171,10 @@ def test_a_one_node_launch_export_runs_as_a_batch_job(tmp_path):
     (tmp_path / "launch.sh").write_text(script)
     (tmp_path / "train.py").write_text(_RANKS)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    job = subprocess.run(
-        ["sbatch", "--wait", f"--partition={PARTITION}", "--output=job.out", "launch.sh", "train.py", "--x"],
+    job = sbatch_waited(
+        [f"--partition={PARTITION}", "--output=job.out", "launch.sh", "train.py", "--x"],
         cwd=tmp_path,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     log = tmp_path / "job.out"

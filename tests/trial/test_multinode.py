@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from slurm_jobs import sbatch_waited
 
 from autotune.errors import ConfigError
 from autotune.trial.multinode import cpus_per_node, expand_nodelist, multinode_command, node_ranks
@@ -134,10 +135,10 @@ def test_two_ranks_start_through_srun_and_torchrun_inside_an_allocation(tmp_path
     (tmp_path / "launch.py").write_text(LAUNCH)
     out = tmp_path / "ranks.json"
     env = dict(os.environ, PORT=str(free_port()))
-    job = subprocess.run(
-        ["sbatch", "--wait", "--nodes=1", "--cpus-per-task=2", f"--output={tmp_path}/job.out", "--wrap",
+    job = sbatch_waited(
+        ["--nodes=1", "--cpus-per-task=2", f"--output={tmp_path}/job.out", "--wrap",
          f"{sys.executable} {tmp_path}/launch.py {tmp_path}/probe.py {out}"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+        timeout=300, env=env, cwd=tmp_path,
     )  # fmt: skip
     assert job.returncode == 0, (job.stderr, (tmp_path / "job.out").read_text())
     host = subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+from slurm_jobs import sbatch_waited
 
 from autotune.study.storage import open_storage
 
@@ -52,10 +53,10 @@ def _on_both_nodes(tmp_path: Path, python_args: str) -> subprocess.CompletedProc
     """``python python_args`` as one task on each of the cluster's two nodes, holding every CPU there (a job that
     launches the ranks itself), waited for; its output in ``tmp_path/job.out``."""
     cpus = node_cpus()
-    return subprocess.run(
-        ["sbatch", "--wait", f"--partition={PARTITION}", "--nodes=2", "--ntasks-per-node=1", f"--cpus-per-task={cpus}",
+    return sbatch_waited(
+        [f"--partition={PARTITION}", "--nodes=2", "--ntasks-per-node=1", f"--cpus-per-task={cpus}",
          f"--output={tmp_path}/job.out", "--wrap", f"{sys.executable} {python_args}"],
-        capture_output=True, text=True, timeout=300, env=cluster_env(PYTHONPATH=os.getcwd()), cwd=tmp_path,
+        timeout=300, env=cluster_env(PYTHONPATH=os.getcwd()), cwd=tmp_path,
     )  # fmt: skip
 
 
@@ -167,10 +168,9 @@ def test_the_two_node_launch_export_trains_over_two_real_nodes(tmp_path: Path) -
     (tmp_path / "train.py").write_text(PROBE)
     out = tmp_path / "ranks.json"
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # this Python's torchrun
-    job = subprocess.run(
-        ["sbatch", "--wait", f"--partition={PARTITION}", f"--output={tmp_path}/job.out", str(script), "train.py",
-         str(out)],
-        capture_output=True, text=True, timeout=300, env=cluster_env(PATH=path), cwd=tmp_path,
+    job = sbatch_waited(
+        [f"--partition={PARTITION}", f"--output={tmp_path}/job.out", str(script), "train.py", str(out)],
+        timeout=300, env=cluster_env(PATH=path), cwd=tmp_path,
     )  # fmt: skip
     assert job.returncode == 0, (job.stderr, (tmp_path / "job.out").read_text())
     ranks = json.loads(out.read_text())
