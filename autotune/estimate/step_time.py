@@ -216,7 +216,7 @@ def predict_step_time(
     if config.fused_optimizer:  # one kernel for every tensor: the host issues a handful of operators
         update_host = profile.dispatch_s * 4
     if config.fsdp == "hybrid":
-        traced_collectives = accum * _hybrid_collectives_s(costs, config.micro_batch, profile, workload, config)
+        traced_collectives = _hybrid_collectives_s(costs, config, accum, profile, workload)
     else:
         traced_collectives = _collectives_s(costs, config, accum, profile, ranks)
     if profile.type == "cpu":  # the host computes: its time and the device's are one
@@ -312,27 +312,32 @@ def _collectives_s(costs: StepCosts, config: TrialConfig, accum: int, profile: D
 
 
 def _hybrid_collectives_s(
-    costs: StepCosts, micro_batch: int, profile: DeviceProfile, workload: Workload, config: TrialConfig
+    costs: StepCosts, config: TrialConfig, accum: int, profile: DeviceProfile, workload: Workload
 ) -> float:
-    """Hybrid sharding's traced collectives of one micro step. Its all-gathers and reduce-scatters span a shard
+    """Hybrid sharding's traced collectives of one optimizer step. Its all-gathers and reduce-scatters span a shard
     group, each moving (shard-1)/shard of its bytes over that group's links; each reduce-scatter's output (its
     shard of the gradients) is then all-reduced across the replicas (``foreach_reduce`` in FSDP2's
     ``_fsdp_collectives.py``), a ring moving 2 (replicas-1)/replicas of it, over the network between nodes
-    when the replicas span nodes."""
+    when the replicas span nodes. The gathers run every micro step, the reductions in the micro steps that
+    reduce (``--grad-sync``)."""
     shard, replicas = config.shard_degree(workload), config.replicate_degree(workload)
-    gathered = reduced = 0.0
-    for name, moved in _traced_collectives(costs, micro_batch):
+    gathered = scattered = reduced = 0.0  # whole buffers, per micro step
+    for name, moved in _traced_collectives(costs, config.micro_batch):
         if "allreduce" in name.replace("_", ""):
             reduced += moved
+        elif "reduce_scatter" in name:
+            scattered += moved
         else:
             gathered += moved
+    reducing = reducing_micro_steps(config, accum, costs.micro_steps)
     # A replicate group takes every shard-th rank: it spans the nodes there are. A shard group spans them where it
     # is larger than one node's ranks (consecutive ranks, as torchrun numbers them).
     network = _link(profile, _GPUS_PER_NODE + 1)
     nodes_apart = workload.nodes > 1 or (profile.type == "cuda" and workload.nproc > _GPUS_PER_NODE)
     within_link = network if shard > workload.ranks_per_node else _link(profile, shard)
-    within = gathered * (shard - 1) / shard / within_link
-    return within + 2 * reduced * (replicas - 1) / replicas / (network if nodes_apart else profile.link_bandwidth)
+    within = (accum * gathered + reducing * scattered) * (shard - 1) / shard / within_link
+    across = 2 * reducing * reduced * (replicas - 1) / replicas
+    return within + across / (network if nodes_apart else profile.link_bandwidth)
 
 
 def _traced_collectives(costs: StepCosts, micro_batch: int) -> Iterator[tuple[str, float]]:

@@ -305,6 +305,47 @@ def test_fsdp_reduces_on_each_micro_step_or_once_a_step_as_grad_sync_says(accum)
     assert StepCosts.from_dict(last_costs.to_dict()) == last_costs  # the traced micro steps travel with the costs
 
 
+@pytest.mark.parametrize("accum", [1, 2, 8])
+def test_hybrid_reduces_on_each_micro_step_or_once_a_step_as_grad_sync_says(accum):
+    """Hybrid sharding under --grad-sync last: a step gathers in each micro step, and reduce-scatters within its
+    shard group and all-reduces across the replicas once, whatever the accumulation."""
+    gathered, scattered, reduced = 8e9, 4e9, 1e9  # bytes per micro step where each micro step reduces
+    ops = (
+        *HAND.ops,
+        OpCost("forward", "collective", "_allgather_base_", "float32", 0.0, gathered, 0.0, 1.0),
+        OpCost("backward", "collective", "_reduce_scatter_base_", "float32", 0.0, scattered, 0.0, 1.0),
+        OpCost("backward", "collective", "allreduce_", "float32", 0.0, reduced, 0.0, 1.0),
+    )
+    each_costs = dataclasses.replace(HAND, ops=ops, micro_steps=2)
+    last_costs = dataclasses.replace(  # the same trace with the first micro step's reductions skipped
+        each_costs, ops=(*ops[:-2], *(dataclasses.replace(op, count=0.5) for op in ops[-2:]))
+    )
+    workload = Workload(
+        model="builtin:llama-tiny", seq_len=128, global_batch=16 * accum, nproc=16, nodes=2, gpu="H100-80GB"
+    )
+    profile = card_profile(gpu_spec("H100-80GB"))
+    nvlink, infiniband = 450e9 * 0.75, 50e9 * 0.75
+
+    def traced_s(sync: str, costs: StepCosts) -> tuple[float, float]:
+        step = predict_step_time(
+            _hand_estimate(TrialConfig(micro_batch=1, fsdp="hybrid", grad_sync=sync), costs), workload, profile
+        )
+        assert step is not None
+        return step.communication_s, step.compute_s
+
+    def waits(traced: float, compute: float) -> float:
+        return max(traced - compute, 0.0) + 0.05 * traced
+
+    def traced(reductions: int) -> float:
+        within = (accum * gathered + reductions * scattered) * 7 / 8 / nvlink
+        return within + reductions * 2 * reduced * (1 / 2) / infiniband
+
+    communication, compute = traced_s("each", each_costs)
+    assert communication == pytest.approx(waits(traced(accum), compute))
+    communication, compute = traced_s("last", last_costs)
+    assert communication == pytest.approx(waits(traced(1), compute))
+
+
 @pytest.mark.slow
 def test_the_cpu_probe_of_a_study_of_several_ranks_times_a_collective_between_two_processes():
     """What a 2-rank study's roofline holds beyond a 1-rank one's (the tuner asks for it only then:
