@@ -255,8 +255,14 @@ def _preload_for(workload: Any, config: Any) -> None:
     from autotune.models.sources import import_model_module
     from autotune.trial.server import preload_libraries
 
-    import_model_module(workload.model, trust_remote_code=workload.trust_remote_code)
+    model = (workload.model, workload.trust_remote_code)
+    if model not in _IMPORTED_MODELS:  # reading its config again costs 10 ms, at every trace a plan starts
+        import_model_module(workload.model, trust_remote_code=workload.trust_remote_code)
+        _IMPORTED_MODELS.add(model)
     preload_libraries(config, adapters=may_hold_adapters(workload, config))
+
+
+_IMPORTED_MODELS: set[tuple[str, bool]] = set()
 
 
 def _answer(request: dict[str, Any], traces: _Traces) -> dict[str, Any]:
@@ -264,7 +270,6 @@ def _answer(request: dict[str, Any], traces: _Traces) -> dict[str, Any]:
     (plain Python over its figures: nothing of the traced state comes back but numbers)."""
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
-    from autotune.estimate.depth_proxy import extrapolate
     from autotune.estimate.measured_with import MeasuredWith
     from autotune.estimate.trace import estimate_from_trace
 
@@ -280,13 +285,32 @@ def _answer(request: dict[str, Any], traces: _Traces) -> dict[str, Any]:
             ahead = [TrialConfig.from_dict(c) for c in request.get("ahead", ())]
             two, four = traces.get_all([shallow, deeper], config, task, measured_with, ahead)
             like = estimate_from_trace(four, deeper, config)  # its allocator's reserve stands for the whole model's
-            estimate = estimate_from_trace(extrapolate(two, four, proxy["layers"]), workload, config, cuda_as=like)
+            estimate = estimate_from_trace(_line(two, four, proxy["layers"]), workload, config, cuda_as=like)
         # What this answer cost: a kept trace is not paid for again.
         return {"ok": dataclasses.replace(estimate, seconds=time.perf_counter() - started).to_dict()}
     except TraceFailed as exc:
         return {"error": str(exc)}
     except Exception as exc:  # the caller raises it as an EstimateError
         return {"error": one_line(exc)}
+
+
+# The lines drawn last through two kept traces, with the traces (held: no other step takes their ids). The configs a
+# plan asks for share traces (ZeRO's stages, compile and tf32 share a plain one): one line each.
+_LINES: collections.OrderedDict[tuple[int, int, int], tuple[Any, Any, Any]] = collections.OrderedDict()
+
+
+def _line(two: Any, four: Any, layers: int) -> Any:
+    """:func:`autotune.estimate.depth_proxy.extrapolate` of the traced steps ``two`` and ``four`` at ``layers``,
+    drawn once for each pair."""
+    from autotune.estimate.depth_proxy import extrapolate
+
+    key = (id(two), id(four), layers)
+    if key not in _LINES:
+        _LINES[key] = (two, four, extrapolate(two, four, layers))
+        if len(_LINES) > _KEPT_TRACES:
+            _LINES.popitem(last=False)
+    _LINES.move_to_end(key)
+    return _LINES[key][2]
 
 
 def _answer_all(request: dict[str, Any], traces: _Traces) -> list[dict[str, Any]]:
