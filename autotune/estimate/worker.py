@@ -100,9 +100,8 @@ class _Traces:
         ``ahead``: the configs the caller asks for next, in order. A core that is free of ``config``'s traces
         traces theirs (the deeper copy first, which takes longest), and those children run on while this request
         is answered and the next one asked: the cores are kept busy. Not where ``config`` is refused (its caller
-        may learn from its answer what it asks next). A config of
-        ``ahead`` that is the update twin of one traced (see :func:`autotune.levers.optimizer.update_twin`) is
-        made by that one's trace."""
+        may learn from its answer what it asks next). A config of ``ahead`` that is the update twin of one traced
+        (see :func:`autotune.levers.optimizer.update_twin`) is made by that one's trace."""
         keys = self._keys(workloads, config, task, measured_with)
         asked = sorted(
             zip(keys, workloads, [config] * len(keys), strict=True), key=lambda item: -workloads.index(item[1])
