@@ -155,11 +155,25 @@ def test_a_custom_factory_trains():
 
 
 def _sleepers() -> list[psutil.Process]:
-    return [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if (p.info["cmdline"] or [])[:2] == ["sleep", "317"] and started_here(p)
-    ]
+    """The factory's orphaned ``sleep`` processes alive 5 s after the trial (at most). A killed process dies when it
+    is next scheduled, and a loaded machine can list it a moment after the kill (a clean-clone CI run did); a
+    zombie is dead, waiting only for its reaper (init, which adopted it). One the trial left running lives
+    317 s."""
+    found = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[:2] == ["sleep", "317"]]
+    found = [p for p in found if started_here(p)]
+    deadline = time.monotonic() + 5.0
+    while True:
+        alive = [p for p in found if _alive(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_a_budget_too_small_is_an_oom_and_leaves_no_process():
