@@ -28,6 +28,14 @@ def started_here(process: psutil.Process, mark: str | None = None) -> bool:
     return found == mark if mark is not None else found in {RUN_MARK, os.environ.get(MARK_ENV)}
 
 
+def alive(process: psutil.Process) -> bool:
+    """Running and not a zombie (a killed child its reaper has not collected yet is gone for good)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def trial_processes() -> list[psutil.Process]:
     """This run's trials: in a new interpreter (their command line) or forked by a trial server (their name)."""
     return [

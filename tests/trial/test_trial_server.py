@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from processes import alive
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
@@ -100,20 +101,12 @@ def test_a_killed_server_takes_its_trial_along_and_the_next_trial_starts_a_new_o
     assert killed.is_set(), f"the hanging trial never showed up under the server: {hung.status.value}, {hung.error}"
     assert hung.status is TrialStatus.CRASHED, hung.error
     deadline = time.monotonic() + 10  # PR_SET_PDEATHSIG delivers the trial's SIGKILL
-    while any(_alive(p) for p in trials) and time.monotonic() < deadline:
+    while any(alive(p) for p in trials) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in trials)
+    assert not any(alive(p) for p in trials)
     after = _run(monkeypatch, "on")
     assert after.status is TrialStatus.OK, after.error
     assert [p.pid for p in _servers()] != [server.pid]
-
-
-def _alive(process: psutil.Process) -> bool:
-    """Running and not a zombie (a killed child its reaper has not collected yet is gone for good)."""
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_a_process_whose_parent_died_before_it_asked_to_die_with_it_exits_at_once():

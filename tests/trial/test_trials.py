@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from processes import started_here, trial_processes
+from processes import alive, started_here, trial_processes
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
@@ -163,17 +163,10 @@ def _sleepers() -> list[psutil.Process]:
     found = [p for p in found if started_here(p)]
     deadline = time.monotonic() + 5.0
     while True:
-        alive = [p for p in found if _alive(p)]
-        if not alive or time.monotonic() > deadline:
-            return alive
+        left = [p for p in found if alive(p)]
+        if not left or time.monotonic() > deadline:
+            return left
         time.sleep(0.05)
-
-
-def _alive(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_a_budget_too_small_is_an_oom_and_leaves_no_process():
