@@ -242,7 +242,7 @@ def _forked_for_twin(
     update instead of ``config``'s: the step returned there is the twin's, whose forwards and backwards are
     ``config``'s. The optimizer state both make is the same, and what the state's making leaves in its wake is
     freed before the step begins (the replay and the peaks leave it out)."""
-    twin = update_twin(config) if fork_update is not None and config.pp == 1 else None
+    twin = update_twin(config) if config.pp == 1 else None
     if twin is None or fork_update is None:
         return None
 

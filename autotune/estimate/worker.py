@@ -103,9 +103,7 @@ class _Traces:
         may learn from its answer what it asks next). A config of ``ahead`` that is the update twin of one traced
         (see :func:`autotune.levers.optimizer.update_twin`) is made by that one's trace."""
         keys = self._keys(workloads, config, task, measured_with)
-        asked = sorted(
-            zip(keys, workloads, [config] * len(keys), strict=True), key=lambda item: -workloads.index(item[1])
-        )
+        asked = self._deepest_first(workloads, config, task, measured_with)
         if config.pp > 1:  # its stages are traced together (see _trace_missing)
             self._trace_missing(asked, task, measured_with)
         else:
@@ -133,16 +131,21 @@ class _Traces:
             keys.append(self._key_of[asked])
         return keys
 
+    def _deepest_first(
+        self, workloads: list[Any], config: Any, task: str | None, measured_with: Any
+    ) -> list[tuple[str, Any, Any]]:
+        """``(key, workload, config)`` of ``config``'s trace on each workload, the last (the deepest copy, which
+        takes longest) first."""
+        keys = self._keys(workloads, config, task, measured_with)
+        return list(zip(keys, workloads, [config] * len(keys), strict=True))[::-1]
+
     def _later(
         self, workloads: list[Any], ahead: Sequence[Any], task: str | None, measured_with: Any
     ) -> Iterator[tuple[str, Any, Any]]:
         """The traces of ``ahead``'s configs, each config's deepest copy first, but for those of a config refused
         before it starts (made when asked for)."""
         for config in ahead:
-            keys = self._keys(workloads, config, task, measured_with)
-            items = sorted(
-                zip(keys, workloads, [config] * len(keys), strict=True), key=lambda item: -workloads.index(item[1])
-            )
+            items = self._deepest_first(workloads, config, task, measured_with)
             if not any(not self._done(key) and self._refused(key, workload, config) for key, workload, config in items):
                 yield from items
 
@@ -159,7 +162,7 @@ class _Traces:
         while True:
             missing = [item for item in asked if not self._done(item[0])]
             for item in missing:
-                if self._children.free and item[0] not in self._children:
+                if self._children.free:
                     self._start(item, wanted, task, measured_with)
             while self._children.free and (next_item := next(later, None)) is not None:
                 self._start(next_item, wanted, task, measured_with)
