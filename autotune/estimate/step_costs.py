@@ -250,14 +250,9 @@ class CostRecorder:
         if self._kernel is not None:
             self._kernel.add(inputs, outputs, mutates, flops, self._state)
             return
-        in_states = [
-            self._model_state(t) or storage in self._derived for t, storage in zip(inputs, in_storages, strict=True)
-        ]
+        in_states = [self._stored_state(t, storage) for t, storage in zip(inputs, in_storages, strict=True)]
         if kind != COLLECTIVE:
-            states = [
-                *in_states,
-                *(self._model_state(t) or s in self._derived for t, s in zip(outputs, out_storages, strict=True)),
-            ]
+            states = [*in_states, *map(self._stored_state, outputs, out_storages)]
             moved = [(_bytes_touched(tensor), state) for tensor, state in zip((*inputs, *outputs), states, strict=True)]
         else:  # a collective is timed by the whole buffer it gathers or scatters (its largest tensor)
             largest = max((*inputs, *outputs), key=_bytes_touched)
@@ -278,7 +273,11 @@ class CostRecorder:
 
     def _state(self, tensor: Any) -> bool:
         """A model state, or made from model states alone: moved whole whatever the micro batch."""
-        return self._model_state(tensor) or _storage(tensor) in self._derived
+        return self._stored_state(tensor, _storage(tensor))
+
+    def _stored_state(self, tensor: Any, storage: Any) -> bool:
+        """:meth:`_state` of ``tensor``, whose storage (:func:`_storage`) the caller has already."""
+        return self._model_state(tensor) or storage in self._derived
 
     def costs(
         self,
