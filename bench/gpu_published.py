@@ -489,18 +489,11 @@ _KF_LEFT_OUT = [
 ]
 
 
-def _kf_tp_left_out(tp: int, data: int) -> list[str]:
-    """KempnerForge's tensor-parallel plan against the rebuild's, with the weights the rebuild's whole LM head adds
-    at the peak: each rank's share of Llama-3's 128256 x ``hidden`` head beyond 1/tp of it, at 2 + 4 bytes of bf16
-    weight and AdamW state a data-parallel rank shares (``data``) and 4 of unsharded fp32 gradient it keeps."""
-    hidden = 8192 if tp * data == 32 else 4096  # S9's 70B, else Llama-3-8B
-    extra = 128_256 * hidden * (1 - 1 / tp) * (6 / data + 4) / GiB
-    return [
-        "KempnerForge's own Llama and tensor-parallel plan (SequenceParallel norms; its LM head ColwiseParallel, "
-        "split by vocabulary columns with the logits gathered whole, tensor_parallel.py:157-164) rebuilt as "
-        "Transformers' Llama with its tp_plan and --sequence-parallel on, whose LM head stays whole on each rank: "
-        f"{extra:.2f} GiB more weights, states and kept gradients here"
-    ]
+_KF_TP_LEFT_OUT = [
+    "KempnerForge's own Llama and tensor-parallel plan (SequenceParallel norms; its LM head ColwiseParallel, "
+    "split by vocabulary columns with the logits gathered whole, tensor_parallel.py:157-164) rebuilt as "
+    "Transformers' Llama with its tp_plan and --sequence-parallel on, whose LM head autotune splits the same way"
+]
 
 
 _MEGATRON_NOTE = (
@@ -515,8 +508,8 @@ _MEGATRON_TP_LEFT_OUT = [
     "width, depth and parameter count (GELU-gated MLP of 8h/3, RoPE, RMSNorm, attention dropout 0.1), since "
     "Transformers' GPT-2 has no tensor-parallel plan",
     "Megatron's tensor parallelism splits the vocabulary (VocabParallelEmbedding, vocab-parallel cross-entropy: "
-    "1/tp of the logits a rank); Transformers' tp_plan leaves the embedding and the LM head whole, so each rank "
-    "holds all the logits",
+    "1/tp of the logits a rank); autotune leaves the embedding whole and gathers the split LM head's logits, "
+    "so each rank holds all the logits",
     "Megatron's data-parallel copies beside the tensor-parallel groups (its DDP, replicated weights) dropped: "
     "autotune refuses DDP copies of tensor-parallel layers; each rank's model states are the same, "
     "less DDP's all-reduce buffers",
@@ -695,7 +688,7 @@ SHARDED_ROWS: list[Row] = [
         int(57.8 * GiB),
         '57.8 "GB" (allocated)',
         notes=[_KF_NOTE, _COMPILE_NOTE, _KF_TP_ONLY_NOTE, *_kf_rebuilt()],
-        left_out=_kf_tp_left_out(2, 1),
+        left_out=_KF_TP_LEFT_OUT,
         unit="GiB",
     ),
     Row(
@@ -706,7 +699,7 @@ SHARDED_ROWS: list[Row] = [
         int(39.4 * GiB),
         '39.4 "GB" (allocated)',
         notes=[_KF_NOTE, _COMPILE_NOTE, _KF_TP_ONLY_NOTE, *_kf_rebuilt()],
-        left_out=_kf_tp_left_out(4, 1),
+        left_out=_KF_TP_LEFT_OUT,
         unit="GiB",
     ),
     Row(
@@ -717,7 +710,7 @@ SHARDED_ROWS: list[Row] = [
         int(45.9 * GiB),
         '45.9 "GB" (allocated)',
         notes=[_KF_NOTE, _COMPILE_NOTE, *_kf_rebuilt()],
-        left_out=_kf_tp_left_out(2, 2),
+        left_out=_KF_TP_LEFT_OUT,
         unit="GiB",
     ),
     Row(
@@ -739,7 +732,7 @@ SHARDED_ROWS: list[Row] = [
         int(93.2 * GiB),
         '93.2 "GB" (allocated)',
         notes=[_KF_NOTE, _COMPILE_NOTE, *_kf_rebuilt()],
-        left_out=_kf_tp_left_out(4, 8),
+        left_out=_KF_TP_LEFT_OUT,
         unit="GiB",
     ),
     Row(

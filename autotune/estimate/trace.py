@@ -46,8 +46,8 @@ from autotune.estimate.patches import (
     adapters_stay_put,
     bnb_4bit_matmul_as_on_cuda,
     cuda_attention,
+    fake_kernels_as_real,
     fake_process_group,
-    grouped_mm_in_any_dtype,
     meshes_on_real_values,
     pipeline_shapes_given,
     sends_hold_their_tensors,
@@ -167,7 +167,7 @@ def trace_step(
     with _around_the_trace(workload, config, traced, target, sharded, pipeline_rank, measured_with, as_on_cuda) as mesh:
         # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
         # model code allocates without naming a device is born on the traced one (PEFT's adapters).
-        with FakeTensorMode(allow_non_fake_inputs=True), grouped_mm_in_any_dtype(), tracker, device:
+        with FakeTensorMode(allow_non_fake_inputs=True), fake_kernels_as_real(), tracker, device:
             with truncated_normal_without_resampling(), meshes_on_real_values():
                 engine = build_engine(
                     workload=_traced_workload(workload, config),

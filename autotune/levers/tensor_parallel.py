@@ -1,8 +1,9 @@
 """``--tp`` and ``--sequence-parallel``: each decoder layer's attention and MLP weights split over ``--tp`` ranks
-(the model's Transformers ``tp_plan``, applied with PyTorch's ``parallelize_module``), which all see the same
-micro batch; with sequence parallel, the norms' activations (and the residual stream between layers) split
-along the sequence too. Applied to the built model first of the splits (``autotune.prepare.tensor_parallel``),
-as torchtitan's ``parallelize`` applies TP before checkpointing, compile and FSDP.
+(the model's Transformers ``tp_plan``, applied with PyTorch's ``parallelize_module``), and the LM head by
+vocabulary rows with its logits gathered whole, which all see the same micro batch; with sequence parallel, the
+norms' activations (and the residual stream between layers) split along the sequence too. Applied to the built
+model first of the splits (``autotune.prepare.tensor_parallel``), as torchtitan's ``parallelize`` applies TP before
+checkpointing, compile and FSDP.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class TensorParallelFields:
         default=1,
         metadata={
             "help": "Tensor-parallel ranks: each decoder layer's attention and MLP weights split over this many "
-            "ranks (the model's Transformers tp_plan, applied with PyTorch's parallelize_module); they all see "
-            "the same micro batch. The other --nproc / (tp x pp) ranks are data parallel."
+            "ranks (the model's Transformers tp_plan, applied with PyTorch's parallelize_module), and the LM head "
+            "by vocabulary rows, its logits gathered whole; they all see the same micro batch. The other "
+            "--nproc / (tp x pp) ranks are data parallel."
         },
     )
     sequence_parallel: bool = field(
@@ -161,11 +163,10 @@ class TensorParallelLever(Lever):
         if config.tp == 1 or format_name in _TENSOR_PARALLEL_FORMATS:
             return None
         # Accelerate's ParallelismConfig (and the Trainer's, through it) loads the model with Transformers' own
-        # tp_plan="auto", which splits the head too: another layout than the trials', and GPU-only (it refuses
-        # a multi-CPU job).
+        # tp_plan="auto": a layout no trial here can run, as it refuses a multi-CPU job.
         why = (
-            "Accelerate's ParallelismConfig (the Trainer's too) splits the model by Transformers' own plan, head "
-            "included, which is not the layout measured"
+            "Accelerate's ParallelismConfig (the Trainer's too) splits the model by Transformers' own plan, which "
+            "no trial measured (it runs on GPUs only)"
             if format_name in ("hf", "accelerate")
             else f"{format_name}'s config has no tensor-parallel layout"
         )

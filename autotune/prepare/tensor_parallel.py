@@ -2,11 +2,15 @@
 
 The split is the model's own Transformers ``base_model_tp_plan`` (q/k/v and the MLP's up projections
 split by output columns, o_proj and down_proj by input rows: one all-reduce after attention and one
-after the MLP, Megatron's layout), applied with PyTorch's ``parallelize_module``. The embedding, the
-norms and the head stay whole on every rank. With sequence parallel, the norms and the residual stream
-between layers are split along the sequence instead (torchtitan's Llama plan): the two all-reduces
-become an all-gather before and a reduce-scatter after each block, and each rank holds 1/tp of those
-activations.
+after the MLP, Megatron's layout), applied with PyTorch's ``parallelize_module``. The LM head is split by
+vocabulary rows with its logits gathered whole, as Transformers' own ``_tp_plan`` for a causal LM
+(``colwise_gather_output``), torchtitan's Llama plan (``ColwiseParallel`` with ``Replicate`` logits without
+loss parallel) and KempnerForge's apply it: each rank keeps 1/tp of the head's weight, gradient and optimizer
+states, and the loss sees every logit. A head tied to the embedding, or whose vocabulary the ranks cannot split
+evenly, stays whole. The embedding and the norms stay whole on every rank. With sequence parallel, the norms
+and the residual stream between layers are split along the sequence instead (torchtitan's Llama plan): the two
+all-reduces become an all-gather before and a reduce-scatter after each block, and each rank holds 1/tp of
+those activations.
 
 Data parallel over the other ranks is FSDP2's, on the mesh's other dimension (2-D, as torchtitan
 builds it): see :func:`autotune.prepare.sharding.shard_model`.
@@ -31,11 +35,11 @@ _SP_BLOCKS = ("self_attn", "mlp")
 
 
 def tensor_parallel_plan(
-    model: torch.nn.Module, *, sequence_parallel: bool = False, plan: dict[str, str] | None = None
+    model: torch.nn.Module, ranks: int, *, sequence_parallel: bool = False, plan: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """The model's plan as PyTorch styles, keyed by module paths in ``model`` (``*`` for every layer).
-    ``plan``: Transformers' plan for a module that is not the model but holds its layers under the same
-    names (a pipeline stage's ``layers``)."""
+    """The model's plan over ``ranks`` as PyTorch styles, keyed by module paths in ``model`` (``*`` for every
+    layer). ``plan``: Transformers' plan for a module that is not the model but holds its layers under the same
+    names (a pipeline stage's ``layers``, and its head on the last stage)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -59,6 +63,12 @@ def tensor_parallel_plan(
             styles[base + pattern] = ColwiseParallel()
         else:
             styles[base + pattern] = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
+    head = _head_name(model)
+    split_head = head is not None and _splits(model, head, ranks)
+    if split_head:  # the logits come back whole on every rank; with sequence parallel it gathers its input first
+        styles[str(head)] = ColwiseParallel(
+            input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Replicate()
+        )
     if not sequence_parallel:
         return styles
     names = {name for name, _ in model.named_modules()}
@@ -79,8 +89,7 @@ def tensor_parallel_plan(
     for block in _SP_BLOCKS:
         styles[f"{base}{layer}.*.{block}"] = _hidden_states_to("whole")
     styles[f"{base}norm"] = SequenceParallel(use_local_output=True)
-    head = _head_name(model)
-    if head is not None:  # the head (whole on every rank) reads the whole sequence
+    if head is not None and not split_head:  # a whole head reads the whole sequence
         styles[head] = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
         )
@@ -94,7 +103,7 @@ def tensor_parallel(
     ``plan``: see :func:`tensor_parallel_plan`."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    styles = tensor_parallel_plan(model, sequence_parallel=config.sequence_parallel, plan=plan)
+    styles = tensor_parallel_plan(model, config.tp, sequence_parallel=config.sequence_parallel, plan=plan)
     parallelize_module(model, mesh, styles)
     return model
 
@@ -151,8 +160,22 @@ def _base_prefix(model: torch.nn.Module) -> str:
 
 
 def _head_name(model: torch.nn.Module) -> str | None:
+    """The LM head's path in ``model``: a Transformers model's output embeddings, a pipeline stage's ``lm_head``."""
     getter = getattr(model, "get_output_embeddings", None)
-    embeddings = getter() if callable(getter) else None
+    embeddings = getter() if callable(getter) else getattr(model, "lm_head", None)
     if embeddings is None:
         return None
     return next((name for name, module in model.named_modules() if module is embeddings), None)
+
+
+def _splits(model: torch.nn.Module, head: str, ranks: int) -> bool:
+    """Whether the head at ``head`` is split by vocabulary rows: a Linear of its own weight (a tied one is the
+    embedding's, which stays whole), whose rows ``ranks`` divide evenly."""
+    import torch
+
+    module = model.get_submodule(head)
+    if not isinstance(module, torch.nn.Linear) or module.out_features % ranks:
+        return False
+    getter = getattr(model, "get_input_embeddings", None)
+    embedding = getter() if callable(getter) else None
+    return embedding is None or getattr(embedding, "weight", None) is not module.weight

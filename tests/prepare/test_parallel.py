@@ -42,12 +42,14 @@ _JOB = textwrap.dedent("""
         split = autotune.prepare(copy.deepcopy(model), **knobs)
         loss = split(input_ids=ids, labels=ids).loss
         loss.backward()
-        weight = split.model.layers[0].mlp.down_proj.weight
+        weight, head = split.model.layers[0].mlp.down_proj.weight, split.lm_head.weight
         found[name] = {
             "kind": type(weight).__name__,
             "local": list(weight.to_local().shape),
+            "head local": list(head.to_local().shape),
             "loss": loss.item(),
             "grad": (weight.grad.full_tensor() - first).abs().max().item(),
+            "head grad": (head.grad.full_tensor() - last).abs().max().item(),
         }
 
     workload = Workload(model="builtin:llama-tiny", seq_len=16, global_batch=4, nproc=2)
@@ -77,8 +79,10 @@ def test_split_models_compute_the_whole_models_loss_and_gradients_under_torchrun
         for name in ("tp", "tp+sp"):
             assert found[name]["kind"] == "DTensor"
             assert found[name]["local"] == [64, 64]  # down_proj's 128 inputs split over 2 ranks
+            assert found[name]["head local"] == [128, 64]  # the head's 256 vocabulary rows split over 2 ranks
             assert found[name]["loss"] == pytest.approx(reference, rel=1e-5), (rank, name)
             assert found[name]["grad"] < 1e-5, (rank, name)
+            assert found[name]["head grad"] < 1e-5, (rank, name)
         for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
             # Two stages of two layers each, or (interleaved) four stages of one, two on each rank.
             assert found[schedule]["layers"] == ([1, 1] if schedule == "interleaved-1f1b" else [2])

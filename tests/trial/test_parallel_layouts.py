@@ -22,8 +22,8 @@ def layers_model():
     return str(Path(__file__).parents[2] / "bench" / "data" / "llama-layers.json")
 
 
-def _trial(model: str, nproc: int, **knobs):
-    workload = Workload(model=model, seq_len=32, global_batch=4, nproc=nproc, device="cpu")
+def _trial(model: str, nproc: int, *, seq_len: int = 32, **knobs):
+    workload = Workload(model=model, seq_len=seq_len, global_batch=4, nproc=nproc, device="cpu")
     config = TrialConfig(**{"micro_batch": 1, **knobs})
     return workload, config, run_trial(workload, config, warmup_steps=1, measure_steps=2, timeout_s=300)
 
@@ -88,3 +88,16 @@ def test_a_tied_embedding_stays_one_weight_on_each_tensor_parallel_rank(layers_m
     assert result.status.value == "ok", result.error
     assert result.total_params < untied.total_params  # the head is the embedding: counted once
     assert predict_memory(workload, config).predicted_peak_bytes == pytest.approx(result.peak_memory_bytes, rel=0.05)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.slow
+def test_a_split_head_and_its_gathered_logits_are_predicted_to_the_byte(sequence_parallel):
+    # A 32,000-word head split over 2 ranks: each holds half its weight and gathers the logits whole. The trace
+    # once counted the gather's wait as a second copy of the logits (+8.2 MB here, 5% of the peak).
+    workload, config, result = _trial(
+        "builtin:llama-tiny-32k", 2, seq_len=64, micro_batch=2, tp=2, sequence_parallel=sequence_parallel, loss="plain"
+    )
+    assert result.status.value == "ok", result.error
+    predicted = predict_memory(workload, config).predicted_peak_bytes
+    assert predicted == pytest.approx(result.peak_memory_bytes, abs=1024), (predicted, result.peak_memory_bytes)
