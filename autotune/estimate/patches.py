@@ -13,6 +13,7 @@ import collections
 import contextlib
 import importlib.util
 import sys
+import types
 from typing import Any, Iterator
 
 from autotune.config.gpus import GpuSpec
@@ -20,6 +21,7 @@ from autotune.estimate.results import EstimateError
 
 __all__ = [
     "adapters_stay_put",
+    "bnb_4bit_gemm_unfused",
     "bnb_4bit_matmul_as_on_cuda",
     "cuda_attention",
     "fake_kernels_as_real",
@@ -80,7 +82,8 @@ def bnb_4bit_matmul_as_on_cuda() -> Iterator[None]:
     first sets the weight's dequantized type to the input's (``quant_state.dtype = A.dtype``); on CUDA a
     training input goes to ``MatMul4Bit`` as it is, which dequantizes to the type the weight was quantized
     from and casts that copy to the input's: two copies of the weight where the types differ (a base
-    quantized from float16 under bf16 compute, as Lightning's plugin quantizes it).
+    quantized from float16 under bf16 compute, as Lightning's plugin quantizes it). In 0.50 only its backward
+    does: its forward's ``gemm_4bit`` dequantizes to the input's type (see :func:`bnb_4bit_gemm_unfused`).
 
     Written for bitsandbytes 0.50.2 (pyproject: >=0.48, its CPU backend; 0.49's CPU path retyped the weight).
     """
@@ -97,6 +100,42 @@ def bnb_4bit_matmul_as_on_cuda() -> Iterator[None]:
         yield
     finally:
         bitsandbytes.matmul_4bit = on_cpu
+
+
+@contextlib.contextmanager
+def bnb_4bit_gemm_unfused() -> Iterator[None]:
+    """Within a trace, bitsandbytes' 4-bit matmul runs as the training step runs it: the weight dequantized
+    to the input's type, then a matmul, each an operator the trace counts.
+
+    Since 0.50 ``MatMul4Bit.forward`` (and ``matmul_4bit`` without a gradient) calls one custom operator,
+    ``bitsandbytes::gemm_4bit`` (autograd/_functions.py). On fake tensors its registered fake kernel
+    (_ops.py) only makes the output: the trace saw one operator of no FLOPs, not a matmul, and no weight
+    copy. The real one, past 1,536 rows on CUDA (a training micro step's tokens), dequantizes and calls
+    ``F.linear`` (backends/cuda/ops.py, ``_dequant_linear_fallback``), as its default kernel does on the CPU
+    (backends/default/ops.py, ``_gemm_4bit_default_impl``), which runs here in its place. Below that, CUDA
+    may pick its fused kernel where calibrated faster: the same FLOPs, less traffic.
+
+    Written for bitsandbytes 0.50.2 (pyproject: >=0.48); a release without the operator: left alone.
+    """
+    import torch
+
+    try:
+        import bitsandbytes  # noqa: F401 - registers the bitsandbytes operators
+        from bitsandbytes.backends.default.ops import _gemm_4bit_default_impl
+    except ImportError:
+        yield
+        return
+    namespace = torch.ops.bitsandbytes
+    if not hasattr(namespace, "gemm_4bit"):
+        yield
+        return
+    # The namespace caches each operator it has resolved as an attribute, which bitsandbytes' calls read.
+    fused = namespace.gemm_4bit
+    namespace.gemm_4bit = types.SimpleNamespace(default=_gemm_4bit_default_impl)  # type: ignore[attr-defined]  # patched inside
+    try:
+        yield
+    finally:
+        namespace.gemm_4bit = fused  # type: ignore[attr-defined]  # restored
 
 
 @contextlib.contextmanager

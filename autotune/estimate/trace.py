@@ -44,6 +44,7 @@ from autotune.estimate.fake_step import fake_steps, run_as_on_target, step_as_up
 from autotune.estimate.measured_with import AS_INSTALLED, MeasuredWith
 from autotune.estimate.patches import (
     adapters_stay_put,
+    bnb_4bit_gemm_unfused,
     bnb_4bit_matmul_as_on_cuda,
     cuda_attention,
     fake_kernels_as_real,
@@ -221,6 +222,8 @@ def _around_the_trace(
         warnings.catch_warnings(),
         adapters_stay_put(traced, adapters=may_hold_adapters(workload, config)),
         unpacked_batches(),
+        # Whichever the device: a 4-bit base multiplies as matmuls, and its dequantized weight is a temporary.
+        bnb_4bit_gemm_unfused() if config.quantize_base == "nf4" else contextlib.nullcontext(),
         as_on_cuda,
         _process_group(config, workload, traced, target=target, sharded=sharded, pipeline_rank=pipeline_rank) as mesh,
         # The pipeline patches reach into torch's private schedules: entered only for a pipeline's trace.
