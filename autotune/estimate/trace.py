@@ -166,10 +166,12 @@ def trace_step(
     tracker.sees_dtensors = sharded
     ranks = _traced_ranks(workload, config)
     with _around_the_trace(workload, config, traced, target, sharded, pipeline_rank, measured_with, as_on_cuda) as mesh:
-        # Model code treats fake tensors as tracing: no data-dependent check runs. Whatever the
-        # model code allocates without naming a device is born on the traced one (PEFT's adapters).
-        with FakeTensorMode(allow_non_fake_inputs=True), fake_kernels_as_real(), tracker, device:
-            with truncated_normal_without_resampling(), meshes_on_real_values():
+        # Model code treats fake tensors as tracing: no data-dependent check runs.
+        with FakeTensorMode(allow_non_fake_inputs=True), fake_kernels_as_real(), tracker:
+            # What the build allocates without naming a device is born on the traced one (PEFT's adapters), as
+            # the trial builds on its device. The step runs without: what it makes without a device is on the host,
+            # as in the trial (foreach AdamW's step counts). The device's context would also cost every call.
+            with device, truncated_normal_without_resampling(), meshes_on_real_values():
                 engine = build_engine(
                     workload=_traced_workload(workload, config),
                     config=plain,
@@ -178,9 +180,9 @@ def trace_step(
                     world_size=ranks,
                     mesh=mesh,
                 )
-            # The plain config: ZeRO is arithmetic on it, never DeepSpeed.
-            assert isinstance(engine, (TorchEngine, PipelineEngine))
-            run_as_on_target(engine, tracker, config, target=target, traced=traced, measured_with=measured_with)
+                # The plain config: ZeRO is arithmetic on it, never DeepSpeed.
+                assert isinstance(engine, (TorchEngine, PipelineEngine))
+                run_as_on_target(engine, tracker, config, target=target, traced=traced, measured_with=measured_with)
             whole, flops_per_sample, step_costs = fake_steps(
                 engine,
                 tracker,
