@@ -11,8 +11,9 @@ def start_trial_server(*, estimate: bool = False) -> None:
     with ``estimate``, the estimate server's too (the tuner's device probe waits for both)."""
     from autotune.trial.runner import start_trial_server as start
 
-    start()
     if estimate:
-        from autotune.estimate.client import start_estimate_server
+        from autotune.estimate.client import estimate_server_process
 
-        start_estimate_server()
+        start(sibling=estimate_server_process())  # forked from the trial server: one import for the two
+    else:
+        start()

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from autotune.config.workload import Workload
 
 __all__ = [
+    "estimate_server_process",
     "predict_memory",
     "predict_memories",
     "probe_in_estimate_server",
@@ -140,6 +141,10 @@ class _EstimateServer:
         with self._lock:
             self._server.start()
 
+    @property
+    def process(self) -> ServerProcess:
+        return self._server
+
     def wait_if_starting(self) -> None:
         """Wait until a server started already has imported everything (a server that died is left for
         the next estimate to find out); nothing where none was started."""
@@ -161,6 +166,12 @@ def start_estimate_server() -> None:
     the first estimate's request waits in its pipe until it reads it. Not beside trials or the device
     probe: its imports would take a core their free cores are read from (:func:`wait_for_estimate_server`)."""
     _SERVER.start()
+
+
+def estimate_server_process() -> ServerProcess:
+    """The handle on this process's estimate server, for the trial server to fork it beside its own start
+    (:func:`autotune.trial.runner.start_trial_server`): one import of the libraries for the two."""
+    return _SERVER.process
 
 
 def probe_in_estimate_server(device_type: str, what: str, *, timeout_s: float) -> Any:

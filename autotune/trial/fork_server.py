@@ -3,26 +3,37 @@
 (:mod:`autotune.estimate.worker`, which forks traces) are each a :func:`serve` with their own answers, and
 their callers (the trial runner, the estimate client) each hold a :class:`ServerProcess`.
 
-Protocol: one JSON line per message each way. The server says ``{"ready": 1}`` once its imports are done (what
-reads a machine's free cores waits for it), then answers each request line with one or more reply lines of its
-own kinds. A server dies with the process that started it (``python -m`` runs it under
+Protocol: one JSON line per message each way. The server says ``{"ready": 1, "pid": ...}`` once its imports are
+done (what reads a machine's free cores waits for it), then answers each request line with one or more reply lines
+of its own kinds. A server dies with the process that started it (``python -m`` runs it under
 :func:`autotune.trial.lifeline.die_with_parent`), and takes what it forked along.
+
+The two servers import the same libraries (PyTorch, Transformers: seconds of CPU each). Started together
+(``ServerProcess.start(sibling=...)``), the second is forked from the first once its imports are done instead of
+importing them again: it runs in a session of its own, handed to the caller (a subreaper) as its child, and dies
+with the caller as the first does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import select
 import signal
 import subprocess
 import sys
-from typing import Any, Callable
+import time
+from typing import IO, Any, Callable
+
+from autotune.trial.lifeline import become_subreaper, die_with_parent
 
 __all__ = ["serve", "ServerProcess", "ServerGone", "Reply"]
 
 Reply = Callable[[dict[str, Any]], None]  # writes one reply line
+# Set for a server that forks a sibling once its imports are done: "MODULE REQUESTS_FD REPLIES_FD CALLER_PID".
+_SIBLING_ENV = "AUTOTUNE_FORK_SIBLING"
 
 
 def serve(imports: Callable[[], None], answer: Callable[[dict[str, Any], Reply], None]) -> None:
@@ -32,6 +43,9 @@ def serve(imports: Callable[[], None], answer: Callable[[dict[str, Any], Reply],
     # imports call, then asks NVML instead of initialising the CUDA driver.
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     imports()
+    sibling = os.environ.pop(_SIBLING_ENV, None)
+    if sibling:
+        _fork_sibling(*sibling.split())
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # stray prints (a model's code, a library's) must not land in the replies
 
@@ -39,10 +53,40 @@ def serve(imports: Callable[[], None], answer: Callable[[dict[str, Any], Reply],
         replies.write(json.dumps(message) + "\n")
         replies.flush()
 
-    reply({"ready": 1})
+    reply({"ready": 1, "pid": os.getpid()})
     for line in sys.stdin:
         if line.strip():
             answer(json.loads(line), reply)
+
+
+def _fork_sibling(module: str, requests: str, replies: str, caller: str) -> None:
+    """Fork the server of ``module`` on the pipes ``requests`` and ``replies`` (file descriptors), with this one's
+    imports. Forked twice, so that it is no child of this server (whose waits for its own children it would
+    disturb): the caller, a subreaper, becomes its parent, and it dies with the caller."""
+    middle = os.fork()
+    if middle:
+        os.waitpid(middle, 0)
+        os.close(int(requests))
+        os.close(int(replies))
+        return
+    if os.fork():
+        os._exit(0)
+    code = 1
+    try:
+        os.setsid()  # killed with what it forks as its own group, and not with this server's
+        deadline = time.monotonic() + 5.0
+        while os.getppid() != int(caller) and time.monotonic() < deadline:
+            time.sleep(0.001)  # the middle process is exiting: then the caller adopts this one
+        die_with_parent(int(caller))
+        os.dup2(int(requests), 0)
+        os.dup2(int(replies), 1)
+        os.close(int(requests))
+        os.close(int(replies))
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own stdin, read to its end
+        importlib.import_module(module).serve()
+        code = 0
+    finally:
+        os._exit(code)
 
 
 class ServerGone(RuntimeError):
@@ -58,22 +102,42 @@ class ServerProcess:
     def __init__(self, module: str, env: Callable[[], dict[str, str]] | None = None) -> None:
         self.module = module
         self._env = env  # the server's environment, made at each start (None: the caller's)
-        self._process: subprocess.Popen[str] | None = None
+        self._process: subprocess.Popen[str] | _Forked | None = None
         self._ready = False  # it said it has imported everything
 
-    def start(self) -> None:
-        """Start the server now, if it is not running, without waiting for its imports."""
-        if self._process is None or self._process.poll() is not None:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", self.module],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-                start_new_session=True,
-                env=None if self._env is None else self._env(),
-            )
-            self._ready = False
+    def start(self, sibling: ServerProcess | None = None) -> None:
+        """Start the server now, if it is not running, without waiting for its imports; and ``sibling``, if it is
+        not running, forked from this one once its imports are done (started on its own where that cannot be)."""
+        if self._process is not None and self._process.poll() is None:
+            if sibling is not None:
+                sibling.start()
+            return
+        env = None if self._env is None else self._env()
+        pipes: tuple[int, int, int, int] | None = None
+        if sibling is not None and not sibling.started and become_subreaper():
+            requests, replies = os.pipe(), os.pipe()
+            pipes = (requests[0], replies[1], requests[1], replies[0])
+            fork = f"{sibling.module} {requests[0]} {replies[1]} {os.getpid()}"
+            env = {**(os.environ if env is None else env), _SIBLING_ENV: fork}
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", self.module],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+            env=env,
+            pass_fds=pipes[:2] if pipes is not None else (),
+        )
+        self._ready = False
+        if pipes is not None:
+            assert sibling is not None
+            os.close(pipes[0])
+            os.close(pipes[1])
+            sibling._process = _Forked(os.fdopen(pipes[2], "w"), os.fdopen(pipes[3], "r"))
+            sibling._ready = False
+        elif sibling is not None:
+            sibling.start()
 
     @property
     def started(self) -> bool:
@@ -84,7 +148,9 @@ class ServerProcess:
         """Start the server if needed and wait for its ready line (TimeoutError, or ServerGone once closed)."""
         self.start()
         if not self._ready:
-            self.reply(self.START_TIMEOUT_S if timeout_s is None else timeout_s)
+            ready = self.reply(self.START_TIMEOUT_S if timeout_s is None else timeout_s)
+            if isinstance(self._process, _Forked):
+                self._process.pid = int(ready["pid"])
             self._ready = True
 
     def send(self, request: dict[str, Any]) -> None:
@@ -112,9 +178,42 @@ class ServerProcess:
     def close(self) -> None:
         """Kill the server and everything it forked (its session's process group), and reap it."""
         if self._process is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._process.pid, signal.SIGKILL)
+            if self._process.pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self._process.pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 self._process.kill()
             self._process.wait()
             self._process = None
+
+
+class _Forked:
+    """The caller's side of a server forked from another (``ServerProcess.start``'s sibling): what a
+    ``subprocess.Popen`` offers the handle, with the pid the server says in its ready line, and its
+    caller's child to wait for (a subreaper adopts it). Until it has said its pid, closing only closes its
+    pipes: it reads the end of its requests and exits."""
+
+    def __init__(self, stdin: IO[str], stdout: IO[str]) -> None:
+        self.stdin, self.stdout = stdin, stdout
+        self.pid: int | None = None
+
+    def poll(self) -> int | None:
+        if self.pid is None:
+            return None
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already, or not adopted: gone either way
+            return -1
+        return os.waitstatus_to_exitcode(status) if pid else None
+
+    def kill(self) -> None:
+        if self.pid is not None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self) -> None:
+        for pipe in (self.stdin, self.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
+        if self.pid is not None:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, 0)

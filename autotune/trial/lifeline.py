@@ -13,12 +13,20 @@ import runpy
 import signal
 import sys
 
-__all__ = ["die_with_parent", "name_process", "expected_parent", "PARENT_PID_ENV", "TRIAL_PROCESS_NAME"]
+__all__ = [
+    "die_with_parent",
+    "become_subreaper",
+    "name_process",
+    "expected_parent",
+    "PARENT_PID_ENV",
+    "TRIAL_PROCESS_NAME",
+]
 
 PARENT_PID_ENV = "AUTOTUNE_PARENT_PID"
 TRIAL_PROCESS_NAME = "autotune-trial"  # what a trial forked by the trial server is called in ps
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def die_with_parent(expected_parent: int | None = None) -> None:
@@ -32,6 +40,17 @@ def die_with_parent(expected_parent: int | None = None) -> None:
         return
     if os.getppid() != parent:  # it died before the request took effect
         os._exit(1)
+
+
+def become_subreaper() -> bool:
+    """Make this process the one its orphaned descendants are handed to (and reaped by), not init: whether it
+    now is (Linux only; elsewhere False)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return int(ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def name_process(name: str) -> None:
