@@ -1,8 +1,11 @@
 """The fork servers' shared start: a server started with a sibling forks it once its imports are done, so the two
-import the libraries once; the sibling answers as if started on its own, is the caller's child, and dies with it."""
+import the libraries once; the sibling answers as if started on its own, is its caller's child, and dies with it.
+
+The callers here are processes of their own: a caller becomes a subreaper, which the test process must not."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.trial.fork_server import ServerProcess
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a subreaper and /proc are Linux's")
 
 # A server whose imports write this process's pid to a file once: the stand-in for torch and Transformers.
 _HEAVY = "import os, pathlib\npathlib.Path(os.environ['IMPORTED']).open('a').write(f'{os.getpid()}\\n')\n"
@@ -30,82 +33,90 @@ _ECHO = textwrap.dedent("""
     if __name__ == "__main__":
         serve()
 """)
+# The caller: starts the two together, asks each, prints what it saw, then does what stdin says.
+_CALLER = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    from autotune.trial.fork_server import ServerProcess
+
+    def parent(pid):
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    def ask(server, n):
+        server.send({"n": n})
+        server.wait_ready(60)
+        return server.reply(60)
+
+    first, second = ServerProcess("echo_server"), ServerProcess("echo_server")
+    first.start(sibling=second)
+    one, two = ask(first, 1), ask(second, 2)
+    seen = {"echo": [one["echo"], two["echo"]], "pids": [one["pid"], two["pid"]], "me": os.getpid(),
+            "sibling's parent": parent(two["pid"])}
+    print(json.dumps(seen), flush=True)
+    if sys.stdin.readline().strip() == "close":
+        first.close()  # the sibling is in a session of its own: it outlives the first
+        seen = {"after the first closed": ask(second, 3)["echo"]}
+        second.close()
+        try:
+            os.waitpid(two["pid"], os.WNOHANG)
+            seen["reaped"] = False
+        except ChildProcessError:
+            seen["reaped"] = True
+        print(json.dumps(seen), flush=True)
+    sys.stdin.read()
+""")
 
 
 @pytest.fixture
-def servers(tmp_path: Path):
+def caller(tmp_path: Path):
     (tmp_path / "heavy.py").write_text(_HEAVY)
     (tmp_path / "echo_server.py").write_text(_ECHO)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]), IMPORTED=str(tmp_path / "imported"))
-    first = ServerProcess("echo_server", env=lambda: env)
-    second = ServerProcess("echo_server")
-    yield first, second, tmp_path / "imported"
-    first.close()
-    second.close()
-
-
-def _ask(server: ServerProcess, n: int) -> dict:
-    server.send({"n": n})
-    server.wait_ready(60)
-    return server.reply(60)
-
-
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a subreaper and /proc are Linux's")
-def test_a_sibling_is_forked_after_the_imports_and_answers_as_the_callers_child(servers):
-    first, second, imported = servers
-    first.start(sibling=second)
-    one, two = _ask(first, 1), _ask(second, 2)
-    assert (one["echo"], two["echo"]) == (1, 2)
-    assert one["pid"] != two["pid"]
-    assert imported.read_text().split() == [str(one["pid"])]  # the sibling imported nothing again
-    assert _parent(two["pid"]) == os.getpid()  # adopted: reaped here, and it dies with this process
-    first.close()  # the sibling is in a session of its own: it outlives the first
-    assert _ask(second, 3)["echo"] == 3
-    second.close()
-    with pytest.raises(ChildProcessError):
-        os.waitpid(two["pid"], os.WNOHANG)  # reaped by close(): no zombie left
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a subreaper and /proc are Linux's")
-def test_a_sibling_dies_with_its_caller_killed_with_sigkill(tmp_path, servers):
-    _, _, imported = servers
-    caller = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent("""
-                import os, sys
-                from autotune.trial.fork_server import ServerProcess
-                first, second = ServerProcess("echo_server"), ServerProcess("echo_server")
-                first.start(sibling=second)
-                for server in (first, second):
-                    server.send({"n": 0})
-                    server.wait_ready(60)
-                    print(server.reply(60)["pid"], flush=True)
-                sys.stdin.read()
-            """),
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(imported.parent), *sys.path]), IMPORTED=str(imported)),
+    process = subprocess.Popen(
+        [sys.executable, "-c", _CALLER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
     )
-    assert caller.stdout is not None
-    pids = [int(caller.stdout.readline()) for _ in range(2)]
-    caller.send_signal(signal.SIGKILL)
-    caller.wait()
+    yield process, tmp_path / "imported"
+    process.kill()
+    process.wait()
+
+
+def _read(process: subprocess.Popen) -> dict:
+    assert process.stdout is not None
+    return json.loads(process.stdout.readline())
+
+
+def _say(process: subprocess.Popen, line: str) -> None:
+    assert process.stdin is not None
+    process.stdin.write(line + "\n")
+    process.stdin.flush()
+
+
+def test_a_sibling_is_forked_after_the_imports_and_answers_as_its_callers_child(caller):
+    process, imported = caller
+    seen = _read(process)
+    assert seen["echo"] == [1, 2]
+    first, sibling = seen["pids"]
+    assert first != sibling
+    assert imported.read_text().split() == [str(first)]  # the sibling imported nothing again
+    assert seen["sibling's parent"] == seen["me"]  # adopted: reaped by its caller, and it dies with it
+    _say(process, "close")
+    assert _read(process) == {"after the first closed": 3, "reaped": True}
+
+
+def test_a_sibling_dies_with_its_caller_killed_with_sigkill(caller):
+    process, _ = caller
+    pids = _read(process)["pids"]
+    process.send_signal(signal.SIGKILL)
+    process.wait()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in pids):
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
         time.sleep(0.05)
-    assert all(not Path(f"/proc/{pid}").exists() or _state(pid) == "Z" for pid in pids), pids
+    assert not any(_alive(pid) for pid in pids), pids
 
 
-def _state(pid: int) -> str:
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a parent that does not reap (PID 1 of a container may not)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
-        return "gone"
+        return False
