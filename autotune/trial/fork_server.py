@@ -104,6 +104,7 @@ class ServerProcess:
         self._env = env  # the server's environment, made at each start (None: the caller's)
         self._process: subprocess.Popen[str] | _Forked | None = None
         self._ready = False  # it said it has imported everything
+        self._unread = b""  # what it wrote past the last reply read
 
     def start(self, sibling: ServerProcess | None = None) -> None:
         """Start the server now, if it is not running, without waiting for its imports; and ``sibling``, if it is
@@ -119,6 +120,7 @@ class ServerProcess:
             pipes = (requests[0], replies[1], requests[1], replies[0])
             fork = f"{sibling.module} {requests[0]} {replies[1]} {os.getpid()}"
             env = {**(os.environ if env is None else env), _SIBLING_ENV: fork}
+        self._unread = b""
         self._process = subprocess.Popen(
             [sys.executable, "-m", self.module],
             stdin=subprocess.PIPE,
@@ -135,7 +137,7 @@ class ServerProcess:
             os.close(pipes[0])
             os.close(pipes[1])
             sibling._process = _Forked(os.fdopen(pipes[2], "w"), os.fdopen(pipes[3], "r"))
-            sibling._ready = False
+            sibling._ready, sibling._unread = False, b""
         elif sibling is not None:
             sibling.start()
 
@@ -165,13 +167,19 @@ class ServerProcess:
         """The server's next reply line: TimeoutError where none came in ``timeout_s`` (the server is left as it
         is); ServerGone where it exited (closed here)."""
         assert self._process is not None and self._process.stdout is not None
-        ready, _, _ = select.select([self._process.stdout], [], [], max(timeout_s, 0.0))
-        if not ready:
-            raise TimeoutError(f"no reply from {self.module} in {timeout_s:g} s")
-        line = self._process.stdout.readline()
-        if not line:
-            self.close()
-            raise ServerGone(f"{self.module} exited")
+        # Read here, not through the file object: its buffer could hold a second line that select() would not see.
+        pipe = self._process.stdout.fileno()
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        while b"\n" not in self._unread:
+            ready, _, _ = select.select([pipe], [], [], max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                raise TimeoutError(f"no reply from {self.module} in {timeout_s:g} s")
+            chunk = os.read(pipe, 1 << 16)
+            if not chunk:
+                self.close()
+                raise ServerGone(f"{self.module} exited")
+            self._unread += chunk
+        line, _, self._unread = self._unread.partition(b"\n")
         reply: dict[str, Any] = json.loads(line)
         return reply
 

@@ -49,9 +49,10 @@ _CALLER = textwrap.dedent("""
 
     first, second = ServerProcess("echo_server"), ServerProcess("echo_server")
     first.start(sibling=second)
-    one, two = ask(first, 1), ask(second, 2)
-    seen = {"echo": [one["echo"], two["echo"]], "pids": [one["pid"], two["pid"]], "me": os.getpid(),
-            "sibling's parent": parent(two["pid"])}
+    second.send({"n": 2})  # two requests before a reply is read: its replies arrive together
+    one, two = ask(first, 1), ask(second, 22)
+    seen = {"echo": [one["echo"], two["echo"], second.reply(60)["echo"]], "pids": [one["pid"], two["pid"]],
+            "me": os.getpid(), "sibling's parent": parent(two["pid"])}
     print(json.dumps(seen), flush=True)
     if sys.stdin.readline().strip() == "close":
         first.close()  # the sibling is in a session of its own: it outlives the first
@@ -94,7 +95,7 @@ def _say(process: subprocess.Popen, line: str) -> None:
 def test_a_sibling_is_forked_after_the_imports_and_answers_as_its_callers_child(caller):
     process, imported = caller
     seen = _read(process)
-    assert seen["echo"] == [1, 2]
+    assert seen["echo"] == [1, 2, 22]  # each reply read, in order, however the pipe delivered them
     first, sibling = seen["pids"]
     assert first != sibling
     assert imported.read_text().split() == [str(first)]  # the sibling imported nothing again
