@@ -176,23 +176,37 @@ def card_profile(card: GpuSpec) -> DeviceProfile:
 
 def profile_for(workload: Workload, device_type: str | None) -> DeviceProfile | None:
     """The roofline ``workload``'s step is timed on: its named card's (``--gpu``), else the device of
-    ``device_type`` here, probed now; None without either (or when the probe fails)."""
+    ``device_type`` here, probed on the first call of this process; None without either (or when the probe
+    fails)."""
     if workload.gpu is not None:
         from autotune.config.gpus import gpu_spec
 
         return card_profile(gpu_spec(workload.gpu))
     if device_type is None:
         return None
+    between_ranks = workload.nproc > 1  # one rank communicates nothing
+    probed = _PROBED.get((device_type, between_ranks)) or _probe(device_type, between_ranks)
+    if probed:
+        _PROBED[device_type, between_ranks] = probed
+    return DeviceProfile.from_dict(probed) if probed else None
+
+
+# What the device probe measured, per device and whether ranks communicate: once per process, so that the
+# estimates of one caller are timed on one roofline (and a caller asking many, as bench/gpu_check.py does in one
+# process, does not spend seconds of every estimate probing again).
+_PROBED: dict[tuple[str, bool], dict[str, Any]] = {}
+
+
+def _probe(device_type: str, between_ranks: bool) -> dict[str, Any] | None:
     from autotune.estimate.client import probe_in_estimate_server
     from autotune.trial.device_probe import PROBE_TIMEOUT_S, probe_profile, profile_request
 
-    between_ranks = workload.nproc > 1  # one rank communicates nothing
     # Forked from the estimate server the estimates come from (no interpreter of its own to start), once its
     # imports are done: the probe computes on the cores free when it starts.
     probed = probe_in_estimate_server(device_type, profile_request(between_ranks), timeout_s=PROBE_TIMEOUT_S)
     if not isinstance(probed, dict):
         probed = probe_profile(device_type, between_ranks=between_ranks)
-    return DeviceProfile.from_dict(probed) if probed else None
+    return probed if isinstance(probed, dict) else None
 
 
 def predict_step_time(

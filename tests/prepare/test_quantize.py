@@ -131,12 +131,11 @@ def test_a_quantized_base_without_bitsandbytes_names_the_package_to_install():
 
 
 LEAN_QUANTIZED = """\
-description: the lean space's LoRA half, each base quantized or not
-n_trials: 12
+description: LoRA on each base, quantized or not
+n_trials: 6
 knobs:
   micro_batch: [1]
   precision: [fp32, bf16-true]
-  optimizer: [adamw, adafactor]
   lora_rank: [16]
   quantize_base: [off, nf4, int8]
 """
