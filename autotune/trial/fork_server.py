@@ -116,26 +116,33 @@ class ServerProcess:
         env = None if self._env is None else self._env()
         pipes: tuple[int, int, int, int] | None = None
         if sibling is not None and not sibling.started and become_subreaper():
+            sibling.close()  # one seen to exit: reaped, its pipes closed
             requests, replies = os.pipe(), os.pipe()
             pipes = (requests[0], replies[1], requests[1], replies[0])
             fork = f"{sibling.module} {requests[0]} {replies[1]} {os.getpid()}"
             env = {**(os.environ if env is None else env), _SIBLING_ENV: fork}
         self._unread = b""
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", self.module],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
-            env=env,
-            pass_fds=pipes[:2] if pipes is not None else (),
-        )
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", self.module],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+                env=env,
+                pass_fds=pipes[:2] if pipes is not None else (),
+            )
+        except BaseException:
+            for end in pipes[2:] if pipes is not None else ():
+                os.close(end)  # the sibling's other ends: no sibling comes
+            raise
+        finally:
+            for end in pipes[:2] if pipes is not None else ():
+                os.close(end)  # the server's ends: it holds them now (or nobody will)
         self._ready = False
         if pipes is not None:
             assert sibling is not None
-            os.close(pipes[0])
-            os.close(pipes[1])
             sibling._process = _Forked(os.fdopen(pipes[2], "w"), os.fdopen(pipes[3], "r"))
             sibling._ready, sibling._unread = False, b""
         elif sibling is not None:

@@ -82,8 +82,14 @@ def test_a_killed_server_takes_its_trial_along_and_the_next_trial_starts_a_new_o
     def kill_server_once_the_trial_runs() -> None:
         # As long as the trial lasts: on a machine busy with other tests its start can take a while.
         while not trial_over.is_set():
-            trials.extend(p for p in server.children() if p.name() == TRIAL_PROCESS_NAME)
+            try:
+                trials.extend(p for p in server.children() if p.name() == TRIAL_PROCESS_NAME)
+            except psutil.NoSuchProcess:  # a child gone between the listing and its name: look again
+                continue
             if trials:
+                # The server says the trial's pid once it has forked its ranks; killed before that, the runner
+                # would run the trial again in an interpreter of its own (as it must). A second is long enough.
+                time.sleep(1.0)
                 server.kill()
                 killed.set()
                 return
