@@ -102,8 +102,8 @@ class _Traces:
         is answered and the next one asked: the cores are kept busy. Not where ``config`` is refused (its caller
         may learn from its answer what it asks next). A config of ``ahead`` that is the update twin of one traced
         (see :func:`autotune.levers.optimizer.update_twin`) is made by that one's trace."""
-        keys = self._keys(workloads, config, task, measured_with)
         asked = self._deepest_first(workloads, config, task, measured_with)
+        keys = [key for key, _, _ in reversed(asked)]  # in the workloads' order
         if config.pp > 1:  # its stages are traced together (see _trace_missing)
             self._trace_missing(asked, task, measured_with)
         else:
