@@ -55,4 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
+    from autotune.cli.servers import this_is_the_command
+
+    this_is_the_command()
     sys.exit(main())

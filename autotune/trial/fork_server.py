@@ -11,7 +11,9 @@ of its own kinds. A server dies with the process that started it (``python -m`` 
 The two servers import the same libraries (PyTorch, Transformers: seconds of CPU each). Started together
 (``ServerProcess.start(sibling=...)``), the second is forked from the first once its imports are done instead of
 importing them again: it runs in a session of its own, handed to the caller (a subreaper) as its child, and dies
-with the caller as the first does.
+with the caller as the first does. A caller that has imported those libraries itself (a command, which needs
+them for its own checks: :mod:`autotune.cli.servers`) starts the first ``forked``: a fork of the caller, so that
+neither server imports them again.
 """
 
 from __future__ import annotations
@@ -89,6 +91,50 @@ def _fork_sibling(module: str, requests: str, replies: str, caller: str) -> None
         os._exit(code)
 
 
+def _fork_server(module: str, env: dict[str, str] | None, *, unheld: tuple[int, ...]) -> _Forked:
+    """The server of ``module`` as a fork of this process, which has imported the libraries it imports first
+    (a command that needs torch and Transformers itself): what ``python -m module`` runs, on two new pipes,
+    in a session of its own, dying with this process, its stderr discarded, with ``env`` (None: this
+    process's). ``unheld``: descriptors of this process's that the server must not keep open. The caller has
+    one thread: a fork copies only the thread that forks, and a lock another thread held would stay held."""
+    requests, replies = os.pipe(), os.pipe()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # or the server would write the caller's buffered output again
+    caller = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setsid()
+            die_with_parent(caller)
+            devnull = os.open(os.devnull, os.O_RDWR)
+            os.dup2(requests[0], 0)
+            os.dup2(replies[1], 1)
+            os.dup2(devnull, 2)
+            for fd in {*requests, *replies, devnull, *unheld}:
+                os.close(fd)
+            sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own streams, over the new pipes
+            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if env is not None:
+                os.environ.update(env)
+            server = importlib.import_module(module)
+            # As `python -m module` would have it: what a library spawns re-imports the server's module as its
+            # __main__, not the command's.
+            sys.modules["__main__"], sys.argv = server, [server.__file__ or module]
+            server.serve()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(requests[0])
+    os.close(replies[1])
+    forked = _Forked(os.fdopen(requests[1], "w"), os.fdopen(replies[0], "r"))
+    forked.pid = pid
+    return forked
+
+
 class ServerGone(RuntimeError):
     """The server exited (killed from outside, or it crashed): what it was doing has no known end."""
 
@@ -106,9 +152,10 @@ class ServerProcess:
         self._ready = False  # it said it has imported everything
         self._unread = b""  # what it wrote past the last reply read
 
-    def start(self, sibling: ServerProcess | None = None) -> None:
+    def start(self, sibling: ServerProcess | None = None, *, forked: bool = False) -> None:
         """Start the server now, if it is not running, without waiting for its imports; and ``sibling``, if it is
-        not running, forked from this one once its imports are done (started on its own where that cannot be)."""
+        not running, forked from this one once its imports are done (started on its own where that cannot be).
+        ``forked``: the server is a fork of this process, not a new interpreter (see :func:`_fork_server`)."""
         if self._process is not None and self._process.poll() is None:
             if sibling is not None:
                 sibling.start()
@@ -123,16 +170,19 @@ class ServerProcess:
             env = {**(os.environ if env is None else env), _SIBLING_ENV: fork}
         self._unread = b""
         try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", self.module],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-                start_new_session=True,
-                env=env,
-                pass_fds=pipes[:2] if pipes is not None else (),
-            )
+            if forked:
+                self._process = _fork_server(self.module, env, unheld=pipes[2:] if pipes is not None else ())
+            else:
+                self._process = subprocess.Popen(
+                    [sys.executable, "-m", self.module],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                    start_new_session=True,
+                    env=env,
+                    pass_fds=pipes[:2] if pipes is not None else (),
+                )
         except BaseException:
             for end in pipes[2:] if pipes is not None else ():
                 os.close(end)  # the sibling's other ends: no sibling comes

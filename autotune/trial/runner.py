@@ -302,10 +302,10 @@ class _TrialServer:
             raise _Refused(reply["error"])
         return reply
 
-    def start(self, sibling: ServerProcess | None = None) -> None:
+    def start(self, sibling: ServerProcess | None = None, *, forked: bool = False) -> None:
         """Start the server now (without waiting for its imports) if it is not running, and ``sibling`` forked
         from it (see :meth:`ServerProcess.start`)."""
-        self._server.start(sibling)
+        self._server.start(sibling, forked=forked)
 
     def wait_until_ready(self) -> None:
         """Start the server if needed and wait until it has imported everything (it says "ready").
@@ -334,13 +334,14 @@ def probe_in_trial_server(device_type: str, what: str, *, timeout_s: float) -> A
     return _SERVER.probe(device_type, what, timeout_s=timeout_s) if _SERVER.enabled() else None
 
 
-def start_trial_server(sibling: ServerProcess | None = None) -> None:
+def start_trial_server(sibling: ServerProcess | None = None, *, forked: bool = False) -> None:
     """Start the trial server in the background now, so that its imports overlap the caller's own
     work (a command's model and device checks) instead of following it; the first trial then finds
     it ready. A command that stops before any trial takes it along at exit. ``sibling``: a server that
-    imports the same libraries (the estimate server's), forked from it once they are imported."""
+    imports the same libraries (the estimate server's), forked from it once they are imported. ``forked``:
+    the server is a fork of this process, which has imported torch and Transformers already."""
     if _SERVER.enabled():
-        _SERVER.start(sibling)
+        _SERVER.start(sibling, forked=forked)
     elif sibling is not None:
         sibling.start()
 
