@@ -78,6 +78,11 @@ def _step_tensors_together(optimizer: Any, foreach: bool) -> None:
             group["foreach"] = foreach
 
 
+def _step(optimizer: Any) -> None:
+    with _on_local_shards(optimizer):
+        optimizer.step()
+
+
 @contextlib.contextmanager
 def _on_local_shards(optimizer: Any) -> Iterator[None]:
     """Step an elementwise optimizer (PyTorch's Adam, AdamW or SGD) over its DTensor parameters' local shards
@@ -207,8 +212,7 @@ def fake_steps(
     tracker.mark("state")
     for p in trainable:
         p.grad = torch.zeros_like(p)
-    with _on_local_shards(engine.optimizer):
-        engine.optimizer.step()
+    _step(engine.optimizer)
     engine.optimizer.zero_grad(set_to_none=not keep_gradients)
     if keep_gradients:
         tracker.tag([p.grad for p in trainable], "gradients")
@@ -236,8 +240,7 @@ def fake_steps(
         before_update(engine)
     tracker.mark("update")
     tracker.costs.phase = UPDATE
-    with _on_local_shards(engine.optimizer):
-        engine.optimizer.step()
+    _step(engine.optimizer)
     engine.optimizer.zero_grad(set_to_none=not keep_gradients)
     del loss  # the last micro step's graph, alive through the update as in the trial's step
     tracker.mark("end")  # what is freed after it (the fake model, as the trace lets it go) is no step's
