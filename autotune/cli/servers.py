@@ -11,6 +11,7 @@ server is a new interpreter whose imports overlap the checks.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 __all__ = ["start_trial_server", "this_is_the_command"]
@@ -40,8 +41,9 @@ def start_trial_server(*, estimate: bool = False) -> None:
 
 def _imported_for_a_fork() -> bool:
     """Whether the trial server may be forked from this process, with torch and Transformers imported here
-    first: the command's own process, with one thread, and no CUDA context (which a fork does not keep)."""
-    if _COMMAND_PID != [os.getpid()] or threading.active_count() > 1:
+    first: the command's own process, on Linux (where a server dies with its command), with one thread, and no
+    CUDA context (which a fork does not keep)."""
+    if _COMMAND_PID != [os.getpid()] or not sys.platform.startswith("linux") or threading.active_count() > 1:
         return False
     # As the server's own imports do (autotune.trial.fork_server.serve): an import that asks whether CUDA is
     # available asks NVML, and does not initialise the driver.
