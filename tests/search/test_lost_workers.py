@@ -77,11 +77,16 @@ def test_a_worker_killed_mid_trial_loses_its_trial_to_the_other_worker(tmp_path:
     assert [t.number for t in lost] == [lost_number]
     assert lost[0].state is TrialState.FAIL and lost[0].user_attrs["status"] == "interrupted"
     assert f"pid {helper_pid}" in lost[0].user_attrs[LOST_ATTR] and "is gone" in lost[0].user_attrs[LOST_ATTR]
-    retries = [t for t in trials if t.user_attrs.get(RETRY_ATTR) == lost_number]
-    assert len(retries) == 1, stderr  # re-queued once (seen once in a loaded CI run: 0; its stderr says why)
-    assert retries[0].user_attrs["config"] == lost[0].user_attrs["config"]
-    assert retries[0].user_attrs["status"] == "ok"
-    assert retries[0].user_attrs["worker"]["pid"] == tune.pid  # measured by the worker still alive
+    # The lost config is measured again, once, by the worker still alive: as the lost trial's retry, or as a
+    # config proposed afresh (seen twice in loaded CI runs, where the loss was reported only after the living
+    # worker had taken the config again: then there is no retry to tag).
+    lost_config = lost[0].user_attrs["config"]
+    again = [t for t in trials if LOST_ATTR not in t.user_attrs and t.user_attrs["config"] == lost_config]
+    assert len(again) == 1, stderr
+    retried = again[0].user_attrs.get(RETRY_ATTR) == lost_number
+    assert retried or RETRY_ATTR not in again[0].user_attrs
+    assert again[0].user_attrs["status"] == "ok"
+    assert again[0].user_attrs["worker"]["pid"] == tune.pid
     measured = [t.user_attrs["config"]["micro_batch"] for t in trials if LOST_ATTR not in t.user_attrs]
     assert sorted(measured) == [1, 2, 4, 8, 16]  # each config measured once
     assert "best: " in stdout
@@ -94,6 +99,8 @@ def test_a_worker_killed_mid_trial_loses_its_trial_to_the_other_worker(tmp_path:
         timeout=120,
     )
     assert show.returncode == 0, show.stderr
-    assert "interrupted (worker lost)" in show.stdout and f"ok (retry of {lost_number})" in show.stdout, show.stdout
+    assert "interrupted (worker lost)" in show.stdout, show.stdout
     assert f"trial {lost_number} lost: its worker (pid {helper_pid}" in show.stdout, show.stdout
-    assert f"measured again as trial {retries[0].number}" in show.stdout, show.stdout
+    if retried:
+        assert f"ok (retry of {lost_number})" in show.stdout, show.stdout
+        assert f"measured again as trial {again[0].number}" in show.stdout, show.stdout
