@@ -111,7 +111,7 @@ def _fork_server(module: str, env: dict[str, str] | None, *, unheld: tuple[int, 
             os.dup2(requests[0], 0)
             os.dup2(replies[1], 1)
             os.dup2(devnull, 2)
-            for fd in {*requests, *replies, devnull, *unheld}:
+            for fd in {*requests, *replies, devnull, *unheld} - {0, 1, 2}:  # one may be 0-2 (a caller without stdin)
                 os.close(fd)
             sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own streams, over the new pipes
             sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
