@@ -80,15 +80,21 @@ def _fork_sibling(module: str, requests: str, replies: str, caller: str) -> None
         while os.getppid() != int(caller) and time.monotonic() < deadline:
             time.sleep(0.001)  # the middle process is exiting: then the caller adopts this one
         die_with_parent(int(caller))
-        os.dup2(int(requests), 0)
-        os.dup2(int(replies), 1)
-        os.close(int(requests))
-        os.close(int(replies))
-        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own stdin, read to its end
+        _onto_stdin_and_stdout(int(requests), int(replies))
         importlib.import_module(module).serve()
         code = 0
     finally:
         os._exit(code)
+
+
+def _onto_stdin_and_stdout(requests: int, replies: int) -> None:
+    """In a forked server, move the pipes ``requests`` and ``replies`` (file descriptors) to its stdin and stdout,
+    and close the originals, but any that was 0-2 already (a caller without stdin gets its first pipe at 0)."""
+    os.dup2(requests, 0)
+    os.dup2(replies, 1)
+    for fd in {requests, replies} - {0, 1, 2}:
+        os.close(fd)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own stdin, read to its end
 
 
 def _fork_server(module: str, env: dict[str, str] | None, *, unheld: tuple[int, ...]) -> _Forked:
@@ -108,13 +114,11 @@ def _fork_server(module: str, env: dict[str, str] | None, *, unheld: tuple[int, 
             os.setsid()
             die_with_parent(caller)
             devnull = os.open(os.devnull, os.O_RDWR)
-            os.dup2(requests[0], 0)
-            os.dup2(replies[1], 1)
+            _onto_stdin_and_stdout(requests[0], replies[1])
             os.dup2(devnull, 2)
-            for fd in {*requests, *replies, devnull, *unheld} - {0, 1, 2}:  # one may be 0-2 (a caller without stdin)
+            for fd in {requests[1], replies[0], devnull, *unheld} - {0, 1, 2}:  # the caller's ends; /dev/null
                 os.close(fd)
-            sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own streams, over the new pipes
-            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - fresh streams over the new pipes
             sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
