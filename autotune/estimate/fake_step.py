@@ -95,6 +95,8 @@ def _on_local_shards(optimizer: Any) -> Iterator[None]:
     import torch
     from torch.distributed.tensor import DTensor
 
+    from autotune.estimate.peak_parts import local_shard
+
     sharded = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"] if isinstance(p, DTensor)]
     if (
         not sharded
@@ -109,9 +111,9 @@ def _on_local_shards(optimizer: Any) -> Iterator[None]:
         group["params"] = [shard_of.get(id(p), p) for p in group["params"]]
     for p in sharded:
         shard = shard_of[id(p)]
-        shard.grad = _shard(p.grad)
+        shard.grad = local_shard(p.grad)
         if p in optimizer.state:
-            optimizer.state[shard] = {k: _shard(v) for k, v in optimizer.state.pop(p).items()}
+            optimizer.state[shard] = {k: local_shard(v) for k, v in optimizer.state.pop(p).items()}
     try:
         yield
     finally:
@@ -128,12 +130,6 @@ def _laid_out_as(gradient: Any, parameter: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(gradient, DTensor) and gradient.placements == parameter.placements
-
-
-def _shard(value: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return value._local_tensor if isinstance(value, DTensor) else value
 
 
 def _like(parameter: Any, value: Any) -> Any:

@@ -21,10 +21,10 @@ from autotune.estimate.results import MODEL_STATES
 from autotune.estimate.step_costs import CostRecorder
 from autotune.trial.memory import LiveBytesTracker, storages_of
 
-__all__ = ["PeakPartsTracker"]
+__all__ = ["PeakPartsTracker", "local_shard"]
 
 
-def _local(value: Any) -> Any:
+def local_shard(value: Any) -> Any:
     # The shard itself, not to_local()'s view of it (an autograd function and a dispatch per DTensor,
     # a fifth of a tensor-parallel trace): the same shape, dtype and storage.
     return value._local_tensor if isinstance(value, DTensor) else value
@@ -157,7 +157,7 @@ class PeakPartsTracker(LiveBytesTracker):
         DTensors, whose shapes are the whole layer's: a rank computes and moves its shards only, so the op is
         counted on them (the recorder takes each leaf's shard itself)."""
         if self.sees_dtensors and any(isinstance(leaf, DTensor) for leaf in (*inputs, *outputs)):
-            return tree_map(_local, args), tree_map(_local, kwargs), tree_map(_local, out)
+            return tree_map(local_shard, args), tree_map(local_shard, kwargs), tree_map(local_shard, out)
         return args, kwargs, out
 
     def _cost(self, func: Any, args: Any, kwargs: Any, costed: Any, inputs: list[Any], outputs: list[Any]) -> None:
