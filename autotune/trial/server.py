@@ -47,6 +47,11 @@ def _import_once() -> None:
     import torch  # noqa: F401 - imported once here, inherited by every forked trial
     import transformers  # noqa: F401
 
+    # What every Transformers model's module imports (PreTrainedModel, generation, masking): 2-3 CPU-s of a
+    # trial server's first trial. Imported before the estimate server is forked from this one, it is imported
+    # once for both, where each would import it at its first request.
+    import transformers.modeling_utils  # noqa: F401
+
     import autotune.trial.child  # noqa: F401
     import autotune.trial.engine  # noqa: F401
     import autotune.trial.measure  # noqa: F401
