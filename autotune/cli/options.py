@@ -169,8 +169,8 @@ OPTIONS = {
         "json",
         ("--format",),
         "json, yaml, deepspeed, hf, accelerate, lightning, peft, bnb (BitsAndBytesConfig's arguments for a "
-        "quantized base), or launch (a bash script that starts your training script with the trials' ranks and "
-        "nodes).",
+        "quantized base), launch (a bash script that starts your training script with the trials' ranks and "
+        "nodes), or torchtitan (torchtitan 0.2's TOML job config; a GPU study's config).",
     ),
 }
 # -- where the workers run: --executor and the SLURM job's options (a command's ``executor`` parameter) ------

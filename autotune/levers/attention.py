@@ -149,6 +149,11 @@ class AttentionLever(Lever):
     def labels(self, config: TrialConfig) -> list[str]:
         return [] if config.attention == "auto" else [f"attn={config.attention}"]
 
+    def torchtitan_keys(self, config: TrialConfig, workload: Workload) -> dict[str, dict[str, Any]]:
+        if config.attention in ("auto", "sdpa"):  # torchtitan's models attend with SDPA by default
+            return {}
+        return super().torchtitan_keys(config, workload)
+
     def in_code(self, config: TrialConfig) -> list[str]:
         if config.attention == "auto":
             return []

@@ -6,7 +6,8 @@ other levers' values (:meth:`Lever.conflict`) or run for a workload on a device 
 model cannot take them (:meth:`Lever.model_refusal`, from :class:`ModelFacts` read once per workload), how it
 changes a built model (:meth:`Lever.apply`), its words in a config's label (:meth:`Lever.labels`), its keys in
 Transformers' ``TrainingArguments``, Lightning's ``Trainer`` and Accelerate's ``Accelerator``
-(:meth:`Lever.trainer_arguments` and its two neighbours), what a job applies in its own code for it
+(:meth:`Lever.trainer_arguments` and its two neighbours) and torchtitan's job config
+(:meth:`Lever.torchtitan_keys`), what a job applies in its own code for it
 where no library's config can (:meth:`Lever.in_code`), and its axes
 in a search space (:class:`Axis`: the space file's keys it owns, how their values parse, which of them can run
 for a workload on a device, and the tuner's parameters they are). A lever that says nothing for one of these
@@ -16,7 +17,7 @@ keeps the default.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from autotune.errors import ConfigError
@@ -203,6 +204,20 @@ class Lever:
     def accelerate_arguments(self, config: TrialConfig) -> dict[str, Any]:
         """Its keys among ``accelerate.Accelerator``'s arguments (what the model's code does not apply)."""
         return {}
+
+    def torchtitan_keys(self, config: TrialConfig, workload: Workload) -> dict[str, dict[str, Any]]:
+        """Its keys in torchtitan's TOML job config (the torchtitan export), by section; raise ConfigError, naming
+        ``--format torchtitan``, where that config has none for its values. By default a lever has none: at its
+        fields' defaults it says nothing, at any other value it refuses (an export must not drop a value)."""
+        defaults = {field.name: field.default for field in fields(config)}
+        changed = [name for name in self.fields if getattr(config, name) != defaults[name]]
+        if not changed:
+            return {}
+        said = " ".join(self.labels(config)) or ", ".join(f"{name}={getattr(config, name)!r}" for name in changed)
+        raise ConfigError(
+            f"--format torchtitan: this config trains with {said}, for which torchtitan's job config has no key; "
+            "export --format json and apply it with autotune.prepare, or pick a config without it"
+        )
 
     # -- the layout: how the ranks hold the model ------------------------------------------------------------
     def model_ranks(self, config: TrialConfig) -> int:

@@ -387,6 +387,20 @@ class CheckpointingLever(Lever):
         every = {"every_n_layers": config.checkpoint_every} if config.checkpoint_every > 1 else {}
         return {name: True, f"{name}_kwargs": {"use_reentrant": False, **every}}
 
+    def torchtitan_keys(self, config: TrialConfig, workload: Workload) -> dict[str, dict[str, Any]]:
+        # torchtitan's [activation_checkpoint]: its selective modes are per operator ("op": every other matmul's
+        # output kept, as --checkpointing selective) or every N-th layer (a number, as every-N); its default is
+        # selective, so "none" is said.
+        if not config.checkpointing:
+            keys: dict[str, Any] = {"mode": "none"}
+        elif config.checkpoint_selective:
+            keys = {"mode": "selective", "selective_ac_option": "op"}
+        elif config.checkpoint_every > 1:
+            keys = {"mode": "selective", "selective_ac_option": str(config.checkpoint_every)}
+        else:
+            keys = {"mode": "full"}
+        return {"activation_checkpoint": keys}
+
     def header_lines(self, config: TrialConfig) -> list[str]:
         if not config.checkpointing:
             return ["activation checkpointing: off"]

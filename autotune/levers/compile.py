@@ -72,6 +72,10 @@ class CompileLever(Lever):
         # Accelerator(dynamo_backend=...) compiles the prepared model.
         return {"dynamo_config": {"dynamo_backend": "INDUCTOR"}} if config.compile else {}
 
+    def torchtitan_keys(self, config: TrialConfig, workload: Workload) -> dict[str, dict[str, Any]]:
+        # The trials compile the model, not the loss (torchtitan's components default to both).
+        return {"compile": {"enable": True, "components": ["model"]} if config.compile else {"enable": False}}
+
     def in_code(self, config: TrialConfig) -> list[str]:
         if not config.compile:
             return []

@@ -12,7 +12,7 @@ Blackwell); PyTorch's CPU ``_scaled_mm`` takes float8 too, so a CPU trial measur
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autotune.errors import ConfigError
 from autotune.levers.base import Axis, Flag, Lever, a_bool
@@ -123,11 +123,19 @@ class Float8Lever(Lever):
     def maths_note(self, config: TrialConfig) -> str | None:
         return "the Linear layers' matmuls in float8 (tensorwise scales)" if config.float8 else None
 
+    def torchtitan_keys(self, config: TrialConfig, workload: Workload) -> dict[str, dict[str, Any]]:
+        if not config.float8:
+            return {}
+        # torchtitan's converter of the same name, with the recipe the trials ran (torchao's default, tensorwise)
+        # and its output head left out by name ("output" in torchtitan's models), as float8_layer leaves it.
+        linear = {"recipe_name": "tensorwise", "filter_fqns": ["output"]}
+        return {"model": {"converters": ["quantize.linear.float8"]}, "quantize.linear.float8": linear}
+
     def in_code(self, config: TrialConfig) -> list[str]:
         if not config.float8:
             return []
         return [
             "float8: model = autotune.prepare(model, float8=True) before the optimizer is built (torchao's "
             "convert_to_float8_training of every Linear layer but the output head with dimensions that are "
-            'multiples of 16; torchtitan: [model] converters = ["float8"])'
+            "multiples of 16; torchtitan: autotune export --format torchtitan)"
         ]

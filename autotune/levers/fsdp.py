@@ -183,6 +183,23 @@ class FsdpLever(Lever):
             )
         return None
 
+    def torchtitan_keys(self, config: TrialConfig, workload: Workload) -> dict[str, dict[str, Any]]:
+        if config.fsdp is None:
+            return {}
+        shard = config.shard_degree(workload)
+        if shard == 1:  # torchtitan applies fully_shard over a shard degree of 2 or more only
+            raise ConfigError(
+                f"--format torchtitan: this config runs --fsdp {config.fsdp} over one data-parallel rank, where "
+                "torchtitan applies no FSDP (and so no offload); export --format json, or pick a config over "
+                "two or more ranks"
+            )
+        keys = {
+            "data_parallel_replicate_degree": config.replicate_degree(workload),
+            "data_parallel_shard_degree": shard,
+            "fsdp_reshard_after_forward": "never" if config.fsdp == "grad-op" else "always",
+        }
+        return {"parallelism": keys}
+
     def labels(self, config: TrialConfig) -> list[str]:
         if config.fsdp is None:
             return []

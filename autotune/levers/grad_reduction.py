@@ -146,6 +146,22 @@ class GradReductionLever(Lever):
         words = ["sync-last"] if config.grad_sync == "last" else []
         return words + (["reduce-fp32"] if config.reduce_dtype == "fp32" else [])
 
+    def torchtitan_keys(self, config: TrialConfig, workload: Workload) -> dict[str, dict[str, Any]]:
+        if config.grad_sync != "each":
+            raise ConfigError(
+                f"--format torchtitan: this config reduces gradients on the last micro step only (--grad-sync "
+                f"{config.grad_sync}), and torchtitan reduces them on each; pick a config with --grad-sync each, "
+                "or export --format json"
+            )
+        if not config.uses_fsdp:
+            return {}
+        if config.true_16_bit and fsdp_precision(config) is None:  # FSDP2 reduces in the 16-bit gradients' type
+            raise ConfigError(
+                f"--format torchtitan: this config's FSDP reduces gradients in their own type ({config.sixteen_bit}), "
+                "and torchtitan's always in float32; pick a config with --reduce-dtype fp32, or export --format json"
+            )
+        return {"training": {"mixed_precision_reduce": "float32"}}
+
     def in_code(self, config: TrialConfig) -> list[str]:
         lines = []
         if config.grad_sync == "last":

@@ -9,13 +9,14 @@ sharding that offloads: DeepSpeed's JSON (``offload_optimizer``, ``offload_param
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autotune.errors import ConfigError
 from autotune.levers.base import Flag, Lever
 
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
 
 __all__ = ["OffloadFields", "OffloadLever", "OFFLOADS", "offload_flag", "offload_suffix"]
 
@@ -77,3 +78,8 @@ class OffloadLever(Lever):
             raise ConfigError("--offload optimizer needs ZeRO; add --zero-stage 1, 2 or 3")
         if config.offloads_parameters and not config.partitions_parameters and not config.uses_fsdp:
             raise ConfigError("--offload optimizer+params needs --zero-stage 3 or --fsdp (only they shard parameters)")
+
+    def torchtitan_keys(self, config: TrialConfig, workload: Workload) -> dict[str, dict[str, Any]]:
+        if config.uses_fsdp and config.offloads_parameters:  # FSDP2's CPUOffloadPolicy, as torchtitan applies it
+            return {"training": {"enable_cpu_offload": True}}
+        return super().torchtitan_keys(config, workload)

@@ -235,6 +235,19 @@ class OptimizerLever(Lever):
         # What the trials ran (Transformers 5's default is the fused one).
         return {"optim": "adamw_torch_fused" if config.fused_optimizer else "adamw_torch"}
 
+    def torchtitan_keys(self, config: TrialConfig, workload: Workload) -> dict[str, dict[str, Any]]:
+        if config.optimizer != "adamw":
+            raise ConfigError(
+                f"--format torchtitan: this config steps with --optimizer {config.optimizer}, and torchtitan's "
+                "optimizers are PyTorch's Adam and AdamW; pick an adamw config, or export --format json"
+            )
+        # PyTorch's AdamW as the trials built it: fused, or its default (foreach on CUDA); stepped in the backward,
+        # one parameter at a time, with early_step_in_backward.
+        keys: dict[str, Any] = {"name": "AdamW", "implementation": "fused" if config.fused_optimizer else "foreach"}
+        if config.optimizer_in_backward:
+            keys["early_step_in_backward"] = True
+        return {"optimizer": keys}
+
     def header_lines(self, config: TrialConfig) -> list[str]:
         return [f"optimizer: {optimizer_line(config)}"]
 

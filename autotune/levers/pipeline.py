@@ -32,7 +32,9 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 _PIPELINE_TASKS = ("causal-lm",)
 # The export formats that carry pipeline stages: json and yaml (through autotune.prepare), and launch (it starts
 # the ranks whatever they run).
-_PIPELINE_FORMATS = ("json", "yaml", "launch")
+_PIPELINE_FORMATS = ("json", "yaml", "launch", "torchtitan")
+# torchtitan's names of the schedules (torch.distributed.pipelining's classes, looked up without case).
+_TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +151,20 @@ class PipelineLever(Lever):
             "'autotune.json') under torchrun (it returns the pipeline: pipeline.step(input_ids=..., labels=...) "
             "each optimizer step), or pick a config without --pp"
         )
+
+    def torchtitan_keys(self, config: TrialConfig, workload: Workload) -> dict[str, dict[str, Any]]:
+        if config.pp == 1:
+            return {}
+        # torchtitan splits each rank's local batch into micro batches of pipeline_parallel_microbatch_size: the
+        # trials' micro batches are the accumulation's, one optimizer step a local batch. Interleaved 1F1B holds
+        # two stages per rank by default there, as here.
+        micro_batches = config.grad_accum_steps(workload)
+        keys = {
+            "pipeline_parallel_degree": config.pp,
+            "pipeline_parallel_schedule": _TORCHTITAN_SCHEDULES[config.pp_schedule],
+            "pipeline_parallel_microbatch_size": config.micro_batch,
+        }
+        return {"parallelism": keys, "training": {"local_batch_size": config.micro_batch * micro_batches}}
 
     def in_code(self, config: TrialConfig) -> list[str]:
         if config.pp == 1:

@@ -139,6 +139,20 @@ class PrecisionLever(Lever):
             "or accelerate instead"
         )
 
+    def torchtitan_keys(self, config: TrialConfig, workload: Workload) -> dict[str, dict[str, Any]]:
+        # torchtitan's training dtype (the model's) and mixed_precision_param (FSDP's or autocast's compute type):
+        # bfloat16 or float32 only, by its job config's Literals.
+        if config.precision == "bf16-true":
+            return {"training": {"dtype": "bfloat16"}}
+        if config.precision in ("fp32", "bf16"):
+            param = "bfloat16" if config.precision == "bf16" else "float32"
+            return {"training": {"dtype": "float32", "mixed_precision_param": param}}
+        raise ConfigError(
+            f"--format torchtitan: this config trains in {config.precision}, and torchtitan trains in bfloat16 or "
+            "float32 only (no fp16, no TF32 switch); export --format hf, lightning or accelerate, or pick a bf16 "
+            "or fp32 config"
+        )
+
     def lightning_arguments(self, config: TrialConfig) -> dict[str, Any]:
         return {"precision": _LIGHTNING_PRECISION.get(config.precision, "32-true")}
 

@@ -26,7 +26,7 @@ __all__ = ["TensorParallelFields", "TensorParallelLever", "sequence_parallel_fla
 
 # The export formats that carry a tensor-parallel layout: json and yaml (through autotune.prepare), Lightning's
 # ModelParallelStrategy, and launch (it starts the ranks whatever they run).
-_TENSOR_PARALLEL_FORMATS = ("json", "yaml", "launch", "lightning")
+_TENSOR_PARALLEL_FORMATS = ("json", "yaml", "launch", "lightning", "torchtitan")
 # The plan's styles PyTorch's ColwiseParallel and RowwiseParallel implement as Transformers means them.
 TP_STYLES = ("colwise", "rowwise")
 
@@ -175,6 +175,18 @@ class TensorParallelLever(Lever):
             "json and apply it with autotune.prepare(model, 'autotune.json') under torchrun, or --format lightning "
             "(ModelParallelStrategy), or pick a config without --tp"
         )
+
+    def torchtitan_keys(self, config: TrialConfig, workload: Workload) -> dict[str, dict[str, Any]]:
+        if config.tp == 1:
+            return {}
+        if not config.sequence_parallel:
+            raise ConfigError(
+                f"--format torchtitan: this config splits layers with --tp {config.tp} without --sp, and "
+                "torchtitan's tensor parallel always shards the norms' activations over the sequence; pick a "
+                "config with --sp, or export --format json"
+            )
+        # The trials gather the head's logits whole (no loss parallel), which torchtitan does with its switch off.
+        return {"parallelism": {"tensor_parallel_degree": config.tp, "disable_loss_parallel": True}}
 
     def in_code(self, config: TrialConfig) -> list[str]:
         if config.tp == 1:

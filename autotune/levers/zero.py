@@ -15,6 +15,7 @@ from autotune.levers.offload import offload_suffix
 
 if TYPE_CHECKING:
     from autotune.config.knobs import TrialConfig
+    from autotune.config.workload import Workload
 
 __all__ = ["ZeroFields", "ZeroLever", "ZERO_STAGES", "zero_flag"]
 
@@ -99,6 +100,14 @@ class ZeroLever(Lever):
                 "--format accelerate or hf instead, or pick a config without ZeRO"
             )
         return None
+
+    def torchtitan_keys(self, config: TrialConfig, workload: Workload) -> dict[str, dict[str, Any]]:
+        if config.zero_stage is None:
+            return {}
+        raise ConfigError(
+            f"--format torchtitan: this config shards with DeepSpeed's ZeRO stage {config.zero_stage}, which "
+            "torchtitan does not run (it shards with FSDP2); export --format deepspeed, or pick an --fsdp config"
+        )
 
     def labels(self, config: TrialConfig) -> list[str]:
         if config.zero_stage is None:

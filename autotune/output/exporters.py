@@ -25,6 +25,7 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.levers import FORMAT_ORDER, HEADER_ORDER, IN_CODE_AFTER_LAYOUT, IN_CODE_BEFORE_LAYOUT, LEVERS
+from autotune.output.torchtitan import dump_toml, torchtitan_config, torchtitan_launch
 from autotune.prepare.model_facts import layer_classes
 from autotune.prepare.quantize import bitsandbytes_config, quantization_lines
 from autotune.prepare.training_args import (
@@ -40,7 +41,7 @@ from autotune.trial.multinode import RDZV_PORT
 
 __all__ = ["FORMATS", "DEFAULT_FILENAMES", "export_config", "export_files", "deepspeed_companion", "in_code"]
 
-FORMATS = ("json", "yaml", "deepspeed", "hf", "accelerate", "lightning", "peft", "bnb", "launch")
+FORMATS = ("json", "yaml", "deepspeed", "hf", "accelerate", "lightning", "peft", "bnb", "launch", "torchtitan")
 DEFAULT_FILENAMES = {
     "json": "autotune.json",
     "yaml": "autotune.yaml",
@@ -51,6 +52,7 @@ DEFAULT_FILENAMES = {
     "peft": "adapter_config.json",
     "bnb": "quantization_config.json",
     "launch": "launch.sh",
+    "torchtitan": "torchtitan.toml",
 }
 
 
@@ -356,12 +358,30 @@ def _bnb(config: TrialConfig, workload: Workload, *, device_type: str, summary: 
     return _dump_json(bitsandbytes_config(config))
 
 
+# -- torchtitan ----------------------------------------------------------------------------
+def _torchtitan(config: TrialConfig, workload: Workload, *, device_type: str, summary: dict[str, Any]) -> str:
+    """torchtitan's TOML job config (:mod:`autotune.output.torchtitan`)."""
+    tables = torchtitan_config(config, workload, device_type=device_type)
+    launch = [
+        *torchtitan_launch(workload, DEFAULT_FILENAMES["torchtitan"]),
+        "add your model's name and flavor to [model], as torchtitan's own train configs give them "
+        "(torchtitan trains its own model definitions)",
+    ]
+    return _header(config, workload, summary, launch=launch, in_job_code=False) + dump_toml(tables)
+
+
 # -- shared helpers -------------------------------------------------------------------------
 def _header(
-    config: TrialConfig, workload: Workload, summary: dict[str, Any], *, launch: list[str] | None = None
+    config: TrialConfig,
+    workload: Workload,
+    summary: dict[str, Any],
+    *,
+    launch: list[str] | None = None,
+    in_job_code: bool = True,
 ) -> str:
-    """Comment lines for YAML formats: what is trained, and the knobs no YAML key carries (``launch``:
-    how the job starts over its nodes, by default :func:`_nodes_lines`)."""
+    """Comment lines for YAML and TOML formats: what is trained, and the knobs no key carries (``launch``:
+    how the job starts over its nodes, by default :func:`_nodes_lines`; ``in_job_code``: what a job built on
+    Transformers applies in its code, which a framework that trains its own models, torchtitan, does not)."""
     trains = what_is_trained(config, workload)
     lines = [
         f"autotune export: {workload.model}, {config.describe()}",
@@ -369,8 +389,10 @@ def _header(
         f"micro batch: {config.micro_batch} per rank (the DataLoader's batch_size), "
         f"gradient accumulation: {config.grad_accum_steps(workload)}, global batch: {workload.global_batch}",
         *(_nodes_lines(workload) if launch is None else launch),
-        *(line for lever in HEADER_ORDER for line in lever.header_lines(config)),
     ]
+    if not in_job_code:
+        return _comments(lines + [f"{key}: {value}" for key, value in summary.items()])
+    lines += [line for lever in HEADER_ORDER for line in lever.header_lines(config)]
     if config.uses_lora:
         lora = trains["lora"]
         targets = lora.get("targets_note") or (",".join(lora["targets"]) if lora["targets"] else "default")
@@ -383,6 +405,10 @@ def _header(
     lines += quantization_lines(config)
     lines += in_code(config, workload)
     lines += [f"{key}: {value}" for key, value in summary.items()]
+    return _comments(lines)
+
+
+def _comments(lines: list[Any]) -> str:
     return "".join(f"# {' '.join(str(line).split())}\n" for line in lines)
 
 
@@ -430,4 +456,5 @@ _EXPORTERS: dict[str, Callable[..., str]] = {
     "peft": _peft,
     "bnb": _bnb,
     "launch": _launch,
+    "torchtitan": _torchtitan,
 }

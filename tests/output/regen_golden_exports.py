@@ -47,6 +47,7 @@ EXTENSIONS = {
     "peft": "json",
     "bnb": "json",
     "launch": "sh",
+    "torchtitan": "toml",
 }
 BUDGET = 2**30
 
