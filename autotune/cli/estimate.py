@@ -35,9 +35,11 @@ def estimate(
     here. It is traced with CUDA's kernels where a GPU is visible, else with the CPU's, attention as
     CUDA would pick it, as the output says.
     """
+    from autotune.cli.servers import start_estimate_server
     from autotune.output.estimate_table import estimate_footer, estimate_header, estimate_json, estimate_line
     from autotune.search.estimates import estimate_configs
 
+    start_estimate_server()  # before the checks, which need torch and Transformers too
     if gpu is not None:
         workload = workload.replace(gpu=gpu)  # checks the name, and that the device is CUDA
     estimates = estimate_configs(

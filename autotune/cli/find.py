@@ -12,7 +12,7 @@ import typer
 from autotune.cli.options import OUTPUT_HELP, Script, command
 from autotune.cli.parse import duration, size
 from autotune.cli.searching import finish, on_slurm, progress, refuse_max_time_on_slurm, search_arguments
-from autotune.cli.servers import start_trial_server
+from autotune.cli.servers import start_estimate_server, start_trial_server
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.search.slurm import Executor
@@ -128,7 +128,6 @@ def _refuse_what_does_not_go_together(
 
 def _plan(workload: Workload, *, space: str, budget: int | None, headroom: float, as_json: bool) -> int:
     """``find --plan``: every config of the space predicted to fit, ranked; nothing runs."""
-    from autotune.estimate.client import start_estimate_server
     from autotune.estimate.fit import card_budget, estimated_device
     from autotune.search.plan import plan_space
 

@@ -1,5 +1,5 @@
 """The servers trials and estimates run in, started before the checks that precede the first trial
-(trial, find, tune).
+(trial, find, tune) or estimate (estimate, find --plan).
 
 In the command's own process (:func:`autotune.cli.app.run`), the trial server is a fork of the command once
 the command has imported torch and Transformers, which its checks need next (the device, the model's
@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 
-__all__ = ["start_trial_server", "this_is_the_command"]
+__all__ = ["start_trial_server", "start_estimate_server", "this_is_the_command"]
 
 _COMMAND_PID: list[int] = []  # the process autotune.cli.run started in
 
@@ -37,6 +37,14 @@ def start_trial_server(*, estimate: bool = False) -> None:
         start(sibling=estimate_server_process(), forked=forked)
     else:
         start(forked=forked)
+
+
+def start_estimate_server() -> None:
+    """Estimates will run in this process, and no trial (estimate, find --plan): start their server now, forked
+    from this process where it may be (as the trial server is)."""
+    from autotune.estimate.client import start_estimate_server as start
+
+    start(forked=_imported_for_a_fork())
 
 
 def _imported_for_a_fork() -> bool:

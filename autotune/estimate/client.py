@@ -136,10 +136,11 @@ class _EstimateServer:
                 self._server.close()
                 raise EstimateError("the estimate server exited") from None
 
-    def start(self) -> None:
-        """Start the server now, if it is not running, without waiting for its imports."""
+    def start(self, *, forked: bool = False) -> None:
+        """Start the server now, if it is not running, without waiting for its imports (``forked``: a fork of
+        this process, see :meth:`ServerProcess.start`)."""
         with self._lock:
-            self._server.start()
+            self._server.start(forked=forked)
 
     @property
     def process(self) -> ServerProcess:
@@ -161,11 +162,12 @@ _SERVER = _EstimateServer()
 atexit.register(_SERVER.close)
 
 
-def start_estimate_server() -> None:
+def start_estimate_server(*, forked: bool = False) -> None:
     """Start the estimate server in the background now, its imports beside the caller's own checks;
     the first estimate's request waits in its pipe until it reads it. Not beside trials or the device
-    probe: its imports would take a core their free cores are read from (:func:`wait_for_estimate_server`)."""
-    _SERVER.start()
+    probe: its imports would take a core their free cores are read from (:func:`wait_for_estimate_server`).
+    ``forked``: a fork of this process, which has imported torch and Transformers (``autotune.cli.servers``)."""
+    _SERVER.start(forked=forked)
 
 
 def estimate_server_process() -> ServerProcess:
