@@ -184,13 +184,14 @@ def _compile(engine: Any, sync: Any) -> tuple[float, float]:
 
 
 def _gloo_copies(device: Any, world_size: int) -> Any:
-    """Between CPU ranks (gloo), each reduce-scatter's copy of its input freed before it returns: in every run,
-    not only where gloo's worker thread let go of it first (see :mod:`autotune.trial.collectives`)."""
+    """Between CPU ranks (gloo), each reduce-scatter's copy of its input and each all-gather's input let go of before
+    it returns: in every run, not only where gloo's worker thread let go of it first
+    (see :mod:`autotune.trial.collectives`)."""
     if device.type != "cpu" or world_size == 1:
         return contextlib.nullcontext()
-    from autotune.trial.collectives import reduce_scatter_frees_its_copy
+    from autotune.trial.collectives import gloo_collectives_let_go
 
-    return reduce_scatter_frees_its_copy()
+    return gloo_collectives_let_go()
 
 
 def _agreed(world_size: int, device: Any) -> Any:

@@ -1,4 +1,5 @@
-"""A CPU trial's gloo reduce-scatter: gloo's result, its copy of the input freed before the call returns."""
+"""A CPU trial's gloo collectives: gloo's results, the reduce-scatter's copy of its input and an all-gather's hold on
+its input let go of before the call returns."""
 
 from __future__ import annotations
 
@@ -33,6 +34,46 @@ _RANKS = textwrap.dedent("""
 
 def test_the_reduce_scatter_is_gloo_s_and_frees_its_copy_before_it_returns(tmp_path):
     (tmp_path / "ranks.py").write_text(_RANKS)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "ranks.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "RESULT 0 True True" in proc.stdout and "RESULT 1 True True" in proc.stdout, proc.stderr[-3000:]
+
+
+# Two gloo ranks: each functional all-gather (DTensor's) as gloo's own, and its input freed as soon as the caller
+# drops it (the tracker's live bytes down to the gathered tensor), where gloo's worker thread sometimes holds it.
+_GATHERS = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    from torch.distributed import _functional_collectives as funcol
+    from autotune.trial.collectives import all_gather_frees_its_input
+    from autotune.trial.memory import LiveBytesTracker
+
+    def waited(tensor):
+        return tensor.wait() if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
+
+    dist.init_process_group("gloo")
+    rank, group = dist.get_rank(), dist.group.WORLD
+    same, freed = True, True
+    for step in range(40):
+        data = torch.randn(1 << 18, generator=torch.Generator().manual_seed(step + rank))
+        theirs = waited(funcol.all_gather_single(data, 0, group))
+        with LiveBytesTracker() as tracker, all_gather_frees_its_input():
+            shard = data.clone()
+            ours = waited(funcol.all_gather_single(shard, 0, group))
+            del shard
+            freed &= tracker.live_bytes == ours.nbytes
+        same &= torch.equal(theirs, ours)
+    print(f"RESULT {rank} {same} {freed}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_a_functional_all_gather_is_gloo_s_and_lets_go_of_its_input_before_it_returns(tmp_path):
+    (tmp_path / "ranks.py").write_text(_GATHERS)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "ranks.py"],
         cwd=tmp_path,
