@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 # Two gloo ranks: each reduce-scatter, summed and averaged, as gloo's own; the copy freed on return in every
 # call (the tracker's live bytes back to where they were), where gloo's worker thread sometimes keeps it.
@@ -33,15 +34,7 @@ _RANKS = textwrap.dedent("""
 
 
 def test_the_reduce_scatter_is_gloo_s_and_frees_its_copy_before_it_returns(tmp_path):
-    (tmp_path / "ranks.py").write_text(_RANKS)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "ranks.py"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert "RESULT 0 True True" in proc.stdout and "RESULT 1 True True" in proc.stdout, proc.stderr[-3000:]
+    on_two_gloo_ranks(_RANKS, tmp_path)
 
 
 # Two gloo ranks: each functional all-gather (DTensor's) as gloo's own, and its input freed as soon as the caller
@@ -73,10 +66,15 @@ _GATHERS = textwrap.dedent("""
 
 
 def test_a_functional_all_gather_is_gloo_s_and_lets_go_of_its_input_before_it_returns(tmp_path):
-    (tmp_path / "ranks.py").write_text(_GATHERS)
+    on_two_gloo_ranks(_GATHERS, tmp_path)
+
+
+def on_two_gloo_ranks(script: str, folder: Path) -> None:
+    """Run ``script`` on two torchrun ranks; each must print that its results were gloo's and its memory freed."""
+    (folder / "ranks.py").write_text(script)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "ranks.py"],
-        cwd=tmp_path,
+        cwd=folder,
         capture_output=True,
         text=True,
         timeout=300,
