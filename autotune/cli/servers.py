@@ -1,5 +1,5 @@
 """The servers trials and estimates run in, started before the checks that precede the first trial
-(trial, find, tune) or estimate (estimate, find --plan).
+(trial, find, tune) or estimate (the estimate command).
 
 In the command's own process (:func:`autotune.cli.app.run`), the trial server is a fork of the command once
 the command has imported torch and Transformers, which its checks need next (the device, the model's
@@ -40,7 +40,7 @@ def start_trial_server(*, estimate: bool = False) -> None:
 
 
 def start_estimate_server() -> None:
-    """Estimates will run in this process, and no trial (estimate, find --plan): start their server now, forked
+    """Estimates will run in this process, and no trial (the estimate command): start their server now, forked
     from this process where it may be (as the trial server is)."""
     from autotune.estimate.client import start_estimate_server as start
 
