@@ -390,9 +390,16 @@ def _header(
         f"gradient accumulation: {config.grad_accum_steps(workload)}, global batch: {workload.global_batch}",
         *(_nodes_lines(workload) if launch is None else launch),
     ]
-    if not in_job_code:
-        return _comments(lines + [f"{key}: {value}" for key, value in summary.items()])
-    lines += [line for lever in HEADER_ORDER for line in lever.header_lines(config)]
+    if in_job_code:
+        lines += _job_code_lines(config, workload, trains)
+    lines += [f"{key}: {value}" for key, value in summary.items()]
+    return "".join(f"# {' '.join(str(line).split())}\n" for line in lines)
+
+
+def _job_code_lines(config: TrialConfig, workload: Workload, trains: dict[str, Any]) -> list[str]:
+    """Header lines on what a job built on Transformers applies for each lever: how it is turned on, LoRA's
+    adapters, the quantized base, and what no library's config carries."""
+    lines = [line for lever in HEADER_ORDER for line in lever.header_lines(config)]
     if config.uses_lora:
         lora = trains["lora"]
         targets = lora.get("targets_note") or (",".join(lora["targets"]) if lora["targets"] else "default")
@@ -403,13 +410,7 @@ def _header(
     else:
         lines.append("LoRA: off (all weights trained)")
     lines += quantization_lines(config)
-    lines += in_code(config, workload)
-    lines += [f"{key}: {value}" for key, value in summary.items()]
-    return _comments(lines)
-
-
-def _comments(lines: list[Any]) -> str:
-    return "".join(f"# {' '.join(str(line).split())}\n" for line in lines)
+    return lines + in_code(config, workload)
 
 
 def _nodes_lines(workload: Workload) -> list[str]:

@@ -52,7 +52,7 @@ def torchtitan_config(config: TrialConfig, workload: Workload, *, device_type: s
     return {name: tables[name] for name in ordered}
 
 
-def torchtitan_launch(workload: Workload, file_name: str = "torchtitan.toml") -> list[str]:
+def torchtitan_launch(workload: Workload, file_name: str) -> list[str]:
     """Header lines: how torchtitan 0.2 starts with this file, on one node or on each of several."""
     per_node = workload.ranks_per_node
     if workload.nodes == 1:
