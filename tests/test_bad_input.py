@@ -137,6 +137,28 @@ BAD_INPUTS = [
         "--memory-budget 80.0 GiB is more than A100-40GB's 40.0 GiB",
     ),
     (["estimate", "--gpu", "V100-16GB", "--precision", "bf16"], "--precision bf16: V100-16GB has no bfloat16"),
+    (
+        ["estimate", "--gpu", "H100-80GB", "--nproc", "12", "--global-batch", "12"],
+        "--nproc 12 does not fill nodes of 8 GPUs (the H100-80GB's node; --gpus-per-node sets it)",
+    ),
+    (["estimate", "--gpus-per-node", "8"], "--gpus-per-node sizes the nodes of a card planned for; add --gpu CARD"),
+    (
+        [
+            "find",
+            "--plan",
+            "--gpu",
+            "A100-80GB",
+            "--nproc",
+            "16",
+            "--global-batch",
+            "16",
+            "--nodes",
+            "4",
+            "--gpus-per-node",
+            "8",
+        ],
+        "--nodes 4 of --gpus-per-node 8 hold 32 GPUs, not --nproc 16",
+    ),
     # a plan predicts from autotune's own trace, for a card: without one named and none here, or of a script: refused
     (["find", "--plan"], "--plan plans for a GPU and none is visible here: name the card with --gpu NAME"),
     (

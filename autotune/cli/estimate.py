@@ -23,6 +23,14 @@ def estimate(
         ),
     ] = None,
     gpu: Optional[str] = None,
+    gpus_per_node: Annotated[
+        Optional[int],
+        typer.Option(
+            "--gpus-per-node",
+            help="With --gpu: the GPUs each node holds (default: the card's reference node, 8 for a DGX H100); "
+            "--nproc fills such nodes, which sets where ranks talk over the network and hybrid's shard groups.",
+        ),
+    ] = None,
     memory_budget: Optional[str] = None,
     headroom: float = 0.1,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per config, a line each.")] = False,
@@ -40,8 +48,11 @@ def estimate(
     from autotune.search.estimates import estimate_configs
 
     start_estimate_server()  # before the checks, which need torch and Transformers too
+    from autotune.config.gpus import on_card_nodes
+
     if gpu is not None:
         workload = workload.replace(gpu=gpu)  # checks the name, and that the device is CUDA
+    workload = on_card_nodes(workload, gpus_per_node)
     estimates = estimate_configs(
         workload=workload, config=config, space=space, memory_budget_bytes=size(memory_budget), headroom=headroom
     )

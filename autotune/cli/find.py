@@ -13,6 +13,7 @@ from autotune.cli.options import OUTPUT_HELP, Script, command
 from autotune.cli.parse import duration, size
 from autotune.cli.searching import finish, on_slurm, progress, refuse_max_time_on_slurm, search_arguments
 from autotune.cli.servers import start_trial_server
+from autotune.config.gpus import on_card_nodes
 from autotune.config.workload import Workload
 from autotune.errors import ConfigError
 from autotune.search.slurm import Executor
@@ -63,7 +64,8 @@ def find(
     if gpu is not None:
         workload = workload.replace(gpu=gpu)  # checks the name, and that the device is CUDA
     _refuse_what_does_not_go_together(plan, workload=workload, script=script, export=export, output=output)
-    if plan:
+    if plan:  # the card's nodes: --nodes, else --gpus-per-node's, else its reference node's
+        workload = on_card_nodes(workload.replace(nodes=executor.nodes), executor.gpus_per_node)
         return _plan(workload, space=space, budget=size(memory_budget), headroom=headroom, as_json=as_json)
     resources = executor.resources(nproc=workload.nproc, command=script)
     if resources is None and workers != 1:

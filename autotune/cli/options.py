@@ -182,8 +182,19 @@ EXECUTOR_OPTIONS = {
         "local: the --workers are processes on this machine; slurm: each worker is a SLURM job holding "
         "one trial's nodes, GPUs and ranks (needs a journal or PostgreSQL --storage).",
     ),
-    "nodes": Option(int, 1, ("--nodes",), "Nodes one trial spans (--executor slurm); --nproc counts its ranks in all."),
-    "gpus_per_node": Option(Optional[int], None, ("--gpus-per-node",), "GPUs each worker job asks for per node."),
+    "nodes": Option(
+        int,
+        1,
+        ("--nodes",),
+        "Nodes one trial spans (--executor slurm; find --plan: the nodes of --gpu); --nproc counts its ranks in all.",
+    ),
+    "gpus_per_node": Option(
+        Optional[int],
+        None,
+        ("--gpus-per-node",),
+        "GPUs each worker job asks for per node (find --plan: each node of --gpu holds; default: the card's "
+        "reference node, 8 for a DGX H100).",
+    ),
     "partition": Option(Optional[str], None, ("--partition",), "SLURM partition of the worker jobs."),
     "account": Option(Optional[str], None, ("--account",), "SLURM account the worker jobs are charged to."),
     "slurm_time": Option(Optional[str], None, ("--time",), "Time limit of each worker job, as sbatch takes it."),

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from autotune.config.device import DeviceInfo
 from autotune.errors import WorkloadError
 
-__all__ = ["GpuSpec", "GPUS", "gpu_spec", "gpu_names", "device_info"]
+if TYPE_CHECKING:
+    from autotune.config.workload import Workload
+
+__all__ = ["GpuSpec", "GPUS", "gpu_spec", "gpu_names", "device_info", "on_card_nodes"]
 
 _MiB = 2**20
 _T = 10**12
@@ -44,6 +48,10 @@ class GpuSpec:
     link_bandwidth: float  # bytes/s per GPU, one direction, to its peers (NVLink or PCIe)
     host_link_bandwidth: float  # bytes/s per GPU, one direction, to host memory (its PCIe generation, x16)
     context_bytes: int  # the CUDA context and kernels, before any tensor
+    # The node such cards come in (see _CARDS' sources): how many share one node's links, and the network
+    # between nodes, in bytes/s per GPU, one direction (the node's compute-fabric ports over its GPUs).
+    gpus_per_node: int
+    network_bandwidth: float
     fp8_flops: float | None = None  # dense float8 tensor-core peak (fp32 accumulation); None: no float8 cores
 
     @property
@@ -73,6 +81,15 @@ class GpuSpec:
 # torch._scaled_mm uses). Links: NVLink per direction (V100 NVLink2 300 GB/s both ways, A100 NVLink3 600,
 # H100/H200 NVLink4 900, MI300X Infinity Fabric 896), PCIe x16 per direction for the host (Gen3 16 GB/s,
 # Gen4 32, Gen5 64).
+# Nodes: each card's reference system, its GPUs and its compute fabric's ports (Gb/s over 8 bits, over its GPUs):
+# - V100: NVIDIA DGX-1 (V100), 8 GPUs, four 100 Gb/s EDR InfiniBand ports (its data sheet): 6.25 GB/s per GPU. A
+#   DGX-2's 16 V100s with eight such ports give the same per GPU: --gpus-per-node 16.
+# - A100: NVIDIA DGX A100, 8 GPUs, eight single-port 200 Gb/s HDR ConnectX-6 for the compute fabric (its user
+#   guide, "Introduction to the NVIDIA DGX A100 System"): 25 GB/s per GPU.
+# - H100, H200: NVIDIA DGX H100/H200, 8 GPUs, eight single-port 400 Gb/s NDR ConnectX-7 (its user guide): 50 GB/s.
+# - MI300X: the 8-GPU OAM platform, one 400 Gb/s InfiniBand port per GPU as Azure's ND MI300X v5 has: 50 GB/s.
+# - L40S: PCIe servers without NVLink; AWS's g6e.48xlarge, 8 GPUs on 400 Gb/s of EFA: 6.25 GB/s per GPU.
+# - RTX 4090: no reference system; a workstation server of 8 on one 100 Gb/s port, a guess: 1.5625 GB/s.
 _CARDS = (
     GpuSpec(
         name="V100-16GB",
@@ -89,6 +106,8 @@ _CARDS = (
         # that had loaded PyTorch's kernels and one tiny tensor on a V100 (CUDA 11.2: before
         # lazy loading, so every kernel was loaded)
         context_bytes=1_343 * _MiB,
+        gpus_per_node=8,
+        network_bandwidth=6.25 * _G,
     ),
     GpuSpec(
         name="V100-32GB",
@@ -102,6 +121,8 @@ _CARDS = (
         link_bandwidth=150 * _G,
         host_link_bandwidth=16 * _G,
         context_bytes=1_343 * _MiB,
+        gpus_per_node=8,
+        network_bandwidth=6.25 * _G,
     ),
     GpuSpec(
         name="A100-40GB",
@@ -115,6 +136,8 @@ _CARDS = (
         link_bandwidth=300 * _G,
         host_link_bandwidth=32 * _G,
         context_bytes=_TYPICAL_CONTEXT,
+        gpus_per_node=8,
+        network_bandwidth=25 * _G,
     ),
     GpuSpec(
         name="A100-80GB",
@@ -128,6 +151,8 @@ _CARDS = (
         link_bandwidth=300 * _G,
         host_link_bandwidth=32 * _G,
         context_bytes=_TYPICAL_CONTEXT,
+        gpus_per_node=8,
+        network_bandwidth=25 * _G,
     ),
     GpuSpec(
         name="H100-80GB",
@@ -141,6 +166,8 @@ _CARDS = (
         link_bandwidth=450 * _G,
         host_link_bandwidth=64 * _G,
         context_bytes=_TYPICAL_CONTEXT,
+        gpus_per_node=8,
+        network_bandwidth=50 * _G,
         fp8_flops=1_979 * _T,
     ),
     GpuSpec(
@@ -155,6 +182,8 @@ _CARDS = (
         link_bandwidth=450 * _G,
         host_link_bandwidth=64 * _G,
         context_bytes=_TYPICAL_CONTEXT,
+        gpus_per_node=8,
+        network_bandwidth=50 * _G,
         fp8_flops=1_979 * _T,
     ),
     GpuSpec(
@@ -169,6 +198,8 @@ _CARDS = (
         link_bandwidth=32 * _G,
         host_link_bandwidth=32 * _G,
         context_bytes=_TYPICAL_CONTEXT,
+        gpus_per_node=8,
+        network_bandwidth=6.25 * _G,
         fp8_flops=733 * _T,
     ),
     GpuSpec(
@@ -183,6 +214,8 @@ _CARDS = (
         link_bandwidth=32 * _G,
         host_link_bandwidth=32 * _G,
         context_bytes=_TYPICAL_CONTEXT,
+        gpus_per_node=8,
+        network_bandwidth=1.5625 * _G,
         fp8_flops=330 * _T,
     ),
     GpuSpec(
@@ -197,6 +230,8 @@ _CARDS = (
         link_bandwidth=448 * _G,
         host_link_bandwidth=64 * _G,
         context_bytes=_TYPICAL_CONTEXT,
+        gpus_per_node=8,
+        network_bandwidth=50 * _G,
         fp8_flops=2_615 * _T,
     ),
 )
@@ -231,3 +266,39 @@ def device_info(card: GpuSpec, *, count: int = 1) -> DeviceInfo:
         fp16_deepspeed=True,
         compute_capability=card.compute_capability,
     )
+
+
+def on_card_nodes(workload: Workload, gpus_per_node: int | None = None) -> Workload:
+    """``workload`` for its named card (``--gpu``) on the nodes its ranks fill: ``gpus_per_node`` GPUs each
+    (``--gpus-per-node``), else the card's reference node's (8 for a DGX H100). Nodes the workload names already
+    (``--nodes``) stay. Where the nodes are is what a plan prices between them (the network), and what hybrid
+    sharding's groups default to (one node's ranks)."""
+    if gpus_per_node is not None and (
+        not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1
+    ):
+        raise WorkloadError(f"--gpus-per-node {gpus_per_node!r} must be a whole number of at least 1")
+    if workload.gpu is None:
+        if gpus_per_node is not None:
+            raise WorkloadError(
+                "--gpus-per-node sizes the nodes of a card planned for; add --gpu CARD, or leave it out"
+            )
+        return workload
+    nproc, nodes = workload.nproc, workload.nodes
+    if nodes > 1:
+        if gpus_per_node is not None and gpus_per_node * nodes != nproc:
+            raise WorkloadError(
+                f"--nodes {nodes} of --gpus-per-node {gpus_per_node} hold {nodes * gpus_per_node} GPUs, not "
+                f"--nproc {nproc}; give one of --nodes and --gpus-per-node"
+            )
+        return workload
+    card = gpu_spec(workload.gpu)
+    per_node = gpus_per_node or card.gpus_per_node
+    if nproc <= per_node:
+        return workload
+    if nproc % per_node:
+        source = f"--gpus-per-node {per_node}" if gpus_per_node else f"the {card.name}'s node; --gpus-per-node sets it"
+        raise WorkloadError(
+            f"--nproc {nproc} does not fill nodes of {per_node} GPUs ({source}); use a multiple of {per_node}, "
+            f"or --gpus-per-node N with N dividing {nproc}"
+        )
+    return workload.replace(nodes=nproc // per_node)

@@ -87,12 +87,9 @@ _ATTENTION_UNMEASURED = 0.5
 # on a GPU it only shows where kernels are shorter (small models, small micro batches).
 _GPU_DISPATCH_S = 8e-6
 _LINK_EFFICIENCY = 0.75  # NCCL's bus bandwidth over the link's, on large messages
-# Bytes/s per GPU between nodes: one 400 Gb/s InfiniBand NDR port per GPU, as a DGX H100/H200 has (NVIDIA DGX
-# H100/H200 User Guide, "Introduction to the NVIDIA DGX H100/H200 System": eight single-port ConnectX-7 cards
-# for the compute fabric, 400 Gb/s each). A DGX A100's are 200 Gb/s HDR (its user guide: eight ConnectX-6
-# ports): half of this, which the A100s do not say yet.
+# The network between the nodes of a GPU here (probed, not a named card): a DGX H100's, one 400 Gb/s InfiniBand
+# port a GPU (a named card's network is its own: autotune.config.gpus).
 _INFINIBAND = 50e9
-_GPUS_PER_NODE = 8
 _DDP_BUCKET = 25 * 2**20  # DDP's last bucket is all-reduced after the backward ends
 _HOST_ADAM_BYTES = 28  # per parameter: fp32 weight, gradient, m, v read; weight, m, v written
 _HOST_BANDWIDTH = 50e9  # a host's memory bandwidth for the offloaded optimizer step
@@ -118,6 +115,7 @@ class DeviceProfile:
     peak_flops: float | None = None  # what MFU counts against (dense bf16 on a GPU)
     collective_s: float | None = None  # one small collective between ranks, beyond its bytes
     attention_efficiency: float | None = None  # fused attention's FLOP/s over the matmuls' (None: as a matmul)
+    network_bandwidth: float | None = None  # bytes/s per rank between nodes (None: a CPU's ranks share one machine)
     source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -125,6 +123,14 @@ class DeviceProfile:
 
     def describe(self) -> str:
         return f"{self.name}'s roofline ({self.source})"
+
+    def nodes(self, workload: Workload) -> str:
+        """Where ``workload``'s ranks are, as its collectives are timed: "" on one node."""
+        if workload.nodes == 1:
+            return ""
+        network = self.network_bandwidth or (_INFINIBAND * _LINK_EFFICIENCY if self.type == "cuda" else None)
+        between = f", {network / 1e9:.3g} GB/s a rank between them (NCCL's share of the network)" if network else ""
+        return f"{workload.nodes} nodes of {workload.ranks_per_node} ranks{between}"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DeviceProfile:
@@ -169,6 +175,7 @@ def card_profile(card: GpuSpec) -> DeviceProfile:
         dispatch_s=_GPU_DISPATCH_S,
         link_bandwidth=card.link_bandwidth * _LINK_EFFICIENCY,
         host_link_bandwidth=card.host_link_bandwidth,
+        network_bandwidth=card.network_bandwidth * _LINK_EFFICIENCY,
         peak_flops=card.bf16_flops or card.fp16_flops,
         source=f"published peaks, matmuls at the {efficiency:.0%} of them a run sustains (autotune.estimate.step_time)",
     )
@@ -232,7 +239,7 @@ def predict_step_time(
     if config.fsdp == "hybrid":
         traced_collectives = _hybrid_collectives_s(costs, config, accum, profile, workload)
     else:
-        traced_collectives = _collectives_s(costs, config, accum, profile, ranks)
+        traced_collectives = _collectives_s(costs, config, accum, profile, workload)
     if profile.type == "cpu":  # the host computes: its time and the device's are one
         compute = accum * (micro_device + micro_host)
         update = update_device + update_host
@@ -309,10 +316,13 @@ def _matmul_rate(profile: DeviceProfile, dtype: str, precision: str) -> float:
     return rate if rate else math.inf
 
 
-def _collectives_s(costs: StepCosts, config: TrialConfig, accum: int, profile: DeviceProfile, ranks: int) -> float:
+def _collectives_s(
+    costs: StepCosts, config: TrialConfig, accum: int, profile: DeviceProfile, workload: Workload
+) -> float:
     """The traced collectives of one optimizer step (FSDP2's, tensor parallel's), each moving (ranks-1)/ranks of its
     bytes: the gathers of every micro step, the gradients' reduce-scatters of the micro steps that reduce
     (``--grad-sync``). Collectives are never fused away."""
+    ranks = workload.nproc
     if ranks <= 1:
         return 0.0
     gathered = reduced = 0.0  # whole buffers, per micro step
@@ -322,7 +332,7 @@ def _collectives_s(costs: StepCosts, config: TrialConfig, accum: int, profile: D
         else:
             gathered += moved
     moved = accum * gathered + reducing_micro_steps(config, accum, costs.micro_steps) * reduced
-    return moved * (ranks - 1) / ranks / _link(profile, ranks)
+    return moved * (ranks - 1) / ranks / _link(profile, ranks, workload)
 
 
 def _hybrid_collectives_s(
@@ -346,12 +356,9 @@ def _hybrid_collectives_s(
     reducing = reducing_micro_steps(config, accum, costs.micro_steps)
     # A replicate group takes every shard-th rank: it spans the nodes there are. A shard group spans them where it
     # is larger than one node's ranks (consecutive ranks, as torchrun numbers them).
-    network = _link(profile, _GPUS_PER_NODE + 1)
-    nodes_apart = workload.nodes > 1 or (profile.type == "cuda" and workload.nproc > _GPUS_PER_NODE)
-    within_link = network if shard > workload.ranks_per_node else _link(profile, shard)
-    within = (accum * gathered + reducing * scattered) * (shard - 1) / shard / within_link
+    within = (accum * gathered + reducing * scattered) * (shard - 1) / shard / _link(profile, shard, workload)
     across = 2 * reducing * reduced * (replicas - 1) / replicas
-    return within + across / (network if nodes_apart else profile.link_bandwidth)
+    return within + across / _link(profile, workload.nproc, workload)
 
 
 def _traced_collectives(costs: StepCosts, micro_batch: int) -> Iterator[tuple[str, float]]:
@@ -362,10 +369,16 @@ def _traced_collectives(costs: StepCosts, micro_batch: int) -> Iterator[tuple[st
             yield op.name, op.count * (op.fixed_bytes + op.sample_bytes * micro_batch)
 
 
-def _link(profile: DeviceProfile, ranks: int) -> float:
-    if profile.type == "cuda" and ranks > _GPUS_PER_NODE:
-        return min(profile.link_bandwidth, _INFINIBAND * _LINK_EFFICIENCY)
-    return profile.link_bandwidth
+def _link(profile: DeviceProfile, ranks: int, workload: Workload) -> float:
+    """Bytes/s each rank of a collective over ``ranks`` consecutive ranks (as torchrun numbers them) moves: its
+    node's link where the group fits in one of the workload's nodes (a named card's: ``on_card_nodes``), else the
+    slower of that and the network between nodes."""
+    network = profile.network_bandwidth
+    if network is None and profile.type == "cuda":
+        network = _INFINIBAND * _LINK_EFFICIENCY
+    if network is None or ranks <= workload.ranks_per_node:
+        return profile.link_bandwidth
+    return min(profile.link_bandwidth, network)
 
 
 def _communication_s(
@@ -375,7 +388,7 @@ def _communication_s(
     config, ranks = estimate.config, workload.nproc
     if ranks <= 1:
         return 0.0
-    link = _link(profile, ranks)
+    link = _link(profile, ranks, workload)
     spread = (ranks - 1) / ranks
     if config.uses_fsdp:
         return max(traced - compute, 0.0) + _NOT_HIDDEN * traced

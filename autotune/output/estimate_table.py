@@ -85,9 +85,10 @@ def estimate_footer(last: EstimateRow, estimates: Estimates) -> str:
         lines.append(_cuda_footer(result, estimates.limit_bytes))
     lines.append(result.device_note or f"traced with {result.traced_device.upper()} kernels")
     if estimates.profile is not None:
+        nodes = estimates.profile.nodes(estimates.workload)
         lines.append(
             f"step: one optimizer step of the whole --global-batch, its traced operators timed against "
-            f"{estimates.profile.describe()}; nothing was run"
+            f"{estimates.profile.describe()}{f', on {nodes}' if nodes else ''}; nothing was run"
         )
     return "\n".join(lines)
 

@@ -411,7 +411,8 @@ def print_plan(plan: Plan, workload: Workload, *, console: Console | None = None
     console = console or Console(width=max(Console().width, 132, longest + 100))
     per = f"/s per {'GPU' if workload.device != 'cpu' else 'rank'}"
     unit = "tokens" if any(row.step.tokens_per_s for row in plan.rows) else "samples"
-    table = Table(title=f"plan for {workload.model} on {workload.nproc} x {plan.device} (nothing was run)")
+    nodes = f", {workload.nodes} nodes of {workload.ranks_per_node}" if workload.nodes > 1 else ""
+    table = Table(title=f"plan for {workload.model} on {workload.nproc} x {plan.device}{nodes} (nothing was run)")
     for name in ("", "config", f"{unit}{per}", "step", "MFU", "memory", "nvidia-smi", "headroom", ""):
         table.add_column(name, justify="left" if name in ("", "config") else "right", no_wrap=True)
     for rank, row in enumerate(shown, start=1):

@@ -174,7 +174,7 @@ def plan(
         rows = [_verify(row, row.step.samples_per_s >= top * (1 - PLAN_ERROR)) for row in rows]
     return Plan(
         device=profile.name,
-        profile_source=profile.describe(),
+        profile_source=profile.describe() + (f", on {nodes}" if (nodes := profile.nodes(workload)) else ""),
         memory_budget_bytes=memory_budget_bytes,
         limit_bytes=limit_bytes,
         rows=rows,

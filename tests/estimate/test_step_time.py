@@ -268,6 +268,35 @@ def test_hybrid_gathers_within_its_shard_group_and_all_reduces_across_nodes():
     assert step.communication_s == pytest.approx(max(traced - step.compute_s, 0.0) + 0.05 * traced)
 
 
+@pytest.mark.parametrize(
+    "card, gpus_per_node, link",
+    [
+        ("A100-80GB", None, 25e9),  # two DGX A100s: one 200 Gb/s HDR port a GPU
+        ("H100-80GB", None, 50e9),  # two DGX H100s: one 400 Gb/s NDR port a GPU
+        ("H100-80GB", 16, 450e9),  # one node of 16 (--gpus-per-node 16): NVLink between them all
+        ("L40S", None, 6.25e9),  # PCIe servers of 8 on 400 Gb/s of Ethernet
+    ],
+)
+def test_fsdp_over_two_nodes_moves_its_bytes_at_the_cards_network_per_gpu(card, gpus_per_node, link):
+    """16 ranks of FSDP full on a named card fill the card's nodes (--gpus-per-node, else its reference node's):
+    past one node each gather and reduce-scatter moves 15/16 of its bytes at the network's bandwidth per GPU, the
+    slower of it and the node's link, at NCCL's 3/4 of either."""
+    from autotune.config.gpus import on_card_nodes
+
+    gathered = 8e9
+    costs = dataclasses.replace(
+        HAND,
+        ops=(*HAND.ops, OpCost("forward", "collective", "_allgather_base_", "float32", 0.0, gathered, 0.0, 1.0)),
+    )
+    typed = Workload(model="builtin:llama-tiny", seq_len=128, global_batch=16, nproc=16, gpu=card)
+    workload = on_card_nodes(typed, gpus_per_node)
+    assert workload.nodes == (1 if gpus_per_node == 16 else 2)
+    profile = card_profile(gpu_spec(card))
+    step = predict_step_time(_hand_estimate(TrialConfig(micro_batch=1, fsdp="full"), costs), workload, profile)
+    traced = gathered * 15 / 16 / (min(link, gpu_spec(card).link_bandwidth) * 0.75)
+    assert step.communication_s == pytest.approx(max(traced - step.compute_s, 0.0) + 0.05 * traced)
+
+
 @pytest.mark.parametrize("accum", [1, 2, 8])
 def test_fsdp_reduces_on_each_micro_step_or_once_a_step_as_grad_sync_says(accum):
     """A trace of two micro steps under --grad-sync last holds one reduce-scatter, a mean of one half per micro step:

@@ -185,3 +185,25 @@ def test_twins_share_one_row_that_says_why_it_shows_the_one_it_shows(tmp_path):
     print_plan(result, Workload(global_batch=32), console=console)
     text = console.export_text()
     assert "mb=1 bf16/fp32" in text and "a/b: the same, here" in text
+
+
+def test_a_plan_on_more_ranks_than_the_cards_node_spans_its_nodes_and_shards_within_them(tmp_path):
+    """16 A100s fill two of their reference nodes (a DGX A100's 8): the plan prices the collectives between nodes at
+    the card's network per GPU and plans hybrid sharding, whose shard groups are one node's ranks. Typed as one node
+    (--gpus-per-node 16), hybrid has no node to shard within and is not planned."""
+    from autotune.config.gpus import on_card_nodes
+
+    (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [1]\n  precision: [bf16]\n  fsdp: [full, hybrid]\n")
+    typed = Workload(model="builtin:llama-tiny", seq_len=128, global_batch=16, nproc=16, gpu="A100-80GB")
+    plans = {
+        per_node: plan_space(
+            workload=on_card_nodes(typed, per_node), space=str(tmp_path / "space.yaml"), memory_budget_bytes=2**30
+        )
+        for per_node in (None, 16)
+    }
+    assert {"full", "hybrid"} <= {row.config.fsdp for row in plans[None].rows}
+    assert "on 2 nodes of 8 ranks, 18.8 GB/s a rank between them" in plans[None].profile_source
+    assert "hybrid" not in {row.config.fsdp for row in plans[16].rows} and "nodes" not in plans[16].profile_source
+    # The same FSDP full, its gathers over NVLink on one node, over the network on two: slower.
+    full = {per_node: next(r for r in plan.rows if r.config.fsdp == "full") for per_node, plan in plans.items()}
+    assert full[None].step.communication_s > full[16].step.communication_s
