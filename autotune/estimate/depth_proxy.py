@@ -119,14 +119,17 @@ def _totals(
     counted: Counter[OpCost], ops: set[OpCost]
 ) -> dict[tuple[str, str, str, str, bool, bool], tuple[float, ...]]:
     """Per (phase, kind, operator, dtype, fusable, in a layer): count, FLOPs, model-state bytes, per-sample
-    bytes in all."""
+    bytes, and what fusing adds of each, in all."""
     totals: dict[tuple[str, str, str, str, bool, bool], tuple[float, ...]] = {}
     for op in ops:
         n = counted[op]
         key = (op.phase, op.kind, op.name, op.dtype, op.fusable, op.in_layer)
-        c, f, x, s = totals.get(key, (0.0, 0.0, 0.0, 0.0))
-        totals[key] = (c + n, f + n * op.flops, x + n * op.fixed_bytes, s + n * op.sample_bytes)
+        figures = (1.0, op.flops, op.fixed_bytes, op.sample_bytes, op.fused_fixed_bytes, op.fused_sample_bytes)
+        totals[key] = tuple(t + n * x for t, x in zip(totals.get(key, _ZERO), figures, strict=True))
     return totals
+
+
+_ZERO = (0.0,) * 6
 
 
 def _extrapolated_costs(two: StepCosts, four: StepCosts, line: Callable[[float, float], float]) -> StepCosts:
@@ -143,9 +146,8 @@ def _extrapolated_costs(two: StepCosts, four: StepCosts, line: Callable[[float, 
     # embedding's gradient...): its operators of a kind, their count and totals, each on its line.
     left_a, left_b = _totals(a, a.keys() - b.keys()), _totals(b, b.keys() - a.keys())
     for group in left_a.keys() | left_b.keys():
-        zero = (0.0, 0.0, 0.0, 0.0)
-        count, flops, fixed, sample = (
-            line(x, y) for x, y in zip(left_a.get(group, zero), left_b.get(group, zero), strict=True)
+        count, flops, fixed, sample, fused_fixed, fused_sample = (
+            line(x, y) for x, y in zip(left_a.get(group, _ZERO), left_b.get(group, _ZERO), strict=True)
         )
         if count > 0:
             phase, kind, name, dtype, fusable, in_layer = group
@@ -161,6 +163,8 @@ def _extrapolated_costs(two: StepCosts, four: StepCosts, line: Callable[[float, 
                     count,
                     fusable,
                     in_layer,
+                    fused_fixed / count,  # a saving may be negative
+                    fused_sample / count,
                 )
             )
     return StepCosts(

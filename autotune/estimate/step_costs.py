@@ -25,6 +25,9 @@ __all__ = ["OpCost", "StepCosts", "CostRecorder"]
 # included), the optimizer's update once per step.
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
 MATMUL, ATTENTION, COLLECTIVE, OTHER = "matmul", "attention", "collective", "other"
+# A compiled step's operator that joins the kernel of the one before it (``OpCost.fusable``): it launches nothing,
+# and moves its ``fused_*_bytes`` (see OpCost).
+FUSED = "fused"
 # Causal attention kernels (flash, memory-efficient) skip the masked half of the score blocks;
 # PyTorch's flop counter counts the whole square.
 _CAUSAL_WORK = 0.5
@@ -61,6 +64,11 @@ class OpCost:
     # A forward operator of a layer that activation checkpointing wraps: under checkpointing it runs
     # again in the backward (the embedding, the head and the loss do not).
     in_layer: bool = False
+    # What a fusable operator adds to its fused kernel's traffic: its bytes less twice the tensor it reads from the
+    # operator before it, which that one no longer writes and it no longer reads. Over a chain this leaves what
+    # Inductor's kernel moves: the head's inputs, every other tensor read from memory, and the last output.
+    fused_fixed_bytes: float = 0.0
+    fused_sample_bytes: float = 0.0
 
     def to_list(self) -> list[Any]:
         return [
@@ -74,6 +82,8 @@ class OpCost:
             self.count,
             self.fusable,
             self.in_layer,
+            self.fused_fixed_bytes,
+            self.fused_sample_bytes,
         ]
 
     @classmethod
@@ -89,6 +99,8 @@ class OpCost:
             float(row[7]),
             bool(row[8]) if len(row) > 8 else False,
             bool(row[9]) if len(row) > 9 else False,
+            float(row[10]) if len(row) > 10 else 0.0,
+            float(row[11]) if len(row) > 11 else 0.0,
         )
 
 
@@ -110,11 +122,14 @@ class StepCosts:
     ) -> list[tuple[str, str, float, float, float]]:
         """(kind, dtype, FLOPs, bytes, count) of one micro step's operators at ``micro_batch`` (of ``phase``
         alone: forward or backward). ``fused``: as a compiler runs them, each chain of elementwise
-        operators one kernel (the fusable ones leave out: the chain's head moves its own bytes)."""
+        operators one kernel: the chain's head launches it, the others join it (kind ``fused``, with what
+        they add to its traffic, which is negative where they save more than they move)."""
         return [
-            (op.kind, op.dtype, op.flops * micro_batch, op.fixed_bytes + op.sample_bytes * micro_batch, op.count)
+            (FUSED, op.dtype, 0.0, op.fused_fixed_bytes + op.fused_sample_bytes * micro_batch, op.count)
+            if fused and op.fusable
+            else (op.kind, op.dtype, op.flops * micro_batch, op.fixed_bytes + op.sample_bytes * micro_batch, op.count)
             for op in self.ops
-            if op.phase != UPDATE and phase in (None, op.phase) and not (fused and op.fusable)
+            if op.phase != UPDATE and phase in (None, op.phase)
         ]
 
     def update(self) -> list[tuple[str, str, float, float, float]]:
@@ -193,7 +208,7 @@ class CostRecorder:
         """``model_state(tensor)``: whether the tracker knows ``tensor`` as a model state (or a copy of one)."""
         self._model_state = model_state
         self.phase: str | None = None
-        self._ops: Counter[tuple[str, str, str, str, float, float, float, bool, bool]] = Counter()
+        self._ops: Counter[tuple[str, str, str, str, float, float, float, bool, bool, float, float]] = Counter()
         self._derived: set[Any] = set()  # storages made from model states alone (autocast's weight copies)
         self._last_written: set[Any] = set()  # what the last elementwise operator wrote (a chain continues from it)
         self._forward_flops = 0.0
@@ -223,7 +238,8 @@ class CostRecorder:
         sample = sum(nbytes for nbytes, state in kernel.moved.values() if not state)
         self._last_written = set()
         in_layer = self.phase == FORWARD and self._in_layers > 0
-        key = (self.phase, OTHER, "one_kernel", kernel.dtype or "float32", kernel.flops, fixed, sample, False, in_layer)
+        dtype = kernel.dtype or "float32"
+        key = (self.phase, OTHER, "one_kernel", dtype, kernel.flops, fixed, sample, False, in_layer, 0.0, 0.0)
         self._ops[key] += 1
 
     def record(
@@ -261,7 +277,19 @@ class CostRecorder:
         sample = sum(nbytes for nbytes, state in moved if not state)
         if inputs and all(in_states):
             self._derived.update(out_storages)
-        fusable = kind == OTHER and any(storage in self._last_written for storage in in_storages)
+        # What it reads of the tensors the operator before it wrote: if the two fuse, that one never writes them
+        # (once each) and this one never reads them (each time it does).
+        chained = [
+            (storage, nbytes, state)
+            for storage, (nbytes, state) in zip(in_storages, moved if kind != COLLECTIVE else [], strict=False)
+            if storage in self._last_written
+        ]
+        fusable = kind == OTHER and bool(chained)
+        saved = [0.0, 0.0]  # model-state bytes, per-sample bytes
+        written_once = {storage: (nbytes, state) for storage, nbytes, state in chained}
+        for nbytes, state in [*((nbytes, state) for _, nbytes, state in chained), *written_once.values()]:
+            saved[not state] += nbytes
+        fused_fixed, fused_sample = (fixed - saved[0], sample - saved[1]) if fusable else (0.0, 0.0)
         self._last_written = set(out_storages) if kind == OTHER else set()
         if kind == ATTENTION and _causal(func, args, kwargs):
             flops *= _CAUSAL_WORK
@@ -269,7 +297,9 @@ class CostRecorder:
         if self.phase == FORWARD:
             self._forward_flops += flops
         in_layer = self.phase == FORWARD and self._in_layers > 0
-        self._ops[(self.phase, kind, name, dtype, float(flops), fixed, sample, fusable, in_layer)] += 1
+        self._ops[
+            (self.phase, kind, name, dtype, float(flops), fixed, sample, fusable, in_layer, fused_fixed, fused_sample)
+        ] += 1
 
     def _state(self, tensor: Any) -> bool:
         """A model state, or made from model states alone: moved whole whatever the micro batch."""
@@ -292,7 +322,7 @@ class CostRecorder:
         """The counts so far: ``micro_steps`` micro steps of ``micro_batch`` samples each, and one update."""
         micro_steps = max(micro_steps, 1)
         ops = tuple(
-            OpCost(phase, kind, name, dtype, flops, fixed + sample, 0.0, count, fusable, in_layer)
+            OpCost(phase, kind, name, dtype, flops, fixed + sample, 0.0, count, fusable, in_layer, 0.0, 0.0)
             if phase == UPDATE
             # a micro step's operator: model-state bytes whole, the rest per sample; the traced micro
             # steps differ a little (the first assigns gradients, the next accumulate): their mean
@@ -307,8 +337,13 @@ class CostRecorder:
                 count / micro_steps,
                 fusable,
                 in_layer,
+                fused_fixed,
+                fused_sample / micro_batch,
             )
-            for (phase, kind, name, dtype, flops, fixed, sample, fusable, in_layer), count in self._ops.items()
+            for (
+                (phase, kind, name, dtype, flops, fixed, sample, fusable, in_layer, fused_fixed, fused_sample),
+                count,
+            ) in self._ops.items()
         )
         return StepCosts(
             ops,

@@ -19,8 +19,10 @@ optimizer's update, then the communication no framework hides:
 * offload: gradients down and weights up the host link, and the optimizer step on the host.
 
 ``torch.compile`` is timed from the same (eager) trace: each chain of elementwise operators, where
-one reads what the one before it wrote, runs as one kernel that moves the chain head's bytes, as
-Inductor fuses them; matmuls and attention stay as they are.
+one reads what the one before it wrote, runs as one kernel, as Inductor fuses them: it reads the chain
+head's inputs and every other tensor the chain reads from memory, and writes what the chain's last
+operator writes (the tensors between them never go through memory); matmuls and attention stay as they
+are.
 
 Where the device profile comes from (:class:`DeviceProfile`): measured by the device probe on a
 device that is here; for a named card (``--gpu``) that is not, the card's published peaks with
@@ -35,7 +37,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from autotune.config.knobs import sixteen_bit_type
-from autotune.estimate.step_costs import ATTENTION, BACKWARD, COLLECTIVE, UPDATE
+from autotune.estimate.step_costs import ATTENTION, BACKWARD, COLLECTIVE, FUSED, UPDATE
 from autotune.levers.grad_reduction import reducing_micro_steps
 
 if TYPE_CHECKING:
@@ -292,6 +294,9 @@ def _phase_times(
     for kind, dtype, flops, moved, count in ops:
         if kind == COLLECTIVE:
             continue  # timed on the link, apart
+        if kind == FUSED:  # joins the kernel before it: its traffic (less what the fusion saves), no launch
+            device += count * moved / (profile.memory_bandwidth * share)
+            continue
         rate = _matmul_rate(profile, dtype, config.precision) * share
         if kind == ATTENTION and profile.attention_efficiency:
             rate *= profile.attention_efficiency

@@ -10,6 +10,7 @@ import pytest
 from autotune.config.gpus import gpu_spec
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
+from autotune.estimate import step_time
 from autotune.estimate.client import predict_memory
 from autotune.estimate.results import MemoryEstimate
 from autotune.estimate.step_costs import OpCost, StepCosts
@@ -148,6 +149,47 @@ HAND = StepCosts(
     forward_flops_per_sample=1e9,
     trainable_parameters=10**9,
 )
+
+
+def test_a_compiled_chain_moves_what_its_fused_kernel_reads_and_writes():
+    """torchao's float8 cast of a bf16 tensor as eager runs it: the amax (abs, then max), then the cast (upcast,
+    scale, clamp, downcast). Compiled, each chain is one kernel, as Inductor makes it: the amax reads x once (2
+    bytes an element) and the cast reads x and writes float8 (3), where the chains' heads alone move 4 and 6."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from autotune.estimate.step_costs import CostRecorder
+
+    recorder = CostRecorder(lambda tensor: False)
+    recorder.phase = "forward"
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            recorder.record(func, args, kwargs or {}, tree_leaves((args, kwargs)), tree_leaves(out), 0.0)
+            return out
+
+    n = 2**20
+    x = torch.randn(n, dtype=torch.bfloat16)
+    with Recording():
+        amax = torch.max(torch.abs(x))
+        scale = 448.0 / amax.float()
+        (x.to(torch.float32) * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    costs = recorder.costs(micro_batch=1, micro_steps=1, trainable_parameters=0)
+
+    def moved(fused: bool) -> float:
+        return sum(nbytes * count for _, _, _, nbytes, count in costs.micro_step(1, fused=fused))
+
+    assert moved(fused=True) == pytest.approx(5 * n, rel=1e-3)
+    heads = sum(op.fixed_bytes + op.sample_bytes for op in costs.ops if not op.fusable)
+    assert heads == pytest.approx(10 * n, rel=1e-3)  # what the chains' heads move: the rule before this one
+    assert moved(fused=False) > heads  # eager: every operator's kernel, each through memory
+    profile = _profile("cpu")
+    config = TrialConfig(micro_batch=1)
+    device, _ = step_time._phase_times(costs.micro_step(1, fused=True), profile, config, 1.0)
+    kernels = sum(op.count for op in costs.ops if not op.fusable)  # two chains and the scale's division
+    assert device == pytest.approx(5 * n / profile.memory_bandwidth + kernels * profile.kernel_s, rel=1e-3)
 
 
 def test_each_operator_takes_the_longer_of_its_flops_and_its_bytes_plus_a_kernel():
