@@ -23,14 +23,7 @@ def estimate(
         ),
     ] = None,
     gpu: Optional[str] = None,
-    gpus_per_node: Annotated[
-        Optional[int],
-        typer.Option(
-            "--gpus-per-node",
-            help="With --gpu: the GPUs each node holds (default: the card's reference node, 8 for a DGX H100); "
-            "--nproc fills such nodes, which sets where ranks talk over the network and hybrid's shard groups.",
-        ),
-    ] = None,
+    gpus_per_node: Optional[int] = None,
     memory_budget: Optional[str] = None,
     headroom: float = 0.1,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per config, a line each.")] = False,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Annotated, Callable, Optional
@@ -47,6 +48,7 @@ def find(
         ),
     ] = False,
     gpu: Optional[str] = None,
+    gpus_per_node: Optional[int] = None,
     as_json: bool = False,
     workers: int = 1,
     executor: Executor,
@@ -65,8 +67,9 @@ def find(
         workload = workload.replace(gpu=gpu)  # checks the name, and that the device is CUDA
     _refuse_what_does_not_go_together(plan, workload=workload, script=script, export=export, output=output)
     if plan:  # the card's nodes: --nodes, else --gpus-per-node's, else its reference node's
-        workload = on_card_nodes(workload.replace(nodes=executor.nodes), executor.gpus_per_node)
+        workload = on_card_nodes(workload.replace(nodes=executor.nodes), gpus_per_node)
         return _plan(workload, space=space, budget=size(memory_budget), headroom=headroom, as_json=as_json)
+    executor = dataclasses.replace(executor, gpus_per_node=gpus_per_node)
     resources = executor.resources(nproc=workload.nproc, command=script)
     if resources is None and workers != 1:
         raise ConfigError(f"--workers {workers} on find is for --executor slurm; use autotune tune --workers here")

@@ -105,6 +105,14 @@ OPTIONS = {
     ),
     "as_json": Option(bool, False, ("--json",), "Print one JSON object instead of a table."),
     "gpu": Option(Optional[str], None, ("--gpu",), _help(Workload, "gpu") + " --memory-budget defaults to its memory."),
+    "gpus_per_node": Option(
+        Optional[int],
+        None,
+        ("--gpus-per-node",),
+        "GPUs each node holds. With --gpu (estimate, find --plan): --nproc fills as many such nodes as it takes "
+        "(default: the card's reference node, 8 for a DGX H100). With --executor slurm: what each worker job "
+        "asks for per node.",
+    ),
     # tuning
     "space": Option(
         str,
@@ -187,13 +195,6 @@ EXECUTOR_OPTIONS = {
         1,
         ("--nodes",),
         "Nodes one trial spans (--executor slurm; find --plan: the nodes of --gpu); --nproc counts its ranks in all.",
-    ),
-    "gpus_per_node": Option(
-        Optional[int],
-        None,
-        ("--gpus-per-node",),
-        "GPUs each worker job asks for per node (find --plan: each node of --gpu holds; default: the card's "
-        "reference node, 8 for a DGX H100).",
     ),
     "partition": Option(Optional[str], None, ("--partition",), "SLURM partition of the worker jobs."),
     "account": Option(Optional[str], None, ("--account",), "SLURM account the worker jobs are charged to."),

@@ -28,7 +28,6 @@ def knobs(**values: Any) -> TrialConfig:
 def executor(
     executor: str,
     nodes: int,
-    gpus_per_node: int | None,
     partition: str | None,
     account: str | None,
     slurm_time: str | None,
@@ -37,11 +36,11 @@ def executor(
     slurm_signal: str | None,
     slurm_option: list[str] | None,
 ) -> Executor:
-    """The executor options (as typed) as one Executor; the library checks them against the workload."""
+    """The executor options (as typed) as one Executor (``--gpus-per-node``, shared with the plans, joins it in
+    find and tune); the library checks them against the workload."""
     return Executor(
         name=executor,
         nodes=nodes,
-        gpus_per_node=gpus_per_node,
         partition=partition,
         account=account,
         time=slurm_time,

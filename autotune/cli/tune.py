@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Optional
 
 import typer
@@ -34,6 +35,7 @@ def tune(
     confirm: bool,
     as_json: bool,
     executor: Executor,
+    gpus_per_node: Optional[int] = None,
     stop_on_evidence: Annotated[
         bool,
         typer.Option(
@@ -52,6 +54,7 @@ def tune(
     from autotune.search.slurm import worker_spec
     from autotune.search.tuner import tune as tune_study
 
+    executor = dataclasses.replace(executor, gpus_per_node=gpus_per_node)
     resources = executor.resources(nproc=workload.nproc, command=script)
     refuse_max_time_on_slurm(max_time, on_slurm=resources is not None, command="tune")
     # autotune.tune's arguments, here or in each SLURM worker

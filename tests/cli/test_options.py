@@ -79,10 +79,12 @@ def test_no_command_lists_the_workload_or_knob_options_itself() -> None:
 
 
 def test_find_and_tune_take_the_executor_options_from_one_declaration() -> None:
-    slurm = {"--executor", "--nodes", "--gpus-per-node", "--partition", "--account", "--time", "--qos"}
+    slurm = {"--executor", "--nodes", "--partition", "--account", "--time", "--qos"}
     slurm |= {"--constraint", "--signal", "--slurm-option"}
     assert {flag for option in options.EXECUTOR_OPTIONS.values() for flag in option.flags} == slurm
     for command in ("find", "tune"):
-        assert slurm <= _options(command), command
+        assert slurm | {"--gpus-per-node"} <= _options(command), command
     for command in ("trial", "estimate", "grid", "show"):
         assert not slurm & _options(command), command
+    # --gpus-per-node is a node's GPUs: what a SLURM job asks for per node, and the nodes a plan for a card fills
+    assert "--gpus-per-node" in _options("estimate") and "--gpus-per-node" not in _options("trial")
