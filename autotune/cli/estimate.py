@@ -8,6 +8,7 @@ import typer
 
 from autotune.cli.options import command
 from autotune.cli.parse import size
+from autotune.config.gpus import on_card_nodes
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 
@@ -41,8 +42,6 @@ def estimate(
     from autotune.search.estimates import estimate_configs
 
     start_estimate_server()  # before the checks, which need torch and Transformers too
-    from autotune.config.gpus import on_card_nodes
-
     if gpu is not None:
         workload = workload.replace(gpu=gpu)  # checks the name, and that the device is CUDA
     workload = on_card_nodes(workload, gpus_per_node)

@@ -115,6 +115,9 @@ def extrapolate(two: TracedStep, four: TracedStep, layers: int) -> TracedStep:
     )
 
 
+_ZERO = (0.0,) * 6  # a group's totals (see _totals) where one depth has none of its operators
+
+
 def _totals(
     counted: Counter[OpCost], ops: set[OpCost]
 ) -> dict[tuple[str, str, str, str, bool, bool], tuple[float, ...]]:
@@ -127,9 +130,6 @@ def _totals(
         figures = (1.0, op.flops, op.fixed_bytes, op.sample_bytes, op.fused_fixed_bytes, op.fused_sample_bytes)
         totals[key] = tuple(t + n * x for t, x in zip(totals.get(key, _ZERO), figures, strict=True))
     return totals
-
-
-_ZERO = (0.0,) * 6
 
 
 def _extrapolated_costs(two: StepCosts, four: StepCosts, line: Callable[[float, float], float]) -> StepCosts:

@@ -279,16 +279,21 @@ class CostRecorder:
             self._derived.update(out_storages)
         # What it reads of the tensors the operator before it wrote: if the two fuse, that one never writes them
         # (once each) and this one never reads them (each time it does).
-        chained = [
-            (storage, nbytes, state)
-            for storage, (nbytes, state) in zip(in_storages, moved if kind != COLLECTIVE else [], strict=False)
-            if storage in self._last_written
-        ]
-        fusable = kind == OTHER and bool(chained)
+        chained = (
+            [
+                (storage, nbytes, state)
+                for storage, (nbytes, state) in zip(in_storages, moved[: len(inputs)], strict=True)
+                if storage in self._last_written
+            ]
+            if kind == OTHER
+            else []
+        )
+        fusable = bool(chained)
         saved = [0.0, 0.0]  # model-state bytes, per-sample bytes
-        written_once = {storage: (nbytes, state) for storage, nbytes, state in chained}
-        for nbytes, state in [*((nbytes, state) for _, nbytes, state in chained), *written_once.values()]:
+        for _, nbytes, state in chained:  # its reads
             saved[not state] += nbytes
+        for nbytes, state in {storage: (nbytes, state) for storage, nbytes, state in chained}.values():
+            saved[not state] += nbytes  # the writes the operator before it no longer makes
         fused_fixed, fused_sample = (fixed - saved[0], sample - saved[1]) if fusable else (0.0, 0.0)
         self._last_written = set(out_storages) if kind == OTHER else set()
         if kind == ATTENTION and _causal(func, args, kwargs):

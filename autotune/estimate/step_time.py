@@ -126,11 +126,18 @@ class DeviceProfile:
     def describe(self) -> str:
         return f"{self.name}'s roofline ({self.source})"
 
+    def between_nodes(self) -> float | None:
+        """Bytes/s a rank moves to another node: a named card's network, else a DGX H100's for a GPU here; None
+        for a CPU, whose ranks share one machine."""
+        if self.network_bandwidth is not None or self.type != "cuda":
+            return self.network_bandwidth
+        return _INFINIBAND * _LINK_EFFICIENCY
+
     def nodes(self, workload: Workload) -> str:
         """Where ``workload``'s ranks are, as its collectives are timed: "" on one node."""
         if workload.nodes == 1:
             return ""
-        network = self.network_bandwidth or (_INFINIBAND * _LINK_EFFICIENCY if self.type == "cuda" else None)
+        network = self.between_nodes()
         between = f", {network / 1e9:.3g} GB/s a rank between them (NCCL's share of the network)" if network else ""
         return f"{workload.nodes} nodes of {workload.ranks_per_node} ranks{between}"
 
@@ -378,9 +385,7 @@ def _link(profile: DeviceProfile, ranks: int, workload: Workload) -> float:
     """Bytes/s each rank of a collective over ``ranks`` consecutive ranks (as torchrun numbers them) moves: its
     node's link where the group fits in one of the workload's nodes (a named card's: ``on_card_nodes``), else the
     slower of that and the network between nodes."""
-    network = profile.network_bandwidth
-    if network is None and profile.type == "cuda":
-        network = _INFINIBAND * _LINK_EFFICIENCY
+    network = profile.between_nodes()
     if network is None or ranks <= workload.ranks_per_node:
         return profile.link_bandwidth
     return min(profile.link_bandwidth, network)
