@@ -39,12 +39,44 @@ def _offline_and_factories(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
 
 
+# The cores this run may use, as it started. In a parallel run each worker computes on its own share of them
+# (_worker_cores): a trial pins itself to the cores free when it starts, and autotune's trials take turns per
+# core (autotune.search.workers.cpu_turn), so the workers' trials run side by side, each on its own cores,
+# where on shared cores one worker's trial waited for the other's, or ran its threads on a core the other
+# then took (an OpenMP region waits for its slowest thread).
+ALL_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def _worker_cores(alone: bool) -> list[int]:
+    """This xdist worker's share of ALL_CORES; all of them for a test that runs alone (and in a run of one
+    process). With more workers than cores, the workers take the cores in turn (gw0 and gw2 both on the
+    first of two)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if alone or worker is None or not ALL_CORES:
+        return ALL_CORES
+    index = int(worker.removeprefix("gw"))
+    if count >= len(ALL_CORES):
+        return [ALL_CORES[index % len(ALL_CORES)]]
+    share = len(ALL_CORES) // count
+    return ALL_CORES[index * share : (index + 1) * share]
+
+
+def _compute_on(cores: list[int]) -> None:
+    """Pin this process (and so every process a test starts) to ``cores``, with as many torch threads."""
+    if not cores or sorted(os.sched_getaffinity(0)) == cores:
+        return
+    os.sched_setaffinity(0, cores)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(len(cores))
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """In a parallel run (pytest -n), a test marked ``alone`` runs while no other test does: it reads which
-    cores are busy, or how its ranks interleave, which another worker's test would change. The others share.
-    One marked ``one_at_a_time(NAME)`` never runs beside another of that name (a cluster's jobs). The locks
-    are held over the whole protocol: the set-up and tear-down of module-wide fixtures (a tuned study) too."""
+    """In a parallel run (pytest -n), a test marked ``alone`` runs while no other test does, on every core: it
+    reads which cores are busy, or how its ranks interleave, which another worker's test would change. The
+    others share, each worker on its own cores. One marked ``one_at_a_time(NAME)`` never runs beside another of
+    that name (a cluster's jobs). The locks are held over the whole protocol: the set-up and tear-down of
+    module-wide fixtures (a tuned study) too."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run is None:  # one process runs every test: each is alone already
         return (yield)
@@ -55,6 +87,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         for name, exclusive in [("", alone), *((f"-{name}", True) for name in names)]:
             lock = held.enter_context(open(Path(tempfile.gettempdir()) / f"autotune-tests-{run}{name}.lock", "a"))
             fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)  # released as the file closes
+        _compute_on(_worker_cores(alone))
         return (yield)
 
 

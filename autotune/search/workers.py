@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 from autotune.errors import ConfigError
 
-__all__ = ["proposal_lock", "cpu_turn", "start_helpers", "wait_helpers", "gpu_slices"]
+__all__ = ["proposal_lock", "cpu_turn", "turn_lock_paths", "start_helpers", "wait_helpers", "gpu_slices"]
 
 _local_lock = threading.Lock()
 _engines: dict[str, Any] = {}
@@ -96,22 +96,32 @@ def _server_lock(url: str, backend: str, study: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def cpu_turn(device_type: str) -> Iterator[None]:
-    """On a CPU, trials of this machine take turns: a trial timed while another one computes on
-    the same cores measures the other as much as itself (with three workers on two cores, the
-    fastest config read 10x slower than alone and lost). An exclusive ``flock`` per user in the
-    temporary directory, so separate ``autotune`` runs take turns too. Workers with GPUs of their
-    own (the only way workers get GPUs, see :func:`gpu_slices`) never wait.
+    """On a CPU, trials of this machine take turns on the cores they share: a trial timed while another
+    one computes on the same cores measures the other as much as itself (with three workers on two cores,
+    the fastest config read 10x slower than alone and lost). One exclusive ``flock`` per core this process
+    may run on (its affinity, which its trial inherits), per user, in the temporary directory, so separate
+    ``autotune`` runs take turns too; runs confined to cores of their own (``taskset``, a cgroup's cpuset)
+    do not wait on each other. Workers with GPUs of their own (the only way workers get GPUs, see
+    :func:`gpu_slices`) never wait.
     """
     if device_type != "cpu":
         yield
         return
-    lock_path = Path(tempfile.gettempdir()) / f"autotune-{os.getuid()}-cpu.turn.lock"
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with contextlib.ExitStack() as held:
+        # In the cores' order: two processes never hold one core's lock each while waiting for the other's.
+        for path in turn_lock_paths():
+            handle = held.enter_context(open(path, "a"))
+            fcntl.flock(handle, fcntl.LOCK_EX)  # released as the file closes
+        yield
+
+
+def turn_lock_paths() -> list[Path]:
+    """The lock files of :func:`cpu_turn`: one per core this process may run on, or one for the whole machine
+    where a process cannot be pinned (macOS)."""
+    prefix = Path(tempfile.gettempdir()) / f"autotune-{os.getuid()}-cpu"
+    if not hasattr(os, "sched_getaffinity"):
+        return [Path(f"{prefix}.turn.lock")]
+    return [Path(f"{prefix}{core}.turn.lock") for core in sorted(os.sched_getaffinity(0))]
 
 
 def gpu_slices(workers: int, ranks: int, device: Any) -> list[str | None]:

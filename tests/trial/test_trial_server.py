@@ -143,26 +143,45 @@ def test_a_process_whose_parent_died_before_it_asked_to_die_with_it_exits_at_onc
     assert time.monotonic() - started < 30  # it did not sleep its 60 s
 
 
-def test_trials_on_a_cpu_take_turns_across_processes():
-    from autotune.search.workers import cpu_turn
-
+def _holding_the_turn(tmp_path: Path, cores: set[int]) -> subprocess.Popen[str]:
+    """Another process, on ``cores``, holding the CPU turn (its locks under ``tmp_path``, away from the other
+    tests' trials) until it is killed."""
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
             (
-                "import sys, time\nfrom autotune.search.workers import cpu_turn\n"
+                f"import os, time\nos.sched_setaffinity(0, {cores!r})\nfrom autotune.search.workers import cpu_turn\n"
                 "with cpu_turn('cpu'):\n    print('holding', flush=True)\n    time.sleep(30)\n"
             ),
         ],
         stdout=subprocess.PIPE,
         text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+    return holder
+
+
+def _taken(path: Path) -> bool:
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False
+
+
+def test_trials_on_a_cpu_take_turns_across_processes(tmp_path, monkeypatch):
+    from autotune.search.workers import cpu_turn, turn_lock_paths
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cores = os.sched_getaffinity(0)
+    holder = _holding_the_turn(tmp_path, cores)
     try:
-        assert holder.stdout.readline().strip() == "holding"
-        lock = Path(tempfile.gettempdir()) / f"autotune-{os.getuid()}-cpu.turn.lock"
-        with open(lock, "a") as handle, pytest.raises(BlockingIOError):
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another process's turn: ours must wait
+        # Another process's turn on these cores: ours must wait, on each of them.
+        assert turn_lock_paths() == [tmp_path / f"autotune-{os.getuid()}-cpu{core}.turn.lock" for core in sorted(cores)]
+        assert all(_taken(path) for path in turn_lock_paths())
         with cpu_turn("cuda"):
             pass  # workers on GPUs of their own never wait
     finally:
@@ -170,6 +189,32 @@ def test_trials_on_a_cpu_take_turns_across_processes():
         holder.wait()
     with cpu_turn("cpu"):
         pass  # released with the process that held it
+
+
+# Read as the tests are collected, before a parallel run pins its worker to its share of them (tests/conftest.py).
+CORES = sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores")
+def test_processes_on_cores_of_their_own_do_not_take_turns(tmp_path, monkeypatch):
+    from autotune.search.workers import cpu_turn, turn_lock_paths
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    first, second = CORES[:2]
+    holder = _holding_the_turn(tmp_path, {first})
+    mine = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {second})  # this thread only: what a process confined to the other core sees
+        [own] = turn_lock_paths()
+        assert own.name == f"autotune-{os.getuid()}-cpu{second}.turn.lock" and not _taken(own)
+        with cpu_turn("cpu"):
+            pass  # no wait
+        os.sched_setaffinity(0, {first, second})  # a process on both cores waits for the one on the first
+        assert [_taken(path) for path in turn_lock_paths()] == [True, False]
+    finally:
+        os.sched_setaffinity(0, mine)
+        holder.kill()
+        holder.wait()
 
 
 @pytest.mark.slow
