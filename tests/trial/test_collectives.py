@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 # Two gloo ranks: each reduce-scatter, summed and averaged, as gloo's own; the copy freed on return in every
 # call (the tracker's live bytes back to where they were), where gloo's worker thread sometimes keeps it.
 _RANKS = textwrap.dedent("""
@@ -33,6 +35,7 @@ _RANKS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two gloo ranks in new interpreters: 6-10 s
 def test_the_reduce_scatter_is_gloo_s_and_frees_its_copy_before_it_returns(tmp_path):
     on_two_gloo_ranks(_RANKS, tmp_path)
 
@@ -65,6 +68,7 @@ _GATHERS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two gloo ranks in new interpreters: 6-10 s
 def test_a_functional_all_gather_is_gloo_s_and_lets_go_of_its_input_before_it_returns(tmp_path):
     on_two_gloo_ranks(_GATHERS, tmp_path)
 

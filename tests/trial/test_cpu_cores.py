@@ -69,6 +69,7 @@ def spinner_on_core_0():
 
 @two_cores
 @pytest.mark.alone
+@pytest.mark.slow  # alone: every other test waits for it
 @pytest.mark.parametrize("server", ["on", "off"])
 def test_a_trial_leaves_out_the_core_another_process_keeps_busy(monkeypatch, spinner_on_core_0, server):
     monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", server)
@@ -80,6 +81,7 @@ def test_a_trial_leaves_out_the_core_another_process_keeps_busy(monkeypatch, spi
 
 @two_cores
 @pytest.mark.alone
+@pytest.mark.slow  # alone: every other test waits for it
 def test_torchrun_ranks_leave_out_the_busy_core_too(monkeypatch, spinner_on_core_0):
     monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", "off")  # torchrun's ranks, pinned by the child itself
     two_ranks = Workload(model="factories:tiny", seq_len=16, global_batch=4, nproc=2)
@@ -90,6 +92,7 @@ def test_torchrun_ranks_leave_out_the_busy_core_too(monkeypatch, spinner_on_core
 
 @two_cores
 @pytest.mark.alone
+@pytest.mark.slow  # alone: every other test waits for it
 def test_a_script_trial_leaves_out_the_busy_core_too(spinner_on_core_0):
     from pathlib import Path
 
