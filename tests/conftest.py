@@ -62,12 +62,15 @@ def _worker_cores(alone: bool) -> list[int]:
 
 
 def _compute_on(cores: list[int]) -> None:
-    """Pin this process (and so every process a test starts) to ``cores``, with as many torch threads."""
+    """Pin this process (and so every process a test starts) to ``cores``, with as many torch threads, as a
+    trial pins itself."""
     if not cores or sorted(os.sched_getaffinity(0)) == cores:
         return
-    os.sched_setaffinity(0, cores)
-    if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(len(cores))
+    import torch  # imported already, by the collection (pytest_collection_modifyitems)
+
+    from autotune.trial.cpu_cores import use_cores
+
+    use_cores(cores, len(cores), torch)
 
 
 @pytest.hookimpl(wrapper=True)
