@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import commands
 import optuna
 import pytest
 
@@ -278,7 +279,5 @@ def _first_row_of_each_command() -> list[tuple[list[str], str]]:
 )
 def test_bad_input_to_a_real_autotune_process_is_one_line_exit_2(work, args, message):
     before = _dump(work)
-    proc = subprocess.run(
-        [sys.executable, "-m", "autotune", *args], capture_output=True, text=True, timeout=300, cwd=work
-    )
+    proc = commands.autotune(*args, cwd=work, timeout=300)
     _check(work, before, proc.returncode, proc.stdout, proc.stderr, message)

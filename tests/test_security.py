@@ -6,10 +6,9 @@ from __future__ import annotations
 import ast
 import json
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
+import commands
 import pytest
 
 import autotune
@@ -52,12 +51,7 @@ def test_model_code_from_a_folder_runs_only_with_trust_remote_code(tmp_path):
             {"model_type": "evil", "vocab_size": 64, "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}}
         )
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "autotune", "estimate", "--model", str(model)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = commands.autotune("estimate", "--model", str(model), timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert "--trust-remote-code" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not marker.exists()

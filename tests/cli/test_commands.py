@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
+import commands
 import pytest
 
 REQUIRED_KEYS = {"config", "status", "tokens_per_s", "samples_per_s", "peak_memory_bytes", "error"}
 
 
 def autotune(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True, timeout=300)
+    return commands.autotune(*args, timeout=300)
 
 
 @pytest.mark.slow
@@ -93,28 +93,21 @@ def test_a_hub_id_is_read_from_the_local_cache(tmp_path):
         )
     )
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path), HF_HUB_OFFLINE="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autotune",
-            "trial",
-            "--model",
-            "tiny-org/tiny-gpt2",
-            "--seq-len",
-            "16",
-            "--global-batch",
-            "2",
-            "--micro-batch",
-            "2",
-            "--steps",
-            "1",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = commands.autotune(
+        "trial",
+        "--model",
+        "tiny-org/tiny-gpt2",
+        "--seq-len",
+        "16",
+        "--global-batch",
+        "2",
+        "--micro-batch",
+        "2",
+        "--steps",
+        "1",
+        "--json",
         env=env,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)

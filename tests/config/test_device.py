@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import commands
 import pytest
 
 from autotune.config.device import detect_device
@@ -60,25 +61,18 @@ def test_fp16_under_zero_trains_exactly_where_autotune_allows_it():
 def test_trial_refuses_fp16_under_zero_in_one_line_where_deepspeed_has_no_fp16(tmp_path):
     if CPU.fp16_deepspeed:
         pytest.skip("DeepSpeed trains fp16 on this CPU: the trial test above checks that it does")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autotune",
-            "trial",
-            "--device",
-            "cpu",
-            "--model",
-            "builtin:gpt2-tiny",
-            "--zero-stage",
-            "2",
-            "--precision",
-            "fp16",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = commands.autotune(
+        "trial",
+        "--device",
+        "cpu",
+        "--model",
+        "builtin:gpt2-tiny",
+        "--zero-stage",
+        "2",
+        "--precision",
+        "fp16",
         cwd=tmp_path,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
+import commands
 import pytest
 
 from autotune.config.gpus import gpu_spec
@@ -76,9 +75,6 @@ def test_ddp_buckets_are_allocated_as_ddp_makes_them():
 
 def _estimate_json(*flags: str, env: dict[str, str] | None = None) -> dict:
     args = [
-        sys.executable,
-        "-m",
-        "autotune",
         "estimate",
         "--model",
         "builtin:llama-tiny-32k",
@@ -93,7 +89,7 @@ def _estimate_json(*flags: str, env: dict[str, str] | None = None) -> dict:
         "--json",
         *flags,
     ]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+    done = commands.autotune(*args, timeout=300, env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 

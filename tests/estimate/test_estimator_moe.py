@@ -4,9 +4,8 @@ the prediction matches a real trial's peak."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
+import commands
 import pytest
 
 from autotune.config.knobs import TrialConfig
@@ -54,24 +53,17 @@ def test_a_mixture_of_experts_estimate_is_within_5_percent_of_its_trial(mixtral,
 
 @pytest.mark.slow
 def test_estimate_command_on_a_mixtral_config_json(mixtral):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autotune",
-            "estimate",
-            "--model",
-            mixtral,
-            "--seq-len",
-            "128",
-            "--micro-batch",
-            "4",
-            "--precision",
-            "bf16",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    proc = commands.autotune(
+        "estimate",
+        "--model",
+        mixtral,
+        "--seq-len",
+        "128",
+        "--micro-batch",
+        "4",
+        "--precision",
+        "bf16",
+        "--json",
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr

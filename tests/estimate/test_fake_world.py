@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import commands
 import pytest
 
 _FAKE_WORLD_TRIAL = """
@@ -86,9 +87,7 @@ def estimate(workload: dict[str, Any], config: dict[str, Any], *, device: str) -
     flags += ["--micro-batch", str(config["micro_batch"]), "--fsdp", config["fsdp"], "--precision", config["precision"]]
     if "shard_group" in config:
         flags += ["--shard-group", str(config["shard_group"])]
-    done = subprocess.run(
-        [sys.executable, "-m", "autotune", "estimate", *flags, "--json"], capture_output=True, text=True, timeout=600
-    )
+    done = commands.autotune("estimate", *flags, "--json", timeout=600)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[0])
 

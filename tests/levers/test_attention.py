@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
+import commands
 import pytest
 import torch
 
@@ -46,25 +45,18 @@ def test_eager_attention_keeps_the_scores_sdpa_does_not_and_the_estimator_predic
 )
 @pytest.mark.slow
 def test_what_this_cpu_cannot_run_is_refused_in_one_line_before_a_trial(tmp_path, attention, reason):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autotune",
-            "trial",
-            "--model",
-            "builtin:llama-tiny",
-            "--seq-len",
-            "32",
-            "--global-batch",
-            "2",
-            "--attention",
-            attention,
-            "--json",
-        ],
+    proc = commands.autotune(
+        "trial",
+        "--model",
+        "builtin:llama-tiny",
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "2",
+        "--attention",
+        attention,
+        "--json",
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert proc.returncode == 2, proc.stderr

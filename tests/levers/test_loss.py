@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import commands
 import pytest
 import torch
 
@@ -172,33 +173,26 @@ def test_find_picks_the_chunked_loss_where_the_standard_loss_does_not_fit(tmp_pa
     (tmp_path / "space.yaml").write_text(
         "knobs:\n  micro_batch: [4, 8]\n  precision: [fp32]\n  checkpointing: [false]\n  loss: [standard, chunked]\n"
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autotune",
-            "find",
-            "--model",
-            "builtin:llama-tiny-32k",
-            "--seq-len",
-            "64",
-            "--global-batch",
-            "8",
-            "--space",
-            "space.yaml",
-            "--steps",
-            "1",
-            "--memory-budget",
-            "210MiB",
-            "--export",
-            "yaml",
-            "-o",
-            "job.yaml",
-            "--json",
-        ],
+    proc = commands.autotune(
+        "find",
+        "--model",
+        "builtin:llama-tiny-32k",
+        "--seq-len",
+        "64",
+        "--global-batch",
+        "8",
+        "--space",
+        "space.yaml",
+        "--steps",
+        "1",
+        "--memory-budget",
+        "210MiB",
+        "--export",
+        "yaml",
+        "-o",
+        "job.yaml",
+        "--json",
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

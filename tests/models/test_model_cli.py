@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
+import commands
 import pytest
 
 MINE = {
@@ -23,9 +23,7 @@ DECOY = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_posit
 
 
 def autotune(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "autotune", *args], capture_output=True, text=True, timeout=300, cwd=cwd
-    )
+    return commands.autotune(*args, cwd=cwd, timeout=300)
 
 
 def _gpt2_params(config: dict) -> int:

@@ -4,10 +4,9 @@ fails (Mixtral's MoE under transformers 5): real PEFT, real trials, and the expo
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+import commands
 import pytest
 import torch
 
@@ -66,30 +65,23 @@ def test_distilbert_default_targets_are_every_linear_layer_but_the_head(distilbe
 
 @pytest.mark.slow  # a new interpreter and a real trial: about 20 s on a busy 2-core machine
 def test_distilbert_lora_trial_trains_adapters_and_the_classifier(distilbert):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autotune",
-            "trial",
-            "--model",
-            str(distilbert),
-            "--lora-rank",
-            "8",
-            "--seq-len",
-            "16",
-            "--global-batch",
-            "2",
-            "--micro-batch",
-            "2",
-            "--warmup-steps",
-            "0",
-            "--steps",
-            "1",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    proc = commands.autotune(
+        "trial",
+        "--model",
+        str(distilbert),
+        "--lora-rank",
+        "8",
+        "--seq-len",
+        "16",
+        "--global-batch",
+        "2",
+        "--micro-batch",
+        "2",
+        "--warmup-steps",
+        "0",
+        "--steps",
+        "1",
+        "--json",
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr

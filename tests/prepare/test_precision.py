@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
+import commands
 import pytest
 import yaml
 
@@ -60,25 +58,18 @@ def test_bf16_true_is_refused_where_it_has_no_meaning():
         TrialConfig(micro_batch=1, precision="bf16-true").validate_for(WORKLOAD, old)
     with pytest.raises(ConfigError, match=r"--precision 'fp16-true' is not known"):
         TrialConfig(precision="fp16-true")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autotune",
-            "trial",
-            "--model",
-            "builtin:llama-tiny",
-            "--seq-len",
-            "64",
-            "--global-batch",
-            "4",
-            "--precision",
-            "bf16-true",
-            "--zero-stage",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
+    proc = commands.autotune(
+        "trial",
+        "--model",
+        "builtin:llama-tiny",
+        "--seq-len",
+        "64",
+        "--global-batch",
+        "4",
+        "--precision",
+        "bf16-true",
+        "--zero-stage",
+        "2",
         timeout=120,
     )
     assert proc.returncode == 2 and "--zero-stage" in proc.stderr.strip().splitlines()[-1], proc.stderr

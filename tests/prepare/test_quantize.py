@@ -5,10 +5,9 @@ estimator, refused where they cannot run, and exported in the forms users load."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+import commands
 import pytest
 import torch
 from refusals import trial_refusal
@@ -151,13 +150,7 @@ def test_find_answers_with_a_quantized_base_where_none_other_fits_and_its_export
     # (2.5 MiB in bf16-true) and the int8 one (3.5) fit.
     (tmp_path / "lean.yaml").write_text(LEAN_QUANTIZED)
     args = ["--model", wide.model, "--seq-len", "16", "--global-batch", "1", "--memory-budget", "4MiB"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "autotune", "find", *args, "--space", "lean.yaml", "--json"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = commands.autotune("find", *args, "--space", "lean.yaml", "--json", cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
     answer = json.loads(proc.stdout)
     best = TrialConfig.from_dict(answer["best"]["config"])
@@ -166,12 +159,8 @@ def test_find_answers_with_a_quantized_base_where_none_other_fits_and_its_export
     assert statuses.get("off") in (None, "oom", "skipped"), statuses  # never an answer: it does not fit
     files = {"hf": "hf.json", "peft": "adapter", "bnb": "bnb.json"}
     for fmt, out in files.items():
-        export = subprocess.run(
-            [sys.executable, "-m", "autotune", "export", "--study", answer["study"], "--format", fmt, "-o", out],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
+        export = commands.autotune(
+            "export", "--study", answer["study"], "--format", fmt, "-o", out, cwd=tmp_path, timeout=300
         )
         assert export.returncode == 0, export.stderr
     # A user's job: the base loaded quantized by the bnb export's BitsAndBytesConfig (here: built, then quantized by

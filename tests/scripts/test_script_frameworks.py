@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import commands
 import pytest
 
 from autotune.config.knobs import TrialConfig
@@ -103,33 +104,26 @@ def test_the_patched_lightning_trainer_keeps_its_signature_for_pl_trainer_defaul
 @pytest.mark.slow
 def test_find_on_a_trainer_script_hands_over_a_command_that_trains_it_with_the_answer(tmp_path):
     (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2]\n  precision: [bf16]\n")
-    found = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autotune",
-            "find",
-            "--seq-len",
-            "64",
-            "--global-batch",
-            "8",
-            "--space",
-            "space.yaml",
-            "--memory-budget",
-            "1GiB",
-            "--steps",
-            "2",
-            "--export",
-            "json",
-            "-o",
-            "autotune.json",
-            "--json",
-            "--",
-            *TRAINER,
-        ],
+    found = commands.autotune(
+        "find",
+        "--seq-len",
+        "64",
+        "--global-batch",
+        "8",
+        "--space",
+        "space.yaml",
+        "--memory-budget",
+        "1GiB",
+        "--steps",
+        "2",
+        "--export",
+        "json",
+        "-o",
+        "autotune.json",
+        "--json",
+        "--",
+        *TRAINER,
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert found.returncode == 0, found.stderr[-3000:]
@@ -138,12 +132,8 @@ def test_find_on_a_trainer_script_hands_over_a_command_that_trains_it_with_the_a
     assert answer["export"] == "autotune.json" and "export_files" not in answer  # one file
     assert answer["train_command"] == shlex.join(["autotune", "run", "--config", "autotune.json", "--", *TRAINER])
     # The user's job, trained to its end with the answer (3 steps here): the script says what it got.
-    trained = subprocess.run(
-        [sys.executable, "-m", "autotune", "run", "--config", "autotune.json", "--", TRAINER[0], TRAINER[1], "3"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    trained = commands.autotune(
+        "run", "--config", "autotune.json", "--", TRAINER[0], TRAINER[1], "3", cwd=tmp_path, timeout=600
     )
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "trained with per_device_train_batch_size=2 gradient_accumulation_steps=4 bf16=True" in trained.stdout
@@ -151,13 +141,7 @@ def test_find_on_a_trainer_script_hands_over_a_command_that_trains_it_with_the_a
 
 def test_run_refuses_a_config_file_that_is_not_an_export(tmp_path):
     (tmp_path / "notes.json").write_text('{"micro_batch": 2}')
-    proc = subprocess.run(
-        [sys.executable, "-m", "autotune", "run", "--config", "notes.json", "--", "true"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = commands.autotune("run", "--config", "notes.json", "--", "true", cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         f"autotune: error: --config: {Path('notes.json')} has no config; write one with autotune export --format "

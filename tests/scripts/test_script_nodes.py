@@ -4,10 +4,10 @@ and so is a script trial of a multi-node workload through the API."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
+import commands
 import pytest
 
 from autotune.config.knobs import TrialConfig
@@ -23,7 +23,7 @@ def test_a_study_of_a_command_over_two_nodes_is_refused_before_anything_is_writt
     (tmp_path / "train.py").write_text("print('trained')\n")
     args = [*command, "--model", "builtin:gpt2-tiny", "--nproc", "2", "--executor", "slurm", "--nodes", "2"]
     args += ["--storage", f"journal://{tmp_path}/study.log", "--", sys.executable, "train.py"]
-    ran = subprocess.run([sys.executable, "-m", "autotune", *args], cwd=tmp_path, capture_output=True, text=True)
+    ran = commands.autotune(*args, cwd=tmp_path)
     assert ran.returncode == 2 and ran.stdout == "", (ran.returncode, ran.stderr)
     assert len(ran.stderr.strip().splitlines()) == 1 and REFUSAL in ran.stderr, ran.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]  # no study, no worker job's files

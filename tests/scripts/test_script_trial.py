@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import commands
 import pytest
 
 from autotune.config.knobs import TrialConfig
@@ -129,39 +129,26 @@ def test_a_timeout_kills_the_whole_command_and_leaves_no_process(monkeypatch, ow
 
 @pytest.mark.slow
 def test_the_command_line_takes_the_script_after_a_double_dash_and_refuses_one_that_does_not_exist(tmp_path):
-    ok = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autotune",
-            "trial",
-            "--seq-len",
-            "64",
-            "--global-batch",
-            "8",
-            "--micro-batch",
-            "4",
-            "--steps",
-            "2",
-            "--json",
-            "--",
-            *LOOP,
-            "20",
-        ],
+    ok = commands.autotune(
+        "trial",
+        "--seq-len",
+        "64",
+        "--global-batch",
+        "8",
+        "--micro-batch",
+        "4",
+        "--steps",
+        "2",
+        "--json",
+        "--",
+        *LOOP,
+        "20",
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["status"] == "ok"
-    missing = subprocess.run(
-        [sys.executable, "-m", "autotune", "trial", "--", "no-such-command-xyz"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    missing = commands.autotune("trial", "--", "no-such-command-xyz", cwd=tmp_path, timeout=120)
     assert missing.returncode == 2
     assert missing.stderr.strip() == (
         "autotune: error: the command 'no-such-command-xyz' does not exist (not a file, and not on PATH)"

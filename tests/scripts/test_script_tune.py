@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import commands
 import optuna
 import pytest
 
@@ -43,32 +44,21 @@ def test_a_study_of_a_command_measures_it_and_is_resumed_only_for_that_command(t
     with pytest.raises(StorageError, match="answers another question \\(command differs"):
         tune(command=[sys.executable, "other.py"], **common)
     # The answer, exported, trains the loop: it says what it got.
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autotune",
-            "export",
-            "--study",
-            "loop",
-            "--storage",
-            common["storage"],
-            "--format",
-            "json",
-            "-o",
-            "autotune.json",
-        ],
+    exported = commands.autotune(
+        "export",
+        "--study",
+        "loop",
+        "--storage",
+        common["storage"],
+        "--format",
+        "json",
+        "-o",
+        "autotune.json",
         cwd=tmp_path,
-        check=True,
         timeout=300,
     )
-    ran = subprocess.run(
-        [sys.executable, "-m", "autotune", "run", "--config", "autotune.json", "--", *LOOP[:2], "2"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    assert exported.returncode == 0, exported.stderr
+    ran = commands.autotune("run", "--config", "autotune.json", "--", *LOOP[:2], "2", cwd=tmp_path, timeout=300)
     assert "trained with micro_batch=2 grad_accum_steps=4 precision=fp32" in ran.stdout, ran.stderr[-3000:]
 
 
@@ -85,9 +75,7 @@ def test_a_framework_script_is_tuned_under_a_budget_and_its_answer_trains_it(tmp
     command = [sys.executable, str(Path(__file__).parent / script)]
 
     def autotune(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "autotune", *args], cwd=tmp_path, capture_output=True, text=True, timeout=600
-        )
+        return commands.autotune(*args, cwd=tmp_path, timeout=600)
 
     # The script's own peaks here: about 16 MiB at micro batch 2 and 29 MiB at 8 (bf16).
     tuned = autotune(
@@ -130,32 +118,24 @@ def test_stopping_a_script_tune_leaves_none_of_the_command_behind(tmp_path, stop
     import time
 
     (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [2, 4]\n  precision: [fp32]\n")
-    tuner = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "autotune",
-            "tune",
-            "--study",
-            "stop",
-            "--seq-len",
-            "64",
-            "--global-batch",
-            "8",
-            "--space",
-            "space.yaml",
-            "--memory-budget",
-            "1GiB",
-            "--no-confirm",
-            "--",
-            *LOOP[:2],
-            "1000",
-        ],
+    tuner = commands.start(
+        "tune",
+        "--study",
+        "stop",
+        "--seq-len",
+        "64",
+        "--global-batch",
+        "8",
+        "--space",
+        "space.yaml",
+        "--memory-budget",
+        "1GiB",
+        "--no-confirm",
+        "--",
+        *LOOP[:2],
+        "1000",
         cwd=tmp_path,
-        env={**os.environ, "HANG_AFTER_FIRST_STEP": "1"},  # the trial's command hangs
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+        env={**os.environ, "HANG_AFTER_FIRST_STEP": "1"},
     )
     try:
         deadline = time.monotonic() + 120

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import commands
 import optuna
 import psutil
 import pytest
@@ -97,9 +98,7 @@ def test_tune_killed_at_a_point_of_a_trial_is_resumed_by_the_same_command(tmp_pa
     if point == "result written":
         assert lost.user_attrs["status"] == "ok" and "result" in lost.user_attrs  # written, not yet told
 
-    again = subprocess.run(
-        [sys.executable, "-m", "autotune", *COMMAND], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
+    again = commands.autotune(*COMMAND, cwd=tmp_path, timeout=300)
     assert again.returncode == 0, again.stderr
     assert f"trial(s) {lost.number} were interrupted" in again.stderr
     trials = {t.number: t for t in optuna.load_study(study_name="killed", storage=open_storage(url)).trials}

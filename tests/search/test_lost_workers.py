@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+import commands
 import optuna
 import pytest
 from optuna.trial import TrialState
@@ -49,9 +48,9 @@ def running_trial_of_another_worker(storage: str, study: str, main_pid: int) -> 
 def test_a_worker_killed_mid_trial_loses_its_trial_to_the_other_worker(tmp_path: Path) -> None:
     (tmp_path / "space.yaml").write_text(SPACE)
     storage = f"sqlite:///{tmp_path}/storage/autotune.db"
-    command = [sys.executable, "-m", "autotune", "tune", "--study", "lost", *ARGS, *MEASURE, MEASURE_ALL]
+    command = ["tune", "--study", "lost", *ARGS, *MEASURE, MEASURE_ALL]
     command += ["--workers", "2"]
-    tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tune = commands.start(*command, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 300
         found = None
@@ -91,13 +90,7 @@ def test_a_worker_killed_mid_trial_loses_its_trial_to_the_other_worker(tmp_path:
     assert sorted(measured) == [1, 2, 4, 8, 16]  # each config measured once
     assert "best: " in stdout
 
-    show = subprocess.run(
-        [sys.executable, "-m", "autotune", "show", "--study", "lost"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    show = commands.autotune("show", "--study", "lost", cwd=tmp_path, timeout=120)
     assert show.returncode == 0, show.stderr
     assert "interrupted (worker lost)" in show.stdout, show.stdout
     assert f"trial {lost_number} lost: its worker (pid {helper_pid}" in show.stdout, show.stdout

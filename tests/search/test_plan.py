@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
+import commands
 import pytest
 
 from autotune.config.workload import Workload
@@ -36,9 +35,6 @@ def test_find_plan_prints_its_table_and_json_without_running_anything(tmp_path):
     # space is the test above's (each family costs the command seconds of tracing, twice).
     (tmp_path / "space.yaml").write_text("knobs:\n  micro_batch: [1, 2]\n  precision: [bf16]\n")
     args = [
-        sys.executable,
-        "-m",
-        "autotune",
         "find",
         "--plan",
         "--device",
@@ -54,13 +50,11 @@ def test_find_plan_prints_its_table_and_json_without_running_anything(tmp_path):
         "--space",
         str(tmp_path / "space.yaml"),
     ]
-    table = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    table = commands.autotune(*args, timeout=600, cwd=tmp_path)
     assert table.returncode == 0, table.stderr
     assert "plan for builtin:llama-tiny on 1 x H100-80GB (nothing was run)" in table.stdout
     assert "verify first" in table.stdout and "tokens/s per GPU" in table.stdout
-    data = json.loads(
-        subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=600, cwd=tmp_path).stdout
-    )
+    data = json.loads(commands.autotune(*args, "--json", timeout=600, cwd=tmp_path).stdout)
     assert data["device"] == "H100-80GB" and data["rows"][0]["verify_first"]
     assert {"tokens_per_s", "mfu", "memory_bytes", "device_bytes", "headroom_bytes"} <= set(data["rows"][0])
     assert not (tmp_path / "storage").exists()  # no study: nothing was measured

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import commands
 import pytest
 
 from autotune.config.knobs import TrialConfig
@@ -32,9 +33,6 @@ MiB = 2**20
 def test_grid_measures_each_config_once_and_resumes(tmp_path):
     (tmp_path / "space.yaml").write_text(SPACE.replace("[1, 2, 4, 8]", "[1]").replace("[false, true]", "[false]"))
     command = [
-        sys.executable,
-        "-m",
-        "autotune",
         "grid",
         "-o",
         "g.jsonl",
@@ -49,10 +47,10 @@ def test_grid_measures_each_config_once_and_resumes(tmp_path):
         "--steps",
         "1",
     ]
-    first = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    first = commands.autotune(*command, cwd=tmp_path, timeout=300)
     assert first.returncode == 0, first.stderr
     assert "1 config(s) estimated now" in first.stderr
-    again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    again = commands.autotune(*command, cwd=tmp_path, timeout=300)
     assert again.returncode == 0 and "0 config(s) measured now" in again.stderr
     assert "0 config(s) estimated now" in again.stderr
     lines = [json.loads(line) for line in (tmp_path / "g.jsonl").read_text().splitlines()]
@@ -66,15 +64,13 @@ def test_grid_measures_each_config_once_and_resumes(tmp_path):
     predicted = estimate["predicted_peak_bytes"]
     lines[0]["estimate"] = {**estimate, "predicted_peak_bytes": 1}
     (tmp_path / "g.jsonl").write_text(json.dumps(lines[0]) + "\n")
-    refreshed = subprocess.run([*command, "--re-estimate"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    refreshed = commands.autotune(*command, "--re-estimate", cwd=tmp_path, timeout=300)
     assert refreshed.returncode == 0 and "0 config(s) measured now" in refreshed.stderr
     assert "1 config(s) estimated now" in refreshed.stderr
     line = json.loads((tmp_path / "g.jsonl").read_text())
     assert line["estimate"]["predicted_peak_bytes"] == predicted
     assert line["trial_seconds"] == lines[0]["trial_seconds"]
-    contradiction = subprocess.run(
-        [*command, "--re-estimate", "--no-estimate"], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
+    contradiction = commands.autotune(*command, "--re-estimate", "--no-estimate", cwd=tmp_path, timeout=300)
     assert contradiction.returncode == 2 and "--re-estimate" in contradiction.stderr
 
 

@@ -7,10 +7,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import commands
 import optuna
 import pytest
 from optuna.trial import TrialState
@@ -37,9 +37,7 @@ knobs:
 
 
 def autotune(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "autotune", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
-    )
+    return commands.autotune(*args, cwd=cwd, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -174,38 +172,28 @@ def test_a_study_is_only_resumed_for_the_same_question(found):
 RESUME_SPACE = "n_trials: 3\nknobs:\n  micro_batch: [1, 2, 4, 8]\n  precision: [fp32]\n  checkpointing: [false]\n"
 
 
-def _start_tune(work: Path) -> subprocess.Popen[str]:
+def _start_tune(work: Path) -> commands.Command:
     (work / "space.yaml").write_text(RESUME_SPACE)
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "autotune",
-            "tune",
-            "--study",
-            "resume",
-            "--space",
-            "space.yaml",
-            "--model",
-            "factories:slow_tiny",
-            "--memory-budget",
-            "1GiB",
-            "--seq-len",
-            "64",
-            "--no-estimate",
-            "--no-confirm",
-            # Every requested trial runs: on a loaded machine the figures can settle the search after two (the
-            # stop on evidence), and the count after a resume is what is tested.
-            "--measure-all",
-        ],
-        cwd=work,  # resuming is tested, not re-runs
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    return commands.start(
+        "tune",
+        "--study",
+        "resume",
+        "--space",
+        "space.yaml",
+        "--model",
+        "factories:slow_tiny",
+        "--memory-budget",
+        "1GiB",
+        "--seq-len",
+        "64",
+        "--no-estimate",
+        "--no-confirm",
+        "--measure-all",
+        cwd=work,
     )
 
 
-def _wait_for_running_trial(work: Path, number: int, proc: subprocess.Popen[str]) -> None:
+def _wait_for_running_trial(work: Path, number: int, proc: commands.Command) -> None:
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
@@ -240,7 +228,7 @@ def test_kill_9_during_a_trial_then_the_same_command_carries_on(tmp_path):
     kept = [t for t in killed.trials if t.state is TrialState.COMPLETE]
     assert len(kept) == 1 and killed.trials[1].state is TrialState.RUNNING
 
-    again = subprocess.run(proc.args, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    again = autotune(*proc.args[3:], cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "were interrupted; retrying" in again.stderr
     study = _study(tmp_path, "resume")

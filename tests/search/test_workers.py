@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
+import commands
 import optuna
 import pytest
 from optuna.trial import TrialState
@@ -48,13 +48,7 @@ POSTGRES_URL = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
 def tune(work: Path, study: str, storage: str | None, workers: int) -> subprocess.CompletedProcess[str]:
     (work / "space.yaml").write_text(SPACE)
     extra = ("--storage", storage) if storage else ()
-    return subprocess.run(
-        [sys.executable, "-m", "autotune", "tune", "--study", study, *ARGS, *extra, "--workers", str(workers)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=work,
-    )
+    return commands.autotune("tune", "--study", study, *ARGS, *extra, "--workers", str(workers), cwd=work, timeout=600)
 
 
 def check_each_config_measured_once(storage: str, study: str, proc: subprocess.CompletedProcess[str]) -> dict:
@@ -105,13 +99,7 @@ def test_three_workers_on_one_journal_file(tmp_path):
         ["export", "--study", "journal", "--format", "json"],
     )
     for command in reads:
-        read = subprocess.run(
-            [sys.executable, "-m", "autotune", *command, "--storage", storage],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=tmp_path,
-        )
+        read = commands.autotune(*command, "--storage", storage, cwd=tmp_path, timeout=120)
         assert read.returncode == 0, read.stderr
         assert "mb=4" in read.stdout or '"micro_batch": 4' in read.stdout, read.stdout
     assert not (tmp_path / "storage").exists()  # nothing went to the default SQLite file
@@ -132,36 +120,29 @@ knobs:
 @pytest.mark.slow
 def test_two_rank_zero_trials_in_a_study_report_the_largest_rank_peak(tmp_path):
     (tmp_path / "space.yaml").write_text(MULTI_RANK_SPACE)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autotune",
-            "tune",
-            "--study",
-            "ranks",
-            "--model",
-            "builtin:gpt2-tiny",
-            "--seq-len",
-            "32",
-            "--global-batch",
-            "8",
-            "--nproc",
-            "2",
-            "--memory-budget",
-            "1GiB",
-            "--space",
-            "space.yaml",
-            "--no-estimate",
-            "--steps",
-            "2",
-            "--no-confirm",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = commands.autotune(
+        "tune",
+        "--study",
+        "ranks",
+        "--model",
+        "builtin:gpt2-tiny",
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "8",
+        "--nproc",
+        "2",
+        "--memory-budget",
+        "1GiB",
+        "--space",
+        "space.yaml",
+        "--no-estimate",
+        "--steps",
+        "2",
+        "--no-confirm",
+        "--json",
         cwd=tmp_path,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     storage = open_storage(f"sqlite:///{tmp_path}/storage/autotune.db")

@@ -4,8 +4,8 @@ CUDA GPU (``gpu``-marked) a peak below the plain step's, within the estimator's 
 from __future__ import annotations
 
 import subprocess
-import sys
 
+import commands
 import pytest
 
 from autotune.config.knobs import TrialConfig
@@ -13,9 +13,7 @@ from autotune.config.workload import Workload
 
 
 def _autotune(*args: str, cwd: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "autotune", *args], capture_output=True, text=True, timeout=300, cwd=cwd
-    )
+    return commands.autotune(*args, cwd=cwd, timeout=300)
 
 
 @pytest.mark.slow

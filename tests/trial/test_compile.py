@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import commands
 import pytest
 
 from autotune.config.device import detect_device
@@ -29,36 +30,24 @@ def test_the_payoff_is_the_compile_cost_over_what_each_step_saves():
 
 @pytest.mark.slow
 def test_compile_on_a_cpu_is_refused_in_one_line_with_the_reason(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autotune",
-            "trial",
-            "--model",
-            "builtin:llama-tiny",
-            "--seq-len",
-            "32",
-            "--global-batch",
-            "4",
-            "--compile",
-            "on",
-        ],
+    proc = commands.autotune(
+        "trial",
+        "--model",
+        "builtin:llama-tiny",
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "4",
+        "--compile",
+        "on",
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--compile on is measured on CUDA GPUs only" in lines[0], proc.stderr
     assert not list(tmp_path.iterdir())
-    bad = subprocess.run(
-        [sys.executable, "-m", "autotune", "estimate", "--model", "builtin:llama-tiny", "--compile", "maybe"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bad = commands.autotune("estimate", "--model", "builtin:llama-tiny", "--compile", "maybe", timeout=120)
     assert bad.returncode == 2 and "--compile 'maybe' must be on or off" in bad.stderr
 
 

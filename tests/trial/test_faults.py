@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
+import commands
 import optuna
 import pytest
 
@@ -53,13 +53,7 @@ COMMON = (
 
 
 def tune(work: Path, study: str, model: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "autotune", "tune", "--study", study, "--model", model, *COMMON, *extra],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=work,
-    )
+    return commands.autotune("tune", "--study", study, "--model", model, *COMMON, *extra, cwd=work, timeout=600)
 
 
 def trials(work: Path, study: str) -> list[optuna.trial.FrozenTrial]:

@@ -3,9 +3,7 @@ step inside backward, run for real on this CPU, predicted by the estimator, refu
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
+import commands
 import pytest
 import torch
 from refusals import trial_refusal
@@ -116,13 +114,7 @@ def test_find_answers_with_a_lean_optimizer_where_adamw_does_not_fit_and_its_exp
     # 10 MiB: plain AdamW (14.1 MiB), 8-bit (13.6) and AdamW inside backward (12.0) run out; Adafactor fits.
     (tmp_path / "lean.yaml").write_text(LEAN_FULL_FINE_TUNING)
     args = ["--model", "builtin:gpt2-tiny", "--seq-len", "16", "--global-batch", "1", "--memory-budget", "10MiB"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "autotune", "find", *args, "--space", "lean.yaml", "--json"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = commands.autotune("find", *args, "--space", "lean.yaml", "--json", cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
     import json
 
@@ -135,12 +127,8 @@ def test_find_answers_with_a_lean_optimizer_where_adamw_does_not_fit_and_its_exp
     assert statuses.get("adamw") in (None, "oom", "skipped"), statuses  # never an answer: it does not fit
     if best.optimizer_in_backward:
         return  # the Trainer has no step inside backward: the hf export refuses it (test_bad_input covers it)
-    export = subprocess.run(
-        [sys.executable, "-m", "autotune", "export", "--study", answer["study"], "--format", "hf", "-o", "hf.json"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    export = commands.autotune(
+        "export", "--study", answer["study"], "--format", "hf", "-o", "hf.json", cwd=tmp_path, timeout=300
     )
     assert export.returncode == 0, export.stderr
     kwargs = json.loads((tmp_path / "hf.json").read_text())

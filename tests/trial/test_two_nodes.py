@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import commands
 import optuna
 import pytest
 from slurm_jobs import sbatch_waited
@@ -124,12 +125,12 @@ knobs:
 def test_a_tune_on_two_nodes_measures_a_trial_whose_ranks_ran_on_both(tmp_path: Path) -> None:
     (tmp_path / "space.yaml").write_text(SPACE)
     storage = f"journal://{tmp_path}/shared/study.log"
-    command = [sys.executable, "-m", "autotune", "tune", "--study", "two", "--model", "builtin:gpt2-tiny"]
+    command = ["tune", "--study", "two", "--model", "builtin:gpt2-tiny"]
     command += ["--seq-len", "32", "--global-batch", "8", "--memory-budget", "1GiB", "--space", "space.yaml"]
     command += ["--nproc", "2", "--nodes", "2", "--steps", "2", "--no-confirm", "--no-estimate", "--json"]
     command += ["--executor", "slurm", "--workers", "1", "--partition", PARTITION, "--storage", storage]
     env = cluster_env(PYTHONPATH=os.getcwd())
-    tune = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    tune = commands.start(*command, cwd=tmp_path, env=env)
     steps: dict[str, str] = {}
     deadline = time.monotonic() + 600
     while tune.poll() is None and time.monotonic() < deadline:  # the trial's step, and the nodes it runs on
