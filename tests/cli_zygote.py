@@ -4,9 +4,9 @@
 Every command a test runs is a process of its own: its exit status, its output, its servers and trials are the
 real ones. A new interpreter spends its first 4-5 CPU-s importing PyTorch, Transformers and the rest (seconds on a
 2-core machine, over every command of the suite: minutes). This server imports them once, then forks per request
-and runs the command in the fork exactly as ``python -m autotune`` would: ``runpy``, the request's argv, working
-directory, environment and cores, stdin from /dev/null, stdout and stderr into the request's files, and the
-interpreter's own exit steps (thread joins, atexit handlers) at the end.
+and runs the command in the fork as ``python -m autotune`` would: ``runpy``, the request's argv, working directory,
+environment and cores, stdin from /dev/null, stdout and stderr into the request's files, and the interpreter's own
+exit steps (thread joins, atexit handlers) at the end, but for tearing down every module (see :func:`_exit`).
 
 Protocol: one JSON line each way per message. The server says ``{"ready": 1}`` once its imports are done; for each
 request (``{"id": I, "args": [...], ...}``) it answers ``{"request": I, "pid": N}`` as the command starts and
