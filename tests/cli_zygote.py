@@ -82,10 +82,11 @@ def _serve() -> dict[str, Any]:
 
 def _become_the_command(request: dict[str, Any]) -> None:
     """In the fork: take the request's process state, as a new interpreter started with it would have it."""
-    import importlib
     import tempfile
 
     import torch
+
+    from autotune.trial.cpu_cores import use_cores
 
     stdin = os.open(os.devnull, os.O_RDONLY)
     stdout = os.open(request["stdout"], os.O_WRONLY)
@@ -102,8 +103,7 @@ def _become_the_command(request: dict[str, Any]) -> None:
     tempfile.tempdir = None  # read again from TMPDIR
     cores = request["cores"]
     if cores:
-        os.sched_setaffinity(0, cores)
-        torch.set_num_threads(len(cores))  # what torch starts with on these cores
+        use_cores(cores, len(cores), torch)  # as many torch threads as torch starts with on these cores
 
 
 def _run(args: list[str]) -> int:

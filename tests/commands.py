@@ -148,7 +148,7 @@ class _WarmInterpreter:
         self.process.stdin.write((json.dumps({**request, "id": number}) + "\n").encode())
         self.process.stdin.flush()
         while number not in self._started:
-            self._take(self._next(None))
+            self._take(self._next(None))  # waiting without a timeout: never None
         pid = self._started.pop(number)
         self.running.add(pid)
         return pid
@@ -165,8 +165,7 @@ class _WarmInterpreter:
         return self._ended.pop(pid)
 
     def _take(self, message: dict[str, Any] | None) -> None:
-        if message is None:
-            return
+        assert message is not None
         if "request" in message:
             self._started[message["request"]] = message["pid"]
         else:

@@ -15,6 +15,7 @@ import commands
 import optuna
 import pytest
 import yaml
+from commands import autotune
 from optuna.trial import TrialState
 from slurm_jobs import sbatch_waited
 
@@ -44,10 +45,6 @@ ARGS = ("--model", "builtin:gpt2-tiny", "--seq-len", "32", "--memory-budget", "1
 # Tests that count trials measure every config: the stop on evidence would end them when it is sure. (Fused AdamW,
 # not checkpointing: checkpointing where every config fits only adds a recompute, and is never measured.)
 MEASURE_ALL = "--measure-all"
-
-
-def autotune(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600):
-    return commands.autotune(*args, cwd=cwd, env=env, timeout=timeout)
 
 
 def refusal(proc: subprocess.CompletedProcess[str]) -> str:

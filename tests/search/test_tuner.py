@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import commands
 import optuna
 import pytest
+from commands import autotune
 from optuna.trial import TrialState
 from processes import trial_processes
 
@@ -34,10 +34,6 @@ knobs:
   precision: [fp32]
   checkpointing: [false, true]
 """
-
-
-def autotune(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return commands.autotune(*args, cwd=cwd, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
