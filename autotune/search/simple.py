@@ -72,6 +72,7 @@ def next_ramp_config(
     smallest unknown size (a borderline prediction is not proof that nothing fits; one well over the limit
     is skipped by the tuner, as the search skips it, and ends the ramp with no answer). Without one: the middle of the
     unknown sizes, so that each trial halves them (the finders double from the bottom: one trial per size).
+    A size another worker is measuring is not unknown: it is never taken twice at once.
     Where the estimator cannot say: the smallest unknown size.
     """
     from autotune.search.memory_bounds import straight_line
@@ -84,7 +85,9 @@ def next_ramp_config(
     if not unknown:
         return None
     if estimate is None:
-        return family[(fit + big + 1) // 2]  # a ramp by halves: what fits sends it up, what does not down
+        # A ramp by halves: what fits sends it up, what does not down. A size another worker is measuring is
+        # not taken again: the middle of the sizes left.
+        return unknown[len(unknown) // 2]
     line: Callable[[int], float] | None = None
     for config in reversed(unknown):
         if line is not None and line(config.micro_batch) > limit_bytes * (1 + _LINE_SLACK):

@@ -68,6 +68,17 @@ def test_without_an_estimator_each_trial_of_the_ramp_halves_the_sizes_left():
     assert next_ramp_config(family, [_record(0, 4, "oom")], None, 100 * MIB).micro_batch == 2
 
 
+def test_a_size_another_worker_is_measuring_is_not_taken_again():
+    family = _family(1, 2, 4, 8, 16)
+    # Another worker took the middle size (its search proposed it) before this worker's ramp began.
+    assert next_ramp_config(family, [_record(0, 4, "running")], None, 100 * MIB).micro_batch == 8
+    assert next_ramp_config(family, [_record(0, 4, "running")], _estimates({1: 20, 2: 30, 8: 70, 16: 130}, []),
+                            100 * MIB).micro_batch == 8  # fmt: skip
+    # Lost with its worker: it is open again, and the ramp takes it as before.
+    assert next_ramp_config(family, [_record(0, 4, "interrupted")], None, 100 * MIB).micro_batch == 4
+    assert next_ramp_config(family, [_record(0, 1), _record(1, 8, "running")], None, 100 * MIB).micro_batch == 4
+
+
 def test_a_size_measured_over_the_limit_or_failing_ends_the_ramp_below_it():
     family = _family(1, 2, 4)
     assert next_ramp_config(family, [_record(0, 1), _record(1, 2, fits=False)], None, 100 * MIB) is None

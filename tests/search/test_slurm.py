@@ -464,7 +464,9 @@ def test_two_slurm_workers_tune_a_study_as_a_local_run_does(tmp_path):
 @pytest.mark.slow
 def test_scancel_of_one_worker_mid_trial_loses_its_trial_to_the_other(tmp_path):
     assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
-    (tmp_path / "space.yaml").write_text(SPACE)
+    # --n-trials 6 of a space of six: the study is done only once the lost config is measured again. With six of
+    # SPACE's ten, the other worker could end the study on its own five before the loss was found, and owe no retry.
+    (tmp_path / "space.yaml").write_text(CLEAR_WINNER_SPACE)
     storage = f"journal://{tmp_path}/shared/study.log"
     # Without the estimator: what is tested is the lost trial, and each worker's start pays the device
     # probe and the estimate server's imports otherwise (find_on_slurm keeps the estimator in a SLURM worker).
