@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from autotune.cli.app import INTERRUPTED, app
+from autotune.cli.servers import start_trial_server
 from autotune.config.workload import Workload
 from autotune.errors import AutotuneError
 
@@ -26,6 +27,9 @@ def worker() -> int:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     spec = json.loads(sys.stdin.read())
+    if not spec.get("command") and not spec.get("srun"):  # trials forked here, not started with srun
+        # Forked from this process, which has imported what they import first, as a command's servers are.
+        start_trial_server(estimate=spec.get("estimate", True))
     number = spec.pop("worker")
     confirm = spec.pop("confirm", False)  # a SLURM worker 1 confirms; a local helper never does
     spec["workload"] = Workload.from_dict(spec["workload"])

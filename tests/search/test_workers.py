@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -67,12 +69,49 @@ def check_each_config_measured_once(storage: str, study: str, proc: subprocess.C
     return json.loads(proc.stdout)
 
 
+def _helpers_children(root: int) -> dict[int, tuple[str, list[str]]]:
+    """The processes the helper workers under ``root`` started, by pid: each one's command line and its helper's."""
+    parents, lines = {}, {}
+    for entry in Path("/proc").iterdir():
+        try:
+            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            lines[int(entry.name)] = (entry / "cmdline").read_text().split("\0")[:-1]
+        except (ValueError, OSError, IndexError):
+            continue  # not a process, or gone meanwhile
+
+    def under_root(pid: int) -> bool:
+        while pid in parents and pid > 1:
+            if pid == root:
+                return True
+            pid = parents[pid]
+        return False
+
+    helpers = {pid for pid, line in lines.items() if line[-1:] == ["worker"] and under_root(pid)}
+    # An exiting process (a zombie) has no command line left to read.
+    return {
+        pid: (" ".join(lines[parents[pid]]), lines[pid]) for pid in lines if parents.get(pid) in helpers and lines[pid]
+    }
+
+
 @pytest.mark.slow
 def test_three_workers_on_local_sqlite_measure_each_config_once_and_find_the_answer(tmp_path):
     storage = f"sqlite:///{tmp_path}/storage/autotune.db"  # the default storage, under the working directory
-    three = check_each_config_measured_once(storage, "three", tune(tmp_path, "three", None, workers=3))
+    (tmp_path / "space.yaml").write_text(SPACE)
+    command = commands.start("tune", "--study", "three", *ARGS, "--workers", "3", cwd=tmp_path)
+    started: dict[int, tuple[str, list[str]]] = {}
+    while command.poll() is None:
+        if sys.platform.startswith("linux"):
+            started.update(_helpers_children(command.pid))
+        time.sleep(0.1)
+    stdout, stderr = command.communicate()
+    done = subprocess.CompletedProcess(command.args, command.returncode, stdout, stderr)
+    three = check_each_config_measured_once(storage, "three", done)
     # The answer on this space and budget, which one worker also found when this test ran one beside.
     assert three["best"]["config"]["micro_batch"] == 4
+    if sys.platform.startswith("linux"):
+        # Each helper's trial server is a fork of the helper (its own command line), not a new interpreter that
+        # would import torch and Transformers again (python -m autotune.trial.server).
+        assert started and all(line == helper.split() for helper, line in started.values()), started
 
 
 @pytest.mark.skipif(
