@@ -2,11 +2,14 @@
 # Start a one-node SLURM cluster on this machine for the SLURM tests and print the settings they need
 # (lines of NAME=value for the environment). Installs Debian's slurm-wlm and munge when missing.
 #
-# Checked with Debian 12's slurm-wlm 22.05: process tracking by linuxproc and no task plugin, so no
-# cgroups (22.05 has no CgroupPlugin=disabled, and slurmd fails to start without working cgroups when
-# a cgroup.conf asks for them: none is written); no accounting database (sacct fails, which is why
-# autotune's SLURM executor reads squeue and scontrol instead). Cores are the consumable resource and
-# memory is not, so several one-core jobs share the node as workers on a cluster share nodes.
+# Checked with Debian 12's slurm-wlm 22.05: process tracking by linuxproc; no accounting database
+# (sacct fails, which is why autotune's SLURM executor reads squeue and scontrol instead). Cores are the
+# consumable resource and memory is not, so several one-core jobs share the node as workers on a cluster
+# share nodes. Each job is bound to the cores it was given, as real clusters bind them (task/affinity,
+# TaskPluginParam=Cores), with no cgroups (22.05 has no CgroupPlugin=disabled, and slurmd fails to start
+# without working cgroups when a cgroup.conf asks for them: none is written). An unbound job would run on
+# every core here, and its trials, which take turns per core with every other trial on the machine
+# (autotune.search.workers.cpu_turn), would each wait for the trials of the suite's other tests to end.
 # Run as root. A cluster this script started earlier and still answering is reused.
 set -euo pipefail
 
@@ -42,7 +45,8 @@ SlurmctldHost=$NODE
 SlurmUser=root
 AuthType=auth/munge
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
+TaskPluginParam=Cores
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SchedulerType=sched/backfill
