@@ -153,8 +153,13 @@ def _gpu_tests(rehearse: bool) -> list[str]:
 
 def _autotune(args: list[str]) -> dict[str, Any]:
     """``autotune ARGS --json``'s last line, run in this process: one trial server and one estimate server
-    serve every config (a new interpreter each would spend a lease's minutes importing torch again)."""
+    serve every config (a new interpreter each would spend a lease's minutes importing torch again). This process
+    is the command's own, as ``python -m autotune`` marks its process: its servers are forks of it where they may
+    be (no CUDA context here yet, one thread; see ``autotune.cli.servers``), not new interpreters."""
     from autotune.cli.app import main as autotune_main
+    from autotune.cli.servers import this_is_the_command
+
+    this_is_the_command()
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
