@@ -43,7 +43,11 @@ def _rows(path: Path, table: str) -> list[tuple]:
 def test_eight_processes_open_one_fresh_sqlite_database_at_once(tmp_path):
     databases = [tmp_path / f"race{i}" / "autotune.db" for i in range(RACES)]
     urls = [f"sqlite:///{db}" for db in databases]
-    ctx = multiprocessing.get_context("spawn")  # fresh interpreters, as separate commands would be
+    # Separate processes, each with its own connections, as separate commands would be: forks of one new
+    # interpreter that has imported Optuna (a fork of this multi-threaded test process could inherit a held lock),
+    # where eight new interpreters would each import Optuna and SQLAlchemy again.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["optuna", "autotune.study.storage", __name__])
     barrier, results = ctx.Barrier(PROCESSES, timeout=120), ctx.Queue()
     processes = [ctx.Process(target=_open_and_create, args=(urls, barrier, results)) for _ in range(PROCESSES)]
     for p in processes:
