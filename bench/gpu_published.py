@@ -443,8 +443,8 @@ _TITAN_LEFT_OUT = [
 
 _TITAN_OPEN = [
     "the card's memory: Grand Teton's H100 with 96GB HBM2e at 500 W (the 405B notes say 94GB and 95GB), predicted for "
-    "autotune's H100-96GB-HBM2e (97,871 MiB in nvidia-smi, derived; the allocated and reserved figures do not read "
-    "the card's total)",
+    "autotune's H100-96GB-HBM2e, 97,871 MiB in nvidia-smi (derived): the total near which the reserved replay gives "
+    "its cached segments back",
     "the figure is the largest reserved of the last logging interval (10 steps), read at step 90",
 ]
 _COMPILE_NOTE = "torch.compile predicted as eager (its fused kernels may hold less)"
@@ -970,8 +970,8 @@ FIT_ROWS: list[FitRow] = [
         ],
         left_open=[
             "the card's memory, stated as 94GB, 95GB and 96GB HBM2e: checked against 94, 95 and 96 GiB",
-            "predicted for autotune's H100-96GB-HBM2e, whose 97,871 MiB (nvidia-smi's total, derived: 95.6 GiB) is "
-            "not one of the checks",
+            "predicted for autotune's H100-96GB-HBM2e, whose 97,871 MiB (nvidia-smi's total, derived: 95.6 GiB) caps "
+            "the reserved replay and is not one of the checks",
         ],
     ),
     FitRow(
