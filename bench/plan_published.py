@@ -27,7 +27,10 @@ samples/s where the source printed that (the bert-large rows). Then the median a
 * torchtitan Llama-3-8B (S1-S6): ``bench/gpu_published.py``'s rows as they are (FSDP2 on 8 or 128
   fake ranks, seq 8192, selective per-op checkpointing, S3 and S6-float8 with float8 Linear layers:
   their matmuls timed at the card's float8 peak), against torchtitan's TPS/GPU and torchao's
-  float8 table (S6: bf16 and float8 tensorwise, the median over logged steps).
+  float8 table (S6: bf16 and float8 tensorwise, the median over logged steps). S1-S5 on the card
+  torchtitan's notes name (``H100-96GB-HBM2e``: 2.4 TB/s, its peak and sustained matmul rate taken
+  as the SXM's, likely high at its 500 W); S6, whose H100 torchao's table does not name, on the
+  ``H100-80GB``.
 
 Part 2, CPU grids. Each committed grid ``bench/data/GRID.jsonl`` is predicted line by line with
 the roofline measured beside it before its trials (``GRID.roofline.json``; for an older grid
@@ -249,8 +252,13 @@ def _bert_rows() -> list[Row]:
 
 
 _TITAN_CARD_NOTE = (
-    "torchtitan's H100s (Grand Teton: 96GB HBM2e at 2.4 TB/s, 500 W, a peak between SXM's and NVL's, as its "
-    "benchmark notes say) timed as autotune's H100-80GB (SXM: 3.35 TB/s, 700 W): a faster card"
+    "torchtitan's H100s (Grand Teton: 96GB HBM2e at 2.4 TB/s, 500 W, as its benchmark notes say) timed as autotune's "
+    "H100-96GB-HBM2e: that bandwidth; its peak, which torchtitan says lies between SXM's and NVL's and does not know, "
+    "taken as the SXM's, and its matmuls at the SXM's sustained rate (745 of 989 TFLOP/s bf16, measured at 700 W; "
+    "likely high at 500 W)"
+)
+_TORCHAO_CARD_NOTE = (
+    "torchao's float8 table does not say which H100: timed as autotune's H100-80GB (SXM: 3.35 TB/s, 700 W)"
 )
 
 
@@ -267,7 +275,8 @@ def _titan_rows() -> list[Row]:
             row.config,
             published[row.key],
             "tokens/s",
-            notes=((_COMPILE_NOTE,) if row.config.compile else ()) + (_TITAN_CARD_NOTE,),
+            notes=((_COMPILE_NOTE,) if row.config.compile else ())
+            + ((_TITAN_CARD_NOTE,) if row.workload.gpu == gpu_published.TITAN_CARD else (_TORCHAO_CARD_NOTE,)),
         )
         for row in gpu_published.SHARDED_ROWS
         if row.key in published

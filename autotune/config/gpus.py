@@ -87,6 +87,8 @@ class GpuSpec:
 # - A100: NVIDIA DGX A100, 8 GPUs, eight single-port 200 Gb/s HDR ConnectX-6 for the compute fabric (its user
 #   guide, "Introduction to the NVIDIA DGX A100 System"): 25 GB/s per GPU.
 # - H100, H200: NVIDIA DGX H100/H200, 8 GPUs, eight single-port 400 Gb/s NDR ConnectX-7 (its user guide): 50 GB/s.
+# - H100-96GB-HBM2e: Meta's Grand Teton, 8 GPUs, "backend RDMA network with 400 Gb/s per GPU" (torchtitan's
+#   benchmark notes, quoted at the card): 50 GB/s.
 # - MI300X: the 8-GPU OAM platform, one 400 Gb/s InfiniBand port per GPU as Azure's ND MI300X v5 has: 50 GB/s.
 # - L40S: PCIe servers without NVLink; AWS's g6e.48xlarge, 8 GPUs on 400 Gb/s of EFA: 6.25 GB/s per GPU.
 # - RTX 4090: no reference system; a workstation server of 8 on one 100 Gb/s port, a guess: 1.5625 GB/s.
@@ -163,6 +165,48 @@ _CARDS = (
         tf32_flops=495 * _T,
         fp32_flops=67 * _T,
         memory_bandwidth=3_350 * _G,
+        link_bandwidth=450 * _G,
+        host_link_bandwidth=64 * _G,
+        context_bytes=_TYPICAL_CONTEXT,
+        gpus_per_node=8,
+        network_bandwidth=50 * _G,
+        fp8_flops=1_979 * _T,
+    ),
+    # The H100 torchtitan's published runs used (its Llama 3.1 benchmarks of Dec 2024 and async-TP notes of Jun 2025,
+    # pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md and asyncTP_llama3_h100_2025-06_torchtitan.md):
+    # "We ran our performance benchmarks on the Grand Teton platform, where - Each host has 8 NVIDIA H100 GPUs fully
+    # connected with NVLink. - Each H100 GPU is equipped with 96GB HBM2e with 2.4 TB/sec peak memory bandwidth.
+    # - Hosts are inter-connected with backend RDMA network with 400 Gb/s per GPU. - We used the default 500W power
+    # limit, although tuning it up to 700W TDP can potentially provide further speedups." and its footnote: "In our
+    # test we used HBM2e-based SXM H100 with lower TDP, the actual peak TFLOPs number is between SXM and NVL, and we
+    # don't know its exact value. So this MFU number is lower than actual MFU because we use the peak number of SXM
+    # directly." No NVIDIA data sheet lists this part.
+    # - memory: 97,871 MiB, derived (no nvidia-smi reading of the card is published). torchtitan's notes of Jan 2025
+    #   (docs/performance.md at e6fcb96) say "NVIDIA H100 GPUs[^1] with 95 GiB memory"; its logs print the reserved peak
+    #   in GiB and as a percentage of torch.cuda.get_device_properties().total_memory, and those of 8-H100 runs on
+    #   95 GiB cards (torchao's docs/source/eager_tutorials/pretraining.rst, "30.99GiB(32.62%)" and five more lines;
+    #   torchtitan's graph_trainer notes, "48.87GiB(51.44%)") bound that total to 97,270-97,303 MiB. The H20, the
+    #   other 96 GB Hopper part, reports 97,285 MiB there ("total_memory=97285MB", a torch printout) and 97,871 MiB
+    #   in nvidia-smi ("97871MiB"): the same total_memory, so nvidia-smi's total is taken as the H20's.
+    # - compute capability 9.0: an H100 (GH100, Hopper).
+    # - FLOP/s: the peak is "between SXM and NVL" and not known (above). Those given are the H100 SXM's dense peaks,
+    #   the top of that range and what torchtitan counts its MFU against (torchtitan/tools/utils.py get_peak_flops:
+    #   989e12 "for H100 SXM and other variants"); the NVL's, its bottom (NVIDIA's H100 data sheet, halved "with
+    #   sparsity" figures): bf16/fp16 835.5, tf32 417.5, fp32 60, fp8 1,670.5. What a run sustains under the 500 W limit
+    #   is in autotune.estimate.step_time's _SUSTAINED.
+    # - memory bandwidth: "2.4 TB/sec peak memory bandwidth" (torchtitan, above).
+    # - links: NVLink within the host (torchtitan: "fully connected with NVLink"; its Jan 2025 notes: "8 GPUs and
+    #   NVSwitch"), its rate not stated: the SXM H100's NVLink4, 900 GB/s both ways, and its PCIe Gen5 x16 to the host.
+    # - node: 8 GPUs, 400 Gb/s of RDMA network per GPU (torchtitan, above): 50 GB/s.
+    GpuSpec(
+        name="H100-96GB-HBM2e",
+        memory_bytes=97_871 * _MiB,
+        compute_capability=(9, 0),
+        bf16_flops=989 * _T,
+        fp16_flops=989 * _T,
+        tf32_flops=495 * _T,
+        fp32_flops=67 * _T,
+        memory_bandwidth=2_400 * _G,
         link_bandwidth=450 * _G,
         host_link_bandwidth=64 * _G,
         context_bytes=_TYPICAL_CONTEXT,
@@ -248,8 +292,11 @@ def gpu_spec(name: str) -> GpuSpec:
         if card.name.lower() == name.strip().lower():
             return card
     # The chip's name first ("H200-141GB" means the H200, not the V100-16GB that spells most alike).
-    model = name.strip().upper().split("-")[0]
+    typed = name.strip().upper()
+    model = typed.split("-")[0]
     close = [card for card in GPUS if card.upper().split("-")[0] == model]
+    # "H100-96GB" means the H100-96GB-HBM2e: a card whose name starts with what was typed comes first.
+    close = [card for card in close if card.upper().startswith(typed)] or close
     close = close or difflib.get_close_matches(name.upper(), list(GPUS), n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
     raise WorkloadError(f"--gpu {name!r} is not a known card{hint}; use one of {', '.join(GPUS)}")

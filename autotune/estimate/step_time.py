@@ -64,12 +64,17 @@ __all__ = ["DeviceProfile", "StepTime", "card_profile", "matmul_speedups", "prof
 #   thonking.ai, 2024); its MAMF is 271.2 (86.9%).
 # - MI300X: 781.9 of 1,300 (60.1%, MAMF on ROCm 6.2), which mamf-finder's notes call power-capped
 #   already ("the card hits its 750 W cap within one BF16 kernel").
+# - H100-96GB-HBM2e (torchtitan's Grand Teton H100s at their 500 W limit): no measurement is published, nor its
+#   peak (torchtitan: "between SXM and NVL"; autotune.config.gpus gives the SXM's). It takes the H100 SXM's 745 of
+#   989, the same GH100 chip's sustained rate, measured at 700 W; at 500 W the clock holds lower, by an amount no
+#   source measures, so this is likely above what the card sustains.
 # Cards without a measurement take 80%, between the A100's and the H100's: a guess.
 _SUSTAINED = {
     "A100-40GB": 257 / 312,
     "A100-80GB": 257 / 312,
     "H100-80GB": 745 / 989,
     "H200": 745 / 989,
+    "H100-96GB-HBM2e": 745 / 989,
     "MI300X": 781.9 / 1300,
 }
 _SUSTAINED_UNMEASURED = 0.8
