@@ -69,6 +69,12 @@ def main() -> None:
         "--predictions", type=Path, help="a file --predict-for wrote: take the predictions from it, estimate none"
     )
     args = parser.parse_args()
+    # This process is the command's own, as ``python -m autotune`` marks its process: the servers of the commands
+    # run in it (_autotune) are forks of it where they may be (no CUDA context yet, one thread; see
+    # autotune.cli.servers), not new interpreters.
+    from autotune.cli.servers import this_is_the_command
+
+    this_is_the_command()
     args.out = args.out.resolve() if args.out else None
     args.predictions = args.predictions.resolve() if args.predictions else None
     os.chdir(ROOT)  # the configs' model paths are the repository's
@@ -153,13 +159,9 @@ def _gpu_tests(rehearse: bool) -> list[str]:
 
 def _autotune(args: list[str]) -> dict[str, Any]:
     """``autotune ARGS --json``'s last line, run in this process: one trial server and one estimate server
-    serve every config (a new interpreter each would spend a lease's minutes importing torch again). This process
-    is the command's own, as ``python -m autotune`` marks its process: its servers are forks of it where they may
-    be (no CUDA context here yet, one thread; see ``autotune.cli.servers``), not new interpreters."""
+    serve every config (a new interpreter each would spend a lease's minutes importing torch again), forks of this
+    process where they may be (see :func:`main`)."""
     from autotune.cli.app import main as autotune_main
-    from autotune.cli.servers import this_is_the_command
-
-    this_is_the_command()
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

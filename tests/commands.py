@@ -36,15 +36,7 @@ def autotune(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -m autotune ARGS`` in ``cwd`` with ``env`` (None: this process's), its output captured as
     text; raise :class:`subprocess.TimeoutExpired` after killing it, as :func:`subprocess.run` does."""
-    command = start(*args, cwd=cwd, env=env)
-    try:
-        out, err = command.communicate(timeout)
-    except subprocess.TimeoutExpired:
-        command.kill()
-        out, err = command.communicate()
-        raise subprocess.TimeoutExpired(command.args, timeout, out, err) from None
-    assert command.returncode is not None
-    return subprocess.CompletedProcess(command.args, command.returncode, out, err)
+    return start(*args, cwd=cwd, env=env).finish(timeout)
 
 
 def start(*args: str, cwd: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Command:
@@ -89,6 +81,18 @@ class Command:
             if self.returncode is None:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0)
         return self.returncode
+
+    def finish(self, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        """Wait for the command's end and return what :func:`subprocess.run` would; raise
+        :class:`subprocess.TimeoutExpired` after killing it, as :func:`subprocess.run` does."""
+        try:
+            out, err = self.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            out, err = self.communicate()
+            raise subprocess.TimeoutExpired(self.args, timeout, out, err) from None
+        assert self.returncode is not None
+        return subprocess.CompletedProcess(self.args, self.returncode, out, err)
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         self.wait(timeout)

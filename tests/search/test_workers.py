@@ -14,8 +14,10 @@ from pathlib import Path
 
 import commands
 import optuna
+import psutil
 import pytest
 from optuna.trial import TrialState
+from processes import alive
 
 from autotune.study.records import ANSWER_ATTR
 from autotune.study.storage import open_storage
@@ -47,10 +49,14 @@ ARGS = (
 POSTGRES_URL = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
 
 
-def tune(work: Path, study: str, storage: str | None, workers: int) -> subprocess.CompletedProcess[str]:
+def start_tune(work: Path, study: str, storage: str | None, workers: int) -> commands.Command:
     (work / "space.yaml").write_text(SPACE)
     extra = ("--storage", storage) if storage else ()
-    return commands.autotune("tune", "--study", study, *ARGS, *extra, "--workers", str(workers), cwd=work, timeout=600)
+    return commands.start("tune", "--study", study, *ARGS, *extra, "--workers", str(workers), cwd=work)
+
+
+def tune(work: Path, study: str, storage: str | None, workers: int) -> subprocess.CompletedProcess[str]:
+    return start_tune(work, study, storage, workers).finish(600)
 
 
 def check_each_config_measured_once(storage: str, study: str, proc: subprocess.CompletedProcess[str]) -> dict:
@@ -70,42 +76,35 @@ def check_each_config_measured_once(storage: str, study: str, proc: subprocess.C
 
 
 def _helpers_children(root: int) -> dict[int, tuple[str, list[str]]]:
-    """The processes the helper workers under ``root`` started, by pid: each one's command line and its helper's."""
-    parents, lines = {}, {}
-    for entry in Path("/proc").iterdir():
+    """The live processes the helper workers under ``root`` started, by pid: each one's command line and its
+    helper's."""
+    found: dict[int, tuple[str, list[str]]] = {}
+    try:
+        descendants = psutil.Process(root).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return found
+    for helper in descendants:
         try:
-            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            lines[int(entry.name)] = (entry / "cmdline").read_text().split("\0")[:-1]
-        except (ValueError, OSError, IndexError):
-            continue  # not a process, or gone meanwhile
-
-    def under_root(pid: int) -> bool:
-        while pid in parents and pid > 1:
-            if pid == root:
-                return True
-            pid = parents[pid]
-        return False
-
-    helpers = {pid for pid, line in lines.items() if line[-1:] == ["worker"] and under_root(pid)}
-    # An exiting process (a zombie) has no command line left to read.
-    return {
-        pid: (" ".join(lines[parents[pid]]), lines[pid]) for pid in lines if parents.get(pid) in helpers and lines[pid]
-    }
+            line = helper.cmdline()
+            if line[-1:] == ["worker"]:
+                found.update(
+                    {child.pid: (" ".join(line), child.cmdline()) for child in helper.children() if alive(child)}
+                )
+        except psutil.Error:
+            continue  # gone meanwhile
+    return found
 
 
 @pytest.mark.slow
 def test_three_workers_on_local_sqlite_measure_each_config_once_and_find_the_answer(tmp_path):
     storage = f"sqlite:///{tmp_path}/storage/autotune.db"  # the default storage, under the working directory
-    (tmp_path / "space.yaml").write_text(SPACE)
-    command = commands.start("tune", "--study", "three", *ARGS, "--workers", "3", cwd=tmp_path)
+    command = start_tune(tmp_path, "three", None, workers=3)
     started: dict[int, tuple[str, list[str]]] = {}
     while command.poll() is None:
         if sys.platform.startswith("linux"):
             started.update(_helpers_children(command.pid))
         time.sleep(0.1)
-    stdout, stderr = command.communicate()
-    done = subprocess.CompletedProcess(command.args, command.returncode, stdout, stderr)
-    three = check_each_config_measured_once(storage, "three", done)
+    three = check_each_config_measured_once(storage, "three", command.finish(600))
     # The answer on this space and budget, which one worker also found when this test ran one beside.
     assert three["best"]["config"]["micro_batch"] == 4
     if sys.platform.startswith("linux"):
