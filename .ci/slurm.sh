@@ -69,10 +69,12 @@ EOF
   for pidfile in /run/slurmd.pid /run/slurmctld.pid; do
     if [ -s "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
       kill "$(cat "$pidfile")"
-      for _ in $(seq 50); do kill -0 "$(cat "$pidfile")" 2>/dev/null || break; sleep 0.1; done
+      for _ in $(seq 50); do kill -0 "$(cat "$pidfile" 2>/dev/null)" 2>/dev/null || break; sleep 0.1; done
     fi
   done
-  /usr/sbin/slurmctld -f "$SLURM_CONF"
+  # -c: start without the jobs of the state saved before. A machine that stopped (or was imaged) while the
+  # suite ran keeps its jobs there, and the controller would requeue and run them again on the new cluster.
+  /usr/sbin/slurmctld -c -f "$SLURM_CONF"
   /usr/sbin/slurmd -f "$SLURM_CONF"
   for _ in $(seq 120); do
     state=$(node_state)
