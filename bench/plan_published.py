@@ -389,7 +389,12 @@ def _figure(value: float, unit: str) -> str:
 def _parts(result: dict[str, Any]) -> str:
     step = result["step"]
     parts = [
-        f"step {step['step_s']:.3f} s: compute {step['compute_s'] / step['step_s']:.0%}",
+        f"step {step['step_s']:.3f} s: compute {step['compute_s'] / step['step_s']:.0%}"
+        + (
+            f" (of it {step['collective_sms_s'] / step['step_s']:.0%} on the SMs NCCL holds)"
+            if step.get("collective_sms_s")
+            else ""
+        ),
         f"update {step['update_s'] / step['step_s']:.0%}",
         f"comm {step['communication_s'] / step['step_s']:.0%}",
     ]

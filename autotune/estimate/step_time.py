@@ -18,6 +18,10 @@ optimizer's update, then the communication no framework hides:
   weights in each forward and backward, overlapped (its default);
 * offload: gradients down and weights up the host link, and the optimizer step on the host.
 
+A collective that runs beside the compute holds some of the card's SMs (NCCL's kernel, one CTA per channel):
+the compute overlapped with it runs on the rest, on a named card whose NCCL channels within a node are known
+(see ``_NCCL_RING_CHANNELS``).
+
 ``torch.compile`` is timed from the same (eager) trace: each chain of elementwise operators, where
 one reads what the one before it wrote, runs as one kernel, as Inductor fuses them: it reads the chain
 head's inputs and every other tensor the chain reads from memory, and writes what the chain's last
@@ -105,6 +109,28 @@ _NOT_HIDDEN = 0.05  # of overlapped communication: the first gather, the last re
 # in that range; a CPU's gloo collective is measured by the device probe instead).
 _GPU_COLLECTIVE_S = 50e-6
 _DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's default bucket, in elements, without a hidden size
+# A collective that overlaps the compute holds SMs while it runs: NCCL launches its kernel with one CTA per
+# channel (src/enqueue.cc, ncclLaunchKernel: `dim3 grid = {(unsigned)plan->channelCount, 1, 1}`, NCCL v2.18.1),
+# and an all-gather or reduce-scatter of FSDP's size (tens to hundreds of MB a layer) runs on every channel
+# (getAlgoInfo in src/enqueue.cc drops channels only below nChannels x 512 threads x 64 bytes, under 1 MB; NCCL
+# 2.18 runs both on rings only, src/graph/tuning.cc). The compute overlapped with it runs on the other SMs.
+# Within one 8-GPU NVSwitch node NCCL 2.18 builds 24 ring channels on an A100 and on an H100: the topology
+# search (src/graph/search.cc, ncclTopoCompute) fills each GPU's NVLink bandwidth (src/graph/topo.cc: links x
+# SM80_NVLINK_BW or SM90_NVLINK_BW, both 20 GB/s in src/graph/topo.h: 12 x 20 = 240 on an A100, 18 x 20 = 360
+# on an H100) with rings at the first speed of its array (speedArrayIntra's 40 GB/s; sm90SpeedArrayIntra's 60):
+# 6 channels on either card; it doubles them at its end (12), and ncclTopoPostset doubles them again (24;
+# src/graph/connect.cc), with NCCL_MIN_NCHANNELS and NCCL_MAX_NCHANNELS unset (NVIDIA/nccl tags v2.18.1-1 and
+# v2.18.3-1; v2.20.5-1's search still ends at 6 x 60 on an H100). An HGX A100's NCCL log prints "Channel 23/24"
+# (NVIDIA/nccl-tests issue #100). llm-foundry's 2023 image ran PyTorch 2.1 (cu121), whose wheel requires
+# nvidia-nccl-cu12==2.18.1. From NCCL 2.19 an H100 node may run them with NVLS instead (16 channels,
+# NCCL_NVLS_NCHANNELS's default in src/transport/nvls.cc), not modelled. Across nodes the channels follow the
+# NICs: not modelled either (no contention counted).
+_NCCL_RING_CHANNELS = 24
+# The SMs of the cards whose NVLink count gives those channels: A100 SXM 108 (NVIDIA A100 Tensor Core GPU
+# Architecture whitepaper, 2020: "108 SMs"), H100 SXM5 132 (NVIDIA H100 Tensor Core GPU Architecture whitepaper,
+# 2022: "132 SMs" on the SXM5 board); the H200 is the same GH100 at 132 SMs and 18 NVLinks (NVIDIA H200 datasheet:
+# NVLink 900 GB/s, the H100 SXM's). Other cards (the H100-96GB-HBM2e, whose SMs and links no source gives): none.
+_SMS = {"A100-40GB": 108, "A100-80GB": 108, "H100-80GB": 132, "H200": 132}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +149,9 @@ class DeviceProfile:
     collective_s: float | None = None  # one small collective between ranks, beyond its bytes
     attention_efficiency: float | None = None  # fused attention's FLOP/s over the matmuls' (None: as a matmul)
     network_bandwidth: float | None = None  # bytes/s per rank between nodes (None: a CPU's ranks share one machine)
+    # The share of the SMs a collective's kernel holds within one node while it overlaps the compute (None: not
+    # modelled, the compute runs at its full rate beside it)
+    collective_sm_share: float | None = None
     source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -156,13 +185,14 @@ class StepTime:
     """One optimizer step of one config, predicted; its parts add up to ``step_s``."""
 
     step_s: float
-    compute_s: float  # the micro steps' forwards and backwards
+    compute_s: float  # the micro steps' forwards and backwards (with what the collectives' SMs displace)
     update_s: float  # the optimizer step
     communication_s: float  # not hidden by the compute
     offload_s: float  # host transfers and the host's optimizer step
     samples_per_s: float
     tokens_per_s: float | None
     mfu: float | None  # model FLOPs (3x forward) per second over the device's peak
+    collective_sms_s: float = 0.0  # of compute_s: its slowdown on the SMs the overlapped collectives hold
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -191,6 +221,7 @@ def card_profile(card: GpuSpec) -> DeviceProfile:
         host_link_bandwidth=card.host_link_bandwidth,
         network_bandwidth=card.network_bandwidth * _LINK_EFFICIENCY,
         peak_flops=card.bf16_flops or card.fp16_flops,
+        collective_sm_share=_NCCL_RING_CHANNELS / _SMS[card.name] if card.name in _SMS else None,
         source=f"published peaks, matmuls at the {efficiency:.0%} of them a run sustains (autotune.estimate.step_time)",
     )
 
@@ -262,6 +293,8 @@ def predict_step_time(
         update = max(update_device, update_host)
     if config.pp > 1:  # the pipeline's bubble: each stage idles while the first micro batches fill the others
         compute *= 1 + _pipeline_bubble(config, accum)
+    displaced = _collective_sms_s(estimate, workload, profile, compute, backward, traced_collectives)
+    compute += displaced
     communication = _communication_s(estimate, workload, profile, compute, backward, traced_collectives)
     offload = _offload_s(estimate, workload, profile)
     step = compute + update + communication + offload
@@ -281,6 +314,7 @@ def predict_step_time(
         samples_per_s=samples_per_s,
         tokens_per_s=tokens_per_s,
         mfu=mfu,
+        collective_sms_s=displaced,
     )
 
 
@@ -396,6 +430,39 @@ def _link(profile: DeviceProfile, ranks: int, workload: Workload) -> float:
     return min(profile.link_bandwidth, network)
 
 
+def _overlapped_s(
+    estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile, backward: float, traced: float
+) -> float:
+    """The link seconds of a step its framework runs beside the compute (before comparing them with it): FSDP's
+    traced collectives and ZeRO-3's gathers but for the first gather and last reduce, DDP's all-reduce up to the
+    last backward; none for tensor parallel's all-reduces (in line) and ZeRO-1/2's reductions (not overlapped)."""
+    config, ranks = estimate.config, workload.nproc
+    if ranks <= 1:
+        return 0.0
+    if config.uses_fsdp:
+        return (1 - _NOT_HIDDEN) * traced
+    if config.model_parallel > 1:
+        return 0.0
+    link = _link(profile, ranks, workload)
+    if config.uses_deepspeed:
+        return (1 - _NOT_HIDDEN) * _zero3_gathers_s(estimate, workload, link) if (config.zero_stage or 0) >= 3 else 0.0
+    all_reduce = 2 * (estimate.gradients_bytes / 2) * (ranks - 1) / ranks / link
+    return min(all_reduce, backward)
+
+
+def _collective_sms_s(
+    estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile, compute: float, backward: float, traced: float
+) -> float:
+    """What the compute loses to the SMs an overlapped collective holds: while one runs, the compute runs at
+    1 - share of its rate (the share: NCCL's channels over the card's SMs, ``collective_sm_share``), for as long as
+    both run: the collectives' overlapped seconds, or the compute's own if it ends first. Within one node only."""
+    share = profile.collective_sm_share
+    if not share or profile.type != "cuda" or workload.nodes > 1:
+        return 0.0
+    overlapped = _overlapped_s(estimate, workload, profile, backward, traced)
+    return share * min(overlapped, compute / (1 - share))
+
+
 def _communication_s(
     estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile, compute: float, backward: float, traced: float
 ) -> float:
@@ -455,10 +522,18 @@ def _zero_s(estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile
     seconds = reduces * (weights * spread / link + buckets * latency)  # gradients
     seconds += weights * spread / link + buckets * latency  # updated weights
     if stage >= 3:
-        gathers = 2 * accum * costs.parameters * per_parameter * spread / link
+        gathers = _zero3_gathers_s(estimate, workload, link)
         hidden = max(gathers - compute, 0.0) + _NOT_HIDDEN * gathers if profile.type == "cuda" else gathers
         seconds += hidden + 2 * accum * costs.parameter_tensors * latency
     return seconds
+
+
+def _zero3_gathers_s(estimate: MemoryEstimate, workload: Workload, link: float) -> float:
+    """ZeRO-3's gathers of every weight in each forward and backward of a step."""
+    config, ranks, costs = estimate.config, workload.nproc, estimate.step_costs
+    assert costs is not None
+    per_parameter = 4 if config.precision in ("fp32", "tf32") else 2
+    return 2 * config.grad_accum_steps(workload) * costs.parameters * per_parameter * (ranks - 1) / ranks / link
 
 
 def _trainable(estimate: MemoryEstimate) -> float:

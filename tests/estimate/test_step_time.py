@@ -310,6 +310,58 @@ def test_hybrid_gathers_within_its_shard_group_and_all_reduces_across_nodes():
     assert step.communication_s == pytest.approx(max(traced - step.compute_s, 0.0) + 0.05 * traced)
 
 
+@pytest.mark.parametrize("card, sms", [("H100-80GB", 132), ("A100-80GB", 108), ("A100-40GB", 108)])
+@pytest.mark.parametrize("gathered", [8e9, 400e9])  # a gather shorter than the compute, one much longer
+def test_fsdp_computes_beside_its_collectives_on_the_sms_nccls_24_channels_leave(card, sms, gathered):
+    """While FSDP's collectives overlap the compute, NCCL's kernel holds one SM per channel (24 ring channels on an
+    8-GPU NVSwitch node of A100s or H100s, NCCL 2.18): the compute runs at (SMs - 24) / SMs of its rate for as long
+    as both run, the overlapped collectives' seconds (all but the 5% not hidden) or the compute's own if it ends
+    first. What is left of the collectives after the slower compute waits, as before."""
+    costs = dataclasses.replace(
+        HAND,
+        ops=(*HAND.ops, OpCost("forward", "collective", "_allgather_base_", "float32", 0.0, gathered, 0.0, 1.0)),
+    )
+    workload = Workload(model="builtin:llama-tiny", seq_len=128, global_batch=8, nproc=8, gpu=card)
+    profile = card_profile(gpu_spec(card))
+    assert profile.collective_sm_share == pytest.approx(24 / sms)
+    estimate = _hand_estimate(TrialConfig(micro_batch=1, fsdp="full"), costs)
+    step = predict_step_time(estimate, workload, profile)
+    alone = predict_step_time(estimate, workload, dataclasses.replace(profile, collective_sm_share=None))
+    traced = gathered * 7 / 8 / (gpu_spec(card).link_bandwidth * 0.75)
+    share = 24 / sms
+    displaced = share * min(0.95 * traced, alone.compute_s / (1 - share))
+    assert step.collective_sms_s == pytest.approx(displaced) and displaced > 0
+    assert step.compute_s == pytest.approx(alone.compute_s + displaced)
+    assert step.communication_s == pytest.approx(max(traced - step.compute_s, 0.0) + 0.05 * traced)
+    if traced > alone.compute_s / (1 - share):  # the compute ends first: the step is the collectives' time
+        assert step.compute_s + step.communication_s == pytest.approx(1.05 * traced)
+    # No contention where no channel count is sourced: a card outside the table, or ranks across nodes.
+    l40s = card_profile(gpu_spec("L40S"))
+    assert l40s.collective_sm_share is None
+    assert predict_step_time(estimate, workload.replace(gpu="L40S"), l40s).collective_sms_s == 0.0
+    nodes = Workload(model="builtin:llama-tiny", seq_len=128, global_batch=16, nproc=16, nodes=2, gpu=card)
+    assert predict_step_time(estimate, nodes, profile).collective_sms_s == 0.0
+    # Nor with one rank, or under ZeRO-2's reductions, which autotune's configs do not overlap.
+    one = predict_step_time(estimate, workload.replace(nproc=1, global_batch=1), profile)
+    assert one.collective_sms_s == 0.0
+    zero2 = predict_step_time(_hand_estimate(TrialConfig(micro_batch=1, zero_stage=2), costs), workload, profile)
+    assert zero2.collective_sms_s == 0.0
+
+
+def test_ddp_computes_its_last_backward_beside_the_all_reduce_on_fewer_sms():
+    """DDP's all-reduce overlaps the last backward: on an H100 node the compute loses 24/132 of its rate for the
+    all-reduce's seconds, up to the backward's; the wait after it is as before (the all-reduce past the backward)."""
+    workload = Workload(model="builtin:llama-tiny", seq_len=128, global_batch=8, nproc=8, gpu="H100-80GB")
+    profile = card_profile(gpu_spec("H100-80GB"))
+    estimate = _hand_estimate(TrialConfig(micro_batch=1), HAND)
+    step = predict_step_time(estimate, workload, profile)
+    alone = predict_step_time(estimate, workload, dataclasses.replace(profile, collective_sm_share=None))
+    all_reduce = 2 * 2e9 * (7 / 8) / (450e9 * 0.75)  # the estimate's 4 GB hold DDP's bucket copy
+    backward = 2 * ((1e7 + 1e8) / (3350e9 * 0.8) + 6e-6)  # micro batch 1
+    assert step.collective_sms_s == pytest.approx(24 / 132 * min(all_reduce, backward))
+    assert step.communication_s == pytest.approx(alone.communication_s)
+
+
 @pytest.mark.parametrize(
     "card, gpus_per_node, link",
     [
