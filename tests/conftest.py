@@ -124,8 +124,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def _longest_files_first(items: list[pytest.Item]) -> None:
     """Order the files by their number of ``slow`` tests, most first (the rest keep pytest's order), so that the
     two workers end together on short files. Files whose tests share a ``one_at_a_time`` name would make one worker
-    wait for the other if the two took them at once: only the longest of them goes first, the others after every
-    other file with slow tests."""
+    wait for the other if the two took them at once, as the queue's neighbours: only the longest of them goes
+    first, the second after every other file with slow tests, and any more after every other file."""
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
@@ -134,11 +134,13 @@ def _longest_files_first(items: list[pytest.Item]) -> None:
     for name, tests in files.items():
         for group in sorted({str(mark.args[0]) for item in tests for mark in item.iter_markers("one_at_a_time")}):
             groups.setdefault(group, []).append(name)
-    later = {name for members in groups.values() for name in sorted(members, key=lambda n: -slow[n])[1:]}
+    # Each file's place among the files it shares a name with, longest first (0 for a file that shares none).
+    turn = {name: i for members in groups.values() for i, name in enumerate(sorted(members, key=lambda n: -slow[n]))}
     order = {name: i for i, name in enumerate(files)}
 
     def key(name: str) -> tuple[int, int, int]:
-        return (0 if slow[name] and name not in later else 1 if slow[name] else 2, -slow[name], order[name])
+        place = turn.get(name, 0)
+        return (3 if place > 1 else 1 if place else 0 if slow[name] else 2, -slow[name], order[name])
 
     items[:] = [item for name in sorted(files, key=key) for item in files[name]]
 
