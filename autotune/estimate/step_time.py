@@ -446,8 +446,7 @@ def _overlapped_s(
     link = _link(profile, ranks, workload)
     if config.uses_deepspeed:
         return (1 - _NOT_HIDDEN) * _zero3_gathers_s(estimate, workload, link) if (config.zero_stage or 0) >= 3 else 0.0
-    all_reduce = 2 * (estimate.gradients_bytes / 2) * (ranks - 1) / ranks / link
-    return min(all_reduce, backward)
+    return min(_ddp_all_reduce_s(estimate, ranks, link), backward)
 
 
 def _collective_sms_s(
@@ -478,14 +477,23 @@ def _communication_s(
         return traced
     if config.uses_deepspeed:
         return _zero_s(estimate, workload, profile, compute, link)
-    gradients = estimate.gradients_bytes / 2  # DDP's estimate counts its buckets: a second copy
-    all_reduce = 2 * gradients * spread / link
+    gradients = _ddp_gradients_bytes(estimate)
+    all_reduce = _ddp_all_reduce_s(estimate, ranks, link)
     last_backward = backward if profile.type == "cuda" else 0.0  # gloo on a CPU competes for the same cores
     return (
         max(all_reduce - last_backward, 0.0)
         + min(_DDP_BUCKET, gradients) * 2 * spread / link
         + math.ceil(gradients / _DDP_BUCKET) * _collective_latency(profile)
     )
+
+
+def _ddp_gradients_bytes(estimate: MemoryEstimate) -> float:
+    return estimate.gradients_bytes / 2  # DDP's estimate counts its buckets: a second copy
+
+
+def _ddp_all_reduce_s(estimate: MemoryEstimate, ranks: int, link: float) -> float:
+    """DDP's all-reduce of every gradient (a ring: each byte twice, over all but a rank's own share)."""
+    return 2 * _ddp_gradients_bytes(estimate) * ((ranks - 1) / ranks) / link
 
 
 def _pipeline_bubble(config: TrialConfig, micro_batches: int) -> float:
@@ -514,7 +522,7 @@ def _zero_s(estimate: MemoryEstimate, workload: Workload, profile: DeviceProfile
     stage, accum = config.zero_stage or 0, config.grad_accum_steps(workload)
     spread = (ranks - 1) / ranks
     latency = _collective_latency(profile)
-    per_parameter = 4 if config.precision in ("fp32", "tf32") else 2
+    per_parameter = _weight_bytes(config)
     bucket = costs.hidden_size**2 if costs.hidden_size else _DEEPSPEED_BUCKET
     buckets = math.ceil(costs.trainable_parameters / bucket) if costs.trainable_parameters else 0
     reduces = accum if stage >= 2 else 1
@@ -532,8 +540,12 @@ def _zero3_gathers_s(estimate: MemoryEstimate, workload: Workload, link: float) 
     """ZeRO-3's gathers of every weight in each forward and backward of a step."""
     config, ranks, costs = estimate.config, workload.nproc, estimate.step_costs
     assert costs is not None
-    per_parameter = 4 if config.precision in ("fp32", "tf32") else 2
-    return 2 * config.grad_accum_steps(workload) * costs.parameters * per_parameter * (ranks - 1) / ranks / link
+    return 2 * config.grad_accum_steps(workload) * costs.parameters * _weight_bytes(config) * (ranks - 1) / ranks / link
+
+
+def _weight_bytes(config: TrialConfig) -> int:
+    """Bytes of one weight as ZeRO reduces and gathers it: fp32 (and tf32) in full, the half precisions in 2."""
+    return 4 if config.precision in ("fp32", "tf32") else 2
 
 
 def _trainable(estimate: MemoryEstimate) -> float:
