@@ -38,29 +38,32 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED = "bench/data/published"
-# (label, model config, seq len, micro batch, checkpointing): F4 760m's and F4 1b's model and micro batch
-# (llm-foundry's H100 table) and an attention-heavy step like S6's and F2 7b/8192's, each on one card.
+# (label, model config, seq len, micro batch, checkpointing, compile): F4 760m's and F4 1b's model and micro
+# batch (llm-foundry's H100 table), an attention-heavy step like S6's and F2 7b/8192's, each on one card; and
+# F4 1b's compiled (Inductor's Triton kernels in place of eager PyTorch's, as S2, S5 and S6 ran).
 CONFIGS = [
-    ("MPT-760m seq 2048 mb24", f"{PUBLISHED}/mpt-760m.json", 2048, 24, False),
-    ("MPT-1b seq 2048 mb14", f"{PUBLISHED}/mpt-1b.json", 2048, 14, False),
-    ("Llama-3.2-3B seq 8192 mb2 ckpt", f"{PUBLISHED}/llama-3.2-3b.json", 8192, 2, True),
+    ("MPT-760m seq 2048 mb24", f"{PUBLISHED}/mpt-760m.json", 2048, 24, False, False),
+    ("MPT-1b seq 2048 mb14", f"{PUBLISHED}/mpt-1b.json", 2048, 14, False, False),
+    ("Llama-3.2-3B seq 8192 mb2 ckpt", f"{PUBLISHED}/llama-3.2-3b.json", 8192, 2, True, False),
+    ("MPT-1b seq 2048 mb14 compiled", f"{PUBLISHED}/mpt-1b.json", 2048, 14, False, True),
 ]
-REHEARSAL = [("gpt2-tiny seq 64 mb4", "builtin:gpt2-tiny", 64, 4, False)]
+REHEARSAL = [("gpt2-tiny seq 64 mb4", "builtin:gpt2-tiny", 64, 4, False, False)]
+Config = tuple[str, str, int, int, bool, bool]
 KINDS = ("matmul", "attention", "other", "update", "idle")
 _ATTENTION_KERNEL = re.compile(r"flash|fmha|attention", re.IGNORECASE)
 _MATMUL_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|wgmma|cublas", re.IGNORECASE)
 
 
-def workload_and_config(model: str, seq: int, mb: int, ckpt: bool, gpu: str | None) -> tuple[Any, Any]:
+def workload_and_config(model: str, seq: int, mb: int, ckpt: bool, compiled: bool, gpu: str | None) -> tuple[Any, Any]:
     from autotune.config.knobs import TrialConfig
     from autotune.config.workload import Workload
 
     workload = Workload(model=model, task="causal-lm", seq_len=seq, global_batch=mb, gpu=gpu)
-    config = TrialConfig(micro_batch=mb, precision="bf16", checkpointing=ckpt, attention="sdpa")
+    config = TrialConfig(micro_batch=mb, precision="bf16", checkpointing=ckpt, attention="sdpa", compile=compiled)
     return workload, config
 
 
-def predict(card: str, configs: list[tuple[str, str, int, int, bool]]) -> dict[str, Any]:
+def predict(card: str, configs: list[Config]) -> dict[str, Any]:
     """Each config's predicted step on ``card``, in the kinds the profile is read in (seconds)."""
     from autotune.config.gpus import gpu_spec
     from autotune.estimate import step_time
@@ -68,12 +71,12 @@ def predict(card: str, configs: list[tuple[str, str, int, int, bool]]) -> dict[s
 
     profile = step_time.card_profile(gpu_spec(card))
     out = {}
-    for label, model, seq, mb, ckpt in configs:
-        workload, config = workload_and_config(model, seq, mb, ckpt, card)
+    for label, model, seq, mb, ckpt, compiled in configs:
+        workload, config = workload_and_config(model, seq, mb, ckpt, compiled, card)
         estimate = predict_memory(workload, config, timeout_s=1800)
         timed = step_time.predict_step_time(estimate, workload, profile)
         assert timed is not None and estimate.step_costs is not None, f"{label}: no traced step costs"
-        ops = estimate.step_costs.micro_step(mb, fused=False)
+        ops = estimate.step_costs.micro_step(mb, fused=compiled)
         parts: dict[str, float] = {}
         for kind in sorted({op[0] for op in ops}):
             device, _ = step_time._phase_times([op for op in ops if op[0] == kind], profile, config, 1.0)
@@ -139,10 +142,14 @@ def kernel_parts(trace: dict[str, Any]) -> dict[str, float]:
     return parts
 
 
-def top_kernels(trace: dict[str, Any], n: int = 12) -> list[tuple[str, float, int]]:
-    """The ``n`` kernels that took longest in all: (name cut to 90 characters, seconds, launches)."""
+def top_kernels(trace: dict[str, Any], n: int = 12, other: bool = False) -> list[tuple[str, float, int]]:
+    """The ``n`` kernels that took longest in all: (name cut to 90 characters, seconds, launches); ``other``:
+    of those neither a matmul nor attention (the update's among them)."""
     totals: dict[str, list[float]] = {}
     for e in trace.get("traceEvents", []):
+        name = str(e.get("name", ""))
+        if other and (_ATTENTION_KERNEL.search(name) or _MATMUL_KERNEL.search(name)):
+            continue
         if e.get("cat") == "kernel" and "dur" in e:
             entry = totals.setdefault(str(e.get("name", ""))[:90], [0.0, 0])
             entry[0] += e["dur"] * 1e-6
@@ -151,16 +158,20 @@ def top_kernels(trace: dict[str, Any], n: int = 12) -> list[tuple[str, float, in
     return [(name, seconds, int(count)) for name, (seconds, count) in ranked]
 
 
-def measure(label: str, model: str, seq: int, mb: int, ckpt: bool, device: Any, steps: int) -> dict[str, Any]:
+def measure(
+    label: str, model: str, seq: int, mb: int, ckpt: bool, compiled: bool, device: Any, steps: int
+) -> dict[str, Any]:
     """One config's engine, as ``autotune trial`` builds it: the median step, its peaks, one step profiled."""
     import torch
 
     from autotune.models.sources import resolve_task
     from autotune.trial.engine import build_engine
 
-    workload, config = workload_and_config(model, seq, mb, ckpt, None)
+    workload, config = workload_and_config(model, seq, mb, ckpt, compiled, None)
     engine = build_engine(workload=workload, config=config, task=resolve_task(workload), device=device, world_size=1)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if compiled:
+        engine.compile()
     engine.warm_up()
     engine.step()
     sync()
@@ -188,6 +199,7 @@ def measure(label: str, model: str, seq: int, mb: int, ckpt: bool, device: Any, 
         trace = json.loads(path.read_text())
     result["parts_s"] = kernel_parts(trace)
     result["top_kernels"] = top_kernels(trace)
+    result["top_other_kernels"] = top_kernels(trace, other=True)
     del engine, prof, trace
     gc.collect()
     if device.type == "cuda":
@@ -309,6 +321,9 @@ def report(card: str, predictions: dict[str, Any], measured: dict[str, dict[str,
         steps = ", ".join(f"{s * 1e3:.1f}" for s in m["steps_s"])
         lines.append(f"{label}: steps {steps} ms{clock}{memory}")
         lines += [f"  {seconds * 1e3:8.2f} ms x{count:<5} {name}" for name, seconds, count in m["top_kernels"]]
+        if m.get("top_other_kernels"):
+            lines.append("  of the other kinds (the update's among them):")
+            lines += [f"  {s * 1e3:8.2f} ms x{count:<5} {name}" for name, s, count in m["top_other_kernels"]]
     return lines + extras
 
 
@@ -330,6 +345,8 @@ def main() -> None:
     parser.add_argument("--predictions", type=Path, help="a file --predict-for wrote (default: the card's, if any)")
     parser.add_argument("--rehearse", action="store_true", help="on a CPU: a tiny model, one step each")
     parser.add_argument("--out", type=Path, help="the results file")
+    parser.add_argument("--only", help="measure only the configs whose label contains this text")
+    parser.add_argument("--no-rates", action="store_true", help="skip the attention and bandwidth microbenchmarks")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     import os
@@ -357,9 +374,11 @@ def main() -> None:
     )
     measured: dict[str, dict[str, Any]] = {}
     extras: list[str] = []
-    for label, model, seq, mb, ckpt in configs:
+    for label, model, seq, mb, ckpt, compiled in configs:
+        if args.only and args.only not in label:
+            continue
         try:
-            measured[label] = measure(label, model, seq, mb, ckpt, device, steps)
+            measured[label] = measure(label, model, seq, mb, ckpt, compiled, device, steps)
         except Exception as exc:  # one config's failure (an OOM, a kernel missing) leaves the others' figures
             measured[label] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
             gc.collect()
@@ -368,13 +387,18 @@ def main() -> None:
             out.write_text("\n".join(report(card, predictions, measured, extras)) + "\n")
     peak = 989e12  # an H100 SXM's and an H200's dense bf16 peak
     shapes = [("MPT-760m/1b shape", 2048, 12, 12, 128, 8), ("Llama-3.2-3B shape", 8192, 24, 8, 128, 2)]
-    for name, seq, heads, kv, dim, batch in shapes if not args.rehearse else [("tiny", 64, 2, 2, 32, 2)]:
+    if args.no_rates:
+        shapes = []
+    elif args.rehearse:
+        shapes = [("tiny", 64, 2, 2, 32, 2)]
+    for name, seq, heads, kv, dim, batch in shapes:
         rate = attention_rate(device, seq, heads, kv, dim, batch)
         extras.append(
             f"flash SDPA fwd+bwd, {name} (b{batch} h{heads}/{kv} s{seq} d{dim}): {rate / 1e12:.0f} TFLOP/s"
             f" = {rate / peak:.0%} of 989"
         )
-    extras.append(f"bf16 add, 2^28 elements: {bandwidth(device) / 1e12:.2f} TB/s")
+    if not args.no_rates:
+        extras.append(f"bf16 add, 2^28 elements: {bandwidth(device) / 1e12:.2f} TB/s")
     lines = report(card, predictions, measured, extras)
     print("\n".join(lines))
     if out:

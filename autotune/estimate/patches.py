@@ -55,15 +55,18 @@ def fake_process_group(
 
     if dist.is_initialized():
         raise EstimateError("FSDP and TP are traced on a process group of their own; this process has one already")
+    from autotune.trial.collectives import fsdp_reduce_scatter_name
+
     dist.init_process_group("fake", rank=rank, world_size=ranks, store=FakeStore())
-    reduce_scatter = dist.reduce_scatter_single
+    name = fsdp_reduce_scatter_name()
+    reduce_scatter = getattr(dist, name)
 
     def gloo_reduce_scatter(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
         scratch = torch.empty_like(input)  # noqa: F841 - held while the collective runs, as gloo's copy
         return reduce_scatter(output, input, *args, **kwargs)
 
     if gloo:
-        dist.reduce_scatter_single = gloo_reduce_scatter
+        setattr(dist, name, gloo_reduce_scatter)
     try:
         if shard is not None:
             yield init_device_mesh(device_type, (ranks // shard, shard), mesh_dim_names=("replicate", "shard"))
@@ -72,7 +75,7 @@ def fake_process_group(
         else:
             yield init_device_mesh(device_type, (ranks,))
     finally:
-        dist.reduce_scatter_single = reduce_scatter
+        setattr(dist, name, reduce_scatter)
         dist.destroy_process_group()
 
 

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from autotune.estimate.results import MODEL_STATES
-from autotune.estimate.step_costs import CostRecorder
+from autotune.estimate.step_costs import CostRecorder, counted_flops
 from autotune.trial.memory import LiveBytesTracker, storages_of
 
 __all__ = ["PeakPartsTracker", "local_shard"]
@@ -164,7 +164,7 @@ class PeakPartsTracker(LiveBytesTracker):
         """Count the op's FLOPs (while asked) and record its costs (while a phase is set)."""
         counting = self.count_flops or self.costs.phase is not None
         count = flop_registry.get(func.overloadpacket) if counting else None
-        flops = count(*args, **kwargs, out_val=costed) if count is not None else 0
+        flops = counted_flops(count, args, kwargs, costed) if count is not None else 0
         if self.count_flops:
             self.flops += flops
         self.costs.record(func, args, kwargs, inputs, outputs, flops)

@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OpCost", "StepCosts", "CostRecorder"]
+__all__ = ["OpCost", "StepCosts", "CostRecorder", "counted_flops"]
 
 # Phases of a traced step: the forward of a micro step, its backward (recomputed forwards
 # included), the optimizer's update once per step.
@@ -442,6 +442,29 @@ def _bytes_touched(tensor: Any) -> float:
         return float(min(elements, tensor.untyped_storage().nbytes()))
     except (RuntimeError, NotImplementedError):  # a tensor without storage (a functional wrapper)
         return float(elements)
+
+
+def counted_flops(count: Any, args: Any, kwargs: Any, out: Any) -> Any:
+    """``count`` (a formula of torch's flop counter) for one op. Grouped-query attention (the key and value with
+    fewer heads than the query) is counted as the kernel computes it, each query head against its group's key and
+    value: as with those heads repeated. torch 2.13's attention formulas count it so; 2.11's refuse the shapes
+    (``sdpa_flop_count: query/key/value shapes are incompatible``), and are given the repeated heads."""
+    import torch
+
+    try:
+        return count(*args, **kwargs, out_val=out)
+    except AssertionError:
+        heads = [a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+        if not heads or any(max(heads) % h for h in heads):
+            raise
+        wide = max(heads)
+
+        def repeated(a: Any) -> Any:  # the formulas read shapes only (flop_counter's shape_wrapper)
+            if isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[1] != wide:
+                return torch.Size((a.shape[0], wide, *a.shape[2:]))
+            return a
+
+        return count(*(repeated(a) for a in args), **kwargs, out_val=out)
 
 
 def _cpu_flash_flops(name: str, args: Any) -> float:

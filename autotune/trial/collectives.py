@@ -31,22 +31,37 @@ import contextlib
 import time
 from typing import Any, Iterator
 
-__all__ = ["reduce_scatter_frees_its_copy", "all_gather_frees_its_input", "gloo_collectives_let_go"]
+__all__ = [
+    "reduce_scatter_frees_its_copy",
+    "all_gather_frees_its_input",
+    "gloo_collectives_let_go",
+    "fsdp_reduce_scatter_name",
+]
 
 # How long a reduce-scatter waits for gloo's worker thread to let go of its copy: the worker drops it right
 # after it has finished the all-reduce; past this the copy is left to it, as gloo's own would be.
 WORKER_RELEASE_S = 5.0
 
 
+def fsdp_reduce_scatter_name() -> str:
+    """The ``torch.distributed`` function FSDP2 reduce-scatters its gradients with: ``reduce_scatter_single``
+    where the release has it (torch 2.13's ``_fsdp_collectives.py`` calls it), ``reduce_scatter_tensor`` before
+    (torch 2.11's; the same arguments: output, input, op, group, async_op)."""
+    import torch.distributed as dist
+
+    return "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
 @contextlib.contextmanager
 def reduce_scatter_frees_its_copy() -> Iterator[None]:
-    """``torch.distributed.reduce_scatter_single`` on a gloo group (synchronous, a sum or a mean: what FSDP2
-    calls on a CPU) as gloo runs it, its copy of the input freed before it returns. Other groups and calls are
-    torch's own."""
+    """FSDP2's reduce-scatter (:func:`fsdp_reduce_scatter_name`) on a gloo group (synchronous, a sum or a mean:
+    what FSDP2 calls on a CPU) as gloo runs it, its copy of the input freed before it returns. Other groups and
+    calls are torch's own."""
     import torch
     import torch.distributed as dist
 
-    original = dist.reduce_scatter_single
+    name = fsdp_reduce_scatter_name()
+    original = getattr(dist, name)
 
     def reduce_scatter_single(
         output: torch.Tensor,
@@ -72,11 +87,11 @@ def reduce_scatter_frees_its_copy() -> Iterator[None]:
         _until_let_go(storage, ours)
         return None
 
-    dist.reduce_scatter_single = reduce_scatter_single
+    setattr(dist, name, reduce_scatter_single)
     try:
         yield
     finally:
-        dist.reduce_scatter_single = original
+        setattr(dist, name, original)
 
 
 @contextlib.contextmanager

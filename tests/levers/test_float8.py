@@ -126,13 +126,25 @@ def test_the_estimate_times_the_layers_matmuls_in_float8() -> None:
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_a_float8_trial_runs_where_the_card_has_float8_cores_and_the_estimate_holds() -> None:
+def test_on_a_gpu_a_float8_trial_runs_where_the_card_has_float8_cores_and_the_estimate_holds(tmp_path) -> None:
     from autotune.estimate.client import predict_memory
     from autotune.trial.runner import run_trial
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (run on the GPU machine)")
-    workload = Workload(model="builtin:gpt2", seq_len=512, global_batch=4, device="cuda")
+    # A Llama of nn.Linear layers a few hundred MB in all (GPT-2's are Conv1D: nothing to train in float8).
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    workload = Workload(model=str(tmp_path / "config.json"), seq_len=512, global_batch=4, device="cuda")
     if torch.cuda.get_device_capability(0) < (8, 9):
         with pytest.raises(ConfigError, match="compute capability 8.9 or newer"):
             run_trial(workload, FLOAT8_CONFIG, warmup_steps=1, measure_steps=2)

@@ -14,25 +14,38 @@ import pytest
 # call (the tracker's live bytes back to where they were), where gloo's worker thread sometimes keeps it.
 _RANKS = textwrap.dedent("""
     import torch, torch.distributed as dist
-    from autotune.trial.collectives import reduce_scatter_frees_its_copy
+    from autotune.trial.collectives import fsdp_reduce_scatter_name, reduce_scatter_frees_its_copy
     from autotune.trial.memory import LiveBytesTracker
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    name = fsdp_reduce_scatter_name()
     same, freed = True, True
     for step in range(20):
         data = torch.randn(1 << 20, generator=torch.Generator().manual_seed(step + rank))
         for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             theirs = torch.empty(1 << 19)
-            dist.reduce_scatter_single(theirs, data, op=op)
+            getattr(dist, name)(theirs, data, op=op)
             with LiveBytesTracker() as tracker, reduce_scatter_frees_its_copy():
                 ours = torch.empty(1 << 19)
-                dist.reduce_scatter_single(ours, data, op=op)
+                getattr(dist, name)(ours, data, op=op)
                 freed &= tracker.live_bytes == ours.nbytes and tracker.peak_bytes == ours.nbytes + data.nbytes
             same &= torch.equal(theirs, ours)
     print(f"RESULT {rank} {same} {freed}", flush=True)  # one write: the two ranks share stdout
     dist.destroy_process_group()
 """)
+
+
+def test_the_reduce_scatter_patched_is_the_one_fsdp2_calls_in_this_release():
+    # torch 2.13's FSDP2 calls reduce_scatter_single, 2.11's reduce_scatter_tensor: a patch of the other one would
+    # leave gloo's copy to its race (trials) and the estimate's gloo copy uncounted.
+    import inspect
+
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives as fsdp_collectives
+
+    from autotune.trial.collectives import fsdp_reduce_scatter_name
+
+    assert f"dist.{fsdp_reduce_scatter_name()}(" in inspect.getsource(fsdp_collectives)
 
 
 @pytest.mark.slow  # two gloo ranks in new interpreters: 6-10 s
