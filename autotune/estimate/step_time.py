@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from autotune.config.knobs import sixteen_bit_type
-from autotune.estimate.step_costs import ATTENTION, BACKWARD, COLLECTIVE, FUSED, UPDATE
+from autotune.estimate.step_costs import ATTENTION, BACKWARD, COLLECTIVE, FUSED, OTHER, UPDATE
 from autotune.levers.grad_reduction import reducing_micro_steps
 
 if TYPE_CHECKING:
@@ -94,6 +94,15 @@ _GPU_BANDWIDTH_EFFICIENCY = 0.8
 # 2024); PyTorch's flash SDPA kernel is FlashAttention-2. Elsewhere half the peak, a guess.
 _ATTENTION = {8: 0.6, 9: 0.35}
 _ATTENTION_UNMEASURED = 0.5
+# Eager PyTorch's memory-bound kernels in a training step run well under a large copy's rate. Measured on an H200
+# (bench/gpu_step_parts.py; torch 2.11, CUDA 13; bench/results/gpu_step_parts_NVIDIA_H200.txt), each kernel put
+# in the step-time model's kinds by its name and the traced bytes of those kinds over the kernels' time, after
+# _GPU_KERNEL_S a launch: the forward's and backward's other kernels 53%, 54% and 63% of HBM's 4.8 TB/s
+# (MPT-760m mb24, MPT-1b mb14, Llama-3.2-3B seq 8192 ckpt), foreach AdamW's 57% in all three; a lone bf16 add
+# reached 90% (4.30 TB/s). The compiled MPT-1b's Triton kernels came within 6% of _GPU_BANDWIDTH_EFFICIENCY: a
+# compiled phase keeps it. Hopper only (compute capability 9), where it was measured: the V100 rows of
+# bench/plan_published.py, within 6% at 80%, would read 10-20% slow at 57%, and no A100 was measured.
+_EAGER_BANDWIDTH = {9: 0.57}
 # Eager PyTorch's host time per operator (Python, dispatcher, launch): a few microseconds to ten;
 # on a GPU it only shows where kernels are shorter (small models, small micro batches).
 _GPU_DISPATCH_S = 8e-6
@@ -152,6 +161,9 @@ class DeviceProfile:
     # The share of the SMs a collective's kernel holds within one node while it overlaps the compute (None: not
     # modelled, the compute runs at its full rate beside it)
     collective_sm_share: float | None = None
+    # Bytes/s of eager PyTorch's memory-bound kernels (elementwise, reductions, norms, copies, foreach optimizer
+    # steps), which fall short of a large copy's rate (None: memory_bandwidth's)
+    eager_bandwidth: float | None = None
     source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -208,7 +220,8 @@ def card_profile(card: GpuSpec) -> DeviceProfile:
         flops["tf32"] = card.tf32_flops * efficiency
     if card.fp8_flops is not None:  # torch._scaled_mm's operands (--float8): e4m3 forward, e5m2 gradients
         flops["float8_e4m3fn"] = flops["float8_e5m2"] = card.fp8_flops * efficiency
-    attention = _ATTENTION.get(card.compute_capability[0], _ATTENTION_UNMEASURED) / efficiency
+    major = card.compute_capability[0]
+    attention = _ATTENTION.get(major, _ATTENTION_UNMEASURED) / efficiency
     return DeviceProfile(
         name=card.name,
         type="cuda",
@@ -222,6 +235,7 @@ def card_profile(card: GpuSpec) -> DeviceProfile:
         network_bandwidth=card.network_bandwidth * _LINK_EFFICIENCY,
         peak_flops=card.bf16_flops or card.fp16_flops,
         collective_sm_share=_NCCL_RING_CHANNELS / _SMS[card.name] if card.name in _SMS else None,
+        eager_bandwidth=card.memory_bandwidth * eager if (eager := _EAGER_BANDWIDTH.get(major)) else None,
         source=f"published peaks, matmuls at the {efficiency:.0%} of them a run sustains (autotune.estimate.step_time)",
     )
 
@@ -276,7 +290,8 @@ def predict_step_time(
     micro_ops = costs.micro_step(config.micro_batch, fused=fused)
     micro_device, micro_host = _phase_times(micro_ops, profile, config, share)
     backward, _ = _phase_times(costs.micro_step(config.micro_batch, BACKWARD, fused=fused), profile, config, share)
-    update_device, update_host = _phase_times(costs.update(), profile, config, share)
+    # The optimizer's step is not compiled with the model: eager foreach kernels, or fused AdamW's one kernel.
+    update_device, update_host = _phase_times(costs.update(), profile, config, share, compiled=config.fused_optimizer)
     if config.uses_deepspeed:  # the traced update was plain AdamW on the whole model: ZeRO steps its partition
         update_device, update_host = update_device / ranks, update_host
     if config.fused_optimizer:  # one kernel for every tensor: the host issues a handful of operators
@@ -333,9 +348,17 @@ def _rank_share(profile: DeviceProfile, ranks: int) -> float:
 
 
 def _phase_times(
-    ops: list[tuple[str, str, float, float, float]], profile: DeviceProfile, config: TrialConfig, share: float
+    ops: list[tuple[str, str, float, float, float]],
+    profile: DeviceProfile,
+    config: TrialConfig,
+    share: float,
+    *,
+    compiled: bool | None = None,
 ) -> tuple[float, float]:
-    """(device seconds, host seconds) of one phase's operators."""
+    """(device seconds, host seconds) of one phase's operators; ``compiled``: its memory-bound kernels are
+    generated ones (default: the model's forward and backward under ``--compile``), else eager PyTorch's."""
+    compiled = config.compile if compiled is None else compiled
+    eager = None if compiled else profile.eager_bandwidth
     device = host = 0.0
     for kind, dtype, flops, moved, count in ops:
         if kind == COLLECTIVE:
@@ -346,7 +369,8 @@ def _phase_times(
         rate = _matmul_rate(profile, dtype, config.precision) * share
         if kind == ATTENTION and profile.attention_efficiency:
             rate *= profile.attention_efficiency
-        memory = moved / (profile.memory_bandwidth * share)
+        bandwidth = eager if kind == OTHER and eager else profile.memory_bandwidth
+        memory = moved / (bandwidth * share)
         compute = flops / rate if flops else 0.0
         device += count * (max(compute, memory) + profile.kernel_s)
         host += count * profile.dispatch_s
