@@ -20,6 +20,7 @@ and backward at each config's shape against the card's peak, and a large element
     python bench/gpu_step_parts.py --predict-for H200   # any machine: results/gpu_step_parts_predicted_H200.json
     python bench/gpu_step_parts.py                      # the GPU: results/gpu_step_parts_<card>.txt
     python bench/gpu_step_parts.py --rehearse           # a CPU: the same steps on a tiny model, no figure
+    python bench/gpu_step_parts.py --recheck H200       # any machine: a lease's figures against today's model
 """
 
 from __future__ import annotations
@@ -93,6 +94,37 @@ def predict(card: str, configs: list[Config]) -> dict[str, Any]:
         }
         print(f"{label}: step {timed.step_s * 1e3:.1f} ms predicted", flush=True)
     return {"command": f"python bench/gpu_step_parts.py --predict-for {card}", "card": card, "configs": out}
+
+
+def recheck(card: str, results: Path) -> list[str]:
+    """A lease's measured parts (``results``, the table this script wrote) beside the model's prediction now:
+    what a change to the step-time model does to the errors, without a GPU."""
+    measured: dict[str, list[float]] = {}
+    for line in results.read_text().splitlines():
+        cells = line.split(" | ")
+        label = cells[0]
+        if any(label == c[0] for c in CONFIGS) and len(cells) == 7 and label not in measured:
+            measured[label] = [_ms(cell.split(" / ")[1]) for cell in cells[1:6]]
+    configs = [c for c in CONFIGS if c[0] in measured]
+    predictions = predict(card, configs)["configs"]
+    lines = [
+        f"# python bench/gpu_step_parts.py --recheck {card} --results {results.relative_to(ROOT)}",
+        "the lease's measured seconds against the step-time model's prediction now; predicted / measured (error)",
+        "config | step | matmul | attention | other | update",
+    ]
+    for label, (step, *parts) in measured.items():
+        p = predictions[label]
+        cells = [_pair(p["step_s"], step)]
+        cells += [
+            _pair(p["parts_s"].get(k, 0.0), m)
+            for k, m in zip(("matmul", "attention", "other", "update"), parts, strict=True)
+        ]
+        lines.append(" | ".join([label, *cells]))
+    return lines
+
+
+def _ms(text: str) -> float:
+    return float(text.split()[0]) / 1e3
 
 
 def kernel_parts(trace: dict[str, Any]) -> dict[str, float]:
@@ -345,6 +377,8 @@ def main() -> None:
     parser.add_argument("--predictions", type=Path, help="a file --predict-for wrote (default: the card's, if any)")
     parser.add_argument("--rehearse", action="store_true", help="on a CPU: a tiny model, one step each")
     parser.add_argument("--out", type=Path, help="the results file")
+    parser.add_argument("--recheck", metavar="CARD", help="no measuring: --results' figures against CARD's prediction")
+    parser.add_argument("--results", type=Path, default=Path("bench/results/gpu_step_parts_NVIDIA_H200.txt"))
     parser.add_argument("--only", help="measure only the configs whose label contains this text")
     parser.add_argument("--no-rates", action="store_true", help="skip the attention and bandwidth microbenchmarks")
     args = parser.parse_args()
@@ -352,6 +386,12 @@ def main() -> None:
     import os
 
     os.chdir(ROOT)
+    if args.recheck:
+        lines = recheck(args.recheck, (ROOT / args.results).resolve())
+        print("\n".join(lines))
+        if args.out:
+            args.out.write_text("\n".join(lines) + "\n")
+        return
     if args.predict_for:
         configs = REHEARSAL if args.rehearse else CONFIGS
         out = args.out or ROOT / "bench" / "results" / f"gpu_step_parts_predicted_{args.predict_for}.json"
