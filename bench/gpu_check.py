@@ -23,6 +23,7 @@ import io
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -68,7 +69,18 @@ def main() -> None:
     parser.add_argument(
         "--predictions", type=Path, help="a file --predict-for wrote: take the predictions from it, estimate none"
     )
+    parser.add_argument(
+        "--recheck",
+        nargs=2,
+        type=Path,
+        metavar=("RESULTS", "PREDICTIONS"),
+        help="no measuring: a lease's measured tokens/s (RESULTS, the table this script wrote) against a newer "
+        "--predict-for file, beside the lease's own predictions",
+    )
     args = parser.parse_args()
+    if args.recheck:
+        print("\n".join(_recheck(*args.recheck)))
+        return
     # This process is the command's own, as ``python -m autotune`` marks its process: the servers of the commands
     # run in it (_autotune) are forks of it where they may be (no CUDA context yet, one thread; see
     # autotune.cli.servers), not new interpreters.
@@ -128,6 +140,33 @@ def _predict_for(card: str, out: Path | None) -> None:
         print(f"{label}: {configs[label].get('status', 'predicted')}", flush=True)
     path = out or ROOT / "bench" / "results" / f"gpu_check_predicted_{card}.json"
     path.write_text(json.dumps({"command": command, "card": card, "configs": configs}, indent=1) + "\n")
+
+
+def _recheck(results: Path, predictions: Path) -> list[str]:
+    """The lease's tokens/s (measured / its predicted) beside the tokens/s ``predictions`` holds for each config."""
+    configs = json.loads(predictions.read_text())["configs"]
+    lines = [
+        f"# python bench/gpu_check.py --recheck {results} {predictions}",
+        "config | measured tokens/s | the lease's prediction (error) | now (error)",
+    ]
+    errors = []
+    for line in results.read_text().splitlines():
+        cells = line.split(" | ")
+        if cells[0] not in configs or len(cells) != 4:
+            continue
+        before, measured = (float(v.split()[0].replace(",", "")) for v in cells[3].split(" / "))
+        now = configs[cells[0]]["step_time"]["tokens_per_s"]
+        errors.append((abs(before / measured - 1), abs(now / measured - 1)))
+        lines.append(
+            f"{cells[0]} | {measured:,.0f} | {before:,.0f} ({before / measured - 1:+.1%}) | {now:,.0f} "
+            f"({now / measured - 1:+.1%})"
+        )
+    if errors:
+        lines.append(
+            f"median |error|: {statistics.median(e[0] for e in errors):.1%} in the lease, "
+            f"{statistics.median(e[1] for e in errors):.1%} now"
+        )
+    return lines
 
 
 def _card(rehearse: bool) -> str:
