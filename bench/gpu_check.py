@@ -5,11 +5,12 @@ On the GPU machine (run it first there; it is made to end well inside 10 minutes
 
     bash bench/gpu_check.sh            # writes bench/results/gpu_check_<card>.txt
 
-It runs the ``gpu``-marked tests, then for each config of ``CONFIGS`` on a 3B Llama (a config.json from
-the published rows, random weights): ``autotune estimate --json`` (the prediction) and ``autotune trial
---json`` (the measurement: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` and tokens/s),
-each command run in this process so that one trial server and one estimate server serve them all, and prints
-one table, each prediction's error beside it.
+For each config of ``CONFIGS`` on a 3B Llama (a config.json from the published rows, random weights) it runs
+``autotune estimate --json`` (the prediction) and ``autotune trial --json`` (the measurement:
+``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``, tokens/s, and what nvidia-smi shows the card using
+during the trial over what it showed before), each command in this process so that one trial server and one
+estimate server serve them all, and prints one table, each prediction's error beside it. Then a real
+``autotune find`` on a 1B Llama built from its config (90 s of search), then the ``gpu``-marked tests.
 
 On a CPU, ``--rehearse`` runs the same steps on a tiny model for one step each (no GPU figure comes of it:
 it proves the script and its commands work) and says what the GPU run would measure.
@@ -23,9 +24,11 @@ import io
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -33,7 +36,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 GPU_MODEL = "bench/data/published/llama-3.2-3b.json"
 GPU_WORKLOAD = ["--seq-len", "1024", "--global-batch", "8"]
-REHEARSAL_WORKLOAD = ["--seq-len", "64", "--global-batch", "4"]
+REHEARSAL_WORKLOAD = ["--seq-len", "64", "--global-batch", "8"]
 # What a published row cannot settle on one card: the model states, activations with and without
 # checkpointing, the chunked loss's logits, LoRA and QLoRA's frozen bases, and the 8-bit optimizer.
 CONFIGS = [
@@ -52,7 +55,16 @@ CONFIGS = [
         "bf16, ckpt, 8-bit AdamW, mb=2",
         ["--precision", "bf16", "--checkpointing", "on", "--optimizer", "adamw-8bit", "--micro-batch", "2"],
     ),
+    (
+        # Stepped inside the backward: no accumulation, so the micro batch is the global batch.
+        "bf16, ckpt, AdamW in backward, mb=8",
+        ["--precision", "bf16", "--checkpointing", "on", "--optimizer-in-backward", "on", "--micro-batch", "8"],
+    ),
 ]
+# A real search, as a user starts one: a 1B Llama built from its config, bounded in time.
+FIND_MODEL = "bench/data/published/llama-3.2-1b.json"
+FIND_ARGS = ["--seq-len", "1024", "--global-batch", "16", "--max-time", "90s"]
+REHEARSAL_FIND = ("builtin:llama-tiny", ["--seq-len", "64", "--global-batch", "8", "--max-time", "20s"])
 GiB = 2**30
 
 
@@ -110,17 +122,22 @@ def main() -> None:
             rows.append((label, None, None, "bitsandbytes not installed"))
             continue
         common = ["--model", model, *workload, *device, *flags]
-        predicted = predictions["configs"][label] if predictions else _autotune(["estimate", *common, "--json"])
-        measured = _autotune(["trial", *common, *steps, "--json"])
+        predicted = (predictions.get("configs") or {}).get(label) or _autotune(["estimate", *common, "--json"])
+        with _DeviceMemory(enabled=not args.rehearse) as device_memory:
+            measured = _autotune(["trial", *common, *steps, "--json"])
+        measured["device_bytes"] = device_memory.used_bytes
         rows.append((label, predicted, measured, None))
         _write(out, lines + _table(rows), args)
     lines += _table(rows)
+    lines += _find(args.rehearse)
+    _write(out, lines, args)
     lines += _gpu_tests(args.rehearse)
     if args.rehearse:
         lines.append(
-            "rehearsal: on the GPU machine the same steps run the gpu-marked tests, then these configs on "
+            "rehearsal: on the GPU machine the same steps run these configs on "
             f"{GPU_MODEL} ({' '.join(GPU_WORKLOAD)}, --device cuda, 5 timed steps): "
-            "max_memory_allocated and max_memory_reserved against the predictions, and tokens/s"
+            "max_memory_allocated, max_memory_reserved, tokens/s and nvidia-smi's figure against the predictions; "
+            f"then find on {FIND_MODEL} ({' '.join(FIND_ARGS)}); then the gpu-marked tests"
         )
     print("\n".join(lines))
     _write(out, lines, args)
@@ -152,7 +169,7 @@ def _recheck(results: Path, predictions: Path) -> list[str]:
     errors = []
     for line in results.read_text().splitlines():
         cells = line.split(" | ")
-        if cells[0] not in configs or len(cells) != 4:
+        if cells[0] not in configs or len(cells) < 4:
             continue
         before, measured = (float(v.split()[0].replace(",", "")) for v in cells[3].split(" / "))
         now = configs[cells[0]]["step_time"]["tokens_per_s"]
@@ -177,6 +194,68 @@ def _card(rehearse: bool) -> str:
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device is visible: run with --rehearse on a CPU")
     return torch.cuda.get_device_name(0)
+
+
+class _DeviceMemory:
+    """What nvidia-smi shows the card using while a trial runs, over what it showed before: the trial's process
+    (its CUDA context, the allocator's reserve, NCCL's buffers), sampled every 100 ms. None where nvidia-smi is
+    not there (a CPU rehearsal)."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled and shutil.which("nvidia-smi") is not None
+        self.used_bytes: int | None = None
+        self._sampler: subprocess.Popen[str] | None = None
+        self._before = 0.0
+
+    def __enter__(self) -> _DeviceMemory:
+        if self.enabled:
+            self._before = max(self._query(["--query-gpu=memory.used"]) or [0.0])
+            self._sampler = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-lms", "100"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._sampler is None:
+            return
+        self._sampler.terminate()
+        out, _ = self._sampler.communicate(timeout=10)
+        used = [float(v) for v in out.split() if v.replace(".", "", 1).isdigit()]
+        if used:
+            self.used_bytes = int((max(used) - self._before) * 2**20)  # nvidia-smi counts MiB
+
+    @staticmethod
+    def _query(flags: list[str]) -> list[float]:
+        done = subprocess.run(["nvidia-smi", *flags, "--format=csv,noheader,nounits"], capture_output=True, text=True)
+        return [float(v) for v in done.stdout.split() if v.replace(".", "", 1).isdigit()]
+
+
+def _find(rehearse: bool) -> list[str]:
+    """A real ``autotune find`` on a 1B Llama built from its config (a tiny Llama on a CPU), bounded in time: what it
+    answered, from how many trials, in how long."""
+    model, flags = REHEARSAL_FIND if rehearse else (FIND_MODEL, FIND_ARGS)
+    device = ["--device", "cpu" if rehearse else "cuda"]
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.monotonic()
+        result = _autotune(
+            ["find", "--model", model, *flags, *device, "--storage", f"sqlite:///{tmp}/find.db", "--json"]
+        )
+        wall = time.monotonic() - started
+    head = f"find --model {model} {' '.join(flags)} {' '.join(device)}: {wall:.0f} s"
+    best = result.get("best")
+    if not isinstance(best, dict) or not best.get("config"):
+        return [f"{head}, no answer: {result.get('error') or result.get('stopped') or 'none'}"]
+    rate = best.get("confirmed_tokens_per_s") or best.get("tokens_per_s")
+    peak = best.get("confirmed_peak_memory_bytes") or best.get("peak_memory_bytes")
+    measured = sum(1 for t in result.get("trials", []) if t.get("status") == "ok")
+    return [
+        f"{head}, {result.get('n_trials')} trials ({measured} ok); answer {best.get('describe')}: "
+        f"{_rate(rate or 0)} tokens/s, peak {(peak or 0) / GiB:.2f} GiB",
+        *([f"  {result['stopped']}"] if result.get("stopped") else []),
+    ]
 
 
 def _gpu_tests(rehearse: bool) -> list[str]:
@@ -214,7 +293,7 @@ def _autotune(args: list[str]) -> dict[str, Any]:
 def _table(rows: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None, str | None]]) -> list[str]:
     out = [
         "config | allocated: predicted / measured (error) | reserved: predicted / measured (error) "
-        "| tokens/s: predicted / measured (error)"
+        "| tokens/s: predicted / measured (error) | nvidia-smi: predicted / measured (error)"
     ]
     for label, predicted, measured, why in rows:
         if why is not None or predicted is None or measured is None:
@@ -226,7 +305,8 @@ def _table(rows: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None, s
         allocated = _pair(predicted.get("predicted_peak_bytes"), measured.get("peak_allocated_bytes"))
         reserved = _pair(predicted.get("predicted_reserved_bytes"), measured.get("peak_reserved_bytes"))
         tokens = _pair((predicted.get("step_time") or {}).get("tokens_per_s"), measured.get("tokens_per_s"), _rate)
-        out.append(f"{label} | {allocated} | {reserved} | {tokens}")
+        device = _pair(predicted.get("predicted_device_bytes"), measured.get("device_bytes"))
+        out.append(f"{label} | {allocated} | {reserved} | {tokens} | {device}")
     return out
 
 
