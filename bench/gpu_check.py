@@ -64,7 +64,7 @@ CONFIGS = [
 # A real search, as a user starts one: a 1B Llama built from its config, bounded in time.
 FIND_MODEL = "bench/data/published/llama-3.2-1b.json"
 FIND_ARGS = ["--seq-len", "1024", "--global-batch", "16", "--max-time", "90s"]
-REHEARSAL_FIND = ("builtin:llama-tiny", ["--seq-len", "64", "--global-batch", "8", "--max-time", "20s"])
+REHEARSAL_FIND = ("builtin:llama-tiny", ["--seq-len", "64", "--global-batch", "8", "--max-time", "6s"])
 GiB = 2**30
 
 
