@@ -145,7 +145,13 @@ def _fork_trace(
         out, forked = [write_end, twin_write], []
 
         def fork_update() -> bool:
-            """Fork; True in the new process, which writes the twin's step from here on."""
+            """Fork; True in the new process, which writes the twin's step from here on. Not where this trace has
+            made a CUDA context (a GPU here: the card's properties, a kernel's capability check): torch refuses to
+            initialise CUDA again in a fork, so the twin could not trace there. Its pipe is closed unwritten, and
+            the twin is traced in a child of its own when asked for."""
+            if _cuda_initialised():
+                os.close(out.pop())
+                return False
             branch = os.fork()
             if branch == 0:
                 os.close(out.pop(0))
@@ -164,6 +170,13 @@ def _fork_trace(
     if with_twin:
         os.close(twin_write)
     return pid, [read_end, twin_read] if with_twin else [read_end]
+
+
+def _cuda_initialised() -> bool:
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
 
 
 def _trace(

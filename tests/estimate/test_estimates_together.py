@@ -165,3 +165,23 @@ def test_a_trace_forks_at_its_update_for_a_fused_twin_asked_next_and_the_twin_is
         return estimate
 
     assert figures(twin) == figures(alone)
+
+
+def test_a_trace_that_made_a_cuda_context_leaves_its_twin_to_a_trace_of_its_own(monkeypatch):
+    # On a GPU a trace makes a CUDA context (the card's properties); a fork of it could not use CUDA, so it does not
+    # fork for the twin: the twin is traced when asked for, the same estimate as alone.
+    import torch
+
+    from autotune.estimate import worker
+    from autotune.estimate.measured_with import AS_INSTALLED
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the trace children are forks: they see it
+    workload = Workload(model="builtin:llama-tiny", seq_len=32, global_batch=4, gpu="H100-80GB")
+    config = TrialConfig(micro_batch=2, precision="bf16")
+    fused = config.replace(fused_optimizer=True)
+    traces = worker._Traces()
+    traces.get_all([workload], config, None, AS_INSTALLED, ahead=[fused])
+    assert len(traces._kept) == 1  # its own step only: no twin forked from a process with CUDA made
+    twin = traces.get(workload, fused, None, AS_INSTALLED)
+    alone = worker._Traces().get(workload, fused, None, AS_INSTALLED)
+    assert twin.peak_bytes == alone.peak_bytes
