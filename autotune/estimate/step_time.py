@@ -20,7 +20,7 @@ optimizer's update, then the communication no framework hides:
 
 A collective that runs beside the compute holds some of the card's SMs (NCCL's kernel, one CTA per channel):
 the compute overlapped with it runs on the rest, on a named card whose NCCL channels within a node are known
-(see ``_NCCL_RING_CHANNELS``).
+(see :data:`autotune.estimate.gpu_rates.NCCL_RING_CHANNELS`).
 
 ``torch.compile`` is timed from the same (eager) trace: each chain of elementwise operators, where
 one reads what the one before it wrote, runs as one kernel, as Inductor fuses them: it reads the chain
@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from autotune.config.knobs import sixteen_bit_type
+from autotune.estimate import gpu_rates as rates
 from autotune.estimate.step_costs import ATTENTION, BACKWARD, COLLECTIVE, FUSED, OTHER, UPDATE
 from autotune.levers.grad_reduction import reducing_micro_steps
 
@@ -53,63 +54,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DeviceProfile", "StepTime", "card_profile", "matmul_speedups", "profile_for", "predict_step_time"]
 
-# Matmul FLOP/s a card sustains through a training run, over its dense peak. A matmul that keeps the
-# card busy draws it to its power limit, and the clock settles below boost: the burst a short benchmark
-# catches (the "maximum achievable matmul FLOPS", MAMF) is not what a run of back-to-back steps holds.
-# S. Bekman's mamf-finder measures both (ml-engineering, compute/accelerator/benchmarks/README.md, "How
-# MAMF and MSMF are defined"); its MSMF, "the steady rate under full load, which matches real training
-# throughput", is what is used here:
-# - H100 SXM and H200: 745 of 989 TFLOP/s bf16 (75.3%): an H200's MSMF, 743-746 over five runs (GPU0
-#   alone 744.8, all 8 GPUs busy 755.5; its burst MAMF 848). The H100 SXM is the same GH100 chip at the
-#   same 1,830 MHz, 989 TFLOP/s and 700 W (the MAMF table: "H200 is the same" as the H100's 794.5).
-# - A100 SXM (both memories): 257 of 312 (82.4%): no MSMF is published for it; H. He measured cuBLAS's
-#   8192^3 bf16 matmul on one at 257 TFLOP/s with random inputs, 295 with zeros, the card held to its
-#   400 W ("Strangely, Matrix Multiplications on GPUs Run Faster When Given 'Predictable' Data",
-#   thonking.ai, 2024); its MAMF is 271.2 (86.9%).
-# - MI300X: 781.9 of 1,300 (60.1%, MAMF on ROCm 6.2), which mamf-finder's notes call power-capped
-#   already ("the card hits its 750 W cap within one BF16 kernel").
-# - H100-96GB-HBM2e (torchtitan's Grand Teton H100s at their 500 W limit): no measurement is published, nor its
-#   peak (torchtitan: "between SXM and NVL"; autotune.config.gpus gives the SXM's). It takes the H100 SXM's 745 of
-#   989, the same GH100 chip's sustained rate, measured at 700 W; at 500 W the clock holds lower, by an amount no
-#   source measures, so this is likely above what the card sustains.
-# Cards without a measurement take 80%, between the A100's and the H100's: a guess.
-_SUSTAINED = {
-    "A100-40GB": 257 / 312,
-    "A100-80GB": 257 / 312,
-    "H100-80GB": 745 / 989,
-    "H200": 745 / 989,
-    "H100-96GB-HBM2e": 745 / 989,
-    "MI300X": 781.9 / 1300,
-}
-_SUSTAINED_UNMEASURED = 0.8
-# Small and thin matmuls fall short of the large ones: XLA's measured sm_90 table (72 bf16 shapes on an
-# H100, b x m x n x k from 1x256x512x256 at 11.5 TFLOP/s to 1x4096^3 at 783; xla/service/gpu/model/
-# matmul_interpolator_data.h) fits time = max(FLOPs / MAMF, bytes / (80% of HBM's bandwidth)) + 6 us
-# with a root-mean-square error of 9.5% (the worst shape 33%); see bench/README.md. XLA times short
-# bursts (its large shapes reach MAMF); a training run holds the sustained rate above instead.
-_GPU_KERNEL_S = 6e-6
-_GPU_BANDWIDTH_EFFICIENCY = 0.8
-# Fused attention reaches less of the peak than a matmul: FlashAttention-2 "50-73% of the theoretical
-# maximum FLOPs/s on A100" (Dao, 2023), "only 35% utilization on H100" (FlashAttention-3, Shah et al.,
-# 2024); PyTorch's flash SDPA kernel is FlashAttention-2. Elsewhere half the peak, a guess.
-_ATTENTION = {8: 0.6, 9: 0.35}
-_ATTENTION_UNMEASURED = 0.5
-# Eager PyTorch's memory-bound kernels in a training step run well under a large copy's rate. Measured on an H200
-# (bench/gpu_step_parts.py; torch 2.11, CUDA 13; bench/results/gpu_step_parts_NVIDIA_H200.txt), each kernel put
-# in the step-time model's kinds by its name and the traced bytes of those kinds over the kernels' time, after
-# _GPU_KERNEL_S a launch: the forward's and backward's other kernels 53%, 54% and 63% of HBM's 4.8 TB/s
-# (MPT-760m mb24, MPT-1b mb14, Llama-3.2-3B seq 8192 ckpt), foreach AdamW's 57% in all three; a lone bf16 add
-# reached 90% (4.30 TB/s). The compiled MPT-1b's Triton kernels came within 6% of _GPU_BANDWIDTH_EFFICIENCY: a
-# compiled phase keeps it. Hopper only (compute capability 9), where it was measured: the V100 rows of
-# bench/plan_published.py, within 6% at 80%, would read 10-20% slow at 57%, and no A100 was measured.
-_EAGER_BANDWIDTH = {9: 0.57}
-# Eager PyTorch's host time per operator (Python, dispatcher, launch): a few microseconds to ten;
-# on a GPU it only shows where kernels are shorter (small models, small micro batches).
-_GPU_DISPATCH_S = 8e-6
-_LINK_EFFICIENCY = 0.75  # NCCL's bus bandwidth over the link's, on large messages
-# The network between the nodes of a GPU here (probed, not a named card): a DGX H100's, one 400 Gb/s InfiniBand
-# port a GPU (a named card's network is its own: autotune.config.gpus).
-_INFINIBAND = 50e9
 _DDP_BUCKET = 25 * 2**20  # DDP's last bucket is all-reduced after the backward ends
 _HOST_ADAM_BYTES = 28  # per parameter: fp32 weight, gradient, m, v read; weight, m, v written
 _HOST_BANDWIDTH = 50e9  # a host's memory bandwidth for the offloaded optimizer step
@@ -118,28 +62,6 @@ _NOT_HIDDEN = 0.05  # of overlapped communication: the first gather, the last re
 # in that range; a CPU's gloo collective is measured by the device probe instead).
 _GPU_COLLECTIVE_S = 50e-6
 _DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's default bucket, in elements, without a hidden size
-# A collective that overlaps the compute holds SMs while it runs: NCCL launches its kernel with one CTA per
-# channel (src/enqueue.cc, ncclLaunchKernel: `dim3 grid = {(unsigned)plan->channelCount, 1, 1}`, NCCL v2.18.1),
-# and an all-gather or reduce-scatter of FSDP's size (tens to hundreds of MB a layer) runs on every channel
-# (getAlgoInfo in src/enqueue.cc drops channels only below nChannels x 512 threads x 64 bytes, under 1 MB; NCCL
-# 2.18 runs both on rings only, src/graph/tuning.cc). The compute overlapped with it runs on the other SMs.
-# Within one 8-GPU NVSwitch node NCCL 2.18 builds 24 ring channels on an A100 and on an H100: the topology
-# search (src/graph/search.cc, ncclTopoCompute) fills each GPU's NVLink bandwidth (src/graph/topo.cc: links x
-# SM80_NVLINK_BW or SM90_NVLINK_BW, both 20 GB/s in src/graph/topo.h: 12 x 20 = 240 on an A100, 18 x 20 = 360
-# on an H100) with rings at the first speed of its array (speedArrayIntra's 40 GB/s; sm90SpeedArrayIntra's 60):
-# 6 channels on either card; it doubles them at its end (12), and ncclTopoPostset doubles them again (24;
-# src/graph/connect.cc), with NCCL_MIN_NCHANNELS and NCCL_MAX_NCHANNELS unset (NVIDIA/nccl tags v2.18.1-1 and
-# v2.18.3-1; v2.20.5-1's search still ends at 6 x 60 on an H100). An HGX A100's NCCL log prints "Channel 23/24"
-# (NVIDIA/nccl-tests issue #100). llm-foundry's 2023 image ran PyTorch 2.1 (cu121), whose wheel requires
-# nvidia-nccl-cu12==2.18.1. From NCCL 2.19 an H100 node may run them with NVLS instead (16 channels,
-# NCCL_NVLS_NCHANNELS's default in src/transport/nvls.cc), not modelled. Across nodes the channels follow the
-# NICs: not modelled either (no contention counted).
-_NCCL_RING_CHANNELS = 24
-# The SMs of the cards whose NVLink count gives those channels: A100 SXM 108 (NVIDIA A100 Tensor Core GPU
-# Architecture whitepaper, 2020: "108 SMs"), H100 SXM5 132 (NVIDIA H100 Tensor Core GPU Architecture whitepaper,
-# 2022: "132 SMs" on the SXM5 board); the H200 is the same GH100 at 132 SMs and 18 NVLinks (NVIDIA H200 datasheet:
-# NVLink 900 GB/s, the H100 SXM's). Other cards (the H100-96GB-HBM2e, whose SMs and links no source gives): none.
-_SMS = {"A100-40GB": 108, "A100-80GB": 108, "H100-80GB": 132, "H200": 132}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,7 +99,7 @@ class DeviceProfile:
         for a CPU, whose ranks share one machine."""
         if self.network_bandwidth is not None or self.type != "cuda":
             return self.network_bandwidth
-        return _INFINIBAND * _LINK_EFFICIENCY
+        return rates.INFINIBAND * rates.LINK_EFFICIENCY
 
     def nodes(self, workload: Workload) -> str:
         """Where ``workload``'s ranks are, as its collectives are timed: "" on one node."""
@@ -212,7 +134,7 @@ class StepTime:
 
 def card_profile(card: GpuSpec) -> DeviceProfile:
     """A card that is not here: its published peaks, at the efficiencies measured on such cards."""
-    efficiency = _SUSTAINED.get(card.name, _SUSTAINED_UNMEASURED)
+    efficiency = rates.SUSTAINED.get(card.name, rates.SUSTAINED_UNMEASURED)
     flops = {"float32": card.fp32_flops * efficiency, "float16": card.fp16_flops * efficiency}
     if card.bf16_flops is not None:
         flops["bfloat16"] = card.bf16_flops * efficiency
@@ -221,21 +143,21 @@ def card_profile(card: GpuSpec) -> DeviceProfile:
     if card.fp8_flops is not None:  # torch._scaled_mm's operands (--float8): e4m3 forward, e5m2 gradients
         flops["float8_e4m3fn"] = flops["float8_e5m2"] = card.fp8_flops * efficiency
     major = card.compute_capability[0]
-    attention = _ATTENTION.get(major, _ATTENTION_UNMEASURED) / efficiency
+    attention = rates.ATTENTION_SHARE.get(major, rates.ATTENTION_UNMEASURED) / efficiency
     return DeviceProfile(
         name=card.name,
         type="cuda",
         matmul_flops=flops,
         attention_efficiency=attention,
-        memory_bandwidth=card.memory_bandwidth * _GPU_BANDWIDTH_EFFICIENCY,
-        kernel_s=_GPU_KERNEL_S,
-        dispatch_s=_GPU_DISPATCH_S,
-        link_bandwidth=card.link_bandwidth * _LINK_EFFICIENCY,
+        memory_bandwidth=card.memory_bandwidth * rates.GPU_BANDWIDTH_EFFICIENCY,
+        kernel_s=rates.GPU_KERNEL_S,
+        dispatch_s=rates.GPU_DISPATCH_S,
+        link_bandwidth=card.link_bandwidth * rates.LINK_EFFICIENCY,
         host_link_bandwidth=card.host_link_bandwidth,
-        network_bandwidth=card.network_bandwidth * _LINK_EFFICIENCY,
+        network_bandwidth=card.network_bandwidth * rates.LINK_EFFICIENCY,
         peak_flops=card.bf16_flops or card.fp16_flops,
-        collective_sm_share=_NCCL_RING_CHANNELS / _SMS[card.name] if card.name in _SMS else None,
-        eager_bandwidth=card.memory_bandwidth * eager if (eager := _EAGER_BANDWIDTH.get(major)) else None,
+        collective_sm_share=rates.NCCL_RING_CHANNELS / rates.SMS[card.name] if card.name in rates.SMS else None,
+        eager_bandwidth=card.memory_bandwidth * eager if (eager := rates.EAGER_BANDWIDTH.get(major)) else None,
         source=f"published peaks, matmuls at the {efficiency:.0%} of them a run sustains (autotune.estimate.step_time)",
     )
 
