@@ -449,11 +449,11 @@ def counted_flops(count: Any, args: Any, kwargs: Any, out: Any) -> Any:
     fewer heads than the query) is counted as the kernel computes it, each query head against its group's key and
     value: as with those heads repeated. torch 2.13's attention formulas count it so; 2.11's refuse the shapes
     (``sdpa_flop_count: query/key/value shapes are incompatible``), and are given the repeated heads."""
-    import torch
-
     try:
         return count(*args, **kwargs, out_val=out)
     except AssertionError:
+        import torch  # only here: every traced operator comes through the line above
+
         heads = [a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
         if not heads or any(max(heads) % h for h in heads):
             raise

@@ -149,7 +149,9 @@ def _fork_trace(
             made a CUDA context (a GPU here: the card's properties, a kernel's capability check): torch refuses to
             initialise CUDA again in a fork, so the twin could not trace there. Its pipe is closed unwritten, and
             the twin is traced in a child of its own when asked for."""
-            if _cuda_initialised():
+            import torch  # the trace has imported it
+
+            if torch.cuda.is_initialized():
                 os.close(out.pop())
                 return False
             branch = os.fork()
@@ -170,13 +172,6 @@ def _fork_trace(
     if with_twin:
         os.close(twin_write)
     return pid, [read_end, twin_read] if with_twin else [read_end]
-
-
-def _cuda_initialised() -> bool:
-    import sys
-
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.cuda.is_initialized()
 
 
 def _trace(

@@ -63,7 +63,7 @@ def reduce_scatter_frees_its_copy() -> Iterator[None]:
     name = fsdp_reduce_scatter_name()
     original = getattr(dist, name)
 
-    def reduce_scatter_single(
+    def reduce_scatter(
         output: torch.Tensor,
         input: torch.Tensor,
         op: Any = dist.ReduceOp.SUM,
@@ -87,7 +87,7 @@ def reduce_scatter_frees_its_copy() -> Iterator[None]:
         _until_let_go(storage, ours)
         return None
 
-    setattr(dist, name, reduce_scatter_single)
+    setattr(dist, name, reduce_scatter)
     try:
         yield
     finally:
