@@ -24,7 +24,6 @@ import io
 import json
 import os
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from gpu_readings import Readings, read_now  # bench/gpu_readings.py
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_MODEL = "bench/data/published/llama-3.2-3b.json"
@@ -123,9 +124,13 @@ def main() -> None:
             continue
         common = ["--model", model, *workload, *device, *flags]
         predicted = (predictions.get("configs") or {}).get(label) or _autotune(["estimate", *common, "--json"])
-        with _DeviceMemory(enabled=not args.rehearse) as device_memory:
+        # What nvidia-smi shows the card using while the trial runs, over what it showed before: the trial's
+        # process (its CUDA context, the allocator's reserve, NCCL's buffers); nothing in a rehearsal.
+        before = read_now(["memory.used"]) if not args.rehearse else None
+        with Readings(["memory.used"], 100, enabled=before is not None) as used:
             measured = _autotune(["trial", *common, *steps, "--json"])
-        measured["device_bytes"] = device_memory.used_bytes
+        if before and used.rows:
+            measured["device_bytes"] = int((max(used.column("memory.used")) - before[0]) * 2**20)  # MiB
         rows.append((label, predicted, measured, None))
         _write(out, lines + _table(rows), args)
     lines += _table(rows)
@@ -194,43 +199,6 @@ def _card(rehearse: bool) -> str:
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device is visible: run with --rehearse on a CPU")
     return torch.cuda.get_device_name(0)
-
-
-class _DeviceMemory:
-    """What nvidia-smi shows the card using while a trial runs, over what it showed before: the trial's process
-    (its CUDA context, the allocator's reserve, NCCL's buffers), sampled every 100 ms. None where nvidia-smi is
-    not there (a CPU rehearsal)."""
-
-    def __init__(self, *, enabled: bool) -> None:
-        self.enabled = enabled and shutil.which("nvidia-smi") is not None
-        self.used_bytes: int | None = None
-        self._sampler: subprocess.Popen[str] | None = None
-        self._before = 0.0
-
-    def __enter__(self) -> _DeviceMemory:
-        if self.enabled:
-            self._before = max(self._query(["--query-gpu=memory.used"]) or [0.0])
-            self._sampler = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-lms", "100"],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-            )
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._sampler is None:
-            return
-        self._sampler.terminate()
-        out, _ = self._sampler.communicate(timeout=10)
-        used = [float(v) for v in out.split() if v.replace(".", "", 1).isdigit()]
-        if used:
-            self.used_bytes = int((max(used) - self._before) * 2**20)  # nvidia-smi counts MiB
-
-    @staticmethod
-    def _query(flags: list[str]) -> list[float]:
-        done = subprocess.run(["nvidia-smi", *flags, "--format=csv,noheader,nounits"], capture_output=True, text=True)
-        return [float(v) for v in done.stdout.split() if v.replace(".", "", 1).isdigit()]
 
 
 def _find(rehearse: bool) -> list[str]:

@@ -28,14 +28,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from gpu_readings import Readings  # bench/gpu_readings.py
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED = "bench/data/published"
@@ -68,6 +70,8 @@ def workload_and_config(model: str, seq: int, mb: int, ckpt: bool, compiled: boo
 
 def predict(card: str, configs: list[Config]) -> dict[str, Any]:
     """Each config's predicted step on ``card``, in the kinds the profile is read in (seconds)."""
+    from plan_published import kind_split  # bench/plan_published.py: one micro step's seconds per kind
+
     from autotune.config.gpus import gpu_spec
     from autotune.estimate import step_time
     from autotune.estimate.client import predict_memory
@@ -79,14 +83,7 @@ def predict(card: str, configs: list[Config]) -> dict[str, Any]:
         estimate = predict_memory(workload, config, timeout_s=1800)
         timed = step_time.predict_step_time(estimate, workload, profile)
         assert timed is not None and estimate.step_costs is not None, f"{label}: no traced step costs"
-        ops = estimate.step_costs.micro_step(mb, fused=compiled)
-        parts: dict[str, float] = {}
-        for kind in sorted({op[0] for op in ops}):
-            device, _ = step_time._phase_times([op for op in ops if op[0] == kind], profile, config, 1.0)
-            name = kind if kind in ("matmul", "attention") else "other"
-            parts[name] = parts.get(name, 0.0) + device
-        parts["host"] = step_time._phase_times(ops, profile, config, 1.0)[1]
-        parts["update"] = timed.update_s
+        parts = {**kind_split(estimate, profile), "update": timed.update_s}
         out[label] = {
             "step_s": timed.step_s,
             "tokens_per_s": timed.tokens_per_s,
@@ -182,12 +179,13 @@ def top_kernels(trace: dict[str, Any], n: int = 12, other: bool = False) -> list
     totals: dict[str, list[float]] = {}
     for e in trace.get("traceEvents", []):
         name = str(e.get("name", ""))
+        if e.get("cat") != "kernel" or "dur" not in e:
+            continue
         if other and (_ATTENTION_KERNEL.search(name) or _MATMUL_KERNEL.search(name)):
             continue
-        if e.get("cat") == "kernel" and "dur" in e:
-            entry = totals.setdefault(str(e.get("name", ""))[:90], [0.0, 0])
-            entry[0] += e["dur"] * 1e-6
-            entry[1] += 1
+        entry = totals.setdefault(name[:90], [0.0, 0])
+        entry[0] += e["dur"] * 1e-6
+        entry[1] += 1
     ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:n]
     return [(name, seconds, int(count)) for name, (seconds, count) in ranked]
 
@@ -209,15 +207,21 @@ def measure(
     engine.warm_up()
     engine.step()
     sync()
-    clocks = _clock_sampler() if device.type == "cuda" else None
     seconds = []
-    for _ in range(steps):
-        begin = time.perf_counter()
-        engine.step()
-        sync()
-        seconds.append(time.perf_counter() - begin)
-    sampled = _stop_sampler(clocks)
-    result: dict[str, Any] = {"step_s": statistics.median(seconds), "steps_s": seconds, **sampled}
+    clocks = ["clocks.sm", "power.draw", "temperature.gpu"]
+    with Readings(clocks, 200, enabled=device.type == "cuda") as read:
+        for _ in range(steps):
+            begin = time.perf_counter()
+            engine.step()
+            sync()
+            seconds.append(time.perf_counter() - begin)
+    result: dict[str, Any] = {"step_s": statistics.median(seconds), "steps_s": seconds}
+    if read.rows:
+        result.update(
+            sm_clock_mhz=statistics.median(read.column("clocks.sm")),
+            power_w=statistics.median(read.column("power.draw")),
+            temperature_c=max(read.column("temperature.gpu")),
+        )
     if device.type == "cuda":
         result["allocated"] = torch.cuda.max_memory_allocated(device)
         result["reserved"] = torch.cuda.max_memory_reserved(device)
@@ -240,39 +244,6 @@ def measure(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     return result
-
-
-def _clock_sampler() -> subprocess.Popen[str] | None:
-    query = "clocks.sm,power.draw,temperature.gpu"
-    try:
-        return subprocess.Popen(
-            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "200"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-    except OSError:
-        return None
-
-
-def _stop_sampler(sampler: subprocess.Popen[str] | None) -> dict[str, Any]:
-    if sampler is None:
-        return {}
-    sampler.terminate()
-    out, _ = sampler.communicate(timeout=10)
-    rows = []
-    for line in out.splitlines():
-        try:
-            rows.append([float(v) for v in line.split(",")])
-        except ValueError:
-            continue
-    if not rows:
-        return {}
-    return {
-        "sm_clock_mhz": statistics.median(r[0] for r in rows),
-        "power_w": statistics.median(r[1] for r in rows),
-        "temperature_c": max(r[2] for r in rows),
-    }
 
 
 def attention_rate(device: Any, seq: int, heads: int, kv_heads: int, head_dim: int, batch: int) -> float:
@@ -385,8 +356,6 @@ def main() -> None:
     parser.add_argument("--no-rates", action="store_true", help="skip the attention and bandwidth microbenchmarks")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    import os
-
     os.chdir(ROOT)
     if args.recheck:
         lines = recheck(args.recheck, (ROOT / args.results).resolve())

@@ -308,7 +308,7 @@ NOT_EXPRESSIBLE = {
 }
 
 
-def _kind_split(estimate: MemoryEstimate, profile: DeviceProfile) -> dict[str, float]:
+def kind_split(estimate: MemoryEstimate, profile: DeviceProfile) -> dict[str, float]:
     """Diagnostic: one micro step's device seconds per operator kind, and its host (dispatch) seconds."""
     assert estimate.step_costs is not None
     ops = estimate.step_costs.micro_step(estimate.config.micro_batch, fused=estimate.config.compile)
@@ -335,7 +335,7 @@ def predict_row(row: Row) -> dict[str, Any]:
     assert rate is not None
     predicted = rate / row.workload.nproc
     try:
-        split = _kind_split(estimate, profile)
+        split = kind_split(estimate, profile)
     except (AttributeError, TypeError):  # step_time's private helper changed: the split is only a diagnostic
         split = {}
     return {
