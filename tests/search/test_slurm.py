@@ -423,26 +423,30 @@ def test_two_slurm_workers_tune_a_study_as_a_local_run_does(tmp_path):
     slurm = [*command, "--executor", "slurm", "--workers", "2", "--n-trials", "6", "--storage", storage]
     slurm += ["--partition", PARTITION]
     tune = commands.start(*slurm, cwd=tmp_path)
-    seen: set[str] = set()
+    running: set[str] = set()
     while tune.poll() is None:  # squeue lists the worker jobs while they run
-        listed = subprocess.run(["squeue", "--noheader", "--me", "--format=%j %T"], capture_output=True, text=True)
-        seen |= {line.split()[1] for line in listed.stdout.splitlines() if line.startswith("autotune-slurm ")}
+        listed = subprocess.run(["squeue", "--noheader", "--me", "--format=%j %i %T"], capture_output=True, text=True)
+        rows = [line.split() for line in listed.stdout.splitlines() if line.startswith("autotune-slurm ")]
+        running |= {job for _, job, state in rows if state == "RUNNING"}
         time.sleep(0.5)
     stdout, stderr = tune.communicate()
     assert tune.returncode == 0, stderr
-    assert "RUNNING" in seen, seen
     assert "submitted SLURM job(s) " in stderr and "worker jobs: all ended" in stderr
+    result = json.loads(stdout)
+    submitted = {str(j["job"]) for j in result["worker_jobs"]}
+    assert len(submitted) == 2 and running == submitted, (running, submitted)  # both jobs ran as workers
 
     every = study_trials(storage, "slurm")
     assert not [t for t in every if t.state is TrialState.RUNNING]
     trials = [t for t in every if ANSWER_ATTR not in t.user_attrs]
     configs = [json.dumps(t.user_attrs["config"], sort_keys=True) for t in trials]
     assert len(configs) == 6 and len(set(configs)) == 6  # every config, once
+    # Every trial was measured by one of the two jobs. Whether both took some is the machine's timing: a job
+    # that starts late on a busy node may find the six taken (a CI run saw one job measure all six). That both
+    # measure when both run is shown where it is not left to timing: the scancel test below waits for worker
+    # 2's trial, and its retry is measured by the other job.
     jobs = {t.user_attrs["worker"]["slurm_job"] for t in trials}
-    assert len(jobs) == 2  # both jobs measured
-
-    result = json.loads(stdout)
-    assert sorted(str(j["job"]) for j in result["worker_jobs"]) == sorted(jobs)
+    assert jobs and jobs <= submitted, (jobs, submitted)
     show = autotune("show", "--study", "slurm", "--storage", storage, cwd=tmp_path)
     assert show.returncode == 0 and "workers: SLURM jobs " in show.stdout, show.stderr
 
