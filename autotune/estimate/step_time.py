@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from autotune.config.knobs import sixteen_bit_type
 from autotune.estimate import gpu_rates as rates
-from autotune.estimate.step_costs import ATTENTION, BACKWARD, COLLECTIVE, FUSED, OTHER, UPDATE
+from autotune.estimate.step_costs import ATTENTION, BACKWARD, COLLECTIVE, FUSED, MATMUL, OTHER, UPDATE
 from autotune.levers.grad_reduction import reducing_micro_steps
 
 if TYPE_CHECKING:
@@ -52,7 +52,15 @@ if TYPE_CHECKING:
     from autotune.estimate.results import MemoryEstimate
     from autotune.estimate.step_costs import StepCosts
 
-__all__ = ["DeviceProfile", "StepTime", "card_profile", "matmul_speedups", "profile_for", "predict_step_time"]
+__all__ = [
+    "DeviceProfile",
+    "StepTime",
+    "card_profile",
+    "matmul_floor_s",
+    "matmul_speedups",
+    "profile_for",
+    "predict_step_time",
+]
 
 _DDP_BUCKET = 25 * 2**20  # DDP's last bucket is all-reduced after the backward ends
 _HOST_ADAM_BYTES = 28  # per parameter: fp32 weight, gradient, m, v read; weight, m, v written
@@ -304,6 +312,26 @@ def matmul_speedups(profile: DeviceProfile, precisions: Iterable[str]) -> dict[s
     step is not traced yet (a prior about matmuls, as the device probe's; the family's trace replaces it)."""
     fp32 = _matmul_rate(profile, "float32", "fp32")
     return {p: _matmul_rate(profile, sixteen_bit_type(p) or "float32", p) / fp32 for p in precisions}
+
+
+def matmul_floor_s(sibling: MemoryEstimate, config: TrialConfig, workload: Workload, profile: DeviceProfile) -> float:
+    """A floor under :func:`predict_step_time` of ``config``, from the traced step of ``sibling``, a config that differs
+    from it only in its precision: the same matmuls (a precision changes their type, not their FLOPs), timed at
+    ``config``'s rate and with nothing else (no memory traffic, launches, update or collectives). Operators the
+    sibling ran in its own type take ``config``'s; others (fp32 under autocast, float8) keep theirs. Attention at the
+    plain matmul rate: fp32's runs as PyTorch's math path, whose matmuls (``bmm``) do at least a fused kernel's FLOPs
+    (the whole square where the fused kernel skips causal masking's half). 0.0 without traced costs."""
+    costs = sibling.step_costs
+    if costs is None:
+        return 0.0
+    own, theirs = (sixteen_bit_type(c.precision) or "float32" for c in (config, sibling.config))
+    share = _rank_share(profile, workload.nproc)
+    seconds = 0.0
+    for kind, dtype, flops, _, count in costs.micro_step(config.micro_batch):
+        if kind not in (MATMUL, ATTENTION) or not flops:
+            continue
+        seconds += count * flops / (_matmul_rate(profile, own if dtype == theirs else dtype, config.precision) * share)
+    return config.grad_accum_steps(workload) * seconds
 
 
 def _matmul_rate(profile: DeviceProfile, dtype: str, precision: str) -> float:

@@ -442,6 +442,12 @@ def print_plan(plan: Plan, workload: Workload, *, console: Console | None = None
             else ""
         )
     )
+    if plan.slower:
+        console.print(
+            f"not traced: {plan.slower} configs of {plan.slower_families} families of a slower precision, whose "
+            f"matmuls alone (a faster sibling's, at their own rate) take longer than the top row's step by more than "
+            f"the model's {PLAN_ERROR:.0%} error: none could be verified first"
+        )
     if plan.twin_note:
         console.print(f"a/b: {plan.twin_note}")
     console.print(

@@ -19,11 +19,16 @@ whatever it learns first, and the first of them that needs a trace of its own is
 families' copies of one depth side by side on two cores. On a card that multiplies fp16 and bf16 at one
 rate, the two hold the same tensors and time alike: one row shows both (bf16 first: it needs no loss scaling).
 The configs whose predicted throughput is within the model's error of the top one are marked "verify
-first": those are the trials worth running once the card is there.
+first": those are the trials worth running once the card is there. The families whose precision multiplies
+fastest are planned first; a family that differs from a traced one only in a slower precision (fp32 or tf32
+beside bf16) does the same matmuls, so their FLOPs at its own rate are a floor under its step. Where that floor
+is further from the fastest row so far than the model's error, none of its configs could be verified first and
+it is not traced (:class:`_SpeedFloor`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
@@ -86,6 +91,8 @@ class Plan:
     estimates: int = 0
     seconds: float = 0.0
     states_over: int = 0  # families not traced: their model states alone are over the limit
+    slower: int = 0  # configs not traced: a floor under their step is too slow to verify first (_SpeedFloor)
+    slower_families: int = 0
     twin_note: str | None = None  # why a row shows one config of a twin pair and not the other
 
     @property
@@ -106,6 +113,8 @@ class Plan:
             "estimates": self.estimates,
             "seconds": self.seconds,
             "families_over_in_model_states": self.states_over,
+            "slower_than_the_top": self.slower,
+            "families_slower_than_the_top": self.slower_families,
             "fitting": self.fitting,
             "twin_note": self.twin_note,
         }
@@ -134,37 +143,34 @@ def plan(
     config's row stands for (their figures are its own), and why that one is shown.
     """
     from autotune.estimate.results import EstimateError
-    from autotune.estimate.step_time import predict_step_time
+    from autotune.estimate.step_time import matmul_speedups
 
     started = time.monotonic()
-    families = _Families.of(space.candidates(workload, device))
+    configs = space.candidates(workload, device)
+    speedup = matmul_speedups(profile, {config.precision for config in configs})
+    families = _Families.of(configs, first=lambda config: -speedup[config.precision])
+    floor = _SpeedFloor(workload, profile, speedup)
     rows: list[PlanRow] = []
-    too_big = estimates = states_over = 0
+    too_big = estimates = states_over = slower = slower_families = 0
     not_estimated: list[str] = []
     for index, members in enumerate(families.members):
         if families.twins[index] in families.over:  # nothing of it fits: not traced
             too_big, states_over = too_big + len(members), states_over + 1
             continue
+        if floor.rules_out(members):
+            slower, slower_families = slower + len(members), slower_families + 1
+            continue
         try:
-            fitting, made = _fitting(members, estimator, limit_bytes, families.ahead(index))
+            fitting, made = _fitting(members, estimator, limit_bytes, families.ahead(index, floor.rules_out))
         except EstimateError as exc:
             not_estimated.append(f"{members[0].replace(micro_batch=1).describe()}: {exc}")
             continue
         families.learn(index, over=any(_states(estimate) > limit_bytes for estimate in made))
+        floor.learn(made)
         estimates += len(made)
         too_big += len(members) - len(fitting)
-        for config, estimate, memory, device_bytes in fitting:
-            step = predict_step_time(_as(estimate, config), workload, profile)
-            if step is not None:
-                rows.append(
-                    PlanRow(
-                        config=config,
-                        step=step,
-                        memory_bytes=int(memory),
-                        device_bytes=device_bytes,
-                        estimated=estimate.config == config,
-                    )
-                )
+        rows += _timed(fitting, workload, profile)
+        floor.timed(rows)
         if progress is not None:
             progress(index + 1, len(families.members))
     rows.sort(key=lambda row: -row.step.samples_per_s)
@@ -183,6 +189,8 @@ def plan(
         estimates=estimates,
         seconds=time.monotonic() - started,
         states_over=states_over,
+        slower=slower,
+        slower_families=slower_families,
         twin_note=twin.note if twin is not None and any(row.twin for row in rows) else None,
     )
 
@@ -198,22 +206,25 @@ class _Families:
     under: set[TrialConfig] = field(default_factory=set)  # twins an estimate found within it
 
     @classmethod
-    def of(cls, configs: Iterable[TrialConfig]) -> _Families:
+    def of(cls, configs: Iterable[TrialConfig], first: Callable[[TrialConfig], float]) -> _Families:
+        """The families of ``configs``, those of the lowest ``first`` first, in the space's order otherwise."""
         from autotune.levers import model_states_twin
 
         families: dict[TrialConfig, list[TrialConfig]] = {}
         for config in configs:
             families.setdefault(config.replace(micro_batch=1), []).append(config)
         members = [sorted(family, key=lambda c: c.micro_batch) for family in families.values()]
+        members.sort(key=lambda family: first(family[0]))
         return cls(members, [model_states_twin(family[0]) for family in members])
 
     def learn(self, index: int, *, over: bool) -> None:
         (self.over if over else self.under).add(self.twins[index])
 
-    def ahead(self, index: int) -> list[TrialConfig]:
+    def ahead(self, index: int, skipped: Callable[[list[TrialConfig]], bool]) -> list[TrialConfig]:
         """The middle configs of the families after ``index`` the plan will estimate whatever it learns first
-        (``LOOK_AHEAD`` families at most): none whose twin is over, and of a twin not estimated yet only its first
-        family (an estimate before the others' may find its states over). Tracing them early changes no figure."""
+        (``LOOK_AHEAD`` families at most): none whose twin is over or that is ``skipped`` (whose verdict stands:
+        see :class:`_SpeedFloor`), and of a twin not estimated yet only its first family (an estimate before the
+        others' may find its states over). Tracing them early changes no figure."""
         firsts: dict[TrialConfig, int] = {}
         for later, twin in enumerate(self.twins[: index + 1 + LOOK_AHEAD]):
             firsts.setdefault(twin, later)
@@ -222,7 +233,64 @@ class _Families:
             for later, family in enumerate(self.members[index + 1 : index + 1 + LOOK_AHEAD], start=index + 1)
             if self.twins[later] not in self.over
             and (self.twins[later] in self.under or firsts[self.twins[later]] == later)
+            and not skipped(family)
         ]
+
+
+@dataclass
+class _SpeedFloor:
+    """Which families a traced sibling rules out of the plan's top. A family that differs from a traced one only in
+    its precision does the same matmuls and attention, so those FLOPs at its own precision's rate are a floor under
+    its step (:func:`autotune.estimate.step_time.matmul_floor_s`). Where the floor is further from the fastest row
+    so far than the model's error (``PLAN_ERROR``), none of the family's configs could be verified first, and it is
+    not traced. Only a sibling of a faster precision rules out: one of the same rate (fp16 beside bf16 on most
+    cards) times alike. The fastest row only gets faster, so a family ruled out stays ruled out."""
+
+    workload: Workload
+    profile: DeviceProfile
+    speedup: dict[str, float]  # each precision's matmul rate over fp32's (matmul_speedups)
+    siblings: dict[TrialConfig, MemoryEstimate] = field(default_factory=dict)  # by _sibling_key
+    fastest_step_s: float = math.inf
+
+    def learn(self, made: list[MemoryEstimate]) -> None:
+        for estimate in made[:1]:  # a family's traced operators are kept per sample: one estimate times them all
+            self.siblings.setdefault(_sibling_key(estimate.config), estimate)
+
+    def timed(self, rows: list[PlanRow]) -> None:
+        self.fastest_step_s = min([self.fastest_step_s, *(row.step.step_s for row in rows)])
+
+    def rules_out(self, members: list[TrialConfig]) -> bool:
+        from autotune.estimate.step_time import matmul_floor_s
+
+        sibling = self.siblings.get(_sibling_key(members[0]))
+        if sibling is None or self.speedup[sibling.config.precision] <= self.speedup[members[0].precision]:
+            return False
+        floor = min(matmul_floor_s(sibling, config, self.workload, self.profile) for config in members)
+        return floor * (1 - PLAN_ERROR) > self.fastest_step_s
+
+
+def _sibling_key(config: TrialConfig) -> TrialConfig:
+    """What a config's family shares with its siblings of other precisions."""
+    return config.replace(micro_batch=1, precision="fp32")
+
+
+def _timed(
+    fitting: list[tuple[TrialConfig, MemoryEstimate, float, int | None]], workload: Workload, profile: DeviceProfile
+) -> list[PlanRow]:
+    """A row for each fitting config of a family that the step-time model times."""
+    from autotune.estimate.step_time import predict_step_time
+
+    rows = []
+    for config, estimate, memory, device_bytes in fitting:
+        step = predict_step_time(_as(estimate, config), workload, profile)
+        if step is not None:
+            estimated = estimate.config == config
+            rows.append(
+                PlanRow(
+                    config=config, step=step, memory_bytes=int(memory), device_bytes=device_bytes, estimated=estimated
+                )
+            )
+    return rows
 
 
 @dataclass(frozen=True)

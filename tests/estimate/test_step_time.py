@@ -244,6 +244,26 @@ def test_a_cuda_workload_is_timed_on_its_card_with_the_kernels_cuda_would_pick()
     assert dataclasses.asdict(step) == step.to_dict()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_a_sixteen_bit_siblings_matmuls_at_a_slower_precisions_rate_are_a_floor_under_its_step(precision):
+    """What lets a plan leave a slower precision's family untraced (autotune.search.plan._SpeedFloor): the bf16
+    trace's matmul and attention FLOPs, at fp32's or tf32's rate, are under that precision's own trace's matmuls
+    (the same projections; its attention runs as the math path's bmm, the whole square where flash skips causal
+    masking's half), and so under the step it predicts."""
+    workload = Workload(model="builtin:llama-tiny", seq_len=256, global_batch=32, gpu="H100-80GB")
+    profile = card_profile(gpu_spec("H100-80GB"))
+    sibling = predict_memory(workload, TrialConfig(micro_batch=8, precision="bf16", checkpointing=True))
+    for micro_batch in (4, 8):
+        config = TrialConfig(micro_batch=micro_batch, precision=precision, checkpointing=True)
+        own = predict_memory(workload, config)
+        floor = step_time.matmul_floor_s(sibling, config, workload, profile)
+        own_matmuls = step_time.matmul_floor_s(own, config, workload, profile)
+        assert 0.8 * own_matmuls < floor <= own_matmuls < predict_step_time(own, workload, profile).compute_s
+    # At bf16's own rate the floor is the bf16 step's matmuls: under its step too.
+    same = step_time.matmul_floor_s(sibling, sibling.config, workload, profile)
+    assert 0 < same < predict_step_time(sibling, workload, profile).compute_s
+
+
 def test_a_cuda_8bit_step_is_one_kernel_that_moves_each_tensor_once():
     # bitsandbytes' fused 8-bit step, traced as torchao's eager one: none of its fp32 temporaries goes
     # through memory; it reads the weights, gradients and moments once and writes weights and moments back.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import commands
 import pytest
@@ -201,3 +202,79 @@ def test_a_plan_on_more_ranks_than_the_cards_node_spans_its_nodes_and_shards_wit
     # The same FSDP full, its gathers over NVLink on one node, over the network on two: slower.
     full = {per_node: next(r for r in plan.rows if r.config.fsdp == "full") for per_node, plan in plans.items()}
     assert full[None].step.communication_s > full[16].step.communication_s
+
+
+def _matmul_step(config, flops_per_sample: float):
+    """An exact estimate of 1 MiB a sample whose step is one matmul (in the precision's type; checkpointing
+    recomputes 30% of it) and one launch."""
+    from autotune.estimate.results import MemoryEstimate
+    from autotune.estimate.step_costs import OpCost, StepCosts
+
+    dtype = "bfloat16" if config.precision == "bf16" else "float32"
+    rerun = 1.3 if config.checkpointing else 1.0
+    matmul = OpCost("forward", "matmul", "mm", dtype, flops_per_sample * rerun, 0.0, 0.0, 1.0)
+    return MemoryEstimate(
+        config=config,
+        predicted_peak_bytes=config.micro_batch * MiB,
+        parameters_bytes=0,
+        gradients_bytes=0,
+        optimizer_state_bytes=0,
+        activations_bytes=config.micro_batch * MiB,
+        temporaries_bytes=0,
+        overhead_bytes=None,
+        method="test",
+        seconds=0.0,
+        step_costs=StepCosts((matmul, OpCost("forward", "other", "add", "float32", 0.0, 0.0, 0.0, 1.0)), 1.0),
+    )
+
+
+def test_a_slower_precision_whose_matmuls_alone_miss_the_top_row_by_the_models_error_is_not_traced(tmp_path):
+    """bf16 multiplies 16x as fast as fp32 here. Its families are planned first, though the space lists fp32 first;
+    an fp32 family does the same matmuls as its bf16 sibling, so their FLOPs at fp32's rate are a floor under its
+    step. Where that floor is over the fastest row's step by more than the model's error, it is not traced; where the
+    matmuls are a small part of the step (launches dominate), the floor rules out nothing and fp32 is traced."""
+    from step_toys import TOY_CPU
+
+    from autotune.config.device import DeviceInfo
+    from autotune.estimate.step_time import predict_step_time
+    from autotune.search.plan import plan
+    from autotune.search.presets import load_space
+
+    profile = replace(TOY_CPU, matmul_flops={"float32": 1000.0, "bfloat16": 16000.0})
+    workload = Workload(global_batch=32)
+    (tmp_path / "space.yaml").write_text(
+        "knobs:\n  micro_batch: [1, 2, 4]\n  precision: [fp32, bf16]\n  checkpointing: [false, true]\n"
+    )
+
+    def planned(flops_per_sample: float):
+        asked: list = []
+
+        def estimate(config, ahead=()):
+            asked.append(config)
+            return _matmul_step(config, flops_per_sample)
+
+        result = plan(
+            workload=workload,
+            space=load_space(str(tmp_path / "space.yaml")),
+            profile=profile,
+            device=DeviceInfo("cpu", "test-cpu", 1, 16 * 2**30, bf16=True, fp16_deepspeed=False),
+            limit_bytes=50 * MiB,
+            memory_budget_bytes=55 * MiB,
+            estimator=estimate,
+        )
+        return asked, result
+
+    # Matmul-bound: fp32's floor (32 x 100 / 1000 = 3.2 s) is 8x the fastest bf16 step's (0.2 + 8 x 0.05 s).
+    asked, result = planned(100.0)
+    assert [c.precision for c in asked] == ["bf16", "bf16"]  # each bf16 family once, fp32's never
+    assert result.slower == 6 and result.slower_families == 2 and {r.config.precision for r in result.rows} == {"bf16"}
+    assert result.to_dict()["slower_than_the_top"] == 6
+    # What the floor stands for: each fp32 config's own predicted step is over the verify-first line.
+    top = result.rows[0].step.step_s
+    for config in (row.config.replace(precision="fp32") for row in result.rows):
+        own = predict_step_time(_matmul_step(config, 100.0), workload, profile)
+        assert own is not None and own.step_s * (1 - PLAN_ERROR) > top
+    # Launch-bound: 32 x 1 / 1000 s of fp32 matmuls is far under the step's launches: fp32 is traced and ranked.
+    asked, result = planned(1.0)
+    assert sorted(c.precision for c in asked) == ["bf16", "bf16", "fp32", "fp32"] and result.slower == 0
+    assert {r.config.precision for r in result.rows} == {"bf16", "fp32"}
