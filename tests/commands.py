@@ -26,7 +26,9 @@ __all__ = ["autotune", "start", "Command"]
 
 TESTS = Path(__file__).parent
 # Read afresh by each command, never at import: the warm interpreter's imports do not depend on them.
-_PER_COMMAND = {"PYTEST_CURRENT_TEST", "AUTOTUNE_TEST_MARK", "TMPDIR", "COLUMNS", "LINES"}
+# PATH too: a command looks its tools up when it runs them (shutil.which), and a test that hides SLURM's gets no
+# interpreter of its own for it.
+_PER_COMMAND = {"PYTEST_CURRENT_TEST", "AUTOTUNE_TEST_MARK", "TMPDIR", "COLUMNS", "LINES", "PATH"}
 _MOST_WARM = 2  # interpreters kept, one per environment the worker's tests ran commands with
 _REQUESTS = itertools.count()
 

@@ -418,7 +418,10 @@ def test_two_slurm_workers_tune_a_study_as_a_local_run_does(tmp_path):
     assert PARTITION, "CI must start the test cluster (.ci/slurm.sh) and set AUTOTUNE_TEST_SLURM_PARTITION"
     (tmp_path / "space.yaml").write_text(CLEAR_WINNER_SPACE)
     storage = f"journal://{tmp_path}/shared/study.log"
-    command = ["tune", "--study", "slurm", *ARGS, MEASURE_ALL]
+    # Without the estimator, as the scancel test: every config fits (1 GiB) and --measure-all measures each, so it
+    # changes nothing compared here; each worker's start would pay the device probe and the estimate server's imports
+    # (find_on_slurm's test keeps the estimator in a SLURM worker).
+    command = ["tune", "--study", "slurm", *ARGS, MEASURE_ALL, "--no-estimate"]
     command += ["--steps", "2", "--json"]
     slurm = [*command, "--executor", "slurm", "--workers", "2", "--n-trials", "6", "--storage", storage]
     slurm += ["--partition", PARTITION]

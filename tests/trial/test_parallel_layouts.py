@@ -22,6 +22,13 @@ def layers_model():
     return str(Path(__file__).parents[2] / "bench" / "data" / "llama-layers.json")
 
 
+@pytest.fixture(scope="module")
+def untied_tp(layers_model):
+    """The two-rank tensor parallel trial of ``layers_model``: two tests read it (--dist loadfile keeps a file on one
+    worker), measured once."""
+    return _trial(layers_model, 2, tp=2)
+
+
 def _trial(model: str, nproc: int, *, seq_len: int = 32, **knobs):
     workload = Workload(model=model, seq_len=seq_len, global_batch=4, nproc=nproc, device="cpu")
     config = TrialConfig(**{"micro_batch": 1, **knobs})
@@ -29,11 +36,11 @@ def _trial(model: str, nproc: int, *, seq_len: int = 32, **knobs):
 
 
 @pytest.mark.slow
-def test_two_rank_layouts_hold_less_than_ddp_and_the_estimator_predicts_every_rank(layers_model):
+def test_two_rank_layouts_hold_less_than_ddp_and_the_estimator_predicts_every_rank(layers_model, untied_tp):
     _, _, ddp = _trial(layers_model, 2, micro_batch=2)
     assert ddp.status.value == "ok", ddp.error
     trials = {
-        "tp": _trial(layers_model, 2, tp=2),
+        "tp": untied_tp,
         "tp+sp": _trial(layers_model, 2, tp=2, sequence_parallel=True),
         "pp 1f1b": _trial(layers_model, 2, pp=2),
         "pp gpipe": _trial(layers_model, 2, pp=2, pp_schedule="gpipe"),
@@ -78,13 +85,13 @@ def test_two_dimensional_layouts_train_on_four_ranks_as_the_estimator_predicts(l
 
 
 @pytest.mark.slow
-def test_a_tied_embedding_stays_one_weight_on_each_tensor_parallel_rank(layers_model, tmp_path):
+def test_a_tied_embedding_stays_one_weight_on_each_tensor_parallel_rank(layers_model, untied_tp, tmp_path):
     # Each rank makes its weights from the meta device: the embedding and the head it is tied to must stay
     # one parameter there, as the estimator traces them (a copy each held 3 MiB more on a 1000-token Qwen2).
     tied = tmp_path / "tied.json"
     tied.write_text(json.dumps({**json.loads(Path(layers_model).read_text()), "tie_word_embeddings": True}))
     workload, config, result = _trial(str(tied), 2, tp=2)
-    _, _, untied = _trial(layers_model, 2, tp=2)
+    _, _, untied = untied_tp
     assert result.status.value == "ok", result.error
     assert result.total_params < untied.total_params  # the head is the embedding: counted once
     assert predict_memory(workload, config).predicted_peak_bytes == pytest.approx(result.peak_memory_bytes, rel=0.05)
