@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +27,30 @@ knobs:
   lora_rank: [off]
 """
 MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def _search_main():
+    """bench/search.py's ``main``, loaded once: a test runs it in this process (a new interpreter each spent 5-7 s on
+    imports, and the CPU's probe again, which the module keeps for the run)."""
+    spec = importlib.util.spec_from_file_location("bench_search", ROOT / "bench" / "search.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.fixture
+def replay(_search_main, monkeypatch, capsys):
+    """``python bench/search.py ARGS --json``'s report, run in this process."""
+
+    def run(*args: str) -> dict:
+        monkeypatch.setattr(sys, "argv", ["bench/search.py", *args])
+        capsys.readouterr()
+        _search_main()
+        return json.loads(capsys.readouterr().out)
+
+    return run
 
 
 @pytest.mark.slow
@@ -105,7 +129,7 @@ def _line(
 
 @pytest.mark.slow
 def test_the_replayed_driver_with_estimates_finds_the_best_after_the_simple_answer_and_pays_for_its_estimates(
-    tmp_path,
+    tmp_path, replay
 ):
     # Same toy grid, with exact estimates: the driver finds each family's frontier with the
     # estimator (no trial): no-ckpt mb=4, ckpt mb=8 (24 MiB each; limit 36). The first trial is the simple
@@ -127,14 +151,7 @@ def test_the_replayed_driver_with_estimates_finds_the_best_after_the_simple_answ
     grid = tmp_path / "toy.jsonl"
     grid.write_text("".join(json.dumps(line) + "\n" for line in lines))
     (tmp_path / "toy.yaml").write_text(SPACE)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "search.py"), "--grid", str(grid), "--memory-budget", "40MiB", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr
-    driver = json.loads(proc.stdout)["strategies"]["driver"]
+    driver = replay("--grid", str(grid), "--memory-budget", "40MiB", "--json")["strategies"]["driver"]
     assert driver["trials_to_2pct"] == 2 and driver["found_ratio"] == 1
     assert driver["estimates"] >= 2
     # Charged: a trial (10 s), the estimator's start (2 s) and at least two estimates (1 s each).
@@ -142,7 +159,7 @@ def test_the_replayed_driver_with_estimates_finds_the_best_after_the_simple_answ
 
 
 @pytest.mark.slow
-def test_replay_scores_every_strategy_against_the_grid(tmp_path):
+def test_replay_scores_every_strategy_against_the_grid(tmp_path, replay):
     # A hand-made grid: throughput grows with the micro batch, checkpointing costs a third and
     # halves the memory; mb=8 without checkpointing does not fit under 40 MiB (limit 36 MiB).
     lines = [
@@ -153,24 +170,7 @@ def test_replay_scores_every_strategy_against_the_grid(tmp_path):
     grid = tmp_path / "toy.jsonl"
     grid.write_text("".join(json.dumps(line) + "\n" for line in lines))
     (tmp_path / "toy.yaml").write_text(SPACE)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "search.py"),
-            "--grid",
-            str(grid),
-            "--memory-budget",
-            "40MiB",
-            "--seeds",
-            "2",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+    report = replay("--grid", str(grid), "--memory-budget", "40MiB", "--seeds", "2", "--json")
     assert report["best_tokens_per_s"] == 600  # mb=8 with checkpointing: 800 x 0.75
     strategies = report["strategies"]
     assert set(strategies) == {"driver", "tpe", "random", "grid", "deepspeed", "lightning"}
