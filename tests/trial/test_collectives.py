@@ -6,18 +6,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 # Two gloo ranks: each reduce-scatter, summed and averaged, as gloo's own; the copy freed on return in every
 # call (the tracker's live bytes back to where they were), where gloo's worker thread sometimes keeps it.
 _RANKS = textwrap.dedent("""
-    import torch, torch.distributed as dist
     from autotune.trial.collectives import fsdp_reduce_scatter_name, reduce_scatter_frees_its_copy
-    from autotune.trial.memory import LiveBytesTracker
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     name = fsdp_reduce_scatter_name()
     same, freed = True, True
@@ -31,8 +27,7 @@ _RANKS = textwrap.dedent("""
                 getattr(dist, name)(ours, data, op=op)
                 freed &= tracker.live_bytes == ours.nbytes and tracker.peak_bytes == ours.nbytes + data.nbytes
             same &= torch.equal(theirs, ours)
-    print(f"RESULT {rank} {same} {freed}", flush=True)  # one write: the two ranks share stdout
-    dist.destroy_process_group()
+    print(f"REDUCE-SCATTER {rank} {same} {freed}", flush=True)  # one write: the two ranks share stdout
 """)
 
 
@@ -48,23 +43,20 @@ def test_the_reduce_scatter_patched_is_the_one_fsdp2_calls_in_this_release():
     assert f"dist.{fsdp_reduce_scatter_name()}(" in inspect.getsource(fsdp_collectives)
 
 
-@pytest.mark.slow  # two gloo ranks in new interpreters: 6-10 s
-def test_the_reduce_scatter_is_gloo_s_and_frees_its_copy_before_it_returns(tmp_path):
-    on_two_gloo_ranks(_RANKS, tmp_path)
+@pytest.mark.slow
+def test_the_reduce_scatter_is_gloo_s_and_frees_its_copy_before_it_returns(on_two_gloo_ranks):
+    assert "REDUCE-SCATTER 0 True True" in on_two_gloo_ranks and "REDUCE-SCATTER 1 True True" in on_two_gloo_ranks
 
 
 # Two gloo ranks: each functional all-gather (DTensor's) as gloo's own, and its input freed as soon as the caller
 # drops it (the tracker's live bytes down to the gathered tensor), where gloo's worker thread sometimes holds it.
 _GATHERS = textwrap.dedent("""
-    import torch, torch.distributed as dist
     from torch.distributed import _functional_collectives as funcol
     from autotune.trial.collectives import all_gather_frees_its_input
-    from autotune.trial.memory import LiveBytesTracker
 
     def waited(tensor):
         return tensor.wait() if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
 
-    dist.init_process_group("gloo")
     rank, group = dist.get_rank(), dist.group.WORLD
     same, freed = True, True
     for step in range(40):
@@ -76,19 +68,24 @@ _GATHERS = textwrap.dedent("""
             del shard
             freed &= tracker.live_bytes == ours.nbytes
         same &= torch.equal(theirs, ours)
-    print(f"RESULT {rank} {same} {freed}", flush=True)
-    dist.destroy_process_group()
+    print(f"ALL-GATHER {rank} {same} {freed}", flush=True)
 """)
 
 
-@pytest.mark.slow  # two gloo ranks in new interpreters: 6-10 s
-def test_a_functional_all_gather_is_gloo_s_and_lets_go_of_its_input_before_it_returns(tmp_path):
-    on_two_gloo_ranks(_GATHERS, tmp_path)
+@pytest.mark.slow
+def test_a_functional_all_gather_is_gloo_s_and_lets_go_of_its_input_before_it_returns(on_two_gloo_ranks):
+    assert "ALL-GATHER 0 True True" in on_two_gloo_ranks and "ALL-GATHER 1 True True" in on_two_gloo_ranks
 
 
-def on_two_gloo_ranks(script: str, folder: Path) -> None:
-    """Run ``script`` on two torchrun ranks; each must print that its results were gloo's and its memory freed."""
-    (folder / "ranks.py").write_text(script)
+@pytest.fixture(scope="module")
+def on_two_gloo_ranks(tmp_path_factory) -> str:
+    """What two torchrun ranks printed (two new interpreters: 6-10 s, paid once for both tests): each rank's
+    reduce-scatters, then its all-gathers, each loop saying whether its results were gloo's and its memory freed."""
+    folder = tmp_path_factory.mktemp("gloo")
+    (folder / "ranks.py").write_text(
+        "import torch, torch.distributed as dist\nfrom autotune.trial.memory import LiveBytesTracker\n\n"
+        'dist.init_process_group("gloo")\n' + _RANKS + _GATHERS + "dist.destroy_process_group()\n"
+    )
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "ranks.py"],
         cwd=folder,
@@ -96,4 +93,5 @@ def on_two_gloo_ranks(script: str, folder: Path) -> None:
         text=True,
         timeout=300,
     )
-    assert "RESULT 0 True True" in proc.stdout and "RESULT 1 True True" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
