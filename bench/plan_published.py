@@ -15,8 +15,11 @@ samples/s where the source printed that (the bert-large rows). Then the median a
   accumulation as llm-foundry's benchmarking table gives them (global batch = mb x accum x 8).
   MPT is rebuilt as a GPT-2 config (``mpt-*.json``: learned positions, MHA, 4h GELU FFN, vocab
   50368, tied head, no dropout); GPT-2 has biases where MPT has none, and SDPA stands for MPT's
-  flash/triton attention. n_positions is the row's sequence (the 7b rows at 4096 and 8192 have
-  files of their own), so the parameter count matches llm-foundry's NumParams.
+  ``attn_impl: triton`` attention, timed at the share of the card's FlashAttention-2 rate that
+  llm-foundry's own sequence sweeps give it (``bench/llm_foundry_attention.py``: 52-53% on an A100,
+  52% on an H100; the other sources' rows keep FlashAttention-2's rate). n_positions is the row's
+  sequence (the 7b rows at 4096 and 8192 have files of their own), so the parameter count matches
+  llm-foundry's NumParams.
 * torchtune Llama-3.2-3B (T1-T6): one A100 80GB, packed 4096 tokens, micro batch 2, no
   accumulation, pure bf16 (``bf16-true``); each row adds one lever as torchtune's table does. T5
   (the optimizer step inside the backward), its activation-offload and 8-bit AdamW lines, T6
@@ -44,14 +47,15 @@ the LM head (no knob rebuilds torchtune's, which recomputes nothing); torchtune'
 own model code is rebuilt as Transformers' Llama / GPT-2; llm-foundry's F7 rows ran FSDP "PURE"
 mixed precision (bf16 gradient reduction), rebuilt as bf16 autocast with fp32 reduction;
 llm-foundry's benchmark ran MPT's ``attn_impl: triton`` (the default of its submit_benchmarks.py,
-a FlashAttention-1-era Triton kernel), timed here as PyTorch's flash SDPA (FlashAttention-2). Its
-H100 and A100 tables ran the same software (the image column of scripts/train/benchmarking/
-h100new.md, in the branch of llm-foundry PR #543 that wrote the tables, commit beb8dee, removed
-before the merge: mosaicml/pytorch:2.1.0_cu121-nightly20230827 for both cards' rows; the README's
-"TODO: Update tables with torch 2.0" is older than its tables), and its rows disagree with each
-other by 9%: MPT-760m at
-seq 2048 made 63,147 tokens/s per GPU on 8 H100s (micro batch 24, accumulation 2) and 68,551 on 16
-(micro batch 24, accumulation 1), though more steps of accumulation only save optimizer steps.
+a FlashAttention-1-era Triton kernel), traced here as PyTorch's flash SDPA (FlashAttention-2) and
+timed at the rate llm-foundry's sequence sweeps give that kernel (one share per card, from the 1b and
+7b sweeps, not from the F rows). Its H100 and A100 tables ran the same software (the image column
+of scripts/train/benchmarking/h100new.md, in the branch of llm-foundry PR #543 that wrote the
+tables, commit beb8dee, removed before the merge: mosaicml/pytorch:2.1.0_cu121-nightly20230827 for
+both cards' rows; the README's "TODO: Update tables with torch 2.0" is older than its tables), and
+its rows disagree with each other by 9%: MPT-760m at seq 2048 made 63,147 tokens/s per GPU on 8
+H100s (micro batch 24, accumulation 2) and 68,551 on 16 (micro batch 24, accumulation 1), though
+more steps of accumulation only save optimizer steps.
 The grids' Spearman follows this machine's probe, taken anew each run: on a busy machine it moved
 by up to 0.1 between runs (the probe measured 1 core in one, 2 in the other).
 No GPU is needed. The table goes to stdout last, the figures to ``--out`` (and ``.txt`` beside it).
@@ -60,6 +64,7 @@ No GPU is needed. The table goes to stdout last, the figures to ``--out`` (and `
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -69,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 import gpu_published  # bench/gpu_published.py: its bert-large and torchtune rows
+import llm_foundry_attention  # bench/llm_foundry_attention.py: the Triton kernel's share, from llm-foundry's sweeps
 from search import grid_roofline  # bench/search.py: the grids' rooflines as the replays take them
 
 from autotune.config.gpus import gpu_spec
@@ -107,6 +113,8 @@ class Row:
     published_mfu: float | None = None
     pytorch1_step: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # The attention kernel the row ran, as a share of the card's FlashAttention-2 rate (None: FlashAttention-2)
+    attention_share: float | None = None
 
     @property
     def group(self) -> str:
@@ -134,36 +142,59 @@ def _mpt(
 
 
 _MPT_NOTE = (
-    "llm-foundry MPT as a GPT-2 config (biases, SDPA for flash); micro batch and accumulation from "
+    "llm-foundry MPT as a GPT-2 config (biases, SDPA for its Triton attention); micro batch and accumulation from "
     "llm-foundry's benchmarking table (scripts/train/benchmarking/README.md)"
 )
 _PURE_NOTE = "FSDP 'PURE' mixed precision (bf16 gradient reduction) rebuilt as bf16 autocast, fp32 reduction"
 
 
+# (key, size, seq, mb, accum, gpu, checkpointing, tokens/s per GPU, MFU)
+MPT_TABLE = [
+    ("F1 7b", "7b", 2048, 6, 1, "H100-80GB", False, 10_643, 0.464),
+    ("F2 7b/4096", "7b", 4096, 16, 2, "H100-80GB", True, 8_611, 0.404),
+    ("F2 7b/8192", "7b", 8192, 8, 2, "H100-80GB", True, 6_935, 0.371),
+    ("F3 13b", "13b", 2048, 2, 1, "H100-80GB", False, 4_792, 0.398),
+    ("F4 1b", "1b", 2048, 14, 1, "H100-80GB", False, 45_455, 0.418),
+    ("F4 760m", "760m", 2048, 24, 2, "H100-80GB", False, 63_147, 0.349),
+    ("F5 7b", "7b", 2048, 6, 2, "A100-80GB", False, 4_641, 0.642),
+    ("F6 125m", "125m", 2048, 40, 2, "A100-80GB", False, 142_830, 0.448),
+    ("F6 350m", "350m", 2048, 32, 2, "A100-80GB", False, 58_782, 0.516),
+    ("F6 1b", "1b", 2048, 14, 4, "A100-80GB", False, 20_513, 0.599),
+    ("F6 3b", "3b", 2048, 10, 2, "A100-80GB", False, 10_811, 0.621),
+    ("F6 13b", "13b", 2048, 2, 3, "A100-80GB", False, 2_262, 0.596),
+    ("F7 7b", "7b", 2048, 12, 4, "A100-40GB", True, 3_679, 0.509),
+    ("F7 1b", "1b", 2048, 8, 8, "A100-40GB", False, 19_271, 0.562),
+    ("F7 125m", "125m", 2048, 26, 3, "A100-40GB", False, 136_334, 0.428),
+]
+# The F rows as llm-foundry's sweeps list them (size, card, seq, micro batch, accumulation): left out of the
+# sweeps that give the Triton kernel's share (bench/llm_foundry_attention.py).
+MPT_POINTS = [(size, gpu, seq, mb, accum) for _, size, seq, mb, accum, gpu, *_ in MPT_TABLE]
+# llm-foundry's attn_impl: triton, at this share of the card's FlashAttention-2 rate (from its sequence sweeps)
+TRITON_SHARES = llm_foundry_attention.card_shares(exclude=MPT_POINTS)
+
+
 def _mpt_rows() -> list[Row]:
-    # (key, size, seq, mb, accum, gpu, checkpointing, tokens/s per GPU, MFU)
-    table = [
-        ("F1 7b", "7b", 2048, 6, 1, "H100-80GB", False, 10_643, 0.464),
-        ("F2 7b/4096", "7b", 4096, 16, 2, "H100-80GB", True, 8_611, 0.404),
-        ("F2 7b/8192", "7b", 8192, 8, 2, "H100-80GB", True, 6_935, 0.371),
-        ("F3 13b", "13b", 2048, 2, 1, "H100-80GB", False, 4_792, 0.398),
-        ("F4 1b", "1b", 2048, 14, 1, "H100-80GB", False, 45_455, 0.418),
-        ("F4 760m", "760m", 2048, 24, 2, "H100-80GB", False, 63_147, 0.349),
-        ("F5 7b", "7b", 2048, 6, 2, "A100-80GB", False, 4_641, 0.642),
-        ("F6 125m", "125m", 2048, 40, 2, "A100-80GB", False, 142_830, 0.448),
-        ("F6 350m", "350m", 2048, 32, 2, "A100-80GB", False, 58_782, 0.516),
-        ("F6 1b", "1b", 2048, 14, 4, "A100-80GB", False, 20_513, 0.599),
-        ("F6 3b", "3b", 2048, 10, 2, "A100-80GB", False, 10_811, 0.621),
-        ("F6 13b", "13b", 2048, 2, 3, "A100-80GB", False, 2_262, 0.596),
-        ("F7 7b", "7b", 2048, 12, 4, "A100-40GB", True, 3_679, 0.509),
-        ("F7 1b", "1b", 2048, 8, 8, "A100-40GB", False, 19_271, 0.562),
-        ("F7 125m", "125m", 2048, 26, 3, "A100-40GB", False, 136_334, 0.428),
-    ]
     rows = []
-    for key, size, seq, mb, accum, gpu, ckpt, tokens, mfu in table:
+    for key, size, seq, mb, accum, gpu, ckpt, tokens, mfu in MPT_TABLE:
         what = f"MPT-{size} seq {seq} mb{mb} x{accum} {'ckpt ' if ckpt else ''}FSDP x8"
-        notes = (_MPT_NOTE,) + ((_PURE_NOTE,) if key.startswith("F7") else ())
-        rows.append(Row(key, what, *_mpt(size, seq, mb, accum, gpu, ckpt), tokens, "tokens/s", mfu, notes=notes))
+        share = TRITON_SHARES[gpu]
+        triton = (
+            f"attention (MPT's attn_impl: triton) at {share:.1%} of the card's FlashAttention-2 rate, from "
+            f"llm-foundry's {gpu} sequence sweeps (bench/llm_foundry_attention.py)"
+        )
+        notes = (_MPT_NOTE, triton) + ((_PURE_NOTE,) if key.startswith("F7") else ())
+        rows.append(
+            Row(
+                key,
+                what,
+                *_mpt(size, seq, mb, accum, gpu, ckpt),
+                tokens,
+                "tokens/s",
+                mfu,
+                notes=notes,
+                attention_share=share,
+            )
+        )
     return rows
 
 
@@ -329,6 +360,8 @@ def predict_row(row: Row) -> dict[str, Any]:
     )
     assert row.workload.gpu is not None
     profile = card_profile(gpu_spec(row.workload.gpu))
+    if row.attention_share is not None and profile.attention_efficiency is not None:
+        profile = dataclasses.replace(profile, attention_efficiency=profile.attention_efficiency * row.attention_share)
     timed = predict_step_time(estimate, row.workload, profile)
     assert timed is not None, f"{row.key}: the estimate has no traced step costs"
     rate = timed.tokens_per_s if row.unit == "tokens/s" else timed.samples_per_s
@@ -354,6 +387,7 @@ def predict_row(row: Row) -> dict[str, Any]:
         "workload": {**row.workload.to_dict(), "model": _from_root(row.workload.model)},
         "config": row.config.to_dict(),
         "pytorch1_step": row.pytorch1_step,
+        "attention_share": row.attention_share,
         "notes": list(row.notes),
         "seconds": time.perf_counter() - started,
     }
@@ -598,6 +632,24 @@ def main() -> None:
 
     seconds = time.perf_counter() - started
     lines = published_table(results, sweeps) if results else []
+    triton = llm_foundry_attention.report(MPT_POINTS) if any(r["group"].startswith("F") for r in results) else None
+    if triton:
+        lines += [
+            "",
+            "llm-foundry's Triton attention (F rows), from its sequence sweeps (seconds per token per GPU against the "
+            f"sequence, least squares from {triton['from_seq']:,} tokens; python bench/llm_foundry_attention.py):",
+        ]
+        lines += [
+            f"- {'' if line.model in llm_foundry_attention.USED else '(not used) '}{line.describe()}"
+            for line in llm_foundry_attention.sweep_lines(MPT_POINTS)
+        ]
+        lines.append(
+            "- share of FlashAttention-2's rate, the median of the 1b and 7b sweeps: "
+            + ", ".join(f"{card} {share:.1%}" for card, share in triton["shares"].items())
+            + " (with the points that are F rows: "
+            + ", ".join(f"{card} {share:.1%}" for card, share in triton["shares_with_bench_rows"].items())
+            + ")"
+        )
     if grids:
         lines += ([""] if lines else []) + grid_table(grids)
     lines += ["", f"{seconds:.0f} s in all"]
@@ -621,6 +673,7 @@ def main() -> None:
         "rows": results,
         "summary": summary,
         "grids": grids,
+        "triton_attention": triton,
         "not_expressible": NOT_EXPRESSIBLE,
     }
     print(json.dumps(document, indent=2) if args.json else table)
