@@ -9,11 +9,11 @@ import sys
 
 import torch
 from accelerate import Accelerator
-from transformers import GPT2Config, GPT2LMHeadModel
+from tiny_lm import TinyLM
 
 micro = json.load(open(os.environ["AUTOTUNE_CONFIG"]))["config"]["micro_batch"]
 accelerator = Accelerator(mixed_precision="no", gradient_accumulation_steps=1, cpu=True)
-model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=64))
+model = TinyLM()  # its config.hidden_size sizes a ZeRO config's "auto" buckets
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 data = torch.utils.data.DataLoader(torch.randint(0, 1000, (4096, 64)), batch_size=micro)
 model, optimizer, data = accelerator.prepare(model, optimizer, data)

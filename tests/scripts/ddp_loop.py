@@ -6,16 +6,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_lm import TinyLM
 
 dist.init_process_group("gloo")
 settings = json.load(open(os.environ["AUTOTUNE_CONFIG"]))
 micro, accum = settings["config"]["micro_batch"], settings["grad_accum_steps"]
-model = torch.nn.parallel.DistributedDataParallel(
-    LlamaForCausalLM(
-        LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000)
-    )
-)
+model = torch.nn.parallel.DistributedDataParallel(TinyLM())
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 for _step in range(int(sys.argv[1])):
     for _ in range(accum):

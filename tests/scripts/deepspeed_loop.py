@@ -8,14 +8,12 @@ import sys
 
 import deepspeed
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_lm import TinyLM
 
 settings = json.load(open(os.environ["AUTOTUNE_CONFIG"]))
 micro, accum = settings["config"]["micro_batch"], settings["grad_accum_steps"]
 deepspeed.init_distributed(dist_backend="gloo")
-model = LlamaForCausalLM(
-    LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000)
-)
+model = TinyLM()
 engine, _, _, _ = deepspeed.initialize(
     model=model,
     model_parameters=model.parameters(),

@@ -9,15 +9,13 @@ import sys
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_lm import TinyLM
 
 settings = json.load(open(os.environ["AUTOTUNE_CONFIG"]))
 micro, accum = settings["config"]["micro_batch"], settings["grad_accum_steps"]
 seq_len = settings["workload"]["seq_len"]
 dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(settings["config"]["precision"])
-model = LlamaForCausalLM(
-    LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000)
-)
+model = TinyLM()  # vocabulary 1000, hidden 128, 2 layers (tiny_lm.py)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 print(f"pid {os.getpid()}", flush=True)
 for _step in range(int(sys.argv[1])):

@@ -77,7 +77,8 @@ def test_a_framework_script_is_tuned_under_a_budget_and_its_answer_trains_it(tmp
     def autotune(*args: str) -> subprocess.CompletedProcess:
         return commands.autotune(*args, cwd=tmp_path, timeout=600)
 
-    # The script's own peaks here: about 16 MiB at micro batch 2 and 29 MiB at 8 (bf16).
+    # The scripts' own peaks here (bf16): Lightning's 15.7 MiB at micro batch 2 and 29.2 at 8, Accelerate's
+    # (tiny_lm.py) 14.8 and 21.7. The budget sits between the higher at 2 and the lower at 8, about 3 MiB from each.
     tuned = autotune(
         "tune",
         "--study",
@@ -89,7 +90,7 @@ def test_a_framework_script_is_tuned_under_a_budget_and_its_answer_trains_it(tmp
         "--space",
         "space.yaml",
         "--memory-budget",
-        "24MiB",
+        "19MiB",
         "--steps",
         "2",
         "--json",
@@ -100,7 +101,7 @@ def test_a_framework_script_is_tuned_under_a_budget_and_its_answer_trains_it(tmp
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     trials = {t["config"]["micro_batch"]: t for t in json.loads(tuned.stdout)["trials"]}
     assert trials[8]["status"] == "oom" and trials[2]["status"] == "ok", trials
-    assert trials[2]["tokens_per_s"] > 0 and 0 < trials[2]["peak_memory_bytes"] < 24 * 2**20
+    assert trials[2]["tokens_per_s"] > 0 and 0 < trials[2]["peak_memory_bytes"] < 19 * 2**20
     exported = autotune("export", "--study", "s", "--format", "json", "-o", "autotune.json")
     assert exported.returncode == 0, exported.stderr[-3000:]
     ran = autotune("run", "--config", "autotune.json", "--", *command, "3")
