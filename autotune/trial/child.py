@@ -72,6 +72,8 @@ def _run(spec: TrialSpec, record: dict[str, Any]) -> None:
         grad_accum_steps=config.grad_accum_steps(workload),
     )
 
+    from autotune.trial.memory import cuda_memory_history
+
     tracker = None
     if device.type == "cuda":
         from autotune.trial.memory import limit_cuda_memory
@@ -87,7 +89,11 @@ def _run(spec: TrialSpec, record: dict[str, Any]) -> None:
         import deepspeed  # noqa: F401 - imported before the tracker starts counting
 
     try:
-        with tracker if tracker is not None else contextlib.nullcontext(), _gloo_copies(device, world_size):
+        with (
+            tracker if tracker is not None else contextlib.nullcontext(),
+            _gloo_copies(device, world_size),
+            cuda_memory_history(device, record),  # opt-in: AUTOTUNE_CUDA_MEMORY_HISTORY
+        ):
             _train(
                 spec,
                 record,

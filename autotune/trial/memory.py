@@ -9,11 +9,12 @@ allocator's own wording, so other tools' OOM matchers recognise it too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import weakref
 from types import FrameType
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import (
@@ -22,7 +23,21 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytesTracker", "storages_of", "limit_cuda_memory", "cuda_peaks"]
+__all__ = [
+    "LiveBytesTracker",
+    "storages_of",
+    "limit_cuda_memory",
+    "cuda_peaks",
+    "cuda_memory_history",
+    "MEMORY_HISTORY_ENV",
+    "MEMORY_HISTORY_ENTRIES",
+]
+
+# Opt-in, CUDA only: a trial's caching-allocator history, written where this names (see cuda_memory_history).
+MEMORY_HISTORY_ENV = "AUTOTUNE_CUDA_MEMORY_HISTORY"
+# The history's ring buffer: the last this many allocator events are kept (alloc, free, segment events; each with
+# its Python frames: a few KB in memory). A 3B Llama's step makes some thousands.
+MEMORY_HISTORY_ENTRIES = 100_000
 
 
 class LiveBytesTracker(TorchDispatchMode):
@@ -195,3 +210,38 @@ def limit_cuda_memory(budget_bytes: int, device: torch.device) -> None:
 def cuda_peaks(device: torch.device) -> tuple[int, int]:
     """(peak allocated, peak reserved) bytes of this process on ``device``."""
     return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+
+
+@contextlib.contextmanager
+def cuda_memory_history(device: torch.device, record: dict[str, Any]) -> Iterator[None]:
+    """With ``AUTOTUNE_CUDA_MEMORY_HISTORY=PATH`` set, record the CUDA caching allocator's history while inside
+    (``torch.cuda.memory._record_memory_history``: every allocation's Python frames, the last
+    ``MEMORY_HISTORY_ENTRIES`` events) and write its snapshot to PATH as it ends, however it ends
+    (``torch.cuda.memory._dump_snapshot``: a pickle that pytorch.org/memory_viz opens; ranks other than 0 add
+    ``.rank<R>``). ``record["memory_history"]`` says where, or why nothing was written.
+
+    A debugging aid for a bench (``bench/gpu_check.py``), never on by default: the frames cost a few microseconds
+    an allocation. Inert on any other device: a CPU trial has no caching allocator to record (it says so in the
+    record, and runs as without it)."""
+    path = os.environ.get(MEMORY_HISTORY_ENV)
+    if not path:
+        yield
+        return
+    if device.type != "cuda":
+        record["memory_history"] = f"not recorded: {MEMORY_HISTORY_ENV} records CUDA's allocator, not {device.type}'s"
+        yield
+        return
+    rank = os.environ.get("RANK", "0")
+    path = path if rank == "0" else f"{path}.rank{rank}"
+    memory = torch.cuda.memory
+    memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=MEMORY_HISTORY_ENTRIES)
+    try:
+        yield
+    finally:
+        try:
+            memory._dump_snapshot(path)
+            record["memory_history"] = path
+        except Exception as exc:  # noqa: BLE001 - the trial's own outcome stands; the record says why
+            record["memory_history"] = f"not written: {type(exc).__name__}: {exc}"
+        finally:
+            memory._record_memory_history(enabled=None)

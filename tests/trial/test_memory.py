@@ -135,3 +135,48 @@ def test_python_code_summing_out_of_place_is_still_counted_so():
         a = a + b
         assert tracker.peak_bytes == 3 * 4096
         del a, b
+
+
+def test_the_cuda_memory_history_is_inert_without_its_variable_and_on_a_cpu(monkeypatch, tmp_path):
+    from autotune.trial.memory import MEMORY_HISTORY_ENV, cuda_memory_history
+
+    def never(*args, **kwargs):
+        raise AssertionError("the allocator's history was asked for")
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", never)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", never)
+    record: dict = {}
+    monkeypatch.delenv(MEMORY_HISTORY_ENV, raising=False)
+    with cuda_memory_history(torch.device("cuda", 0), record):
+        pass
+    assert record == {}
+    # Asked for on a CPU trial: nothing recorded, nothing written, and the record says why.
+    monkeypatch.setenv(MEMORY_HISTORY_ENV, str(tmp_path / "history.pickle"))
+    with cuda_memory_history(torch.device("cpu"), record):
+        pass
+    assert record["memory_history"].startswith("not recorded: ")
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_cuda_memory_history_is_recorded_and_written_however_the_trial_ends(monkeypatch, tmp_path):
+    from autotune.trial.memory import MEMORY_HISTORY_ENTRIES, MEMORY_HISTORY_ENV, cuda_memory_history
+
+    calls: list = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: calls.append(("record", a, k)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
+    path = str(tmp_path / "history.pickle")
+    monkeypatch.setenv(MEMORY_HISTORY_ENV, path)
+    monkeypatch.delenv("RANK", raising=False)
+    record: dict = {}
+    with pytest.raises(torch.OutOfMemoryError):  # an OOM's history is the one most worth reading
+        with cuda_memory_history(torch.device("cuda", 0), record):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+    started = {"enabled": "all", "context": "alloc", "stacks": "python", "max_entries": MEMORY_HISTORY_ENTRIES}
+    assert calls == [("record", (), started), ("dump", path), ("record", (), {"enabled": None})]
+    assert record["memory_history"] == path
+    # Another rank writes beside rank 0's.
+    calls.clear()
+    monkeypatch.setenv("RANK", "1")
+    with cuda_memory_history(torch.device("cuda", 1), record):
+        pass
+    assert calls[1] == ("dump", f"{path}.rank1")
