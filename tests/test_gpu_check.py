@@ -17,7 +17,7 @@ def test_the_gpu_check_rehearses_every_config_on_the_cpu(tmp_path):
 
     sys.path.insert(0, str(ROOT / "bench"))
     try:
-        from gpu_check import CONFIGS
+        from gpu_check import CONFIGS, REHEARSED_TORCHTUNE_ROW, TORCHTUNE_ROWS
     finally:
         sys.path.remove(str(ROOT / "bench"))
     out = tmp_path / "gpu_check.txt"
@@ -39,6 +39,24 @@ def test_the_gpu_check_rehearses_every_config_on_the_cpu(tmp_path):
         # Predicted and measured, each a size: the estimate and the trial both ran.
         allocated = row.split(" | ")[1]
         assert allocated.count("GiB") == 2 and "(" in allocated, row
+    # The plan beside the measurement and the estimate: its first config planned (for a named card) in a rehearsal.
+    for index, (label, _) in enumerate(CONFIGS):
+        (plan,) = [line for line in lines if line.startswith(f"{label} (plan) | ")]
+        assert plan.split(" | ")[1].count("GiB") == 3 if index == 0 else "planned on the GPU" in plan, plan
+    # torchtune's rows: each one's flags made (and checked against its config); one estimated and measured, with the
+    # memory history asked for (inert on a CPU, as the line says).
+    for key in TORCHTUNE_ROWS:
+        (flags,) = [line for line in lines if line.startswith(f"{key} (")]
+        assert "--precision bf16-true --checkpointing on --loss chunked-kept" in flags, flags
+        assert "--compile" not in flags and "--activation-offload" not in flags, flags  # CUDA only
+        (row,) = [line for line in lines if line.startswith(f"{key} | ")]
+        if key != REHEARSED_TORCHTUNE_ROW:
+            assert "not run: on the GPU only" in row, row
+            continue
+        assert row.split(" | ")[1].count("GiB") == 2, row
+        after = lines[lines.index(flags) + 1 :]
+        assert after[0].startswith("  history: none on a CPU (AUTOTUNE_CUDA_MEMORY_HISTORY is inert there)"), after[0]
+        assert after[1].startswith("  the estimate's parts: parameters "), after[1]
     # The real search ran and answered (on the CPU, a tiny Llama in 6 s of search).
     (found,) = [line for line in lines if line.startswith("find --model builtin:llama-tiny")]
     assert "answer mb=" in found and "tokens/s" in found, found
