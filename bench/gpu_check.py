@@ -77,7 +77,7 @@ REHEARSAL_FIND = ("builtin:llama-tiny", ["--seq-len", "64", "--global-batch", "8
 # recorded. One timed step: compile's three (two eager, one compiled) come before it.
 TORCHTUNE_ROWS = ("T4", "T5", "T5+8bit")
 TORCHTUNE_STEPS = ["--warmup-steps", "0", "--steps", "1"]
-REHEARSAL_TORCHTUNE = ("builtin:llama-tiny", ["--seq-len", "64", "--global-batch", "2"])
+REHEARSAL_TORCHTUNE = ("builtin:gpt2-tiny", ["--seq-len", "64", "--global-batch", "2"])
 REHEARSED_TORCHTUNE_ROW = "T5+8bit"  # the rehearsal runs this one: every lever of the three
 CUDA_ONLY = {"compile": False, "activation_offload": False}  # left out of the rehearsal's torchtune trials
 # The rehearsal plans for a named card (find --plan wants a GPU, here or named): its figures are that card's.
@@ -259,7 +259,8 @@ def _size(value: float) -> str:
 
 def _torchtune_rows(rehearse: bool) -> list[tuple[str, str, list[str]]]:
     """(key, what, the model and workload flags and the knob flags) of each torchtune row of
-    ``bench/gpu_published.py``; in a rehearsal, a tiny Llama without the CUDA-only levers."""
+    ``bench/gpu_published.py``; in a rehearsal, the configs' tiny GPT-2 (traced already: the suite's time) without
+    the CUDA-only levers."""
     import gpu_published  # bench/gpu_published.py
 
     rows = []
@@ -311,7 +312,7 @@ def _torchtune(
     lines = [
         "torchtune's Llama-3.2-3B levers (bench/gpu_published.py's rows; the trial with the CUDA allocator's history, "
         f"{' '.join(TORCHTUNE_STEPS)} after compile's three steps)"
-        + (": on a CPU, a tiny Llama without compile and activation offload (CUDA only)" if rehearse else ""),
+        + (": on a CPU, the tiny GPT-2 without compile and activation offload (CUDA only)" if rehearse else ""),
     ]
     rows: list[Row] = []
     details: list[str] = []
