@@ -96,3 +96,26 @@ def test_lora_and_adafactor_trials_on_cuda_leave_the_trial_server_forking(monkey
         r = run_trial(small, config, measure_steps=2)
         assert r.status is TrialStatus.OK, r.error
         assert r.phases.startup_s < fresh.phases.startup_s, config.describe()  # forked, not a new interpreter
+
+
+def test_a_trial_asked_for_the_allocators_history_writes_one_whose_replayed_peak_is_the_trials(monkeypatch, tmp_path):
+    """AUTOTUNE_CUDA_MEMORY_HISTORY on a real card: the trial's snapshot, replayed by bench/memory_history.py,
+    peaks where torch.cuda.max_memory_allocated did (the history spans the build and every step; its ring of
+    events does not wrap on a GPT-2 of 4 steps), and its parts sum to that peak."""
+    import sys
+    from pathlib import Path
+
+    from autotune.trial.memory import MEMORY_HISTORY_ENV
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+    try:
+        from memory_history import peak_parts, read_snapshot
+    finally:
+        sys.path.pop(0)
+    history = tmp_path / "gpt2.pickle"
+    monkeypatch.setenv(MEMORY_HISTORY_ENV, str(history))
+    r = run_trial(GPT2, TrialConfig(micro_batch=4, precision="bf16"), measure_steps=2)
+    assert r.status is TrialStatus.OK, r.error
+    parts = peak_parts(read_snapshot(history))
+    assert parts["peak_index"] >= 0 and sum(parts["parts"].values()) == parts["peak_bytes"]
+    assert parts["peak_bytes"] == pytest.approx(r.peak_allocated_bytes, rel=0.02), (parts, r.peak_allocated_bytes)
