@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = "/usr/lib/python3.12/site-packages"
-REPO = "/root/autotune"
+REPO = "/srv/checkout"  # where a checkout might live: the rules read the path inside it
 
 
 @pytest.fixture(scope="module")
