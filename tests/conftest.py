@@ -83,24 +83,42 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run is None:  # one process runs every test: each is alone already
         return (yield)
-    alone = item.get_closest_marker("alone") is not None
+    alone = _alone(item)
     names = sorted({str(mark.args[0]) for mark in item.iter_markers("one_at_a_time")})
     locks = Path(tempfile.gettempdir()) / f"autotune-tests-{run}"
-    with contextlib.ExitStack() as held:
+    global _ALONE_HELD
+    run_wide, _ALONE_HELD = _ALONE_HELD, None  # held already: the alone test before this one kept it for this one
+    if run_wide is None:
+        run_wide = contextlib.ExitStack()
         # A test that runs alone waits only for the tests running now: while it waits, no other test starts. flock
         # favours no one, and the other worker, taking the run-wide lock shared test after test, kept one waiting
         # 48 s over three of its tests. The gate holds the others back: taken by the alone test until it holds the
         # run-wide lock, and by every other test for as long as it takes that lock.
         with open(f"{locks}-gate.lock", "a") as gate:
             fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-            # The run-wide lock first, then the named ones in order: no two tests wait on each other in a circle.
-            for name, exclusive in [("", alone), *((f"-{name}", True) for name in names)]:
-                lock = held.enter_context(open(f"{locks}{name}.lock", "a"))
-                fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)  # released as the file closes
-                if not name:
-                    fcntl.flock(gate, fcntl.LOCK_UN)  # the run-wide lock is held: the gate has done its work
+            lock = run_wide.enter_context(open(f"{locks}.lock", "a"))
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)  # released as the file closes
+    # Alone tests one after another keep the run-wide lock between them: let go of, the other worker took it for a
+    # test of its own each time, and the next alone test waited for that one (62 s of one worker idle over
+    # test_cpu_cores.py's four, in a run that queued that file early).
+    keep = alone and nextitem is not None and _alone(nextitem)
+    with contextlib.ExitStack() as held:
+        if keep:
+            _ALONE_HELD = run_wide
+        else:
+            held.push(run_wide)
+        # Then the named locks in order, after the run-wide one: no two tests wait on each other in a circle.
+        for name in names:
+            fcntl.flock(held.enter_context(open(f"{locks}-{name}.lock", "a")), fcntl.LOCK_EX)
         _compute_on(_worker_cores(alone))
         return (yield)
+
+
+_ALONE_HELD: contextlib.ExitStack | None = None  # the run-wide lock, kept from one alone test to the next
+
+
+def _alone(item: pytest.Item) -> bool:
+    return item.get_closest_marker("alone") is not None
 
 
 @pytest.fixture
@@ -123,7 +141,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _longest_files_first(items: list[pytest.Item]) -> None:
     """Order the files by their number of ``slow`` tests, most first (the rest keep pytest's order), so that the
-    two workers end together on short files. Files whose tests share a ``one_at_a_time`` name would make one worker
+    two workers end together on short files, and a file of ``alone`` tests last. Files whose tests share a
+    ``one_at_a_time`` name would make one worker
     wait for the other if the two took them at once, as the queue's neighbours: only the longest of them goes
     first, the second after every other file with slow tests, and any more after every other file."""
     files: dict[str, list[pytest.Item]] = {}
@@ -138,9 +157,14 @@ def _longest_files_first(items: list[pytest.Item]) -> None:
     turn = {name: i for members in groups.values() for i, name in enumerate(sorted(members, key=lambda n: -slow[n]))}
     order = {name: i for i, name in enumerate(files)}
 
+    # A file of tests that run alone goes last: each waits for the test the other worker is running, and there the
+    # other worker's tests are short ones (queued early, the first waited 22 s), or it has none left.
+    alone = {name for name, tests in files.items() if any(_alone(item) for item in tests)}
+
     def key(name: str) -> tuple[int, int, int]:
         place = turn.get(name, 0)
-        return (3 if place > 1 else 1 if place else 0 if slow[name] else 2, -slow[name], order[name])
+        rank = 4 if name in alone else 3 if place > 1 else 1 if place else 0 if slow[name] else 2
+        return (rank, -slow[name], order[name])
 
     items[:] = [item for name in sorted(files, key=key) for item in files[name]]
 
