@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from bench_modules import bench_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -13,13 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_the_gpu_check_rehearses_every_config_on_the_cpu(tmp_path):
     import importlib.util
-    import sys
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from gpu_check import CONFIGS, REHEARSED_TORCHTUNE_ROW, TORCHTUNE_ROWS
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    gpu_check = bench_module("gpu_check")
     out = tmp_path / "gpu_check.txt"
     proc = subprocess.run(
         ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--rehearse", "--out", str(out)],
@@ -31,7 +27,7 @@ def test_the_gpu_check_rehearses_every_config_on_the_cpu(tmp_path):
     lines = out.read_text().splitlines()
     assert lines[0].startswith("# bash bench/gpu_check.sh --rehearse")
     assert lines[-1].startswith("rehearsal: on the GPU machine")
-    for label, flags in CONFIGS:
+    for label, flags in gpu_check.CONFIGS:
         (row,) = [line for line in lines if line.startswith(f"{label} |")]
         if "nf4" in flags and importlib.util.find_spec("bitsandbytes") is None:
             assert "not run: bitsandbytes not installed" in row
@@ -40,17 +36,17 @@ def test_the_gpu_check_rehearses_every_config_on_the_cpu(tmp_path):
         allocated = row.split(" | ")[1]
         assert allocated.count("GiB") == 2 and "(" in allocated, row
     # The plan beside the measurement and the estimate: its first config planned (for a named card) in a rehearsal.
-    for index, (label, _) in enumerate(CONFIGS):
+    for index, (label, _) in enumerate(gpu_check.CONFIGS):
         (plan,) = [line for line in lines if line.startswith(f"{label} (plan) | ")]
         assert plan.split(" | ")[1].count("GiB") == 3 if index == 0 else "planned on the GPU" in plan, plan
     # torchtune's rows: each one's flags made (and checked against its config); one estimated and measured, with the
     # memory history asked for (inert on a CPU, as the line says).
-    for key in TORCHTUNE_ROWS:
+    for key in gpu_check.TORCHTUNE_ROWS:
         (flags,) = [line for line in lines if line.startswith(f"{key} (")]
         assert "--precision bf16-true --checkpointing on --loss chunked-kept" in flags, flags
         assert "--compile" not in flags and "--activation-offload" not in flags, flags  # CUDA only
         (row,) = [line for line in lines if line.startswith(f"{key} | ")]
-        if key != REHEARSED_TORCHTUNE_ROW:
+        if key != gpu_check.REHEARSED_TORCHTUNE_ROW:
             assert "not run: on the GPU only" in row, row
             continue
         assert row.split(" | ")[1].count("GiB") == 2, row

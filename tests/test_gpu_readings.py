@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_modules import bench_module
 
 # Prints "<n>, 300.5" (n counting up) once, or every -lms milliseconds until terminated; flushes each line.
 FAKE = """#!{python}
@@ -31,12 +29,7 @@ def readings(tmp_path, monkeypatch):
     tool.write_text(FAKE.format(python=sys.executable))
     tool.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))  # the stand-in alone: its first line names this interpreter
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import gpu_readings
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return gpu_readings
+    return bench_module("gpu_readings")
 
 
 def test_readings_taken_while_a_block_runs_are_each_field_in_order(readings):

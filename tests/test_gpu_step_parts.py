@@ -3,22 +3,13 @@ kernels found by the profiler's device annotation or, where a release marks only
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_modules import bench_module
 
 
 @pytest.fixture(scope="module")
 def kernel_parts():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from gpu_step_parts import kernel_parts
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return kernel_parts
+    return bench_module("gpu_step_parts").kernel_parts
 
 
 # Names as an H200's profile printed them (bench/results/gpu_step_parts_NVIDIA_H200.txt), times in microseconds.

@@ -3,22 +3,13 @@ bench/plan_published.py take it), against the counts by hand and llm-foundry's o
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_modules import bench_module
 
 
 @pytest.fixture(scope="module")
 def sweeps():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import llm_foundry_attention
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return llm_foundry_attention
+    return bench_module("llm_foundry_attention")
 
 
 def test_traced_attention_flops_per_token(sweeps):

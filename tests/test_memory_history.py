@@ -4,25 +4,18 @@ from the history, grouped by the frames that allocated them. The snapshots here 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_modules import bench_module
 
-ROOT = Path(__file__).resolve().parent.parent
 SITE = "/usr/lib/python3.12/site-packages"
 REPO = "/srv/checkout"  # where a checkout might live: the rules read the path inside it
 
 
 @pytest.fixture(scope="module")
 def history() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import memory_history
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return memory_history
+    return bench_module("memory_history")
 
 
 def frame(filename: str, name: str, line: int = 1) -> dict:

@@ -6,6 +6,7 @@ Marked ``gpu``: skipped on machines without CUDA, run on the GPU machine (see RE
 from __future__ import annotations
 
 import pytest
+from bench_modules import bench_module
 
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
@@ -102,20 +103,13 @@ def test_a_trial_asked_for_the_allocators_history_writes_one_whose_replayed_peak
     """AUTOTUNE_CUDA_MEMORY_HISTORY on a real card: the trial's snapshot, replayed by bench/memory_history.py,
     peaks where torch.cuda.max_memory_allocated did (the history spans the build and every step; its ring of
     events does not wrap on a GPT-2 of 4 steps), and its parts sum to that peak."""
-    import sys
-    from pathlib import Path
-
     from autotune.trial.memory import MEMORY_HISTORY_ENV
 
-    sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
-    try:
-        from memory_history import peak_parts, read_snapshot
-    finally:
-        sys.path.pop(0)
+    replay = bench_module("memory_history")
     history = tmp_path / "gpt2.pickle"
     monkeypatch.setenv(MEMORY_HISTORY_ENV, str(history))
     r = run_trial(GPT2, TrialConfig(micro_batch=4, precision="bf16"), measure_steps=2)
     assert r.status is TrialStatus.OK, r.error
-    parts = peak_parts(read_snapshot(history))
+    parts = replay.peak_parts(replay.read_snapshot(history))
     assert parts["peak_index"] >= 0 and sum(parts["parts"].values()) == parts["peak_bytes"]
     assert parts["peak_bytes"] == pytest.approx(r.peak_allocated_bytes, rel=0.02), (parts, r.peak_allocated_bytes)
