@@ -169,8 +169,9 @@ def plan(
         floor.learn(made)
         estimates += len(made)
         too_big += len(members) - len(fitting)
-        rows += _timed(fitting, workload, profile)
-        floor.timed(rows)
+        timed = _timed(fitting, workload, profile)
+        rows += timed
+        floor.timed(timed)
         if progress is not None:
             progress(index + 1, len(families.members))
     rows.sort(key=lambda row: -row.step.samples_per_s)
@@ -251,21 +252,26 @@ class _SpeedFloor:
     speedup: dict[str, float]  # each precision's matmul rate over fp32's (matmul_speedups)
     siblings: dict[TrialConfig, MemoryEstimate] = field(default_factory=dict)  # by _sibling_key
     fastest_step_s: float = math.inf
+    # Each family's floor, by its first config, once its sibling is traced: the look-ahead asks again and again.
+    floors: dict[TrialConfig, float] = field(default_factory=dict)
 
     def learn(self, made: list[MemoryEstimate]) -> None:
-        for estimate in made[:1]:  # a family's traced operators are kept per sample: one estimate times them all
-            self.siblings.setdefault(_sibling_key(estimate.config), estimate)
+        if made:  # a family's traced operators are kept per sample: one estimate times them all
+            self.siblings.setdefault(_sibling_key(made[0].config), made[0])
 
-    def timed(self, rows: list[PlanRow]) -> None:
-        self.fastest_step_s = min([self.fastest_step_s, *(row.step.step_s for row in rows)])
+    def timed(self, new_rows: list[PlanRow]) -> None:
+        self.fastest_step_s = min([self.fastest_step_s, *(row.step.step_s for row in new_rows)])
 
     def rules_out(self, members: list[TrialConfig]) -> bool:
-        from autotune.estimate.step_time import matmul_floor_s
+        floor = self.floors.get(members[0])
+        if floor is None:
+            from autotune.estimate.step_time import matmul_floor_s
 
-        sibling = self.siblings.get(_sibling_key(members[0]))
-        if sibling is None or self.speedup[sibling.config.precision] <= self.speedup[members[0].precision]:
-            return False
-        floor = min(matmul_floor_s(sibling, config, self.workload, self.profile) for config in members)
+            sibling = self.siblings.get(_sibling_key(members[0]))
+            if sibling is None or self.speedup[sibling.config.precision] <= self.speedup[members[0].precision]:
+                return False
+            floor = min(matmul_floor_s(sibling, config, self.workload, self.profile) for config in members)
+            self.floors[members[0]] = floor
         return floor * (1 - PLAN_ERROR) > self.fastest_step_s
 
 

@@ -68,12 +68,9 @@ MiB = 2**20
 def _toy_plan(tmp_path, knobs: str, states_mib, asked: list, twin=None, looked_ahead=None):
     """A plan of ``knobs`` under a 50 MiB limit: ``states_mib(config)`` of model states, and 4 MiB a sample
     (1.5 with checkpointing), exactly; every estimate asked for is appended to ``asked``."""
-    from step_toys import TOY_CPU, toy_costs
+    from step_toys import toy_costs
 
-    from autotune.config.device import DeviceInfo
     from autotune.estimate.results import MemoryEstimate
-    from autotune.search.plan import plan
-    from autotune.search.presets import load_space
 
     (tmp_path / "space.yaml").write_text("knobs:\n" + knobs)
     looked_ahead = [] if looked_ahead is None else looked_ahead
@@ -97,10 +94,22 @@ def _toy_plan(tmp_path, knobs: str, states_mib, asked: list, twin=None, looked_a
             step_costs=toy_costs(100),
         )
 
+    return _planned_on_a_toy_cpu(tmp_path / "space.yaml", estimate, twin=twin)
+
+
+def _planned_on_a_toy_cpu(space, estimate, *, profile=None, twin=None):
+    """The plan of the space file ``space`` under a 50 MiB limit on the toy CPU of tests/step_toys.py (or
+    ``profile``), for a global batch of 32, with ``estimate`` as its estimator."""
+    from step_toys import TOY_CPU
+
+    from autotune.config.device import DeviceInfo
+    from autotune.search.plan import plan
+    from autotune.search.presets import load_space
+
     return plan(
         workload=Workload(global_batch=32),
-        space=load_space(str(tmp_path / "space.yaml")),
-        profile=TOY_CPU,
+        space=load_space(str(space)),
+        profile=profile or TOY_CPU,
         device=DeviceInfo("cpu", "test-cpu", 1, 16 * 2**30, bf16=True, fp16_deepspeed=False),
         limit_bytes=50 * MiB,
         memory_budget_bytes=55 * MiB,
@@ -235,10 +244,7 @@ def test_a_slower_precision_whose_matmuls_alone_miss_the_top_row_by_the_models_e
     matmuls are a small part of the step (launches dominate), the floor rules out nothing and fp32 is traced."""
     from step_toys import TOY_CPU
 
-    from autotune.config.device import DeviceInfo
     from autotune.estimate.step_time import predict_step_time
-    from autotune.search.plan import plan
-    from autotune.search.presets import load_space
 
     profile = replace(TOY_CPU, matmul_flops={"float32": 1000.0, "bfloat16": 16000.0})
     workload = Workload(global_batch=32)
@@ -253,16 +259,7 @@ def test_a_slower_precision_whose_matmuls_alone_miss_the_top_row_by_the_models_e
             asked.append(config)
             return _matmul_step(config, flops_per_sample)
 
-        result = plan(
-            workload=workload,
-            space=load_space(str(tmp_path / "space.yaml")),
-            profile=profile,
-            device=DeviceInfo("cpu", "test-cpu", 1, 16 * 2**30, bf16=True, fp16_deepspeed=False),
-            limit_bytes=50 * MiB,
-            memory_budget_bytes=55 * MiB,
-            estimator=estimate,
-        )
-        return asked, result
+        return asked, _planned_on_a_toy_cpu(tmp_path / "space.yaml", estimate, profile=profile)
 
     # Matmul-bound: fp32's floor (32 x 100 / 1000 = 3.2 s) is 8x the fastest bf16 step's (0.2 + 8 x 0.05 s).
     asked, result = planned(100.0)
