@@ -126,14 +126,9 @@ def fa2_rate(card: str) -> float:
 
 
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-    intercept = my - slope * mx
-    total = sum((y - my) ** 2 for y in ys)
-    residual = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys, strict=True))
-    return slope, intercept, 1 - residual / total if total else 1.0
+    """The least-squares line through the points, and its r^2 (a line's: the correlation's square)."""
+    slope, intercept = statistics.linear_regression(xs, ys)
+    return slope, intercept, statistics.correlation(xs, ys) ** 2
 
 
 def sweep_lines(exclude: Iterable[tuple[str, str, int, int, int]] = ()) -> list[SweepLine]:
