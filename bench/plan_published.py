@@ -30,10 +30,10 @@ samples/s where the source printed that (the bert-large rows). Then the median a
 * torchtitan Llama-3-8B (S1-S6): ``bench/gpu_published.py``'s rows as they are (FSDP2 on 8 or 128
   fake ranks, seq 8192, selective per-op checkpointing, S3 and S6-float8 with float8 Linear layers:
   their matmuls timed at the card's float8 peak), against torchtitan's TPS/GPU and torchao's
-  float8 table (S6: bf16 and float8 tensorwise, the median over logged steps). S1-S5 on the card
+  float8 table (S6: bf16 and float8 tensorwise, the median over logged steps). All on the card
   torchtitan's notes name (``H100-96GB-HBM2e``: 2.4 TB/s, its peak and sustained matmul rate taken
-  as the SXM's, likely high at its 500 W); S6, whose H100 torchao's table does not name, on the
-  ``H100-80GB``.
+  as the SXM's, likely high at its 500 W); S6's table names no H100, and its team's own logs of the
+  same recipe ran on this card (``gpu_published._S6_OPEN``).
 
 Part 2, CPU grids. Each committed grid ``bench/data/GRID.jsonl`` is predicted line by line with
 the roofline measured beside it before its trials (``GRID.roofline.json``; for an older grid
@@ -289,7 +289,8 @@ _TITAN_CARD_NOTE = (
     "likely high at 500 W)"
 )
 _TORCHAO_CARD_NOTE = (
-    "torchao's float8 table does not say which H100: timed as autotune's H100-80GB (SXM: 3.35 TB/s, 700 W)"
+    "torchao's float8 table does not say which H100; its team's logs of the same recipe (torchao's float8 pretraining "
+    "tutorial) ran on 95.0 GiB H100s, torchtitan's card (gpu_published.py says how that is read)"
 )
 
 
@@ -307,7 +308,8 @@ def _titan_rows() -> list[Row]:
             published[row.key],
             "tokens/s",
             notes=((_COMPILE_NOTE,) if row.config.compile else ())
-            + ((_TITAN_CARD_NOTE,) if row.workload.gpu == gpu_published.TITAN_CARD else (_TORCHAO_CARD_NOTE,)),
+            + (_TITAN_CARD_NOTE,)
+            + ((_TORCHAO_CARD_NOTE,) if row.key.startswith("S6") else ()),
         )
         for row in gpu_published.SHARDED_ROWS
         if row.key in published
