@@ -37,7 +37,7 @@ _AXES: tuple[tuple[Lever, Axis], ...] = tuple((lever, axis) for lever in AXIS_OR
 KNOBS = {
     "micro_batch": "auto, or a list of whole numbers >= 1 that divide the per-rank batch",
     **{axis.key: axis.allowed for _, axis in _AXES},
-    "zero_stage": "a list of off, 0, 1, 2, 3",
+    "zero_stage": "a list of off, 0, 1, 2, 3 (empty beside fsdp modes: FSDP alone)",
     "fsdp": "a list of off, full, grad-op (FSDP2 instead of ZeRO)",
     "offload": f"a list of {', '.join(OFFLOADS)}",
     "lora_rank": "a list of off and/or whole numbers >= 1",
@@ -303,7 +303,7 @@ def parse_space(data: Any, label: str) -> SearchSpace:
         description=str(data.get("description") or ""),
         micro_batch=_micro_batch(values["micro_batch"], label),
         **{axis.key: _each(values[axis.key], label, axis.key, axis.parse) for _, axis in _AXES},
-        zero_stage=_each(values["zero_stage"], label, "zero_stage", _zero_stage),
+        zero_stage=_zero_stages(values, label),
         fsdp=_each(values["fsdp"], label, "fsdp", lambda v: v if v in FSDP_MODES else None),
         offload=_each(values["offload"], label, "offload", lambda v: v if v in OFFLOADS else None),
         lora_rank=_each(values["lora_rank"], label, "lora_rank", _lora_rank),
@@ -390,6 +390,14 @@ def _each(values: list[Any], label: str, knob: str, parse: Any) -> tuple[Any, ..
         if result not in parsed:
             parsed.append(result)
     return tuple(parsed)
+
+
+def _zero_stages(values: dict[str, list[Any]], label: str) -> tuple[Any, ...]:
+    """zero_stage's values, none at all only beside an FSDP mode: a space of FSDP alone (the one way to leave out
+    the config that shards nothing, which zero_stage's off is)."""
+    if values["zero_stage"] == [] and any(not _means_off(value, "fsdp") for value in values["fsdp"]):
+        return ()
+    return _each(values["zero_stage"], label, "zero_stage", _zero_stage)
 
 
 def _yaml_word(value: Any) -> str:

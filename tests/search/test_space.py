@@ -318,6 +318,22 @@ def test_the_sharding_and_parallel_spaces_shard_hybrid_only_past_one_node():
         assert hybrid and all(c.shard_degree(two) == 2 for c in hybrid)  # the default group: one node's ranks
 
 
+def test_an_empty_zero_stage_beside_fsdp_modes_is_a_space_of_fsdp_alone(tmp_path):
+    """zero_stage's off is the config that shards nothing: a space lists it unless it says ``zero_stage: []`` beside
+    an FSDP mode, and an empty list with nothing beside it is refused, naming the knob."""
+    only = tmp_path / "only.yaml"
+    only.write_text("knobs:\n  micro_batch: [2]\n  zero_stage: []\n  fsdp: [full, hybrid]\n")
+    space = load_space(str(only))
+    two_nodes = Workload(model="builtin:llama-tiny", seq_len=64, global_batch=8, nproc=4, nodes=2)
+    assert {c.fsdp for c in space.candidates(two_nodes, CPU)} == {"full", "hybrid"}  # no DDP config among them
+    assert SearchSpace.from_dict(json.loads(json.dumps(space.to_dict()))) == space  # as a study stores it
+    for fsdp in ("[off]", "[]"):
+        bare = tmp_path / "bare.yaml"
+        bare.write_text(f"knobs:\n  micro_batch: [2]\n  zero_stage: []\n  fsdp: {fsdp}\n")
+        with pytest.raises(ConfigError, match=r"knobs\.(zero_stage|fsdp) is empty; allowed: a list of off"):
+            load_space(str(bare))
+
+
 def test_a_source_checkout_that_is_not_installed_finds_its_presets(tmp_path):
     # A checkout on PYTHONPATH has search_spaces/ at its top, not the package autotune.search_spaces
     # that an install maps it to: the presets are found there (the GPU machine runs autotune so).

@@ -4,8 +4,8 @@ prints AUTOTUNE_TEST_SLURM2_CONF; these tests skip without it outside CI.
 
 What they show: srun places one torchrun on each node and the c10d rendezvous joins them; each node's
 torchrun gets the job's CPUs there (a plain srun, as the trials' command was before, binds a node's ranks
-to one core on this cluster: the first test shows both); and a real ``tune --executor slurm --nodes 2``
-measures a trial whose ranks ran on both nodes."""
+to one core on this cluster: the first test shows both); and a real ``tune --executor slurm --nodes 2`` of
+``--fsdp hybrid`` measures a trial whose ranks ran on both nodes, sharded within each and replicated across them."""
 
 from __future__ import annotations
 
@@ -112,22 +112,27 @@ def test_four_ranks_start_on_two_real_nodes_each_nodes_on_the_cpus_the_job_holds
 
 
 SPACE = """\
-description: DDP over two nodes
+description: hybrid sharding over two nodes
 n_trials: 1
 knobs:
   micro_batch: [2]
   precision: [fp32]
   checkpointing: [false]
+  zero_stage: []
+  fsdp: [hybrid]
 """
 
 
 @pytest.mark.slow
-def test_a_tune_on_two_nodes_measures_a_trial_whose_ranks_ran_on_both(tmp_path: Path) -> None:
+def test_a_tune_on_two_nodes_measures_a_hybrid_trial_sharded_within_each_node(tmp_path: Path) -> None:
+    """A real ``tune --executor slurm --nodes 2`` of --fsdp hybrid on 2 nodes x 2 ranks, no --shard-group: its trial's
+    ranks ran on both nodes, each node's two ranks hold a 2-way shard (Adam states of half the model each), and the
+    two nodes are the replicas whose gradients are all-reduced."""
     (tmp_path / "space.yaml").write_text(SPACE)
     storage = f"journal://{tmp_path}/shared/study.log"
-    command = ["tune", "--study", "two", "--model", "builtin:gpt2-tiny"]
+    command = ["tune", "--study", "two", "--model", "builtin:llama-tiny"]
     command += ["--seq-len", "32", "--global-batch", "8", "--memory-budget", "1GiB", "--space", "space.yaml"]
-    command += ["--nproc", "2", "--nodes", "2", "--steps", "2", "--no-confirm", "--no-estimate", "--json"]
+    command += ["--nproc", "4", "--nodes", "2", "--steps", "2", "--no-confirm", "--no-estimate", "--json"]
     command += ["--executor", "slurm", "--workers", "1", "--partition", PARTITION, "--storage", storage]
     env = cluster_env(PYTHONPATH=os.getcwd())
     tune = commands.start(*command, cwd=tmp_path, env=env)
@@ -148,10 +153,12 @@ def test_a_tune_on_two_nodes_measures_a_trial_whose_ranks_ran_on_both(tmp_path: 
     nodes = slurm("scontrol", "show", "hostnames", steps[f"{job}.0"]).split()
     assert sorted(nodes) == sorted(slurm("sinfo", "-h", "-N", "-p", PARTITION, "-o", "%N").split()), steps
     result = trial.user_attrs["result"]
-    assert trial.user_attrs["status"] == "ok" and result["world_size"] == 2, result
-    assert len(result["peak_memory_per_rank"]) == 2 and all(p > 0 for p in result["peak_memory_per_rank"])
+    assert trial.user_attrs["status"] == "ok" and trial.user_attrs["config"]["fsdp"] == "hybrid", result
+    assert result["world_size"] == 4 and len(result["peak_memory_per_rank"]) == 4, result
+    assert all(p > 0 for p in result["peak_memory_per_rank"])
+    assert result["optimizer_state_bytes"] == 2 * 4 * result["total_params"] // 2  # fp32 Adam's moments, 2-way
     shown = json.loads(stdout)
-    assert shown["workload"]["nodes"] == 2 and shown["workload"]["nproc"] == 2
+    assert shown["workload"]["nodes"] == 2 and shown["workload"]["nproc"] == 4
 
 
 @pytest.mark.slow
@@ -179,27 +186,3 @@ def test_the_two_node_launch_export_trains_over_two_real_nodes(tmp_path: Path) -
     assert sorted(rank for rank, *_ in ranks) == [0, 1, 2, 3]
     assert sorted(node for _, _, node, _ in ranks) == sorted(nodes * 2)  # two ranks on each node
     assert all(len(affinity) == workload.ranks_per_node for *_, affinity in ranks), ranks
-
-
-HYBRID = """\
-import json, sys
-from autotune.config.knobs import TrialConfig
-from autotune.config.workload import Workload
-from autotune.trial.runner import run_trial
-workload = Workload(model="builtin:llama-tiny", nproc=4, nodes=2, global_batch=4, seq_len=32)
-result = run_trial(workload, TrialConfig(micro_batch=1, fsdp="hybrid"), measure_steps=2, srun=True)
-open(sys.argv[1], "w").write(json.dumps(result.to_dict()))
-"""
-
-
-@pytest.mark.slow  # 42 s on this 2-core machine
-def test_hybrid_sharding_on_two_nodes_shards_within_each_node_by_default(tmp_path: Path) -> None:
-    """--fsdp hybrid over 2 nodes x 2 ranks with no --shard-group: each node's two ranks hold a 2-way shard (Adam
-    states of half the model each), and the two nodes are the replicas whose gradients are all-reduced."""
-    (tmp_path / "hybrid.py").write_text(HYBRID)
-    out = tmp_path / "result.json"
-    job = _on_both_nodes(tmp_path, f"{tmp_path}/hybrid.py {out}")
-    assert job.returncode == 0, (job.stderr, (tmp_path / "job.out").read_text())
-    result = json.loads(out.read_text())
-    assert result["status"] == "ok" and result["world_size"] == 4, result.get("error")
-    assert result["optimizer_state_bytes"] == 2 * 4 * result["total_params"] // 2  # a 2-way shard, not 4-way
