@@ -177,8 +177,12 @@ def sweep_lines(exclude: Iterable[tuple[str, str, int, int, int]] = ()) -> list[
 def card_shares(exclude: Iterable[tuple[str, str, int, int, int]] = ()) -> dict[str, float]:
     """Each card's Triton attention rate as a share of its FlashAttention-2 rate: the median of its 1b and 7b
     sweeps' shares."""
+    return _median_shares(sweep_lines(exclude))
+
+
+def _median_shares(lines: list[SweepLine]) -> dict[str, float]:
     by_card: dict[str, list[float]] = {}
-    for line in sweep_lines(exclude):
+    for line in lines:
         if line.model in USED:
             by_card.setdefault(line.card, []).append(line.share)
     return {card: statistics.median(shares) for card, shares in by_card.items()}
@@ -186,13 +190,13 @@ def card_shares(exclude: Iterable[tuple[str, str, int, int, int]] = ()) -> dict[
 
 def report(exclude: Iterable[tuple[str, str, int, int, int]] = ()) -> dict[str, Any]:
     """The lines and the shares, with and without the points that are bench rows."""
-    excluded = list(exclude)
+    lines = sweep_lines(exclude)
     return {
         "source": json.loads(SWEEPS.read_text())["source"],
         "from_seq": FROM_SEQ,
         "used": list(USED),
-        "lines": [line.__dict__ for line in sweep_lines(excluded)],
-        "shares": card_shares(excluded),
+        "lines": [line.__dict__ for line in lines],
+        "shares": _median_shares(lines),
         "shares_with_bench_rows": card_shares(),
     }
 

@@ -68,11 +68,15 @@ def group_of(frames: list[dict[str, Any]]) -> str:
     return "other"
 
 
+def _busiest(traces: list[list[dict[str, Any]]]) -> int:
+    """The device the trial ran on: the one with the longest history (0 where none has one)."""
+    return max(range(len(traces)), key=lambda i: len(traces[i])) if traces else 0
+
+
 def _trace(snapshot: dict[str, Any], device: int | None) -> list[dict[str, Any]]:
     traces = snapshot.get("device_traces") or []
-    if device is not None:
-        return list(traces[device]) if device < len(traces) else []
-    return list(max(traces, key=len)) if traces else []  # the device the trial ran on: the one with a history
+    device = _busiest(traces) if device is None else device
+    return list(traces[device]) if device < len(traces) else []
 
 
 def _start_state(snapshot: dict[str, Any], trace: list[dict[str, Any]]) -> dict[int, tuple[int, str]]:
@@ -159,7 +163,7 @@ def write_snapshot(
     of the history around ``peak_index`` (three quarters before it). pytorch.org/memory_viz opens it gunzipped.
     Returns what was kept, in words."""
     traces = snapshot.get("device_traces") or []
-    device = max(range(len(traces)), key=lambda i: len(traces[i])) if traces else 0
+    device = _busiest(traces)
     trace = [
         {**e, "frames": _cut(e.get("frames") or [], keep_frames)} if e.get("frames") else e
         for e in (traces[device] if traces else [])
