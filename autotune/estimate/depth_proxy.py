@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from autotune.estimate.results import ModelStates
 from autotune.estimate.step_costs import OpCost, StepCosts
+from autotune.trial.scratch import scratch_folder
 
 if TYPE_CHECKING:
     from autotune.config.workload import Workload
@@ -69,7 +70,7 @@ def depth_proxy(workload: Workload) -> DepthProxy | None:
     if not isinstance(layers, int) or layers < _WORTH_IT or getattr(config, "is_encoder_decoder", False):
         return None
     task = resolve_task(workload)
-    directory = tempfile.TemporaryDirectory(prefix="autotune-proxy-")
+    directory = scratch_folder("proxy")
     proxies = []
     for depth in (SHALLOW, DEEPER):
         config.num_hidden_layers = depth

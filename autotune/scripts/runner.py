@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from autotune.trial.runner import (
     run_process_group,
     stderr_tail_of,
 )
+from autotune.trial.scratch import scratch_folder
 from autotune.trial.spec import TrialSpec
 
 __all__ = ["run_script_trial", "run_with_config", "command_with_config", "SCRIPT_NODES_REFUSAL"]
@@ -69,7 +69,7 @@ def run_script_trial(
         raise ConfigError(SCRIPT_NODES_REFUSAL.format(nodes=workload.nodes))
     device = device or detect_device(workload.device)
     config.validate_for(workload, device)
-    with tempfile.TemporaryDirectory(prefix="autotune-script-") as tmp:
+    with scratch_folder("script") as tmp:
         work = Path(tmp)
         write_config_file(work / "config.json", config, workload, device_type=device.type)
         TrialSpec(
@@ -170,7 +170,7 @@ def run_with_config(
         raise ConfigError(f"the command {command[0]!r} does not exist (not a file, and not on PATH)")
     device = device or detect_device(workload.device)
     config.validate_for(workload, device)
-    with tempfile.TemporaryDirectory(prefix="autotune-run-") as tmp:
+    with scratch_folder("run") as tmp:
         path = Path(tmp) / "config.json"
         write_config_file(path, config, workload, device_type=device.type)
         env = _command_env(config, workload, device, {CONFIG_ENV: str(path)})

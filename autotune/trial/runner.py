@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from autotune.trial.fork_server import ServerGone, ServerProcess
 from autotune.trial.lifeline import PARENT_PID_ENV, die_with_parent
 from autotune.trial.multinode import node_ranks
 from autotune.trial.result import TOKENS_PER_S, PhaseTimings, TrialResult, TrialStatus
+from autotune.trial.scratch import scratch_folder, torchrun_logs_in
 from autotune.trial.spec import TrialSpec
 
 __all__ = [
@@ -110,7 +110,7 @@ def run_trial(
     if srun:
         shared = Path("autotune-slurm", "trials").absolute()
         shared.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="autotune-trial-", dir=shared) as tmp:
+    with scratch_folder("trial", parent=shared) as tmp:
         work = Path(tmp)
         spec.write(work / "spec.json")
         outcome = None
@@ -177,7 +177,7 @@ def run_process_group(
     command: list[str], work: Path, *, timeout_s: float, env: dict[str, str] | None
 ) -> tuple[int, bool]:
     """Run ``command`` in its own session; on timeout (or Ctrl-C) kill it and all its descendants."""
-    child_env = _trial_env(env)
+    child_env = torchrun_logs_in(work, _trial_env(env))
     us = os.getpid()
     with open(work / "stdout.log", "wb") as out, open(work / "stderr.log", "wb") as err:
         # Asked between fork and exec, and kept across exec: any command (a user's own) dies with us.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from processes import trial_processes
 from autotune.config.knobs import TrialConfig
 from autotune.study.records import ANSWER_ATTR, records_of
 from autotune.study.storage import open_storage
+from autotune.trial.scratch import folder_prefix
 
 # gpt2-deep-tiny (6 layers, small vocabulary: activations dominate), seq 128, global batch 16, fp32;
 # tracked peaks on a CPU are exact: mb=2 ~55 MiB, mb=4 ~89 MiB -> OOM under 84 MiB, so the naive
@@ -220,6 +222,8 @@ def test_kill_9_during_a_trial_then_the_same_command_carries_on(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert _no_trial_left(), "the trial outlived the killed tuner"
+    left = list(Path(tempfile.gettempdir()).glob(f"{folder_prefix('trial')}{proc.pid}-*"))
+    assert left, "no trial folder was left: nothing for the next run to remove"
     killed = _study(tmp_path, "resume")
     kept = [t for t in killed.trials if t.state is TrialState.COMPLETE]
     assert len(kept) == 1 and killed.trials[1].state is TrialState.RUNNING
@@ -227,6 +231,7 @@ def test_kill_9_during_a_trial_then_the_same_command_carries_on(tmp_path):
     again = autotune(*proc.args[3:], cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "were interrupted; retrying" in again.stderr
+    assert not any(folder.exists() for folder in left), "the killed tuner's trial folder is still there"
     study = _study(tmp_path, "resume")
     records = records_of(study)
     measured = [r for r in records if r.status == "ok"]
