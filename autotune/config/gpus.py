@@ -53,6 +53,10 @@ class GpuSpec:
     gpus_per_node: int
     network_bandwidth: float
     fp8_flops: float | None = None  # dense float8 tensor-core peak (fp32 accumulation); None: no float8 cores
+    # NVLink SHARP's multicast in the reference node: Hopper on NVSwitch (HGX and DGX H100/H200, and Grand Teton),
+    # where NCCL allocates NVLS buffers (autotune.estimate.nccl_buffers). NCCL asks the driver
+    # (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, ncclNvlsInit): Ampere's NVSwitch and AMD's links have none.
+    nvlink_multicast: bool = False
 
     @property
     def bf16(self) -> bool:
@@ -171,6 +175,7 @@ _CARDS = (
         gpus_per_node=8,
         network_bandwidth=50 * _G,
         fp8_flops=1_979 * _T,
+        nvlink_multicast=True,
     ),
     # The H100 torchtitan's published runs used (its Llama 3.1 benchmarks of Dec 2024 and async-TP notes of Jun 2025,
     # pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md and asyncTP_llama3_h100_2025-06_torchtitan.md):
@@ -213,6 +218,7 @@ _CARDS = (
         gpus_per_node=8,
         network_bandwidth=50 * _G,
         fp8_flops=1_979 * _T,
+        nvlink_multicast=True,
     ),
     GpuSpec(
         name="H200",
@@ -229,6 +235,7 @@ _CARDS = (
         gpus_per_node=8,
         network_bandwidth=50 * _G,
         fp8_flops=1_979 * _T,
+        nvlink_multicast=True,
     ),
     GpuSpec(
         name="L40S",

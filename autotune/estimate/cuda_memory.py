@@ -35,10 +35,6 @@ __all__ = [
 _MiB = 2**20
 TYPICAL_CONTEXT_BYTES = 400 * _MiB  # no card named: a lazily loaded CUDA context (see config.gpus)
 DDP_BUCKET_BYTES = 25 * _MiB  # DistributedDataParallel's bucket_cap_mb default
-# NCCL's buffers per rank: NCCL_BUFFSIZE (4 MiB) per channel and peer connection, two
-# directions, a ring and a tree; taken as 2 x 4 MiB x channels, channels as NCCL picks them for
-# NVLink (up to 32 on sm90, 16 before) and 2 over PCIe. An order of magnitude, not a measurement.
-_NCCL_BUFFER_BYTES = 4 * _MiB
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +67,7 @@ def predict_cuda_memory(
     *,
     tensor_peak_bytes: int,
     card: GpuSpec | None,
-    ranks: int,
+    communication_bytes: int,
     ddp_gradient_bytes: int,
     alloc_conf: str | None,
     extra_tensor_bytes: int = 0,
@@ -82,6 +78,7 @@ def predict_cuda_memory(
     device to the step's end, with a third item, the stream, for those made on a side stream (FSDP2's);
     ``marks``: where its phases begin.
     ``tensor_peak_bytes``: the live-tensor peak the estimate reports (DDP's buckets included);
+    ``communication_bytes``: NCCL's buffers, outside the allocator (:mod:`autotune.estimate.nccl_buffers`);
     ``ddp_gradient_bytes``: what DDP's buckets hold (0 without DDP), replayed as DDP allocates them;
     ``extra_tensor_bytes``: what else that peak holds beyond the trace's (ZeRO's states, by
     arithmetic; negative when ZeRO shards them): added to the reserve as it is.
@@ -95,7 +92,7 @@ def predict_cuda_memory(
         context, source = card.context_bytes, f"{card.name}'s typical context"
     else:
         context, source = TYPICAL_CONTEXT_BYTES, "a typical CUDA 12 context (name the card with --gpu)"
-    communication = _nccl_bytes(card, ranks)
+    communication = communication_bytes
     # On a named card the allocator can reserve what the context, NCCL and the states the trace did not
     # allocate leave; near it, it gives its cached free segments back before it fails (cuda_allocator).
     capacity = card.memory_bytes - context - communication - extra_tensor_bytes if card is not None else None
@@ -176,14 +173,6 @@ def _ddp_buckets(gradient_bytes: int) -> list[int]:
         return []
     full, rest = divmod(gradient_bytes, DDP_BUCKET_BYTES)
     return [DDP_BUCKET_BYTES] * full + ([rest] if rest else [])
-
-
-def _nccl_bytes(card: GpuSpec | None, ranks: int) -> int:
-    if ranks <= 1:
-        return 0
-    nvlink = card is not None and card.link_bandwidth > 64 * 10**9
-    channels = (32 if card is not None and card.compute_capability[0] >= 9 else 16) if nvlink else 2
-    return 2 * _NCCL_BUFFER_BYTES * channels * min(ranks - 1, 2)
 
 
 def describe_figures() -> dict[str, str]:

@@ -1,12 +1,11 @@
-"""What FSDP2 and NCCL hold on a CUDA device beyond the model states, as arithmetic on a group's shapes.
+"""What FSDP2 holds on a CUDA device beyond the model states, as arithmetic on a group's shapes.
 
 The estimator does not need these for the traced step: PyTorch's own ``fully_shard`` runs on fake tensors, so
 each buffer below is in the trace, on the stream FSDP2 allocates it on (the allocator replay keeps each side
 stream's blocks apart). They size what the trace cannot show: a run made in a way autotune's trials are not
-(``reshard_after_forward`` other than ``True``), NCCL's own device
-memory (outside the caching allocator), and the bench's accounting of published runs. Sources, PyTorch 2.13's
-``torch/distributed/fsdp/_fully_shard/`` and NCCL (``src/init.cc``, ``src/include/device.h``,
-``src/transport/p2p.cc``, ``src/transport/nvls.cc``); ``bench/fsdp2_cuda_memory.md`` reads them at length.
+(``reshard_after_forward`` other than ``True``) and the bench's accounting of published runs. Sources, PyTorch
+2.13's ``torch/distributed/fsdp/_fully_shard/``; ``bench/fsdp2_cuda_memory.md`` reads them at length. NCCL's own
+device memory: :mod:`autotune.estimate.nccl_buffers`.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ __all__ = [
     "copy_in_stream_bytes",
     "hybrid_all_reduce_bytes",
     "kept_after_forward_bytes",
-    "nccl_communicator_bytes",
     "no_sync_gradient_bytes",
     "padded_numel",
     "reduce_scatter_bytes",
@@ -108,32 +106,3 @@ def kept_after_forward_bytes(
     if k < 1 or world_size % k:
         raise ValueError(f"reshard_after_forward={k} must divide the {world_size} ranks")
     return whole // k
-
-
-# NCCL's buffer per connection and protocol (src/init.cc computeBuffSizes, src/include/device.h):
-NCCL_SIMPLE_BYTES = 4 * _MiB  # DEFAULT_BUFFSIZE, NCCL_BUFFSIZE's default
-NCCL_LL128_BYTES = 120 * 640 * 8 * 8  # NCCL_LL128_ELEMS_PER_THREAD x NCCL_LL128_MAX_NTHREADS x NCCL_STEPS x 8
-NCCL_LL_BYTES = 8 * 512 * 8 * 16  # NCCL_LL_LINES_PER_THREAD x NCCL_LL_MAX_NTHREADS x NCCL_STEPS x 16
-_CUMEM_GRANULARITY = 2 * _MiB  # each cuMem allocation rounds up to it (cuMem on by default)
-_NVLS_CHANNELS_SM90 = 16  # NVLS_NCHANNELS_SM90
-_NVLS_BUFFER = 128 * 1024 * 8  # NVLS_CHUNKSIZE x NCCL_STEPS
-
-
-def nccl_communicator_bytes(*, ranks: int, channels: int, nvls_ranks: int = 0, nvls_align_bytes: int = 0) -> int:
-    """One NCCL communicator's device memory per rank: its ring connections, and NVLS where used.
-
-    A ring rank connects to its next and previous rank on each channel; a peer-to-peer connection allocates
-    the Simple, LL and LL128 buffers (``p2pSendSetup`` / ``p2pRecvSetup``), each rounded up to cuMem's 2 MiB
-    granularity. NVLS (NVLink SHARP, NVSwitch systems) allocates ``nvlsChannels * 2 * (buffSize + memSize)``
-    per head rank, times the node's ``nvls_ranks`` (``ncclNvlsBufferSetup``): ``nvls_align_bytes`` is 0 in
-    current NCCL and 2 MiB (``NVLS_MEM_ALIGN_SIZE``) in v2.21. Trees and network (inter-node) buffers are
-    left out. 0 for one rank: no communicator talks."""
-    if ranks <= 1:
-        return 0
-    per_connection = sum(
-        -(-size // _CUMEM_GRANULARITY) * _CUMEM_GRANULARITY
-        for size in (NCCL_SIMPLE_BYTES, NCCL_LL_BYTES, NCCL_LL128_BYTES)
-    )
-    rings = channels * per_connection
-    nvls = _NVLS_CHANNELS_SM90 * 2 * (_NVLS_BUFFER + nvls_align_bytes) * nvls_ranks if nvls_ranks > 1 else 0
-    return rings + nvls

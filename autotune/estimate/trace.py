@@ -42,6 +42,7 @@ from autotune.estimate.cuda_autocast import cuda_fp32_policy
 from autotune.estimate.cuda_memory import CudaMemory, TraceMarks, predict_cuda_memory
 from autotune.estimate.fake_step import fake_steps, run_as_on_target, step_as_update_twin
 from autotune.estimate.measured_with import AS_INSTALLED, MeasuredWith
+from autotune.estimate.nccl_buffers import nccl_bytes
 from autotune.estimate.patches import (
     adapters_stay_put,
     bnb_4bit_gemm_unfused,
@@ -386,6 +387,7 @@ def estimate_from_trace(
     reserved, device_bytes, parts, replayed = _cuda_figures(
         traced,
         workload,
+        config,
         peak,
         extra_tensor_bytes=peak - traced_peak - ddp_buckets,
         ddp_buckets=ddp_buckets,
@@ -420,6 +422,7 @@ def estimate_from_trace(
 def _cuda_figures(
     traced: TracedStep,
     workload: Workload,
+    config: TrialConfig,
     peak: int,
     *,
     extra_tensor_bytes: int,
@@ -435,7 +438,7 @@ def _cuda_figures(
             traced.marks,
             tensor_peak_bytes=peak,
             card=traced.card,
-            ranks=workload.nproc,
+            communication_bytes=nccl_bytes(traced.card, config, workload),
             ddp_gradient_bytes=ddp_buckets,
             alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             extra_tensor_bytes=extra_tensor_bytes,

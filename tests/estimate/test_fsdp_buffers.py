@@ -9,7 +9,6 @@ from autotune.estimate.fsdp_buffers import (
     copy_in_stream_bytes,
     hybrid_all_reduce_bytes,
     kept_after_forward_bytes,
-    nccl_communicator_bytes,
     no_sync_gradient_bytes,
     padded_numel,
     reduce_scatter_bytes,
@@ -66,16 +65,6 @@ def test_reshard_after_forward_true_false_or_a_group_size():
     assert kept_after_forward_bytes(BLOCK, 8, 2, 8) == whole // 8
     with pytest.raises(ValueError, match="must divide"):
         kept_after_forward_bytes(BLOCK, 8, 2, 3)
-
-
-def test_nccl_rings_grow_with_channels_and_nvls_with_the_node_and_release():
-    assert nccl_communicator_bytes(ranks=1, channels=32) == 0
-    per_channel = 4 * MiB + 2 * MiB + 6 * MiB  # Simple 4, LL 0.5 and LL128 4.69 MiB, each rounded to 2 MiB
-    assert nccl_communicator_bytes(ranks=8, channels=16) == 16 * per_channel
-    assert nccl_communicator_bytes(ranks=8, channels=32) == 32 * per_channel  # 0.375 GiB
-    current = nccl_communicator_bytes(ranks=8, channels=32, nvls_ranks=8)
-    v221 = nccl_communicator_bytes(ranks=8, channels=32, nvls_ranks=8, nvls_align_bytes=2 * MiB)
-    assert current - 32 * per_channel == 256 * MiB and v221 - 32 * per_channel == 768 * MiB
 
 
 def test_the_traced_fsdp2_step_allocates_these_buffers_on_their_streams():
