@@ -12,7 +12,7 @@ A communicator's buffers, from NCCL's sources (github.com/NVIDIA/nccl; master of
   Hoppers. Older NCCLs held more: v2.21.5 (PyTorch 2.5, 2.6) took every channel of the communicator and a 2 MiB
   alignment each (``comm->nChannels x 2 x (1 MiB + 2 MiB)`` per head), v2.20.5 (PyTorch 2.4) NCCL_BUFFSIZE instead
   of the chunk (``x (4 MiB + 2 MiB)``): 2,304 MiB on 8 H200s at 24 channels, the ``nvlsTotalSize`` NCCL's own log
-  printed there (vLLM issue 9699, Oct 2024).
+  printed there (vllm-project/vllm issue 9699, Oct 2024).
 - Left out: trees (all-reduce across nodes), CollNet, the proxy's host memory, NVLS's credits, and the rounding of
   NVLS's buffers up to the driver's recommended multicast granularity (``nvlsAllocateMem``), whose size no source
   read here states. A communicator no collective uses connects nothing (NCCL_RUNTIME_CONNECT, on by default since
