@@ -5,7 +5,9 @@ A communicator's buffers, from NCCL's sources (github.com/NVIDIA/nccl; master of
 - Rings. A ring channel connects each rank to the next; each connection allocates the Simple, LL and LL128
   protocols' buffers (``computeBuffSizes`` in ``src/init.cc``, the sizes in ``src/include/device.h``; one side of
   each connection holds them, ``p2pSendSetup`` / ``p2pRecvSetup`` in ``src/transport/p2p.cc``, ``net.cc`` across
-  nodes), each rounded up to cuMem's 2 MiB granularity (cuMem is on by default).
+  nodes), each rounded up to cuMem's 2 MiB granularity (cuMem is on by default): 12 MiB a connection. NCCL's own
+  ALLOC log on 8 H100s shows 12 MiB too, as a 10 MiB and a 2 MiB allocation per P2P/CUMEM connection, and 32
+  channels between a pair of GPUs (NVIDIA/nccl issue 1685, Apr 2025).
 - NVLS (NVLink SHARP: Hopper on an NVSwitch node) for a communicator with more than 2 GPUs in one node:
   ``nvlsChannels x 2 x NVLS_CHUNKSIZE x NCCL_STEPS`` per head rank, one head per local rank
   (``ncclNvlsBufferSetup``, ``src/transport/nvls.cc``, the same since v2.22.3: PyTorch 2.7 on): 256 MiB on 8
@@ -18,8 +20,8 @@ A communicator's buffers, from NCCL's sources (github.com/NVIDIA/nccl; master of
   read here states. A communicator no collective uses connects nothing (NCCL_RUNTIME_CONNECT, on by default since
   v2.22): the default group beside a mesh's groups is not counted.
 
-The channels NCCL picks depend on the topology it finds; taken here as 32 for NVLink on Hopper, 16 before it and 2
-over PCIe: an order of magnitude, not a measurement.
+The channels NCCL picks depend on the topology it finds; taken here as 32 for NVLink on Hopper (as that log shows),
+16 before it and 2 over PCIe.
 """
 
 from __future__ import annotations
