@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from autotune.config.gpus import GpuSpec
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
+from autotune.levers import PIPELINE, TENSOR_PARALLEL
 
 __all__ = ["Communicator", "communicator_bytes", "communicators", "nccl_bytes"]
 
@@ -78,10 +79,10 @@ def communicators(config: TrialConfig, workload: Workload) -> list[Communicator]
     per_node = workload.ranks_per_node
     groups: list[tuple[int, int]] = []  # (ranks, stride)
     stride = 1
-    for size in (config.tp, *_data_parallel_groups(config, workload)):
+    for size in (TENSOR_PARALLEL.model_ranks(config), *_data_parallel_groups(config, workload)):
         groups.append((size, stride))
         stride *= size
-    groups += [(2, stride)] * min(2, config.pp - 1)  # the stage before and the stage after
+    groups += [(2, stride)] * min(2, PIPELINE.model_ranks(config) - 1)  # the stage before and the stage after
     return [Communicator(ranks, max(1, min(ranks, per_node // stride))) for ranks, stride in groups if ranks > 1]
 
 
@@ -98,6 +99,7 @@ def nccl_bytes(card: GpuSpec | None, config: TrialConfig, workload: Workload) ->
 
 def _data_parallel_groups(config: TrialConfig, workload: Workload) -> tuple[int, ...]:
     """The data-parallel groups inner first: hybrid sharding's shard group and its replicas, else one group."""
-    if config.fsdp == "hybrid":
-        return config.shard_degree(workload), config.replicate_degree(workload)
+    replicas = config.replicate_degree(workload)
+    if replicas > 1:
+        return config.shard_degree(workload), replicas
     return (config.data_parallel(workload),)
