@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -25,6 +27,12 @@ os.environ[MARK_ENV] = RUN_MARK  # every process this run starts carries it (tes
 # each then rebuilds it over the other's (CI's 157 s ZeRO script test was mostly such rebuilds). One cache
 # per environment: one build, kept with the torch and DeepSpeed it was built against.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+# torchrun makes a torchelastic_* folder of logs in the temporary directory and leaves it there: the tests' own
+# jobs, and the exports' launch scripts they run, log in one folder of this run instead, removed as it ends.
+# (autotune's trials log in each trial's own folder: tests/trial/test_trial_server.py checks that without this.)
+_TORCHRUN_LOGS = tempfile.mkdtemp(prefix="autotune-tests-torchrun-")
+os.environ.setdefault("PET_LOG_DIR", _TORCHRUN_LOGS)
+atexit.register(shutil.rmtree, _TORCHRUN_LOGS, ignore_errors=True)
 # A suite started in the background of a script (`pytest ... &` without job control) inherits SIGINT ignored,
 # and so would every autotune process a test starts: the Ctrl-C tests' SIGINT would do nothing. Python's own
 # handler here makes the processes the tests start take SIGINT's default again, as from a terminal.

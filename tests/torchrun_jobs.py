@@ -19,7 +19,7 @@ def run_job(folder: Path, *args: str, ranks: int = 2) -> list[Any]:
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PET_LOG_DIR": str(folder / "torchrun")},  # not a /tmp folder each
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((folder / f"result-{rank}.json").read_text()) for rank in range(ranks)]

@@ -5,7 +5,6 @@ cannot run FSDP instead of training something else."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -60,7 +59,6 @@ def test_the_json_export_applied_with_prepare_under_torchrun_shards_and_trains(t
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PET_LOG_DIR": str(tmp_path / "torchrun")},  # its logs here, not a /tmp folder each
     )
     assert "RESULT FSDPLlamaForCausalLM True True True" in proc.stdout, proc.stderr[-3000:]
 

@@ -3,7 +3,6 @@ its input let go of before the call returns."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -93,7 +92,6 @@ def on_two_gloo_ranks(tmp_path_factory) -> str:
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PET_LOG_DIR": str(folder / "torchrun")},  # its logs here, not a /tmp folder each
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout

@@ -48,7 +48,8 @@ def test_a_forked_trial_measures_what_a_new_interpreter_measures(monkeypatch):
 def test_two_forked_ranks_measure_what_torchrun_s_ranks_measure(monkeypatch, tmp_path):
     two_ranks = Workload(model="builtin:gpt2-tiny", seq_len=32, global_batch=8, nproc=2)
     monkeypatch.setenv("AUTOTUNE_TRIAL_SERVER", "off")
-    own_temp = {**os.environ, "TMPDIR": str(tmp_path)}  # where torchrun would leave its torchelastic_* folder
+    # Where torchrun would leave its torchelastic_* folder; the suite's own log folder (conftest.py) left out.
+    own_temp = {**{k: v for k, v in os.environ.items() if k != "PET_LOG_DIR"}, "TMPDIR": str(tmp_path)}
     torchrun = run_trial(
         two_ranks, TrialConfig(micro_batch=2, zero_stage=2), warmup_steps=1, measure_steps=1, env=own_temp
     )
