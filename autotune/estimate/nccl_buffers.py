@@ -33,7 +33,7 @@ from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
 from autotune.levers import PIPELINE, TENSOR_PARALLEL
 
-__all__ = ["Communicator", "communicator_bytes", "communicators", "nccl_bytes"]
+__all__ = ["Communicator", "communicator_bytes", "communicators", "describe_communicators", "nccl_bytes"]
 
 _MiB = 2**20
 NCCL_SIMPLE_BYTES = 4 * _MiB  # DEFAULT_BUFFSIZE, NCCL_BUFFSIZE's default
@@ -95,6 +95,20 @@ def nccl_bytes(card: GpuSpec | None, config: TrialConfig, workload: Workload) ->
         communicator_bytes(ranks=group.ranks, channels=channels, nvls_heads=group.in_node if multicast else 0)
         for group in communicators(config, workload)
     )
+
+
+def describe_communicators(card: GpuSpec | None, config: TrialConfig, workload: Workload) -> str:
+    """What :func:`nccl_bytes` counted, in words: "2 communicators: 8 ranks (NVLS over its 8 GPUs in a node), 2
+    ranks"; "" for one rank."""
+    multicast = card is not None and card.nvlink_multicast
+    groups = [
+        f"{group.ranks} ranks"
+        + (f" (NVLS over its {group.in_node} GPUs in a node)" if multicast and group.in_node > 2 else "")
+        for group in communicators(config, workload)
+    ]
+    if len(groups) <= 1:
+        return f"one communicator of {groups[0]}" if groups else ""
+    return f"{len(groups)} communicators: {', '.join(groups)}"
 
 
 def _data_parallel_groups(config: TrialConfig, workload: Workload) -> tuple[int, ...]:

@@ -82,7 +82,7 @@ def estimate_footer(last: EstimateRow, estimates: Estimates) -> str:
     if any(config.model_parallel > 1 or config.uses_fsdp or config.uses_deepspeed for config in estimates.configs):
         lines.append("figures are one rank's: a split or sharded model's share of it (pipeline: its largest stage)")
     if _cuda(result):
-        lines.append(_cuda_footer(result, estimates.limit_bytes))
+        lines.append(_cuda_footer(result, estimates))
     lines.append(result.device_note or f"traced with {result.traced_device.upper()} kernels")
     if estimates.profile is not None:
         nodes = estimates.profile.nodes(estimates.workload)
@@ -106,17 +106,20 @@ def _rate(step: StepTime) -> float:
     return step.tokens_per_s if step.tokens_per_s is not None else step.samples_per_s
 
 
-def _cuda_footer(result: MemoryEstimate, limit: int | None) -> str:
+def _cuda_footer(result: MemoryEstimate, estimates: Estimates) -> str:
+    from autotune.config.gpus import gpu_spec
+    from autotune.estimate.nccl_buffers import describe_communicators
     from autotune.sizes import format_size
 
-    parts = result.cuda_parts
+    parts, limit = result.cuda_parts, estimates.limit_bytes
     assert parts is not None  # a CUDA estimate's
+    talking = describe_communicators(gpu_spec(result.gpu) if result.gpu else None, result.config, estimates.workload)
     lines = [
         f"reserved = peak + allocator cache ({format_size(parts['allocator cache'])}) + cuBLAS workspace "
         f"({format_size(parts['cuBLAS workspace'])}): {result.method.rpartition(' + ')[2]}",
         f"nvidia-smi = reserved + CUDA context ({format_size(parts['CUDA context'])}"
         + (f", {result.gpu}'s typical" if result.gpu else ", typical: name the card with --gpu")
-        + f") + NCCL buffers ({format_size(parts['NCCL buffers'])})",
+        + f") + NCCL buffers ({format_size(parts['NCCL buffers'])}{f' in {talking}' if talking else ''})",
     ]
     if result.attention_kernels:
         lines.append(

@@ -5,7 +5,13 @@ from __future__ import annotations
 from autotune.config.gpus import gpu_spec
 from autotune.config.knobs import TrialConfig
 from autotune.config.workload import Workload
-from autotune.estimate.nccl_buffers import Communicator, communicator_bytes, communicators, nccl_bytes
+from autotune.estimate.nccl_buffers import (
+    Communicator,
+    communicator_bytes,
+    communicators,
+    describe_communicators,
+    nccl_bytes,
+)
 
 MiB = 2**20
 PER_CHANNEL = 4 * MiB + 2 * MiB + 6 * MiB  # Simple 4, LL 0.5 and LL128 4.69 MiB, each rounded up to 2 MiB
@@ -54,3 +60,16 @@ def test_nvls_is_counted_on_hopper_nvswitch_nodes_only():
     split = TrialConfig(micro_batch=1, tp=8, fsdp="full")
     assert nccl_bytes(gpu_spec("H100-80GB"), split, _workload(128, nodes=16)) == 2 * 32 * PER_CHANNEL + NVLS_8
     assert nccl_bytes(None, fsdp8, _workload(8)) == 2 * PER_CHANNEL  # no card named: as over PCIe
+
+
+def test_the_estimate_says_which_communicators_it_counted():
+    h100 = gpu_spec("H100-80GB")
+    hybrid = TrialConfig(micro_batch=1, fsdp="hybrid")
+    assert describe_communicators(h100, hybrid, _workload(16, nodes=2)) == (
+        "2 communicators: 8 ranks (NVLS over its 8 GPUs in a node), 2 ranks"
+    )
+    assert describe_communicators(gpu_spec("A100-80GB"), hybrid, _workload(16, nodes=2)) == (
+        "2 communicators: 8 ranks, 2 ranks"
+    )
+    assert describe_communicators(h100, TrialConfig(micro_batch=1), _workload(2)) == "one communicator of 2 ranks"
+    assert describe_communicators(h100, TrialConfig(micro_batch=1), _workload(1)) == ""
