@@ -10,10 +10,15 @@ process's: one :class:`_Request` per process.
 from __future__ import annotations
 
 import contextlib
+import functools
+import signal
+import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
-__all__ = ["interrupt_safely", "stop_point", "measuring"]
+__all__ = ["interrupt_safely", "stop_point", "measuring", "keeps_ctrl_c"]
+
+_Call = TypeVar("_Call", bound=Callable[..., Any])
 
 
 @dataclass
@@ -49,3 +54,32 @@ def measuring() -> Iterator[None]:
         yield
     finally:
         _REQUEST.in_trial = False
+
+
+def keeps_ctrl_c(function: _Call) -> _Call:
+    """``function`` with a Ctrl-C never lost while it runs. Python raises KeyboardInterrupt wherever the main thread
+    is when SIGINT comes; inside a finalizer (a ``__del__``, a weakref callback: a database connection's, a
+    temporary folder's) the exception is printed as ignored and the run goes on, as if no one had asked. So the
+    handler also records the request, which the next safe point (:func:`stop_point`) obeys. A handler other than
+    Python's own (a caller's, or SIGINT ignored) stays as it is."""
+
+    @functools.wraps(function)
+    def keeping(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return function(*args, **kwargs)
+        before = signal.getsignal(signal.SIGINT)
+        if before is not signal.default_int_handler:
+            return function(*args, **kwargs)
+        signal.signal(signal.SIGINT, _on_ctrl_c)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            signal.signal(signal.SIGINT, before)
+            _REQUEST.requested = False  # asked of this call: the next one (a notebook's) starts afresh
+
+    return keeping  # type: ignore[return-value]
+
+
+def _on_ctrl_c(signum: int, frame: Any) -> None:
+    _REQUEST.requested = True
+    raise KeyboardInterrupt

@@ -27,7 +27,7 @@ from autotune.search.backends import LocalBackend, ScriptBackend, TrialBackend
 from autotune.search.checks import check_nodes, check_numbers, check_workload, memory_budget
 from autotune.search.clock import Clock
 from autotune.search.device_probes import device_profile, precision_speed
-from autotune.search.interrupt import interrupt_safely
+from autotune.search.interrupt import interrupt_safely, keeps_ctrl_c
 from autotune.search.measuring import Measure
 from autotune.search.presets import is_preset, load_space
 from autotune.search.progress import Progress, Silent
@@ -61,6 +61,7 @@ __all__ = [
 DEFAULT_HEADROOM = 0.10  # a config fits when its peak stays 10% under the budget
 
 
+@keeps_ctrl_c
 def tune(
     *,
     study: str,
