@@ -100,8 +100,7 @@ def tune(
     ``backend``: the trials and estimates (default: real ones; the benchmarks replay a grid). ``simple_first``:
     first measure a one-knob batch-size finder's answer (:mod:`autotune.search.simple`).
     """
-    clock = Clock(max_time_s)
-    workload, progress = workload or Workload(), progress or Silent()
+    clock, workload, progress = Clock(max_time_s), workload or Workload(), progress or Silent()
     check_numbers(
         n_trials=n_trials, timeout_s=timeout_s, max_time_s=max_time_s, trial_timeout_s=trial_timeout_s,
         patience=patience, headroom=headroom, warmup_steps=warmup_steps, measure_steps=measure_steps, workers=workers,
