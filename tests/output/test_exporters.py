@@ -511,6 +511,7 @@ def test_accelerate_launch_starts_a_two_node_export_as_the_trials_ranks_met(
     else:
         prepare_multi_gpu_env(args)
     parsed = _filter_args(args, torchrun.get_args_parser(), ["--training_script", "train.py"])
+    parsed.log_dir = str(tmp_path / "torchrun")  # Accelerate's own log_dir (None) would make a folder in /tmp
     launch, _, _ = torchrun.config_from_args(parsed)
     assert (launch.min_nodes, launch.max_nodes, launch.nproc_per_node) == (2, 2, 2)  # num_processes: over all
     assert (launch.rdzv_backend, launch.rdzv_endpoint) == ("c10d", "gpu-a017:29500")
