@@ -273,7 +273,18 @@ def test_the_accelerate_export_of_a_zero_config_trains_under_accelerate_launch_w
         path.write_text(text)
     job = Path(__file__).parents[1] / "scripts" / "accelerate_zero_job.py"
     ran = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_config.yaml", str(job), "1"],
+        # --log_dir: torchrun's logs here (Accelerate passes None for it, and torchrun makes a folder in /tmp)
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            "accelerate_config.yaml",
+            "--log_dir",
+            str(tmp_path / "torchrun"),
+            str(job),
+            "1",
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
