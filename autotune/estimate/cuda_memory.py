@@ -92,10 +92,9 @@ def predict_cuda_memory(
         context, source = card.context_bytes, f"{card.name}'s typical context"
     else:
         context, source = TYPICAL_CONTEXT_BYTES, "a typical CUDA 12 context (name the card with --gpu)"
-    communication = communication_bytes
     # On a named card the allocator can reserve what the context, NCCL and the states the trace did not
     # allocate leave; near it, it gives its cached free segments back before it fails (cuda_allocator).
-    capacity = card.memory_bytes - context - communication - extra_tensor_bytes if card is not None else None
+    capacity = card.memory_bytes - context - communication_bytes - extra_tensor_bytes if card is not None else None
     replayed = replay(
         _with_what_pytorch_adds(events, marks, workspace, buckets), settings=settings, capacity_bytes=capacity
     )
@@ -106,11 +105,11 @@ def predict_cuda_memory(
     mode = "expandable segments" if settings.expandable_segments else "segments"
     return CudaMemory(
         reserved_bytes=reserved,
-        device_bytes=reserved + context + communication,
+        device_bytes=reserved + context + communication_bytes,
         allocator_cache_bytes=cache,
         cublas_workspace_bytes=workspace,
         context_bytes=context,
-        communication_bytes=communication,
+        communication_bytes=communication_bytes,
         allocator=f"PyTorch 2.13's CUDA caching allocator ({mode})",
         context_source=source,
     )

@@ -42,6 +42,7 @@ NCCL_LL_BYTES = 8 * 512 * 8 * 16  # NCCL_LL_LINES_PER_THREAD x NCCL_LL_MAX_NTHRE
 _CUMEM_GRANULARITY = 2 * _MiB
 _NVLS_CHANNELS_SM90 = 16  # NVLS_NCHANNELS_SM90
 _NVLS_BUFFER = 128 * 1024 * 8  # NVLS_CHUNKSIZE x NCCL_STEPS
+_NVLS_GPUS = 3  # NVLS runs for a communicator with more GPUs in one node than 2 (ncclNvlsInit)
 _NVLINK = 64 * 10**9  # links faster than a PCIe Gen5 x16 are NVLink (or Infinity Fabric)
 
 
@@ -64,7 +65,7 @@ def communicator_bytes(*, ranks: int, channels: int, nvls_heads: int = 0, nvls_a
         -(-size // _CUMEM_GRANULARITY) * _CUMEM_GRANULARITY
         for size in (NCCL_SIMPLE_BYTES, NCCL_LL_BYTES, NCCL_LL128_BYTES)
     )
-    nvls = _NVLS_CHANNELS_SM90 * 2 * (_NVLS_BUFFER + nvls_align_bytes) * nvls_heads if nvls_heads > 2 else 0
+    nvls = _NVLS_CHANNELS_SM90 * 2 * (_NVLS_BUFFER + nvls_align_bytes) * nvls_heads if nvls_heads >= _NVLS_GPUS else 0
     return channels * per_connection + nvls
 
 
@@ -90,9 +91,8 @@ def nccl_bytes(card: GpuSpec | None, config: TrialConfig, workload: Workload) ->
     """NCCL's device memory on each rank: every communicator of the layout (:func:`communicators`)."""
     nvlink = card is not None and card.link_bandwidth > _NVLINK
     channels = (32 if card is not None and card.compute_capability[0] >= 9 else 16) if nvlink else 2
-    multicast = card is not None and card.nvlink_multicast
     return sum(
-        communicator_bytes(ranks=group.ranks, channels=channels, nvls_heads=group.in_node if multicast else 0)
+        communicator_bytes(ranks=group.ranks, channels=channels, nvls_heads=_nvls_heads(card, group))
         for group in communicators(config, workload)
     )
 
@@ -100,15 +100,18 @@ def nccl_bytes(card: GpuSpec | None, config: TrialConfig, workload: Workload) ->
 def describe_communicators(card: GpuSpec | None, config: TrialConfig, workload: Workload) -> str:
     """What :func:`nccl_bytes` counted, in words: "2 communicators: 8 ranks (NVLS over its 8 GPUs in a node), 2
     ranks"; "" for one rank."""
-    multicast = card is not None and card.nvlink_multicast
-    groups = [
-        f"{group.ranks} ranks"
-        + (f" (NVLS over its {group.in_node} GPUs in a node)" if multicast and group.in_node > 2 else "")
-        for group in communicators(config, workload)
-    ]
+    heads = [(group.ranks, _nvls_heads(card, group)) for group in communicators(config, workload)]
+    groups = [f"{ranks} ranks" + (f" (NVLS over its {nvls} GPUs in a node)" if nvls else "") for ranks, nvls in heads]
     if len(groups) <= 1:
         return f"one communicator of {groups[0]}" if groups else ""
     return f"{len(groups)} communicators: {', '.join(groups)}"
+
+
+def _nvls_heads(card: GpuSpec | None, group: Communicator) -> int:
+    """The GPUs of the group in this rank's node that NVLS's buffers are for: 0 where NVLS does not run (no
+    multicast on the card's node, or too few of the group's GPUs there)."""
+    multicast = card is not None and card.nvlink_multicast
+    return group.in_node if multicast and group.in_node >= _NVLS_GPUS else 0
 
 
 def _data_parallel_groups(config: TrialConfig, workload: Workload) -> tuple[int, ...]:
